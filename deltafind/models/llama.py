@@ -1,0 +1,60 @@
+"""Llama family (Llama 2/3, SmolLM2 and friends): GQA + rope + SwiGLU, tied embeddings optional.
+
+The dense MLP of every layer runs as expert slices from the provider.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from deltafind.errors import UnsupportedModelError
+from deltafind.models.ops.moe import SlicedMLP, activation
+from deltafind.models.transformer import (
+    Attention,
+    CausalLM,
+    DecoderLayer,
+    args_from_config,
+    common_post_init,
+    make_rope,
+    rope_from,
+)
+from deltafind.store.provider import ExpertProvider
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    rope: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
+        args = args_from_config(cls, config, rope=rope_from(config))
+        common_post_init(args)
+        if args.mlp_bias:
+            raise UnsupportedModelError("llama configs with mlp_bias=true are not supported yet")
+        return args
+
+
+class Model(CausalLM):
+    def __init__(self, args: ModelArgs, experts: ExpertProvider) -> None:
+        act = activation(args.hidden_act)
+
+        def make_layer(i: int) -> DecoderLayer:
+            return DecoderLayer(args, Attention(args, i, qk_norm=self.qk_norm), SlicedMLP(i, experts, act))
+
+        super().__init__(args, make_layer, make_rope(args))
+
+    qk_norm = False

@@ -1,0 +1,1 @@
+"""Shared building blocks of the model families: norms, rope, attention, MoE dispatch."""

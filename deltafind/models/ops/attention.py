@@ -1,0 +1,40 @@
+"""Causal attention over a batch of sequence segments, each with its own cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deltafind.models.ops.batch import Batch
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: Batch,
+    layer_idx: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Append k/v to each segment's cache and attend causally.
+
+    q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv] for the batch's new tokens.
+    Returns [T, Hq, Dv].
+    """
+    out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
+    for seg in batch.segments:
+        sl = slice(seg.start, seg.start + seg.num_tokens)
+        k_all, v_all = seg.cache.layers[layer_idx].append(k[sl], v[sl])  # [L, Hkv, D]
+        qs = q[sl].transpose(0, 1)  # [Hq, n, D]
+        ks, vs = k_all.transpose(0, 1), v_all.transpose(0, 1)  # [Hkv, L, D]
+        n, total = seg.num_tokens, k_all.shape[0]
+        mask = None
+        if n > 1:
+            # query i sits at absolute position total - n + i and sees keys 0..that position
+            qpos = torch.arange(total - n, total, device=q.device)[:, None]
+            mask = torch.arange(total, device=q.device)[None, :] <= qpos  # [n, L]
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=qs.shape[0] != ks.shape[0]
+        )
+        out[sl] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,94 @@
+"""What one forward pass runs on: a flat token tensor cut into sequence segments.
+
+Each segment is one sequence's new tokens plus that sequence's cache. Token-wise
+work (norms, MLPs, experts) runs on all segments at once, so one expert read
+serves every sequence in the step; attention runs per segment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class LayerCache:
+    """Growable per-layer key/value (or any per-position) cache of one sequence."""
+
+    def __init__(self) -> None:
+        self._bufs: list[torch.Tensor] = []
+        self.length = 0
+
+    def append(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Append [n, ...] tensors along dim 0 and return views of everything so far."""
+        n = tensors[0].shape[0]
+        if not self._bufs:
+            cap = max(16, n)
+            self._bufs = [t.new_empty((cap, *t.shape[1:])) for t in tensors]
+        elif self.length + n > self._bufs[0].shape[0]:
+            cap = max(2 * self._bufs[0].shape[0], self.length + n)
+            grown = []
+            for buf in self._bufs:
+                new = buf.new_empty((cap, *buf.shape[1:]))
+                new[: self.length] = buf[: self.length]
+                grown.append(new)
+            self._bufs = grown
+        for buf, t in zip(self._bufs, tensors, strict=True):
+            buf[self.length : self.length + n] = t
+        self.length += n
+        return tuple(buf[: self.length] for buf in self._bufs)
+
+    def truncate(self, length: int) -> None:
+        """Forget positions from `length` on (speculative rollback, prefix reuse)."""
+        assert 0 <= length <= self.length
+        self.length = length
+
+
+class SequenceCache:
+    """All layers' caches of one sequence; `length` is the number of positions seen."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.layers = [LayerCache() for _ in range(num_layers)]
+        self.length = 0
+
+    def truncate(self, length: int) -> None:
+        for layer in self.layers:
+            layer.truncate(min(layer.length, length))
+        self.length = length
+
+
+@dataclass
+class Segment:
+    cache: SequenceCache
+    num_tokens: int
+    start: int = 0  # offset of this segment's first token in the flat batch
+
+
+@dataclass
+class Batch:
+    """A forward pass's token layout. Build with `Batch.of(...)`."""
+
+    segments: list[Segment]
+    positions: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+
+    @classmethod
+    def of(cls, caches_and_counts: list[tuple[SequenceCache, int]], device: torch.device | str = "cpu") -> Batch:
+        segments, positions, start = [], [], 0
+        for cache, n in caches_and_counts:
+            segments.append(Segment(cache, n, start))
+            positions.append(torch.arange(cache.length, cache.length + n))
+            start += n
+        return cls(segments, torch.cat(positions).to(device))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.segments)
+
+    def last_token_index(self) -> torch.Tensor:
+        """Flat indices of each segment's last token."""
+        return torch.tensor([s.start + s.num_tokens - 1 for s in self.segments], dtype=torch.long)
+
+    def advance(self) -> None:
+        """Mark the segments' tokens as seen, after all layers ran."""
+        for s in self.segments:
+            s.cache.length += s.num_tokens

@@ -1,0 +1,13 @@
+"""Qwen3 dense: the Llama layout plus per-head q/k RMSNorm before rope."""
+
+from __future__ import annotations
+
+from deltafind.models import llama
+
+
+class ModelArgs(llama.ModelArgs):
+    pass
+
+
+class Model(llama.Model):
+    qk_norm = True

@@ -1,0 +1,104 @@
+"""Qwen3-MoE: Qwen3 attention, softmax top-k routing over routed experts.
+
+Routing follows HF: softmax in fp32 over all experts, top-k, optional
+renormalisation (`norm_topk_prob`). Layers listed in `mlp_only_layers` or off
+the `decoder_sparse_step` grid are dense MLPs, run as expert slices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltafind.models.ops.moe import SlicedMLP, activation, run_experts
+from deltafind.models.transformer import (
+    Attention,
+    CausalLM,
+    DecoderLayer,
+    args_from_config,
+    common_post_init,
+    make_rope,
+    rope_from,
+)
+from deltafind.store.provider import ExpertProvider
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_experts: int
+    num_experts_per_tok: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    rope: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
+        config = dict(config)
+        if "num_experts" not in config and "num_local_experts" in config:  # transformers 5 name
+            config["num_experts"] = config["num_local_experts"]
+        args = args_from_config(cls, config, rope=rope_from(config))
+        common_post_init(args)
+        return args
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (
+            layer_idx not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
+
+
+class Router(nn.Module):
+    """HF `mlp.gate`: a bias-free linear to expert logits."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(args.num_experts, args.hidden_size))
+        self.top_k, self.norm_topk_prob = args.num_experts_per_tok, args.norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.softmax(F.linear(x, self.weight).float(), dim=-1)  # [T, E]
+        weight, idx = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk_prob:
+            weight = weight / weight.sum(dim=-1, keepdim=True)
+        return idx, weight.to(x.dtype)
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int, experts: ExpertProvider) -> None:
+        super().__init__()
+        self.gate = Router(args)
+        self.layer_idx, self.provider, self.act = layer_idx, experts, activation(args.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx, weight = self.gate(x)
+        return run_experts(x, idx, weight, self.provider, self.layer_idx, self.act)
+
+
+class Model(CausalLM):
+    def __init__(self, args: ModelArgs, experts: ExpertProvider) -> None:
+        act = activation(args.hidden_act)
+
+        def make_layer(i: int) -> DecoderLayer:
+            mlp = SparseMoe(args, i, experts) if args.is_moe_layer(i) else SlicedMLP(i, experts, act)
+            return DecoderLayer(args, Attention(args, i, qk_norm=True), mlp)
+
+        super().__init__(args, make_layer, make_rope(args))

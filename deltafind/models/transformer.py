@@ -1,0 +1,126 @@
+"""The decoder skeleton shared by the Llama-style families (llama, qwen3, qwen3_moe).
+
+A family module picks its attention options and MLP per layer; this owns the
+embedding -> layers -> norm -> head flow and HF parameter names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from deltafind.models.ops.attention import attend
+from deltafind.models.ops.batch import Batch
+from deltafind.models.ops.norm import RMSNorm
+from deltafind.models.ops.rope import Rope, apply_rope, rope_parameters
+
+A = TypeVar("A")
+
+
+def args_from_config(cls: type[A], config: dict[str, Any], **extra: Any) -> A:
+    """Build a ModelArgs dataclass from config.json, dropping keys it does not know."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    values = {k: v for k, v in config.items() if k in names}
+    values.update(extra)
+    return cls(**values)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with rope and optional per-head q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, args: Any, layer_idx: int, qk_norm: bool = False) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        self.head_dim = args.head_dim
+        h, d, bias = args.hidden_size, args.head_dim, args.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(d, args.rms_norm_eps)
+            self.k_norm = RMSNorm(d, args.rms_norm_eps)
+        self.qk_norm = qk_norm
+
+    def forward(self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attend(q, k, v, batch, self.layer_idx, scale=self.head_dim**-0.5)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: Any, attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: Any, make_layer: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(make_layer(i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """embed -> layers -> norm -> lm_head, over a `Batch` of segments."""
+
+    def __init__(self, args: Any, make_layer: Callable[[int], nn.Module], rope: Rope) -> None:
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args, make_layer)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.rope = rope
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def tie_weights(self) -> None:
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, batch: Batch, all_logits: bool = False) -> torch.Tensor:
+        """Logits [T, V] for every token (all_logits) or [num_segments, V] for each segment's last."""
+        x = self.model.embed_tokens(input_ids)  # [T, H]
+        cos, sin = self.rope.cos_sin(batch.positions)
+        for layer in self.model.layers:
+            x = layer(x, batch, cos, sin)
+        batch.advance()
+        if not all_logits:
+            x = x[batch.last_token_index().to(x.device)]
+        return self.lm_head(self.model.norm(x)).float()
+
+
+def make_rope(args: Any, dim: int | None = None) -> Rope:
+    with torch.device("cpu"):
+        return Rope(args.rope, dim or args.head_dim, args.max_position_embeddings)
+
+
+def common_post_init(args: Any) -> None:
+    """Fill derived ModelArgs fields the HF configs leave implicit."""
+    if args.num_key_value_heads is None:
+        args.num_key_value_heads = args.num_attention_heads
+    if args.head_dim is None:
+        args.head_dim = args.hidden_size // args.num_attention_heads
+
+
+def rope_from(config: dict[str, Any]) -> dict[str, Any]:
+    return rope_parameters(config)

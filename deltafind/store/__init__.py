@@ -1,0 +1,1 @@
+"""The expert store: on-disk layout, import (setup), readers, cache and provider."""
