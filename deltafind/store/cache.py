@@ -1,0 +1,60 @@
+"""A byte-budgeted LRU of decoded experts.
+
+`budget_bytes=None` means unlimited; 0 caches nothing. The cache never holds
+more than its budget: an item larger than the whole budget is not kept.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Generic, TypeVar
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class ByteLRU(Generic[K, V]):
+    def __init__(self, budget_bytes: int | None) -> None:
+        self.budget_bytes = budget_bytes
+        self._items: OrderedDict[K, tuple[V, int]] = OrderedDict()
+        self.used_bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: K) -> V | None:
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(key)
+            self.hits += 1
+            return item[0]
+
+    def put(self, key: K, value: V, nbytes: int) -> None:
+        with self._lock:
+            if key in self._items:
+                self.used_bytes -= self._items.pop(key)[1]
+            if self.budget_bytes is not None and nbytes > self.budget_bytes:
+                return
+            self._items[key] = (value, nbytes)
+            self.used_bytes += nbytes
+            self._evict()
+
+    def resize(self, budget_bytes: int | None) -> None:
+        with self._lock:
+            self.budget_bytes = budget_bytes
+            self._evict()
+
+    def _evict(self) -> None:
+        while self.budget_bytes is not None and self.used_bytes > self.budget_bytes:
+            _, (_, n) = self._items.popitem(last=False)
+            self.used_bytes -= n
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items

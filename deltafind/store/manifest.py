@@ -1,0 +1,141 @@
+"""The store's table of contents: `manifest.json`, its schema and atomic writes.
+
+A store folder holds `manifest.json`, `spine.safetensors`, `tokenizer/` and,
+on each drive folder, one pack file of 4096-byte-aligned expert records. The
+manifest is written last, atomically: a folder without one is not a store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deltafind.errors import StoreError
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+SPINE_NAME = "spine.safetensors"
+TOKENIZER_DIR = "tokenizer"
+ALIGN = 4096
+PACK_HEADER_BYTES = ALIGN
+PACK_MAGIC = "deltafind-pack"
+EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def pack_name(drive_idx: int) -> str:
+    return f"experts-{drive_idx}.pack"
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str  # gate_proj | up_proj | down_proj
+    dtype: str  # torch dtype name without "torch.", e.g. float32, bfloat16
+    shape: tuple[int, ...]
+    offset: int  # from the record start
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ExpertRecord:
+    layer: int
+    expert: int
+    drive: int
+    offset: int  # absolute offset in that drive's pack, multiple of ALIGN
+    length: int  # payload bytes (the record occupies align_up(length) bytes)
+    sha256: str
+    tensors: tuple[TensorEntry, ...]
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.layer, self.expert)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tensors"] = [asdict(t) for t in self.tensors]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ExpertRecord:
+        tensors = tuple(TensorEntry(t["name"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"]) for t in d["tensors"])
+        return cls(d["layer"], d["expert"], d["drive"], d["offset"], d["length"], d["sha256"], tensors)
+
+
+@dataclass
+class Manifest:
+    store_id: str
+    family: str
+    model_config: dict[str, Any]
+    drives: list[str]  # drive folders; relative paths are relative to the store folder
+    dense_slices: int
+    source: dict[str, Any]
+    spine_sha256: str
+    tokenizer_files: list[str]
+    experts: list[ExpertRecord] = field(default_factory=list)
+    format_version: int = FORMAT_VERSION
+
+    def drive_paths(self, store_dir: Path) -> list[Path]:
+        return [(store_dir / d) if not os.path.isabs(d) else Path(d) for d in self.drives]
+
+    def expert_counts(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for r in self.experts:
+            counts[r.layer] = max(counts.get(r.layer, 0), r.expert + 1)
+        return counts
+
+    def expert_bytes(self) -> int:
+        return sum(r.length for r in self.experts)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["experts"] = [r.to_json() for r in self.experts]
+        return d
+
+    def save(self, store_dir: Path) -> None:
+        write_json_atomic(store_dir / MANIFEST_NAME, self.to_json())
+
+    @classmethod
+    def load(cls, store_dir: Path) -> Manifest:
+        path = Path(store_dir) / MANIFEST_NAME
+        if not path.exists():
+            hint = " (setup did not finish: run `deltafind setup` again to resume)" if (Path(store_dir) / "setup.journal").exists() else ""
+            raise StoreError(f"{store_dir}: not a deltafind store: {MANIFEST_NAME} is missing{hint}; create one with `deltafind setup --from CHECKPOINT --store {store_dir}`")
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise StoreError(f"{path}: unreadable manifest ({e}); re-run `deltafind setup` into a fresh --store") from e
+        version = d.get("format_version")
+        if version != FORMAT_VERSION:
+            raise StoreError(f"{path}: store format_version {version!r}, this deltafind reads {FORMAT_VERSION}; re-import the model with this version's `deltafind setup`")
+        try:
+            d["experts"] = [ExpertRecord.from_json(r) for r in d["experts"]]
+            return cls(**d)
+        except (KeyError, TypeError) as e:
+            raise StoreError(f"{path}: malformed manifest ({e}); re-run `deltafind setup` into a fresh --store") from e
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON next to `path`, fsync, then rename over it: readers see old or new, never half."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

@@ -1,0 +1,286 @@
+"""Import a checkpoint into a store: spine, striped expert packs, tokenizer, manifest.
+
+Resumable: a journal records each expert record once its pack bytes are on
+disk; a rerun truncates the packs to the last journaled record and goes on.
+Never holds more than one tensor group (one expert, or one dense MLP) beyond
+what it is writing. Knows HF tensor naming, not model families.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from deltafind.errors import StoreError
+from deltafind.store.manifest import (
+    ALIGN,
+    EXPERT_PARTS,
+    MANIFEST_NAME,
+    PACK_HEADER_BYTES,
+    PACK_MAGIC,
+    SPINE_NAME,
+    TOKENIZER_DIR,
+    ExpertRecord,
+    Manifest,
+    TensorEntry,
+    align_up,
+    pack_name,
+)
+from deltafind.store.sources import Source, TensorInfo, open_source
+from deltafind.store.spine_writer import write_safetensors
+
+JOURNAL_NAME = "setup.journal"
+TENSOR_ALIGN = 64
+ROUTED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+DENSE = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight$")
+JOURNAL_SYNC_EVERY = 64
+
+
+@dataclass(frozen=True)
+class Plan:
+    spine: list[str]
+    routed: dict[tuple[int, int], dict[str, str]]  # (layer, expert) -> part -> tensor name
+    dense: dict[int, dict[str, str]]  # layer -> part -> tensor name (sliced into N experts)
+
+
+def plan_tensors(tensors: dict[str, TensorInfo]) -> Plan:
+    spine, routed, dense = [], {}, {}
+    for name in tensors:
+        if m := ROUTED.match(name):
+            routed.setdefault((int(m[1]), int(m[2])), {})[m[3]] = name
+        elif m := DENSE.match(name):
+            dense.setdefault(int(m[1]), {})[m[2]] = name
+        else:
+            spine.append(name)
+    for key, parts in {**routed, **{(k, -1): v for k, v in dense.items()}}.items():
+        if set(parts) != set(EXPERT_PARTS):
+            raise StoreError(f"layer {key[0]}: expert tensors incomplete, found only {sorted(parts)}")
+    return Plan(spine, routed, dense)
+
+
+def expert_record_bytes(parts: dict[str, torch.Tensor]) -> tuple[bytes, list[TensorEntry]]:
+    """Lay out one expert's tensors back to back (64-byte aligned) as one record payload."""
+    chunks, entries, offset = [], [], 0
+    for name in EXPERT_PARTS:
+        t = parts[name].contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        pad = align_up(offset, TENSOR_ALIGN) - offset
+        chunks.append(b"\0" * pad)
+        offset += pad
+        entries.append(TensorEntry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, len(raw)))
+        chunks.append(raw)
+        offset += len(raw)
+    return b"".join(chunks), entries
+
+
+def _iter_expert_groups(source: Source, plan: Plan, dense_slices: int) -> Iterator[tuple[int, int, Callable[[], dict[str, torch.Tensor]]]]:
+    """(layer, expert, loader) in store order; dense layers yield `dense_slices` slices."""
+    layers = sorted({k[0] for k in plan.routed} | set(plan.dense))
+    for layer in layers:
+        if layer in plan.dense:
+            names = plan.dense[layer]
+            cache: dict[str, list[torch.Tensor]] = {}
+
+            def load_slice(i: int, names: dict[str, str] = names, cache: dict = cache) -> dict[str, torch.Tensor]:
+                if not cache:  # load the layer's MLP once, slice it N ways
+                    for part, name in names.items():
+                        cache[part] = list(torch.tensor_split(source.load(name), dense_slices, dim=1 if part == "down_proj" else 0))
+                out = {part: cache[part][i] for part in EXPERT_PARTS}
+                if i == dense_slices - 1:
+                    cache.clear()
+                return out
+
+            for i in range(dense_slices):
+                yield layer, i, lambda i=i, f=load_slice: f(i)
+        for layer_idx, expert in sorted(k for k in plan.routed if k[0] == layer):
+            names = plan.routed[(layer_idx, expert)]
+            yield layer, expert, lambda names=names: {p: source.load(n) for p, n in names.items()}
+
+
+class _Journal:
+    """Append-only JSONL: a header line, then one line per durable step."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.pending: list[str] = []
+
+    def read(self) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        if not self.path.exists():
+            return None, []
+        lines = []
+        for line in self.path.read_text().splitlines():
+            try:
+                lines.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a torn last line from a crash: everything before it stands
+        return (lines[0] if lines else None), lines[1:]
+
+    def start(self, header: dict[str, Any]) -> None:
+        self.path.write_text(json.dumps(header) + "\n")
+
+    def add(self, entry: dict[str, Any]) -> None:
+        self.pending.append(json.dumps(entry))
+
+    def sync(self) -> None:
+        if self.pending:
+            with open(self.path, "a") as f:
+                f.write("\n".join(self.pending) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            self.pending.clear()
+
+
+def setup_store(
+    source_path: Path,
+    store_dir: Path,
+    drives: list[Path] | None = None,
+    dense_slices: int = 8,
+    progress: bool = True,
+    fault_after: int | None = None,
+) -> Manifest:
+    """Import `source_path` into `store_dir`, striping experts round-robin over `drives`.
+
+    `fault_after` is for tests: raise after that many expert records, as an
+    interrupt would.
+    """
+    store_dir = Path(store_dir)
+    source = open_source(Path(source_path))
+    if dense_slices < 1:
+        raise StoreError(f"dense slices must be >= 1 (got {dense_slices})")
+    drive_dirs = [Path(d) for d in drives] if drives else [store_dir / "drive0"]
+    drive_strs = [os.path.relpath(d.resolve(), store_dir.resolve()) if _inside(d, store_dir) else str(d.resolve()) for d in drive_dirs]
+    params = {"fingerprint": source.fingerprint(), "source": str(Path(source_path).resolve()), "drives": drive_strs, "dense_slices": dense_slices}
+
+    if (store_dir / MANIFEST_NAME).exists():
+        existing = Manifest.load(store_dir)
+        same = {k: existing.source.get(k) for k in params} == params
+        if same:
+            return existing
+        raise StoreError(
+            f"{store_dir}: already holds a different store (from {existing.source.get('source')}); "
+            "choose another --store or delete that folder first"
+        )
+    store_dir.mkdir(parents=True, exist_ok=True)
+    journal = _Journal(store_dir / JOURNAL_NAME)
+    header, done = journal.read()
+    if header is not None and header.get("params") != params:
+        raise StoreError(
+            f"{store_dir}: holds an interrupted setup of a different source ({header.get('params', {}).get('source')}); "
+            "resume it with the same --from/--drive/--dense-slices, or delete the folder"
+        )
+    if header is None:
+        header = {"params": params, "store_id": uuid.uuid4().hex}
+        journal.start(header)
+    store_id = header["store_id"]
+
+    plan = plan_tensors(source.tensors)
+    spine_entry = next((d for d in done if d.get("kind") == "spine"), None)
+    if spine_entry is None:
+        tmp = store_dir / (SPINE_NAME + ".tmp")
+        spine_sha = write_safetensors(tmp, {n: source.tensors[n] for n in plan.spine}, source.load)
+        os.replace(tmp, store_dir / SPINE_NAME)
+        journal.add({"kind": "spine", "sha256": spine_sha})
+        journal.sync()
+    else:
+        spine_sha = spine_entry["sha256"]
+
+    records = [ExpertRecord.from_json(d["record"]) for d in done if d.get("kind") == "expert"]
+    done_keys = {r.key for r in records}
+    packs = _open_packs(drive_dirs, store_id, records)
+    try:
+        groups = list(_iter_expert_groups(source, plan, dense_slices))
+        written = 0
+        with tqdm(total=len(groups), initial=len(done_keys), unit="expert", desc="experts", disable=not progress) as bar:
+            for i, (layer, expert, load) in enumerate(groups):
+                if (layer, expert) in done_keys:
+                    continue
+                payload, entries = expert_record_bytes(load())
+                drive = i % len(drive_dirs)
+                f, end = packs[drive]
+                f.seek(end)
+                f.write(payload + b"\0" * (align_up(len(payload)) - len(payload)))
+                packs[drive] = (f, end + align_up(len(payload)))
+                rec = ExpertRecord(layer, expert, drive, end, len(payload), hashlib.sha256(payload).hexdigest(), tuple(entries))
+                records.append(rec)
+                journal.add({"kind": "expert", "record": rec.to_json()})
+                written += 1
+                bar.update(1)
+                if len(journal.pending) >= JOURNAL_SYNC_EVERY:
+                    _sync_packs(packs)
+                    journal.sync()
+                if fault_after is not None and written >= fault_after:
+                    _sync_packs(packs)
+                    journal.sync()
+                    raise KeyboardInterrupt("setup interrupted (test fault)")
+        _sync_packs(packs)
+        journal.sync()
+    finally:
+        for f, _ in packs:
+            f.close()
+
+    tok_dir = store_dir / TOKENIZER_DIR
+    tok_dir.mkdir(exist_ok=True)
+    tokenizer_files = source.write_tokenizer(tok_dir)
+    (store_dir / "config.json").write_text(json.dumps(source.config, indent=1))
+    manifest = Manifest(
+        store_id=store_id,
+        family=str(source.config.get("model_type")),
+        model_config=source.config,
+        drives=drive_strs,
+        dense_slices=dense_slices,
+        source=params,
+        spine_sha256=spine_sha,
+        tokenizer_files=tokenizer_files,
+        experts=sorted(records, key=lambda r: r.key),
+    )
+    manifest.save(store_dir)
+    journal.path.unlink(missing_ok=True)
+    return manifest
+
+
+def _inside(path: Path, parent: Path) -> bool:
+    try:
+        Path(path).resolve().relative_to(Path(parent).resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def _open_packs(drive_dirs: list[Path], store_id: str, records: list[ExpertRecord]) -> list[tuple[Any, int]]:
+    """Open (or create) each drive's pack, truncated to the end of its last journaled record."""
+    packs = []
+    for idx, d in enumerate(drive_dirs):
+        if not d.is_dir():
+            d.mkdir(parents=True, exist_ok=True)
+        path = d / pack_name(idx)
+        header = json.dumps({"magic": PACK_MAGIC, "store_id": store_id, "drive": idx}).encode()
+        if path.exists():
+            with open(path, "rb") as f:
+                got = f.read(PACK_HEADER_BYTES).rstrip(b"\0")
+            if got != header:
+                raise StoreError(f"{path}: this drive already holds a pack of another store; give each store its own drive folder")
+        else:
+            with open(path, "wb") as f:
+                f.write(header.ljust(PACK_HEADER_BYTES, b"\0"))
+        end = max([r.offset + align_up(r.length) for r in records if r.drive == idx], default=PACK_HEADER_BYTES)
+        f = open(path, "r+b")  # noqa: SIM115 - closed by setup_store
+        f.truncate(end)
+        packs.append((f, end))
+    assert all(end % ALIGN == 0 for _, end in packs)
+    return packs
+
+
+def _sync_packs(packs: list[tuple[Any, int]]) -> None:
+    for f, _ in packs:
+        f.flush()
+        os.fsync(f.fileno())

