@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,10 +90,21 @@ def demo_gguf() -> Path:
     return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@pytest.fixture(scope="session")
-def demo_store(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from deltafind.store.setup import setup_store
+def deltafind_cmd(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """Run the installed `deltafind` console script, as a user would."""
+    exe = Path(sys.executable).with_name("deltafind")
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
-    store = tmp_path_factory.mktemp("demo") / "store"
-    setup_store(demo_gguf, store, [store / "drive0", store / "drive1"], progress=False)
-    return store
+
+@pytest.fixture(scope="session")
+def demo_home(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DELTAFIND_HOME after a real `deltafind setup --demo`."""
+    home = tmp_path_factory.mktemp("home")
+    proc = deltafind_cmd("setup", "--demo", "--quiet", env={"DELTAFIND_HOME": str(home)})
+    assert proc.returncode == 0, proc.stderr
+    return home
+
+
+@pytest.fixture(scope="session")
+def demo_store(demo_home: Path) -> Path:
+    return demo_home / "demo"
