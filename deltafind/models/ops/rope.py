@@ -54,8 +54,10 @@ def inv_freq_and_scale(params: dict[str, Any], dim: int, max_position_embeddings
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
     if rope_type == "yarn":
-        factor = float(params["factor"])
         original = int(params.get("original_max_position_embeddings") or max_position_embeddings)
+        # HF infers a missing factor from the two lengths (DeepSeek-style configs).
+        factor = params.get("factor")
+        factor = float(max_position_embeddings / original if factor is None else factor)
         mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
         attention_factor = params.get("attention_factor")
         if attention_factor is None:
