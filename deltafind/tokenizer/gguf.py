@@ -1,0 +1,169 @@
+"""Turn a GGUF file's tokenizer metadata into tokenizer.json + tokenizer_config.json.
+
+Owns the llama.cpp key names and token-type codes, and the choice of split
+regexes by `tokenizer.ggml.pre` (tables in `bpe`). Runs once at setup; the
+runtime only ever loads the files written here. Knows nothing of weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
+from tokenizers import AddedToken, decoders, models
+from tokenizers import Tokenizer as Backend
+
+from deltafind.errors import StoreError, UnsupportedModelError
+
+from .bpe import LLAMA3_FAMILY, PRE_SPLITS, is_byte_spelled, make_pre_tokenizer, spell_bytes
+
+# llama.cpp's llama_token_type codes.
+_CONTROL = 3
+_USER_DEFINED = 4
+
+# Spellings llama.cpp also treats as end-of-generation when the file marks them control.
+_EOG_SPELLINGS = frozenset(
+    {
+        "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+        "<|end_of_text|>", "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>", "<end_of_utterance>",
+        "<|return|>", "<|call|>",
+    }
+)  # fmt: skip
+
+
+def _read_fields(reader: GGUFReader) -> dict[str, Any]:
+    # Plain Python values for the tokenizer.* keys only (weights are never touched).
+    out: dict[str, Any] = {}
+    for name, field in reader.fields.items():
+        if not name.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        parts = [field.parts[i] for i in field.data]
+        if kind == GGUFValueType.STRING:
+            out[name] = bytes(parts[0]).decode("utf-8")
+        elif kind == GGUFValueType.ARRAY and field.types[-1] == GGUFValueType.STRING:
+            out[name] = [bytes(p).decode("utf-8") for p in parts]
+        elif kind == GGUFValueType.ARRAY:
+            out[name] = np.concatenate(parts).tolist() if parts else []
+        else:
+            out[name] = parts[0][0].item()
+    return out
+
+
+def _build_backend(meta: dict[str, Any], source: Path) -> Backend:
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_SPLITS:
+        raise UnsupportedModelError(
+            f"{source}: tokenizer.ggml.pre {pre!r} is not one deltafind knows "
+            f"(known: {', '.join(sorted(PRE_SPLITS))}); set up from the HF folder instead"
+        )
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    added = {i for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED)}
+    # Normal tokens are stored byte-spelled; control and user-defined ones as raw text.
+    # Keeping the raw text as their vocab key makes the added tokens below land on their ids.
+    vocab = {
+        tok if i in added or is_byte_spelled(tok) else spell_bytes(tok.encode("utf-8")): i
+        for i, tok in enumerate(tokens)
+    }
+    if len(vocab) != len(tokens):
+        raise StoreError(
+            f"{source}: tokenizer.ggml.tokens holds duplicate spellings; the file is corrupt"
+        )
+    merges = []
+    for merge in meta.get("tokenizer.ggml.merges", []):
+        cut = merge.find(" ", 1)  # llama.cpp splits at the first space after position 0
+        merges.append((merge[:cut], merge[cut + 1 :]))
+    backend = Backend(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in LLAMA3_FAMILY))
+    backend.pre_tokenizer = make_pre_tokenizer(PRE_SPLITS[pre])
+    backend.decoder = decoders.ByteLevel()
+    specials = [
+        AddedToken(tokens[i], special=True, normalized=False)
+        for i in sorted(added)
+        if types[i] == _CONTROL
+    ]
+    plain = [
+        AddedToken(tokens[i], special=False, normalized=False)
+        for i in sorted(added)
+        if types[i] != _CONTROL
+    ]
+    backend.add_special_tokens(specials)
+    backend.add_tokens(plain)
+    moved = [(tokens[i], i) for i in added if backend.token_to_id(tokens[i]) != i]
+    if moved:
+        raise StoreError(
+            f"{source}: added tokens would not keep their ids (first: {moved[0]}); the vocabulary is inconsistent"
+        )
+    return backend
+
+
+def _config(meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+
+    def text(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": text("bos_token_id"),
+        "eos_token": text("eos_token_id"),
+        "unk_token": text("unknown_token_id"),
+        "pad_token": text("padding_token_id"),
+        # llama.cpp's default when the flag is absent: BOS only for the llama3 family.
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", pre in LLAMA3_FAMILY)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+    }
+    if "tokenizer.chat_template" in meta:
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    eog: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        i = meta.get(f"tokenizer.ggml.{key}")
+        if i is not None and 0 <= i < len(tokens) and i not in eog:
+            eog.append(i)
+    eog += [
+        i
+        for i, t in enumerate(tokens)
+        if types[i] == _CONTROL and t in _EOG_SPELLINGS and i not in eog
+    ]
+    generation = {"eos_token_id": eog}
+    if meta.get("tokenizer.ggml.bos_token_id") is not None:
+        generation["bos_token_id"] = meta["tokenizer.ggml.bos_token_id"]
+    return {k: v for k, v in config.items() if v is not None}, generation
+
+
+def write_tokenizer_from_gguf(gguf_path: Path, dest_dir: Path) -> list[str]:
+    """Write tokenizer.json, tokenizer_config.json and generation_config.json from a GGUF.
+
+    Only byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) are supported.
+
+    Returns:
+        The names of the files written into `dest_dir`.
+    """
+    gguf_path, dest_dir = Path(gguf_path), Path(dest_dir)
+    try:
+        meta = _read_fields(GGUFReader(gguf_path))
+    except (OSError, ValueError) as e:
+        raise StoreError(f"cannot read GGUF metadata from {gguf_path}: {e}") from None
+    model = meta.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise UnsupportedModelError(
+            f"{gguf_path}: tokenizer.ggml.model is {model!r}; only 'gpt2' (byte-level BPE) GGUF "
+            "vocabularies are supported, set up from the HF folder (tokenizer.json) instead"
+        )
+    if "tokenizer.ggml.tokens" not in meta:
+        raise StoreError(f"{gguf_path}: no tokenizer.ggml.tokens; the GGUF carries no vocabulary")
+    backend = _build_backend(meta, gguf_path)
+    config, generation = _config(meta)
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    backend.save(str(dest_dir / "tokenizer.json"))
+    for name, data in (("tokenizer_config.json", config), ("generation_config.json", generation)):
+        (dest_dir / name).write_text(
+            json.dumps(data, ensure_ascii=False, indent=2) + "\n", encoding="utf-8"
+        )
+    return ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]
