@@ -24,8 +24,9 @@ demo: dev
 	$(VENV)/bin/deltafind setup --demo
 	$(VENV)/bin/deltafind run --prompt "The capital of France is" --max-new 16 --stats
 
+# One torch thread per process: tests start several processes at once on small machines.
 test: dev
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TIKTOKEN_CACHE_DIR= $(PY) -m pytest -q
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TIKTOKEN_CACHE_DIR= $(PY) -m pytest -q
 
 test-all: dev
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TIKTOKEN_CACHE_DIR= $(PY) -m pytest -q -m ''

@@ -20,8 +20,9 @@ from deltafind.engine.sampler import SamplingParams
 from deltafind.errors import StoreError
 from deltafind.models.ops.batch import SequenceCache
 from deltafind.models.registry import family_module
-from deltafind.store.experts import StoreExperts
+from deltafind.store.experts import PrefetchOptions, StoreExperts
 from deltafind.store.manifest import SPINE_NAME, TOKENIZER_DIR, Manifest
+from deltafind.store.reader import DriveOptions
 from deltafind.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,11 +36,21 @@ class Model:
         self.last_stats = GenerationStats()
 
     @classmethod
-    def open(cls, store_dir: str | Path, device: str = "cpu", expert_cache_bytes: int | None = None, dtype: str = "float32") -> Model:
+    def open(
+        cls,
+        store_dir: str | Path,
+        device: str = "cpu",
+        expert_cache_bytes: int | None = None,
+        dtype: str = "float32",
+        drives: list[DriveOptions] | None = None,
+        prefetch: PrefetchOptions | bool = True,
+        direct_io: bool = True,
+    ) -> Model:
         """Load the spine of the store at `store_dir`; experts stream on demand.
 
         `expert_cache_bytes=None` keeps every expert read (unlimited cache);
-        0 reads every expert every time it is used.
+        0 reads every expert every time it is used. `drives` sets per-drive
+        queue depth and (for benchmarks) a read-rate cap, in the store's drive order.
         """
         from safetensors import safe_open
 
@@ -50,14 +61,18 @@ class Model:
         torch_dtype = DTYPES[dtype]
         family = family_module(manifest.family)
         args = family.ModelArgs.from_config(manifest.model_config)
-        experts = StoreExperts(manifest, store_dir, expert_cache_bytes, dtype=torch_dtype, device=device)
+        if isinstance(prefetch, bool):
+            prefetch = PrefetchOptions(enabled=prefetch)
+        experts = StoreExperts(manifest, store_dir, expert_cache_bytes, torch_dtype, device, drives, prefetch, direct_io)
         with torch.device("meta"):
             net = family.Model(args, experts)
         spine = {}
         with safe_open(str(store_dir / SPINE_NAME), "pt", device="cpu") as f:
             for k in f.keys():
                 t = f.get_tensor(k)
-                spine[k] = t.to(device=device, dtype=torch_dtype if t.is_floating_point() else t.dtype)
+                # Routing biases stay fp32 (as in HF): rounding them can flip expert choices.
+                keep = not t.is_floating_point() or k.endswith("e_score_correction_bias")
+                spine[k] = t.to(device=device, dtype=t.dtype if keep else torch_dtype)
         tied = getattr(args, "tie_word_embeddings", False)
         if tied:
             spine.pop("lm_head.weight", None)

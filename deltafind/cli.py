@@ -94,8 +94,14 @@ def _open_model(args: argparse.Namespace, settings: Any) -> Any:
     if threads:
         torch.set_num_threads(threads)
     device = settings.device.kind if settings.device.kind != "auto" else "cpu"
+    from deltafind.store.experts import PrefetchOptions
+    from deltafind.store.reader import DriveOptions
+
     cache = args.cache_bytes if getattr(args, "cache_bytes", None) is not None else settings.cache.expert_bytes
-    return Model.open(_store_arg(args, settings), device=device, expert_cache_bytes=int(cache), dtype=settings.device.dtype)
+    drives = [DriveOptions(d.path, d.queue_depth, d.read_mb_s) for d in settings.drives]
+    p = settings.prefetch
+    prefetch = PrefetchOptions(p.enabled and not getattr(args, "no_prefetch", False), p.max_in_flight, p.recall_threshold)
+    return Model.open(_store_arg(args, settings), device=device, expert_cache_bytes=int(cache), dtype=settings.device.dtype, drives=drives, prefetch=prefetch)
 
 
 def _sampling(args: argparse.Namespace) -> Any:
@@ -121,10 +127,12 @@ def _stream_text(model: Any, ids: list[int], params: Any) -> str:
 
 def _print_stats(model: Any) -> None:
     s, e, c = model.last_stats, model.experts.stats, model.experts.cache
+    drives = ", ".join(f"drive{i} {d.bytes / 2**20:.0f} MiB at {d.gb_s:.2f} GB/s" for i, d in enumerate(model.experts.reader.stats))
     lines = [
         f"prompt {s.prompt_tokens} tok, prefill {s.prefill_tok_s:.1f} tok/s",
         f"generated {s.new_tokens} tok, decode {s.decode_tok_s:.1f} tok/s, finish {s.finish_reason}",
-        f"experts requested {e.requested}, read {e.read} ({e.bytes_read / 2**20:.1f} MiB, {e.bytes_read / 2**20 / e.read_s if e.read_s else 0:.0f} MiB/s), cache hits {c.hits}, cache {c.used_bytes / 2**20:.1f} MiB in {len(c)} experts",
+        f"experts requested {e.requested}, read {e.read} ({e.bytes_read / 2**20:.1f} MiB), cache hits {e.cache_hits}, pinned hits {e.pinned_hits}, cache {c.used_bytes / 2**20:.1f} MiB in {len(c)} experts",
+        f"io wait {e.wait_s:.3f} s; prefetch issued {e.prefetch_issued}, used {e.prefetch_used}, wasted {e.prefetch_wasted}; {drives}",
     ]
     print("\n".join("[stats] " + line for line in lines), file=sys.stderr)
 
@@ -184,7 +192,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "decode_tok_s": round(s.decode_tok_s, 2),
         "experts_read": e.read - e0[0],
         "bytes_read": e.bytes_read - e0[1],
-        "cache_hit_rate": round(model.experts.cache.hits / max(1, e.requested), 4),
+        "cache_hit_rate": round(e.cache_hits / max(1, e.requested), 4),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
@@ -199,6 +207,7 @@ def _add_model_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", metavar="DIR", help="store folder (default: [model] store, else the demo store)")
     p.add_argument("--cache-bytes", type=_byte_size, metavar="SIZE", help="expert cache budget, e.g. 2GiB or 0 (default: [cache] expert_bytes)")
     p.add_argument("--threads", type=int, help="CPU threads for torch")
+    p.add_argument("--no-prefetch", action="store_true", help="turn next-layer expert prefetch off")
 
 
 def _byte_size(text: str) -> int:

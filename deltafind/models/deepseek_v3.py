@@ -18,7 +18,7 @@ from torch import nn
 
 from deltafind.errors import UnsupportedModelError
 from deltafind.models.ops.mla import MLAttention
-from deltafind.models.ops.moe import DenseMLP, SlicedMLP, activation, run_experts
+from deltafind.models.ops.moe import DenseMLP, SlicedMLP, activation, predict_routed, run_experts
 from deltafind.models.transformer import (
     CausalLM,
     DecoderLayer,
@@ -145,6 +145,9 @@ class MoE(nn.Module):
             width = args.moe_intermediate_size * args.n_shared_experts
             self.shared_experts = DenseMLP(args.hidden_size, width, self.act)
 
+    def predict(self, x: torch.Tensor) -> list[int]:
+        return predict_routed(self.gate, x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, weight = self.gate(x)
         out = run_experts(x, idx, weight, self.provider, self.layer_idx, self.act)
@@ -161,7 +164,7 @@ class Model(CausalLM):
             mlp = MoE(args, i, experts) if args.is_moe_layer(i) else SlicedMLP(i, experts, act)
             return DecoderLayer(args, MLAttention(args, i), mlp)
 
-        super().__init__(args, make_layer, make_rope(args, dim=args.qk_rope_head_dim))
+        super().__init__(args, make_layer, make_rope(args, dim=args.qk_rope_head_dim), experts)
 
 
 def sanitize(args: ModelArgs, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -55,6 +55,6 @@ class Model(CausalLM):
         def make_layer(i: int) -> DecoderLayer:
             return DecoderLayer(args, Attention(args, i, qk_norm=self.qk_norm), SlicedMLP(i, experts, act))
 
-        super().__init__(args, make_layer, make_rope(args))
+        super().__init__(args, make_layer, make_rope(args), experts)
 
     qk_norm = False

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltafind.models.ops.moe import SlicedMLP, activation, run_experts
+from deltafind.models.ops.moe import SlicedMLP, activation, predict_routed, run_experts
 from deltafind.models.transformer import (
     Attention,
     CausalLM,
@@ -88,6 +88,9 @@ class SparseMoe(nn.Module):
         self.gate = Router(args)
         self.layer_idx, self.provider, self.act = layer_idx, experts, activation(args.hidden_act)
 
+    def predict(self, x: torch.Tensor) -> list[int]:
+        return predict_routed(self.gate, x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, weight = self.gate(x)
         return run_experts(x, idx, weight, self.provider, self.layer_idx, self.act)
@@ -101,4 +104,4 @@ class Model(CausalLM):
             mlp = SparseMoe(args, i, experts) if args.is_moe_layer(i) else SlicedMLP(i, experts, act)
             return DecoderLayer(args, Attention(args, i, qk_norm=True), mlp)
 
-        super().__init__(args, make_layer, make_rope(args))
+        super().__init__(args, make_layer, make_rope(args), experts)

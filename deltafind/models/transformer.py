@@ -68,8 +68,18 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.feed_forward(self.attend(x, batch, cos, sin))
+
+    def attend(self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x + self.self_attn(self.input_layernorm(x), batch, cos, sin)
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def predict_experts(self, h: torch.Tensor) -> list[int] | None:
+        """This layer's likely experts for hidden state h (its own norm and router); None if unknown."""
+        predict = getattr(self.mlp, "predict", None)
+        return predict(self.post_attention_layernorm(h)) if predict is not None else None
 
 
 class Backbone(nn.Module):
@@ -83,9 +93,11 @@ class Backbone(nn.Module):
 class CausalLM(nn.Module):
     """embed -> layers -> norm -> lm_head, over a `Batch` of segments."""
 
-    def __init__(self, args: Any, make_layer: Callable[[int], nn.Module], rope: Rope) -> None:
+    def __init__(self, args: Any, make_layer: Callable[[int], nn.Module], rope: Rope, experts: Any = None) -> None:
         super().__init__()
         self.args = args
+        # Next-layer prefetch: only providers that can start reads early take hints.
+        self._prefetch = getattr(experts, "prefetch", None)
         self.model = Backbone(args, make_layer)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rope = rope
@@ -101,8 +113,15 @@ class CausalLM(nn.Module):
         """Logits [T, V] for every token (all_logits) or [num_segments, V] for each segment's last."""
         x = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rope.cos_sin(batch.positions)
-        for layer in self.model.layers:
-            x = layer(x, batch, cos, sin)
+        layers = self.model.layers
+        if self._prefetch is not None:
+            self._prefetch(0, layers[0].mlp.predict_all() if hasattr(layers[0].mlp, "predict_all") else None)
+        for i, layer in enumerate(layers):
+            h = layer.attend(x, batch, cos, sin)
+            if self._prefetch is not None and i + 1 < len(layers):
+                # While layer i's experts compute, layer i+1's predicted experts are read.
+                self._prefetch(i + 1, layers[i + 1].predict_experts(h))
+            x = layer.feed_forward(h)
         batch.advance()
         if not all_logits:
             x = x[batch.last_token_index().to(x.device)]

@@ -43,6 +43,14 @@ class ByteLRU(Generic[K, V]):
             self.used_bytes += nbytes
             self._evict()
 
+    def pop(self, key: K) -> V | None:
+        with self._lock:
+            item = self._items.pop(key, None)
+            if item is None:
+                return None
+            self.used_bytes -= item[1]
+            return item[0]
+
     def resize(self, budget_bytes: int | None) -> None:
         with self._lock:
             self.budget_bytes = budget_bytes

@@ -1,9 +1,19 @@
-"""The store-backed `ExpertProvider`: manifest lookup, cache, reads, stats."""
+"""The store-backed `ExpertProvider`: cache, pin tier, in-flight reads, prefetch, stats.
+
+`fetch` yields cached and pinned experts first, then the rest in completion
+order as the drive pools deliver them. `prefetch` starts reads for a predicted
+next layer; a prediction only starts reads — what `fetch` returns never
+depends on it, so output is identical with prefetch on or off.
+"""
 
 from __future__ import annotations
 
+import time
+import weakref
+from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -12,55 +22,198 @@ from deltafind.errors import CorruptExpertError
 from deltafind.store.cache import ByteLRU
 from deltafind.store.manifest import ExpertRecord, Manifest
 from deltafind.store.provider import Expert
-from deltafind.store.reader import PackReader, record_tensors
+from deltafind.store.reader import DriveOptions, PackReader, record_tensors
+
+
+@dataclass(frozen=True)
+class PrefetchOptions:
+    enabled: bool = True
+    max_in_flight: int = 32
+    recall_threshold: float = 0.3  # below this trailing recall a layer stops speculating
+    warmup: int = 8  # observations before the gate may close
+
+
+@dataclass
+class LayerRecall:
+    predicted: int = 0
+    hits: int = 0
+    needed: int = 0
+    ema: float = 1.0
+    observations: int = 0
+
+    @property
+    def recall(self) -> float:
+        return self.hits / self.needed if self.needed else 0.0
+
+    @property
+    def precision(self) -> float:
+        return self.hits / self.predicted if self.predicted else 0.0
 
 
 @dataclass
 class ExpertStats:
     requested: int = 0
+    cache_hits: int = 0
+    pinned_hits: int = 0
     read: int = 0
     bytes_read: int = 0
-    read_s: float = 0.0
+    wait_s: float = 0.0  # time fetch spent blocked on reads
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    prefetch_wasted: int = 0
+    prefetch_gated: int = 0
+    layers: dict[int, LayerRecall] = field(default_factory=lambda: defaultdict(LayerRecall))
 
 
 class StoreExperts:
-    """Experts of one store, read on demand through a byte-budgeted LRU."""
+    """Experts of one store, read on demand through the drive pools and a byte-budgeted LRU."""
 
-    def __init__(self, manifest: Manifest, store_dir: Path, cache_bytes: int | None = None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        store_dir: Path,
+        cache_bytes: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        drives: list[DriveOptions] | None = None,
+        prefetch: PrefetchOptions | None = None,
+        direct_io: bool = True,
+    ) -> None:
         self.manifest = manifest
-        self.reader = PackReader(manifest, Path(store_dir))
+        self.reader = PackReader(manifest, Path(store_dir), drives=drives, direct=direct_io)
         self.cache: ByteLRU[tuple[int, int], Expert] = ByteLRU(cache_bytes)
+        self.pinned: dict[tuple[int, int], Expert] = {}
+        self.pinned_bytes = 0
         self.dtype, self.device = dtype, torch.device(device)
+        self.prefetch_options = prefetch or PrefetchOptions(enabled=False)
         self._records: dict[tuple[int, int], ExpertRecord] = {r.key: r for r in manifest.experts}
         self._counts = manifest.expert_counts()
+        self._inflight: dict[tuple[int, int], Future] = {}
+        self._last_route: dict[int, list[int]] = {}
+        self._predicted: dict[int, set[int]] = {}
+        self.uses: dict[tuple[int, int], int] = defaultdict(int)  # for the heat histogram
         self.stats = ExpertStats()
 
     def num_experts(self, layer_idx: int) -> int:
         return self._counts.get(layer_idx, 0)
 
-    def fetch(self, layer_idx: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, Expert]]:
-        for expert_idx in dict.fromkeys(expert_ids):
-            self.stats.requested += 1
-            key = (layer_idx, expert_idx)
-            expert = self.cache.get(key)
-            if expert is None:
-                expert = self._load(key)
-                self.cache.put(key, expert, expert.nbytes)
-            yield expert_idx, expert
-
-    def _load(self, key: tuple[int, int]) -> Expert:
-        rec = self._records.get(key)
+    def record(self, layer_idx: int, expert_idx: int) -> ExpertRecord:
+        rec = self._records.get((layer_idx, expert_idx))
         if rec is None:
-            raise CorruptExpertError(f"expert {key[1]} of layer {key[0]} is not in this store's manifest")
-        before = self.reader.read_s
-        buf = self.reader.read(rec)
+            raise CorruptExpertError(f"expert {expert_idx} of layer {layer_idx} is not in this store's manifest")
+        return rec
+
+    def fetch(self, layer_idx: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, Expert]]:
+        wanted = list(dict.fromkeys(expert_ids))
+        self._observe(layer_idx, wanted)
+        pending: dict[Future, int] = {}
+        ready: list[tuple[int, Expert]] = []
+        for e in wanted:
+            key = (layer_idx, e)
+            self.stats.requested += 1
+            self.uses[key] += 1
+            if (expert := self.pinned.get(key)) is not None:
+                self.stats.pinned_hits += 1
+                ready.append((e, expert))
+            elif (expert := self.cache.get(key)) is not None:
+                self.stats.cache_hits += 1
+                ready.append((e, expert))
+            elif (fut := self._inflight.pop(key, None)) is not None:
+                self.stats.prefetch_used += 1
+                pending[fut] = e
+            else:
+                pending[self.reader.submit(self.record(layer_idx, e))] = e
+        self._drop_inflight(layer_idx)  # predictions for this layer that the router did not pick
+        yield from ready
+        try:
+            while pending:
+                t0 = time.perf_counter()
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                self.stats.wait_s += time.perf_counter() - t0
+                for fut in done:
+                    e = pending.pop(fut)
+                    yield e, self._decode(self.record(layer_idx, e), fut.result())
+        finally:
+            for fut in pending:  # an error or an abandoned generator: reads still running are waste
+                fut.cancel()
+
+    def prefetch(self, layer_idx: int, expert_ids: Sequence[int] | None) -> None:
+        """Start reads for experts predicted at `layer_idx` (None: the previous token's route there)."""
+        opts = self.prefetch_options
+        if not opts.enabled or layer_idx not in self._counts:
+            return
+        ids = list(dict.fromkeys(self._last_route.get(layer_idx, []) if expert_ids is None else expert_ids))
+        self._predicted[layer_idx] = set(ids)
+        gate = self.stats.layers[layer_idx]
+        if gate.observations >= opts.warmup and gate.ema < opts.recall_threshold:
+            self.stats.prefetch_gated += 1
+            return
+        for e in ids:
+            key = (layer_idx, e)
+            if key in self._inflight or key in self.pinned or key in self.cache or key not in self._records:
+                continue
+            if len(self._inflight) >= opts.max_in_flight:
+                break
+            self._inflight[key] = self.reader.submit(self._records[key])
+            self.stats.prefetch_issued += 1
+
+    def _observe(self, layer_idx: int, wanted: list[int]) -> None:
+        self._last_route[layer_idx] = wanted
+        predicted = self._predicted.pop(layer_idx, None)
+        if predicted is None:
+            return
+        r = self.stats.layers[layer_idx]
+        hits = len(predicted.intersection(wanted))
+        r.predicted += len(predicted)
+        r.hits += hits
+        r.needed += len(wanted)
+        r.observations += 1
+        r.ema = 0.8 * r.ema + 0.2 * (hits / len(wanted) if wanted else 1.0)
+
+    def _drop_inflight(self, layer_idx: int) -> None:
+        for key in [k for k in self._inflight if k[0] == layer_idx]:
+            fut = self._inflight.pop(key)
+            self.stats.prefetch_wasted += 1
+            if not fut.cancel():
+                # already read: keep it if the cache has room, it may be wanted next token
+                fut.add_done_callback(lambda f, key=key: self._keep_late(key, f))
+
+    def _keep_late(self, key: tuple[int, int], fut: Future) -> None:
+        if fut.cancelled() or fut.exception() is not None or key in self.cache:
+            return
+        self._decode(self._records[key], fut.result())
+
+    def _decode(self, rec: ExpertRecord, buf: object) -> Expert:
         self.stats.read += 1
         self.stats.bytes_read += rec.length
-        self.stats.read_s += self.reader.read_s - before
-        # Views over `buf` when dtype and device already match (the tensors keep it alive).
-        tensors = {n: t.to(device=self.device, dtype=self.dtype) for n, t in record_tensors(rec, buf).items()}
-        return Expert(tensors, sum(t.numel() * t.element_size() for t in tensors.values()))
+        views = record_tensors(rec, buf)
+        tensors = {n: t.to(device=self.device, dtype=self.dtype) for n, t in views.items()}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        expert = Expert(tensors, nbytes)
+        if any(t.data_ptr() == v.data_ptr() for t, v in zip(tensors.values(), views.values(), strict=True)):
+            # tensors are views over the read buffer: recycle it once the expert is gone
+            weakref.finalize(expert, self.reader.release, buf)
+        else:
+            self.reader.release(buf)
+        self.cache.put(rec.key, expert, nbytes)
+        return expert
+
+    def pin(self, keys: Sequence[tuple[int, int]], budget_bytes: int) -> int:
+        """Load `keys` (hottest first) into the pin tier until `budget_bytes`; returns bytes pinned."""
+        for key in keys:
+            rec = self._records.get(key)
+            if rec is None or key in self.pinned:
+                continue
+            if self.pinned_bytes + rec.length > budget_bytes:
+                break
+            expert = self._decode(rec, self.reader.read(rec))
+            self.cache.pop(key)
+            self.pinned[key] = expert
+            self.pinned_bytes += expert.nbytes
+        return self.pinned_bytes
 
     def close(self) -> None:
+        for fut in self._inflight.values():
+            fut.cancel()
+        self._inflight.clear()
         self.reader.close()
-

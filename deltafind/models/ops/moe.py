@@ -41,6 +41,13 @@ def expert_forward(x: torch.Tensor, expert: Expert, act: Callable[[torch.Tensor]
     return F.linear(act(gate) * up, expert["down_proj"].to(dtype))
 
 
+def predict_routed(router: nn.Module, x: torch.Tensor) -> list[int]:
+    """Distinct experts `router` would choose for any token of x (a prefetch hint)."""
+    with torch.no_grad():
+        idx, _ = router(x)
+    return torch.unique(idx).tolist()
+
+
 def run_experts(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -87,8 +94,14 @@ class SlicedMLP(nn.Module):
         super().__init__()
         self.layer_idx, self.provider, self.act = layer_idx, provider, act
 
+    def predict_all(self) -> list[int]:
+        return list(range(self.provider.num_experts(self.layer_idx)))
+
+    def predict(self, x: torch.Tensor) -> list[int]:
+        return self.predict_all()  # a dense layer always needs every slice
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids = list(range(self.provider.num_experts(self.layer_idx)))
+        ids = self.predict_all()
         partial = {e: expert_forward(x, expert, self.act) for e, expert in self.provider.fetch(self.layer_idx, ids)}
         out = torch.zeros_like(x)
         for e in ids:  # fixed order: results must not depend on I/O timing
