@@ -18,13 +18,17 @@ import torch
 from deltafind.engine.generate import GenerationStats, forward_step, generate
 from deltafind.engine.sampler import SamplingParams
 from deltafind.errors import StoreError
+from deltafind.log import get_logger
 from deltafind.models.ops.batch import SequenceCache
 from deltafind.models.registry import family_module
 from deltafind.store.experts import PrefetchOptions, StoreExperts
 from deltafind.store.manifest import SPINE_NAME, TOKENIZER_DIR, Manifest
+from deltafind.store.heat import hottest, read_heat, update_heat
 from deltafind.store.reader import DriveOptions
+from deltafind.store.trace import TraceWriter
 from deltafind.tokenizer import Tokenizer
 
+log = get_logger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -34,6 +38,7 @@ class Model:
     def __init__(self, store_dir: Path, manifest: Manifest, net: torch.nn.Module, experts: StoreExperts, tokenizer: Tokenizer) -> None:
         self.store_dir, self.manifest, self.net, self.experts, self.tokenizer = store_dir, manifest, net, experts, tokenizer
         self.last_stats = GenerationStats()
+        self.heat_decay = 0.99
 
     @classmethod
     def open(
@@ -45,12 +50,17 @@ class Model:
         drives: list[DriveOptions] | None = None,
         prefetch: PrefetchOptions | bool = True,
         direct_io: bool = True,
+        pin_bytes: int = 0,
+        trace_path: str | Path | None = None,
+        heat_decay: float = 0.99,
     ) -> Model:
         """Load the spine of the store at `store_dir`; experts stream on demand.
 
         `expert_cache_bytes=None` keeps every expert read (unlimited cache);
         0 reads every expert every time it is used. `drives` sets per-drive
         queue depth and (for benchmarks) a read-rate cap, in the store's drive order.
+        `pin_bytes` keeps the store's hottest experts (by its heat file) resident;
+        `trace_path` appends a router trace (JSONL).
         """
         from safetensors import safe_open
 
@@ -63,7 +73,10 @@ class Model:
         args = family.ModelArgs.from_config(manifest.model_config)
         if isinstance(prefetch, bool):
             prefetch = PrefetchOptions(enabled=prefetch)
-        experts = StoreExperts(manifest, store_dir, expert_cache_bytes, torch_dtype, device, drives, prefetch, direct_io)
+        trace = TraceWriter(Path(trace_path)) if trace_path else None
+        experts = StoreExperts(manifest, store_dir, expert_cache_bytes, torch_dtype, device, drives, prefetch, direct_io, trace)
+        if pin_bytes:
+            experts.pin(hottest(read_heat(store_dir)), pin_bytes)
         with torch.device("meta"):
             net = family.Model(args, experts)
         spine = {}
@@ -84,7 +97,9 @@ class Model:
             net.tie_weights()
         net.eval()
         tokenizer = Tokenizer.load(store_dir / TOKENIZER_DIR)
-        return cls(store_dir, manifest, net, experts, tokenizer)
+        model = cls(store_dir, manifest, net, experts, tokenizer)
+        model.heat_decay = heat_decay
+        return model
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -114,5 +129,16 @@ class Model:
         params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop_token_ids))
         return list(self.stream(token_ids, params))
 
+    def save_heat(self) -> None:
+        """Merge this run's expert uses into the store's heat file (a read-only store is logged, not fatal)."""
+        uses, self.experts.uses = dict(self.experts.uses), type(self.experts.uses)(int)
+        if not uses:
+            return
+        try:
+            update_heat(self.store_dir, uses, self.heat_decay)
+        except OSError as e:
+            log.warning("heat_not_saved", store=str(self.store_dir), error=e.strerror)
+
     def close(self) -> None:
+        self.save_heat()
         self.experts.close()

@@ -101,7 +101,11 @@ def _open_model(args: argparse.Namespace, settings: Any) -> Any:
     drives = [DriveOptions(d.path, d.queue_depth, d.read_mb_s) for d in settings.drives]
     p = settings.prefetch
     prefetch = PrefetchOptions(p.enabled and not getattr(args, "no_prefetch", False), p.max_in_flight, p.recall_threshold)
-    return Model.open(_store_arg(args, settings), device=device, expert_cache_bytes=int(cache), dtype=settings.device.dtype, drives=drives, prefetch=prefetch)
+    return Model.open(
+        _store_arg(args, settings), device=device, expert_cache_bytes=int(cache), dtype=settings.device.dtype,
+        drives=drives, prefetch=prefetch, pin_bytes=int(settings.cache.pin_bytes), trace_path=getattr(args, "trace", None),
+        heat_decay=settings.cache.heat_decay,
+    )
 
 
 def _sampling(args: argparse.Namespace) -> Any:
@@ -140,6 +144,13 @@ def _print_stats(model: Any) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     settings = _settings(args)
     model = _open_model(args, settings)
+    try:
+        return _run_model(args, model)
+    finally:
+        model.close()
+
+
+def _run_model(args: argparse.Namespace, model: Any) -> int:
     params = _sampling(args)
     if not args.chat:
         if args.prompt is None:
@@ -199,6 +210,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    from deltafind.store.trace import heat_from_trace, read_trace, summarize
+
+    records = read_trace(Path(args.file))
+    if args.action == "summarize":
+        summary = summarize(records, top=args.top)
+        if args.json:
+            print(json.dumps(summary))
+        else:
+            print(f"{summary['routes']} routes, {summary['distinct_experts']} distinct experts")
+            for h in summary["hot_experts"]:
+                print(f"  layer {h['layer']:3d} expert {h['expert']:4d}: {h['uses']} uses")
+            for name in ("reuse_by_layer", "prediction_recall_by_layer"):
+                vals = summary[name]
+                if vals:
+                    print(f"{name.replace('_', ' ')}: " + ", ".join(f"{k}: {v:.2f}" for k, v in vals.items()))
+        return 0
+    from deltafind.store.heat import update_heat
+
+    if not args.store:
+        raise StoreError("trace warm needs --store DIR (the store whose heat file to warm)")
+    heat = update_heat(Path(args.store), heat_from_trace(records), _settings(args).cache.heat_decay)
+    print(f"{args.store}: heat file now covers {len(heat)} experts; set [cache] pin_bytes to keep the hottest resident")
+    return 0
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML config (default /etc/deltafind/deltafind.toml when it exists)")
 
@@ -208,6 +245,7 @@ def _add_model_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-bytes", type=_byte_size, metavar="SIZE", help="expert cache budget, e.g. 2GiB or 0 (default: [cache] expert_bytes)")
     p.add_argument("--threads", type=int, help="CPU threads for torch")
     p.add_argument("--no-prefetch", action="store_true", help="turn next-layer expert prefetch off")
+    p.add_argument("--trace", metavar="FILE", help="append a router trace (JSONL) to FILE")
 
 
 def _byte_size(text: str) -> int:
@@ -261,6 +299,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--json", action="store_true", help="one JSON line")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("trace", help="read a router trace: summarize it, or warm a store's heat from it")
+    _add_common(p)
+    p.add_argument("action", choices=["summarize", "warm"])
+    p.add_argument("file", help="trace file written by --trace")
+    p.add_argument("--store", metavar="DIR", help="with warm: the store to warm")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_trace)
     return parser
 
 

@@ -98,6 +98,7 @@ class CausalLM(nn.Module):
         self.args = args
         # Next-layer prefetch: only providers that can start reads early take hints.
         self._prefetch = getattr(experts, "prefetch", None)
+        self._begin_step = getattr(experts, "begin_step", None)  # router tracing
         self.model = Backbone(args, make_layer)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rope = rope
@@ -114,6 +115,8 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rope.cos_sin(batch.positions)
         layers = self.model.layers
+        if self._begin_step is not None:
+            self._begin_step(batch.token_sequences(), batch.positions.tolist())
         if self._prefetch is not None:
             self._prefetch(0, layers[0].mlp.predict_all() if hasattr(layers[0].mlp, "predict_all") else None)
         for i, layer in enumerate(layers):

@@ -23,6 +23,7 @@ from deltafind.store.cache import ByteLRU
 from deltafind.store.manifest import ExpertRecord, Manifest
 from deltafind.store.provider import Expert
 from deltafind.store.reader import DriveOptions, PackReader, record_tensors
+from deltafind.store.trace import TraceWriter
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class StoreExperts:
         drives: list[DriveOptions] | None = None,
         prefetch: PrefetchOptions | None = None,
         direct_io: bool = True,
+        trace: TraceWriter | None = None,
     ) -> None:
         self.manifest = manifest
         self.reader = PackReader(manifest, Path(store_dir), drives=drives, direct=direct_io)
@@ -93,6 +95,8 @@ class StoreExperts:
         self._predicted: dict[int, set[int]] = {}
         self.uses: dict[tuple[int, int], int] = defaultdict(int)  # for the heat histogram
         self.stats = ExpertStats()
+        self.trace = trace
+        self._step: tuple[list[int], list[int]] = ([], [])
 
     def num_experts(self, layer_idx: int) -> int:
         return self._counts.get(layer_idx, 0)
@@ -144,6 +148,8 @@ class StoreExperts:
             return
         ids = list(dict.fromkeys(self._last_route.get(layer_idx, []) if expert_ids is None else expert_ids))
         self._predicted[layer_idx] = set(ids)
+        if self.trace is not None:
+            self.trace.write({"layer": layer_idx, "pred": ids})
         gate = self.stats.layers[layer_idx]
         if gate.observations >= opts.warmup and gate.ema < opts.recall_threshold:
             self.stats.prefetch_gated += 1
@@ -156,6 +162,17 @@ class StoreExperts:
                 break
             self._inflight[key] = self.reader.submit(self._records[key])
             self.stats.prefetch_issued += 1
+
+    def begin_step(self, seq_ids: list[int], positions: list[int]) -> None:
+        self._step = (seq_ids, positions)
+
+    def observe_routes(self, layer_idx: int, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> None:
+        if self.trace is None:
+            return
+        seqs, positions = self._step
+        for t, (ids, ws) in enumerate(zip(topk_idx.tolist(), topk_weight.float().tolist(), strict=True)):
+            self.trace.write({"seq": seqs[t] if t < len(seqs) else -1, "pos": positions[t] if t < len(positions) else -1,
+                              "layer": layer_idx, "experts": ids, "weights": [round(w, 5) for w in ws]})
 
     def _observe(self, layer_idx: int, wanted: list[int]) -> None:
         self._last_route[layer_idx] = wanted
@@ -213,6 +230,8 @@ class StoreExperts:
         return self.pinned_bytes
 
     def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
         for fut in self._inflight.values():
             fut.cancel()
         self._inflight.clear()

@@ -7,6 +7,7 @@ serves every sequence in the step; attention runs per segment.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -47,9 +48,12 @@ class LayerCache:
 class SequenceCache:
     """All layers' caches of one sequence; `length` is the number of positions seen."""
 
+    _ids = itertools.count()
+
     def __init__(self, num_layers: int) -> None:
         self.layers = [LayerCache() for _ in range(num_layers)]
         self.length = 0
+        self.seq_id = next(SequenceCache._ids)  # names the sequence in router traces
 
     def truncate(self, length: int) -> None:
         for layer in self.layers:
@@ -87,6 +91,10 @@ class Batch:
     def last_token_index(self) -> torch.Tensor:
         """Flat indices of each segment's last token."""
         return torch.tensor([s.start + s.num_tokens - 1 for s in self.segments], dtype=torch.long)
+
+    def token_sequences(self) -> list[int]:
+        """The sequence id of each flat token."""
+        return [s.cache.seq_id for s in self.segments for _ in range(s.num_tokens)]
 
     def advance(self) -> None:
         """Mark the segments' tokens as seen, after all layers ran."""

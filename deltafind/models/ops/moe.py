@@ -61,6 +61,9 @@ def run_experts(
     x [T, H]; topk_idx, topk_weight [T, k]. Each distinct expert is fetched and
     multiplied once, on exactly the tokens that chose it.
     """
+    observe = getattr(provider, "observe_routes", None)
+    if observe is not None:
+        observe(layer_idx, topk_idx, topk_weight)
     out = torch.zeros_like(x)
     flat_idx = topk_idx.reshape(-1)  # [T*k]
     order = torch.argsort(flat_idx, stable=True)
