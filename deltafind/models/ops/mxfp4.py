@@ -1,0 +1,100 @@
+"""MXFP4 weights as compressed-tensors `mxfp4-pack-quantized` stores them (spec 5).
+
+A logical [R, C] matrix is `weight_packed` uint8 [R, C/2] (column 2j in the low
+nibble of byte j, 2j+1 in the high one; E2M1 codes) plus `weight_scale` uint8
+[R, C/32] (E8M0: 2^(s-127) per 32 input columns). Owns the exact decode, the
+plain reference, and `mxfp4_linear`: fused CPU kernel or dequantise + matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deltafind.models.ops.mxfp4_build import load_kernel
+
+GROUP = 32
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+# Where the fused kernel stops paying: from this many tokens per expert, one exact
+# dequantisation plus a BLAS matmul is faster (measured in tests/bench/bench_kimi_k3.py).
+BATCHED_MIN_TOKENS = 128
+
+
+def logical_shape(packed: torch.Tensor) -> tuple[int, int]:
+    return packed.shape[0], packed.shape[1] * 2
+
+
+def check_pack(packed: torch.Tensor, scale: torch.Tensor) -> None:
+    """Raise ValueError unless packed/scale are a well-formed MXFP4 pair."""
+    if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 tensors must be uint8 (got {packed.dtype}, {scale.dtype})")
+    rows, cols = logical_shape(packed)
+    if packed.dim() != 2 or cols % GROUP or tuple(scale.shape) != (rows, cols // GROUP):
+        raise ValueError(f"MXFP4 shapes do not fit: packed {tuple(packed.shape)}, scale {tuple(scale.shape)}")
+
+
+def check_scales(scale: torch.Tensor) -> None:
+    """E8M0 bytes 0 and 255 are outside what K3 uses (0 would be 2^-127, 255 inf/NaN): refuse them."""
+    if scale.numel() and (bool((scale == 0).any()) or bool((scale == 255).any())):
+        raise ValueError("MXFP4 scale byte 0 or 255 found; the checkpoint's scales lie strictly inside (0, 255)")
+
+
+def dequantize_reference(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The plain, obviously-exact decode to fp32 [R, C] (spec 5.2's sketch)."""
+    table = torch.tensor(E2M1, dtype=torch.float32, device=packed.device)
+    lo, hi = (packed & 0xF).long(), (packed >> 4).long()
+    codes = torch.stack([lo, hi], dim=-1).flatten(-2)  # [R, C], low nibble first
+    factor = torch.exp2(scale.to(torch.float32) - 127.0)  # [R, C/32]
+    return table[codes] * factor.repeat_interleave(GROUP, dim=-1)
+
+
+def _kernel_ok(x: torch.Tensor, packed: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and packed.device.type == "cpu" and load_kernel() is not None
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact fp32 [R, C]; the C++ kernel where it is built, else the reference."""
+    check_pack(packed, scale)
+    rows, cols = logical_shape(packed)
+    if not _kernel_ok(packed, packed):
+        return dequantize_reference(packed, scale).to(packed.device)
+    packed, scale = packed.contiguous(), scale.contiguous()
+    out = torch.empty((rows, cols), dtype=torch.float32) if out is None else out
+    rc = load_kernel().df_mxfp4_dequant(packed.data_ptr(), scale.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads())
+    assert rc == 0
+    return out
+
+
+def fused_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [T, C] fp32 -> [T, R] through the fused kernel (no weight is materialised).
+
+    Per output: eight fp32 lanes of FMAs, group by group, then one fixed tree; the
+    result does not depend on T or on the thread count.
+    """
+    lib = load_kernel()
+    assert lib is not None
+    rows, cols = logical_shape(packed)
+    x = x.contiguous()
+    packed, scale = packed.contiguous(), scale.contiguous()
+    y = torch.empty((x.shape[0], rows), dtype=torch.float32)
+    rc = lib.df_mxfp4_matmul(
+        x.data_ptr(), x.shape[0], cols, packed.data_ptr(), scale.data_ptr(), rows, cols, y.data_ptr(), rows, torch.get_num_threads()
+    )
+    assert rc == 0
+    return y
+
+
+def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, batched_min_tokens: int | None = None) -> torch.Tensor:
+    """`x @ W.T` for an MXFP4 W, fp32 in and out. x [T, C] -> [T, R].
+
+    Few tokens: the fused kernel. Many tokens (>= `batched_min_tokens`) or no
+    kernel: exact dequantisation to fp32, then one matmul. Both are exact in the
+    weights; they differ only in fp32 summation order.
+    """
+    check_pack(packed, scale)
+    if x.dtype != torch.float32:
+        raise ValueError(f"MXFP4 matmul takes fp32 activations (got {x.dtype})")
+    limit = BATCHED_MIN_TOKENS if batched_min_tokens is None else batched_min_tokens
+    if _kernel_ok(x, packed) and x.shape[0] < limit:
+        return fused_linear(x, packed, scale)
+    return F.linear(x, dequantize(packed, scale).to(x.device))

@@ -1,0 +1,243 @@
+// MXFP4 (compressed-tensors mxfp4-pack-quantized) fused dequant + matmul for CPUs.
+//
+// y[t, r] = sum_g 2^(s[r,g]-127) * sum_{j<32} e2m1(code[r, 32g+j]) * x[t, 32g+j]
+// Weights are decoded in registers (never materialised); activations stay fp32.
+// The summation order of one (t, r) is fixed (8 lanes, group by group, one tree
+// at the end) and does not depend on T or on the thread count, so one token and
+// a batch of tokens give bit-identical rows. Built by deltafind/models/ops/mxfp4_build.py.
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// 2 * E2M1 value by code (sign bit 3): integers, so int8 lookups and int->float are exact.
+const int8_t kTwiceE2M1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+const float kE2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+// kPow2[s + off] = 2^(s - 128 + off) for the E8M0 byte s: a table, since ldexp per group is slow.
+struct Pow2Table {
+  float v[257];
+  Pow2Table() {
+    for (int i = 0; i < 257; ++i) v[i] = std::ldexp(1.0f, i - 128);
+  }
+};
+const Pow2Table kPow2;
+inline float half_scale(uint8_t s) { return kPow2.v[s]; }     // 0.5 * 2^(s-127)
+inline float full_scale(uint8_t s) { return kPow2.v[s + 1]; }  // 2^(s-127)
+
+// A small persistent pool: run(n, fn) calls fn(i) for i in [0, n) on up to `threads` threads.
+class Pool {
+ public:
+  void run(int n, int threads, const std::function<void(int)>& fn) {
+    if (threads <= 1 || n <= 1) {
+      for (int i = 0; i < n; ++i) fn(i);
+      return;
+    }
+    std::lock_guard<std::mutex> call_lock(call_mu_);
+    ensure(threads - 1);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      fn_ = &fn;
+      next_.store(0);
+      total_ = n;
+      active_ = static_cast<int>(workers_.size());
+      ++generation_;
+    }
+    cv_.notify_all();
+    work();
+    std::unique_lock<std::mutex> lk(mu_);
+    done_cv_.wait(lk, [&] { return active_ == 0; });
+    fn_ = nullptr;
+  }
+
+ private:
+  void ensure(int count) {
+    while (static_cast<int>(workers_.size()) < count) {
+      workers_.emplace_back([this, seen = generation_]() mutable {
+        for (;;) {
+          {
+            std::unique_lock<std::mutex> lk(mu_);
+            cv_.wait(lk, [&] { return generation_ != seen; });
+            seen = generation_;
+          }
+          work();
+          std::lock_guard<std::mutex> lk(mu_);
+          if (--active_ == 0) done_cv_.notify_all();
+        }
+      });
+      workers_.back().detach();
+    }
+  }
+  void work() {
+    for (int i; (i = next_.fetch_add(1)) < total_;) (*fn_)(i);
+  }
+  std::mutex call_mu_, mu_;
+  std::condition_variable cv_, done_cv_;
+  std::vector<std::thread> workers_;
+  const std::function<void(int)>* fn_ = nullptr;
+  std::atomic<int> next_{0};
+  int total_ = 0, active_ = 0;
+  uint64_t generation_ = 0;
+};
+
+Pool& pool() {
+  static Pool* p = new Pool();  // never destroyed: detached workers may outlive static teardown
+  return *p;
+}
+
+constexpr int kTile = 8;  // tokens per register tile
+
+#ifdef __AVX2__
+// The 32 weights of one group as four vectors of 2 * E2M1 (columns 0-7, 8-15, 16-23, 24-31).
+inline void decode_group(const uint8_t* p, __m256 w[4]) {
+  const __m128i lut = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kTwiceE2M1));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i lo = _mm_and_si128(b, low4);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+  const __m128i v0 = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi));  // columns 0..15
+  const __m128i v1 = _mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi));  // columns 16..31
+  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0));
+  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8)));
+  w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1));
+  w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8)));
+}
+
+// One group's contribution, in the one order every path uses.
+inline __m256 group_dot(const __m256 w[4], const float* xg, __m256 hs, __m256 yv) {
+  __m256 acc = _mm256_mul_ps(w[0], _mm256_loadu_ps(xg));
+  acc = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), acc);
+  acc = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), acc);
+  acc = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), acc);
+  return _mm256_fmadd_ps(acc, hs, yv);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// One token, four rows at once: four independent chains keep the FMA units busy.
+void rows4_one_token(const float* x, const uint8_t* packed, const uint8_t* scale, int64_t r, int64_t C, float* y) {
+  const int64_t G = C / 32;
+  __m256 yv[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t g = 0; g < G; ++g) {
+    const float* xg = x + g * 32;
+    for (int k = 0; k < 4; ++k) {
+      __m256 w[4];
+      decode_group(packed + (r + k) * (C / 2) + g * 16, w);
+      yv[k] = group_dot(w, xg, _mm256_set1_ps(half_scale(scale[(r + k) * G + g])), yv[k]);
+    }
+  }
+  for (int k = 0; k < 4; ++k) y[r + k] = hsum(yv[k]);
+}
+#endif
+
+// Rows [r0, r1) for tokens [t0, t0+nt), nt <= kTile.
+void rows_tile(const float* x, int64_t ldx, int nt, const uint8_t* packed, const uint8_t* scale,
+               int64_t r0, int64_t r1, int64_t C, float* y, int64_t ldy) {
+  const int64_t G = C / 32;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* prow = packed + r * (C / 2);
+    const uint8_t* srow = scale + r * G;
+#ifdef __AVX2__
+    if (nt == 1 && r + 4 <= r1) {
+      rows4_one_token(x, packed, scale, r, C, y);
+      r += 3;
+      continue;
+    }
+    __m256 yv[kTile];
+    for (int t = 0; t < nt; ++t) yv[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 w[4];
+      decode_group(prow + g * 16, w);
+      const __m256 hs = _mm256_set1_ps(half_scale(srow[g]));
+      for (int t = 0; t < nt; ++t) yv[t] = group_dot(w, x + t * ldx + g * 32, hs, yv[t]);
+    }
+    for (int t = 0; t < nt; ++t) y[t * ldy + r] = hsum(yv[t]);
+#else
+    // Same lanes and order as the AVX2 path, written out for other CPUs.
+    float yv[kTile][8] = {};
+    for (int64_t g = 0; g < G; ++g) {
+      float w[32];
+      for (int j = 0; j < 16; ++j) {
+        w[2 * j] = kTwiceE2M1[prow[g * 16 + j] & 15];
+        w[2 * j + 1] = kTwiceE2M1[prow[g * 16 + j] >> 4];
+      }
+      const float hs = half_scale(srow[g]);
+      for (int t = 0; t < nt; ++t) {
+        const float* xg = x + t * ldx + g * 32;
+        for (int l = 0; l < 8; ++l) {
+          float acc = w[l] * xg[l];
+          acc = std::fma(w[8 + l], xg[8 + l], acc);
+          acc = std::fma(w[16 + l], xg[16 + l], acc);
+          acc = std::fma(w[24 + l], xg[24 + l], acc);
+          yv[t][l] = std::fma(acc, hs, yv[t][l]);
+        }
+      }
+    }
+    for (int t = 0; t < nt; ++t) {
+      const float* v = yv[t];
+      float s0 = v[0] + v[4], s1 = v[1] + v[5], s2 = v[2] + v[6], s3 = v[3] + v[7];
+      y[t * ldy + r] = (s0 + s2) + (s1 + s3);
+    }
+#endif
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// y [T, R] (row stride ldy) = x [T, C] (row stride ldx) @ W.T, W given as packed [R, C/2], scale [R, C/32].
+int df_mxfp4_matmul(const float* x, int64_t T, int64_t ldx, const uint8_t* packed, const uint8_t* scale,
+                    int64_t R, int64_t C, float* y, int64_t ldy, int threads) {
+  if (C % 32 != 0) return 1;
+  const int64_t rows_per_task = 64;
+  const int tasks = static_cast<int>((R + rows_per_task - 1) / rows_per_task);
+  pool().run(tasks, threads, [&](int i) {
+    const int64_t r0 = i * rows_per_task, r1 = std::min<int64_t>(R, r0 + rows_per_task);
+    for (int64_t t0 = 0; t0 < T; t0 += kTile) {
+      const int nt = static_cast<int>(std::min<int64_t>(kTile, T - t0));
+      rows_tile(x + t0 * ldx, ldx, nt, packed, scale, r0, r1, C, y + t0 * ldy, ldy);
+    }
+  });
+  return 0;
+}
+
+// w [R, C] fp32 = exact dequantisation.
+int df_mxfp4_dequant(const uint8_t* packed, const uint8_t* scale, int64_t R, int64_t C, float* w, int threads) {
+  if (C % 32 != 0) return 1;
+  const int64_t rows_per_task = 64;
+  const int tasks = static_cast<int>((R + rows_per_task - 1) / rows_per_task);
+  pool().run(tasks, threads, [&](int i) {
+    const int64_t r0 = i * rows_per_task, r1 = std::min<int64_t>(R, r0 + rows_per_task);
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t g = 0; g < C / 32; ++g) {
+        const float f = full_scale(scale[r * (C / 32) + g]);
+        const uint8_t* p = packed + r * (C / 2) + g * 16;
+        float* out = w + r * C + g * 32;
+        for (int j = 0; j < 16; ++j) {
+          out[2 * j] = kE2M1[p[j] & 15] * f;
+          out[2 * j + 1] = kE2M1[p[j] >> 4] * f;
+        }
+      }
+    }
+  });
+  return 0;
+}
+
+int df_mxfp4_abi(void) { return 1; }
+}

@@ -1,0 +1,114 @@
+"""MXFP4 (spec 5): exact decode of formula-made codes and scales, and the fast paths.
+
+The reference here is written from the spec's words (sign bit, two exponent bits,
+one mantissa bit; 2^(s-127) per 32 input columns; low nibble first), not from
+deltafind's decoder. Fast paths are held to a stated fp32 bound against float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from deltafind.models.ops import mxfp4
+from deltafind.models.ops.mxfp4_build import load_kernel
+
+
+def e2m1(code: int) -> float:
+    sign = -1.0 if code & 8 else 1.0
+    exp, man = (code >> 1) & 3, code & 1
+    mag = man * 0.5 if exp == 0 else (1.0 + man / 2) * 2.0 ** (exp - 1)
+    return sign * mag
+
+
+def formula_pack(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes from indices, scales 123..126, and the expected fp32 matrix built element by element."""
+    code = lambda r, c: (r * 7 + c * 3 + (r * c) % 5) % 16  # noqa: E731  every code appears in every row
+    scale_of = lambda r, g: 123 + (r + 2 * g) % 4  # noqa: E731
+    packed = torch.tensor([[code(r, 2 * j) | (code(r, 2 * j + 1) << 4) for j in range(cols // 2)] for r in range(rows)], dtype=torch.uint8)
+    scale = torch.tensor([[scale_of(r, g) for g in range(cols // 32)] for r in range(rows)], dtype=torch.uint8)
+    want = torch.tensor([[e2m1(code(r, c)) * math.ldexp(1.0, scale_of(r, c // 32) - 127) for c in range(cols)] for r in range(rows)])
+    return packed, scale, want
+
+
+def test_e2m1_table_is_the_spec_table() -> None:
+    assert [e2m1(c) for c in range(16)] == list(mxfp4.E2M1)
+    assert math.copysign(1.0, mxfp4.E2M1[8]) == -1.0  # code 8 is -0
+
+
+def test_nibble_order_low_first() -> None:
+    packed = torch.tensor([[0x21] + [0] * 15], dtype=torch.uint8)  # column 0 <- 1 (0.5), column 1 <- 2 (1.0)
+    scale = torch.tensor([[127]], dtype=torch.uint8)
+    w = mxfp4.dequantize_reference(packed, scale)
+    assert w[0, :3].tolist() == [0.5, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("shape", [(3, 64), (17, 96)])
+def test_decode_of_formula_codes_is_exact(shape: tuple[int, int]) -> None:
+    packed, scale, want = formula_pack(*shape)
+    assert torch.equal(mxfp4.dequantize_reference(packed, scale), want)
+    assert torch.equal(mxfp4.dequantize(packed, scale), want)  # the C++ decode where it is built
+
+
+def test_all_scale_bytes_decode_to_true_powers_of_two() -> None:
+    packed = torch.full((254, 16), 0x22, dtype=torch.uint8)  # 1.0 everywhere
+    scale = torch.arange(1, 255, dtype=torch.uint8)[:, None]
+    want = torch.tensor([math.ldexp(1.0, s - 127) for s in range(1, 255)])[:, None].expand(254, 32)
+    assert torch.equal(mxfp4.dequantize(packed, scale), want)
+    mxfp4.check_scales(scale)
+    with pytest.raises(ValueError, match="0 or 255"):
+        mxfp4.check_scales(torch.tensor([[0]], dtype=torch.uint8))
+
+
+def _random_pack(rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g),
+            torch.randint(118, 127, (rows, cols // 32), dtype=torch.uint8, generator=g))
+
+
+def fp32_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The classic dot-product bound gamma_n * sum|w||x| with n = C (any summation order)."""
+    n, u = w.shape[1], 2.0**-24
+    return (n * u / (1 - n * u)) * (x.double().abs() @ w.double().abs().T)
+
+
+@pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler: the fused kernel is not built")
+def test_fused_kernel_within_fp32_bound_and_token_independent() -> None:
+    packed, scale = _random_pack(200, 384)
+    w = mxfp4.dequantize_reference(packed, scale)
+    x = torch.randn(11, 384, generator=torch.Generator().manual_seed(1))
+    y = mxfp4.fused_linear(x, packed, scale)
+    exact = x.double() @ w.double().T
+    assert ((y.double() - exact).abs() <= fp32_bound(x, w)).all()
+    for t in (0, 5, 10):  # one token alone gives the bits it gets inside a batch (8-token tiles, remainders)
+        assert torch.equal(mxfp4.fused_linear(x[t : t + 1], packed, scale)[0], y[t])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(mxfp4.fused_linear(x, packed, scale), y)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_batched_path_is_dequantize_then_matmul_bit_for_bit() -> None:
+    packed, scale = _random_pack(64, 128, seed=2)
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(3))
+    got = mxfp4.mxfp4_linear(x, packed, scale, batched_min_tokens=8)
+    assert torch.equal(got, torch.nn.functional.linear(x, mxfp4.dequantize_reference(packed, scale)))
+
+
+def test_without_kernel_falls_back_to_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    packed, scale = _random_pack(32, 64, seed=4)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(mxfp4, "load_kernel", lambda: None)
+    assert torch.equal(mxfp4.mxfp4_linear(x, packed, scale), torch.nn.functional.linear(x, mxfp4.dequantize_reference(packed, scale)))
+
+
+def test_malformed_packs_are_refused() -> None:
+    packed, scale = _random_pack(4, 64)
+    with pytest.raises(ValueError, match="shapes"):
+        mxfp4.mxfp4_linear(torch.zeros(1, 64), packed, scale[:, :1])
+    with pytest.raises(ValueError, match="uint8"):
+        mxfp4.mxfp4_linear(torch.zeros(1, 64), packed.float(), scale)
