@@ -112,6 +112,10 @@ class Tokenizer:
             backend = make_tiktoken_backend(
                 ranks, _tiktoken_pattern(config, folder), _tiktoken_specials(config, len(ranks))
             )
+            if cls is Tokenizer:  # Kimi K3's XTML chat and safety slicing (tokenizer/kimi.py)
+                from .kimi import tokenizer_class
+
+                cls = tokenizer_class(config)
             return cls(backend, config, generation_config=generation, folder=folder)
         raise StoreError(
             f"{folder} has neither tokenizer.json nor tiktoken.model; re-run setup for this model"
