@@ -42,7 +42,11 @@ from deltafind.store.spine_writer import write_safetensors
 JOURNAL_NAME = "setup.journal"
 TENSOR_ALIGN = 64
 ROUTED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# Kimi K3's MXFP4 experts (compressed-tensors packs), kept exactly as released.
+ROUTED_MXFP4 = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.((?:w1|w2|w3)\.weight_(?:packed|scale))$")
 DENSE = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight$")
+MXFP4_PARTS = tuple(f"{w}.weight_{k}" for w in ("w1", "w2", "w3") for k in ("packed", "scale"))  # the release's byte order
+EXPERT_LAYOUTS = (EXPERT_PARTS, MXFP4_PARTS)  # a record holds exactly one of these sets of named tensors
 JOURNAL_SYNC_EVERY = 64
 
 
@@ -56,22 +60,52 @@ class Plan:
 def plan_tensors(tensors: dict[str, TensorInfo]) -> Plan:
     spine, routed, dense = [], {}, {}
     for name in tensors:
-        if m := ROUTED.match(name):
+        if m := ROUTED.match(name) or ROUTED_MXFP4.match(name):
             routed.setdefault((int(m[1]), int(m[2])), {})[m[3]] = name
         elif m := DENSE.match(name):
             dense.setdefault(int(m[1]), {})[m[2]] = name
         else:
             spine.append(name)
     for key, parts in {**routed, **{(k, -1): v for k, v in dense.items()}}.items():
-        if set(parts) != set(EXPERT_PARTS):
+        if not any(set(parts) == set(layout) for layout in EXPERT_LAYOUTS):
             raise StoreError(f"layer {key[0]}: expert tensors incomplete, found only {sorted(parts)}")
+    for (layer, expert), parts in routed.items():
+        if set(parts) == set(MXFP4_PARTS):
+            _check_mxfp4(layer, expert, {p: tensors[n] for p, n in parts.items()})
     return Plan(spine, routed, dense)
 
 
+def _check_mxfp4(layer: int, expert: int, parts: dict[str, TensorInfo]) -> None:
+    """Packs must be uint8 and shaped [R, C/2] + [R, C/32], as compressed-tensors writes them."""
+    for w in ("w1", "w2", "w3"):
+        packed, scale = parts[f"{w}.weight_packed"], parts[f"{w}.weight_scale"]
+        ok = packed.dtype == scale.dtype == torch.uint8 and len(packed.shape) == len(scale.shape) == 2
+        if not ok or scale.shape != (packed.shape[0], packed.shape[1] * 2 // 32) or (packed.shape[1] * 2) % 32:
+            raise StoreError(
+                f"layer {layer} expert {expert} {w}: MXFP4 pack {packed.dtype}{list(packed.shape)} with scale "
+                f"{scale.dtype}{list(scale.shape)} is not a compressed-tensors mxfp4-pack-quantized pair; re-download the checkpoint"
+            )
+
+
+def _expert_order(parts: dict[str, torch.Tensor]) -> tuple[str, ...]:
+    return next(layout for layout in EXPERT_LAYOUTS if set(parts) == set(layout))
+
+
+def _check_scales(layer: int, expert: int, parts: dict[str, torch.Tensor]) -> None:
+    # E8M0 bytes 0 and 255 mean 2^-127 and inf/NaN; K3's scales lie strictly between (spec 5.2).
+    for name, t in parts.items():
+        if name.endswith("weight_scale") and t.numel() and bool(((t == 0) | (t == 255)).any()):
+            raise StoreError(f"layer {layer} expert {expert} {name}: E8M0 scale byte 0 or 255, outside what the checkpoint uses; re-download it")
+
+
 def expert_record_bytes(parts: dict[str, torch.Tensor]) -> tuple[bytes, list[TensorEntry]]:
-    """Lay out one expert's tensors back to back (64-byte aligned) as one record payload."""
+    """Lay out one expert's tensors back to back (64-byte aligned) as one record payload.
+
+    Any dtype goes in byte for byte; K3's six MXFP4 tensors (all multiples of 64
+    bytes) come out as exactly the released 17,547,264-byte blob.
+    """
     chunks, entries, offset = [], [], 0
-    for name in EXPERT_PARTS:
+    for name in _expert_order(parts):
         t = parts[name].contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
         pad = align_up(offset, TENSOR_ALIGN) - offset
@@ -141,25 +175,27 @@ class _Journal:
 
 
 def setup_store(
-    source_path: Path,
+    source_path: Path | Source,
     store_dir: Path,
     drives: list[Path] | None = None,
     dense_slices: int = 8,
     progress: bool = True,
     fault_after: int | None = None,
 ) -> Manifest:
-    """Import `source_path` into `store_dir`, striping experts round-robin over `drives`.
+    """Import `source_path` (a path, or an open `Source` such as a synthetic one) into
+    `store_dir`, striping experts round-robin over `drives`.
 
     `fault_after` is for tests: raise after that many expert records, as an
     interrupt would.
     """
     store_dir = Path(store_dir)
-    source = open_source(Path(source_path))
+    source = source_path if isinstance(source_path, Source) else open_source(Path(source_path))
+    source_str = str(source.path) if isinstance(source_path, Source) else str(Path(source_path).resolve())
     if dense_slices < 1:
         raise StoreError(f"dense slices must be >= 1 (got {dense_slices})")
     drive_dirs = [Path(d) for d in drives] if drives else [store_dir / "drive0"]
     drive_strs = [os.path.relpath(d.resolve(), store_dir.resolve()) if _inside(d, store_dir) else str(d.resolve()) for d in drive_dirs]
-    params = {"fingerprint": source.fingerprint(), "source": str(Path(source_path).resolve()), "drives": drive_strs, "dense_slices": dense_slices}
+    params = {"fingerprint": source.fingerprint(), "source": source_str, "drives": drive_strs, "dense_slices": dense_slices}
 
     if (store_dir / MANIFEST_NAME).exists():
         existing = Manifest.load(store_dir)
@@ -204,7 +240,9 @@ def setup_store(
             for i, (layer, expert, load) in enumerate(groups):
                 if (layer, expert) in done_keys:
                     continue
-                payload, entries = expert_record_bytes(load())
+                parts = load()
+                _check_scales(layer, expert, parts)
+                payload, entries = expert_record_bytes(parts)
                 drive = i % len(drive_dirs)
                 f, end = packs[drive]
                 f.seek(end)

@@ -63,8 +63,17 @@ def _stat_fingerprint(paths: list[Path], extra: bytes = b"") -> str:
     return h.hexdigest()
 
 
+# Multimodal wrappers (Kimi K3) keep the text model under a prefix next to vision tensors.
+LANGUAGE_PREFIX = "language_model."
+
+
 class HFSource(Source):
-    """A HuggingFace model folder: config.json + *.safetensors (indexed or not) + tokenizer files."""
+    """A HuggingFace model folder: config.json + *.safetensors (indexed or not) + tokenizer files.
+
+    When config.json has a `text_config` and the tensors carry `language_model.`,
+    only those are imported, under their names without the prefix (the vision
+    tower and projector are left out; `skipped` counts them).
+    """
 
     def __init__(self, path: Path) -> None:
         from safetensors import safe_open
@@ -83,22 +92,33 @@ class HFSource(Source):
         if not self.files:
             raise StoreError(f"{self.path}: no *.safetensors files (pytorch .bin checkpoints are not supported; convert them with transformers' save_pretrained)")
         self._handles: dict[Path, Any] = {}
-        self._where: dict[str, Path] = {}
+        self._where: dict[str, tuple[Path, str]] = {}
         self.tensors = {}
+        self.skipped = 0
+        raw: dict[str, tuple[Path, str, str, tuple[int, ...]]] = {}
         for f in self.files:
             if not f.exists():
                 raise StoreError(f"{f}: listed in model.safetensors.index.json but missing")
             h = self._handles[f] = safe_open(str(f), "pt")
             for name in h.keys():
                 sl = h.get_slice(name)
-                dtype = SAFETENSORS_DTYPES.get(sl.get_dtype())
-                if dtype is None:
-                    raise UnsupportedModelError(f"{f}: tensor {name} has dtype {sl.get_dtype()}, which setup cannot import yet")
-                self.tensors[name] = TensorInfo(dtype, tuple(sl.get_shape()))
-                self._where[name] = f
+                raw[name] = (f, name, sl.get_dtype(), tuple(sl.get_shape()))
+        prefixed = "text_config" in self.config and any(n.startswith(LANGUAGE_PREFIX) for n in raw)
+        for name, (f, orig, dtype_code, shape) in raw.items():
+            if prefixed:
+                if not name.startswith(LANGUAGE_PREFIX):
+                    self.skipped += 1
+                    continue
+                name = name[len(LANGUAGE_PREFIX) :]
+            dtype = SAFETENSORS_DTYPES.get(dtype_code)
+            if dtype is None:
+                raise UnsupportedModelError(f"{f}: tensor {orig} has dtype {dtype_code}, which setup cannot import yet")
+            self.tensors[name] = TensorInfo(dtype, shape)
+            self._where[name] = (f, orig)
 
     def load(self, name: str) -> torch.Tensor:
-        return self._handles[self._where[name]].get_tensor(name)
+        f, orig = self._where[name]
+        return self._handles[f].get_tensor(orig)
 
     def fingerprint(self) -> str:
         return _stat_fingerprint(self.files, (self.path / "config.json").read_bytes())
