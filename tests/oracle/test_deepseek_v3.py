@@ -218,7 +218,7 @@ def test_bf16_runs_in_bf16_and_is_no_worse_than_transformers_bf16(case):
     hf, _, path = case
     ours = load_ours(path, torch.bfloat16)
     seen = []
-    ours.model.layers[-1].register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    ours.model.norm.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))  # the last hidden state
     ids = tokens(16)
     reference = hf(ids[None]).logits[0]
     hf_bf16 = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
