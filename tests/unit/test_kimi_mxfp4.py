@@ -112,3 +112,15 @@ def test_malformed_packs_are_refused() -> None:
         mxfp4.mxfp4_linear(torch.zeros(1, 64), packed, scale[:, :1])
     with pytest.raises(ValueError, match="uint8"):
         mxfp4.mxfp4_linear(torch.zeros(1, 64), packed.float(), scale)
+
+
+@pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler: the fused kernel is not built")
+def test_fused_expert_half_equals_two_matmuls_and_situ() -> None:
+    from deltafind.models.ops.situ import situ
+
+    w1, w3 = _random_pack(96, 128, seed=6), _random_pack(96, 128, seed=7)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(8)) * 3
+    fused = mxfp4.fused_gate_up_situ(x, w1, w3, 4.0, 25.0)
+    gate, up = mxfp4.fused_linear(x, *w1), mxfp4.fused_linear(x, *w3)  # the same sums, bit for bit
+    torch.testing.assert_close(fused, situ(gate, up), atol=1e-6, rtol=1e-6)  # libm vs torch tanh/exp: ulps
+    assert torch.equal(mxfp4.fused_gate_up_situ(x[3:4], w1, w3, 4.0, 25.0)[0], fused[3])

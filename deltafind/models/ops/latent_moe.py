@@ -8,13 +8,11 @@ added. Routed experts come from an `ExpertProvider` as MXFP4 packs, untouched.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltafind.models.ops.mxfp4 import mxfp4_linear
+from deltafind.models.ops.mxfp4 import can_fuse, fused_gate_up_situ, mxfp4_linear
 from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.situ import SiTUMLP, situ
 from deltafind.store.provider import Expert, ExpertProvider
@@ -58,15 +56,18 @@ def _pack(expert: Expert, part: str) -> tuple[torch.Tensor, torch.Tensor]:
             scale if scale.dtype == torch.uint8 else scale.to(torch.uint8))
 
 
-def mxfp4_expert_forward(r: torch.Tensor, expert: Expert, act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """One routed expert in the latent: r [n, L] fp32 -> [n, L]."""
-    gate = mxfp4_linear(r, *_pack(expert, "w1"))  # [n, I]
-    up = mxfp4_linear(r, *_pack(expert, "w3"))
-    return mxfp4_linear(act(gate, up), *_pack(expert, "w2"))
+def mxfp4_expert_forward(r: torch.Tensor, expert: Expert, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
+    """One routed expert in the latent: r [n, L] fp32 -> w2 @ situ(w1 r, w3 r), [n, L]."""
+    w1, w3 = _pack(expert, "w1"), _pack(expert, "w3")
+    if can_fuse(r, w1[0]):
+        h = fused_gate_up_situ(r, w1, w3, beta, linear_beta)  # one call: no torch op between the halves
+    else:
+        h = situ(mxfp4_linear(r, *w1), mxfp4_linear(r, *w3), beta, linear_beta)  # [n, I]
+    return mxfp4_linear(h, *_pack(expert, "w2"))
 
 
 def run_latent_experts(r: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, provider: ExpertProvider, layer_idx: int,
-                       act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                       beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
     """sum_e w_e * expert_e(r) per token; each expert is fetched and run once on its tokens.
 
     Summed in expert-id order, so the result never depends on read completion order.
@@ -77,7 +78,7 @@ def run_latent_experts(r: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
     for e, expert in provider.fetch(layer_idx, torch.unique(flat).tolist()):
         rows = (flat == e).nonzero()[:, 0]  # positions in [T*k]
         tokens = rows // k
-        partial[e] = (tokens, mxfp4_expert_forward(r[tokens], expert, act) * weight.reshape(-1)[rows][:, None])
+        partial[e] = (tokens, mxfp4_expert_forward(r[tokens], expert, beta, linear_beta) * weight.reshape(-1)[rows][:, None])
     out = torch.zeros_like(r)
     for e in sorted(partial):
         tokens, y = partial[e]
@@ -97,7 +98,7 @@ class LatentMoE(nn.Module):
         self.routed_expert_up_proj = nn.Linear(latent, hidden, bias=False)
         self.shared_experts = SiTUMLP(hidden, shared_width, beta, linear_beta)
         self.layer_idx, self.provider = layer_idx, provider
-        self.act = lambda g, u: situ(g, u, beta, linear_beta)
+        self.beta, self.linear_beta = beta, linear_beta
 
     def predict(self, x: torch.Tensor) -> list[int]:
         """Distinct experts the router picks for x (a prefetch hint; the route itself is recomputed)."""
@@ -107,6 +108,6 @@ class LatentMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, weight = self.gate(x)
         r_in = self.routed_expert_down_proj(x).float()  # [T, L], shared by all chosen experts
-        r_sum = run_latent_experts(r_in, idx, weight, self.provider, self.layer_idx, self.act)
+        r_sum = run_latent_experts(r_in, idx, weight, self.provider, self.layer_idx, self.beta, self.linear_beta)
         r_out = self.routed_expert_up_proj(self.routed_expert_norm(r_sum).to(x.dtype))
         return r_out + self.shared_experts(x)

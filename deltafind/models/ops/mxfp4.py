@@ -84,6 +84,27 @@ def fused_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> 
     return y
 
 
+def fused_gate_up_situ(x: torch.Tensor, w1: tuple[torch.Tensor, torch.Tensor], w3: tuple[torch.Tensor, torch.Tensor],
+                       beta: float, linear_beta: float) -> torch.Tensor:
+    """situ(x @ W1.T, x @ W3.T) in one kernel call: x [T, C] fp32 -> [T, R]."""
+    lib = load_kernel()
+    assert lib is not None
+    rows, cols = logical_shape(w1[0])
+    x = x.contiguous()
+    (p1, s1), (p3, s3) = ((p.contiguous(), s.contiguous()) for p, s in (w1, w3))
+    h = torch.empty((x.shape[0], rows), dtype=torch.float32)
+    rc = lib.df_mxfp4_gate_up_situ(x.data_ptr(), x.shape[0], p1.data_ptr(), s1.data_ptr(), p3.data_ptr(), s3.data_ptr(),
+                                   rows, cols, beta, linear_beta, h.data_ptr(), torch.get_num_threads())
+    assert rc == 0
+    return h
+
+
+def can_fuse(x: torch.Tensor, packed: torch.Tensor, batched_min_tokens: int | None = None) -> bool:
+    """Whether `mxfp4_linear` would take the fused kernel for x."""
+    limit = BATCHED_MIN_TOKENS if batched_min_tokens is None else batched_min_tokens
+    return _kernel_ok(x, packed) and x.shape[0] < limit
+
+
 def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, batched_min_tokens: int | None = None) -> torch.Tensor:
     """`x @ W.T` for an MXFP4 W, fp32 in and out. x [T, C] -> [T, R].
 

@@ -68,6 +68,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.df_mxfp4_matmul.restype = i32
     lib.df_mxfp4_dequant.argtypes = [p, p, i64, i64, p, i32]
     lib.df_mxfp4_dequant.restype = i32
+    lib.df_mxfp4_gate_up_situ.argtypes = [p, i64, p, p, p, p, i64, i64, ctypes.c_float, ctypes.c_float, p, i32]
+    lib.df_mxfp4_gate_up_situ.restype = i32
     lib.df_mxfp4_abi.restype = i32
     return lib
 
