@@ -106,7 +106,9 @@ class PackReader:
             raise StoreError(f"{store_dir}: the config lists {len(opts)} drive(s) but the store was striped over {len(recorded)}: list all {len(recorded)} in [[drives]], in the store's order ({', '.join(map(str, recorded))})")
         self.options = [opts[i] if i < len(opts) else DriveOptions() for i in range(len(recorded))]
         self.paths = [(o.path or d) / pack_name(i) for i, (o, d) in enumerate(zip(self.options, recorded, strict=True))]
-        self.buffers = BufferPool()
+        # Keep about one buffer per read slot for reuse; more is RSS for nothing.
+        max_record = max((align_up(r.length) for r in manifest.experts), default=0)
+        self.buffers = BufferPool(max_record * sum(o.queue_depth for o in self.options))
         self.stats = [DriveStats() for _ in self.paths]
         self._fds: list[int] = []
         self.direct: list[bool] = []

@@ -1,0 +1,141 @@
+"""Expert-streaming benchmarks (issue 3): efficiency, drive scaling, prefetch value, memory.
+
+Each configuration runs in a fresh subprocess (cold expert cache, its own peak
+RSS); configurations alternate so machine noise hits all of them alike.
+Stores are seeded synthetic qwen3_moe stores with bf16 experts (9 MiB each),
+made on first use under --root. Prints one JSON line per bench and a summary.
+
+    python tests/bench/bench_streaming.py --root /tmp/dfbench [--rounds 2] [--tokens 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHAPE = {"layers": 2}  # the qwen3_moe "bench" shape, 2 layers: 128 experts x 9 MiB
+
+
+def make_store(root: Path, drives: int) -> Path:
+    from deltafind.store.setup import setup_store
+    import deltafind.store.synthetic_families  # noqa: F401 - registers the families
+    from deltafind.store.synthetic import FAMILIES, open_synthetic
+
+    store = root / f"q{drives}"
+    if not (store / "manifest.json").exists():
+        fam = FAMILIES["qwen3_moe"]
+        fam.shapes["bench-stream"] = {**fam.shapes["bench"], **SHAPE}
+        setup_store(open_synthetic("qwen3_moe", "bench-stream", 0), store, [root / f"q{drives}-drive{i}" for i in range(drives)], progress=False)
+    return store
+
+
+def one(cfg: dict) -> dict:
+    """Decode `tokens` tokens on a cold cache; report rates (runs in its own process)."""
+    import torch
+
+    from deltafind import Model
+    from deltafind.engine.sampler import SamplingParams
+    from deltafind.store.experts import PrefetchOptions
+    from deltafind.store.manifest import Manifest
+    from deltafind.store.reader import DriveOptions, PackReader
+
+    torch.set_num_threads(cfg.get("threads", 2))
+    store = Path(cfg["store"])
+    n_drives = len(Manifest.load(store).drives)
+    drives = [DriveOptions(queue_depth=cfg.get("queue_depth", 8), read_mb_s=cfg.get("read_mb_s"))] * n_drives
+    if cfg.get("raw"):
+        manifest = Manifest.load(store)
+        reader = PackReader(manifest, store, verify=False, drives=drives)
+        t0 = time.perf_counter()
+        for fut in [reader.submit(r) for r in manifest.experts]:
+            reader.release(fut.result())
+        dt = time.perf_counter() - t0
+        reader.close()
+        return {"raw_gb_s": reader.bytes_read / dt / 1e9}
+    model = Model.open(store, expert_cache_bytes=cfg.get("cache", 0), drives=drives,
+                       prefetch=PrefetchOptions(enabled=cfg.get("prefetch", True), max_in_flight=16), heat_decay=1.0)
+    ids = [65, 66, 67, 68]
+    params = SamplingParams(max_new_tokens=cfg["tokens"], ignore_eos=True)
+    t0 = time.perf_counter()
+    list(model.stream(ids, params))
+    wall = time.perf_counter() - t0
+    s, e = model.last_stats, model.experts.stats
+    out = {
+        "decode_tok_s": s.decode_tok_s,
+        "wall_s": wall,
+        "bytes_read": e.bytes_read,
+        "read_gb_s": e.bytes_read / wall / 1e9,
+        "io_wait_s": e.wait_s,
+        "experts_per_token": e.requested / (s.new_tokens + len(ids) - 1),
+        "prefetch_issued": e.prefetch_issued, "prefetch_used": e.prefetch_used, "prefetch_wasted": e.prefetch_wasted,
+        "recall_by_layer": {l: round(r.recall, 3) for l, r in sorted(e.layers.items()) if r.needed},
+        "precision_by_layer": {l: round(r.precision, 3) for l, r in sorted(e.layers.items()) if r.predicted},
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "spine_bytes": (store / "spine.safetensors").stat().st_size,
+    }
+    model.experts.uses.clear()  # keep the bench store's heat file out of it
+    model.close()
+    return out
+
+
+def run(cfg: dict) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(cfg)], capture_output=True, text=True, check=False)
+    if proc.returncode:
+        raise SystemExit(proc.stderr)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def median(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", type=Path, default=Path("/tmp/dfbench"))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=6)
+    ap.add_argument("--cap-mb-s", type=float, default=150.0, help="per-drive read cap for the scaling bench")
+    ap.add_argument("--one")
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one(json.loads(args.one))))
+        return
+    args.root.mkdir(parents=True, exist_ok=True)
+    stores = {n: make_store(args.root, n) for n in (1, 2, 3, 4)}
+    t = args.tokens
+    res: dict[str, list[dict]] = {k: [] for k in ("raw", "stream", "noprefetch", "cap1", "cap2", "cap3", "cap4", "mem")}
+    for _ in range(args.rounds):
+        res["raw"].append(run({"store": str(stores[2]), "raw": True}))
+        res["stream"].append(run({"store": str(stores[2]), "tokens": t}))
+        res["noprefetch"].append(run({"store": str(stores[2]), "tokens": t, "prefetch": False}))
+        for n in (1, 2, 3, 4):
+            res[f"cap{n}"].append(run({"store": str(stores[n]), "tokens": max(2, t // 2), "read_mb_s": args.cap_mb_s}))
+        res["mem"].append(run({"store": str(stores[2]), "tokens": t, "cache": 1 << 30}))
+    raw = median(res["raw"], "raw_gb_s")
+    stream = res["stream"]
+    efficiency = {"bench": "streaming_efficiency", "raw_odirect_gb_s": round(raw, 3), "decode_read_gb_s": round(median(stream, "read_gb_s"), 3),
+                  "ratio": round(median(stream, "read_gb_s") / raw, 3), "decode_tok_s": round(median(stream, "decode_tok_s"), 3),
+                  "io_wait_fraction": round(median(stream, "io_wait_s") / median(stream, "wall_s"), 3),
+                  "bytes_per_token": int(median(stream, "bytes_read") / (t + 3))}
+    one_drive = median(res["cap1"], "decode_tok_s")
+    scaling = {"bench": "drive_scaling", "cap_mb_s_per_drive": args.cap_mb_s,
+               "tok_s": {n: round(median(res[f"cap{n}"], "decode_tok_s"), 3) for n in (1, 2, 3, 4)},
+               "speedup": {n: round(median(res[f"cap{n}"], "decode_tok_s") / one_drive, 3) for n in (1, 2, 3, 4)}}
+    prefetch = {"bench": "prefetch_value", "ratio_on_off": round(median(stream, "decode_tok_s") / median(res["noprefetch"], "decode_tok_s"), 3),
+                "recall_by_layer": stream[-1]["recall_by_layer"], "precision_by_layer": stream[-1]["precision_by_layer"],
+                "prefetch_used": stream[-1]["prefetch_used"], "prefetch_wasted": stream[-1]["prefetch_wasted"]}
+    mem = res["mem"]
+    memory = {"bench": "memory", "peak_rss_bytes": int(median(mem, "peak_rss_bytes")), "spine_plus_cache_bytes": mem[0]["spine_bytes"] + (1 << 30),
+              "ratio": round(median(mem, "peak_rss_bytes") / (mem[0]["spine_bytes"] + (1 << 30)), 3)}
+    for line in (efficiency, scaling, prefetch, memory):
+        print(json.dumps(line))
+
+
+if __name__ == "__main__":
+    main()
