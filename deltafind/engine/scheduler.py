@@ -1,0 +1,333 @@
+"""Continuous batching: one engine thread runs every admitted sequence in each step.
+
+Request threads `submit` a `GenRequest` and read `TokenEvent`s back from their
+`Handle`; the engine thread admits waiting requests up to `max_running`, then
+runs one forward over a `Batch` of all running sequences — one token per
+decoding sequence, a chunk of prompt per prefilling one (chunked prefill, within
+`max_step_tokens`) — so each expert is read once per step for all of them.
+Knows nothing of HTTP or text; the server cancels a handle to stop a sequence.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deltafind.engine.prefix_cache import PrefixCache
+from deltafind.engine.sequence import FinishEvent, GenRequest, Handle
+from deltafind.engine.sequence import Sequence as Seq
+from deltafind.errors import DeltafindError
+from deltafind.log import get_logger
+from deltafind.models.ops.batch import Batch, SequenceCache
+
+log = get_logger(__name__)
+STEP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class QueueFull(DeltafindError):
+    """Every slot is busy and the wait queue is full; retry later (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Draining(DeltafindError):
+    """The engine takes no new requests (drain or shutdown; HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_running: int = 8
+    max_queue: int = 64
+    max_step_tokens: int = 256  # prefill chunk budget per step, decode tokens included
+    max_context: int = 2048
+    prefix_cache_bytes: int = 0
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens run through the model (reused ones excluded)
+    generated_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+    step_s_sum: float = 0.0
+    step_buckets: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS_S) + 1))
+    max_batch: int = 0
+    errors: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    running: int
+    waiting: int
+    draining: bool
+    tok_s: float
+    stats: EngineStats
+    limits: SchedulerLimits
+    prefix_hits: int
+    prefix_misses: int
+    prefix_bytes: int
+
+
+def _device_of(net: Any) -> torch.device:
+    try:
+        return next(net.parameters()).device
+    except (AttributeError, StopIteration):
+        return torch.device("cpu")
+
+
+class Scheduler:
+    """Owns the model's forward passes; all other threads talk through submit/cancel/status."""
+
+    def __init__(self, net: Any, eos_token_ids: Sequence[int] = (), limits: SchedulerLimits | None = None) -> None:
+        self.net = net
+        self.eos = set(eos_token_ids)
+        self.limits = limits or SchedulerLimits()
+        self.prefix = PrefixCache(self.limits.prefix_cache_bytes)
+        self.stats = EngineStats()
+        self._device = _device_of(net)
+        self._cv = threading.Condition()
+        self._waiting: deque[Seq] = deque()
+        self._running: list[Seq] = []
+        self._calls: list[Callable[[], None]] = []
+        self._ids = itertools.count()
+        self._draining = False
+        self._stopped = False
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps, for tok/s
+        self._thread = threading.Thread(target=self._loop, name="deltafind-engine", daemon=True)
+        self._thread.start()
+
+    # -- the request side -----------------------------------------------------
+
+    def submit(self, req: GenRequest) -> Handle:
+        """Queue a request; raises QueueFull (wait queue full) or Draining."""
+        with self._cv:
+            if self._draining or self._stopped:
+                raise Draining("the server is draining and takes no new requests; retry on another instance or later")
+            free = self.limits.max_running - len(self._running)
+            if len(self._waiting) >= self.limits.max_queue + max(0, free):
+                raise QueueFull(f"the server is busy ({len(self._running)} running, {len(self._waiting)} waiting); retry shortly")
+            seq_id = next(self._ids)
+            handle = Handle(seq_id, self._wake)
+            self._waiting.append(Seq(seq_id, req, handle, self.eos, self.limits.max_context))
+            self._cv.notify_all()
+            return handle
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the engine thread between two steps (touching the model safely)."""
+        with self._cv:
+            self._calls.append(fn)
+            self._cv.notify_all()
+
+    def call(self, fn: Callable[[], Any], timeout: float | None = 30.0) -> Any:
+        """Run `fn` between steps and return its result (or raise its exception)."""
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # re-raised in the caller's thread
+                box["error"] = e
+            finally:
+                done.set()
+
+        self.call_soon(run)
+        if not done.wait(timeout):
+            raise TimeoutError("the engine did not run the call in time")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def configure(self, limits: SchedulerLimits) -> None:
+        """Apply new limits (reload); running sequences keep their own."""
+        with self._cv:
+            self.limits = limits
+            self._calls.append(lambda: self.prefix.resize(limits.prefix_cache_bytes))
+            self._cv.notify_all()
+
+    def drain(self) -> None:
+        """Refuse new requests; running and waiting ones go on."""
+        with self._cv:
+            self._draining = True
+
+    def resume(self) -> None:
+        with self._cv:
+            self._draining = False
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def cancel_all(self) -> int:
+        """Cancel every running and waiting sequence; returns how many."""
+        with self._cv:
+            seqs = [*self._running, *self._waiting]
+        for s in seqs:
+            s.handle.cancel()
+        return len(seqs)
+
+    @property
+    def num_active(self) -> int:
+        with self._cv:
+            return len(self._running) + len(self._waiting)
+
+    def status(self) -> EngineStatus:
+        with self._cv:
+            now = time.monotonic()
+            while self._recent and self._recent[0][0] < now - 10.0:
+                self._recent.popleft()
+            span = now - self._recent[0][0] if self._recent else 0.0
+            tokens = sum(n for _, n in self._recent)
+            return EngineStatus(
+                len(self._running), len(self._waiting), self._draining,
+                tokens / span if span > 0.5 else 0.0, self.stats, self.limits,
+                self.prefix.hits, self.prefix.misses, self.prefix.used_bytes,
+            )
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancel everything and stop the engine thread."""
+        self.cancel_all()
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    # -- the engine thread ----------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stopped or self._calls or self._running or self._waiting):
+                    self._cv.wait()
+                calls, self._calls = self._calls, []
+                if self._stopped and not calls:
+                    for s in [*self._running, *self._waiting]:
+                        self._finish(s, "cancelled")
+                    self._running, self._waiting = [], deque()
+                    return
+            for fn in calls:
+                try:
+                    fn()
+                except Exception:  # a call's failure is the caller's; the engine goes on
+                    log.exception("engine_call_failed")
+            with self._cv:
+                self._reap()
+                self._admit()
+                running = list(self._running)
+            if running:
+                self._step(running)
+
+    def _reap(self) -> None:
+        for s in [s for s in self._waiting if s.handle.cancelled]:
+            self._waiting.remove(s)
+            self._finish(s, "cancelled")
+        keep = []
+        for s in self._running:
+            if s.handle.cancelled:
+                self._finish(s, "cancelled")
+            else:
+                keep.append(s)
+        self._running = keep
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.limits.max_running:
+            s = self._waiting.popleft()
+            if s.max_new == 0:
+                self._finish(s, "length")
+                continue
+            found = self.prefix.take(s.tokens)
+            if found is not None:
+                s.cache, s.cached_tokens = found
+                s.num_computed = s.cached_tokens
+            else:
+                s.cache = SequenceCache(self.net.num_layers)
+            self._running.append(s)
+
+    def _plan(self, running: list[Seq]) -> list[tuple[Seq, int]]:
+        """(sequence, tokens to run) for this step: every decode, then prefill chunks."""
+        budget = max(self.limits.max_step_tokens, 1)
+        plan = [(s, 1) for s in running if s.pending == 1]
+        budget -= len(plan)
+        for s in running:
+            if s.pending > 1 and budget > 0:
+                n = min(s.pending, budget)
+                plan.append((s, n))
+                budget -= n
+        if not plan:  # decodes alone used the budget up: still make progress on one prefill
+            plan = [(running[0], min(running[0].pending, 1))]
+        return plan
+
+    def _step(self, running: list[Seq]) -> None:
+        plan = self._plan(running)
+        ids: list[int] = []
+        for s, n in plan:
+            ids.extend(s.tokens[s.num_computed : s.num_computed + n])
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                batch = Batch.of([(s.cache, n) for s, n in plan], device=self._device)
+                logits = self.net(torch.tensor(ids, dtype=torch.long, device=self._device), batch)  # [S, V]
+                events = []
+                for i, (s, n) in enumerate(plan):
+                    s.num_computed += n
+                    if s.pending == 0:  # the chunk reached the end: this step's logits pick the next token
+                        events.append((s, s.choose(logits[i])))
+        except Exception as e:
+            log.exception("engine_step_failed", sequences=len(plan), tokens=len(ids))
+            self.stats.errors += 1
+            with self._cv:
+                for s, _ in plan:
+                    self._running.remove(s)
+                    self._finish(s, "error", f"the engine failed on this step: {type(e).__name__}: {e}")
+            return
+        dt = time.perf_counter() - t0
+        st = self.stats
+        st.steps += 1
+        st.step_s_sum += dt
+        st.step_buckets[bisect.bisect_left(STEP_BUCKETS_S, dt)] += 1
+        st.max_batch = max(st.max_batch, len(plan))
+        st.prompt_tokens += sum(n for s, n in plan if s.num_computed <= s.num_prompt)
+        st.generated_tokens += len(events)
+        with self._cv:
+            self._recent.append((time.monotonic(), len(events)))
+            for s, event in events:
+                s.handle.events.put(event)
+                if s.finished is not None:
+                    self._running.remove(s)
+                    self._finish(s, s.finished)
+
+    def _finish(self, s: Seq, reason: str, error: str | None = None) -> None:
+        if reason != "error" and s.cache is not None and s.num_computed:
+            # the cache holds exactly the tokens run so far: a later prompt may extend them
+            self.prefix.put(s.tokens[: s.num_computed], s.cache)
+        s.cache = None
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        s.handle.events.put(s.finish_event(reason, error))
+
+
+def collect(handle: Handle, timeout: float | None = None) -> tuple[list[int], FinishEvent]:
+    """Wait for a whole sequence: its token ids and its FinishEvent."""
+    tokens: list[int] = []
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        event = handle.get(left)
+        if event is None:
+            raise TimeoutError("the sequence did not finish in time")
+        if isinstance(event, FinishEvent):
+            return tokens, event
+        tokens.append(event.token_id)

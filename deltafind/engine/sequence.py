@@ -1,0 +1,162 @@
+"""One generation request inside the engine: its tokens, cache, sampler and event queue.
+
+The scheduler owns `Sequence` objects; request threads hold only the `Handle`,
+which reads events back and can cancel. Speaks token ids only, never text.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from deltafind.engine.sampler import SamplingParams, make_sampler
+from deltafind.errors import RequestError
+from deltafind.models.ops.batch import SequenceCache
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """What a client asks the engine for, in ids.
+
+    Args:
+        logprobs: None = no logprobs; N >= 0 = the chosen token's logprob plus
+            the N most likely alternatives at each step.
+        presence_penalty, frequency_penalty: OpenAI's, subtracted from the logits
+            of tokens already generated (once, and once per occurrence).
+    """
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    request_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise RequestError("the prompt must have at least one token", "prompt")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise RequestError(f"logprobs must be in [0, 20] (got {self.logprobs})", "top_logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise RequestError(f"{name} must be in [-2, 2] (got {getattr(self, name)})", name)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()  # most likely alternatives, best first
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    """The last event of every sequence. reason: stop | length | cancelled | error."""
+
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None
+
+
+Event = TokenEvent | FinishEvent
+
+
+class Handle:
+    """A request thread's end of one sequence: events in order, then one FinishEvent."""
+
+    def __init__(self, seq_id: int, on_cancel: object) -> None:
+        self.seq_id = seq_id
+        self.events: queue.Queue[Event] = queue.Queue()
+        self._cancel = threading.Event()
+        self._on_cancel = on_cancel
+        self.finish: FinishEvent | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def cancel(self) -> None:
+        """Stop this sequence at the next step boundary (idempotent; safe from any thread)."""
+        if not self._cancel.is_set():
+            self._cancel.set()
+            self._on_cancel()  # type: ignore[operator]
+
+    def get(self, timeout: float | None = None) -> Event | None:
+        """The next event, or None after `timeout` seconds without one."""
+        try:
+            event = self.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if isinstance(event, FinishEvent):
+            self.finish = event
+        return event
+
+    def __iter__(self) -> Iterator[Event]:
+        while self.finish is None:
+            event = self.get()
+            assert event is not None
+            yield event
+
+
+class Sequence:
+    """Engine-side state of one request."""
+
+    def __init__(self, seq_id: int, req: GenRequest, handle: Handle, eos_token_ids: set[int], max_len: int) -> None:
+        self.seq_id, self.req, self.handle = seq_id, req, handle
+        self.tokens: list[int] = list(req.prompt_ids)
+        self.num_prompt = len(req.prompt_ids)
+        self.num_computed = 0  # tokens already fed to the model (the cache holds them)
+        self.cached_tokens = 0
+        self.cache: SequenceCache | None = None
+        self.sample = make_sampler(req.params)
+        self.counts: Counter[int] = Counter()
+        p = req.params
+        self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
+        self.max_new = min(p.max_new_tokens, max(0, max_len - self.num_prompt))
+        self.finished: str | None = None
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def pending(self) -> int:
+        """Tokens known but not yet fed to the model (prompt rest in prefill, 1 in decode)."""
+        return len(self.tokens) - self.num_computed
+
+    def choose(self, logits: torch.Tensor) -> TokenEvent:
+        """Sample the next token from this step's last-token logits [V] and record it."""
+        req = self.req
+        scores = logits.float()
+        if self.counts and (req.presence_penalty or req.frequency_penalty):
+            ids = torch.tensor(list(self.counts), dtype=torch.long, device=scores.device)
+            n = torch.tensor(list(self.counts.values()), dtype=scores.dtype, device=scores.device)
+            scores = scores.clone()
+            scores[ids] -= req.presence_penalty + req.frequency_penalty * n
+        token = self.sample(scores)
+        event = TokenEvent(token)
+        if req.logprobs is not None:
+            # Logprobs of the model's distribution (before penalties and temperature), as OpenAI reports.
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            top: tuple[tuple[int, float], ...] = ()
+            if req.logprobs:
+                vals, idx = torch.topk(lp, min(req.logprobs, lp.shape[-1]))
+                top = tuple(zip(idx.tolist(), vals.tolist(), strict=True))
+            event = TokenEvent(token, float(lp[token]), top)
+        self.tokens.append(token)
+        self.counts[token] += 1
+        if token in self.stop_ids:
+            self.finished = "stop"
+        elif self.num_generated >= self.max_new:
+            self.finished = "length"
+        return event
+
+    def finish_event(self, reason: str, error: str | None = None) -> FinishEvent:
+        return FinishEvent(reason, self.num_prompt, self.num_generated, self.cached_tokens, error)
