@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import queue
 import threading
 import time
 from collections import deque
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from deltafind.engine.prefix_cache import PrefixCache
-from deltafind.engine.sequence import FinishEvent, GenRequest, Handle
+from deltafind.engine.sequence import Event, FinishEvent, GenRequest, Handle
 from deltafind.engine.sequence import Sequence as Seq
 from deltafind.errors import DeltafindError
 from deltafind.log import get_logger
@@ -100,6 +101,7 @@ class Scheduler:
         self._running: list[Seq] = []
         self._calls: list[Callable[[], None]] = []
         self._ids = itertools.count()
+        self._rotate = 0
         self._draining = False
         self._stopped = False
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps, for tok/s
@@ -108,8 +110,12 @@ class Scheduler:
 
     # -- the request side -----------------------------------------------------
 
-    def submit(self, req: GenRequest) -> Handle:
-        """Queue a request; raises QueueFull (wait queue full) or Draining."""
+    def submit(self, req: GenRequest, mux: queue.Queue[tuple[int, Event]] | None = None) -> Handle:
+        """Queue a request; raises QueueFull (wait queue full) or Draining.
+
+        With `mux`, events go there as (handle.seq_id, event), so one reader can follow
+        several sequences (n > 1) without polling.
+        """
         with self._cv:
             if self._draining or self._stopped:
                 raise Draining("the server is draining and takes no new requests; retry on another instance or later")
@@ -117,7 +123,7 @@ class Scheduler:
             if len(self._waiting) >= self.limits.max_queue + max(0, free):
                 raise QueueFull(f"the server is busy ({len(self._running)} running, {len(self._waiting)} waiting); retry shortly")
             seq_id = next(self._ids)
-            handle = Handle(seq_id, self._wake)
+            handle = Handle(seq_id, self._wake, mux)
             self._waiting.append(Seq(seq_id, req, handle, self.eos, self.limits.max_context))
             self._cv.notify_all()
             return handle
@@ -258,17 +264,21 @@ class Scheduler:
             self._running.append(s)
 
     def _plan(self, running: list[Seq]) -> list[tuple[Seq, int]]:
-        """(sequence, tokens to run) for this step: every decode, then prefill chunks."""
+        """(sequence, tokens to run) for this step: decodes, then prefill chunks, within the budget.
+
+        Decodes come first (one token each); when they alone exceed the budget, the
+        ones left out go first next step (a rotating start), so none starves.
+        """
         budget = max(self.limits.max_step_tokens, 1)
-        plan = [(s, 1) for s in running if s.pending == 1]
+        self._rotate = (self._rotate + 1) % max(len(running), 1)
+        order = running[self._rotate :] + running[: self._rotate]
+        plan = [(s, 1) for s in order if s.pending == 1][:budget]
         budget -= len(plan)
         for s in running:
             if s.pending > 1 and budget > 0:
                 n = min(s.pending, budget)
                 plan.append((s, n))
                 budget -= n
-        if not plan:  # decodes alone used the budget up: still make progress on one prefill
-            plan = [(running[0], min(running[0].pending, 1))]
         return plan
 
     def _step(self, running: list[Seq]) -> None:
@@ -305,7 +315,7 @@ class Scheduler:
         with self._cv:
             self._recent.append((time.monotonic(), len(events)))
             for s, event in events:
-                s.handle.events.put(event)
+                s.handle.put(event)
                 if s.finished is not None:
                     self._running.remove(s)
                     self._finish(s, s.finished)
@@ -316,7 +326,7 @@ class Scheduler:
             self.prefix.put(s.tokens[: s.num_computed], s.cache)
         s.cache = None
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
-        s.handle.events.put(s.finish_event(reason, error))
+        s.handle.put(s.finish_event(reason, error))
 
 
 def collect(handle: Handle, timeout: float | None = None) -> tuple[list[int], FinishEvent]:

@@ -71,9 +71,10 @@ Event = TokenEvent | FinishEvent
 class Handle:
     """A request thread's end of one sequence: events in order, then one FinishEvent."""
 
-    def __init__(self, seq_id: int, on_cancel: object) -> None:
+    def __init__(self, seq_id: int, on_cancel: object, mux: queue.Queue[tuple[int, Event]] | None = None) -> None:
         self.seq_id = seq_id
         self.events: queue.Queue[Event] = queue.Queue()
+        self._mux = mux
         self._cancel = threading.Event()
         self._on_cancel = on_cancel
         self.finish: FinishEvent | None = None
@@ -88,21 +89,30 @@ class Handle:
             self._cancel.set()
             self._on_cancel()  # type: ignore[operator]
 
+    def put(self, event: Event) -> None:
+        """Deliver an event (engine thread): to this handle, or as (seq_id, event) to the shared queue."""
+        if isinstance(event, FinishEvent):
+            self.finish = event
+        if self._mux is not None:
+            self._mux.put((self.seq_id, event))
+        else:
+            self.events.put(event)
+
     def get(self, timeout: float | None = None) -> Event | None:
         """The next event, or None after `timeout` seconds without one."""
         try:
             event = self.events.get(timeout=timeout)
         except queue.Empty:
             return None
-        if isinstance(event, FinishEvent):
-            self.finish = event
         return event
 
     def __iter__(self) -> Iterator[Event]:
-        while self.finish is None:
+        while True:
             event = self.get()
             assert event is not None
             yield event
+            if isinstance(event, FinishEvent):
+                return
 
 
 class Sequence:

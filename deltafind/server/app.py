@@ -1,0 +1,176 @@
+"""The Falcon WSGI app: routes, API keys, request ids, readiness.
+
+`create_app(state)` serves /v1/models, /v1/chat/completions, /v1/completions,
+/health and /metrics. The app starts before the model is loaded: until the
+daemon hands `state` a `ReadyEngine`, model routes answer 503 model_loading.
+Holds an engine client (submit/status) and a tokenizer, nothing deeper.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import falcon
+import structlog
+
+from deltafind.log import get_logger
+from deltafind.server import errors
+from deltafind.server.errors import ApiError
+from deltafind.server.metrics import Metric, ServerMetrics, engine_metrics, render
+from deltafind.server.openai import Generate
+
+log = get_logger(__name__)
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+OPEN_PATHS = ("/health",)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The live-reloadable part of `[server]` the app reads on every request."""
+
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 1 << 20
+    max_tokens_default: int = 512
+    max_context: int | None = None
+
+
+@dataclass
+class ReadyEngine:
+    client: Any  # submit(GenRequest, mux) -> Handle, status(), draining
+    tokenizer: Any
+    model_name: str
+    context_length: int
+    created: int = field(default_factory=lambda: int(time.time()))
+    extra_metrics: Callable[[], list[Metric]] = field(default=lambda: [])
+
+
+class AppState:
+    """What the app reads per request; the daemon swaps `config` on reload and sets `engine` once loaded."""
+
+    def __init__(self, config: ServerConfig | None = None, model_name: str = "") -> None:
+        self.config = config or ServerConfig()
+        self.model_name = model_name
+        self.engine: ReadyEngine | None = None
+        self.load_status = "loading"  # loading | failed | ready
+        self.load_error: str | None = None
+        self.metrics = ServerMetrics()
+        self.lock = threading.Lock()
+
+    def set_ready(self, engine: ReadyEngine) -> None:
+        self.engine, self.load_status = engine, "ready"
+
+    def set_failed(self, message: str) -> None:
+        self.load_status, self.load_error = "failed", message
+
+    def require_ready(self) -> ReadyEngine:
+        if self.engine is None:
+            if self.load_status == "failed":
+                raise ApiError(503, f"the model failed to load: {self.load_error}", None, "model_load_failed")
+            raise ApiError(503, "the model is loading; retry shortly", None, "model_loading", {"Retry-After": "5"})
+        return self.engine
+
+    @staticmethod
+    def request_id() -> str:
+        return str(structlog.contextvars.get_contextvars().get("request_id", ""))
+
+
+class RequestContext:
+    """Per request: bind a request id (echoed as X-Request-Id), check the API key, count."""
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+
+    def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
+        structlog.contextvars.clear_contextvars()  # gthread reuses threads
+        given = req.get_header("X-Request-Id") or ""
+        rid = given if _REQUEST_ID.fullmatch(given) else "req-" + uuid.uuid4().hex[:20]
+        structlog.contextvars.bind_contextvars(request_id=rid)
+        req.context.request_id = rid
+        resp.set_header("X-Request-Id", rid)
+        keys = self.state.config.api_keys
+        if keys and req.path not in OPEN_PATHS:
+            check_key(req.get_header("Authorization"), keys)
+
+    def process_response(self, req: falcon.Request, resp: falcon.Response, resource: Any, req_succeeded: bool) -> None:
+        self.state.metrics.count_request(req.path, str(resp.status))
+
+
+def check_key(header: str | None, keys: tuple[str, ...]) -> None:
+    scheme, _, token = (header or "").partition(" ")
+    token = token.strip()
+    ok = False
+    for key in keys:  # every key, every time: the time taken does not depend on which matched
+        ok |= hmac.compare_digest(token.encode(), key.encode())
+    if scheme.lower() != "bearer" or not ok:
+        raise ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer KEY`.", None, "invalid_api_key",
+                       {"WWW-Authenticate": "Bearer"})
+
+
+class Health:
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        s = self.state
+        draining = s.engine is not None and s.engine.client.draining
+        status = "draining" if draining else s.load_status
+        resp.status = 200 if status == "ready" else 503
+        resp.media = {"status": status, "model": s.model_name, **({"error": s.load_error} if s.load_error else {})}
+        if status == "loading":
+            resp.set_header("Retry-After", "5")
+
+
+class Models:
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+
+    def _card(self, e: ReadyEngine) -> dict[str, Any]:
+        return {"id": e.model_name, "object": "model", "created": e.created, "owned_by": "deltafind"}
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.media = {"object": "list", "data": [self._card(self.state.require_ready())]}
+
+    def on_get_one(self, req: falcon.Request, resp: falcon.Response, model: str) -> None:
+        e = self.state.require_ready()
+        if model != e.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist", "model", "model_not_found")
+        resp.media = self._card(e)
+
+
+class Metrics:
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        s = self.state
+        out = s.metrics.metrics()
+        out.append(("deltafind_ready", "gauge", "1 once the model is loaded and warmed up.", [({}, float(s.engine is not None))]))
+        if s.engine is not None:
+            out += engine_metrics(s.engine.client.status())
+            try:
+                out += s.engine.extra_metrics()
+            except Exception:  # a figure that cannot be read must not take /metrics down
+                log.exception("metrics_failed")
+        resp.content_type = "text/plain; version=0.0.4; charset=utf-8"
+        resp.text = render(out)
+
+
+def create_app(state: AppState) -> falcon.App:
+    app = falcon.App(middleware=[RequestContext(state)], cors_enable=False)
+    app.req_options.strip_url_path_trailing_slash = True
+    errors.install(app)
+    app.add_route("/health", Health(state))
+    app.add_route("/metrics", Metrics(state))
+    models = Models(state)
+    app.add_route("/v1/models", models)
+    app.add_route("/v1/models/{model}", models, suffix="one")
+    app.add_route("/v1/chat/completions", Generate(state, chat=True))
+    app.add_route("/v1/completions", Generate(state, chat=False))
+    return app

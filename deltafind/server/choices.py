@@ -1,0 +1,123 @@
+"""From engine events to OpenAI choices: text, stop strings, logprobs, finish reasons.
+
+One `Choice` per generated sequence. Ids become text through the tokenizer's
+UTF-8-safe `IncrementalDecoder`, then a `StopMatcher` holds back what might be
+the start of a stop string; a hit cancels the sequence (as vLLM's frontend does),
+so a stop string never reaches the client.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass, field
+from typing import Any
+
+from deltafind.engine.scheduler import Draining, QueueFull
+from deltafind.engine.sequence import Event, FinishEvent, GenRequest, Handle, TokenEvent
+from deltafind.server.errors import ApiError
+from deltafind.tokenizer import StopMatcher
+
+# Why the engine stopped -> what the client is told. A cancel we did not ask for
+# (shutdown after the drain grace) ends the stream cleanly, as a length stop.
+FINISH = {"stop": "stop", "length": "length", "cancelled": "length"}
+
+
+@dataclass
+class Choice:
+    index: int
+    handle: Handle
+    tokenizer: Any
+    stops: list[str]
+    decoder: Any = None
+    matcher: StopMatcher = field(init=False)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[tuple[int, float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.decoder = self.tokenizer.decoder(skip_special_tokens=True)
+        self.matcher = StopMatcher(self.stops)
+
+    def on_event(self, event: Event) -> tuple[str, list[tuple[int, float, tuple]]]:
+        """Feed one engine event; returns (text to send now, logprob entries to send now)."""
+        if isinstance(event, TokenEvent):
+            if self.finish_reason is not None:  # stopped by a stop string; the cancel is on its way
+                return "", []
+            entries = [] if event.logprob is None else [(event.token_id, event.logprob, event.top)]
+            out, hit = self.matcher.push(self.decoder.push(event.token_id))
+            if hit:
+                self.finish_reason = "stop"
+                self.handle.cancel()
+            self.text.append(out)
+            self.logprobs.extend(entries)
+            return out, entries
+        assert isinstance(event, FinishEvent)
+        self.prompt_tokens, self.cached_tokens = event.prompt_tokens, event.cached_tokens
+        self.completion_tokens = event.completion_tokens
+        if self.finish_reason is not None:
+            return "", []
+        if event.reason == "error":
+            self.error = event.error or "generation failed"
+            self.finish_reason = "error"
+            return "", []
+        out, hit = self.matcher.push(self.decoder.flush())
+        out += self.matcher.flush()
+        self.finish_reason = "stop" if hit else FINISH.get(event.reason, "length")
+        self.text.append(out)
+        return out, []
+
+
+def submit_all(engine: Any, reqs: list[GenRequest], mux: queue.Queue) -> list[Handle]:
+    """Submit every request or none (n > 1 and prompt lists are all-or-nothing)."""
+    handles: list[Handle] = []
+    try:
+        for r in reqs:
+            handles.append(engine.submit(r, mux))
+    except QueueFull as e:
+        for h in handles:
+            h.cancel()
+        raise ApiError(429, str(e), None, "rate_limit_exceeded", {"Retry-After": str(e.retry_after_s)}, "rate_limit_error") from None
+    except Draining as e:
+        for h in handles:
+            h.cancel()
+        raise ApiError(503, str(e), None, "server_draining", {"Retry-After": "5"}) from None
+    return handles
+
+
+def token_piece(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def chat_logprobs(tokenizer: Any, entries: list[tuple[int, float, tuple]]) -> dict[str, Any]:
+    def one(tid: int, lp: float) -> dict[str, Any]:
+        text = token_piece(tokenizer, tid)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**one(t, lp), "top_logprobs": [one(a, b) for a, b in top]} for t, lp, top in entries],
+            "refusal": None}
+
+
+def completion_logprobs(tokenizer: Any, entries: list[tuple[int, float, tuple]], offset: int) -> dict[str, Any]:
+    tokens, lps, tops, offsets = [], [], [], []
+    for t, lp, top in entries:
+        text = token_piece(tokenizer, t)
+        tokens.append(text)
+        lps.append(lp)
+        tops.append({token_piece(tokenizer, a): b for a, b in top})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def usage(choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
+    completion = sum(c.completion_tokens for c in choices)
+    cached = max((c.cached_tokens for c in choices), default=0)
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                           "total_tokens": prompt_tokens + completion}
+    if cached:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out

@@ -1,0 +1,220 @@
+"""POST /v1/chat/completions and /v1/completions: validate, submit, answer or stream.
+
+Request threads never touch tensors: they build GenRequests, submit them to the
+engine client and turn the events on one shared queue into OpenAI JSON or SSE
+chunks. A client that goes away closes the SSE generator; `finally` cancels its
+sequences, which frees their slots at the next step.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import falcon
+import structlog
+
+from deltafind.engine.sampler import SamplingParams
+from deltafind.engine.sequence import FinishEvent, GenRequest
+from deltafind.errors import DeltafindError, RequestError
+from deltafind.server.choices import Choice, chat_logprobs, completion_logprobs, submit_all, usage
+from deltafind.server.errors import ApiError, bad_request
+from deltafind.server.schemas import ChatRequest, CompletionRequest, parse_body
+
+KEEPALIVE_S = 5.0
+
+
+def read_body(req: falcon.Request, limit: int) -> bytes:
+    if req.content_length is not None and req.content_length > limit:
+        raise ApiError(413, f"the request body is {req.content_length} bytes; the limit is {limit} (server.max_body_bytes)",
+                       None, "body_too_large")
+    raw = req.bounded_stream.read(limit + 1)
+    if len(raw) > limit:
+        raise ApiError(413, f"the request body is over the limit of {limit} bytes (server.max_body_bytes)", None, "body_too_large")
+    return raw
+
+
+class Generate:
+    """One resource for both endpoints; `chat` picks the wire format."""
+
+    def __init__(self, state: Any, chat: bool) -> None:
+        self.state, self.chat = state, chat
+        self.kind = "chat" if chat else "completions"
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        engine = self.state.require_ready()
+        cfg = self.state.config
+        body = parse_body(read_body(req, cfg.max_body_bytes), self.chat)
+        if body.model != engine.model_name:
+            raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{engine.model_name}` (GET /v1/models)",
+                           "model", "model_not_found")
+        prompts = self._prompts(engine, body)
+        max_context = min(cfg.max_context or engine.context_length, engine.context_length)
+        gen = []
+        n = body.n or 1
+        want_lp: int | None = None
+        if isinstance(body, ChatRequest) and body.logprobs:
+            want_lp = body.top_logprobs or 0
+        elif isinstance(body, CompletionRequest) and body.logprobs is not None:
+            want_lp = body.logprobs
+        for ids in prompts:
+            max_new = self._max_new(body, len(ids), max_context, cfg.max_tokens_default)
+            for i in range(n):
+                seed = None if body.seed is None else body.seed + i
+                try:
+                    params = SamplingParams(max_new, 1.0 if body.temperature is None else body.temperature,
+                                            1.0 if body.top_p is None else body.top_p, 0, seed)
+                    gen.append(GenRequest(tuple(ids), params, want_lp, body.presence_penalty or 0.0,
+                                          body.frequency_penalty or 0.0, self.state.request_id()))
+                except RequestError as e:
+                    raise bad_request(str(e), e.param, "invalid_value") from None
+        mux: queue.Queue = queue.Queue()
+        handles = submit_all(engine.client, gen, mux)
+        choices = [Choice(k, h, engine.tokenizer, body.stops) for k, h in enumerate(handles)]
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        meta = {"id": ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
+                "model": engine.model_name}
+        self.state.metrics.count_prompt(prompt_tokens)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            resp.content_type = "text/event-stream"
+            resp.set_header("Cache-Control", "no-cache")
+            resp.set_header("X-Accel-Buffering", "no")
+            resp.stream = self._sse(choices, mux, meta, prompt_tokens, include_usage, want_lp is not None, engine)
+            return
+        try:
+            for _ in self._events(choices, mux, keepalive=None):
+                pass
+        finally:
+            for c in choices:
+                c.handle.cancel()
+        failed = next((c for c in choices if c.finish_reason == "error"), None)
+        if failed is not None:
+            raise ApiError(500, failed.error or "generation failed", None, "engine_error")
+        self.state.metrics.count_completion(sum(c.completion_tokens for c in choices))
+        resp.media = self._response(choices, meta, prompt_tokens, want_lp is not None, engine)
+
+    # -- building blocks ------------------------------------------------------
+
+    def _prompts(self, engine: Any, body: ChatRequest | CompletionRequest) -> list[list[int]]:
+        tok = engine.tokenizer
+        try:
+            if isinstance(body, ChatRequest):
+                msgs = [{"role": m.role if m.role != "developer" else "system", "content": m.text(),
+                         **({"name": m.name} if m.name else {})} for m in body.messages]
+                return [tok.apply_chat_template(msgs)]
+        except DeltafindError as e:  # no chat template, or the template refused the conversation
+            raise bad_request(str(e), "messages", "invalid_messages") from None
+        except Exception as e:  # a jinja template raising (raise_exception) on this conversation
+            raise bad_request(f"the model's chat template rejected these messages: {e}", "messages", "invalid_messages") from None
+        out = []
+        for i, p in enumerate(body.prompts()):
+            if isinstance(p, str):
+                ids = tok.encode(p)
+                if not ids:
+                    raise bad_request("prompt: the prompt is empty (no tokens)", "prompt", "invalid_value")
+            else:
+                bad = next((t for t in p if t >= tok.vocab_size), None)
+                if bad is not None:
+                    raise bad_request(f"prompt[{i}]: token id {bad} is not below the vocabulary size {tok.vocab_size}", "prompt", "invalid_value")
+                ids = list(p)
+            out.append(ids)
+        return out
+
+    def _max_new(self, body: ChatRequest | CompletionRequest, prompt_len: int, max_context: int, default: int) -> int:
+        param = "messages" if self.chat else "prompt"
+        asked = body.token_limit
+        room = max_context - prompt_len
+        if room <= 0 or (asked is not None and asked > room):
+            need = prompt_len + (asked or 1)
+            raise bad_request(
+                f"This model's maximum context length is {max_context} tokens. However, you requested {need} tokens "
+                f"({prompt_len} in the {param}, {asked or 1} in the completion). Please reduce the length of the {param} "
+                "or the completion.", param, "context_length_exceeded")
+        return min(default, room) if asked is None else asked
+
+    def _events(self, choices: list[Choice], mux: queue.Queue, keepalive: float | None) -> Iterator[tuple[Choice, str, list, bool] | None]:
+        """(choice, text, logprob entries, finished) per engine event; None when `keepalive` passed quietly."""
+        by_seq = {c.handle.seq_id: c for c in choices}
+        open_ = len(choices)
+        while open_:
+            try:
+                seq_id, event = mux.get(timeout=keepalive)
+            except queue.Empty:
+                yield None
+                continue
+            c = by_seq[seq_id]
+            text, entries = c.on_event(event)
+            done = isinstance(event, FinishEvent)
+            open_ -= done
+            yield c, text, entries, done
+
+    def _response(self, choices: list[Choice], meta: dict, prompt_tokens: int, want_lp: bool, engine: Any) -> dict:
+        tok = engine.tokenizer
+        out = []
+        for c in choices:
+            text = "".join(c.text)
+            if self.chat:
+                item = {"index": c.index, "message": {"role": "assistant", "content": text, "refusal": None},
+                        "logprobs": chat_logprobs(tok, c.logprobs) if want_lp else None, "finish_reason": c.finish_reason}
+            else:
+                item = {"index": c.index, "text": text, "logprobs": completion_logprobs(tok, c.logprobs, 0) if want_lp else None,
+                        "finish_reason": c.finish_reason}
+            out.append(item)
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**meta, "object": obj, "choices": out, "usage": usage(choices, prompt_tokens)}
+
+    def _sse(self, choices: list[Choice], mux: queue.Queue, meta: dict, prompt_tokens: int, include_usage: bool,
+             want_lp: bool, engine: Any) -> Iterator[bytes]:
+        request_id = structlog.contextvars.get_contextvars().get("request_id")
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        tok = engine.tokenizer
+        offsets = {c.index: 0 for c in choices}
+
+        def chunk(items: list[dict], **extra: Any) -> bytes:
+            data = {**meta, "object": obj, "choices": items, **({"usage": None} if include_usage else {}), **extra}
+            return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+        def item(c: Choice, text: str | None, entries: list, finish: str | None) -> dict:
+            if self.chat:
+                delta = {} if text is None else {"content": text}
+                lp = chat_logprobs(tok, entries) if want_lp and entries else None
+                return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            lp = completion_logprobs(tok, entries, offsets[c.index]) if want_lp and entries else None
+            offsets[c.index] += len(text or "")
+            return {"index": c.index, "text": text or "", "logprobs": lp, "finish_reason": finish}
+
+        def stream() -> Iterator[bytes]:
+            structlog.contextvars.bind_contextvars(request_id=request_id)  # runs after process_response
+            try:
+                if self.chat:
+                    for c in choices:
+                        yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                      "finish_reason": None}])
+                for ev in self._events(choices, mux, keepalive=KEEPALIVE_S):
+                    if ev is None:
+                        yield b": keep-alive\n\n"  # also finds out early that a client has gone
+                        continue
+                    c, text, entries, done = ev
+                    if text or entries:
+                        yield chunk([item(c, text, entries, None)])
+                    if done:
+                        if c.finish_reason == "error":
+                            err = ApiError(500, c.error or "generation failed", None, "engine_error")
+                            yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+                            break
+                        yield chunk([item(c, None, [], c.finish_reason)])
+                if include_usage:
+                    data = {**meta, "object": obj, "choices": [], "usage": usage(choices, prompt_tokens)}
+                    yield b"data: " + json.dumps(data).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
+                self.state.metrics.count_completion(sum(c.completion_tokens for c in choices))
+            finally:
+                for c in choices:
+                    c.handle.cancel()  # a no-op for finished ones; frees the slot of a client that left
+
+        return stream()

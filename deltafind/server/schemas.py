@@ -1,0 +1,220 @@
+"""The OpenAI request bodies we accept, validated strictly.
+
+Unknown fields, wrong types, out-of-range values and features we cannot honour
+(tools, images, audio, logit_bias, ...) are a 400 naming the field — never
+silently ignored. `parse_body` turns raw bytes into a validated model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from deltafind.server.errors import ApiError, bad_request
+
+MAX_N = 8
+MAX_STOPS = 4
+MAX_SEED = 2**63 - 1
+
+# Known OpenAI fields this server cannot honour: a clear "not supported", not "unknown".
+UNSUPPORTED = {
+    "tools": "tool calling", "tool_choice": "tool calling", "parallel_tool_calls": "tool calling",
+    "functions": "function calling", "function_call": "function calling", "audio": "audio output",
+    "modalities": "output modalities", "prediction": "predicted outputs", "web_search_options": "web search",
+    "reasoning_effort": "reasoning effort", "service_tier": "service tiers", "suffix": "suffix (insertion)",
+    "verbosity": "verbosity", "prompt_cache_key": "prompt cache keys", "safety_identifier": "safety identifiers",
+}
+# Accepted only at their no-op value.
+NEUTRAL = {"logit_bias": ({}, None), "store": (False, None), "echo": (False, None),
+           "response_format": ({"type": "text"}, None), "best_of": (1, None)}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    include_obfuscation: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    refusal: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+Stop = Annotated[str, Field(min_length=1, max_length=256)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class _Common(_Strict):
+    model: Annotated[str, Field(min_length=1, max_length=256)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOPS)] | None = None
+    seed: Annotated[int, Field(ge=-MAX_SEED - 1, le=MAX_SEED)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    user: Annotated[str, Field(max_length=256)] | None = None
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None
+    # Accepted only at their no-op values (checked before validation), typed loosely here.
+    logit_bias: dict[str, Any] | None = None
+    store: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _Common:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream: true")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class ChatRequest(_Common):
+    messages: Annotated[list[Message], Field(min_length=1, max_length=4096)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs: true")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(_Common):
+    prompt: Annotated[str, Field(max_length=4_000_000)] | TokenIds | \
+        Annotated[list[str], Field(min_length=1, max_length=MAX_N)] | \
+        Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_N)]
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    echo: bool | None = None
+    best_of: Annotated[int, Field(ge=1, le=1)] | None = None
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def load_json(raw: bytes) -> dict[str, Any]:
+    """Bytes -> a JSON object, or a 400 saying what is wrong with them."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8 (byte {e.start})", None, "invalid_json") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", None, "invalid_json")
+    return body
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _precheck(body: dict[str, Any], chat: bool) -> None:
+    for key, what in UNSUPPORTED.items():
+        if key in body and body[key] is not None:
+            raise bad_request(f"{key}: {what} is not supported by this server; remove the field", key, "unsupported_parameter")
+    for key, allowed in NEUTRAL.items():
+        if key in body and body[key] not in allowed:
+            raise bad_request(f"{key}: only {json.dumps(allowed[0])} is supported (got {json.dumps(body[key])[:80]})", key,
+                              "unsupported_parameter")
+    if not chat or not isinstance(body.get("messages"), list):
+        return
+    for i, m in enumerate(body["messages"]):
+        if not isinstance(m, dict):
+            continue
+        if m.get("role") in ("tool", "function"):
+            raise bad_request(f"messages[{i}].role: {m['role']!r} messages are not supported (no tool calling)",
+                              f"messages[{i}].role", "unsupported_parameter")
+        for key in ("tool_calls", "function_call", "audio", "tool_call_id"):
+            if m.get(key) is not None:
+                raise bad_request(f"messages[{i}].{key} is not supported by this server", f"messages[{i}].{key}", "unsupported_parameter")
+        if isinstance(m.get("content"), list):
+            for j, part in enumerate(m["content"]):
+                if isinstance(part, dict) and part.get("type") not in (None, "text"):
+                    raise bad_request(f"messages[{i}].content[{j}]: {part.get('type')!r} content is not supported (text only)",
+                                      f"messages[{i}].content[{j}].type", "unsupported_content")
+
+
+_BRANCH = re.compile(r"[\w-]*\[.*\]|constrained-\w+|function-\w+|str|int|float|bool|list|dict|none")
+
+
+def _describe(err: dict[str, Any]) -> tuple[str, str | None]:
+    # Drop the union branch tags pydantic adds ('list[TextPart]', 'constrained-str'); keep fields and indexes.
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and _BRANCH.fullmatch(p)))
+    param = _loc(loc) or None
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}", param
+    if kind == "missing":
+        return f"{param}: required field is missing", param
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if param is None and ": " in msg:  # a model-level check names its field first
+        param = msg.split(": ", 1)[0]
+        return msg, param
+    return (f"{param}: {msg}" if param else msg), param
+
+
+def parse_body(raw: bytes, chat: bool) -> ChatRequest | CompletionRequest:
+    body = load_json(raw)
+    _precheck(body, chat)
+    model = ChatRequest if chat else CompletionRequest
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        # A union field reports one error per branch: name the field once.
+        # Prefer the branch whose type fit the input: its complaint is about the value.
+        err = next((x for x in errors if not str(x["type"]).endswith("_type")), errors[0])
+        message, param = _describe(err)
+        raise ApiError(400, message, param, "unknown_parameter" if err["type"] == "extra_forbidden" else "invalid_value") from None
