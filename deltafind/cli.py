@@ -319,6 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_trace)
+
+    from deltafind.daemon.cli import add_subcommands  # serve, install-service
+
+    add_subcommands(sub)
     return parser
 
 
@@ -339,24 +343,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
-        parser.print_help()
-        return 0
+        from deltafind.daemon.cli import cmd_serve  # `deltafind` alone runs the daemon, as the service does
+
+        return _run(cmd_serve, args)
     return _run(args.func, args)
 
 
 def ctl_main(argv: Sequence[str] | None = None) -> int:
-    """`deltafinctl`: the daemon's control client (the daemon itself is not built yet)."""
-    parser = argparse.ArgumentParser(prog="deltafinctl", description="Control a running deltafind daemon.")
-    _add_common(parser)
-    parser.add_argument("--socket", metavar="PATH", help="control socket (default: [control] socket)")
-    parser.add_argument("command", choices=["status", "reload", "drain", "resume", "trace"])
+    """`deltafinctl`: the daemon's control client (status, reload, drain, resume, trace)."""
+    from deltafind.control.ctl import main as ctl
 
-    def run(args: argparse.Namespace) -> int:
-        sock = Path(args.socket) if args.socket else Path(_settings(args).control.socket)
-        print(f"deltafinctl: no daemon running (no control socket at {sock})", file=sys.stderr)
-        return 1
-
-    return _run(run, parser.parse_args(argv))
+    return ctl(argv)
 
 
 if __name__ == "__main__":

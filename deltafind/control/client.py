@@ -1,0 +1,89 @@
+"""The control client used by deltafinctl: one call per command over the Unix socket."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from grpclib.client import Channel
+from grpclib.exceptions import GRPCError, StreamTerminatedError
+
+from deltafind.control import control_pb2 as pb
+from deltafind.control.control_grpc import ControlStub
+from deltafind.errors import DeltafindError
+
+
+class NoDaemon(DeltafindError):
+    """Nothing answers on the control socket."""
+
+    exit_code = 1
+
+
+class ControlFailed(DeltafindError):
+    exit_code = 1
+
+
+async def _call(socket_path: Path, method: str, request: Any, timeout: float) -> Any:
+    channel = Channel(path=str(socket_path))
+    try:
+        return await getattr(ControlStub(channel), method)(request, timeout=timeout)
+    finally:
+        channel.close()
+
+
+def call(socket_path: Path | str, method: str, request: Any, timeout: float = 30.0) -> dict[str, Any]:
+    """Run one RPC; the reply as a dict (every field, defaults included)."""
+    path = Path(socket_path)
+    if not path.exists():
+        raise NoDaemon(f"no daemon running: no control socket at {path} (is deltafind running? see [control] socket or --socket)")
+    try:
+        reply = asyncio.run(_call(path, method, request, timeout))
+    except (ConnectionRefusedError, FileNotFoundError, StreamTerminatedError, OSError) as e:
+        raise NoDaemon(f"no daemon running on {path}: {e.strerror if isinstance(e, OSError) and e.strerror else e}") from None
+    except GRPCError as e:
+        raise ControlFailed(f"{method.lower()} failed: {e.message}") from None
+    except asyncio.TimeoutError:
+        raise ControlFailed(f"{method.lower()} timed out after {timeout:.0f} s") from None
+    return to_dict(reply)
+
+
+def to_dict(msg: Any) -> dict[str, Any]:
+    """Every field of a reply, defaults included, with ints kept as ints (not JSON's int64 strings)."""
+    out: dict[str, Any] = {}
+    for field in msg.DESCRIPTOR.fields:
+        value = getattr(msg, field.name)
+        if field.message_type is not None:
+            out[field.name] = [to_dict(v) for v in value] if _repeated(field) else to_dict(value)
+        elif _repeated(field):
+            out[field.name] = list(value)
+        elif field.enum_type is not None:
+            out[field.name] = field.enum_type.values_by_number[value].name
+        else:
+            out[field.name] = value
+    return out
+
+
+def _repeated(field: Any) -> bool:
+    return bool(getattr(field, "is_repeated", False) or getattr(field, "label", 0) == 3)
+
+
+def status(path: Path | str) -> dict[str, Any]:
+    return call(path, "Status", pb.StatusRequest())
+
+
+def reload(path: Path | str) -> dict[str, Any]:
+    return call(path, "Reload", pb.ReloadRequest(), timeout=120)
+
+
+def drain(path: Path | str, grace_s: float = 0.0) -> dict[str, Any]:
+    return call(path, "Drain", pb.DrainRequest(grace_s=grace_s))
+
+
+def resume(path: Path | str) -> dict[str, Any]:
+    return call(path, "Resume", pb.ResumeRequest())
+
+
+def trace(path: Path | str, start: bool, trace_path: str = "") -> dict[str, Any]:
+    action = pb.TraceRequest.START if start else pb.TraceRequest.STOP
+    return call(path, "Trace", pb.TraceRequest(action=action, path=trace_path))

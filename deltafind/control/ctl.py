@@ -1,0 +1,107 @@
+"""`deltafinctl`: status, reload, drain, resume, trace against a running daemon.
+
+Prints a readable summary, or the reply as JSON with --json; exits 1 with a
+clear message when no daemon answers or the daemon refuses (e.g. an invalid
+config on reload).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from deltafind.errors import DeltafindError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deltafinctl", description="Control a running deltafind daemon over its control socket.")
+    p.add_argument("--config", metavar="FILE", help="TOML config, for [control] socket (default /etc/deltafind/deltafind.toml)")
+    p.add_argument("--socket", metavar="PATH", help="control socket (default: [control] socket)")
+    p.add_argument("--json", action="store_true", help="print the reply as JSON")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("status", help="model, readiness, queue, tok/s, cache, drives, config")
+    sub.add_parser("reload", help="re-read the config and apply what can change live")
+    d = sub.add_parser("drain", help="stop taking new requests (running ones finish)")
+    d.add_argument("--grace", type=float, default=0.0, metavar="S", help="cancel what still runs after S seconds (default: never)")
+    sub.add_parser("resume", help="take new requests again after drain")
+    t = sub.add_parser("trace", help="start or stop writing a router trace (JSONL)")
+    t.add_argument("action", choices=["start", "stop"])
+    t.add_argument("path", nargs="?", help="trace file for start (default ./deltafind-trace.jsonl)")
+    return p
+
+
+def _socket(args: argparse.Namespace) -> Path:
+    if args.socket:
+        return Path(args.socket)
+    from deltafind.config import load_settings
+
+    return Path(load_settings(args.config).control.socket)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def summary(s: dict[str, Any]) -> str:
+    state = "draining" if s["draining"] else s["load_status"]
+    loaded = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s["config_loaded_at"])) if s["config_loaded_at"] else "-"
+    lines = [
+        f"model      {s['model']} ({state}), pid {s['pid']}, up {s['uptime_s']:.0f} s, deltafind {s['version']}",
+        f"requests   {s['running']}/{s['max_running']} running, {s['waiting']} waiting (queue {s['max_queue']}), "
+        f"{s['tok_s']:.1f} tok/s, {s['generated_tokens']} tokens in {s['steps']} steps",
+        f"experts    cache hit {100 * s['cache_hit_rate']:.1f}% ({s['cache_hits']} + {s['pinned_hits']} pinned of "
+        f"{s['cache_requested']}), cache {_mib(s['cache_used_bytes'])} of {_mib(s['cache_budget_bytes'])}, "
+        f"pinned {_mib(s['pinned_bytes'])}, read {_mib(s['bytes_read'])}",
+        f"prefetch   issued {s['prefetch_issued']}, used {s['prefetch_used']}, wasted {s['prefetch_wasted']}, "
+        f"recall {100 * s['prefetch_recall']:.1f}%",
+    ]
+    for d in s["drives"]:
+        lines.append(f"drive {d['index']}    {'ok' if d['healthy'] else 'UNREADABLE'} {d['path']}: {d['reads']} reads, "
+                     f"{_mib(d['bytes_read'])}, {d['read_gb_s']:.2f} GB/s")
+    lines.append(f"config     {s['config_path'] or '(defaults)'}, loaded {loaded}")
+    if s["restart_needed"]:
+        lines.append(f"restart    needed for {', '.join(s['restart_needed'])}")
+    if s["trace_path"]:
+        lines.append(f"trace      writing {s['trace_path']}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from deltafind.control import client
+
+    sock = _socket(args)
+    if args.command == "status":
+        reply = client.status(sock)
+        text = summary(reply)
+    elif args.command == "reload":
+        reply = client.reload(sock)
+        if not reply["ok"]:
+            print(json.dumps(reply) if args.json else f"deltafinctl: reload refused, nothing changed:\n{reply['message']}",
+                  file=sys.stdout if args.json else sys.stderr)
+            return 1
+        text = reply["message"] + (f"\napplied: {', '.join(reply['applied'])}" if reply["applied"] else "\nno live change")
+    elif args.command in ("drain", "resume"):
+        reply = client.drain(sock, args.grace) if args.command == "drain" else client.resume(sock)
+        text = f"{'draining' if reply['draining'] else 'serving'}: {reply['running']} running, {reply['waiting']} waiting"
+    else:
+        path = str(Path(args.path).resolve()) if args.path else str(Path("deltafind-trace.jsonl").resolve())
+        reply = client.trace(sock, args.action == "start", path if args.action == "start" else "")
+        text = f"trace {'writing ' + reply['path'] if reply['active'] else 'stopped'}"
+    print(json.dumps(reply) if args.json else text)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except DeltafindError as e:
+        print(f"deltafinctl: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130

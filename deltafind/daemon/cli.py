@@ -1,0 +1,79 @@
+"""The daemon's subcommands: `deltafind serve` (also `deltafind` alone) and `install-service`.
+
+Settings are built once here (file, DELTAFIND_* variables, then flags); a bad
+config exits 2 and a missing store 3 before gunicorn starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from deltafind.errors import StoreError
+
+
+def add_subcommands(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run the daemon: the OpenAI API and the control socket (the default command)")
+    add_serve_options(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("install-service", help="write the systemd unit (Linux) or launchd plist (macOS) for this install")
+    p.add_argument("--config", metavar="FILE", help="config the service runs with (default /etc/deltafind/deltafind.toml)")
+    p.add_argument("--user", action="store_true", help="a per-user service (systemd --user, a LaunchAgent) instead of system-wide")
+    p.add_argument("--platform", choices=["linux", "darwin"], help="write for this platform (default: this machine's)")
+    p.add_argument("--output", metavar="DIR", help="write into DIR instead of the platform's service folder")
+    p.add_argument("--print", dest="print_only", action="store_true", help="print the file instead of writing it")
+    p.set_defaults(func=cmd_install_service)
+
+
+def add_serve_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML config (default /etc/deltafind/deltafind.toml when it exists)")
+    p.add_argument("--store", metavar="DIR", help="store to serve (overrides [model] store)")
+    p.add_argument("--host", help="HTTP address (overrides [server] host)")
+    p.add_argument("--port", type=int, help="HTTP port (overrides [server] port)")
+    p.add_argument("--control-socket", metavar="PATH", help="control socket (overrides [control] socket)")
+
+
+def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "model": {"store": getattr(args, "store", None)},
+        "server": {"host": getattr(args, "host", None), "port": getattr(args, "port", None)},
+        "control": {"socket": getattr(args, "control_socket", None)},
+    }
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from deltafind.config import load_settings
+    from deltafind.log import configure_logging
+
+    overrides = overrides_from(args)
+    config = Path(args.config) if getattr(args, "config", None) else None
+    settings = load_settings(config, overrides)
+    if config is None:
+        from deltafind.config import DEFAULT_CONFIG_PATH
+
+        config = DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else None
+    if settings.model.store is None:
+        raise StoreError("no store to serve: set [model] store in the config or pass --store DIR "
+                         "(`deltafind setup --demo` makes a demo store)")
+    store = Path(settings.model.store).expanduser()
+    if not (store / "manifest.json").is_file():
+        raise StoreError(f"{store}: not a deltafind store (no manifest.json); create it with `deltafind setup`")
+    configure_logging(settings.logging.level, settings.logging.format)
+    from deltafind.daemon.app import DaemonApp
+
+    DaemonApp(settings, config, overrides).run()
+    return 0
+
+
+def cmd_install_service(args: argparse.Namespace) -> int:
+    from deltafind.daemon.service import install
+
+    text, path = install(args)
+    if args.print_only:
+        sys.stdout.write(text)
+    else:
+        print(f"wrote {path}")
+    return 0
