@@ -204,7 +204,8 @@ class StoreExperts:
         self.stats.read += 1
         self.stats.bytes_read += rec.length
         views = record_tensors(rec, buf)
-        tensors = {n: t.to(device=self.device, dtype=self.dtype) for n, t in views.items()}
+        # Packed formats (MXFP4 codes and scales) stay as stored; float weights take the compute dtype.
+        tensors = {n: t.to(device=self.device, dtype=self.dtype if t.is_floating_point() else t.dtype) for n, t in views.items()}
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         expert = Expert(tensors, nbytes)
         if any(t.data_ptr() == v.data_ptr() for t, v in zip(tensors.values(), views.values(), strict=True)):
