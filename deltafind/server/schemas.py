@@ -150,6 +150,12 @@ def load_json(raw: bytes) -> dict[str, Any]:
         raise bad_request(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None, "invalid_json")
+    try:  # "\ud800" escapes decode to lone surrogates, which no tokenizer can encode
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request("the request body has an invalid \\u escape (a lone UTF-16 surrogate)", None, "invalid_json") from None
+    except (ValueError, RecursionError):
+        raise bad_request("the request body is nested too deeply", None, "invalid_json") from None
     return body
 
 
