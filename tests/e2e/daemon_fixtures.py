@@ -81,8 +81,9 @@ class Daemon:
         return subprocess.run([str(BIN / "deltafinctl"), "--socket", str(self.socket), *args], capture_output=True,
                               text=True, timeout=60, env=self.env)
 
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")[-6000:] if self.log.exists() else ""
+    def log_text(self, full: bool = False) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return text if full else text[-6000:]
 
     def stop(self, timeout: float = 60) -> int:
         if self.proc is None:
@@ -105,8 +106,8 @@ class Daemon:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def tiny_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="session", name="tiny_store")
+def tiny_store_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A seeded random llama store with a byte-level tokenizer: fast steps for plumbing tests."""
     from tests.conftest import deltafind_cmd
 
