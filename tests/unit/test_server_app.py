@@ -1,0 +1,173 @@
+"""The Falcon app in-process over a scripted engine: readiness, limits, stop strings, SSE shape."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+
+import pytest
+import structlog
+from falcon import testing
+from structlog.testing import capture_logs
+
+from deltafind.engine.scheduler import Draining, QueueFull
+from deltafind.engine.sequence import FinishEvent, GenRequest, Handle, TokenEvent
+from deltafind.server import AppState, ReadyEngine, ServerConfig, create_app
+from deltafind.server.app import check_key
+from deltafind.server.errors import ApiError
+from deltafind.tokenizer import Tokenizer
+from tests.conftest import write_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    folder = tmp_path_factory.mktemp("tok")
+    write_tiny_tokenizer(folder)  # one token per byte: multi-byte characters span tokens
+    return Tokenizer.load(folder)
+
+
+class ScriptedEngine:
+    """Answers every request with the bytes of `text` as tokens, then `reason`."""
+
+    def __init__(self, tokenizer: Tokenizer, text: str = "", reason: str = "length", error: Exception | None = None) -> None:
+        self.tok, self.text, self.reason, self.error = tokenizer, text, reason, error
+        self.ids = itertools.count()
+        self.draining = False
+        self.submitted: list[GenRequest] = []
+        self.cancelled: list[int] = []
+
+    def submit(self, req: GenRequest, mux=None) -> Handle:
+        if self.error is not None:
+            raise self.error
+        self.submitted.append(req)
+        seq = next(self.ids)
+        handle = Handle(seq, lambda: self.cancelled.append(seq), mux)
+        tokens = self.tok.encode(self.text)[: req.params.max_new_tokens]
+
+        def run() -> None:
+            for t in tokens:
+                if handle.cancelled:
+                    handle.put(FinishEvent("cancelled", len(req.prompt_ids), len(tokens)))
+                    return
+                handle.put(TokenEvent(t, -0.5, ((t, -0.5),) if req.logprobs else ()))
+            handle.put(FinishEvent(self.reason, len(req.prompt_ids), len(tokens)))
+
+        threading.Thread(target=run, daemon=True).start()
+        return handle
+
+    def status(self):
+        from deltafind.engine.scheduler import EngineStats, EngineStatus, SchedulerLimits
+
+        return EngineStatus(0, 0, self.draining, 0.0, EngineStats(), SchedulerLimits(), 0, 0, 0)
+
+
+def make(tokenizer: Tokenizer, engine: ScriptedEngine | None = None, **config) -> tuple[testing.TestClient, AppState]:
+    state = AppState(ServerConfig(**config), "m")
+    if engine is not None:
+        state.set_ready(ReadyEngine(engine, tokenizer, "m", 64))
+    return testing.TestClient(create_app(state)), state
+
+
+def chat(text: str = "hi", **extra) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": text}], **extra}
+
+
+def test_loading_answers_503_model_loading_and_health_503(tokenizer: Tokenizer) -> None:
+    c, state = make(tokenizer)
+    r = c.simulate_post("/v1/chat/completions", json=chat())
+    assert r.status_code == 503 and r.json["error"]["code"] == "model_loading" and r.headers["retry-after"]
+    assert c.simulate_get("/health").status_code == 503
+    state.set_failed("store gone")
+    assert c.simulate_get("/health").json["status"] == "failed"
+
+
+def test_queue_full_is_429_with_retry_after_and_draining_503(tokenizer: Tokenizer) -> None:
+    c, _ = make(tokenizer, ScriptedEngine(tokenizer, error=QueueFull("busy", 2)))
+    r = c.simulate_post("/v1/chat/completions", json=chat())
+    assert r.status_code == 429 and r.headers["retry-after"] == "2" and r.json["error"]["type"] == "rate_limit_error"
+    c, _ = make(tokenizer, ScriptedEngine(tokenizer, error=Draining("draining")))
+    assert c.simulate_post("/v1/completions", json={"model": "m", "prompt": "x"}).json["error"]["code"] == "server_draining"
+
+
+def test_api_keys_compare_every_key_and_answer_401(tokenizer: Tokenizer) -> None:
+    check_key("Bearer b", ("a", "b"))
+    for header in (None, "Bearer c", "Basic b", "b"):
+        with pytest.raises(ApiError):
+            check_key(header, ("a", "b"))
+    c, _ = make(tokenizer, ScriptedEngine(tokenizer, "ok"), api_keys=("k",))
+    assert c.simulate_post("/v1/chat/completions", json=chat()).status_code == 401
+    assert c.simulate_post("/v1/chat/completions", json=chat(), headers={"Authorization": "Bearer k"}).status_code == 200
+    assert c.simulate_get("/health").status_code == 200
+
+
+def test_body_limit_413(tokenizer: Tokenizer) -> None:
+    c, _ = make(tokenizer, ScriptedEngine(tokenizer, "ok"), max_body_bytes=100)
+    r = c.simulate_post("/v1/chat/completions", json=chat("x" * 200))
+    assert r.status_code == 413 and r.json["error"]["code"] == "body_too_large"
+
+
+def test_context_limit_and_default_max_tokens(tokenizer: Tokenizer) -> None:
+    engine = ScriptedEngine(tokenizer, "abc")
+    c, _ = make(tokenizer, engine, max_tokens_default=5, max_context=32)
+    r = c.simulate_post("/v1/completions", json={"model": "m", "prompt": "x" * 40})
+    assert r.status_code == 400 and r.json["error"]["code"] == "context_length_exceeded" and r.json["error"]["param"] == "prompt"
+    assert c.simulate_post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 40}).status_code == 400
+    assert c.simulate_post("/v1/completions", json={"model": "m", "prompt": "x"}).status_code == 200
+    assert engine.submitted[-1].params.max_new_tokens == 5
+    c.simulate_post("/v1/completions", json={"model": "m", "prompt": "x" * 30})
+    assert engine.submitted[-1].params.max_new_tokens == 2  # what the context has left
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_across_a_utf8_boundary_is_never_sent(tokenizer: Tokenizer, stream: bool) -> None:
+    engine = ScriptedEngine(tokenizer, "naïve café—done")
+    c, _ = make(tokenizer, engine)
+    r = c.simulate_post("/v1/completions", json={"model": "m", "prompt": "x", "stop": ["é—"], "stream": stream})
+    if stream:
+        events = [json.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: {")]
+        text = "".join(e["choices"][0]["text"] for e in events)
+        assert r.text.rstrip().endswith("data: [DONE]") and events[-1]["choices"][0]["finish_reason"] == "stop"
+    else:
+        text, reason = r.json["choices"][0]["text"], r.json["choices"][0]["finish_reason"]
+        assert reason == "stop"
+    assert text == "naïve caf"
+    assert engine.cancelled  # the stop cancelled the sequence
+
+
+def test_chat_stream_shape_matches_the_openai_client(tokenizer: Tokenizer) -> None:
+    c, _ = make(tokenizer, ScriptedEngine(tokenizer, "hey"))
+    r = c.simulate_post("/v1/chat/completions", json=chat(stream=True, n=2, stream_options={"include_usage": True},
+                                                          logprobs=True, top_logprobs=1))
+    assert r.headers["content-type"] == "text/event-stream" and r.headers["cache-control"] == "no-cache"
+    events = [json.loads(p[6:]) for p in r.text.split("\n\n") if p.startswith("data: {")]
+    assert {e["choices"][0]["delta"].get("role") for e in events[:2]} == {"assistant"}
+    assert all(e["usage"] is None for e in events[:-1]) and events[-1]["choices"] == []
+    assert events[-1]["usage"]["completion_tokens"] == 6 and events[-1]["usage"]["prompt_tokens"] == events[-1]["usage"]["total_tokens"] - 6
+    finishes = [e["choices"][0] for e in events[:-1] if e["choices"][0]["finish_reason"]]
+    assert sorted(f["index"] for f in finishes) == [0, 1] and all(f["delta"] == {} for f in finishes)
+    contents = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["delta"].get("content")]
+    assert all(ch["logprobs"]["content"][0]["top_logprobs"] for ch in contents)
+    assert "system_fingerprint" not in events[0]
+
+
+def test_request_id_is_echoed_and_bound_in_logs(tokenizer: Tokenizer) -> None:
+    c, _ = make(tokenizer, ScriptedEngine(tokenizer, "ok"))
+    r = c.simulate_get("/v1/models", headers={"X-Request-Id": "my-id.1"})
+    assert r.headers["x-request-id"] == "my-id.1"
+    assert c.simulate_get("/v1/models", headers={"X-Request-Id": "bad id\n"}).headers["x-request-id"].startswith("req-")
+    with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+        c, _ = make(tokenizer, ScriptedEngine(tokenizer, error=RuntimeError("boom")))
+        r = c.simulate_post("/v1/chat/completions", json=chat(), headers={"X-Request-Id": "rid-7"})
+    assert r.status_code == 500 and r.json["error"]["code"] == "internal_error"
+    assert any(e.get("request_id") == "rid-7" and e["event"] == "request_failed" for e in logs)
+
+
+def test_metrics_are_prometheus_text(tokenizer: Tokenizer) -> None:
+    c, _ = make(tokenizer, ScriptedEngine(tokenizer, "ok"))
+    c.simulate_post("/v1/chat/completions", json=chat())
+    text = c.simulate_get("/metrics").text
+    assert "# TYPE deltafind_step_seconds histogram" in text and 'deltafind_step_seconds_bucket{le="+Inf"} 0' in text
+    assert 'deltafind_http_requests_total{endpoint="/v1/chat/completions",status="200"} 1' in text
+
+
