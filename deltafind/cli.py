@@ -343,7 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
-        from deltafind.daemon.cli import cmd_serve  # `deltafind` alone runs the daemon, as the service does
+        # `deltafind` alone runs the daemon, as the service does
+        from deltafind.daemon.cli import cmd_serve
 
         return _run(cmd_serve, args)
     return _run(args.func, args)
