@@ -37,7 +37,7 @@ etc: dev
 
 # Regenerate the committed control-socket stubs from control.proto (a test diffs them).
 proto: dev
-	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpclib_python_out=. deltafind/control/control.proto
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpclib_python_out=. deltafind/control/control.proto
 
 # The daemon end to end: a real `deltafind serve` subprocess driven by the openai client.
 e2e: dev

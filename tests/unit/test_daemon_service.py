@@ -71,7 +71,9 @@ def test_make_proto_reproduces_the_committed_stubs(tmp_path: Path) -> None:
     (tmp_path / "deltafind" / "control").mkdir(parents=True)
     shutil.copy(ROOT / "deltafind" / "control" / "control.proto", tmp_path / "deltafind" / "control")
     proc = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I", ".", "--python_out=.", "--pyi_out=.",
-                           "--grpclib_python_out=.", "deltafind/control/control.proto"], cwd=tmp_path, capture_output=True, text=True)
+                           "--grpclib_python_out=.", "deltafind/control/control.proto"], cwd=tmp_path, capture_output=True, text=True,
+                          # grpclib's protoc plugin is a script beside this interpreter; CI does not activate the venv
+                          env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"})
     assert proc.returncode == 0, proc.stderr
     for name in ("control_pb2.py", "control_pb2.pyi", "control_grpc.py"):
         made = (tmp_path / "deltafind" / "control" / name).read_text()
