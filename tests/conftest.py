@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -20,33 +19,10 @@ EOS_ID = 256
 
 
 def write_tiny_tokenizer(folder: Path) -> None:
-    """A byte-level BPE with no merges: 256 byte tokens plus <|eos|>; enough to run a tiny model."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
+    """A byte-level BPE with no merges: 256 byte tokens plus <|eos|> (the synthetic stores' tokenizer)."""
+    from deltafind.store.synthetic_families import write_byte_tokenizer
 
-    alphabet = ByteLevel.alphabet()
-    byte_chars = sorted(alphabet, key=lambda c: _byte_of(c))
-    vocab = {c: i for i, c in enumerate(byte_chars)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|eos|>", "<|user|>", "<|assistant|>"])
-    tok.save(str(folder / "tokenizer.json"))
-    template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|eos|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>", "chat_template": template, "add_bos_token": False}))
-
-
-def _byte_of(ch: str) -> int:
-    # GPT-2's bytes_to_unicode inverse
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip((chr(c) for c in cs), bs, strict=True))[ch]
+    write_byte_tokenizer(folder, {})
 
 
 def make_hf_checkpoint(family: str, folder: Path, seed: int = 0, **overrides) -> Path:
