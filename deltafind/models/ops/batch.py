@@ -74,6 +74,10 @@ class Batch:
 
     segments: list[Segment]
     positions: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    # Speculative drafting (engine/draft): layers whose output hidden rows [T, H] the
+    # forward stores in `captured`, keyed by layer index.
+    capture: tuple[int, ...] = ()
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def of(cls, caches_and_counts: list[tuple[SequenceCache, int]], device: torch.device | str = "cpu") -> Batch:
