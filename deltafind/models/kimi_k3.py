@@ -8,6 +8,8 @@ named switches live in kimi_k3_config.py; docs/kimi-k3.md lists the switches.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -96,6 +98,8 @@ class Backbone(nn.Module):
 class Model(nn.Module):
     """embed -> 93 AttnRes-mixed layers -> output mixture -> norm -> lm_head, over a `Batch`."""
 
+    spine_stream: Any = None  # set by the loader when the spine does not fit its budget
+
     def __init__(self, args: ModelArgs, experts: ExpertProvider) -> None:
         super().__init__()
         check_load_dtype(getattr(experts, "dtype", None))  # the quality guard's half that sees the load
@@ -112,13 +116,19 @@ class Model(nn.Module):
         self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, batch: Batch, all_logits: bool = False) -> torch.Tensor:
-        """Logits [T, V] (all_logits) or [num_segments, V] (each segment's last token), fp32."""
+        """Logits [T, V] (all_logits) or [num_segments, V] (each segment's last token), fp32.
+
+        Layers named in `batch.capture` leave their output h [T, H] in `batch.captured`.
+        """
         m, eps, layers = self.model, self.args.rms_norm_eps, self.model.layers
         dtype = torch.float32 if self.args.activation_dtype == "float32" else m.embed_tokens.weight.dtype
         stream = AttnResStream(m.embed_tokens(input_ids).to(dtype), self.args.attn_res_block_size)  # [T, H], unscaled
         if self._prefetch is not None:
             self._prefetch(0, layers[0].predict_experts(stream.h))
+        capture = set(batch.capture)  # DSpark (spec 7.3): the carried h after these layers, [T, H]
         for i, layer in enumerate(layers):
+            if self.spine_stream is not None:
+                self.spine_stream.enter(i)  # a layer outside the resident prefix is read in (store/spine.py)
             x = stream.attention_input(i, layer.self_attention_res_norm.weight, layer.self_attention_res_proj.weight, eps)
             stream.add_attention(layer.self_attn(layer.input_layernorm(x), batch))
             y = stream.mlp_input(layer.mlp_res_norm.weight, layer.mlp_res_proj.weight, eps)
@@ -126,6 +136,8 @@ class Model(nn.Module):
                 # PILOT: layer i+1's router on layer i's MLP-side mixture, read while layer i computes.
                 self._prefetch(i + 1, layers[i + 1].predict_experts(y))
             stream.add_mlp(layer.ffn()(layer.post_attention_layernorm(y)))
+            if i in capture:
+                batch.captured[i] = stream.h  # the AttnRes partial block sum; never modified in place
         z = stream.output(m.output_attn_res_norm.weight, m.output_attn_res_proj.weight, eps)
         batch.advance()
         if not all_logits:

@@ -39,6 +39,10 @@ class LayerCache:
         self.length += n
         return tuple(buf[: self.length] for buf in self._bufs)
 
+    def view(self) -> tuple[torch.Tensor, ...]:
+        """Views of everything held, without appending."""
+        return tuple(buf[: self.length] for buf in self._bufs)
+
     def truncate(self, length: int) -> None:
         """Forget positions from `length` on (speculative rollback, prefix reuse)."""
         assert 0 <= length <= self.length
@@ -56,6 +60,12 @@ class SequenceCache:
         self.seq_id = next(SequenceCache._ids)  # names the sequence in router traces
 
     def truncate(self, length: int) -> None:
+        """Forget positions from `length` on, in every layer, or in none (a recurrent state's
+        `check_truncate` refuses a cut it cannot restore before any layer is touched)."""
+        for layer in self.layers:
+            check = getattr(layer, "check_truncate", None)
+            if check is not None:
+                check(min(layer.length, length))
         for layer in self.layers:
             layer.truncate(min(layer.length, length))
         self.length = length

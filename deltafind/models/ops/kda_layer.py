@@ -43,23 +43,77 @@ class KDAOptions:
     chunk_size: int = 16
 
 
+MAX_ROLLBACK_ROWS = 17  # a speculative verify pass: the pending token + up to 16 drafts
+
+
+class RollbackError(ValueError):
+    """A recurrent state was asked to roll back past what it kept."""
+
+
 class KDAState:
-    """One sequence's KDA state at one layer: three conv windows and S [NH, K, V] (fp32)."""
+    """One sequence's KDA state at one layer: three conv windows and S [NH, K, V] (fp32).
+
+    A recurrent state cannot be cut back by arithmetic, so after a multi-row pass
+    on an existing state (a speculative verify: 2..MAX_ROLLBACK_ROWS rows) it keeps
+    the rows' states: S after each row (references the per-row loop makes anyway)
+    and each conv stream's previous window plus the rows' raw inputs (the window
+    after row r is a slice of them). `truncate` restores the state at any row of
+    that pass, so the verifier commits exactly the accepted prefix. Prefill and
+    one-row decode keep nothing.
+    """
 
     def __init__(self) -> None:
         self.conv: list[torch.Tensor | None] = [None, None, None]
         self.recurrent: torch.Tensor | None = None
         self.length = 0
+        self.window_start = 0  # position before the kept pass's first row
+        self.row_states: list[torch.Tensor] = []  # S before row 0, then after each row: n + 1 tensors
+        self.conv_prev: list[torch.Tensor] = []  # per stream [W-1, D]: the window before the pass
+        self.conv_rows: list[torch.Tensor] = []  # per stream [n, D]: the pass's raw (pre-conv) inputs
+
+    def keeps_rows(self, num_rows: int) -> bool:
+        """Whether a pass of `num_rows` on this state keeps per-row states (and so runs row by row)."""
+        return self.recurrent is not None and 1 < num_rows <= MAX_ROLLBACK_ROWS
+
+    def start_pass(self, keep: bool) -> None:
+        """Forget the previous pass's rows; `keep` starts a new window at the current position."""
+        self.window_start = self.length
+        self.row_states = [self.recurrent] if keep and self.recurrent is not None else []
+        self.conv_prev, self.conv_rows = [], []
+
+    def rollback_range(self) -> tuple[int, int]:
+        """Positions `truncate` can restore: (first, last), both inclusive."""
+        if not self.row_states:
+            return self.length, self.length
+        return self.window_start, self.window_start + len(self.row_states) - 1
+
+    def check_truncate(self, length: int) -> None:
+        lo, hi = self.rollback_range()
+        if length != 0 and not lo <= length <= hi:
+            raise RollbackError(
+                f"KDA state is at position {self.length} and can roll back only to positions {lo}..{hi} "
+                f"(the rows of its last verify pass of 2..{MAX_ROLLBACK_ROWS} rows) or to 0; asked for {length}: "
+                "run the accepted prefix again instead"
+            )
 
     def truncate(self, length: int) -> None:
-        """A recurrent state cannot be cut back: only a no-op or a reset to 0 is possible."""
+        """Restore the state after `length` positions (within the last verify pass, or 0 = reset)."""
         if length == self.length:
             return
-        if length != 0:
-            raise NotImplementedError(
-                f"KDA state is at position {self.length} and cannot roll back to {length}; rerun the accepted prefix"
-            )
-        self.conv, self.recurrent, self.length = [None, None, None], None, 0
+        self.check_truncate(length)
+        if length == 0:
+            self.conv, self.recurrent, self.length = [None, None, None], None, 0
+            self.start_pass(False)
+            return
+        r = length - self.window_start  # rows of the pass to keep
+        self.recurrent = self.row_states[r]
+        width = self.conv_prev[0].shape[0]  # W - 1
+        for i in range(3):
+            src = torch.cat([self.conv_prev[i], self.conv_rows[i][:r]], dim=0)  # [W-1+r, D]
+            self.conv[i] = src[r : r + width].clone()
+            self.conv_rows[i] = self.conv_rows[i][:r]
+        self.row_states = self.row_states[: r + 1]  # an earlier cut inside the same pass still works
+        self.length = length
 
 
 def kda_state(batch_cache: list, layer_idx: int) -> KDAState:
@@ -119,15 +173,26 @@ class KimiDeltaAttention(nn.Module):
         for seg in batch.segments:
             sl = slice(seg.start, seg.start + seg.num_tokens)
             state = kda_state(seg.cache.layers, self.layer_idx)
+            keep = state.keeps_rows(seg.num_tokens)
+            state.start_pass(keep)
             streams = []
             for i in range(3):
-                out, state.conv[i] = short_conv(raw[i][sl].float(), convs[i], state.conv[i])
+                u = raw[i][sl].float()  # [n, D]
+                if keep:
+                    state.conv_prev.append(state.conv[i])
+                    state.conv_rows.append(u)
+                out, state.conv[i] = short_conv(u, convs[i], state.conv[i])
                 streams.append(out.view(-1, nh, dk))
             q = l2_normalize(streams[0], o.l2norm) / dk**0.5
             k = l2_normalize(streams[1], o.l2norm)
-            run = kda_chunked if seg.num_tokens > 1 and o.prefill == PREFILL_CHUNKED else kda_recurrent
-            kwargs = {"chunk_size": o.chunk_size} if run is kda_chunked else {}
-            core[sl], state.recurrent = run(q, k, streams[2], g[sl], beta[sl], state.recurrent, **kwargs)
+            # A kept (verify) pass runs row by row, deltafin's order: each row's state exists, and
+            # it rounds like one-row decode. Prefill runs the chosen form and keeps nothing.
+            if keep:
+                core[sl], state.recurrent = kda_recurrent(q, k, streams[2], g[sl], beta[sl], state.recurrent, keep=state.row_states)
+            elif seg.num_tokens > 1 and o.prefill == PREFILL_CHUNKED:
+                core[sl], state.recurrent = kda_chunked(q, k, streams[2], g[sl], beta[sl], state.recurrent, chunk_size=o.chunk_size)
+            else:
+                core[sl], state.recurrent = kda_recurrent(q, k, streams[2], g[sl], beta[sl], state.recurrent)
             state.length += seg.num_tokens
         gate = torch.sigmoid(self.output_gate(x).float().view(t, nh, dk))
         out = self.o_norm(core) * gate  # per-head RMSNorm over V, then the gate
