@@ -22,9 +22,10 @@ from deltafind.log import get_logger
 from deltafind.models.ops.batch import SequenceCache
 from deltafind.models.registry import family_module
 from deltafind.store.experts import PrefetchOptions, StoreExperts
-from deltafind.store.manifest import SPINE_NAME, TOKENIZER_DIR, Manifest
 from deltafind.store.heat import hottest, read_heat, update_heat
+from deltafind.store.manifest import SPINE_NAME, TOKENIZER_DIR, Manifest
 from deltafind.store.reader import DriveOptions
+from deltafind.store.spine import MemoryLock, SpineStreamer, load_resident, plan_spine, read_layout
 from deltafind.store.trace import TraceWriter
 from deltafind.tokenizer import Tokenizer
 
@@ -39,6 +40,8 @@ class Model:
         self.store_dir, self.manifest, self.net, self.experts, self.tokenizer = store_dir, manifest, net, experts, tokenizer
         self.last_stats = GenerationStats()
         self.heat_decay = 0.99
+        self.spine: SpineStreamer | None = None  # streams the layers past the resident prefix
+        self.memory_lock = MemoryLock()
 
     @classmethod
     def open(
@@ -53,6 +56,8 @@ class Model:
         pin_bytes: int = 0,
         trace_path: str | Path | None = None,
         heat_decay: float = 0.99,
+        spine_bytes: int | None = None,
+        mlock: bool = True,
     ) -> Model:
         """Load the spine of the store at `store_dir`; experts stream on demand.
 
@@ -60,7 +65,10 @@ class Model:
         0 reads every expert every time it is used. `drives` sets per-drive
         queue depth and (for benchmarks) a read-rate cap, in the store's drive order.
         `pin_bytes` keeps the store's hottest experts (by its heat file) resident;
-        `trace_path` appends a router trace (JSONL).
+        `trace_path` appends a router trace (JSONL). `spine_bytes` bounds the spine's
+        memory (None: all resident): the largest prefix of layers that fits stays
+        resident, the rest streams layer by layer. `mlock` pins the resident spine
+        where RLIMIT_MEMLOCK allows (logged once when it does not).
         """
         from safetensors import safe_open
 
@@ -79,18 +87,17 @@ class Model:
             experts.pin(hottest(read_heat(store_dir)), pin_bytes)
         with torch.device("meta"):
             net = family.Model(args, experts)
-        spine = {}
-        with safe_open(str(store_dir / SPINE_NAME), "pt", device="cpu") as f:
-            for k in f.keys():
-                t = f.get_tensor(k)
-                # Routing biases stay fp32 (as in HF): rounding them can flip expert choices.
-                keep = not t.is_floating_point() or k.endswith("e_score_correction_bias")
-                spine[k] = t.to(device=device, dtype=t.dtype if keep else torch_dtype)
+        # Routing biases stay fp32 (as in HF: rounding them can flip expert choices); see store/spine.py.
+        spine_path = store_dir / SPINE_NAME
+        plan = plan_spine(read_layout(spine_path, torch_dtype), net.num_layers, spine_bytes)
+        with safe_open(str(spine_path), "pt", device="cpu") as f:
+            spine = load_resident(spine_path, plan, device, f.get_tensor)
+        streamed = {t.name for i in plan.streamed for t in plan.layers[i]}
         tied = getattr(args, "tie_word_embeddings", False)
         if tied:
             spine.pop("lm_head.weight", None)
         missing, unexpected = net.load_state_dict(spine, strict=False, assign=True)
-        missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+        missing = [k for k in missing if not (tied and k == "lm_head.weight") and k not in streamed]
         if missing or unexpected:
             raise StoreError(f"{store_dir}: spine does not fit the {manifest.family} model (missing {missing[:5]}, unexpected {unexpected[:5]}); re-import the store")
         if tied:
@@ -99,6 +106,14 @@ class Model:
         tokenizer = Tokenizer.load(store_dir / TOKENIZER_DIR)
         model = cls(store_dir, manifest, net, experts, tokenizer)
         model.heat_decay = heat_decay
+        if plan.streamed:
+            model.spine = SpineStreamer(spine_path, plan, device)
+            model.spine.bind(net)
+            net.spine_stream = model.spine
+            log.info("spine_prefix_resident", resident_layers=plan.resident_layers, streamed_layers=len(plan.streamed),
+                     resident_bytes=plan.resident_bytes, window_bytes=plan.window_bytes, budget_bytes=spine_bytes)
+        if mlock:
+            model.memory_lock.lock(spine.values())
         return model
 
     @property
@@ -142,3 +157,6 @@ class Model:
     def close(self) -> None:
         self.save_heat()
         self.experts.close()
+        if self.spine is not None:
+            self.spine.close()
+        self.memory_lock.unlock()

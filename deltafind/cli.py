@@ -106,13 +106,14 @@ def _open_model(args: argparse.Namespace, settings: Any) -> Any:
     from deltafind.store.reader import DriveOptions
 
     cache = args.cache_bytes if getattr(args, "cache_bytes", None) is not None else settings.cache.expert_bytes
+    spine = args.spine_bytes if getattr(args, "spine_bytes", None) is not None else settings.cache.spine_bytes
     drives = [DriveOptions(d.path, d.queue_depth, d.read_mb_s) for d in settings.drives]
     p = settings.prefetch
     prefetch = PrefetchOptions(p.enabled and not getattr(args, "no_prefetch", False), p.max_in_flight, p.recall_threshold)
     return Model.open(
         _store_arg(args, settings), device=device, expert_cache_bytes=int(cache), dtype=settings.device.dtype,
         drives=drives, prefetch=prefetch, pin_bytes=int(settings.cache.pin_bytes), trace_path=getattr(args, "trace", None),
-        heat_decay=settings.cache.heat_decay,
+        heat_decay=settings.cache.heat_decay, spine_bytes=None if spine is None else int(spine),
     )
 
 
@@ -146,6 +147,9 @@ def _print_stats(model: Any) -> None:
         f"experts requested {e.requested}, read {e.read} ({e.bytes_read / 2**20:.1f} MiB), cache hits {e.cache_hits}, pinned hits {e.pinned_hits}, cache {c.used_bytes / 2**20:.1f} MiB in {len(c)} experts",
         f"io wait {e.wait_s:.3f} s; prefetch issued {e.prefetch_issued}, used {e.prefetch_used}, wasted {e.prefetch_wasted}; {drives}",
     ]
+    if (sp := model.spine) is not None:
+        lines.append(f"spine: {sp.plan.resident_layers} of {sp.plan.num_layers} layers resident, {sp.layers_read} layer reads "
+                     f"({sp.bytes_read / 2**20:.1f} MiB), waited {sp.wait_s:.3f} s")
     print("\n".join("[stats] " + line for line in lines), file=sys.stderr)
 
 
@@ -251,6 +255,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 def _add_model_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", metavar="DIR", help="store folder (default: [model] store, else the demo store)")
     p.add_argument("--cache-bytes", type=_byte_size, metavar="SIZE", help="expert cache budget, e.g. 2GiB or 0 (default: [cache] expert_bytes)")
+    p.add_argument("--spine-bytes", type=_byte_size, metavar="SIZE", help="spine memory budget; past it, layers stream from the drive (default: [cache] spine_bytes, unset = all resident)")
     p.add_argument("--threads", type=int, help="CPU threads for torch")
     p.add_argument("--no-prefetch", action="store_true", help="turn next-layer expert prefetch off")
     p.add_argument("--trace", metavar="FILE", help="append a router trace (JSONL) to FILE")

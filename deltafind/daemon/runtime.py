@@ -153,6 +153,7 @@ class Runtime:
             dtype=s.device.dtype, drives=[DriveOptions(d.path, d.queue_depth, d.read_mb_s) for d in s.drives],
             prefetch=PrefetchOptions(p.enabled, p.max_in_flight, p.recall_threshold),
             pin_bytes=int(s.cache.pin_bytes), heat_decay=s.cache.heat_decay,
+            spine_bytes=None if s.cache.spine_bytes is None else int(s.cache.spine_bytes),
         )
 
     @staticmethod

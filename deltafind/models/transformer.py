@@ -93,6 +93,8 @@ class Backbone(nn.Module):
 class CausalLM(nn.Module):
     """embed -> layers -> norm -> lm_head, over a `Batch` of segments."""
 
+    spine_stream: Any = None  # set by the loader when the spine does not fit its budget
+
     def __init__(self, args: Any, make_layer: Callable[[int], nn.Module], rope: Rope, experts: Any = None) -> None:
         super().__init__()
         self.args = args
@@ -120,6 +122,8 @@ class CausalLM(nn.Module):
         if self._prefetch is not None:
             self._prefetch(0, layers[0].mlp.predict_all() if hasattr(layers[0].mlp, "predict_all") else None)
         for i, layer in enumerate(layers):
+            if self.spine_stream is not None:
+                self.spine_stream.enter(i)  # a layer outside the resident prefix is read in (store/spine.py)
             h = layer.attend(x, batch, cos, sin)
             if self._prefetch is not None and i + 1 < len(layers):
                 # While layer i's experts compute, layer i+1's predicted experts are read.
