@@ -8,6 +8,7 @@ depends on it, so output is identical with prefetch on or off.
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from collections import defaultdict
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from deltafind.device.staging import make_stager
 from deltafind.errors import CorruptExpertError
 from deltafind.store.cache import ByteLRU
 from deltafind.store.manifest import ExpertRecord, Manifest
@@ -87,6 +89,7 @@ class StoreExperts:
         self.pinned: dict[tuple[int, int], Expert] = {}
         self.pinned_bytes = 0
         self.dtype, self.device = dtype, torch.device(device)
+        self.stager = make_stager(self.device, self.reader)  # CUDA: pinned read buffers, copies on their own stream
         self.prefetch_options = prefetch or PrefetchOptions(enabled=False)
         self._records: dict[tuple[int, int], ExpertRecord] = {r.key: r for r in manifest.experts}
         self._counts = manifest.expert_counts()
@@ -205,14 +208,13 @@ class StoreExperts:
         self.stats.bytes_read += rec.length
         views = record_tensors(rec, buf)
         # Packed formats (MXFP4 codes and scales) stay as stored; float weights take the compute dtype.
-        tensors = {n: t.to(device=self.device, dtype=self.dtype if t.is_floating_point() else t.dtype) for n, t in views.items()}
+        # The stager moves them to the device and releases `buf` once no copy needs it.
+        tensors, aliased = self.stager.stage(views, self.dtype, functools.partial(self.reader.release, buf))
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         expert = Expert(tensors, nbytes)
-        if any(t.data_ptr() == v.data_ptr() for t, v in zip(tensors.values(), views.values(), strict=True)):
+        if aliased:
             # tensors are views over the read buffer: recycle it once the expert is gone
             weakref.finalize(expert, self.reader.release, buf)
-        else:
-            self.reader.release(buf)
         self.cache.put(rec.key, expert, nbytes)
         return expert
 
@@ -236,4 +238,5 @@ class StoreExperts:
         for fut in self._inflight.values():
             fut.cancel()
         self._inflight.clear()
+        self.stager.drain()  # copies in flight still read their host buffers
         self.reader.close()

@@ -4,9 +4,16 @@ A logical [R, C] matrix is `weight_packed` uint8 [R, C/2] (column 2j in the low
 nibble of byte j, 2j+1 in the high one; E2M1 codes) plus `weight_scale` uint8
 [R, C/32] (E8M0: 2^(s-127) per 32 input columns). Owns the exact decode, the
 plain reference, and `mxfp4_linear`: fused CPU kernel or dequantise + matmul.
+Off the CPU (CUDA, MPS) the dequantisation is torch ops into a reusable scratch
+matrix, bit-identical to the C++ decode; `torch_path()` forces it on the CPU too.
 """
 
 from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -48,16 +55,71 @@ def dequantize_reference(packed: torch.Tensor, scale: torch.Tensor) -> torch.Ten
     return table[codes] * factor.repeat_interleave(GROUP, dim=-1)
 
 
+_force_torch = False  # set by `torch_path()`
+_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def torch_path() -> Iterator[None]:
+    """Run every MXFP4 op through the torch (device) path, also on the CPU: for exactness tests and benches."""
+    global _force_torch
+    old, _force_torch = _force_torch, True
+    try:
+        yield
+    finally:
+        _force_torch = old
+
+
 def _kernel_ok(x: torch.Tensor, packed: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and packed.device.type == "cpu" and load_kernel() is not None
+    return not _force_torch and x.device.type == "cpu" and packed.device.type == "cpu" and load_kernel() is not None
+
+
+def _device_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """E2M1 values [16] and 2^(s-127) for every E8M0 byte [256], fp32, on `device` (made exactly on the CPU)."""
+    tables = _tables.get(device)
+    if tables is None:
+        pow2 = torch.tensor([math.ldexp(1.0, s - 127) for s in range(256)], dtype=torch.float32)  # 255 -> inf, as in C++
+        tables = _tables[device] = (torch.tensor(E2M1, dtype=torch.float32).to(device), pow2.to(device))
+    return tables
+
+
+def scratch(device: torch.device, rows: int, cols: int) -> torch.Tensor:
+    """A reusable fp32 [rows, cols] matrix for this thread and device (contents undefined).
+
+    Safe to reuse call after call: on the CPU calls are sequential, on a GPU the
+    next write is queued on the same stream after the matmul that reads it.
+    """
+    bufs: dict[torch.device, torch.Tensor] = _local.__dict__.setdefault("bufs", {})
+    buf = bufs.get(device)
+    if buf is None or buf.numel() < rows * cols:
+        buf = bufs[device] = torch.empty(rows * cols, dtype=torch.float32, device=device)
+    return buf[: rows * cols].view(rows, cols)
+
+
+def dequantize_torch(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact fp32 [R, C] with torch ops on packed's device (CPU, CUDA, MPS), written into `out` if given.
+
+    Each weight is one table value times one power of two, both exact in fp32,
+    so the product is exact: the same bits as the C++ decode and the reference.
+    """
+    check_pack(packed, scale)
+    rows, cols = logical_shape(packed)
+    e2m1, pow2 = _device_tables(packed.device)
+    out = torch.empty((rows, cols), dtype=torch.float32, device=packed.device) if out is None else out
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1)  # [R, C/2, 2] uint8, low nibble first
+    torch.index_select(e2m1, 0, codes.view(-1).int(), out=out.view(-1))
+    factor = pow2.index_select(0, scale.reshape(-1).int()).view(rows, cols // GROUP, 1)  # [R, C/32, 1]
+    out.view(rows, cols // GROUP, GROUP).mul_(factor)
+    return out
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Exact fp32 [R, C]; the C++ kernel where it is built, else the reference."""
+    """Exact fp32 [R, C]; the C++ kernel where it is built, else torch ops (any device)."""
     check_pack(packed, scale)
     rows, cols = logical_shape(packed)
     if not _kernel_ok(packed, packed):
-        return dequantize_reference(packed, scale).to(packed.device)
+        return dequantize_torch(packed, scale, out)
     packed, scale = packed.contiguous(), scale.contiguous()
     out = torch.empty((rows, cols), dtype=torch.float32) if out is None else out
     rc = load_kernel().df_mxfp4_dequant(packed.data_ptr(), scale.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads())
@@ -118,4 +180,5 @@ def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bat
     limit = BATCHED_MIN_TOKENS if batched_min_tokens is None else batched_min_tokens
     if _kernel_ok(x, packed) and x.shape[0] < limit:
         return fused_linear(x, packed, scale)
-    return F.linear(x, dequantize(packed, scale).to(x.device))
+    # Dequantise into a reused scratch matrix: no 4-bytes-per-weight allocation (and page faults) per call.
+    return F.linear(x, dequantize(packed, scale, scratch(packed.device, *logical_shape(packed))))
