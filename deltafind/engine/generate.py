@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,8 +49,21 @@ def generate(
     params: SamplingParams,
     eos_token_ids: Sequence[int] = (),
     stats: GenerationStats | None = None,
+    draft: Any = None,
+    draft_policy: Any = None,
+    draft_stats: Any = None,
 ) -> Iterator[int]:
-    """Yield new token ids for `prompt_ids` under `params`."""
+    """Yield new token ids for `prompt_ids` under `params`.
+
+    With `draft` (a `DraftSource`), decoding is speculative (engine/speculative.py):
+    the same tokens under greedy, the same distribution under sampling;
+    `draft_policy` is a `PolicyOptions`, `draft_stats` a `DraftStats` to fill.
+    """
+    if draft is not None:
+        from deltafind.engine.speculative import generate_speculative  # it builds on this module
+
+        yield from generate_speculative(model, prompt_ids, params, draft, draft_policy, eos_token_ids, stats, draft_stats)
+        return
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt_ids)
     if not prompt_ids:

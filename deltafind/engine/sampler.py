@@ -36,10 +36,18 @@ class SamplingParams:
             raise RequestError(f"top_k must be >= 0 (got {self.top_k})", "top_k")
 
 
-def make_sampler(params: SamplingParams) -> Callable[[torch.Tensor], int]:
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """The seeded generator a sampling request draws from (None under greedy)."""
+    if params.temperature == 0.0:
+        return None
+    return torch.Generator().manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+
+
+def make_sampler(params: SamplingParams, generator: torch.Generator | None = None) -> Callable[[torch.Tensor], int]:
+    """A callable from logits [V] to a token id; draws from `generator` (default: a new seeded one)."""
     if params.temperature == 0.0:
         return lambda logits: int(torch.argmax(logits))
-    gen = torch.Generator().manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+    gen = generator if generator is not None else make_generator(params)
 
     def sample(logits: torch.Tensor) -> int:
         probs = sampling_probs(logits, params)

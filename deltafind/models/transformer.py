@@ -112,12 +112,18 @@ class CausalLM(nn.Module):
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, batch: Batch, all_logits: bool = False) -> torch.Tensor:
-        """Logits [T, V] for every token (all_logits) or [num_segments, V] for each segment's last."""
+    def forward(self, input_ids: torch.Tensor, batch: Batch, all_logits: bool = False,
+                num_layers: int | None = None) -> torch.Tensor:
+        """Logits [T, V] for every token (all_logits) or each segment's last (`batch.logit_rows`).
+
+        Layers named in `batch.capture` leave their output [T, H] in `batch.captured`.
+        `num_layers` runs only the first N layers before the norm and head (the
+        layer-skip self-draft); only those layers' caches grow.
+        """
         x = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rope.cos_sin(batch.positions)
-        layers = self.model.layers
-        if self._begin_step is not None:
+        layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
+        if self._begin_step is not None and num_layers is None:  # traces record the target's routes only
             self._begin_step(batch.token_sequences(), batch.positions.tolist())
         if self._prefetch is not None:
             self._prefetch(0, layers[0].mlp.predict_all() if hasattr(layers[0].mlp, "predict_all") else None)
@@ -129,6 +135,8 @@ class CausalLM(nn.Module):
                 # While layer i's experts compute, layer i+1's predicted experts are read.
                 self._prefetch(i + 1, layers[i + 1].predict_experts(h))
             x = layer.feed_forward(h)
+            if i in batch.capture:
+                batch.captured[i] = x  # [T, H], this layer's output (speculative drafts read it)
         batch.advance()
         if not all_logits:
             x = x[batch.last_token_index().to(x.device)]

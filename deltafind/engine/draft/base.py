@@ -11,6 +11,14 @@ proposes: output is decided by the target alone.
 Sources that need the target's hidden states (DSpark) name the target layers
 in `capture_layers`; the target then fills `Batch.captured` and the verifier
 passes the rows of the positions it committed to `commit`.
+
+Additive, optional (the verifier checks with `hasattr`):
+- `DraftSession.use_target_cache(cache)`: the verifier hands over the target's
+  `SequenceCache` before the first `propose` (and again if it changes). A source
+  may run extra positions through it (the layer-skip self-draft runs the target's
+  first layers) but must truncate it back to its length on entry before returning.
+- `DraftSource.check_target(net)`: raise DraftError when the source cannot draft
+  for this target (wrong vocabulary, unsupported family); called once at wiring.
 """
 
 from __future__ import annotations

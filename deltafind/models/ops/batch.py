@@ -88,6 +88,9 @@ class Batch:
     # forward stores in `captured`, keyed by layer index.
     capture: tuple[int, ...] = ()
     captured: dict[int, torch.Tensor] = field(default_factory=dict)
+    # How many trailing rows of each segment a forward without `all_logits` returns logits
+    # for (the verifier needs k+1 rows of a drafting sequence); () = one per segment.
+    logit_rows: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, caches_and_counts: list[tuple[SequenceCache, int]], device: torch.device | str = "cpu") -> Batch:
@@ -103,8 +106,12 @@ class Batch:
         return sum(s.num_tokens for s in self.segments)
 
     def last_token_index(self) -> torch.Tensor:
-        """Flat indices of each segment's last token."""
-        return torch.tensor([s.start + s.num_tokens - 1 for s in self.segments], dtype=torch.long)
+        """Flat indices of each segment's last token (its last `logit_rows[i]` tokens when set)."""
+        if not self.logit_rows:
+            return torch.tensor([s.start + s.num_tokens - 1 for s in self.segments], dtype=torch.long)
+        rows = [i for s, n in zip(self.segments, self.logit_rows, strict=True)
+                for i in range(s.start + s.num_tokens - n, s.start + s.num_tokens)]
+        return torch.tensor(rows, dtype=torch.long)
 
     def token_sequences(self) -> list[int]:
         """The sequence id of each flat token."""
