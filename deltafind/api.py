@@ -15,6 +15,11 @@ from pathlib import Path
 
 import torch
 
+from deltafind.device.device_cache import DeviceExpertCache
+from deltafind.device.device_cache import spine_budget as device_spine_budget
+from deltafind.device.select import START_ERRORS as DEVICE_START_ERRORS
+from deltafind.device.select import DeviceError, start_device
+from deltafind.device.select import release as release_device
 from deltafind.engine.generate import GenerationStats, forward_step, generate
 from deltafind.engine.sampler import SamplingParams
 from deltafind.errors import StoreError
@@ -47,7 +52,7 @@ class Model:
     def open(
         cls,
         store_dir: str | Path,
-        device: str = "cpu",
+        device: str | torch.device = "cpu",
         expert_cache_bytes: int | None = None,
         dtype: str = "float32",
         drives: list[DriveOptions] | None = None,
@@ -58,6 +63,7 @@ class Model:
         heat_decay: float = 0.99,
         spine_bytes: int | None = None,
         mlock: bool = True,
+        fallback: bool = True,
     ) -> Model:
         """Load the spine of the store at `store_dir`; experts stream on demand.
 
@@ -68,9 +74,21 @@ class Model:
         `trace_path` appends a router trace (JSONL). `spine_bytes` bounds the spine's
         memory (None: all resident): the largest prefix of layers that fits stays
         resident, the rest streams layer by layer. `mlock` pins the resident spine
-        where RLIMIT_MEMLOCK allows (logged once when it does not).
+        where RLIMIT_MEMLOCK allows (logged once when it does not). `device` is a
+        `[device] kind` (auto, cpu, cuda, cuda:N, mps); if it is unusable or fails
+        while the model is placed on it, `fallback` opens on the CPU instead (logged).
         """
+        options = {k: v for k, v in locals().items() if k not in ("cls", "store_dir", "device", "fallback")}
         from safetensors import safe_open
+
+        device = start_device(device)  # auto picks CUDA, then MPS, then CPU; an unusable device logs and gives the CPU
+        if device.type != "cpu" and fallback:
+            try:
+                return cls.open(store_dir, device, **options, fallback=False)
+            except DEVICE_START_ERRORS as e:
+                log.error("device_failed_at_start", device=str(device), error=f"{type(e).__name__}: {e}", fallback="cpu")
+                release_device(device)
+                device = torch.device("cpu")
 
         store_dir = Path(store_dir).expanduser()
         manifest = Manifest.load(store_dir)
@@ -89,7 +107,13 @@ class Model:
             net = family.Model(args, experts)
         # Routing biases stay fp32 (as in HF: rounding them can flip expert choices); see store/spine.py.
         spine_path = store_dir / SPINE_NAME
-        plan = plan_spine(read_layout(spine_path, torch_dtype), net.num_layers, spine_bytes)
+        budget = device_spine_budget(device, spine_bytes)  # on a GPU: capped by its free memory, same prefix rule
+        try:
+            plan = plan_spine(read_layout(spine_path, torch_dtype), net.num_layers, budget)
+        except StoreError as e:
+            if budget == spine_bytes:
+                raise
+            raise DeviceError(f"{device} has too little free memory for the spine's always-resident part: {e}") from e
         with safe_open(str(spine_path), "pt", device="cpu") as f:
             spine = load_resident(spine_path, plan, device, f.get_tensor)
         streamed = {t.name for i in plan.streamed for t in plan.layers[i]}
@@ -103,6 +127,8 @@ class Model:
         if tied:
             net.tie_weights()
         net.eval()
+        if device.type != "cpu":  # the expert cache lives in device memory, sized from what is free now
+            experts.cache = DeviceExpertCache(device, expert_cache_bytes)
         tokenizer = Tokenizer.load(store_dir / TOKENIZER_DIR)
         model = cls(store_dir, manifest, net, experts, tokenizer)
         model.heat_decay = heat_decay

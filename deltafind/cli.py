@@ -101,7 +101,7 @@ def _open_model(args: argparse.Namespace, settings: Any) -> Any:
     threads = getattr(args, "threads", None) or settings.device.threads
     if threads:
         torch.set_num_threads(threads)
-    device = settings.device.kind if settings.device.kind != "auto" else "cpu"
+    device = getattr(args, "device", None) or settings.device.kind  # Model.open resolves auto and falls back to the CPU
     from deltafind.store.experts import PrefetchOptions
     from deltafind.store.reader import DriveOptions
 
@@ -285,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--synthetic", metavar="FAMILY", help="write a seeded random store of FAMILY's layout (kimi_k3, llama, qwen3_moe) instead of importing")
     p.add_argument("--shape", default="tiny", help="with --synthetic: tiny (tests), bench (real-size experts), full-layer (kimi_k3)")
     p.add_argument("--seed", type=int, default=0, help="with --synthetic: weight seed (same seed, same store)")
+    p.add_argument("--device", metavar="KIND", help="auto, cpu, cuda, cuda:N or mps (default: [device] kind); an unusable device falls back to cpu, logged")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_setup)
 

@@ -58,18 +58,6 @@ def model_name(settings: Settings) -> str:
     return settings.model.name or store_dir(settings).name
 
 
-def pick_device(kind: str) -> str:
-    if kind != "auto":
-        return kind
-    import torch
-
-    if torch.cuda.is_available():
-        return "cuda"
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
-
-
 class Runtime:
     def __init__(self, settings: Settings, config_path: Path | None, overrides: dict[str, Any], state: AppState) -> None:
         self.settings, self.config_path, self.overrides, self.state = settings, config_path, overrides, state
@@ -149,7 +137,8 @@ class Runtime:
             torch.set_num_threads(s.device.threads)
         p = s.prefetch
         return Model.open(
-            store_dir(s), device=pick_device(s.device.kind), expert_cache_bytes=int(s.cache.expert_bytes),
+            store_dir(s), device=s.device.kind,  # resolved (auto: CUDA, MPS, CPU) and probed by Model.open
+            expert_cache_bytes=int(s.cache.expert_bytes),
             dtype=s.device.dtype, drives=[DriveOptions(d.path, d.queue_depth, d.read_mb_s) for d in s.drives],
             prefetch=PrefetchOptions(p.enabled, p.max_in_flight, p.recall_threshold),
             pin_bytes=int(s.cache.pin_bytes), heat_decay=s.cache.heat_decay,
