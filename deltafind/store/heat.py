@@ -45,7 +45,7 @@ def update_heat(store_dir: Path, uses: Mapping[tuple[int, int], float], decay: f
         for k, n in uses.items():
             heat[k] = heat.get(k, 0.0) + float(n)
         heat = {k: v for k, v in heat.items() if v >= 1e-3}  # bounded: forget what has cooled off
-        write_json_atomic(store_dir / HEAT_NAME, {"version": 1, "decay": decay, "heat": {f"{l}:{e}": round(v, 4) for (l, e), v in sorted(heat.items())}})
+        write_json_atomic(store_dir / HEAT_NAME, {"version": 1, "decay": decay, "heat": {f"{layer}:{e}": round(v, 4) for (layer, e), v in sorted(heat.items())}})
         return heat
     finally:
         fcntl.flock(lock_fd, fcntl.LOCK_UN)

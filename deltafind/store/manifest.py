@@ -26,8 +26,9 @@ PACK_MAGIC = "deltafind-pack"
 EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 
 
-def pack_name(drive_idx: int) -> str:
-    return f"experts-{drive_idx}.pack"
+def pack_name(drive_idx: int, generation: int = 0) -> str:
+    """A drive's pack file; `trace warm --rebalance` writes generation N+1 beside N, then switches."""
+    return f"experts-{drive_idx}.pack" if generation == 0 else f"experts-{drive_idx}.g{generation}.pack"
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
@@ -80,6 +81,7 @@ class Manifest:
     tokenizer_files: list[str]
     experts: list[ExpertRecord] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
+    pack_generation: int = 0  # which pack files hold the records (see pack_name)
 
     def drive_paths(self, store_dir: Path) -> list[Path]:
         return [(store_dir / d) if not os.path.isabs(d) else Path(d) for d in self.drives]

@@ -26,7 +26,14 @@ import torch
 
 from deltafind.errors import CorruptExpertError, StoreError
 from deltafind.log import get_logger
-from deltafind.store.manifest import PACK_HEADER_BYTES, PACK_MAGIC, ExpertRecord, Manifest, align_up, pack_name
+from deltafind.store.manifest import (
+    PACK_HEADER_BYTES,
+    PACK_MAGIC,
+    ExpertRecord,
+    Manifest,
+    align_up,
+    pack_name,
+)
 
 log = get_logger(__name__)
 
@@ -105,7 +112,7 @@ class PackReader:
         if opts and len(opts) != len(recorded):
             raise StoreError(f"{store_dir}: the config lists {len(opts)} drive(s) but the store was striped over {len(recorded)}: list all {len(recorded)} in [[drives]], in the store's order ({', '.join(map(str, recorded))})")
         self.options = [opts[i] if i < len(opts) else DriveOptions() for i in range(len(recorded))]
-        self.paths = [(o.path or d) / pack_name(i) for i, (o, d) in enumerate(zip(self.options, recorded, strict=True))]
+        self.paths = [(o.path or d) / pack_name(i, manifest.pack_generation) for i, (o, d) in enumerate(zip(self.options, recorded, strict=True))]
         # Keep about one buffer per read slot for reuse; more is RSS for nothing.
         max_record = max((align_up(r.length) for r in manifest.experts), default=0)
         self.buffers = BufferPool(max_record * sum(o.queue_depth for o in self.options))

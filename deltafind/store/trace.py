@@ -94,9 +94,9 @@ def summarize(records: list[dict[str, Any]], top: int = 10) -> dict[str, Any]:
     return {
         "routes": routes,
         "distinct_experts": len(counts),
-        "hot_experts": [{"layer": l, "expert": e, "uses": n} for (l, e), n in counts.most_common(top)],
-        "reuse_by_layer": {l: round(h / n, 4) for l, (h, n) in sorted(reuse.items()) if n},
-        "prediction_recall_by_layer": {l: round(h / n, 4) for l, (h, n) in sorted(recall.items()) if n},
+        "hot_experts": [{"layer": layer, "expert": e, "uses": n} for (layer, e), n in counts.most_common(top)],
+        "reuse_by_layer": {layer: round(h / n, 4) for layer, (h, n) in sorted(reuse.items()) if n},
+        "prediction_recall_by_layer": {layer: round(h / n, 4) for layer, (h, n) in sorted(recall.items()) if n},
     }
 
 
