@@ -22,9 +22,11 @@ from typing import Any
 
 import torch
 
+from deltafind.engine.draft.policy import DraftStats, PolicyOptions
 from deltafind.engine.prefix_cache import PrefixCache
 from deltafind.engine.sequence import Event, FinishEvent, GenRequest, Handle
 from deltafind.engine.sequence import Sequence as Seq
+from deltafind.engine.speculative import Drafter, accept, captured_rows
 from deltafind.errors import DeltafindError
 from deltafind.log import get_logger
 from deltafind.models.ops.batch import Batch, SequenceCache
@@ -64,6 +66,7 @@ class EngineStats:
     step_buckets: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS_S) + 1))
     max_batch: int = 0
     errors: int = 0
+    draft: DraftStats = field(default_factory=DraftStats)  # summed over every drafting sequence
 
 
 @dataclass(frozen=True)
@@ -89,8 +92,13 @@ def _device_of(net: Any) -> torch.device:
 class Scheduler:
     """Owns the model's forward passes; all other threads talk through submit/cancel/status."""
 
-    def __init__(self, net: Any, eos_token_ids: Sequence[int] = (), limits: SchedulerLimits | None = None) -> None:
+    def __init__(self, net: Any, eos_token_ids: Sequence[int] = (), limits: SchedulerLimits | None = None,
+                 draft: Any = None, draft_policy: PolicyOptions | None = None) -> None:
+        """`draft` (a `DraftSource`) turns on speculative decoding under `draft_policy`."""
         self.net = net
+        self.draft = draft
+        self.draft_policy = draft_policy or PolicyOptions()
+        self._vocab = getattr(getattr(net, "lm_head", None), "weight", torch.empty(0, 0)).shape[0] or None
         self.eos = set(eos_token_ids)
         self.limits = limits or SchedulerLimits()
         self.prefix = PrefixCache(self.limits.prefix_cache_bytes)
@@ -160,6 +168,15 @@ class Scheduler:
             self.limits = limits
             self._calls.append(lambda: self.prefix.resize(limits.prefix_cache_bytes))
             self._cv.notify_all()
+
+    def configure_draft(self, policy: PolicyOptions | None, enabled: bool = True) -> None:
+        """New draft policy (reload): sequences admitted from now on use it; False stops drafting."""
+        with self._cv:
+            if policy is not None:
+                self.draft_policy = policy
+            self._draft_enabled = enabled
+
+    _draft_enabled = True
 
     def drain(self) -> None:
         """Refuse new requests; running and waiting ones go on."""
@@ -261,13 +278,28 @@ class Scheduler:
                 s.num_computed = s.cached_tokens
             else:
                 s.cache = SequenceCache(self.net.num_layers)
+            self._start_draft(s, found is not None)
             self._running.append(s)
+
+    def _start_draft(self, s: Seq, reused: bool) -> None:
+        if self.draft is None or not self._draft_enabled:
+            return
+        if reused and self.draft.capture_layers:
+            # the source needs the target's hidden rows of every position, and a reused prefix has none
+            log.debug("draft_skipped", reason="prefix_reused", request_id=s.req.request_id or None)
+            return
+        s.drafter = Drafter(self.draft, s.req.prompt_ids, self.draft_policy, self.stats.draft, s.req.request_id, self._vocab)
+        if s.drafter.active:
+            s.drafter.use_target_cache(s.cache)
+        else:
+            s.drafter = None
 
     def _plan(self, running: list[Seq]) -> list[tuple[Seq, int]]:
         """(sequence, tokens to run) for this step: decodes, then prefill chunks, within the budget.
 
-        Decodes come first (one token each); when they alone exceed the budget, the
-        ones left out go first next step (a rotating start), so none starves.
+        Decodes come first (one token each, plus a drafting sequence's proposal);
+        when they alone exceed the budget, the ones left out go first next step (a
+        rotating start), so none starves.
         """
         budget = max(self.limits.max_step_tokens, 1)
         self._rotate = (self._rotate + 1) % max(len(running), 1)
@@ -279,32 +311,102 @@ class Scheduler:
                 n = min(s.pending, budget)
                 plan.append((s, n))
                 budget -= n
+        for i, (s, _) in enumerate(plan):
+            s.proposal, s.draft_s, s.emitted, s.step_base = None, 0.0, 1, s.num_computed
+            if s.drafter is not None and s.pending == 1 and budget > 0:
+                width = min(s.drafter.width(s.num_generated), s.max_new - s.num_generated - 1, budget)
+                if width > 0:
+                    t0 = time.perf_counter()
+                    s.proposal = s.drafter.propose(s.tokens, width, s.req.params, s.generator)
+                    s.draft_s = time.perf_counter() - t0
+                    if s.proposal is not None:
+                        plan[i] = (s, 1 + len(s.proposal.tokens))
+                        budget -= len(s.proposal.tokens)
+                if not s.drafter.active:
+                    s.drafter = None
         return plan
 
     def _step(self, running: list[Seq]) -> None:
         plan = self._plan(running)
-        ids: list[int] = []
-        for s, n in plan:
-            ids.extend(s.tokens[s.num_computed : s.num_computed + n])
-        t0 = time.perf_counter()
         try:
-            with torch.inference_mode():
-                batch = Batch.of([(s.cache, n) for s, n in plan], device=self._device)
-                logits = self.net(torch.tensor(ids, dtype=torch.long, device=self._device), batch)  # [S, V]
-                events = []
-                for i, (s, n) in enumerate(plan):
-                    s.num_computed += n
-                    if s.pending == 0:  # the chunk reached the end: this step's logits pick the next token
-                        events.append((s, s.choose(logits[i])))
+            events = self._run(plan)
         except Exception as e:
-            log.exception("engine_step_failed", sequences=len(plan), tokens=len(ids))
-            self.stats.errors += 1
-            with self._cv:
-                for s, _ in plan:
+            if any(s.proposal is not None for s, _ in plan):
+                # A verify pass that failed (out of memory on the wider batch, say): the step runs
+                # again without drafts, and those sequences go on target-only.
+                log.warning("draft_failed", during="verify", error=f"{type(e).__name__}: {e}", fallback="target_only")
+                try:
+                    for s, _ in plan:
+                        s.num_computed = s.step_base
+                        s.cache.truncate(s.num_computed)
+                        if s.proposal is not None:
+                            self.stats.draft.failures += 1
+                            s.drafter.close()
+                            s.drafter, s.proposal = None, None
+                    events = self._run([(s, 1 if s.pending == 1 else n) for s, n in plan])
+                except Exception as e2:
+                    self._fail_step(plan, e2)
+                    return
+            else:
+                self._fail_step(plan, e)
+                return
+        with self._cv:
+            for s, event in events:
+                s.handle.put(event)
+            for s in {id(s): s for s, _ in events}.values():
+                if s.finished is not None:
                     self._running.remove(s)
-                    self._finish(s, "error", f"the engine failed on this step: {type(e).__name__}: {e}")
-            return
+                    self._finish(s, s.finished)
+
+    def _fail_step(self, plan: list[tuple[Seq, int]], e: Exception) -> None:
+        log.exception("engine_step_failed", sequences=len(plan), tokens=sum(n for _, n in plan))
+        self.stats.errors += 1
+        with self._cv:
+            for s, _ in plan:
+                self._running.remove(s)
+                self._finish(s, "error", f"the engine failed on this step: {type(e).__name__}: {e}")
+
+    def _run(self, plan: list[tuple[Seq, int]]) -> list[tuple[Seq, Any]]:
+        """One forward over the plan; returns the token events it produced, in order."""
+        ids: list[int] = []
+        rows: list[int] = []
+        capture: set[int] = set()
+        for s, n in plan:
+            ids.extend(s.tokens[s.num_computed : s.num_computed + (1 if s.proposal is not None else n)])
+            if s.proposal is not None:  # [pending, d1 .. dk]
+                ids.extend(s.proposal.tokens)
+            rows.append(n if s.proposal is not None else 1)
+            if s.drafter is not None:
+                capture.update(s.drafter.capture_layers)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            batch = Batch.of([(s.cache, n) for s, n in plan], device=self._device)
+            batch.capture = tuple(sorted(capture))
+            if any(r > 1 for r in rows):
+                batch.logit_rows = tuple(rows)
+            logits = self.net(torch.tensor(ids, dtype=torch.long, device=self._device), batch)  # [sum(rows), V]
+            events: list[tuple[Seq, Any]] = []
+            row = 0
+            for (s, n), seg, r in zip(plan, batch.segments, rows, strict=True):
+                base = s.num_computed
+                s.num_computed += n
+                flat = slice(seg.start, seg.start + n)
+                if s.proposal is not None:
+                    events.extend((s, e) for e in self._verify(s, logits[row : row + r], base, batch, flat))
+                elif s.pending == 0:  # the chunk reached the end: this step's logits pick the next token
+                    events.append((s, s.choose(logits[row])))
+                    if s.drafter is not None:
+                        s.drafter.commit(s.tokens, self._rows(s, batch, flat))
+                elif s.drafter is not None:  # a prefill chunk short of the end: keep its rows
+                    s.drafter.hold_capture(self._rows(s, batch, flat))
+                row += r
         dt = time.perf_counter() - t0
+        for s, _ in plan:
+            if s.drafter is not None and s.num_computed > s.num_prompt:
+                s.drafter.record(s.proposal, s.emitted, dt + s.draft_s, s.num_generated)
+                if s.proposal is not None:
+                    self.stats.draft.verify_s += dt
+            s.proposal = None
         st = self.stats
         st.steps += 1
         st.step_s_sum += dt
@@ -314,17 +416,42 @@ class Scheduler:
         st.generated_tokens += len(events)
         with self._cv:
             self._recent.append((time.monotonic(), len(events)))
-            for s, event in events:
-                s.handle.put(event)
-                if s.finished is not None:
-                    self._running.remove(s)
-                    self._finish(s, s.finished)
+        return events
+
+    @staticmethod
+    def _rows(s: Seq, batch: Batch, flat: slice) -> torch.Tensor | None:
+        layers = s.drafter.capture_layers if s.drafter is not None else ()
+        return captured_rows(batch, layers, flat) if layers else None
+
+    def _verify(self, s: Seq, logits: torch.Tensor, base: int, batch: Batch, flat: slice) -> list[Any]:
+        """Accept a prefix of `s.proposal` from its k+1 rows of logits [k+1, V]; emit, then truncate."""
+        prop = s.proposal
+        tokens = prop.tokens
+        scored = torch.stack([s.scores(logits[i], tokens[:i]) for i in range(len(tokens) + 1)])  # [k+1, V]
+        emitted = accept(scored, tokens, prop.q, s.req.params, s.generator)
+        s.emitted = len(emitted)
+        events = []
+        for j, token in enumerate(emitted):
+            events.append(s.record(token, logits[j]))
+            if s.finished is not None:
+                break
+        kept = len(events)  # rows kept: the pending token and the drafts emitted before the last token
+        s.num_computed = base + kept
+        if s.cache.length > s.num_computed:
+            s.cache.truncate(s.num_computed)
+        if s.drafter is not None:
+            rows = self._rows(s, batch, slice(flat.start, flat.start + kept))
+            s.drafter.commit(s.tokens, rows)
+        return events
 
     def _finish(self, s: Seq, reason: str, error: str | None = None) -> None:
         if reason != "error" and s.cache is not None and s.num_computed:
             # the cache holds exactly the tokens run so far: a later prompt may extend them
             self.prefix.put(s.tokens[: s.num_computed], s.cache)
         s.cache = None
+        if s.drafter is not None:
+            s.drafter.close()
+            s.drafter = None
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         s.handle.put(s.finish_event(reason, error))
 

@@ -10,11 +10,13 @@ import queue
 import threading
 from collections import Counter
 from collections.abc import Iterator
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from deltafind.engine.sampler import SamplingParams, make_sampler
+from deltafind.engine.sampler import SamplingParams, make_generator, make_sampler
 from deltafind.errors import RequestError
 from deltafind.models.ops.batch import SequenceCache
 
@@ -125,7 +127,13 @@ class Sequence:
         self.num_computed = 0  # tokens already fed to the model (the cache holds them)
         self.cached_tokens = 0
         self.cache: SequenceCache | None = None
-        self.sample = make_sampler(req.params)
+        self.generator = make_generator(req.params)  # the sampler's and the verifier's draws
+        self.sample = make_sampler(req.params, self.generator)
+        self.drafter: Any = None  # engine/speculative.Drafter while this sequence drafts
+        self.proposal: Any = None  # this step's draft Proposal, if any
+        self.draft_s = 0.0  # this step's drafting time
+        self.emitted = 1  # tokens this step emitted
+        self.step_base = 0  # num_computed when this step was planned
         self.counts: Counter[int] = Counter()
         p = req.params
         self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
@@ -143,14 +151,23 @@ class Sequence:
 
     def choose(self, logits: torch.Tensor) -> TokenEvent:
         """Sample the next token from this step's last-token logits [V] and record it."""
+        return self.record(self.sample(self.scores(logits)), logits)
+
+    def scores(self, logits: torch.Tensor, after: Sequence_[int] = ()) -> torch.Tensor:
+        """The logits [V] the sampler sees: penalties for tokens generated so far (plus `after`)."""
         req = self.req
         scores = logits.float()
-        if self.counts and (req.presence_penalty or req.frequency_penalty):
-            ids = torch.tensor(list(self.counts), dtype=torch.long, device=scores.device)
-            n = torch.tensor(list(self.counts.values()), dtype=scores.dtype, device=scores.device)
+        counts = self.counts + Counter(after) if after else self.counts
+        if counts and (req.presence_penalty or req.frequency_penalty):
+            ids = torch.tensor(list(counts), dtype=torch.long, device=scores.device)
+            n = torch.tensor(list(counts.values()), dtype=scores.dtype, device=scores.device)
             scores = scores.clone()
             scores[ids] -= req.presence_penalty + req.frequency_penalty * n
-        token = self.sample(scores)
+        return scores
+
+    def record(self, token: int, logits: torch.Tensor) -> TokenEvent:
+        """Append a chosen token (sampled here, or emitted by the verifier) and check for the end."""
+        req = self.req
         event = TokenEvent(token)
         if req.logprobs is not None:
             # Logprobs of the model's distribution (before penalties and temperature), as OpenAI reports.

@@ -274,7 +274,7 @@ def generate_speculative(
                 if done:
                     break
                 t0 = time.perf_counter()
-                width = min(drafter.width(stats.new_tokens), params.max_new_tokens - stats.new_tokens)
+                width = min(drafter.width(stats.new_tokens), params.max_new_tokens - stats.new_tokens - 1)
                 prop = drafter.propose(history, width, params, generator) if width > 0 else None
                 tokens = prop.tokens if prop is not None else []
                 t1, base = time.perf_counter(), cache.length

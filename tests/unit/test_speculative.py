@@ -10,6 +10,8 @@ acceptance rule (accept every draft) fails the same test.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from structlog.testing import capture_logs
@@ -118,16 +120,24 @@ def test_greedy_accepts_the_longest_matching_prefix_plus_the_targets_token() -> 
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Model]:
-    root = tmp_path_factory.mktemp("spec")
-    out = {}
-    for name, family, extra in [("moe", "qwen3_moe", {"num_hidden_layers": 3}), ("llama", "llama", {"num_hidden_layers": 3}),
-                                ("small", "llama", {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 48})]:
-        ckpt = make_hf_checkpoint(family, root / name / "hf", seed=len(name), **extra)
-        setup_store(ckpt, root / name / "store", [root / name / "d0"], dense_slices=2, progress=False)
-        out[name] = Model.open(root / name / "store", prefetch=False)
+    out = build_stores(tmp_path_factory.mktemp("spec"))
     yield out
     for m in out.values():
         m.close()
+
+
+def build_stores(root: Path) -> dict[str, Model]:
+    """Tiny stores through `setup`: a MoE and a dense target, and a small dense draft."""
+    out = {}
+    # "small" is "llama" with its last layer cut off (same seed, tied head): a same-vocabulary draft that is
+    # sometimes right, as a small sibling model is; for "moe" it is an unrelated draft, almost always wrong.
+    for name, family, seed, extra in [("moe", "qwen3_moe", 3, {"num_hidden_layers": 3}),
+                                      ("llama", "llama", 5, {"num_hidden_layers": 3, "tie_word_embeddings": True}),
+                                      ("small", "llama", 5, {"num_hidden_layers": 2, "tie_word_embeddings": True})]:
+        ckpt = make_hf_checkpoint(family, root / name / "hf", seed=seed, **extra)
+        setup_store(ckpt, root / name / "store", [root / name / "d0"], dense_slices=2, progress=False)
+        out[name] = Model.open(root / name / "store", prefetch=False)
+    return out
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -276,3 +286,61 @@ def test_self_draft_leaves_the_target_cache_as_a_plain_run_would(stores: dict[st
 def test_store_draft_refuses_a_smaller_vocabulary(stores: dict[str, Model]) -> None:
     with pytest.raises(DraftError, match="vocabulary"):
         StoreDraftSource(stores["small"].net, "store:x", 10**6)
+
+
+# -- sampling through whole generations -------------------------------------------
+
+SAMPLES = 800  # seeded generations per case in the sampling tests below
+
+
+def _exact_joint(model: Model, prompt: list[int], params: SamplingParams, depth: int) -> dict[tuple[int, ...], float]:
+    """P(first `depth` tokens) under `params`, from the target's logits by full recompute."""
+    out: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(depth):
+        nxt = {}
+        for prefix, pr in out.items():
+            p = sampling_probs(model.forward_logits([*prompt, *prefix])[-1], params)
+            for t in torch.nonzero(p).flatten().tolist():
+                nxt[(*prefix, t)] = pr * float(p[t])
+        out = nxt
+    return out
+
+
+def _sample_joint(model: Model, prompt: list[int], params: SamplingParams, source, exact: dict, n: int) -> float:
+    keys = list(exact)
+    counts = torch.zeros(len(keys) + 1, dtype=torch.long)  # the last cell: an outcome of probability zero
+    on = PolicyOptions(mode="on", max_width=2)
+    for seed in range(n):
+        p = SamplingParams(max_new_tokens=3, temperature=params.temperature, top_k=params.top_k, seed=seed)
+        got = tuple(generate(model.net, prompt, p, (), draft=source, draft_policy=on))
+        counts[keys.index(got) if got in exact else len(keys)] += 1
+    return chi2_pvalue(counts, torch.tensor([*exact.values(), 0.0]))
+
+
+def _drafting_prompt(model: Model, source, params: SamplingParams) -> list[int]:
+    """A prompt (some context plus the target's own greedy continuation of it, so the n-gram
+    draft finds matches) under which the first 20 seeded runs both accept and reject drafts."""
+    for base in _prompts(10):
+        prompt = [*base, *generate(model.net, base, SamplingParams(max_new_tokens=12), ())]
+        st = DraftStats()
+        for seed in range(20):
+            p = SamplingParams(max_new_tokens=3, temperature=params.temperature, top_k=params.top_k, seed=seed)
+            list(generate(model.net, prompt, p, (), draft=source, draft_policy=PolicyOptions(mode="on"), draft_stats=st))
+        if st.proposed > st.accepted > 0:
+            return prompt
+    raise AssertionError("no prompt makes the draft both right and wrong")
+
+
+@pytest.mark.parametrize("source_name", ["ngram", "self1"])
+def test_sampled_tokens_follow_the_target_distribution_with_drafts(stores: dict[str, Model], source_name: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokens 1-3 (token 2 is the first a verify pass decides, token 3 the one after an accepted
+    draft): chi-square of SAMPLES seeded runs against the exact joint, at ALPHA."""
+    model = stores["llama"]
+    params = SamplingParams(temperature=1.0, top_k=3)
+    source = _sources(stores, "llama")[source_name]
+    prompt = _drafting_prompt(model, source, params)  # the runs draft; drafts are both accepted and rejected
+    exact = _exact_joint(model, prompt, params, 3)
+    assert _sample_joint(model, prompt, params, source, exact, SAMPLES) > ALPHA
+    monkeypatch.setattr(speculative, "accept", _accept_everything)
+    assert _sample_joint(model, prompt, params, source, exact, SAMPLES) < ALPHA  # a broken rule fails it
