@@ -20,6 +20,7 @@ from deltafind.device.device_cache import spine_budget as device_spine_budget
 from deltafind.device.select import START_ERRORS as DEVICE_START_ERRORS
 from deltafind.device.select import DeviceError, start_device
 from deltafind.device.select import release as release_device
+from deltafind.engine.draft.cross import CrossDraftModel, CrossTokenizerSource, TextCodec
 from deltafind.engine.generate import GenerationStats, forward_step, generate
 from deltafind.engine.sampler import SamplingParams
 from deltafind.errors import StoreError
@@ -186,3 +187,35 @@ class Model:
         if self.spine is not None:
             self.spine.close()
         self.memory_lock.unlock()
+
+
+def text_codec(tokenizer: Tokenizer, add_bos: bool | None = False) -> TextCodec:
+    """`tokenizer` as a cross-tokenizer draft sees it: a raw prompt's encoding (special-token text stays text).
+
+    The target's codec leaves BOS out (the source sets a leading BOS aside itself);
+    a draft's keeps its own BOS rule (`add_bos=None`), so it reads text as it was trained to.
+    """
+    return TextCodec(lambda text: tokenizer.encode(text, add_bos=add_bos), lambda ids: tokenizer.decode(list(ids)),
+                     tokenizer.bos_token_id)
+
+
+def open_cross_draft(target: Tokenizer, stores: Sequence[str | Path], device: str = "cpu", dtype: str = "float32",
+                     max_context: int = 8192) -> CrossTokenizerSource:
+    """Spec 7.7's cross-tokenizer draft for raw completions: one store, or a probe store then a wide one.
+
+    The drafts may be any family with any tokenizer; they meet the target only as text.
+    Closing the source closes their stores.
+    """
+    opened: list[Model] = []
+    try:
+        for path in stores:
+            opened.append(Model.open(path, device=device, dtype=dtype))
+    except BaseException:
+        for m in opened:
+            m.close()
+        raise
+    drafts = [CrossDraftModel(m.net, text_codec(m.tokenizer, add_bos=None), frozenset(m.eos_token_ids),
+                              min(max_context, getattr(m.net.args, "max_position_embeddings", max_context)))
+              for m in opened]
+    name = "cross:" + ",".join(str(p) for p in stores)
+    return CrossTokenizerSource(text_codec(target), drafts, name, closers=[m.close for m in opened])

@@ -114,6 +114,7 @@ def _open_model(args: argparse.Namespace, settings: Any) -> Any:
         _store_arg(args, settings), device=device, expert_cache_bytes=int(cache), dtype=settings.device.dtype,
         drives=drives, prefetch=prefetch, pin_bytes=int(settings.cache.pin_bytes), trace_path=getattr(args, "trace", None),
         heat_decay=settings.cache.heat_decay, spine_bytes=None if spine is None else int(spine),
+        compile_kernels=settings.device.compile,
     )
 
 

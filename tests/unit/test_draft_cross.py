@@ -353,3 +353,19 @@ def test_output_unchanged_with_random_cross_drafts(verify_models) -> None:
                 proposed[target_name, draft_name] += stats.proposed
     print(proposed)
     assert sum(proposed.values()) > 0  # drafts were offered (and checked), not only skipped
+
+
+def test_open_cross_draft_wires_stores_by_path(verify_models, tmp_path: Path) -> None:
+    from deltafind.api import open_cross_draft
+    from deltafind.errors import StoreError
+
+    target, draft = verify_models["target_py"], verify_models["draft_py"]
+    source = open_cross_draft(target.tokenizer, [draft.store_dir, verify_models["random_smol"].store_dir])
+    try:
+        assert source.raw_only and source.name.startswith("cross:") and len(source.models) == 2
+        off, on, stats = _both(target, source, "I like Python3", 30)
+        assert on == off and stats.accepted > 0  # the probe's full proposals are taken, the random wide one unused
+    finally:
+        source.close()
+    with pytest.raises(StoreError, match="nowhere"):
+        open_cross_draft(target.tokenizer, [draft.store_dir, tmp_path / "nowhere"])
