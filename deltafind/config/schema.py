@@ -87,6 +87,11 @@ class DeviceSettings(_Section):
         description="CPU threads for compute (torch intra-op threads). Unset = torch's default.",
         examples=[16],
     )
+    compile: bool = Field(
+        False,
+        description="On a GPU, torch.compile the MXFP4 dequantisation into one fused kernel (same "
+        "bits). Off by default: not yet measured to pay; tests/gpu/bench_gpu.py measures it.",
+    )
 
     @field_validator("kind", mode="before")
     @classmethod

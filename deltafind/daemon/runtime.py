@@ -143,6 +143,7 @@ class Runtime:
             prefetch=PrefetchOptions(p.enabled, p.max_in_flight, p.recall_threshold),
             pin_bytes=int(s.cache.pin_bytes), heat_decay=s.cache.heat_decay,
             spine_bytes=None if s.cache.spine_bytes is None else int(s.cache.spine_bytes),
+            compile_kernels=s.device.compile,
         )
 
     @staticmethod

@@ -10,6 +10,8 @@ shrinks the expert cache instead of running the device out of memory.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from deltafind.log import get_logger
@@ -48,7 +50,7 @@ def cache_budget(configured: int | None, free_bytes: int, total_bytes: int) -> i
     return fits if configured is None else min(configured, fits)
 
 
-class DeviceExpertCache(ByteLRU):
+class DeviceExpertCache(ByteLRU[Any, Any]):
     """The expert LRU in device memory: a byte budget, and never below the headroom when inserting."""
 
     def __init__(self, device: torch.device, budget_bytes: int | None) -> None:
@@ -61,7 +63,9 @@ class DeviceExpertCache(ByteLRU):
             log.info("device_expert_cache", device=str(device), configured_bytes=budget_bytes, budget_bytes=self.budget_bytes,
                      free_bytes=info[0], total_bytes=info[1], headroom_bytes=headroom_bytes(info[1]))
 
-    def put(self, key, value, nbytes: int) -> None:  # type: ignore[no-untyped-def]
+    def put(self, key: Any, value: Any, nbytes: int) -> None:
+        if self.budget_bytes == 0:
+            return  # streaming: nothing is kept, no need to ask the driver
         info = memory_info(self.device)
         if info is not None:
             free, total = info

@@ -114,6 +114,24 @@ def dequantize_torch(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tenso
     return out
 
 
+def _dequant_expr(packed: torch.Tensor, scale: torch.Tensor, e2m1: torch.Tensor, pow2: torch.Tensor) -> torch.Tensor:
+    """The decode as one expression, for torch.compile to fuse into a single kernel (same exact products)."""
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1).long()  # [R, C]
+    return e2m1[codes] * pow2[scale.long()].repeat_interleave(GROUP, dim=-1)
+
+
+_compiled: dict[str, object] = {}
+
+
+def use_compile(enabled: bool) -> None:
+    """torch.compile the off-CPU dequantisation ([device] compile). Off by default: whether one fused
+    kernel beats five torch ops has not been measured (tests/gpu/bench_gpu.py measures it)."""
+    if enabled and "dequant" not in _compiled:
+        _compiled["dequant"] = torch.compile(_dequant_expr, dynamic=True)
+    elif not enabled:
+        _compiled.pop("dequant", None)
+
+
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Exact fp32 [R, C]; the C++ kernel where it is built, else torch ops (any device)."""
     check_pack(packed, scale)
@@ -180,5 +198,8 @@ def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bat
     limit = BATCHED_MIN_TOKENS if batched_min_tokens is None else batched_min_tokens
     if _kernel_ok(x, packed) and x.shape[0] < limit:
         return fused_linear(x, packed, scale)
+    fused = _compiled.get("dequant")
+    if fused is not None and packed.device.type != "cpu":
+        return F.linear(x, fused(packed, scale, *_device_tables(packed.device)))  # type: ignore[operator]
     # Dequantise into a reused scratch matrix: no 4-bytes-per-weight allocation (and page faults) per call.
     return F.linear(x, dequantize(packed, scale, scratch(packed.device, *logical_shape(packed))))
