@@ -124,11 +124,14 @@ def copy_hiding(store: Path, device: torch.device, k: int = 32, reps: int = 3) -
         for ex in resident:
             mxfp4_expert_forward(x, ex)
 
-    def pipelined() -> None:  # what fetch + run_latent_experts do: the next copy is queued before this compute
-        nxt = stage(views[0])
+    def pipelined() -> None:
+        # The order fetch + run_latent_experts queue work in: expert i's compute, then expert i+1's
+        # copy (on the copy stream; the compute stream waits for it only before expert i+1).
+        cur = stage(views[0])
         for i in range(len(views)):
-            cur, nxt = nxt, (stage(views[i + 1]) if i + 1 < len(views) else None)
             mxfp4_expert_forward(x, cur)
+            if i + 1 < len(views):
+                cur = stage(views[i + 1])
 
     def timed(fn: Any) -> float:
         fn()
