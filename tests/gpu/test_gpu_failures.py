@@ -25,7 +25,8 @@ def starved(device: torch.device) -> Iterator[None]:
     torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_reserved(device) + 1024) / total), device)
     hog = []
     try:
-        for size in (1 << 20, 1 << 16, 1 << 12, 512):
+        # large-pool sizes first (> 1 MiB), then the small pool down to its 512-byte rounding
+        for size in (1 << 30, 1 << 26, 1 << 22, (1 << 20) + 512, 1 << 20, 1 << 16, 1 << 12, 512):
             while True:
                 try:
                     hog.append(torch.empty(size, dtype=torch.uint8, device=device))

@@ -30,7 +30,8 @@ def test_stage_copies_on_its_own_stream_and_releases_after_the_copy(cuda: torch.
     out, aliased = stager.stage(views, torch.float32, lambda: released.append(1))
     assert not aliased and all(t.device == cuda for t in out.values())
     # the compute stream waits for the copy: this comparison is queued after it
-    assert torch.equal(out["a"].cpu(), views["a"]) and torch.equal(out["b"].cpu(), views["b"])
+    assert torch.equal(out["a"].cpu(), views["a"])
+    assert torch.equal(out["b"].cpu().view(torch.uint8), views["b"].view(torch.uint8))  # random bits: NaNs compare as bytes
     stager.drain()
     assert released == [1]
     assert stager.stats.copies == 1 and stager.stats.bytes == 64 << 20 and stager.stats.copy_s > 0
