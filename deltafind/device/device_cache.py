@@ -68,8 +68,9 @@ class DeviceExpertCache(ByteLRU[Any, Any]):
             return  # streaming: nothing is kept, no need to ask the driver
         info = memory_info(self.device)
         if info is not None:
+            # `value` is already allocated (free counts it as used): keeping it is what must leave headroom
             free, total = info
-            short = headroom_bytes(total) - (free - nbytes)
+            short = headroom_bytes(total) - free
             if short > 0 and len(self):
                 # Make room among our own entries (least recent first), then keep the budget as it was.
                 budget = self.budget_bytes
@@ -77,7 +78,7 @@ class DeviceExpertCache(ByteLRU[Any, Any]):
                 super().resize(budget)
                 self.evicted_for_headroom += 1
                 free = memory_info(self.device)[0]  # type: ignore[index]
-            if free - nbytes < headroom_bytes(total):
+            if free < headroom_bytes(total):
                 return  # the device is short even so: keep nothing new
         super().put(key, value, nbytes)
 
