@@ -82,6 +82,7 @@ class Model:
         while the model is placed on it, `fallback` opens on the CPU instead (logged).
         `compile_kernels` torch.compiles the MXFP4 dequantisation on a GPU ([device] compile).
         """
+        # every other argument, handed unchanged to the on-device attempt below (first line: nothing else is local yet)
         options = {k: v for k, v in locals().items() if k not in ("cls", "store_dir", "device", "fallback")}
         from safetensors import safe_open
 
