@@ -121,16 +121,26 @@ class CudaStager:
         start = torch.cuda.Event(enable_timing=True) if self.timing else None
         done = torch.cuda.Event(enable_timing=self.timing)
         out: dict[str, torch.Tensor] = {}
-        with torch.cuda.stream(self.stream):
-            if start is not None:
-                start.record(self.stream)
-            for n, t in views.items():
-                d = torch.empty(t.shape, dtype=t.dtype, device=self.device)
-                d.copy_(t, non_blocking=True)  # DMA from the pinned read buffer
-                if d.is_floating_point() and d.dtype != dtype:
-                    d = d.to(dtype)  # widen on the device, still on the copy stream
-                out[n] = d
-            done.record(self.stream)
+        try:
+            with torch.cuda.stream(self.stream):
+                if start is not None:
+                    start.record(self.stream)
+                for n, t in views.items():
+                    d = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+                    d.copy_(t, non_blocking=True)  # DMA from the pinned read buffer
+                    if d.is_floating_point() and d.dtype != dtype:
+                        d = d.to(dtype)  # widen on the device, still on the copy stream
+                    out[n] = d
+                done.record(self.stream)
+        except BaseException:
+            # (an OOM, say) copies already queued may still read the buffer: return it only after them
+            try:
+                done.record(self.stream)
+                with self._lock:
+                    self._pending.append((None, done, release))
+            except RuntimeError:
+                pass  # the device itself is broken: drop the buffer rather than reuse it
+            raise
         compute.wait_event(done)
         for d in out.values():
             d.record_stream(compute)
