@@ -8,13 +8,14 @@ past the history, provided the history is a prefix of that encoding.
 
 Where it lives: the engine speaks ids, text lives in `deltafind/tokenizer`. A
 translation needs both tokenizers, so this module takes each one as a
-`TextCodec` (two callables, text <-> ids) injected by whoever wires the source
-(api / daemon, through `make_cross_source`'s caller); engine never imports
-tokenizer, and the codecs are plain functions the tests can build from any
-tokenizer. The draft model is any family's net (`deltafind.api.Model.net`).
+`TextCodec` (two callables, text <-> ids) injected by the wiring
+(`deltafind.api.open_cross_draft`, reached from `--draft cross:STORE[,WIDE]`
+through draft/load.py's `open_cross`); engine never imports tokenizer, and the
+codecs are plain functions the tests can build from any tokenizer. The draft
+model is any family's net (`deltafind.api.Model.net`), run with its own cache.
 
-Raw completions only (`raw_only = True`): chat turns are DSpark's; the policy
-must not offer this source to a chat request.
+Raw completions only (`raw_only = True`): chat turns are DSpark's; whoever
+starts drafting for a request must not use this source for a chat request.
 """
 
 from __future__ import annotations
