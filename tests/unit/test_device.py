@@ -241,3 +241,26 @@ def test_the_expression_that_compile_fuses_is_the_exact_decode() -> None:
     tables = mxfp4._device_tables(torch.device("cpu"))
     got = mxfp4._dequant_expr(packed, scale, *tables)
     assert torch.equal(got.view(torch.int32), mxfp4.dequantize_reference(packed, scale).view(torch.int32))
+
+
+@pytest.mark.parametrize("cache_bytes", [0, 200_000])  # stream everything; keep some, evict the rest
+def test_the_whole_device_path_on_cpu_gives_the_cpu_tokens(k3_store: Path, cache_bytes: int) -> None:
+    """Copying stager + aligned read pool + device-cache class + torch MXFP4, all at once, with device "cpu"."""
+    ref = Model.open(k3_store, device="cpu", expert_cache_bytes=cache_bytes)
+    ids = ref.tokenizer.encode("The device layer")
+    want, want_logits = _greedy(ref), ref.forward_logits(ids)
+    ref.close()
+    model = Model.open(k3_store, device="cpu", expert_cache_bytes=cache_bytes)
+    ex = model.experts
+    ex.stager = staging.SyncStager(torch.device("cpu"))
+    ex.reader.buffers = staging.PinnedBufferPool(1 << 24, pin=False)
+    ex.cache = device_cache.DeviceExpertCache(torch.device("cpu"), cache_bytes)
+    try:
+        with mxfp4.torch_path():
+            got, got_logits = _greedy(model), model.forward_logits(ids)
+            again = _greedy(model)  # cache hits where the budget kept experts
+    finally:
+        model.close()
+    assert got == want and again == want
+    assert (got_logits - want_logits).abs().max() <= 1e-4 * max(1.0, float(want_logits.abs().max()))
+    assert ex.cache.used_bytes <= cache_bytes
