@@ -86,9 +86,9 @@ def bigram(table: dict[int, tuple[int, float]]) -> Callable[[dict[str, torch.Ten
     return apply
 
 
-def cycle(text: str, logit: float = SURE, unsure: str = "") -> dict[int, tuple[int, float]]:
+def cycle(text: str | bytes, logit: float = SURE, unsure: str = "") -> dict[int, tuple[int, float]]:
     """A byte bigram that loops over `text` (distinct bytes); predicting a byte in `unsure` gets UNSURE."""
-    b = text.encode()
+    b = text.encode() if isinstance(text, str) else text
     assert len(set(b)) == len(b)
     return {b[i]: (b[(i + 1) % len(b)], UNSURE if chr(b[(i + 1) % len(b)]) in unsure else logit) for i in range(len(b))}
 
@@ -121,6 +121,7 @@ def byte_drafts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Model]:
         "jumping": build_store(root, "jumping", BYTE_V, bigram(cycle("l jumping"))),
         "unsure_p": build_store(root, "unsure_p", BYTE_V, bigram(cycle("l jumping", unsure="p"))),
         "help": build_store(root, "help", BYTE_V, bigram(cycle("lp me"))),
+        "bad_utf8": build_store(root, "bad_utf8", BYTE_V, bigram(cycle(b"l ju\xffmp"))),
     }
     yield models
     for m in models.values():
@@ -180,6 +181,12 @@ def test_draft_text_across_the_last_target_boundary_proposes_nothing(smol: Token
     got = propose(source_of(smol, byte_drafts["jumping"]), history, 4)
     assert got and got == expected(smol, history, text, 4)
     assert smol.decode(history + got).startswith(smol.decode(history))
+
+
+def test_draft_bytes_that_are_no_utf8_are_not_proposed(smol: Tokenizer, byte_drafts) -> None:
+    history = smol.encode("I need hel")
+    got = propose(source_of(smol, byte_drafts["bad_utf8"]), history, 6)  # drafts " ju\xffmpl"
+    assert got and got == expected(smol, history, " ju", 6)
 
 
 @pytest.mark.parametrize("width", [1, 2, 3, 6, 17, 18, 30])
@@ -400,3 +407,41 @@ def test_concurrent_cross_drafting_sequences_in_the_scheduler(verify_models) -> 
     assert [t for t, _ in got] == [want for _, want in reqs]
     d = sched.stats.draft
     assert d.accepted > 0 and d.failures == 0 and sched.stats.max_batch > 1
+
+
+def test_draft_flag_cross_store_through_the_python_api(verify_models) -> None:
+    """`--draft cross:PROBE[,WIDE]` (api Model.use_draft -> engine/draft/load.py) opens the stores by path."""
+    from deltafind.engine.draft.base import DraftError
+    from deltafind.engine.draft.load import make_draft_source
+
+    target, draft = verify_models["target_py"], verify_models["draft_py"]
+    ids = target.tokenizer.encode("I like Python3")
+    off = target.generate(ids, max_new_tokens=30, draft="off")
+    for spec in (f"cross:{draft.store_dir}", f"cross:{draft.store_dir},{verify_models['random_smol'].store_dir}"):
+        on = target.generate(ids, max_new_tokens=30, draft=spec)
+        assert on == off and target.last_draft_stats.accepted > 0
+        assert target.last_draft_stats.source == spec
+    with pytest.raises(DraftError, match="cross:SMALL,LARGE"):
+        make_draft_source("cross:", target.net, open_cross=lambda paths: None)
+    with pytest.raises(DraftError, match="chat"):  # a caller that cannot tell chat from raw gets no cross draft
+        make_draft_source(f"cross:{draft.store_dir}", target.net)
+
+
+def test_a_kimi_k3_draft_with_recurrent_state(verify_models, tmp_path: Path) -> None:
+    """Any family drafts: a tiny K3 (KDA layers, its own tiktoken vocabulary) cannot cut its recurrent
+    state back to an arbitrary prefix, so its session recomputes; output is unchanged, nothing fails."""
+    from deltafind.store.synthetic import open_synthetic
+
+    setup_store(open_synthetic("kimi_k3", "tiny"), tmp_path / "k3", progress=False)
+    k3 = Model.open(tmp_path / "k3")
+    try:
+        target = verify_models["target_py"]
+        source = source_of(target.tokenizer, k3)
+        proposed = 0
+        for prompt in PROMPTS[:3]:
+            off, on, stats = _both(target, source, prompt, 12, width=2)
+            assert on == off and stats.failures == 0
+            proposed += stats.proposed
+        assert proposed > 0
+    finally:
+        k3.close()

@@ -168,7 +168,7 @@ class CrossSession:
         keep = min(_common_prefix(slot.ids, prefix), len(prefix) - 1)  # rerun >= 1 token to get logits
         try:
             slot.cache.truncate(keep)
-        except NotImplementedError:  # recurrent state (KDA) cannot be cut back: start over
+        except (NotImplementedError, ValueError):  # a recurrent state (KDA) rolls back only inside its last pass
             slot.cache, keep = SequenceCache(model.net.num_layers), 0
         tokens: list[int] = []
         probs: list[float] = []
@@ -198,7 +198,8 @@ class CrossSession:
         before, after = codec.decode(tail), codec.decode(tail + run.tokens[:n])
         if not after.startswith(before):
             return []
-        delta = after[len(before):].rstrip("\ufffd")  # a character cut at the draft's end is not text yet
+        # Bytes that are no UTF-8 (a character cut at the draft's end, or draft noise) are no text to propose.
+        delta = after[len(before):].split("\ufffd", 1)[0]
         if not delta:
             return []
         ids = self.source.target.encode(text + delta)
