@@ -5,7 +5,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+# OpenMP workers spin after each parallel region by default; on a few cores that spinning
+# starves the drive reader threads (measured: 6x slower streamed decode on 2 cores, see
+# tests/bench/RESULTS.md). libgomp reads this once, when torch loads it; a user's value wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 __all__ = ["Model", "__version__"]

@@ -65,6 +65,7 @@ class Model:
         heat_decay: float = 0.99,
         spine_bytes: int | None = None,
         mlock: bool = True,
+        verify: str = "fast",
         fallback: bool = True,
         compile_kernels: bool = False,
     ) -> Model:
@@ -77,7 +78,8 @@ class Model:
         `trace_path` appends a router trace (JSONL). `spine_bytes` bounds the spine's
         memory (None: all resident): the largest prefix of layers that fits stays
         resident, the rest streams layer by layer. `mlock` pins the resident spine
-        where RLIMIT_MEMLOCK allows (logged once when it does not). `device` is a
+        where RLIMIT_MEMLOCK allows (logged once when it does not). `verify` checks each
+        expert read: "fast" (xxh3_64), "full" (sha256 too) or "off" (benchmarks only). `device` is a
         `[device] kind` (auto, cpu, cuda, cuda:N, mps); if it is unusable or fails
         while the model is placed on it, `fallback` opens on the CPU instead (logged).
         `compile_kernels` torch.compiles the MXFP4 dequantisation on a GPU ([device] compile).
@@ -105,7 +107,7 @@ class Model:
         if isinstance(prefetch, bool):
             prefetch = PrefetchOptions(enabled=prefetch)
         trace = TraceWriter(Path(trace_path)) if trace_path else None
-        experts = StoreExperts(manifest, store_dir, expert_cache_bytes, torch_dtype, device, drives, prefetch, direct_io, trace)
+        experts = StoreExperts(manifest, store_dir, expert_cache_bytes, torch_dtype, device, drives, prefetch, direct_io, trace, verify=verify)
         if pin_bytes:
             experts.pin(hottest(read_heat(store_dir)), pin_bytes)
         with torch.device("meta"):

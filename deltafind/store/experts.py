@@ -33,7 +33,7 @@ class PrefetchOptions:
     enabled: bool = True
     max_in_flight: int = 32
     recall_threshold: float = 0.3  # below this trailing recall a layer stops speculating
-    warmup: int = 8  # observations before the gate may close
+    warmup: int = 4  # observations before the gate may close (a short reply must benefit too)
 
 
 @dataclass
@@ -82,14 +82,18 @@ class StoreExperts:
         prefetch: PrefetchOptions | None = None,
         direct_io: bool = True,
         trace: TraceWriter | None = None,
+        verify: str = "fast",
     ) -> None:
         self.manifest = manifest
-        self.reader = PackReader(manifest, Path(store_dir), drives=drives, direct=direct_io)
+        self.reader = PackReader(manifest, Path(store_dir), verify=verify, drives=drives, direct=direct_io)
         self.cache: ByteLRU[tuple[int, int], Expert] = ByteLRU(cache_bytes)
         self.pinned: dict[tuple[int, int], Expert] = {}
         self.pinned_bytes = 0
         self.dtype, self.device = dtype, torch.device(device)
         self.stager = make_stager(self.device, self.reader)  # CUDA: pinned read buffers, copies on their own stream
+        # CPU compute: demand reads are widened to the compute dtype on the drive threads, so it
+        # overlaps the matmuls (measured in tests/bench/RESULTS.md); a device copies as stored.
+        self._decode_on_reader = self.device.type == "cpu"
         self.prefetch_options = prefetch or PrefetchOptions(enabled=False)
         self._records: dict[tuple[int, int], ExpertRecord] = {r.key: r for r in manifest.experts}
         self._counts = manifest.expert_counts()
@@ -127,7 +131,9 @@ class StoreExperts:
                 ready.append((e, expert))
             elif (fut := self._inflight.pop(key, None)) is not None:
                 self.stats.prefetch_used += 1
-                pending[fut] = e
+                pending[self.reader.decode_when_read(self.record(layer_idx, e), fut, self.dtype) if self._decode_on_reader else fut] = e
+            elif self._decode_on_reader:
+                pending[self.reader.submit_decoded(self.record(layer_idx, e), self.dtype)] = e
             else:
                 pending[self.reader.submit(self.record(layer_idx, e))] = e
         self._drop_inflight(layer_idx)  # predictions for this layer that the router did not pick
@@ -139,7 +145,11 @@ class StoreExperts:
                 self.stats.wait_s += time.perf_counter() - t0
                 for fut in done:
                     e = pending.pop(fut)
-                    yield e, self._decode(self.record(layer_idx, e), fut.result())
+                    got = fut.result()
+                    if isinstance(got, tuple):  # decoded on the drive thread
+                        yield e, self._decode(self.record(layer_idx, e), got[1], got[0])
+                    else:
+                        yield e, self._decode(self.record(layer_idx, e), got)
         finally:
             for fut in pending:  # an error or an abandoned generator: reads still running are waste
                 fut.cancel()
@@ -188,7 +198,10 @@ class StoreExperts:
         r.hits += hits
         r.needed += len(wanted)
         r.observations += 1
-        r.ema = 0.8 * r.ema + 0.2 * (hits / len(wanted) if wanted else 1.0)
+        recall = hits / len(wanted) if wanted else 1.0
+        # The first observation seeds the average: starting from 1.0 kept a useless layer's gate
+        # open for ~8 tokens (measured: wasted reads made prefetch a net loss on short runs).
+        r.ema = recall if r.observations == 1 else 0.8 * r.ema + 0.2 * recall
 
     def _drop_inflight(self, layer_idx: int) -> None:
         for key in [k for k in self._inflight if k[0] == layer_idx]:
@@ -203,16 +216,19 @@ class StoreExperts:
         if not fut.cancelled() and fut.exception() is None:
             self.reader.release(fut.result())
 
-    def _decode(self, rec: ExpertRecord, buf: object) -> Expert:
+    def _decode(self, rec: ExpertRecord, buf: object, views: dict[str, torch.Tensor] | None = None) -> Expert:
+        """`buf` holds the record (None: `views` were decoded already and no longer need it)."""
         self.stats.read += 1
         self.stats.bytes_read += rec.length
-        views = record_tensors(rec, buf)
+        if views is None:
+            views = record_tensors(rec, buf)
         # Packed formats (MXFP4 codes and scales) stay as stored; float weights take the compute dtype.
         # The stager moves them to the device and releases `buf` once no copy needs it.
-        tensors, aliased = self.stager.stage(views, self.dtype, functools.partial(self.reader.release, buf))
+        release = functools.partial(self.reader.release, buf) if buf is not None else _nothing
+        tensors, aliased = self.stager.stage(views, self.dtype, release)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         expert = Expert(tensors, nbytes)
-        if aliased:
+        if aliased and buf is not None:
             # tensors are views over the read buffer: recycle it once the expert is gone
             weakref.finalize(expert, self.reader.release, buf)
         self.cache.put(rec.key, expert, nbytes)
@@ -240,3 +256,7 @@ class StoreExperts:
         self._inflight.clear()
         self.stager.drain()  # copies in flight still read their host buffers
         self.reader.close()
+
+
+def _nothing() -> None:
+    pass

@@ -53,6 +53,7 @@ class ExpertRecord:
     length: int  # payload bytes (the record occupies align_up(length) bytes)
     sha256: str
     tensors: tuple[TensorEntry, ...]
+    xxh3: str | None = None  # xxh3_64 of the payload: the per-read check (sha256 stays for doctor)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -66,7 +67,7 @@ class ExpertRecord:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ExpertRecord:
         tensors = tuple(TensorEntry(t["name"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"]) for t in d["tensors"])
-        return cls(d["layer"], d["expert"], d["drive"], d["offset"], d["length"], d["sha256"], tensors)
+        return cls(d["layer"], d["expert"], d["drive"], d["offset"], d["length"], d["sha256"], tensors, d.get("xxh3"))
 
 
 @dataclass
@@ -98,6 +99,8 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["experts"] = [r.to_json() for r in self.experts]
+        if not self.pack_generation:
+            del d["pack_generation"]  # a never-rebalanced store stays readable by older deltafind
         return d
 
     def save(self, store_dir: Path) -> None:

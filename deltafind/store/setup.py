@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 from tqdm import tqdm
 
 from deltafind.errors import StoreError
@@ -248,7 +249,8 @@ def setup_store(
                 f.seek(end)
                 f.write(payload + b"\0" * (align_up(len(payload)) - len(payload)))
                 packs[drive] = (f, end + align_up(len(payload)))
-                rec = ExpertRecord(layer, expert, drive, end, len(payload), hashlib.sha256(payload).hexdigest(), tuple(entries))
+                rec = ExpertRecord(layer, expert, drive, end, len(payload), hashlib.sha256(payload).hexdigest(), tuple(entries),
+                                   xxhash.xxh3_64_hexdigest(payload))
                 records.append(rec)
                 journal.add({"kind": "expert", "record": rec.to_json()})
                 written += 1

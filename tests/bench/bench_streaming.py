@@ -4,8 +4,10 @@ Each configuration runs in a fresh subprocess (cold expert cache, its own peak
 RSS); configurations alternate so machine noise hits all of them alike.
 Stores are seeded synthetic qwen3_moe stores with bf16 experts (9 MiB each),
 made on first use under --root. Prints one JSON line per bench and a summary.
+`--before DIR` (a checkout of an older deltafind, e.g. `git archive REV | tar -x -C DIR`)
+runs every configuration under both trees in the same rounds, side by side.
 
-    python tests/bench/bench_streaming.py --root /tmp/dfbench [--rounds 2] [--tokens 6]
+    python tests/bench/bench_streaming.py --root /tmp/dfbench [--rounds 2] [--tokens 6] [--before DIR]
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ SHAPE = {"layers": 2}  # the qwen3_moe "bench" shape, 2 layers: 128 experts x 9 
 
 
 def make_store(root: Path, drives: int) -> Path:
-    from deltafind.store.setup import setup_store
     import deltafind.store.synthetic_families  # noqa: F401 - registers the families
+    from deltafind.store.setup import setup_store
     from deltafind.store.synthetic import FAMILIES, open_synthetic
 
     store = root / f"q{drives}"
@@ -35,8 +37,14 @@ def make_store(root: Path, drives: int) -> Path:
     return store
 
 
+def _rss_now() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+
 def one(cfg: dict) -> dict:
     """Decode `tokens` tokens on a cold cache; report rates (runs in its own process)."""
+    __import__("deltafind")  # first: deltafind sets its OpenMP defaults before torch loads
     import torch
 
     from deltafind import Model
@@ -58,8 +66,10 @@ def one(cfg: dict) -> dict:
         dt = time.perf_counter() - t0
         reader.close()
         return {"raw_gb_s": reader.bytes_read / dt / 1e9}
+    runtime_rss = _rss_now()  # torch and deltafind imported, nothing loaded
     model = Model.open(store, expert_cache_bytes=cfg.get("cache", 0), drives=drives,
                        prefetch=PrefetchOptions(enabled=cfg.get("prefetch", True), max_in_flight=16), heat_decay=1.0)
+    spine_resident = sum(p.numel() * p.element_size() for p in model.net.parameters()) + sum(b.numel() * b.element_size() for b in model.net.buffers())
     ids = [65, 66, 67, 68]
     params = SamplingParams(max_new_tokens=cfg["tokens"], ignore_eos=True)
     t0 = time.perf_counter()
@@ -74,18 +84,27 @@ def one(cfg: dict) -> dict:
         "io_wait_s": e.wait_s,
         "experts_per_token": e.requested / (s.new_tokens + len(ids) - 1),
         "prefetch_issued": e.prefetch_issued, "prefetch_used": e.prefetch_used, "prefetch_wasted": e.prefetch_wasted,
-        "recall_by_layer": {l: round(r.recall, 3) for l, r in sorted(e.layers.items()) if r.needed},
-        "precision_by_layer": {l: round(r.precision, 3) for l, r in sorted(e.layers.items()) if r.predicted},
+        "recall_by_layer": {layer: round(r.recall, 3) for layer, r in sorted(e.layers.items()) if r.needed},
+        "precision_by_layer": {layer: round(r.precision, 3) for layer, r in sorted(e.layers.items()) if r.predicted},
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "spine_bytes": (store / "spine.safetensors").stat().st_size,
+        "spine_resident_bytes": spine_resident,
+        "runtime_rss_bytes": runtime_rss,
+        "cache_used_bytes": model.experts.cache.used_bytes,
+        "free_read_buffers_bytes": model.experts.reader.buffers._free_bytes,
     }
     model.experts.uses.clear()  # keep the bench store's heat file out of it
     model.close()
     return out
 
 
-def run(cfg: dict) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(cfg)], capture_output=True, text=True, check=False)
+def run(cfg: dict, tree: Path | None = None) -> dict:
+    import os
+
+    env = dict(os.environ)
+    if tree is not None:  # the older checkout's deltafind package wins over the installed one
+        env["PYTHONPATH"] = str(tree)
+    proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(cfg)], capture_output=True, text=True, check=False, env=env)
     if proc.returncode:
         raise SystemExit(proc.stderr)
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -95,28 +114,7 @@ def median(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--root", type=Path, default=Path("/tmp/dfbench"))
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=6)
-    ap.add_argument("--cap-mb-s", type=float, default=150.0, help="per-drive read cap for the scaling bench")
-    ap.add_argument("--one")
-    args = ap.parse_args()
-    if args.one:
-        print(json.dumps(one(json.loads(args.one))))
-        return
-    args.root.mkdir(parents=True, exist_ok=True)
-    stores = {n: make_store(args.root, n) for n in (1, 2, 3, 4)}
-    t = args.tokens
-    res: dict[str, list[dict]] = {k: [] for k in ("raw", "stream", "noprefetch", "cap1", "cap2", "cap3", "cap4", "mem")}
-    for _ in range(args.rounds):
-        res["raw"].append(run({"store": str(stores[2]), "raw": True}))
-        res["stream"].append(run({"store": str(stores[2]), "tokens": t}))
-        res["noprefetch"].append(run({"store": str(stores[2]), "tokens": t, "prefetch": False}))
-        for n in (1, 2, 3, 4):
-            res[f"cap{n}"].append(run({"store": str(stores[n]), "tokens": max(2, t // 2), "read_mb_s": args.cap_mb_s}))
-        res["mem"].append(run({"store": str(stores[2]), "tokens": t, "cache": 1 << 30}))
+def summarize(res: dict[str, list[dict]], t: int, cap_mb_s: float) -> list[dict]:
     raw = median(res["raw"], "raw_gb_s")
     stream = res["stream"]
     efficiency = {"bench": "streaming_efficiency", "raw_odirect_gb_s": round(raw, 3), "decode_read_gb_s": round(median(stream, "read_gb_s"), 3),
@@ -124,17 +122,65 @@ def main() -> None:
                   "io_wait_fraction": round(median(stream, "io_wait_s") / median(stream, "wall_s"), 3),
                   "bytes_per_token": int(median(stream, "bytes_read") / (t + 3))}
     one_drive = median(res["cap1"], "decode_tok_s")
-    scaling = {"bench": "drive_scaling", "cap_mb_s_per_drive": args.cap_mb_s,
+    scaling = {"bench": "drive_scaling", "cap_mb_s_per_drive": cap_mb_s,
                "tok_s": {n: round(median(res[f"cap{n}"], "decode_tok_s"), 3) for n in (1, 2, 3, 4)},
                "speedup": {n: round(median(res[f"cap{n}"], "decode_tok_s") / one_drive, 3) for n in (1, 2, 3, 4)}}
     prefetch = {"bench": "prefetch_value", "ratio_on_off": round(median(stream, "decode_tok_s") / median(res["noprefetch"], "decode_tok_s"), 3),
+                "tok_s_on_off": [round(median(stream, "decode_tok_s"), 3), round(median(res["noprefetch"], "decode_tok_s"), 3)],
                 "recall_by_layer": stream[-1]["recall_by_layer"], "precision_by_layer": stream[-1]["precision_by_layer"],
                 "prefetch_used": stream[-1]["prefetch_used"], "prefetch_wasted": stream[-1]["prefetch_wasted"]}
     mem = res["mem"]
-    memory = {"bench": "memory", "peak_rss_bytes": int(median(mem, "peak_rss_bytes")), "spine_plus_cache_bytes": mem[0]["spine_bytes"] + (1 << 30),
-              "ratio": round(median(mem, "peak_rss_bytes") / (mem[0]["spine_bytes"] + (1 << 30)), 3)}
-    for line in (efficiency, scaling, prefetch, memory):
-        print(json.dumps(line))
+    peak = median(mem, "peak_rss_bytes")
+    # The denominator is what the budgets allow: the spine as held (compute dtype) plus the cache budget.
+    budget = mem[0].get("spine_resident_bytes", 2 * mem[0]["spine_bytes"]) + (1 << 30)
+    runtime = median(mem, "runtime_rss_bytes") if "runtime_rss_bytes" in mem[0] else None
+    memory = {"bench": "memory", "peak_rss_bytes": int(peak), "spine_resident_plus_cache_bytes": budget, "ratio": round(peak / budget, 3),
+              "runtime_rss_bytes": runtime and int(runtime),
+              "ratio_without_runtime": runtime and round((peak - runtime) / budget, 3),
+              "cache_used_bytes": mem[0].get("cache_used_bytes"), "free_read_buffers_bytes": mem[0].get("free_read_buffers_bytes")}
+    return [efficiency, scaling, prefetch, memory]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", type=Path, default=Path("/tmp/dfbench"))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=6)
+    ap.add_argument("--cap-mb-s", type=float, default=150.0, help="per-drive read cap for the scaling bench")
+    ap.add_argument("--before", type=Path, help="an older checkout to run side by side (its deltafind/ package)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--one")
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one(json.loads(args.one))))
+        return
+    args.root.mkdir(parents=True, exist_ok=True)
+    stores = {n: make_store(args.root, n) for n in (1, 2, 3, 4)}
+    t, th = args.tokens, args.threads
+    trees: dict[str, Path | None] = {"after": None, **({"before": args.before} if args.before else {})}
+    keys = ("raw", "stream", "noprefetch", "cap1", "cap2", "cap3", "cap4", "mem")
+    res: dict[str, dict[str, list[dict]]] = {name: {k: [] for k in keys} for name in trees}
+    for _ in range(args.rounds):
+        configs = [("raw", {"store": str(stores[2]), "raw": True}),
+                   ("stream", {"store": str(stores[2]), "tokens": t}),
+                   ("noprefetch", {"store": str(stores[2]), "tokens": t, "prefetch": False}),
+                   *[(f"cap{n}", {"store": str(stores[n]), "tokens": max(2, t // 2), "read_mb_s": args.cap_mb_s}) for n in (1, 2, 3, 4)],
+                   ("mem", {"store": str(stores[2]), "tokens": t, "cache": 1 << 30})]
+        for key, cfg in configs:
+            for name, tree in trees.items():  # before and after back to back, so noise hits both
+                res[name][key].append(run({**cfg, "threads": th}, tree))
+    out = {name: summarize(r, t, args.cap_mb_s) for name, r in res.items()}
+    for name, lines in out.items():
+        for line in lines:
+            print(json.dumps({"tree": name, **line}))
+    if "before" in out:
+        pick = {"streaming_efficiency": "ratio", "prefetch_value": "ratio_on_off", "memory": "ratio"}
+        for b, a in zip(out["before"], out["after"], strict=True):
+            if b["bench"] in pick:
+                print(json.dumps({"bench": b["bench"], "before": b[pick[b["bench"]]], "after": a[pick[b["bench"]]],
+                                  "decode_tok_s_before_after": [b.get("decode_tok_s"), a.get("decode_tok_s")]}))
+            else:
+                print(json.dumps({"bench": b["bench"], "before": b["speedup"], "after": a["speedup"], "tok_s_before": b["tok_s"], "tok_s_after": a["tok_s"]}))
 
 
 if __name__ == "__main__":
