@@ -20,7 +20,10 @@ from deltafind.device.device_cache import spine_budget as device_spine_budget
 from deltafind.device.select import START_ERRORS as DEVICE_START_ERRORS
 from deltafind.device.select import DeviceError, start_device
 from deltafind.device.select import release as release_device
+from deltafind.engine.draft.base import DraftSource
 from deltafind.engine.draft.cross import CrossDraftModel, CrossTokenizerSource, TextCodec
+from deltafind.engine.draft.load import make_draft_source
+from deltafind.engine.draft.policy import DraftStats, PolicyOptions
 from deltafind.engine.generate import GenerationStats, forward_step, generate
 from deltafind.engine.sampler import SamplingParams
 from deltafind.errors import StoreError
@@ -48,6 +51,10 @@ class Model:
         self.last_stats = GenerationStats()
         self.heat_decay = 0.99
         self.spine: SpineStreamer | None = None  # streams the layers past the resident prefix
+        self.draft: DraftSource | None = None  # speculative decoding (engine/speculative.py), see use_draft
+        self.draft_policy = PolicyOptions()
+        self.last_draft_stats = DraftStats()
+        self._draft_models: list[Model] = []
         self.memory_lock = MemoryLock()
 
     @classmethod
@@ -68,6 +75,8 @@ class Model:
         verify: str = "fast",
         fallback: bool = True,
         compile_kernels: bool = False,
+        draft: str = "off",
+        draft_max_width: int = 7,
     ) -> Model:
         """Load the spine of the store at `store_dir`; experts stream on demand.
 
@@ -150,7 +159,24 @@ class Model:
                      resident_bytes=plan.resident_bytes, window_bytes=plan.window_bytes, budget_bytes=spine_bytes)
         if mlock:
             model.memory_lock.lock(spine.values())
+        if draft != "off":
+            model.use_draft(draft, draft_max_width)
         return model
+
+    def use_draft(self, spec: str, max_width: int = 7) -> None:
+        """Draft with `spec` (off | auto | self[:N] | ngram | dspark | a store path) from now on.
+
+        Output never changes: the same tokens under greedy, the same distribution under sampling.
+        """
+        device = self.net.lm_head.weight.device
+
+        def open_store(path: Path) -> torch.nn.Module:
+            m = Model.open(path, device=device, dtype=str(self.net.lm_head.weight.dtype).removeprefix("torch."))
+            self._draft_models.append(m)
+            return m.net
+
+        self.draft, mode = make_draft_source(spec, self.net, target_store=self.store_dir, open_store=open_store, device=device)
+        self.draft_policy = PolicyOptions(mode=mode if mode != "off" else "auto", max_width=max_width)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -163,8 +189,9 @@ class Model:
 
     def stream(self, token_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
         """Yield new tokens as they are chosen; stats land in `self.last_stats`."""
-        self.last_stats = GenerationStats()
-        yield from generate(self.net, token_ids, params, self.eos_token_ids, self.last_stats)
+        self.last_stats, self.last_draft_stats = GenerationStats(), DraftStats()
+        yield from generate(self.net, token_ids, params, self.eos_token_ids, self.last_stats,
+                            draft=self.draft, draft_policy=self.draft_policy, draft_stats=self.last_draft_stats)
 
     def generate(
         self,
@@ -175,10 +202,18 @@ class Model:
         top_p: float = 1.0,
         top_k: int = 0,
         stop_token_ids: Sequence[int] = (),
+        draft: str | None = None,
     ) -> list[int]:
-        """New token ids (EOS included when it ends the sequence)."""
+        """New token ids (EOS included when it ends the sequence); `draft` overrides `use_draft` for this call."""
         params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop_token_ids))
-        return list(self.stream(token_ids, params))
+        if draft is None:
+            return list(self.stream(token_ids, params))
+        saved = self.draft, self.draft_policy
+        try:
+            self.use_draft(draft, self.draft_policy.max_width)
+            return list(self.stream(token_ids, params))
+        finally:
+            self.draft, self.draft_policy = saved
 
     def save_heat(self) -> None:
         """Merge this run's expert uses into the store's heat file (a read-only store is logged, not fatal)."""
@@ -191,6 +226,9 @@ class Model:
             log.warning("heat_not_saved", store=str(self.store_dir), error=e.strerror)
 
     def close(self) -> None:
+        for m in self._draft_models:
+            m.close()
+        self._draft_models = []
         self.save_heat()
         self.experts.close()
         if self.spine is not None:

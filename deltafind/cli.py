@@ -20,6 +20,9 @@ DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_PROMPT = "The capital of France is"
 
 
+DRAFT_HELP = ("speculative decoding (output unchanged): off, auto (draft while it pays), self[:N] (the model's first N "
+              "layers), ngram (prompt lookup), dspark (Kimi K3) or a draft store's path; default: the [draft] settings")
+
 def demo_home() -> Path:
     return Path(os.environ.get("DELTAFIND_HOME") or Path.home() / ".cache" / "deltafind")
 
@@ -151,13 +154,41 @@ def _print_stats(model: Any) -> None:
     if (sp := model.spine) is not None:
         lines.append(f"spine: {sp.plan.resident_layers} of {sp.plan.num_layers} layers resident, {sp.layers_read} layer reads "
                      f"({sp.bytes_read / 2**20:.1f} MiB), waited {sp.wait_s:.3f} s")
+    if (line := _draft_line(model)) is not None:
+        lines.append(line)
     print("\n".join("[stats] " + line for line in lines), file=sys.stderr)
+
+
+def _use_draft(args: argparse.Namespace, settings: Any, model: Any) -> None:
+    """--draft, else the [draft] settings (mode on fails without a source; auto logs and goes on)."""
+    from deltafind.engine.draft.base import DraftError
+    from deltafind.engine.draft.load import source_from_settings
+
+    spec = getattr(args, "draft", None)
+    try:
+        if spec is not None:
+            model.use_draft(spec, settings.draft.max_width)
+            return
+        source, policy = source_from_settings(settings.draft, model.net, target_store=model.store_dir)
+    except DraftError as e:
+        raise StoreError(f"draft: {e}") from e
+    model.draft, model.draft_policy = source, policy
+
+
+def _draft_line(model: Any) -> str | None:
+    d = model.last_draft_stats
+    if model.draft is None:
+        return None
+    saved = f", saved ~{d.saved_s:.2f} s" if d.steps else ""
+    return (f"draft {d.source} ({model.draft_policy.mode}): {d.accepted} of {d.proposed} proposed accepted "
+            f"({d.acceptance_rate:.0%}), {d.steps} verify passes{saved}" + (f", {d.failures} failed" if d.failures else ""))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     settings = _settings(args)
     model = _open_model(args, settings)
     try:
+        _use_draft(args, settings, model)
         return _run_model(args, model)
     finally:
         model.close()
@@ -199,6 +230,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     model = _open_model(args, settings)
+    _use_draft(args, settings, model)
     from deltafind.engine.sampler import SamplingParams
 
     ids = model.tokenizer.encode(args.prompt)
@@ -218,6 +250,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "bytes_read": e.bytes_read - e0[1],
         "cache_hit_rate": round(e.cache_hits / max(1, e.requested), 4),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "draft": model.last_draft_stats.as_dict() if model.draft is not None else None,
     }
     print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
     return 0
@@ -314,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, help="sampling seed: same seed, same output")
     p.add_argument("--stats", action="store_true", help="print tok/s, experts read, bytes read, cache hits")
+    p.add_argument("--draft", metavar="SRC", help=DRAFT_HELP)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("doctor", help="re-verify every checksum of a store without loading the model")
@@ -328,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default=DEMO_PROMPT)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--json", action="store_true", help="one JSON line")
+    p.add_argument("--draft", metavar="SRC", help=DRAFT_HELP)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("trace", help="read a router trace: summarize it, or warm a store's heat from it")

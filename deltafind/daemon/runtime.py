@@ -98,7 +98,9 @@ class Runtime:
             s = self.settings
             args = getattr(self.model.net, "args", None)
             context = int(getattr(args, "max_position_embeddings", 0) or 4096)
-            self.scheduler = Scheduler(self.model.net, self.model.eos_token_ids, self._limits(s, context))
+            draft, policy = self._draft(s)
+            self.scheduler = Scheduler(self.model.net, self.model.eos_token_ids, self._limits(s, context),
+                                       draft=draft, draft_policy=policy)
             notify.status("warming up")
             tok = self.model.tokenizer
             first = (tok.encode("Hi") or [tok.bos_token_id or 0])[:1]
@@ -145,6 +147,29 @@ class Runtime:
             spine_bytes=None if s.cache.spine_bytes is None else int(s.cache.spine_bytes),
             compile_kernels=s.device.compile,
         )
+
+    def _draft(self, s: Settings) -> tuple[Any, Any]:
+        """[draft] as a source and policy; mode "on" without a usable source fails the load."""
+        from deltafind.api import Model
+        from deltafind.engine.draft.base import DraftError
+        from deltafind.engine.draft.load import source_from_settings
+
+        model = self.model
+        device = model.net.lm_head.weight.device
+
+        def open_store(path: Path) -> Any:
+            m = Model.open(path, device=device, dtype=s.device.dtype)
+            model._draft_models.append(m)  # closed with the target
+            return m.net
+
+        try:
+            source, policy = source_from_settings(s.draft, model.net, target_store=store_dir(s), open_store=open_store, device=device)
+        except DraftError as e:
+            raise DeltafindError(f"[draft] mode = \"on\" but source {s.draft.source!r} cannot draft: {e}; "
+                                 "set [draft] mode = \"auto\" to run without it") from e
+        if source is not None:
+            log.info("draft_ready", source=source.name, mode=policy.mode, max_width=policy.max_width)
+        return source, policy
 
     @staticmethod
     def _limits(s: Settings, context: int) -> SchedulerLimits:
@@ -196,6 +221,14 @@ class Runtime:
         if sched is None or model is None:
             return
         sched.configure(self._limits(new, self.context_length))
+        if any(k.startswith("draft.") for k in live):
+            from deltafind.engine.draft.policy import PolicyOptions
+
+            d = new.draft
+            sched.configure_draft(PolicyOptions(mode="auto" if d.mode == "off" else d.mode, max_width=d.max_width),
+                                  enabled=d.mode != "off")
+            if d.mode != "off" and sched.draft is None:
+                log.warning("draft_reload_needs_restart", reason="started with [draft] mode = \"off\"; no source is loaded")
 
         def on_engine() -> None:
             from deltafind.store.experts import PrefetchOptions
@@ -278,6 +311,11 @@ class Runtime:
             out.update(draining=st.draining, running=st.running, waiting=st.waiting, tok_s=st.tok_s,
                        steps=st.stats.steps, generated_tokens=st.stats.generated_tokens, max_running=st.limits.max_running,
                        max_queue=st.limits.max_queue, prefix_hits=st.prefix_hits)
+            d = st.stats.draft
+            out.update(draft_source=getattr(self.scheduler.draft, "name", ""),
+                       draft_mode=self.scheduler.draft_policy.mode if self.scheduler._draft_enabled else "off",
+                       draft_proposed=d.proposed, draft_accepted=d.accepted, draft_acceptance_rate=d.acceptance_rate,
+                       draft_verify_passes=d.steps, draft_saved_s=d.saved_s, draft_failures=d.failures)
         if self.model is not None:
             ex = self.model.experts
             e = ex.stats

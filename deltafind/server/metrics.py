@@ -74,6 +74,26 @@ def engine_metrics(status: Any) -> list[Metric]:
         ("deltafind_step_seconds", "histogram", "Time of one forward step.",
          [*[({**lbl, "__suffix": "_bucket"}, v) for lbl, v in buckets],
           ({"__suffix": "_sum"}, st.step_s_sum), ({"__suffix": "_count"}, float(st.steps))]),
+        *_draft_metrics(st),
+    ]
+
+
+def _draft_metrics(st: Any) -> list[Any]:
+    """Speculative decoding counters (engine/speculative.py), when the engine keeps them."""
+    d = getattr(st, "draft", None)
+    if d is None:
+        return []
+    src = {"source": d.source or "none"}
+    return [
+        ("deltafind_draft_tokens_total", "counter", "Draft tokens, proposed and accepted by the target.",
+         [({**src, "outcome": "proposed"}, float(d.proposed)), ({**src, "outcome": "accepted"}, float(d.accepted))]),
+        ("deltafind_draft_acceptance_ratio", "gauge", "Share of proposed draft tokens the target accepted.",
+         [(src, round(d.acceptance_rate, 4))]),
+        ("deltafind_draft_verify_passes_total", "counter", "Target passes that verified a draft.", [(src, float(d.steps))]),
+        ("deltafind_draft_saved_seconds", "gauge",
+         "Estimated decode time drafting saved (negative: lost): emitted tokens x target-only step time - drafting step time.",
+         [(src, round(d.saved_s, 4))]),
+        ("deltafind_draft_failures_total", "counter", "Draft failures that fell back to target-only.", [(src, float(d.failures))]),
     ]
 
 
