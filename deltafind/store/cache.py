@@ -2,6 +2,8 @@
 
 `budget_bytes=None` means unlimited; 0 caches nothing. The cache never holds
 more than its budget: an item larger than the whole budget is not kept.
+`reserve` counts bytes about to arrive (reads in flight) against the budget,
+evicting to make room, so experts held plus reads in flight stay within it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ class ByteLRU(Generic[K, V]):
         self.budget_bytes = budget_bytes
         self._items: OrderedDict[K, tuple[V, int]] = OrderedDict()
         self.used_bytes = 0
+        self.reserved_bytes = 0  # reads in flight, counted against the budget before they land
         self.hits = 0
         self.misses = 0
         self._lock = threading.Lock()
@@ -51,13 +54,23 @@ class ByteLRU(Generic[K, V]):
             self.used_bytes -= item[1]
             return item[0]
 
+    def reserve(self, nbytes: int) -> None:
+        """Make room for `nbytes` on their way in (never refused: reads must happen)."""
+        with self._lock:
+            self.reserved_bytes += nbytes
+            self._evict()
+
+    def unreserve(self, nbytes: int) -> None:
+        with self._lock:
+            self.reserved_bytes -= nbytes
+
     def resize(self, budget_bytes: int | None) -> None:
         with self._lock:
             self.budget_bytes = budget_bytes
             self._evict()
 
     def _evict(self) -> None:
-        while self.budget_bytes is not None and self.used_bytes > self.budget_bytes:
+        while self.budget_bytes is not None and self._items and self.used_bytes + self.reserved_bytes > self.budget_bytes:
             _, (_, n) = self._items.popitem(last=False)
             self.used_bytes -= n
 

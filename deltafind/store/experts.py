@@ -8,7 +8,10 @@ depends on it, so output is identical with prefetch on or off.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
+import sys
 import time
 import weakref
 from collections import defaultdict
@@ -22,10 +25,12 @@ import torch
 from deltafind.device.staging import make_stager
 from deltafind.errors import CorruptExpertError
 from deltafind.store.cache import ByteLRU
-from deltafind.store.manifest import ExpertRecord, Manifest
+from deltafind.store.manifest import ExpertRecord, Manifest, align_up
 from deltafind.store.provider import Expert
 from deltafind.store.reader import DriveOptions, PackReader, record_tensors
 from deltafind.store.trace import TraceWriter
+
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,7 @@ class StoreExperts:
         verify: str = "fast",
     ) -> None:
         self.manifest = manifest
+        return_freed_memory()
         self.reader = PackReader(manifest, Path(store_dir), verify=verify, drives=drives, direct=direct_io)
         self.cache: ByteLRU[tuple[int, int], Expert] = ByteLRU(cache_bytes)
         self.pinned: dict[tuple[int, int], Expert] = {}
@@ -94,6 +100,11 @@ class StoreExperts:
         # CPU compute: demand reads are widened to the compute dtype on the drive threads, so it
         # overlaps the matmuls (measured in tests/bench/RESULTS.md); a device copies as stored.
         self._decode_on_reader = self.device.type == "cpu"
+        self._itemsize = torch.empty(0, dtype=dtype).element_size()
+        # Host reads in flight (buffer + widened copy) count against the expert budget, so experts
+        # held plus reads on their way stay within `cache_bytes` (measured peak RSS: RESULTS.md).
+        self._reserving = self._decode_on_reader
+        self._reserved: dict[tuple[int, int], int] = {}  # reservations of prefetches in flight
         self.prefetch_options = prefetch or PrefetchOptions(enabled=False)
         self._records: dict[tuple[int, int], ExpertRecord] = {r.key: r for r in manifest.experts}
         self._counts = manifest.expert_counts()
@@ -118,6 +129,7 @@ class StoreExperts:
         wanted = list(dict.fromkeys(expert_ids))
         self._observe(layer_idx, wanted)
         pending: dict[Future, int] = {}
+        held: dict[int, int] = {}  # expert -> bytes reserved in the cache for its read
         ready: list[tuple[int, Expert]] = []
         for e in wanted:
             key = (layer_idx, e)
@@ -131,8 +143,10 @@ class StoreExperts:
                 ready.append((e, expert))
             elif (fut := self._inflight.pop(key, None)) is not None:
                 self.stats.prefetch_used += 1
+                held[e] = self._reserved.pop(key, 0)
                 pending[self.reader.decode_when_read(self.record(layer_idx, e), fut, self.dtype) if self._decode_on_reader else fut] = e
             elif self._decode_on_reader:
+                held[e] = self._reserve(self.record(layer_idx, e))
                 pending[self.reader.submit_decoded(self.record(layer_idx, e), self.dtype)] = e
             else:
                 pending[self.reader.submit(self.record(layer_idx, e))] = e
@@ -145,6 +159,7 @@ class StoreExperts:
                 self.stats.wait_s += time.perf_counter() - t0
                 for fut in done:
                     e = pending.pop(fut)
+                    self._unreserve(held.pop(e, 0))  # it lands now: the cache counts it as an entry
                     got = fut.result()
                     if isinstance(got, tuple):  # decoded on the drive thread
                         yield e, self._decode(self.record(layer_idx, e), got[1], got[0])
@@ -153,6 +168,8 @@ class StoreExperts:
         finally:
             for fut in pending:  # an error or an abandoned generator: reads still running are waste
                 fut.cancel()
+            for n in held.values():
+                self._unreserve(n)
 
     def prefetch(self, layer_idx: int, expert_ids: Sequence[int] | None) -> None:
         """Start reads for experts predicted at `layer_idx` (None: the previous token's route there)."""
@@ -173,6 +190,7 @@ class StoreExperts:
                 continue
             if len(self._inflight) >= opts.max_in_flight:
                 break
+            self._reserved[key] = self._reserve(self._records[key])
             self._inflight[key] = self.reader.submit(self._records[key])
             self.stats.prefetch_issued += 1
 
@@ -206,11 +224,29 @@ class StoreExperts:
     def _drop_inflight(self, layer_idx: int) -> None:
         for key in [k for k in self._inflight if k[0] == layer_idx]:
             fut = self._inflight.pop(key)
+            self._unreserve(self._reserved.pop(key, 0))
             self.stats.prefetch_wasted += 1
             if not fut.cancel():
                 # Already being read: recycle its buffer. Decoding it "in case" costs CPU
                 # that the real reads need (measured: it halved decode speed).
                 fut.add_done_callback(self._recycle)
+
+    def _reserve(self, rec: ExpertRecord) -> int:
+        """Reserve what the read will hold on the host: its buffer plus the widened tensors."""
+        if not self._reserving or self.cache.budget_bytes is None:
+            return 0
+        widened = 0
+        for t in rec.tensors:
+            stored = getattr(torch, t.dtype)
+            size = torch.empty(0, dtype=stored).element_size()
+            widened += t.nbytes // size * self._itemsize if stored.is_floating_point and stored != self.dtype else 0
+        n = align_up(rec.length) + widened
+        self.cache.reserve(n)
+        return n
+
+    def _unreserve(self, n: int) -> None:
+        if n:
+            self.cache.unreserve(n)
 
     def _recycle(self, fut: Future) -> None:
         if not fut.cancelled() and fut.exception() is None:
@@ -260,3 +296,21 @@ class StoreExperts:
 
 def _nothing() -> None:
     pass
+
+
+def return_freed_memory() -> None:
+    """Fix glibc's mmap threshold at 1 MiB, so freed experts go back to the OS.
+
+    By default the threshold grows to the size of the largest block freed (up to 32 MiB),
+    after which evicted experts are carved from arenas that glibc keeps: measured 210 MB
+    of resident memory nobody used after a 1 GiB-cache run (tests/bench/RESULTS.md).
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(libc).mallopt if libc else None
+    except (OSError, AttributeError):
+        mallopt = None
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, 1 << 20)

@@ -124,9 +124,10 @@ class PackReader:
             raise StoreError(f"{store_dir}: the config lists {len(opts)} drive(s) but the store was striped over {len(recorded)}: list all {len(recorded)} in [[drives]], in the store's order ({', '.join(map(str, recorded))})")
         self.options = [opts[i] if i < len(opts) else DriveOptions() for i in range(len(recorded))]
         self.paths = [(o.path or d) / pack_name(i, manifest.pack_generation) for i, (o, d) in enumerate(zip(self.options, recorded, strict=True))]
-        # Keep about one buffer per read slot for reuse; more is RSS for nothing.
+        # Keep two free buffers per drive for reuse; more is RSS for nothing (a fresh one costs
+        # only its page faults, on the drive thread). Reads in flight hold their own.
         max_record = max((align_up(r.length) for r in manifest.experts), default=0)
-        self.buffers = BufferPool(max_record * sum(o.queue_depth for o in self.options))
+        self.buffers = BufferPool(max_record * 2 * len(self.options))
         self.stats = [DriveStats() for _ in self.paths]
         self._fds: list[int] = []
         self.direct: list[bool] = []
