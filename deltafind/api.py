@@ -10,7 +10,7 @@ Wires store, model family, engine and tokenizer together (as `cli` does).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -164,18 +164,23 @@ class Model:
         return model
 
     def use_draft(self, spec: str, max_width: int = 7) -> None:
-        """Draft with `spec` (off | auto | self[:N] | ngram | dspark | a store path) from now on.
+        """Draft with `spec` (off | auto | self[:N] | ngram | dspark | cross:STORE[,WIDE] | a store path) from now on.
 
         Output never changes: the same tokens under greedy, the same distribution under sampling.
+        A cross-tokenizer draft (`raw_only`) is for raw prompts: do not use it for chat.
         """
         device = self.net.lm_head.weight.device
 
-        def open_store(path: Path) -> torch.nn.Module:
+        def open_model(path: Path) -> Model:
             m = Model.open(path, device=device, dtype=str(self.net.lm_head.weight.dtype).removeprefix("torch."))
-            self._draft_models.append(m)
-            return m.net
+            self._draft_models.append(m)  # closed with the target
+            return m
 
-        self.draft, mode = make_draft_source(spec, self.net, target_store=self.store_dir, open_store=open_store, device=device)
+        def open_cross(paths: list[Path]) -> CrossTokenizerSource:
+            return open_cross_draft(self.tokenizer, paths, open_model=open_model)
+
+        self.draft, mode = make_draft_source(spec, self.net, target_store=self.store_dir, open_store=lambda p: open_model(p).net,
+                                             device=device, open_cross=open_cross)
         self.draft_policy = PolicyOptions(mode=mode if mode != "off" else "auto", max_width=max_width)
 
     @property
@@ -247,22 +252,23 @@ def text_codec(tokenizer: Tokenizer, add_bos: bool | None = False) -> TextCodec:
 
 
 def open_cross_draft(target: Tokenizer, stores: Sequence[str | Path], device: str = "cpu", dtype: str = "float32",
-                     max_context: int = 8192) -> CrossTokenizerSource:
+                     max_context: int = 8192, open_model: Callable[[Path], Model] | None = None) -> CrossTokenizerSource:
     """Spec 7.7's cross-tokenizer draft for raw completions: one store, or a probe store then a wide one.
 
     The drafts may be any family with any tokenizer; they meet the target only as text.
-    Closing the source closes their stores.
+    Closing the source closes their stores, unless `open_model` opened them (then they are the caller's).
     """
     opened: list[Model] = []
     try:
         for path in stores:
-            opened.append(Model.open(path, device=device, dtype=dtype))
+            opened.append(open_model(Path(path)) if open_model else Model.open(path, device=device, dtype=dtype))
     except BaseException:
-        for m in opened:
-            m.close()
+        if open_model is None:
+            for m in opened:
+                m.close()
         raise
     drafts = [CrossDraftModel(m.net, text_codec(m.tokenizer, add_bos=None), frozenset(m.eos_token_ids),
                               min(max_context, getattr(m.net.args, "max_position_embeddings", max_context)))
               for m in opened]
     name = "cross:" + ",".join(str(p) for p in stores)
-    return CrossTokenizerSource(text_codec(target), drafts, name, closers=[m.close for m in opened])
+    return CrossTokenizerSource(text_codec(target), drafts, name, closers=[] if open_model else [m.close for m in opened])
