@@ -147,3 +147,31 @@ def test_dspark_source_refuses_another_target(model: Model, tmp_path: Path) -> N
             source.check_target(llama.net)
     finally:
         llama.close()
+
+
+def test_concurrent_dspark_sequences_in_the_scheduler(model: Model) -> None:
+    """Sequences share target steps (each with its own DSpark context and KDA rows); prompts are
+    prefilled in chunks; output equals drafting off and blocks are accepted."""
+    from deltafind.engine.scheduler import Scheduler, SchedulerLimits, collect
+    from deltafind.engine.sequence import GenRequest
+
+    reqs = [(GenRequest(tuple(p), SamplingParams(max_new_tokens=6 + 7 * i)), _plain(model, p, 6 + 7 * i)) for i, p in enumerate(PROMPTS)]
+    source = DSparkSource.open(model.store_dir, model.net)
+    _oracle(model, source, [t for (req, want) in reqs for t in (req.prompt_ids[-1], *want)])
+    sched = Scheduler(model.net, tuple(model.eos_token_ids), SchedulerLimits(max_running=4, max_step_tokens=10),
+                      draft=source, draft_policy=ON)
+    try:
+        got = [collect(h, timeout=120) for h in [sched.submit(req) for req, _ in reqs]]
+    finally:
+        sched.close()
+    assert [t for t, _ in got] == [want for _, want in reqs]
+    d = sched.stats.draft
+    assert d.accepted > d.steps > 0 and d.failures == 0 and sched.stats.max_batch > 1, d.as_dict()
+
+
+def test_draft_dspark_through_the_python_api(model: Model) -> None:
+    """`draft="dspark"` (engine/draft/load.py) opens <store>/draft/dspark for this K3."""
+    ids = PROMPTS[0]
+    off = model.generate(ids, max_new_tokens=9, draft="off")
+    assert model.generate(ids, max_new_tokens=9, draft="dspark") == off
+    assert model.last_draft_stats.source == "dspark" and model.last_draft_stats.proposed > 0
