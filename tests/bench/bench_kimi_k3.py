@@ -5,6 +5,8 @@
 2. One real-size expert (3 x 3072 x 3584 MXFP4, 17,547,264 B): fused-kernel compute
    time for one token vs the measured O_DIRECT read time, and vs a 7 GB/s drive.
 3. Full-K3 decode projection for 1-4 drives at 7 GB/s from those per-expert costs.
+4. DSpark (issue 6): a 7-wide proposal and its commit vs the target's 1-row decode and
+   8-row verify pass, warm and cold, measured alternately (`--dspark-only` for this alone).
 
 Prints one JSON line on stdout; progress on stderr. Creates the store if missing:
     python tests/bench/bench_kimi_k3.py --store /tmp/k3-bench [--threads 2] [--tokens 4]
@@ -123,6 +125,83 @@ def expert_costs(store: Path, reads: int) -> dict:
     }
 
 
+def dspark_costs(store: Path, context: int, reps: int) -> dict:
+    """DSpark (spec 7) on this store's shape: one 7-wide proposal and one commit of 8 context rows,
+    timed against the target's warm 1-row decode and 8-row verify pass, side by side."""
+    from deltafind.engine.draft.dspark import DSparkSource
+    from deltafind.models.ops.batch import Batch
+    from deltafind.store.dspark_import import DRAFT_DIR, write_synthetic_dspark
+
+    if not (store / DRAFT_DIR).is_dir():
+        write_synthetic_dspark(store, seed=0)
+    model = Model.open(store, expert_cache_bytes=None, prefetch=False)  # every expert kept once read: warm passes
+    net = model.net
+    source = DSparkSource.open(store, net)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, net.args.vocab_size - 256, (context,), generator=g).tolist()
+    cache = SequenceCache(net.num_layers)
+    session = source.session(ids)
+    with torch.inference_mode():
+        batch = Batch.of([(cache, len(ids))])
+        batch.capture = source.capture_layers
+        net(torch.tensor(ids), batch)
+        rows = torch.cat([batch.captured[i] for i in source.capture_layers], dim=-1)  # [L, 5H]
+        session.commit([*ids, 1], rows)
+
+        def verify() -> None:  # a verify pass of 8 rows, then the rollback of all of them
+            forward_step(net, cache, [5, 6, 7, 8, 9, 10, 11, 12], all_logits=True)
+            cache.truncate(cache.length - 8)
+
+        def decode() -> None:  # one plain decode row (the context grows by one each time: negligible)
+            forward_step(net, cache, [5])
+
+        for _ in range(4):  # warm: the experts these rows route to are read once here
+            decode()
+            verify()
+
+        def propose() -> None:
+            source.model.propose(session.ctx, 5, 7)
+
+        def commit() -> None:
+            source.model.extend(session.ctx, rows[:8])
+            session.ctx.truncate(session.ctx.length - 8)
+
+        times: dict[str, list[float]] = {"decode": [], "verify": [], "propose": [], "commit": []}
+        for _ in range(reps):  # alternately, so every ratio compares the same moments of a shared machine
+            for name, fn in (("decode", decode), ("verify", verify), ("propose", propose), ("commit", commit)):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - t0) * 1e3)
+        decode_ms, verify_ms, propose_ms, commit_ms = (statistics.median(times[n]) for n in ("decode", "verify", "propose", "commit"))
+    model.close()
+    # Cold (no expert cache, O_DIRECT reads): what a streaming K3 pays per pass.
+    cold = Model.open(store, expert_cache_bytes=0, prefetch=False)
+    cache = SequenceCache(cold.net.num_layers)
+    cold_times: dict[str, list[float]] = {"decode": [], "verify": []}
+    with torch.inference_mode():
+        forward_step(cold.net, cache, ids[:16])
+        for _ in range(3):
+            for name, rows_in in (("decode", [5]), ("verify", [5, 6, 7, 8, 9, 10, 11, 12])):
+                t0 = time.perf_counter()
+                forward_step(cold.net, cache, rows_in, all_logits=True)
+                if len(rows_in) > 1:
+                    cache.truncate(cache.length - len(rows_in))
+                cold_times[name].append((time.perf_counter() - t0) * 1e3)
+    cold.close()
+    cold_decode_ms, cold_verify_ms = statistics.median(cold_times["decode"]), statistics.median(cold_times["verify"])
+    a = source.model.args
+    return {
+        "target_decode_1row_cold_ms": round(cold_decode_ms, 1), "target_verify_8rows_cold_ms": round(cold_verify_ms, 1),
+        "draft_step_over_decode_cold": round((propose_ms + commit_ms + cold_verify_ms) / cold_decode_ms, 3),
+        "context_positions": context, "dspark_hidden": a.hidden_size, "dspark_heads": a.num_attention_heads,
+        "target_decode_1row_warm_ms": round(decode_ms, 2), "target_verify_8rows_warm_ms": round(verify_ms, 2),
+        "dspark_propose_w7_ms": round(propose_ms, 2), "dspark_commit_8rows_ms": round(commit_ms, 2),
+        "propose_over_decode": round(propose_ms / decode_ms, 3), "verify8_over_decode": round(verify_ms / decode_ms, 3),
+        "draft_step_over_decode": round((propose_ms + commit_ms + verify_ms) / decode_ms, 3),
+        "note": "a 7-wide draft step pays when it emits more tokens than draft_step_over_decode(_cold)",
+    }
+
+
 def spine_gb_s() -> float:
     w = torch.randn(8192, 8192)
     x = torch.randn(1, 8192)
@@ -151,11 +230,18 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--tokens", type=int, default=4)
     p.add_argument("--reads", type=int, default=32)
+    p.add_argument("--dspark-context", type=int, default=256, help="committed positions DSpark drafts over")
+    p.add_argument("--dspark-only", action="store_true", help="time only the DSpark section")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     if load_kernel() is None:
         log(f"warning: MXFP4 kernel unavailable ({build_error}); timing the torch fallback")
     ensure_store(a.store, a.drive)
+    log("dspark ...")
+    dspark = dspark_costs(a.store, a.dspark_context, 7)
+    if a.dspark_only:
+        print(json.dumps({"bench": "kimi_k3", "threads": a.threads, "dspark": dspark}))
+        return
     log("cold decode ...")
     decode = cold_decode(a.store, a.tokens)
     log("per-expert costs ...")
@@ -163,7 +249,7 @@ def main() -> None:
     rate = spine_gb_s()
     result = {"bench": "kimi_k3", "threads": a.threads, "kernel": load_kernel() is not None,
               "batched_min_tokens": BATCHED_MIN_TOKENS, "cold_decode": decode, "expert": costs,
-              "spine_matvec_gb_s": round(rate, 2), "projection": project(costs["expert_compute_ms"], rate)}
+              "spine_matvec_gb_s": round(rate, 2), "projection": project(costs["expert_compute_ms"], rate), "dspark": dspark}
     print(json.dumps(result))
 
 
