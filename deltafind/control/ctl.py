@@ -60,6 +60,10 @@ def summary(s: dict[str, Any]) -> str:
         f"prefetch   issued {s['prefetch_issued']}, used {s['prefetch_used']}, wasted {s['prefetch_wasted']}, "
         f"recall {100 * s['prefetch_recall']:.1f}%",
     ]
+    if s.get("draft_source"):
+        lines.append(f"draft      {s['draft_source']} ({s['draft_mode']}): {s['draft_accepted']} of {s['draft_proposed']} "
+                     f"proposed accepted ({100 * s['draft_acceptance_rate']:.1f}%), {s['draft_verify_passes']} verify passes, "
+                     f"saved ~{s['draft_saved_s']:.1f} s, {s['draft_failures']} failures")
     for d in s["drives"]:
         lines.append(f"drive {d['index']}    {'ok' if d['healthy'] else 'UNREADABLE'} {d['path']}: {d['reads']} reads, "
                      f"{_mib(d['bytes_read'])}, {d['read_gb_s']:.2f} GB/s")

@@ -83,7 +83,7 @@ def _accept_everything(logits, tokens, q, params, generator):
 @pytest.mark.parametrize("with_q", [False, True], ids=["deterministic", "with-q"])
 def test_rejection_sampling_keeps_the_target_distribution(with_q: bool) -> None:
     torch.manual_seed(3)
-    v, n = 6, 20_000  # 20,000 seeded verify passes per case
+    v, n = 6, 8_000  # 8,000 seeded verify passes per case
     logits = torch.randn(3, v) * 1.5  # rows for [pending, d1, d2]
     params = SamplingParams(temperature=0.9, top_k=5)
     p0, p1 = sampling_probs(logits[0], params), sampling_probs(logits[1], params)
@@ -161,7 +161,7 @@ def test_greedy_output_with_every_source_equals_drafting_off(stores: dict[str, M
     model = stores[target]
     total = DraftStats()
     for name, source in _sources(stores, target).items():
-        for prompt in _prompts(10):
+        for prompt in _prompts(7):
             params = SamplingParams(max_new_tokens=24)
             want = list(generate(model.net, prompt, params, ()))
             for mode in ("on", "auto"):
@@ -179,12 +179,12 @@ def test_stop_ids_eos_and_max_tokens_cut_exactly_as_without_drafts(stores: dict[
     model = stores["moe"]
     source = _sources(stores, "moe")[source_name]
     on = PolicyOptions(mode="on", max_width=6)
-    for prompt in _prompts(6):
+    for prompt in _prompts(6)[::2]:
         free = list(generate(model.net, prompt, SamplingParams(max_new_tokens=30), ()))
-        for cut in (1, 2, 3, 7, 13, 30):
+        for cut in (1, 2, 7, 30):
             p = SamplingParams(max_new_tokens=cut)
             assert list(generate(model.net, prompt, p, (), draft=source, draft_policy=on)) == free[:cut]
-        for j in (1, 4, 9, 17):  # stop at the first occurrence of the token emitted j-th
+        for j in (1, 4, 17):  # stop at the first occurrence of the token emitted j-th
             stop = free[j]
             want = free[: free.index(stop) + 1]
             p = SamplingParams(max_new_tokens=30, stop_token_ids=(stop,))
