@@ -104,9 +104,9 @@ def test_prefill_and_decode_keep_no_rows(model: Model) -> None:
     long_verify = list(range(100, 100 + MAX_ROLLBACK_ROWS + 1))  # longer than a verify pass: a prefill chunk
     cache, _ = _run(net, PROMPT, [NEXT], long_verify)
     kda = [layer for layer in cache.layers if isinstance(layer, KDAState)]
-    assert kda and all(not s.row_states and not s.conv_rows for s in kda)
+    assert kda and all(not s.kept_rows and not s.kept_inputs and not s.conv_rows for s in kda)
     cache, _ = _run(net, PROMPT, [1, *DRAFTS], [NEXT])
-    assert all(not s.row_states for s in cache.layers if isinstance(s, KDAState))
+    assert all(not s.kept_rows and s.kept_start is None for s in cache.layers if isinstance(s, KDAState))
 
 
 def test_capture_is_the_carried_partial_block_sum(model: Model) -> None:
@@ -148,17 +148,27 @@ def test_no_capture_no_captured_rows(model: Model) -> None:
 
 
 def test_kda_state_restores_slices_of_its_kept_rows() -> None:
-    """KDAState alone: a kept pass restores conv windows as the slices of [previous window, raw rows]."""
+    """KDAState alone: the cut reruns the kept rows from the kept start; conv windows are
+    slices of [previous window, raw rows]."""
     state = KDAState()
     state.recurrent, state.conv, state.length = torch.zeros(1, 2, 2), [torch.zeros(3, 4) for _ in range(3)], 5
     assert state.keeps_rows(2) and state.keeps_rows(MAX_ROLLBACK_ROWS) and not state.keeps_rows(1)
     assert not state.keeps_rows(MAX_ROLLBACK_ROWS + 1)
-    state.start_pass(True)
+    state.start_pass()
     rows = [torch.arange(12.0).view(3, 4) + 100 * i for i in range(3)]
     state.conv_prev, state.conv_rows = [c.clone() for c in state.conv], rows
-    state.row_states += [torch.full((1, 2, 2), float(r)) for r in (1, 2, 3)]
+    seen = []
+
+    def rerun(*inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(inputs[0].shape[0])
+        return torch.empty(0), inputs[-1] + inputs[0].sum()
+
+    state.kept_start, state.kept_rows, state.rerun = torch.ones(1, 2, 2), 3, rerun
+    state.kept_inputs = [torch.tensor([1.0, 2.0, 4.0])] * 5
     state.length = 8
     state.truncate(6)
-    assert torch.equal(state.recurrent, torch.full((1, 2, 2), 1.0))
+    assert seen == [1] and torch.equal(state.recurrent, torch.full((1, 2, 2), 2.0))  # start + row 0
     assert torch.equal(state.conv[1], torch.cat([torch.zeros(2, 4), rows[1][:1]]))  # last 3 raw inputs, oldest first
     assert state.rollback_range() == (5, 6)
+    state.truncate(5)
+    assert seen == [1] and torch.equal(state.recurrent, torch.ones(1, 2, 2))  # the start itself, nothing rerun

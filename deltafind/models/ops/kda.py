@@ -60,20 +60,10 @@ def safe_gate(
 
 
 def kda_recurrent(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor | None = None,
-    keep: list[torch.Tensor] | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token delta rule. q, k [T, NH, K] (q already scaled), v [T, NH, V],
-    g [T, NH, K] log-decay, beta [T, NH]. Returns (o [T, NH, V], S [NH, K, V]).
-
-    `keep`, when given, receives S after every row (T tensors): each step makes a
-    new tensor anyway, so keeping them costs memory, not time (speculative rollback).
-    """
+    g [T, NH, K] log-decay, beta [T, NH]. Returns (o [T, NH, V], S [NH, K, V])."""
     t, nh, dk = k.shape
     s = q.new_zeros((nh, dk, v.shape[-1])) if state is None else state
     out = q.new_empty((t, nh, v.shape[-1]))
@@ -82,8 +72,6 @@ def kda_recurrent(
         pred = torch.einsum("hk,hkv->hv", k[i], s)  # what the memory returns for k
         s = s + torch.einsum("hk,hv->hkv", beta[i][:, None] * k[i], v[i] - pred)
         out[i] = torch.einsum("hk,hkv->hv", q[i], s)  # read after the update
-        if keep is not None:
-            keep.append(s)
     return out, s
 
 

@@ -8,6 +8,7 @@ the defaults are K3's. State lives in the sequence's cache slot for the layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,13 +54,15 @@ class RollbackError(ValueError):
 class KDAState:
     """One sequence's KDA state at one layer: three conv windows and S [NH, K, V] (fp32).
 
-    A recurrent state cannot be cut back by arithmetic, so after a multi-row pass
-    on an existing state (a speculative verify: 2..MAX_ROLLBACK_ROWS rows) it keeps
-    the rows' states: S after each row (references the per-row loop makes anyway)
-    and each conv stream's previous window plus the rows' raw inputs (the window
-    after row r is a slice of them). `truncate` restores the state at any row of
-    that pass, so the verifier commits exactly the accepted prefix. Prefill and
-    one-row decode keep nothing.
+    A recurrent state cannot be cut back by arithmetic, so a multi-row pass on an
+    existing state (a speculative verify: 2..MAX_ROLLBACK_ROWS rows) keeps what it
+    started from: S before the pass and the rows' recurrence inputs (q, k, v, g,
+    beta), plus each conv stream's previous window and the rows' raw inputs.
+    `truncate` to r rows of that pass reruns only the recurrence over those r rows
+    from the kept S, in the form an r-row pass uses, so the state is the one a pass
+    of exactly the accepted rows computes; the conv window is a slice. The pass
+    itself runs as before (no extra work), and a full accept costs nothing.
+    Prefill and one-row decode keep nothing.
     """
 
     def __init__(self) -> None:
@@ -67,25 +70,27 @@ class KDAState:
         self.recurrent: torch.Tensor | None = None
         self.length = 0
         self.window_start = 0  # position before the kept pass's first row
-        self.row_states: list[torch.Tensor] = []  # S before row 0, then after each row: n + 1 tensors
+        self.kept_rows = 0  # rows of the kept pass (0: nothing kept)
+        self.kept_start: torch.Tensor | None = None  # S before the pass [NH, K, V]
+        self.kept_inputs: list[torch.Tensor] = []  # q, k [n, NH, K], v [n, NH, V], g [n, NH, K], beta [n, NH]
         self.conv_prev: list[torch.Tensor] = []  # per stream [W-1, D]: the window before the pass
         self.conv_rows: list[torch.Tensor] = []  # per stream [n, D]: the pass's raw (pre-conv) inputs
+        self.rerun: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # rows -> (o, S), as the layer runs them
 
     def keeps_rows(self, num_rows: int) -> bool:
-        """Whether a pass of `num_rows` on this state keeps per-row states (and so runs row by row)."""
+        """Whether a pass of `num_rows` on this state keeps what `truncate` needs."""
         return self.recurrent is not None and 1 < num_rows <= MAX_ROLLBACK_ROWS
 
-    def start_pass(self, keep: bool) -> None:
-        """Forget the previous pass's rows; `keep` starts a new window at the current position."""
-        self.window_start = self.length
-        self.row_states = [self.recurrent] if keep and self.recurrent is not None else []
-        self.conv_prev, self.conv_rows = [], []
+    def start_pass(self) -> None:
+        """Forget the previous pass's rows (a new pass starts at the current position)."""
+        self.window_start, self.kept_rows, self.kept_start = self.length, 0, None
+        self.kept_inputs, self.conv_prev, self.conv_rows, self.rerun = [], [], [], None
 
     def rollback_range(self) -> tuple[int, int]:
         """Positions `truncate` can restore: (first, last), both inclusive."""
-        if not self.row_states:
+        if not self.kept_rows:
             return self.length, self.length
-        return self.window_start, self.window_start + len(self.row_states) - 1
+        return self.window_start, self.window_start + self.kept_rows
 
     def check_truncate(self, length: int) -> None:
         lo, hi = self.rollback_range()
@@ -103,17 +108,21 @@ class KDAState:
         self.check_truncate(length)
         if length == 0:
             self.conv, self.recurrent, self.length = [None, None, None], None, 0
-            self.start_pass(False)
+            self.start_pass()
             return
         r = length - self.window_start  # rows of the pass to keep
-        self.recurrent = self.row_states[r]
+        self.kept_inputs = [t[:r] for t in self.kept_inputs]
+        if r == 0:
+            self.recurrent = self.kept_start
+        else:
+            assert self.rerun is not None
+            self.recurrent = self.rerun(*self.kept_inputs, self.kept_start)[1]
         width = self.conv_prev[0].shape[0]  # W - 1
         for i in range(3):
             src = torch.cat([self.conv_prev[i], self.conv_rows[i][:r]], dim=0)  # [W-1+r, D]
             self.conv[i] = src[r : r + width].clone()
             self.conv_rows[i] = self.conv_rows[i][:r]
-        self.row_states = self.row_states[: r + 1]  # an earlier cut inside the same pass still works
-        self.length = length
+        self.kept_rows, self.length = r, length  # an earlier cut inside the same pass still works
 
 
 def kda_state(batch_cache: list, layer_idx: int) -> KDAState:
@@ -160,6 +169,13 @@ class KimiDeltaAttention(nn.Module):
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_proj(x) if self.opts.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
 
+    def _recurrence(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The delta rule over one segment's rows, in the form the options choose for that many rows."""
+        if q.shape[0] > 1 and self.opts.prefill == PREFILL_CHUNKED:
+            return kda_chunked(q, k, v, g, beta, state, chunk_size=self.opts.chunk_size)
+        return kda_recurrent(q, k, v, g, beta, state)
+
     def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         """x [T, H] (the input RMSNorm already applied) -> [T, H]; updates each segment's state."""
         o = self.opts
@@ -174,7 +190,7 @@ class KimiDeltaAttention(nn.Module):
             sl = slice(seg.start, seg.start + seg.num_tokens)
             state = kda_state(seg.cache.layers, self.layer_idx)
             keep = state.keeps_rows(seg.num_tokens)
-            state.start_pass(keep)
+            state.start_pass()
             streams = []
             for i in range(3):
                 u = raw[i][sl].float()  # [n, D]
@@ -185,14 +201,10 @@ class KimiDeltaAttention(nn.Module):
                 streams.append(out.view(-1, nh, dk))
             q = l2_normalize(streams[0], o.l2norm) / dk**0.5
             k = l2_normalize(streams[1], o.l2norm)
-            # A kept (verify) pass runs row by row, deltafin's order: each row's state exists, and
-            # it rounds like one-row decode. Prefill runs the chosen form and keeps nothing.
-            if keep:
-                core[sl], state.recurrent = kda_recurrent(q, k, streams[2], g[sl], beta[sl], state.recurrent, keep=state.row_states)
-            elif seg.num_tokens > 1 and o.prefill == PREFILL_CHUNKED:
-                core[sl], state.recurrent = kda_chunked(q, k, streams[2], g[sl], beta[sl], state.recurrent, chunk_size=o.chunk_size)
-            else:
-                core[sl], state.recurrent = kda_recurrent(q, k, streams[2], g[sl], beta[sl], state.recurrent)
+            inputs = [q, k, streams[2], g[sl], beta[sl]]
+            if keep:  # a verify pass: keep where it started and its rows, for `truncate`
+                state.kept_start, state.kept_inputs, state.kept_rows, state.rerun = state.recurrent, inputs, seg.num_tokens, self._recurrence
+            core[sl], state.recurrent = self._recurrence(*inputs, state.recurrent)
             state.length += seg.num_tokens
         gate = torch.sigmoid(self.output_gate(x).float().view(t, nh, dk))
         out = self.o_norm(core) * gate  # per-head RMSNorm over V, then the gate
