@@ -175,3 +175,23 @@ def test_draft_dspark_through_the_python_api(model: Model) -> None:
     off = model.generate(ids, max_new_tokens=9, draft="off")
     assert model.generate(ids, max_new_tokens=9, draft="dspark") == off
     assert model.last_draft_stats.source == "dspark" and model.last_draft_stats.proposed > 0
+
+
+def test_sampling_with_dspark_keeps_going_and_a_desync_is_refused(model: Model) -> None:
+    """Under sampling DSpark's proposal is deterministic (q None): a seeded run repeats and
+    nothing fails (the distribution test is the verifier's). A session whose
+    context does not match the committed positions refuses to propose (the verifier then
+    decodes target-only)."""
+    from deltafind.engine.draft.base import DraftError
+
+    source = DSparkSource.open(model.store_dir, model.net)
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.95, seed=7)
+    stats = DraftStats()
+    out = list(generate_speculative(model.net, PROMPTS[0], params, source, ON, model.eos_token_ids, draft_stats=stats))
+    again = list(generate_speculative(model.net, PROMPTS[0], params, source, ON, model.eos_token_ids))
+    assert len(out) == 12 and out == again and stats.failures == 0 and stats.proposed > 0
+    session = source.session(PROMPTS[0])
+    with pytest.raises(DraftError, match="holds 0 rows but the target committed 12"):
+        session.propose([*PROMPTS[0], 1], 3, params, None)
+    with pytest.raises(DraftError, match="captured rows"):
+        session.commit([*PROMPTS[0], 1], None)
