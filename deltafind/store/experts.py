@@ -25,7 +25,7 @@ import torch
 from deltafind.device.staging import make_stager
 from deltafind.errors import CorruptExpertError
 from deltafind.store.cache import ByteLRU
-from deltafind.store.manifest import ExpertRecord, Manifest, align_up
+from deltafind.store.manifest import ExpertRecord, Manifest
 from deltafind.store.provider import Expert
 from deltafind.store.reader import DriveOptions, PackReader, record_tensors
 from deltafind.store.trace import TraceWriter
@@ -103,8 +103,10 @@ class StoreExperts:
         self._itemsize = torch.empty(0, dtype=dtype).element_size()
         # Host reads in flight (buffer + widened copy) count against the expert budget, so experts
         # held plus reads on their way stay within `cache_bytes` (measured peak RSS: RESULTS.md).
-        self._reserving = self._decode_on_reader
+        self._reserving = self._decode_on_reader and cache_bytes is not None
         self._reserved: dict[tuple[int, int], int] = {}  # reservations of prefetches in flight
+        if self._reserving:  # the reader's buffer pools are host memory the budget must cover too
+            self.cache.reserve(self.reader.buffers.max_free_bytes + self.reader.widened.max_free_bytes)
         self.prefetch_options = prefetch or PrefetchOptions(enabled=False)
         self._records: dict[tuple[int, int], ExpertRecord] = {r.key: r for r in manifest.experts}
         self._counts = manifest.expert_counts()
@@ -162,7 +164,7 @@ class StoreExperts:
                     self._unreserve(held.pop(e, 0))  # it lands now: the cache counts it as an entry
                     got = fut.result()
                     if isinstance(got, tuple):  # decoded on the drive thread
-                        yield e, self._decode(self.record(layer_idx, e), got[1], got[0])
+                        yield e, self._decode(self.record(layer_idx, e), got[1], got[0], got[2])
                     else:
                         yield e, self._decode(self.record(layer_idx, e), got)
         finally:
@@ -232,7 +234,7 @@ class StoreExperts:
                 fut.add_done_callback(self._recycle)
 
     def _reserve(self, rec: ExpertRecord) -> int:
-        """Reserve what the read will hold on the host: its buffer plus the widened tensors."""
+        """Reserve the widened tensors a read will produce (its buffer is in the standing reservation)."""
         if not self._reserving or self.cache.budget_bytes is None:
             return 0
         widened = 0
@@ -240,9 +242,9 @@ class StoreExperts:
             stored = getattr(torch, t.dtype)
             size = torch.empty(0, dtype=stored).element_size()
             widened += t.nbytes // size * self._itemsize if stored.is_floating_point and stored != self.dtype else 0
-        n = align_up(rec.length) + widened
-        self.cache.reserve(n)
-        return n
+        if widened:
+            self.cache.reserve(widened)
+        return widened
 
     def _unreserve(self, n: int) -> None:
         if n:
@@ -252,8 +254,10 @@ class StoreExperts:
         if not fut.cancelled() and fut.exception() is None:
             self.reader.release(fut.result())
 
-    def _decode(self, rec: ExpertRecord, buf: object, views: dict[str, torch.Tensor] | None = None) -> Expert:
-        """`buf` holds the record (None: `views` were decoded already and no longer need it)."""
+    def _decode(self, rec: ExpertRecord, buf: object, views: dict[str, torch.Tensor] | None = None,
+                pooled: list[torch.Tensor] | None = None) -> Expert:
+        """`buf` holds the record (None: `views` were decoded already and no longer need it);
+        `pooled` tensors of `views` go back to the reader's pool when the expert is dropped."""
         self.stats.read += 1
         self.stats.bytes_read += rec.length
         if views is None:
@@ -264,6 +268,8 @@ class StoreExperts:
         tensors, aliased = self.stager.stage(views, self.dtype, release)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         expert = Expert(tensors, nbytes)
+        if pooled and all(any(t is p for p in pooled) for t in tensors.values() if t.is_floating_point()):
+            weakref.finalize(expert, self.reader.widened.put_all, pooled)
         if aliased and buf is not None:
             # tensors are views over the read buffer: recycle it once the expert is gone
             weakref.finalize(expert, self.reader.release, buf)

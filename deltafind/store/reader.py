@@ -91,6 +91,34 @@ class BufferPool:
                 self._free_bytes += len(buf)
 
 
+class TensorPool:
+    """Widened expert tensors, reused by (shape, dtype): a fresh 19 MB tensor per read cost more
+    in page faults (kernel time) than the widening itself (measured: RESULTS.md)."""
+
+    def __init__(self, max_free_bytes: int) -> None:
+        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        self._free_bytes = 0
+        self.max_free_bytes = max_free_bytes
+        self._lock = threading.Lock()
+
+    def get(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get((tuple(shape), dtype))
+            if free:
+                t = free.pop()
+                self._free_bytes -= t.numel() * t.element_size()
+                return t
+        return torch.empty(shape, dtype=dtype)
+
+    def put_all(self, tensors: list[torch.Tensor]) -> None:
+        with self._lock:
+            for t in tensors:
+                n = t.numel() * t.element_size()
+                if self._free_bytes + n <= self.max_free_bytes:
+                    self._free[(tuple(t.shape), t.dtype)].append(t)
+                    self._free_bytes += n
+
+
 class _TokenBucket:
     """Reserve a time slot of n/rate seconds per read; reads finish no sooner than their slot."""
 
@@ -124,10 +152,12 @@ class PackReader:
             raise StoreError(f"{store_dir}: the config lists {len(opts)} drive(s) but the store was striped over {len(recorded)}: list all {len(recorded)} in [[drives]], in the store's order ({', '.join(map(str, recorded))})")
         self.options = [opts[i] if i < len(opts) else DriveOptions() for i in range(len(recorded))]
         self.paths = [(o.path or d) / pack_name(i, manifest.pack_generation) for i, (o, d) in enumerate(zip(self.options, recorded, strict=True))]
-        # Keep two free buffers per drive for reuse; more is RSS for nothing (a fresh one costs
-        # only its page faults, on the drive thread). Reads in flight hold their own.
+        # One buffer per read slot, reused: fresh mmaps cost their page faults on every read
+        # (measured: twice the CPU per token with two spares per drive). The expert cache
+        # counts these bytes against its budget (StoreExperts).
         max_record = max((align_up(r.length) for r in manifest.experts), default=0)
-        self.buffers = BufferPool(max_record * 2 * len(self.options))
+        self.buffers = BufferPool(max_record * sum(o.queue_depth for o in self.options))
+        self.widened = TensorPool(max_record * 4 * len(self.options))  # about two bf16 -> fp32 experts per drive
         self.stats = [DriveStats() for _ in self.paths]
         self._fds: list[int] = []
         self.direct: list[bool] = []
@@ -178,7 +208,7 @@ class PackReader:
     def submit(self, rec: ExpertRecord) -> Future[mmap.mmap]:
         return self._pools[rec.drive].submit(self._read, rec)
 
-    def submit_decoded(self, rec: ExpertRecord, dtype: torch.dtype) -> Future[tuple[dict[str, torch.Tensor], mmap.mmap | None]]:
+    def submit_decoded(self, rec: ExpertRecord, dtype: torch.dtype) -> Future[tuple[dict[str, torch.Tensor], mmap.mmap | None, list[torch.Tensor]]]:
         """Read, check and convert float tensors to `dtype` on the drive's thread (host compute).
 
         The widening then overlaps with the caller's compute instead of adding to it.
@@ -186,10 +216,10 @@ class PackReader:
         """
         return self._pools[rec.drive].submit(self._read_decoded, rec, dtype)
 
-    def decode_when_read(self, rec: ExpertRecord, read: Future[mmap.mmap], dtype: torch.dtype) -> Future[tuple[dict[str, torch.Tensor], mmap.mmap | None]]:
+    def decode_when_read(self, rec: ExpertRecord, read: Future[mmap.mmap], dtype: torch.dtype) -> Future[tuple[dict[str, torch.Tensor], mmap.mmap | None, list[torch.Tensor]]]:
         """Convert an already-submitted read (a prefetch the router confirmed) off the caller's
         thread, once it lands; no decode thread waits on a read meanwhile."""
-        out: Future[tuple[dict[str, torch.Tensor], mmap.mmap | None]] = Future()
+        out: Future[tuple[dict[str, torch.Tensor], mmap.mmap | None, list[torch.Tensor]]] = Future()
 
         def convert() -> None:
             if not out.set_running_or_notify_cancel():  # the caller gave up on it
@@ -210,16 +240,25 @@ class PackReader:
         read.add_done_callback(landed)
         return out
 
-    def _read_decoded(self, rec: ExpertRecord, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], mmap.mmap | None]:
+    def _read_decoded(self, rec: ExpertRecord, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], mmap.mmap | None, list[torch.Tensor]]:
         return self._convert(rec, self._read(rec), dtype)
 
-    def _convert(self, rec: ExpertRecord, buf: mmap.mmap, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], mmap.mmap | None]:
+    def _convert(self, rec: ExpertRecord, buf: mmap.mmap, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], mmap.mmap | None, list[torch.Tensor]]:
+        """The record's tensors in `dtype` (floats; packed formats as stored), the buffer they
+        still view (None: it went back to the pool), and the widened tensors, which come from
+        `widened` and go back there (`put_all`) when the expert is dropped."""
         views = record_tensors(rec, buf)
-        tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in views.items()}
-        if any(t.data_ptr() == v.data_ptr() for t, v in zip(tensors.values(), views.values(), strict=True)):
-            return tensors, buf
+        tensors, pooled = {}, []
+        for n, t in views.items():
+            if t.is_floating_point() and t.dtype != dtype:
+                tensors[n] = self.widened.get(tuple(t.shape), dtype).copy_(t)
+                pooled.append(tensors[n])
+            else:
+                tensors[n] = t
+        if len(pooled) < len(tensors):
+            return tensors, buf, pooled
         self.buffers.put(buf)
-        return tensors, None
+        return tensors, None, pooled
 
     def read(self, rec: ExpertRecord) -> mmap.mmap:
         return self.submit(rec).result()

@@ -114,6 +114,28 @@ def median(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
+def barrier_bound(stores: dict[int, Path], top_k: int = 8, samples: int = 4000) -> dict[int, float]:
+    """Best speedup N drives can give when each layer's reads must finish before the next layer
+    starts: mean reads per layer over the mean of the busiest drive's share (uniform routes, as the
+    synthetic router's are, over the stores' actual striping)."""
+    import random
+    from collections import Counter
+
+    from deltafind.store.manifest import Manifest
+
+    out = {}
+    for n, store in stores.items():
+        drive = {r.key: r.drive for r in Manifest.load(store).experts}
+        layers = sorted({k[0] for k in drive})
+        counts = {layer: 1 + max(e for (lay, e) in drive if lay == layer) for layer in layers}
+        rng, busiest = random.Random(0), 0
+        for _ in range(samples):
+            for layer in layers:
+                busiest += max(Counter(drive[(layer, e)] for e in rng.sample(range(counts[layer]), top_k)).values())
+        out[n] = round(samples * len(layers) * top_k / busiest, 3)
+    return out
+
+
 def summarize(res: dict[str, list[dict]], t: int, cap_mb_s: float) -> list[dict]:
     raw = median(res["raw"], "raw_gb_s")
     stream = res["stream"]
@@ -170,6 +192,9 @@ def main() -> None:
             for name, tree in trees.items():  # before and after back to back, so noise hits both
                 res[name][key].append(run({**cfg, "threads": th}, tree))
     out = {name: summarize(r, t, args.cap_mb_s) for name, r in res.items()}
+    bound = barrier_bound(stores)
+    for lines in out.values():
+        lines[1]["per_layer_barrier_bound"] = bound
     for name, lines in out.items():
         for line in lines:
             print(json.dumps({"tree": name, **line}))
