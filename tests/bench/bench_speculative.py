@@ -46,6 +46,31 @@ def synthetic_store(root: Path) -> Path:
     return store
 
 
+def row_costs(net, prompt: list[int], rounds: int) -> dict:
+    """Median seconds of one pass of r rows after `prompt` (rows alternate), and each ratio to one row."""
+    import statistics
+
+    import torch
+
+    from deltafind.engine.generate import forward_step
+    from deltafind.models.ops.batch import SequenceCache
+
+    times: dict[int, list[float]] = {r: [] for r in (1, 2, 3, 4, 8)}
+    with torch.inference_mode():
+        cache = SequenceCache(net.num_layers)
+        forward_step(net, cache, prompt)
+        base = cache.length
+        for _ in range(max(3, 3 * rounds)):
+            for r in times:
+                t0 = time.perf_counter()
+                forward_step(net, cache, prompt[-r:] if len(prompt) >= r else [prompt[-1]] * r, all_logits=True)
+                times[r].append(time.perf_counter() - t0)
+                cache.truncate(base)
+    med = {r: statistics.median(v) for r, v in times.items()}
+    return {"bench": "speculative_row_costs", "pass_s": {r: round(v, 4) for r, v in med.items()},
+            "ratio_to_one_row": {r: round(v / med[1], 2) for r, v in med.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", type=Path, default=Path(os.environ.get("DELTAFIND_HOME", "~/.cache/deltafind")).expanduser() / "demo")
@@ -59,6 +84,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=7)
     ap.add_argument("--sweep-layers", default="", help="comma list: compare self-draft depths instead of sources")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
+    ap.add_argument("--row-costs", action="store_true", help="only time one target pass of 1, 2, 3, 4, 8 rows (what a verify costs)")
     args = ap.parse_args()
 
     import torch
@@ -82,6 +108,10 @@ def main() -> None:
         tok = model.tokenizer
         prompts = [tok.apply_chat_template([{"role": "user", "content": c}]) for c in CHAT[: args.prompts]]
     net, eos = model.net, model.eos_token_ids
+    if args.row_costs:
+        print(json.dumps(row_costs(net, prompts[0], args.rounds)))
+        model.close()
+        return
 
     configs: dict[str, tuple[object, PolicyOptions | None]] = {"off": (None, None)}
     if args.sweep_layers:
@@ -95,7 +125,8 @@ def main() -> None:
 
     params = SamplingParams(max_new_tokens=args.tokens)
     ref: dict[int, list[int]] = {}
-    totals = {name: {"decode_s": 0.0, "steps": 0, "identical": True, "draft": DraftStats()} for name in configs}
+    totals = {name: {"decode_s": 0.0, "steps": 0, "identical": True, "draft": DraftStats(), "per_prompt_s": [0.0] * len(prompts)}
+              for name in configs}
     for p in prompts[:1]:  # warm-up
         list(generate(net, p, SamplingParams(max_new_tokens=4), eos))
     t_all = time.perf_counter()
@@ -109,6 +140,7 @@ def main() -> None:
                 tot = totals[name]
                 tot["identical"] = tot["identical"] and out == ref[i]
                 tot["decode_s"] += st.decode_s
+                tot["per_prompt_s"][i] += st.decode_s
                 tot["steps"] += max(st.new_tokens - 1, 0)  # tokens decoded after the first (prefill's)
                 tot["draft"].add(ds)
     base = totals["off"]
@@ -121,7 +153,8 @@ def main() -> None:
                "identical": tot["identical"], "acceptance_rate": round(d.acceptance_rate, 3),
                "proposed": d.proposed, "accepted": d.accepted, "verify_passes": d.steps,
                "tokens_per_verify": round(d.emitted / d.steps, 2) if d.steps else 0.0,
-               "draft_s": round(d.draft_s, 3), "verify_s": round(d.verify_s, 3)}
+               "draft_s": round(d.draft_s, 3), "verify_s": round(d.verify_s, 3),
+               "speedup_per_prompt": [round(b / t, 2) if t else 0.0 for b, t in zip(base["per_prompt_s"], tot["per_prompt_s"], strict=True)]}
         print(json.dumps(row), flush=True)
         summary[name] = row["speedup"]
     print(json.dumps({"bench": "speculative_summary", "speedup": summary, "rounds": args.rounds, "prompts": len(prompts),
