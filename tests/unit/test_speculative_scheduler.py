@@ -19,7 +19,18 @@ from deltafind.engine.generate import generate
 from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.scheduler import Scheduler, SchedulerLimits, collect
 from deltafind.engine.sequence import GenRequest
-from tests.unit.test_speculative import _Failing, _prompts, _sources, build_stores
+from tests.unit.test_speculative import (
+    ALPHA,
+    SAMPLES,
+    _accept_everything,
+    _drafting_prompt,
+    _exact_joint,
+    _Failing,
+    _prompts,
+    _sources,
+    build_stores,
+    chi2_pvalue,
+)
 
 ON = PolicyOptions(mode="on", max_width=5)
 
@@ -122,3 +133,64 @@ def test_a_failing_verify_pass_reruns_the_step_target_only(stores: dict[str, Mod
     assert [t for t, _ in got] == [w for _, w in reqs]
     assert all(f.reason in ("stop", "length") for _, f in got)
     assert any(e["event"] == "draft_failed" and e.get("during") == "verify" for e in logs)
+
+
+def _scheduler_joint(model: Model, prompt: list[int], params: SamplingParams, source, exact: dict):
+    sched = Scheduler(model.net, (), SchedulerLimits(max_running=16, max_queue=SAMPLES), draft=source,
+                      draft_policy=PolicyOptions(mode="on", max_width=2))
+    try:
+        handles = [sched.submit(GenRequest(tuple(prompt), SamplingParams(max_new_tokens=3, temperature=params.temperature,
+                                                                         top_k=params.top_k, seed=seed)))
+                   for seed in range(SAMPLES)]
+        outs = [tuple(collect(h, timeout=300)[0]) for h in handles]
+    finally:
+        sched.close()
+    keys = list(exact)
+    counts = torch.zeros(len(keys) + 1, dtype=torch.long)
+    for out in outs:
+        counts[keys.index(out) if out in exact else len(keys)] += 1
+    return chi2_pvalue(counts, torch.tensor([*exact.values(), 0.0])), sched.stats.draft
+
+
+def test_sampling_through_the_scheduler_keeps_the_target_distribution(stores: dict[str, Model],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """SAMPLES seeded requests, 16 at a time in shared steps: tokens 1-3 against the exact joint, at ALPHA."""
+    from deltafind.engine import scheduler
+
+    model = stores["llama"]
+    params = SamplingParams(temperature=1.0, top_k=3)
+    source = _sources(stores, "llama")["ngram"]
+    prompt = _drafting_prompt(model, source, params)
+    exact = _exact_joint(model, prompt, params, 3)
+    pvalue, drafts = _scheduler_joint(model, prompt, params, source, exact)
+    assert pvalue > ALPHA
+    assert drafts.proposed > drafts.accepted > 0  # drafts were both accepted and rejected
+    monkeypatch.setattr(scheduler, "accept", _accept_everything)
+    assert _scheduler_joint(model, prompt, params, source, exact)[0] < ALPHA  # a broken rule fails it
+
+
+def test_penalties_and_logprobs_with_drafts_equal_drafting_off(stores: dict[str, Model]) -> None:
+    """Each verified row sees the penalties of the drafts before it; logprobs come from the target's rows."""
+    model = stores["moe"]
+    reqs = [GenRequest(tuple(p), SamplingParams(max_new_tokens=16), logprobs=2, presence_penalty=0.3 * (i % 2),
+                       frequency_penalty=0.5 * (i % 3 == 0)) for i, p in enumerate(_prompts(6))]
+
+    def events(draft):
+        sched = Scheduler(model.net, (), SchedulerLimits(max_running=3), draft=draft, draft_policy=ON)
+        try:
+            handles = [sched.submit(r) for r in reqs]
+            out = []
+            for h in handles:
+                evs = list(h)
+                out.append([(e.token_id, e.logprob, tuple(t for t, _ in e.top)) for e in evs[:-1]])
+            return out, sched.stats.draft
+        finally:
+            sched.close()
+
+    want, _ = events(None)
+    got, drafts = events(NgramSource())
+    assert drafts.proposed > 0
+    for w, g in zip(want, got, strict=True):
+        assert [t for t, _, _ in g] == [t for t, _, _ in w]
+        assert [top for _, _, top in g] == [top for _, _, top in w]
+        assert [lp for _, lp, _ in g] == pytest.approx([lp for _, lp, _ in w], abs=1e-5)
