@@ -123,7 +123,7 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rope.cos_sin(batch.positions)
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
-        if self._begin_step is not None and num_layers is None:  # traces record the target's routes only
+        if self._begin_step is not None:  # router traces name each token's sequence and position (drafts too)
             self._begin_step(batch.token_sequences(), batch.positions.tolist())
         if self._prefetch is not None:
             self._prefetch(0, layers[0].mlp.predict_all() if hasattr(layers[0].mlp, "predict_all") else None)
