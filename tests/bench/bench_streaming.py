@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -21,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+ENV = dict(os.environ)  # before deltafind is imported here (it sets OMP_WAIT_POLICY): what --before runs get
 SHAPE = {"layers": 2}  # the qwen3_moe "bench" shape, 2 layers: 128 experts x 9 MiB
 
 
@@ -72,13 +74,14 @@ def one(cfg: dict) -> dict:
     spine_resident = sum(p.numel() * p.element_size() for p in model.net.parameters()) + sum(b.numel() * b.element_size() for b in model.net.buffers())
     ids = [65, 66, 67, 68]
     params = SamplingParams(max_new_tokens=cfg["tokens"], ignore_eos=True)
-    t0 = time.perf_counter()
+    t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     list(model.stream(ids, params))
-    wall = time.perf_counter() - t0
+    wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
     s, e = model.last_stats, model.experts.stats
     out = {
         "decode_tok_s": s.decode_tok_s,
         "wall_s": wall,
+        "cpu_s": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime),  # all threads, user + kernel
         "bytes_read": e.bytes_read,
         "read_gb_s": e.bytes_read / wall / 1e9,
         "io_wait_s": e.wait_s,
@@ -99,9 +102,7 @@ def one(cfg: dict) -> dict:
 
 
 def run(cfg: dict, tree: Path | None = None) -> dict:
-    import os
-
-    env = dict(os.environ)
+    env = dict(os.environ) if tree is None else dict(ENV)
     if tree is not None:  # the older checkout's deltafind package wins over the installed one
         env["PYTHONPATH"] = str(tree)
     proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(cfg)], capture_output=True, text=True, check=False, env=env)
@@ -142,7 +143,8 @@ def summarize(res: dict[str, list[dict]], t: int, cap_mb_s: float) -> list[dict]
     efficiency = {"bench": "streaming_efficiency", "raw_odirect_gb_s": round(raw, 3), "decode_read_gb_s": round(median(stream, "read_gb_s"), 3),
                   "ratio": round(median(stream, "read_gb_s") / raw, 3), "decode_tok_s": round(median(stream, "decode_tok_s"), 3),
                   "io_wait_fraction": round(median(stream, "io_wait_s") / median(stream, "wall_s"), 3),
-                  "bytes_per_token": int(median(stream, "bytes_read") / (t + 3))}
+                  "bytes_per_token": int(median(stream, "bytes_read") / (t + 3)),
+                  "cpu_ms_per_token": round(1e3 * median(stream, "cpu_s") / (t + 3), 1) if "cpu_s" in stream[0] else None}
     one_drive = median(res["cap1"], "decode_tok_s")
     scaling = {"bench": "drive_scaling", "cap_mb_s_per_drive": cap_mb_s,
                "tok_s": {n: round(median(res[f"cap{n}"], "decode_tok_s"), 3) for n in (1, 2, 3, 4)},
@@ -203,7 +205,8 @@ def main() -> None:
         for b, a in zip(out["before"], out["after"], strict=True):
             if b["bench"] in pick:
                 print(json.dumps({"bench": b["bench"], "before": b[pick[b["bench"]]], "after": a[pick[b["bench"]]],
-                                  "decode_tok_s_before_after": [b.get("decode_tok_s"), a.get("decode_tok_s")]}))
+                                  "decode_tok_s_before_after": [b.get("decode_tok_s"), a.get("decode_tok_s")],
+                                  "cpu_ms_per_token_before_after": [b.get("cpu_ms_per_token"), a.get("cpu_ms_per_token")]}))
             else:
                 print(json.dumps({"bench": b["bench"], "before": b["speedup"], "after": a["speedup"], "tok_s_before": b["tok_s"], "tok_s_after": a["tok_s"]}))
 
