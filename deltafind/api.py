@@ -55,6 +55,7 @@ class Model:
         self.draft_policy = PolicyOptions()
         self.last_draft_stats = DraftStats()
         self._draft_models: list[Model] = []
+        self._drafts_by_spec: dict[str, tuple[DraftSource | None, PolicyOptions]] = {}  # generate(draft=) builds each once
         self.memory_lock = MemoryLock()
 
     @classmethod
@@ -215,7 +216,10 @@ class Model:
             return list(self.stream(token_ids, params))
         saved = self.draft, self.draft_policy
         try:
-            self.use_draft(draft, self.draft_policy.max_width)
+            if draft not in self._drafts_by_spec:
+                self.use_draft(draft, self.draft_policy.max_width)
+                self._drafts_by_spec[draft] = (self.draft, self.draft_policy)
+            self.draft, self.draft_policy = self._drafts_by_spec[draft]
             return list(self.stream(token_ids, params))
         finally:
             self.draft, self.draft_policy = saved
