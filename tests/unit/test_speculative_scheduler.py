@@ -194,3 +194,26 @@ def test_penalties_and_logprobs_with_drafts_equal_drafting_off(stores: dict[str,
         assert [t for t, _, _ in g] == [t for t, _, _ in w]
         assert [top for _, _, top in g] == [top for _, _, top in w]
         assert [lp for _, lp, _ in g] == pytest.approx([lp for _, lp, _ in w], abs=1e-5)
+
+
+def test_metrics_report_the_schedulers_draft_counters(stores: dict[str, Model]) -> None:
+    from deltafind.server.metrics import engine_metrics, render
+
+    model = stores["moe"]
+    sched = Scheduler(model.net, (), SchedulerLimits(max_running=2), draft=NgramSource(), draft_policy=ON)
+    try:
+        for req, _ in _requests(model)[:3]:
+            collect(sched.submit(req), timeout=60)
+        text = render(engine_metrics(sched.status()))
+    finally:
+        sched.close()
+    d = sched.stats.draft
+    assert d.proposed > 0
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("deltafind_draft_tokens_total{"):
+            labels, value = line.rsplit(" ", 1)
+            values["proposed" if 'outcome="proposed"' in labels else "accepted"] = float(value)
+            assert 'source="ngram"' in labels
+    assert values == {"proposed": d.proposed, "accepted": d.accepted}
+    assert "deltafind_draft_acceptance_ratio" in text and "deltafind_draft_saved_seconds" in text
