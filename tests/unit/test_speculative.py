@@ -161,7 +161,7 @@ def test_greedy_output_with_every_source_equals_drafting_off(stores: dict[str, M
     model = stores[target]
     total = DraftStats()
     for name, source in _sources(stores, target).items():
-        for prompt in _prompts(7):
+        for prompt in _prompts(5):
             params = SamplingParams(max_new_tokens=24)
             want = list(generate(model.net, prompt, params, ()))
             for mode in ("on", "auto"):
