@@ -401,11 +401,11 @@ class Scheduler:
                     s.drafter.hold_capture(self._rows(s, batch, flat))
                 row += r
         dt = time.perf_counter() - t0
+        if any(s.proposal is not None for s, _ in plan):
+            self.stats.draft.verify_s += dt  # step seconds that verified drafts (once per step)
         for s, _ in plan:
             if s.drafter is not None and s.num_computed > s.num_prompt:
                 s.drafter.record(s.proposal, s.emitted, dt + s.draft_s, s.num_generated)
-                if s.proposal is not None:
-                    self.stats.draft.verify_s += dt
             s.proposal = None
         st = self.stats
         st.steps += 1
