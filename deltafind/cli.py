@@ -319,6 +319,7 @@ def _add_model_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-bytes", type=_byte_size, metavar="SIZE", help="expert cache budget, e.g. 2GiB or 0 (default: [cache] expert_bytes)")
     p.add_argument("--spine-bytes", type=_byte_size, metavar="SIZE", help="spine memory budget; past it, layers stream from the drive (default: [cache] spine_bytes, unset = all resident)")
     p.add_argument("--threads", type=int, help="CPU threads for torch")
+    p.add_argument("--device", metavar="KIND", help="auto, cpu, cuda, cuda:N or mps (default: [device] kind); an unusable device falls back to cpu, logged")
     p.add_argument("--no-prefetch", action="store_true", help="turn next-layer expert prefetch off")
     p.add_argument("--trace", metavar="FILE", help="append a router trace (JSONL) to FILE")
 
@@ -348,7 +349,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dspark", metavar="DIR", help="import K3's DSpark drafter (HF folder: config.json + model.safetensors) into the K3 --store")
     p.add_argument("--shape", default="tiny", help="with --synthetic: tiny (tests), bench (real-size experts), full-layer (kimi_k3)")
     p.add_argument("--seed", type=int, default=0, help="with --synthetic: weight seed (same seed, same store)")
-    p.add_argument("--device", metavar="KIND", help="auto, cpu, cuda, cuda:N or mps (default: [device] kind); an unusable device falls back to cpu, logged")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_setup)
 
@@ -419,7 +419,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         from deltafind.daemon.cli import cmd_serve
 
         return _run(cmd_serve, args)
+    if args.func.__name__ != "cmd_serve":
+        _quiet_logging()
     return _run(args.func, args)
+
+
+def _quiet_logging() -> None:
+    """One-shot commands print their answer on stdout; log lines go to stderr, warnings and up
+    unless DELTAFIND_LOGGING__LEVEL says otherwise (the daemon configures its own)."""
+    from deltafind.log import configure_logging
+
+    level = os.environ.get("DELTAFIND_LOGGING__LEVEL", "warning")
+    try:
+        configure_logging(level, os.environ.get("DELTAFIND_LOGGING__FORMAT", "console"), sys.stderr)
+    except ValueError as e:
+        print(f"deltafind: warning: DELTAFIND_LOGGING__LEVEL/FORMAT: {e}; using warning/console", file=sys.stderr)
+        configure_logging("warning", "console", sys.stderr)
 
 
 def ctl_main(argv: Sequence[str] | None = None) -> int:
