@@ -21,7 +21,8 @@ DEMO_PROMPT = "The capital of France is"
 
 
 DRAFT_HELP = ("speculative decoding (output unchanged): off, auto (draft while it pays), self[:N] (the model's first N "
-              "layers), ngram (prompt lookup), dspark (Kimi K3) or a draft store's path; default: the [draft] settings")
+              "layers), ngram (prompt lookup), dspark (Kimi K3), a draft store's path, or cross:STORE[,WIDE] (another "
+              "tokenizer, raw prompts only); default: the [draft] settings")
 
 def demo_home() -> Path:
     return Path(os.environ.get("DELTAFIND_HOME") or Path.home() / ".cache" / "deltafind")
@@ -219,6 +220,9 @@ def _run_model(args: argparse.Namespace, model: Any) -> int:
         if args.stats:
             _print_stats(model)
         return 0
+    if getattr(model.draft, "raw_only", False):
+        print(f"deltafind: note: draft {model.draft.name} is for raw prompts only (spec 7.7); this chat decodes without it", file=sys.stderr)
+        model.draft = None
     messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     prompts = [args.prompt] if args.prompt is not None else None
     while True:

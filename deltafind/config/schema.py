@@ -176,7 +176,8 @@ class DraftSettings(_Section):
         min_length=1,
         description='Where drafts come from: "auto" (the best available), "self" (the model '
         'drafts for itself), "ngram" (lookup in the context), "dspark" (a DSpark draft '
-        "model) or the path of a draft model's store.",
+        "model), the path of a draft model's store sharing the vocabulary, or \"cross:STORE[,WIDE]\" "
+        "(a draft with another tokenizer, used for raw completions only, never for chat).",
     )
     max_width: int = Field(
         7,

@@ -150,20 +150,25 @@ class Runtime:
 
     def _draft(self, s: Settings) -> tuple[Any, Any]:
         """[draft] as a source and policy; mode "on" without a usable source fails the load."""
-        from deltafind.api import Model
+        from deltafind.api import Model, open_cross_draft
         from deltafind.engine.draft.base import DraftError
         from deltafind.engine.draft.load import source_from_settings
 
         model = self.model
         device = model.net.lm_head.weight.device
 
-        def open_store(path: Path) -> Any:
+        def open_model(path: Path) -> Any:
             m = Model.open(path, device=device, dtype=s.device.dtype)
             model._draft_models.append(m)  # closed with the target
-            return m.net
+            return m
+
+        def open_cross(paths: list[Path]) -> Any:
+            # chat requests never use it (GenRequest.chat; the scheduler checks raw_only)
+            return open_cross_draft(model.tokenizer, paths, open_model=open_model)
 
         try:
-            source, policy = source_from_settings(s.draft, model.net, target_store=store_dir(s), open_store=open_store, device=device)
+            source, policy = source_from_settings(s.draft, model.net, target_store=store_dir(s), open_store=lambda p: open_model(p).net,
+                                                  device=device, open_cross=open_cross)
         except DraftError as e:
             raise DeltafindError(f"[draft] mode = \"on\" but source {s.draft.source!r} cannot draft: {e}; "
                                  "set [draft] mode = \"auto\" to run without it") from e

@@ -288,6 +288,9 @@ class Scheduler:
             # the source needs the target's hidden rows of every position, and a reused prefix has none
             log.debug("draft_skipped", reason="prefix_reused", request_id=s.req.request_id or None)
             return
+        if s.req.chat and getattr(self.draft, "raw_only", False):
+            log.debug("draft_skipped", reason="raw_only_source", request_id=s.req.request_id or None)
+            return
         s.drafter = Drafter(self.draft, s.req.prompt_ids, self.draft_policy, self.stats.draft, s.req.request_id, self._vocab)
         if s.drafter.active:
             s.drafter.use_target_cache(s.cache)

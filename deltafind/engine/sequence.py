@@ -38,6 +38,7 @@ class GenRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     request_id: str = ""
+    chat: bool = False  # a chat turn: raw-only drafts (cross-tokenizer, spec 7.7) stay off
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -69,7 +69,7 @@ class Generate:
                     params = SamplingParams(max_new, 1.0 if body.temperature is None else body.temperature,
                                             1.0 if body.top_p is None else body.top_p, 0, seed)
                     gen.append(GenRequest(tuple(ids), params, want_lp, body.presence_penalty or 0.0,
-                                          body.frequency_penalty or 0.0, self.state.request_id()))
+                                          body.frequency_penalty or 0.0, self.state.request_id(), chat=self.chat))
                 except RequestError as e:
                     raise bad_request(str(e), e.param, "invalid_value") from None
         mux: queue.Queue = queue.Queue()

@@ -409,6 +409,29 @@ def test_concurrent_cross_drafting_sequences_in_the_scheduler(verify_models) -> 
     assert d.accepted > 0 and d.failures == 0 and sched.stats.max_batch > 1
 
 
+def test_chat_requests_never_use_the_raw_only_cross_draft(verify_models) -> None:
+    """Spec 7.7: cross-tokenizer drafts are for raw completions; a chat turn decodes target-only."""
+    from deltafind.engine.draft.policy import PolicyOptions
+    from deltafind.engine.scheduler import Scheduler, SchedulerLimits, collect
+    from deltafind.engine.sequence import GenRequest
+
+    target = verify_models["target_py"]
+    source = source_of(target.tokenizer, verify_models["draft_py"])
+    ids = tuple(target.tokenizer.encode(PROMPTS[0]))
+    params = SamplingParams(max_new_tokens=12)
+    want = list(generate(target.net, ids, params, target.eos_token_ids))
+    sched = Scheduler(target.net, tuple(target.eos_token_ids), SchedulerLimits(max_running=2),
+                      draft=source, draft_policy=PolicyOptions(mode="on", max_width=7))
+    try:
+        chat, _ = collect(sched.submit(GenRequest(ids, params, chat=True)), timeout=120)
+        assert sched.stats.draft.proposed == 0
+        raw, _ = collect(sched.submit(GenRequest(ids, params)), timeout=120)
+    finally:
+        sched.close()
+    assert chat == raw == want
+    assert sched.stats.draft.proposed > 0  # the same prompt as a raw completion did draft
+
+
 def test_draft_flag_cross_store_through_the_python_api(verify_models) -> None:
     """`--draft cross:PROBE[,WIDE]` (api Model.use_draft -> engine/draft/load.py) opens the stores by path."""
     from deltafind.engine.draft.base import DraftError
