@@ -254,8 +254,8 @@ class StoreExperts:
         widened = 0
         for t in rec.tensors:
             stored = getattr(torch, t.dtype)
-            size = torch.empty(0, dtype=stored).element_size()
-            widened += t.nbytes // size * self._itemsize if stored.is_floating_point and stored != self.dtype else 0
+            if stored.is_floating_point and stored != self.dtype:
+                widened += t.nbytes // stored.itemsize * self._itemsize
         if widened:
             self.cache.reserve(widened)
         return widened

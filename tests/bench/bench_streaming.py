@@ -8,6 +8,7 @@ made on first use under --root. Prints one JSON line per bench and a summary.
 runs every configuration under both trees in the same rounds, side by side.
 
     python tests/bench/bench_streaming.py --root /tmp/dfbench [--rounds 2] [--tokens 6] [--before DIR]
+    python tests/bench/bench_streaming.py --profile /tmp/dfbench/q2 --tokens 8 --no-prefetch   # where a decode spends its time
 """
 
 from __future__ import annotations
@@ -101,6 +102,34 @@ def one(cfg: dict) -> dict:
     return out
 
 
+def profile(store: Path, tokens: int, threads: int, prefetch: bool) -> None:
+    """cProfile the main thread over one cold decode (cache 0) and print where it spent its time."""
+    import cProfile
+    import pstats
+
+    __import__("deltafind")
+    import torch
+
+    from deltafind import Model
+    from deltafind.engine.sampler import SamplingParams
+
+    torch.set_num_threads(threads)
+    model = Model.open(store, expert_cache_bytes=0, prefetch=prefetch, heat_decay=1.0)
+    ids = [65, 66, 67, 68]
+    list(model.stream(ids, SamplingParams(max_new_tokens=2, ignore_eos=True)))  # warm-up
+    wait0, r0 = model.experts.stats.wait_s, resource.getrusage(resource.RUSAGE_SELF)
+    prof = cProfile.Profile()
+    prof.enable()
+    list(model.stream(ids, SamplingParams(max_new_tokens=tokens, ignore_eos=True)))
+    prof.disable()
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    print(json.dumps({"decode_tok_s": round(model.last_stats.decode_tok_s, 3), "io_wait_s": round(model.experts.stats.wait_s - wait0, 3),
+                      "cpu_user_s": round(r1.ru_utime - r0.ru_utime, 3), "cpu_kernel_s": round(r1.ru_stime - r0.ru_stime, 3)}))
+    pstats.Stats(prof).sort_stats("tottime").print_stats(10)
+    model.experts.uses.clear()
+    model.close()
+
+
 def run(cfg: dict, tree: Path | None = None) -> dict:
     env = dict(os.environ) if tree is None else dict(ENV)
     if tree is not None:  # the older checkout's deltafind package wins over the installed one
@@ -173,10 +202,15 @@ def main() -> None:
     ap.add_argument("--cap-mb-s", type=float, default=150.0, help="per-drive read cap for the scaling bench")
     ap.add_argument("--before", type=Path, help="an older checkout to run side by side (its deltafind/ package)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--profile", type=Path, metavar="STORE", help="instead: cProfile one cold decode on STORE")
+    ap.add_argument("--no-prefetch", action="store_true", help="with --profile")
     ap.add_argument("--one")
     args = ap.parse_args()
     if args.one:
         print(json.dumps(one(json.loads(args.one))))
+        return
+    if args.profile:
+        profile(args.profile, max(2, args.tokens), args.threads, not args.no_prefetch)
         return
     args.root.mkdir(parents=True, exist_ok=True)
     stores = {n: make_store(args.root, n) for n in (1, 2, 3, 4)}
