@@ -106,6 +106,9 @@ class StoreExperts:
         self._reserving = self._decode_on_reader and cache_bytes is not None
         self._reserved: dict[tuple[int, int], int] = {}  # reservations of prefetches in flight
         self._deferred: dict[int, list[int]] = {}  # layer -> predicted experts waiting for the previous fetch
+        stored = {getattr(torch, t.dtype) for r in manifest.experts for t in r.tensors}
+        if not any(d.is_floating_point and d != dtype for d in stored):
+            self.reader.widened.max_free_bytes = 0  # nothing to widen (MXFP4 packs, or stored as computed)
         if self._reserving:  # the reader's buffer pools are host memory the budget must cover too
             self.cache.reserve(self.reader.buffers.max_free_bytes + self.reader.widened.max_free_bytes)
         self.prefetch_options = prefetch or PrefetchOptions(enabled=False)
