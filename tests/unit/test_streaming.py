@@ -129,7 +129,7 @@ def test_read_errors_name_the_expert(stores) -> None:
 
 
 def test_drive_count_mismatch_is_explained(stores) -> None:
-    with pytest.raises(StoreError, match="lists 1 drive.* striped over 3"):
+    with pytest.raises(StoreError, match=r"lists 1 drive.* striped over 3"):
         Model.open(stores[3], drives=[DriveOptions()])
 
 
