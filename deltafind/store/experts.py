@@ -135,6 +135,7 @@ class StoreExperts:
         wanted = list(dict.fromkeys(expert_ids))
         self._observe(layer_idx, wanted)
         pending: dict[Future, int] = {}
+        speculative: set[Future] = set()  # prefetched reads: started earlier, maybe for another request
         held: dict[int, int] = {}  # expert -> bytes reserved in the cache for its read
         ready: list[tuple[int, Expert]] = []
         for e in wanted:
@@ -150,12 +151,13 @@ class StoreExperts:
             elif (fut := self._inflight.pop(key, None)) is not None:
                 self.stats.prefetch_used += 1
                 held[e] = self._reserved.pop(key, 0)
-                pending[self.reader.decode_when_read(self.record(layer_idx, e), fut, self.dtype) if self._decode_on_reader else fut] = e
-            elif self._decode_on_reader:
-                held[e] = self._reserve(self.record(layer_idx, e))
-                pending[self.reader.submit_decoded(self.record(layer_idx, e), self.dtype)] = e
+                fut = self.reader.decode_when_read(self.record(layer_idx, e), fut, self.dtype) if self._decode_on_reader else fut
+                pending[fut] = e
+                speculative.add(fut)
             else:
-                pending[self.reader.submit(self.record(layer_idx, e))] = e
+                if self._decode_on_reader:
+                    held[e] = self._reserve(self.record(layer_idx, e))
+                pending[self._demand_read(layer_idx, e)] = e
         self._drop_inflight(layer_idx)  # predictions for this layer that the router did not pick
         self._deferred.pop(layer_idx, None)  # a prediction that never got its turn
         if (nxt := self._deferred.pop(layer_idx + 1, None)) is not None:
@@ -168,6 +170,12 @@ class StoreExperts:
                 self.stats.wait_s += time.perf_counter() - t0
                 for fut in done:
                     e = pending.pop(fut)
+                    if fut in speculative and fut.exception() is not None:
+                        # A prefetch may have been read for an earlier, failed request (a record
+                        # since repaired, a transient error): only a read made now decides.
+                        speculative.discard(fut)
+                        pending[self._demand_read(layer_idx, e)] = e
+                        continue
                     self._unreserve(held.pop(e, 0))  # it lands now: the cache counts it as an entry
                     got = fut.result()
                     if isinstance(got, tuple):  # decoded on the drive thread
@@ -239,6 +247,10 @@ class StoreExperts:
         # The first observation seeds the average: starting from 1.0 kept a useless layer's gate
         # open for ~8 tokens (measured: wasted reads made prefetch a net loss on short runs).
         r.ema = recall if r.observations == 1 else 0.8 * r.ema + 0.2 * recall
+
+    def _demand_read(self, layer_idx: int, e: int) -> Future:
+        rec = self.record(layer_idx, e)
+        return self.reader.submit_decoded(rec, self.dtype) if self._decode_on_reader else self.reader.submit(rec)
 
     def _drop_inflight(self, layer_idx: int) -> None:
         for key in [k for k in self._inflight if k[0] == layer_idx]:
