@@ -58,7 +58,11 @@ def make_sampler(params: SamplingParams, generator: torch.Generator | None = Non
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a temperature/top-k/top-p sampler draws from (also used by verification)."""
-    logits = logits.float().cpu() / params.temperature
+    logits = logits.float().cpu()
+    # Shift before dividing: a tiny temperature (1e-271 is valid input) overflows logits / T to
+    # inf and softmax to NaN; shifted, the best logit is 0 and the rest go to -inf (near-greedy).
+    # In float64, because float32 would round such a temperature itself to 0.
+    logits = ((logits - logits.max()).double() / params.temperature).float()
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
