@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from deltafind.engine.sampler import SamplingParams
+from deltafind.engine.sampler import SamplingParams, sampling_probs
 
 
 @dataclass
@@ -40,6 +40,14 @@ class Proposal:
 
     tokens: list[int]
     q: torch.Tensor | None = None
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+    """A draft model's next token from `logits` [V]: argmax under greedy, else sampled; with the q it came from."""
+    if params.temperature == 0.0:
+        return int(torch.argmax(logits)), None
+    q = sampling_probs(logits, params)
+    return int(torch.multinomial(q, 1, generator=generator)), q
 
 
 class DraftSession(Protocol):

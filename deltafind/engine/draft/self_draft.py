@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from deltafind.engine.draft.base import DraftError, Proposal
-from deltafind.engine.sampler import SamplingParams, sampling_probs
+from deltafind.engine.draft.base import DraftError, Proposal, draw
+from deltafind.engine.sampler import SamplingParams
 from deltafind.models.ops.batch import Batch, SequenceCache
 
 # Chosen by measurement on the demo model (tests/bench/bench_speculative.py --sweep-layers 6,...,26):
@@ -54,13 +54,10 @@ class SelfDraftSession:
                     batch = Batch.of([(cache, 1)], device=self.device)
                     ids = torch.tensor([token], dtype=torch.long, device=self.device)
                     logits = self.net(ids, batch, num_layers=self.num_layers)[0]  # [V]
-                    if params.temperature == 0.0:
-                        token = int(torch.argmax(logits))
-                    else:
-                        q = sampling_probs(logits, params)
-                        token = int(torch.multinomial(q, 1, generator=generator))
-                        qs.append(q)
+                    token, q = draw(logits, params, generator)
                     tokens.append(token)
+                    if q is not None:
+                        qs.append(q)
         finally:
             cache.truncate(length)  # the first N layers' rows past `length` are the draft's: drop them
         return Proposal(tokens, torch.stack(qs) if qs else None)

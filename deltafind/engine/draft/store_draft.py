@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from deltafind.engine.draft.base import DraftError, Proposal
-from deltafind.engine.sampler import SamplingParams, sampling_probs
+from deltafind.engine.draft.base import DraftError, Proposal, draw
+from deltafind.engine.sampler import SamplingParams
 from deltafind.models.ops.batch import Batch, SequenceCache
 
 
@@ -48,13 +48,10 @@ class StoreDraftSession:
         with torch.inference_mode():
             logits = self._run(history[keep:])
             for j in range(width):
-                if params.temperature == 0.0:
-                    token = int(torch.argmax(logits))
-                else:
-                    q = sampling_probs(logits, params)
-                    token = int(torch.multinomial(q, 1, generator=generator))
-                    qs.append(q)
+                token, q = draw(logits, params, generator)
                 tokens.append(token)
+                if q is not None:
+                    qs.append(q)
                 if j + 1 < width:
                     logits = self._run([token])
         return Proposal(tokens, torch.stack(qs) if qs else None)
