@@ -155,7 +155,7 @@ class Model:
         if plan.streamed:
             model.spine = SpineStreamer(spine_path, plan, device)
             model.spine.bind(net)
-            net.spine_stream = model.spine
+            experts.spine = model.spine
             log.info("spine_prefix_resident", resident_layers=plan.resident_layers, streamed_layers=len(plan.streamed),
                      resident_bytes=plan.resident_bytes, window_bytes=plan.window_bytes, budget_bytes=spine_bytes)
         if mlock:

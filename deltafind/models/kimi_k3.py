@@ -8,8 +8,6 @@ named switches live in kimi_k3_config.py; docs/kimi-k3.md lists the switches.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -21,6 +19,7 @@ from deltafind.models.ops.latent_moe import LatentMoE, SigmoidRouter
 from deltafind.models.ops.mla_nope import GatedNoPEMLA, MLAOptions
 from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.situ import SlicedSiTUMLP
+from deltafind.models.ops.step import run_layers
 from deltafind.store.provider import ExpertProvider
 
 __all__ = ["Model", "ModelArgs"]
@@ -79,9 +78,7 @@ class DecoderLayer(nn.Module):
     def predict_experts(self, y: torch.Tensor) -> list[int]:
         """This layer's likely experts from an earlier mixture y (PILOT, spec 8.2); all slices if dense."""
         ffn = self.ffn()
-        if isinstance(ffn, LatentMoE):
-            return ffn.predict(self.post_attention_layernorm(y))
-        return ffn.slice_ids()
+        return ffn.predict(self.post_attention_layernorm(y) if isinstance(ffn, LatentMoE) else y)
 
 
 class Backbone(nn.Module):
@@ -98,13 +95,10 @@ class Backbone(nn.Module):
 class Model(nn.Module):
     """embed -> 93 AttnRes-mixed layers -> output mixture -> norm -> lm_head, over a `Batch`."""
 
-    spine_stream: Any = None  # set by the loader when the spine does not fit its budget
-
     def __init__(self, args: ModelArgs, experts: ExpertProvider) -> None:
         super().__init__()
         check_load_dtype(getattr(experts, "dtype", None))  # the quality guard's half that sees the load
-        self.args = args
-        self._prefetch = getattr(experts, "prefetch", None)
+        self.args, self.experts = args, experts
         self.model = Backbone(args, experts)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
@@ -123,21 +117,17 @@ class Model(nn.Module):
         m, eps, layers = self.model, self.args.rms_norm_eps, self.model.layers
         dtype = torch.float32 if self.args.activation_dtype == "float32" else m.embed_tokens.weight.dtype
         stream = AttnResStream(m.embed_tokens(input_ids).to(dtype), self.args.attn_res_block_size)  # [T, H], unscaled
-        if self._prefetch is not None:
-            self._prefetch(0, layers[0].predict_experts(stream.h))
-        capture = set(batch.capture)  # DSpark (spec 7.3): the carried h after these layers, [T, H]
-        for i, layer in enumerate(layers):
-            if self.spine_stream is not None:
-                self.spine_stream.enter(i)  # a layer outside the resident prefix is read in (store/spine.py)
+
+        def attend(i: int, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
             x = stream.attention_input(i, layer.self_attention_res_norm.weight, layer.self_attention_res_proj.weight, eps)
             stream.add_attention(layer.self_attn(layer.input_layernorm(x), batch))
-            y = stream.mlp_input(layer.mlp_res_norm.weight, layer.mlp_res_proj.weight, eps)
-            if self._prefetch is not None and i + 1 < len(layers):
-                # PILOT: layer i+1's router on layer i's MLP-side mixture, read while layer i computes.
-                self._prefetch(i + 1, layers[i + 1].predict_experts(y))
+            return stream.mlp_input(layer.mlp_res_norm.weight, layer.mlp_res_proj.weight, eps)  # PILOT predicts from it
+
+        def feed_forward(i: int, layer: DecoderLayer, y: torch.Tensor) -> torch.Tensor:
             stream.add_mlp(layer.ffn()(layer.post_attention_layernorm(y)))
-            if i in capture:
-                batch.captured[i] = stream.h  # the AttnRes partial block sum; never modified in place
+            return stream.h  # DSpark (spec 7.3) captures the AttnRes partial block sum; never modified in place
+
+        run_layers(self.experts, batch, layers, stream.h, layers[0].predict_experts(stream.h), attend, feed_forward)
         z = stream.output(m.output_attn_res_norm.weight, m.output_attn_res_proj.weight, eps)
         batch.advance()
         if not all_logits:

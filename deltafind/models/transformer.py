@@ -15,8 +15,11 @@ from torch import nn
 
 from deltafind.models.ops.attention import attend
 from deltafind.models.ops.batch import Batch
+from deltafind.models.ops.moe import SlicedMLP
 from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.rope import Rope, apply_rope, rope_parameters
+from deltafind.models.ops.step import run_layers
+from deltafind.store.provider import ExpertProvider
 
 A = TypeVar("A")
 
@@ -76,10 +79,9 @@ class DecoderLayer(nn.Module):
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def predict_experts(self, h: torch.Tensor) -> list[int] | None:
-        """This layer's likely experts for hidden state h (its own norm and router); None if unknown."""
-        predict = getattr(self.mlp, "predict", None)
-        return predict(self.post_attention_layernorm(h)) if predict is not None else None
+    def predict_experts(self, h: torch.Tensor) -> list[int]:
+        """This layer's likely experts for hidden state h (its own norm and router; every slice if dense)."""
+        return self.mlp.predict(self.post_attention_layernorm(h))
 
 
 class Backbone(nn.Module):
@@ -93,14 +95,9 @@ class Backbone(nn.Module):
 class CausalLM(nn.Module):
     """embed -> layers -> norm -> lm_head, over a `Batch` of segments."""
 
-    spine_stream: Any = None  # set by the loader when the spine does not fit its budget
-
-    def __init__(self, args: Any, make_layer: Callable[[int], nn.Module], rope: Rope, experts: Any = None) -> None:
+    def __init__(self, args: Any, make_layer: Callable[[int], nn.Module], rope: Rope, experts: ExpertProvider) -> None:
         super().__init__()
-        self.args = args
-        # Next-layer prefetch: only providers that can start reads early take hints.
-        self._prefetch = getattr(experts, "prefetch", None)
-        self._begin_step = getattr(experts, "begin_step", None)  # router tracing
+        self.args, self.experts = args, experts
         self.model = Backbone(args, make_layer)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rope = rope
@@ -123,20 +120,11 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rope.cos_sin(batch.positions)
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
-        if self._begin_step is not None:  # router traces name each token's sequence and position (drafts too)
-            self._begin_step(batch.token_sequences(), batch.positions.tolist())
-        if self._prefetch is not None:
-            self._prefetch(0, layers[0].mlp.predict_all() if hasattr(layers[0].mlp, "predict_all") else None)
-        for i, layer in enumerate(layers):
-            if self.spine_stream is not None:
-                self.spine_stream.enter(i)  # a layer outside the resident prefix is read in (store/spine.py)
-            h = layer.attend(x, batch, cos, sin)
-            if self._prefetch is not None and i + 1 < len(layers):
-                # While layer i's experts compute, layer i+1's predicted experts are read.
-                self._prefetch(i + 1, layers[i + 1].predict_experts(h))
-            x = layer.feed_forward(h)
-            if i in batch.capture:
-                batch.captured[i] = x  # [T, H], this layer's output (speculative drafts read it)
+
+        # Layer 0 has no earlier state to predict from: all slices if dense, else the previous token's route.
+        first = layers[0].mlp.predict(x) if isinstance(layers[0].mlp, SlicedMLP) else None
+        x = run_layers(self.experts, batch, layers, x, first, lambda i, layer, x: layer.attend(x, batch, cos, sin),
+                       lambda i, layer, h: layer.feed_forward(h))
         batch.advance()
         if not all_logits:
             x = x[batch.last_token_index().to(x.device)]

@@ -28,6 +28,7 @@ from deltafind.store.cache import ByteLRU
 from deltafind.store.manifest import ExpertRecord, Manifest
 from deltafind.store.provider import Expert
 from deltafind.store.reader import DriveOptions, PackReader, record_tensors
+from deltafind.store.spine import SpineStreamer
 from deltafind.store.trace import TraceWriter
 
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
@@ -120,7 +121,8 @@ class StoreExperts:
         self.uses: dict[tuple[int, int], int] = defaultdict(int)  # for the heat histogram
         self.stats = ExpertStats()
         self.trace = trace
-        self._step: tuple[list[int], list[int]] = ([], [])
+        self._step: tuple[Sequence[int], Sequence[int]] = ([], [])
+        self.spine: SpineStreamer | None = None  # the spine's streamed layers, when they do not all fit
 
     def num_experts(self, layer_idx: int) -> int:
         return self._counts.get(layer_idx, 0)
@@ -221,8 +223,12 @@ class StoreExperts:
             self._inflight[key] = self.reader.submit(self._records[key])
             self.stats.prefetch_issued += 1
 
-    def begin_step(self, seq_ids: list[int], positions: list[int]) -> None:
+    def begin_step(self, seq_ids: Sequence[int], positions: Sequence[int]) -> None:
         self._step = (seq_ids, positions)
+
+    def enter_layer(self, layer_idx: int) -> None:
+        if self.spine is not None:
+            self.spine.enter(layer_idx)
 
     def observe_routes(self, layer_idx: int, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> None:
         if self.trace is None:

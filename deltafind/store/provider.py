@@ -30,7 +30,11 @@ class Expert:
 
 
 class ExpertProvider(Protocol):
-    """Source of expert weights for a model's MoE layers."""
+    """Everything a model asks of wherever its experts live, called from `models/ops/step.py`.
+
+    Only `num_experts` and `fetch` must be implemented; the hooks default to doing
+    nothing, so an in-memory provider subclasses this and inherits them.
+    """
 
     def num_experts(self, layer_idx: int) -> int:
         """How many experts (or dense slices) layer `layer_idx` has; 0 if none."""
@@ -44,8 +48,20 @@ class ExpertProvider(Protocol):
         """
         ...
 
+    def begin_step(self, seq_ids: Sequence[int], positions: Sequence[int]) -> None:
+        """A forward starts: token t belongs to sequence `seq_ids[t]` at `positions[t]` (router traces)."""
 
-class DictExpertProvider:
+    def enter_layer(self, layer_idx: int) -> None:
+        """Layer `layer_idx` is about to compute: its spine tensors must be in place (streamed spine)."""
+
+    def prefetch(self, layer_idx: int, expert_ids: Sequence[int] | None) -> None:
+        """A hint: `expert_ids` are likely at `layer_idx` (None: as the previous token's route). Never changes output."""
+
+    def observe_routes(self, layer_idx: int, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> None:
+        """The routes the layer takes, [T, k] ids and weights (every slice, weight 1, for a dense layer)."""
+
+
+class DictExpertProvider(ExpertProvider):
     """Experts held in memory, keyed by (layer, expert): tests and tiny models."""
 
     def __init__(self, experts: Mapping[tuple[int, int], Mapping[str, torch.Tensor]]) -> None:

@@ -98,7 +98,7 @@ def test_budget_that_fits_everything_streams_nothing(stores) -> None:
     base, sizes = _layer_sizes(store, 4)
     m = Model.open(store, spine_bytes=base + sum(sizes))
     try:
-        assert m.spine is None and m.net.spine_stream is None
+        assert m.spine is None and m.experts.spine is None
     finally:
         m.close()
 

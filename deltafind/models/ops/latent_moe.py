@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltafind.models.ops.moe import dispatch
 from deltafind.models.ops.mxfp4 import can_fuse, fused_gate_up_situ, mxfp4_linear
 from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.situ import SiTUMLP, situ
@@ -66,26 +67,6 @@ def mxfp4_expert_forward(r: torch.Tensor, expert: Expert, beta: float = 4.0, lin
     return mxfp4_linear(h, *_pack(expert, "w2"))
 
 
-def run_latent_experts(r: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, provider: ExpertProvider, layer_idx: int,
-                       beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
-    """sum_e w_e * expert_e(r) per token; each expert is fetched and run once on its tokens.
-
-    Summed in expert-id order, so the result never depends on read completion order.
-    """
-    k = idx.shape[1]
-    flat = idx.reshape(-1)
-    partial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for e, expert in provider.fetch(layer_idx, torch.unique(flat).tolist()):
-        rows = (flat == e).nonzero()[:, 0]  # positions in [T*k]
-        tokens = rows // k
-        partial[e] = (tokens, mxfp4_expert_forward(r[tokens], expert, beta, linear_beta) * weight.reshape(-1)[rows][:, None])
-    out = torch.zeros_like(r)
-    for e in sorted(partial):
-        tokens, y = partial[e]
-        out.index_add_(0, tokens, y)
-    return out
-
-
 class LatentMoE(nn.Module):
     """`block_sparse_moe`: router, latent down/norm/up, provider experts, shared experts."""
 
@@ -108,6 +89,7 @@ class LatentMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, weight = self.gate(x)
         r_in = self.routed_expert_down_proj(x).float()  # [T, L], shared by all chosen experts
-        r_sum = run_latent_experts(r_in, idx, weight, self.provider, self.layer_idx, self.beta, self.linear_beta)
+        r_sum = dispatch(r_in, idx, weight, self.provider, self.layer_idx,
+                         lambda rows, expert: mxfp4_expert_forward(rows, expert, self.beta, self.linear_beta))
         r_out = self.routed_expert_up_proj(self.routed_expert_norm(r_sum).to(x.dtype))
         return r_out + self.shared_experts(x)

@@ -48,37 +48,34 @@ def predict_routed(router: nn.Module, x: torch.Tensor) -> list[int]:
     return torch.unique(idx).tolist()
 
 
-def run_experts(
+def dispatch(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
     topk_weight: torch.Tensor,
     provider: ExpertProvider,
     layer_idx: int,
-    act: Callable[[torch.Tensor], torch.Tensor],
+    run: Callable[[torch.Tensor, Expert], torch.Tensor],
 ) -> torch.Tensor:
-    """Weighted sum of each token's chosen experts.
+    """Weighted sum of each token's chosen experts; the one route every family's experts take.
 
-    x [T, H]; topk_idx, topk_weight [T, k]. Each distinct expert is fetched and
-    multiplied once, on exactly the tokens that chose it.
+    x [T, D]; topk_idx, topk_weight [T, k]; `run(x_rows, expert)` -> [n, D]. The
+    route is reported to the provider, then each distinct expert is fetched and
+    run once, on exactly the tokens that chose it.
     """
-    observe = getattr(provider, "observe_routes", None)
-    if observe is not None:
-        observe(layer_idx, topk_idx, topk_weight)
-    out = torch.zeros_like(x)
+    provider.observe_routes(layer_idx, topk_idx, topk_weight)
     flat_idx = topk_idx.reshape(-1)  # [T*k]
     order = torch.argsort(flat_idx, stable=True)
-    sorted_experts = flat_idx[order]
-    unique, counts = torch.unique_consecutive(sorted_experts, return_counts=True)
-    bounds = dict(zip(unique.tolist(), torch.cumsum(counts, 0).tolist(), strict=True))
-    starts = {e: end - c for e, end, c in zip(unique.tolist(), bounds.values(), counts.tolist(), strict=True)}
+    unique, counts = torch.unique_consecutive(flat_idx[order], return_counts=True)
+    ends = torch.cumsum(counts, 0).tolist()
+    span = {e: (end - c, end) for e, end, c in zip(unique.tolist(), ends, counts.tolist(), strict=True)}
     k = topk_idx.shape[1]
     partial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for expert_idx, expert in provider.fetch(layer_idx, unique.tolist()):
-        rows = order[starts[expert_idx] : bounds[expert_idx]]  # positions in the flat [T*k]
+        rows = order[span[expert_idx][0] : span[expert_idx][1]]  # positions in the flat [T*k]
         tokens = rows // k
-        y = expert_forward(x[tokens], expert, act)
-        w = topk_weight.reshape(-1)[rows].to(y.dtype)[:, None]
-        partial[expert_idx] = (tokens, y * w)
+        y = run(x[tokens], expert)
+        partial[expert_idx] = (tokens, y * topk_weight.reshape(-1)[rows].to(y.dtype)[:, None])
+    out = torch.zeros_like(x)
     # Sum in expert order, not arrival order: results must not depend on I/O timing.
     for expert_idx in sorted(partial):
         tokens, y = partial[expert_idx]
@@ -86,30 +83,36 @@ def run_experts(
     return out
 
 
-class SlicedMLP(nn.Module):
-    """A dense MLP stored as N expert slices along its intermediate dimension.
+def run_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, provider: ExpertProvider,
+                layer_idx: int, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """SwiGLU routed experts through `dispatch`."""
+    return dispatch(x, topk_idx, topk_weight, provider, layer_idx, lambda rows, expert: expert_forward(rows, expert, act))
+
+
+def run_slices(x: torch.Tensor, provider: ExpertProvider, layer_idx: int,
+               run: Callable[[torch.Tensor, Expert], torch.Tensor]) -> torch.Tensor:
+    """A dense MLP stored as N slices of its intermediate dimension: every token takes every slice, weight 1.
 
     sum_s down[:, s](act(gate[s] x) * up[s] x) equals the unsliced MLP exactly in
     real arithmetic, so a dense model runs through the expert path unchanged.
     """
+    n = provider.num_experts(layer_idx)
+    idx = torch.arange(n, device=x.device).expand(x.shape[0], n)  # [T, n]
+    return dispatch(x, idx, torch.ones(idx.shape, dtype=x.dtype, device=x.device), provider, layer_idx, run)
+
+
+class SlicedMLP(nn.Module):
+    """A dense SwiGLU MLP run as expert slices (`run_slices`)."""
 
     def __init__(self, layer_idx: int, provider: ExpertProvider, act: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
         self.layer_idx, self.provider, self.act = layer_idx, provider, act
 
-    def predict_all(self) -> list[int]:
-        return list(range(self.provider.num_experts(self.layer_idx)))
-
     def predict(self, x: torch.Tensor) -> list[int]:
-        return self.predict_all()  # a dense layer always needs every slice
+        return list(range(self.provider.num_experts(self.layer_idx)))  # a dense layer always needs every slice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids = self.predict_all()
-        partial = {e: expert_forward(x, expert, self.act) for e, expert in self.provider.fetch(self.layer_idx, ids)}
-        out = torch.zeros_like(x)
-        for e in ids:  # fixed order: results must not depend on I/O timing
-            out += partial[e]
-        return out
+        return run_slices(x, self.provider, self.layer_idx, lambda rows, expert: expert_forward(rows, expert, self.act))
 
 
 class DenseMLP(nn.Module):

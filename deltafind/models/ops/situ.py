@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltafind.models.ops.moe import run_slices
 from deltafind.store.provider import Expert, ExpertProvider
 
 SITU_BETA = 4.0
@@ -45,21 +46,16 @@ def situ_slice_forward(x: torch.Tensor, expert: Expert, beta: float, linear_beta
 
 
 class SlicedSiTUMLP(nn.Module):
-    """A dense SiTU MLP stored as N slices of its intermediate dimension (an elementwise
-    activation, so the slices' sum equals the whole MLP in real arithmetic)."""
+    """A dense SiTU MLP run as slices of its intermediate dimension (`run_slices`; an
+    elementwise activation, so the slices' sum equals the whole MLP in real arithmetic)."""
 
     def __init__(self, layer_idx: int, provider: ExpertProvider, beta: float = SITU_BETA, linear_beta: float = SITU_LINEAR_BETA) -> None:
         super().__init__()
         self.layer_idx, self.provider = layer_idx, provider
         self.beta, self.linear_beta = beta, linear_beta
 
-    def slice_ids(self) -> list[int]:
-        return list(range(self.provider.num_experts(self.layer_idx)))
+    def predict(self, x: torch.Tensor) -> list[int]:
+        return list(range(self.provider.num_experts(self.layer_idx)))  # a dense layer always needs every slice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids = self.slice_ids()
-        partial = {e: situ_slice_forward(x, ex, self.beta, self.linear_beta) for e, ex in self.provider.fetch(self.layer_idx, ids)}
-        out = torch.zeros_like(x)
-        for e in ids:  # fixed order: results must not depend on I/O timing
-            out += partial[e]
-        return out
+        return run_slices(x, self.provider, self.layer_idx, lambda rows, ex: situ_slice_forward(rows, ex, self.beta, self.linear_beta))

@@ -1,0 +1,52 @@
+"""The model -> store contract (store/provider.py) as every family drives it (models/ops/step.py).
+
+Router traces are written by the store from what the model reports through the
+contract, so a family that skips a hook shows up here: each (token, MoE or
+sliced layer) must hold exactly one route, through the real `deltafind` CLI.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from deltafind.store.manifest import Manifest
+from deltafind.store.trace import read_trace
+from tests.conftest import deltafind_cmd, make_hf_checkpoint
+
+pytest.importorskip("transformers")
+
+
+def _store(family: str, root: Path) -> Path:
+    store = root / "store"
+    if family == "deepseek_v3":  # no synthetic deepseek: a tiny transformers checkpoint
+        setup = ("--from", str(make_hf_checkpoint("deepseek_v3", root / "hf", num_hidden_layers=3)))
+    else:
+        setup = ("--synthetic", family, "--shape", "tiny")
+    proc = deltafind_cmd("setup", *setup, "--store", str(store), "--dense-slices", "2", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    return store
+
+
+@pytest.mark.parametrize("family", ["kimi_k3", "deepseek_v3", "qwen3_moe", "demo"])
+def test_trace_holds_one_route_per_token_and_expert_layer(family: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    store = request.getfixturevalue("demo_store") if family == "demo" else _store(family, tmp_path)
+    trace = tmp_path / "t.jsonl"
+    proc = deltafind_cmd("run", "--store", str(store), "--prompt", "hi", "--max-new", "3", "--draft", "off",
+                         "--trace", str(trace))
+    assert proc.returncode == 0, proc.stderr
+    routes = [r for r in read_trace(trace) if "experts" in r]
+    expert_layers = set(Manifest.load(store).expert_counts())  # MoE layers and dense (sliced) layers alike
+    tokens = {(r["seq"], r["pos"]) for r in routes}
+    per_key = Counter((r["seq"], r["pos"], r["layer"]) for r in routes)
+    assert len(tokens) >= 3 and all(seq >= 0 and pos >= 0 for seq, pos in tokens)
+    assert set(per_key.values()) == {1}, "a (token, layer) was routed more than once"
+    assert len(routes) == len(tokens) * len(expert_layers)
+    assert {r["layer"] for r in routes} == expert_layers
+    assert all(len(r["experts"]) == len(r["weights"]) > 0 for r in routes)
+    summary = deltafind_cmd("trace", "summarize", str(trace))
+    assert summary.returncode == 0 and re.match(rf"{len(routes)} routes,", summary.stdout), summary.stdout
+
