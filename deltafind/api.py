@@ -20,6 +20,7 @@ from deltafind.device.device_cache import spine_budget as device_spine_budget
 from deltafind.device.select import START_ERRORS as DEVICE_START_ERRORS
 from deltafind.device.select import DeviceError, start_device
 from deltafind.device.select import release as release_device
+from deltafind.device.staging import make_stager, read_buffer_pool
 from deltafind.engine.draft.base import DraftSource
 from deltafind.engine.draft.cross import CrossDraftModel, CrossTokenizerSource, TextCodec
 from deltafind.engine.draft.load import make_draft_source
@@ -117,7 +118,10 @@ class Model:
         if isinstance(prefetch, bool):
             prefetch = PrefetchOptions(enabled=prefetch)
         trace = TraceWriter(Path(trace_path)) if trace_path else None
-        experts = StoreExperts(manifest, store_dir, expert_cache_bytes, torch_dtype, device, drives, prefetch, direct_io, trace, verify=verify)
+        # On a device the expert cache lives in device memory; it is re-sized below, once the spine is placed.
+        cache = DeviceExpertCache(device, expert_cache_bytes) if device.type != "cpu" else None
+        experts = StoreExperts(manifest, store_dir, expert_cache_bytes, torch_dtype, drives, prefetch, direct_io, trace, verify=verify,
+                               stager=make_stager(device), cache=cache, buffer_pool=read_buffer_pool(device))
         if pin_bytes:
             experts.pin(hottest(read_heat(store_dir)), pin_bytes)
         with torch.device("meta"):
@@ -144,8 +148,8 @@ class Model:
         if tied:
             net.tie_weights()
         net.eval()
-        if device.type != "cpu":  # the expert cache lives in device memory, sized from what is free now
-            experts.cache = DeviceExpertCache(device, expert_cache_bytes)
+        if cache is not None:
+            cache.resize(expert_cache_bytes)  # capped by what is free now that the spine is placed
             if compile_kernels:
                 use_compile(True)
                 log.info("mxfp4_compile", device=str(device))

@@ -2,10 +2,11 @@
 
 CPU: the tensors stay views over the read buffer (floats take the compute dtype).
 CUDA: drive reads land in page-aligned *pinned* host buffers (`PinnedBufferPool`
-replaces the reader's pool), each record is copied with `non_blocking=True` on a
+is the reader's pool), each record is copied with `non_blocking=True` on a
 dedicated copy stream, an event orders the compute stream's first use after the
 copy, and the host buffer goes back to the reader only once that event has
-completed. MPS (no pinned memory): a plain blocking copy. Knows nothing of stores.
+completed. MPS (no pinned memory): a plain blocking copy. Implements the store's
+`Stager` contract (store/experts.py); the store never imports this package.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
 from deltafind.log import get_logger
+from deltafind.store.experts import Stager
 
 log = get_logger(__name__)
 ALIGN = 4096  # O_DIRECT needs page-aligned buffers
@@ -31,25 +33,6 @@ class StagingStats:
     copies: int = 0  # records moved to the device
     bytes: int = 0
     copy_s: float = 0.0  # time the copies took (CUDA: event-timed on the copy stream, when timing is on)
-
-
-class Stager(Protocol):
-    device: torch.device
-    stats: StagingStats
-
-    def stage(self, views: Mapping[str, torch.Tensor], dtype: torch.dtype, release: Callable[[], None]) -> tuple[dict[str, torch.Tensor], bool]:
-        """Device tensors for one record's host `views`, and whether they still alias the host buffer.
-
-        Packed (integer) tensors keep their dtype; floating ones take `dtype`. When
-        the result does not alias the buffer, `release` is called once the buffer
-        is no longer needed (at once, or after an asynchronous copy completes);
-        when it does, the caller releases the buffer when the tensors die.
-        """
-        ...
-
-    def drain(self) -> None:
-        """Wait for every copy in flight and release their buffers."""
-        ...
 
 
 def _convert(t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
@@ -204,14 +187,16 @@ class PinnedBufferPool:
                 self.allocated_bytes -= len(buf)
 
 
-def make_stager(device: torch.device, reader: Any = None, timing: bool = False) -> Stager:
-    """The stager for `device`; on CUDA it also gives `reader` (a PackReader) a pinned buffer pool."""
+def make_stager(device: torch.device, timing: bool = False) -> Stager:
+    """The stager for `device` (the store's expert reader takes it; see `read_buffer_pool`)."""
     if device.type == "cpu":
         return HostStager()
-    if device.type == "cuda":
-        pool = getattr(reader, "buffers", None)
-        if pool is not None:
-            reader.buffers = PinnedBufferPool(getattr(pool, "max_free_bytes", 1 << 30))
-            log.info("pinned_read_buffers", device=str(device), max_free_bytes=reader.buffers.max_free_bytes)
-        return CudaStager(device, timing)
-    return SyncStager(device)
+    return CudaStager(device, timing) if device.type == "cuda" else SyncStager(device)
+
+
+def read_buffer_pool(device: torch.device) -> type[PinnedBufferPool] | None:
+    """The read buffers `device` wants: pinned on CUDA (its copies DMA from them); None: the reader's own."""
+    if device.type != "cuda":
+        return None
+    log.info("pinned_read_buffers", device=str(device))
+    return PinnedBufferPool

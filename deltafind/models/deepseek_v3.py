@@ -10,6 +10,7 @@ dense MLPs run as expert slices; shared experts stay resident.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -18,7 +19,14 @@ from torch import nn
 
 from deltafind.errors import UnsupportedModelError
 from deltafind.models.ops.mla import MLAttention
-from deltafind.models.ops.moe import DenseMLP, SlicedMLP, activation, predict_routed, run_experts
+from deltafind.models.ops.moe import (
+    DenseMLP,
+    SlicedMLP,
+    activation,
+    dispatch,
+    expert_forward,
+    predict_routed,
+)
 from deltafind.models.transformer import (
     CausalLM,
     DecoderLayer,
@@ -139,6 +147,7 @@ class MoE(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int, experts: ExpertProvider) -> None:
         super().__init__()
         self.layer_idx, self.provider, self.act = layer_idx, experts, activation(args.hidden_act)
+        self.run = partial(expert_forward, act=self.act)
         self.gate = NoAuxRouter(args)
         self.shared_experts = None
         if args.n_shared_experts:
@@ -150,7 +159,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, weight = self.gate(x)
-        out = run_experts(x, idx, weight, self.provider, self.layer_idx, self.act)
+        out = dispatch(x, idx, weight, self.provider, self.layer_idx, self.run)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
@@ -161,7 +170,7 @@ class Model(CausalLM):
         act = activation(args.hidden_act)
 
         def make_layer(i: int) -> DecoderLayer:
-            mlp = MoE(args, i, experts) if args.is_moe_layer(i) else SlicedMLP(i, experts, act)
+            mlp = MoE(args, i, experts) if args.is_moe_layer(i) else SlicedMLP(i, experts, partial(expert_forward, act=act))
             return DecoderLayer(args, MLAttention(args, i), mlp)
 
         super().__init__(args, make_layer, make_rope(args, dim=args.qk_rope_head_dim), experts)

@@ -8,6 +8,8 @@ named switches live in kimi_k3_config.py; docs/kimi-k3.md lists the switches.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -17,8 +19,9 @@ from deltafind.models.ops.batch import Batch
 from deltafind.models.ops.kda_layer import KDAOptions, KimiDeltaAttention
 from deltafind.models.ops.latent_moe import LatentMoE, SigmoidRouter
 from deltafind.models.ops.mla_nope import GatedNoPEMLA, MLAOptions
+from deltafind.models.ops.moe import SlicedMLP
 from deltafind.models.ops.norm import RMSNorm
-from deltafind.models.ops.situ import SlicedSiTUMLP
+from deltafind.models.ops.situ import situ_slice_forward
 from deltafind.models.ops.step import run_layers
 from deltafind.store.provider import ExpertProvider
 
@@ -70,7 +73,7 @@ class DecoderLayer(nn.Module):
             self.block_sparse_moe = LatentMoE(h, args.routed_expert_hidden_size, args.moe_intermediate_size * args.num_shared_experts,
                                               router, layer_idx, experts, eps, beta, lbeta)
         else:
-            self.mlp = SlicedSiTUMLP(layer_idx, experts, beta, lbeta)  # dense: slices in the store, no spine tensors
+            self.mlp = SlicedMLP(layer_idx, experts, partial(situ_slice_forward, beta=beta, linear_beta=lbeta))  # dense: slices in the store
 
     def ffn(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp

@@ -6,10 +6,11 @@ The dense MLP of every layer runs as expert slices from the provider.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from deltafind.errors import UnsupportedModelError
-from deltafind.models.ops.moe import SlicedMLP, activation
+from deltafind.models.ops.moe import SlicedMLP, activation, expert_forward
 from deltafind.models.transformer import (
     Attention,
     CausalLM,
@@ -53,7 +54,7 @@ class Model(CausalLM):
         act = activation(args.hidden_act)
 
         def make_layer(i: int) -> DecoderLayer:
-            return DecoderLayer(args, Attention(args, i, qk_norm=self.qk_norm), SlicedMLP(i, experts, act))
+            return DecoderLayer(args, Attention(args, i, qk_norm=self.qk_norm), SlicedMLP(i, experts, partial(expert_forward, act=act)))
 
         super().__init__(args, make_layer, make_rope(args), experts)
 

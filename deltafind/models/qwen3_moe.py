@@ -8,13 +8,20 @@ the `decoder_sparse_step` grid are dense MLPs, run as expert slices.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltafind.models.ops.moe import SlicedMLP, activation, predict_routed, run_experts
+from deltafind.models.ops.moe import (
+    SlicedMLP,
+    activation,
+    dispatch,
+    expert_forward,
+    predict_routed,
+)
 from deltafind.models.transformer import (
     Attention,
     CausalLM,
@@ -86,14 +93,15 @@ class SparseMoe(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int, experts: ExpertProvider) -> None:
         super().__init__()
         self.gate = Router(args)
-        self.layer_idx, self.provider, self.act = layer_idx, experts, activation(args.hidden_act)
+        self.layer_idx, self.provider = layer_idx, experts
+        self.run = partial(expert_forward, act=activation(args.hidden_act))
 
     def predict(self, x: torch.Tensor) -> list[int]:
         return predict_routed(self.gate, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, weight = self.gate(x)
-        return run_experts(x, idx, weight, self.provider, self.layer_idx, self.act)
+        return dispatch(x, idx, weight, self.provider, self.layer_idx, self.run)
 
 
 class Model(CausalLM):
@@ -101,7 +109,7 @@ class Model(CausalLM):
         act = activation(args.hidden_act)
 
         def make_layer(i: int) -> DecoderLayer:
-            mlp = SparseMoe(args, i, experts) if args.is_moe_layer(i) else SlicedMLP(i, experts, act)
+            mlp = SparseMoe(args, i, experts) if args.is_moe_layer(i) else SlicedMLP(i, experts, partial(expert_forward, act=act))
             return DecoderLayer(args, Attention(args, i, qk_norm=True), mlp)
 
         super().__init__(args, make_layer, make_rope(args), experts)

@@ -70,9 +70,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.feed_forward(self.attend(x, batch, cos, sin))
-
     def attend(self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x + self.self_attn(self.input_layernorm(x), batch, cos, sin)
 

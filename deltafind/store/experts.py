@@ -15,14 +15,14 @@ import sys
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
-from deltafind.device.staging import make_stager
 from deltafind.errors import CorruptExpertError
 from deltafind.store.cache import ByteLRU
 from deltafind.store.manifest import ExpertRecord, Manifest
@@ -32,6 +32,21 @@ from deltafind.store.spine import SpineStreamer
 from deltafind.store.trace import TraceWriter
 
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+class Stager(Protocol):
+    """Moves a read record's host tensors onto the compute device (implemented in `deltafind.device.staging`)."""
+
+    device: torch.device
+
+    def stage(self, views: Mapping[str, torch.Tensor], dtype: torch.dtype,
+              release: Callable[[], None]) -> tuple[dict[str, torch.Tensor], bool]:
+        """Device tensors (floats in `dtype`) and whether they alias the host buffer; else `release` is called once it is free."""
+        ...
+
+    def drain(self) -> None:
+        """Wait for every copy in flight and release their buffers."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -83,21 +98,25 @@ class StoreExperts:
         store_dir: Path,
         cache_bytes: int | None = None,
         dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
         drives: list[DriveOptions] | None = None,
         prefetch: PrefetchOptions | None = None,
         direct_io: bool = True,
         trace: TraceWriter | None = None,
         verify: str = "fast",
+        *,
+        stager: Stager,
+        cache: ByteLRU[tuple[int, int], Expert] | None = None,
+        buffer_pool: Callable[[int], Any] | None = None,
     ) -> None:
+        """`stager` decides the compute device; `cache` defaults to a `ByteLRU(cache_bytes)`;
+        `buffer_pool(max_free_bytes)` makes the read buffers (default: the reader's mmap pool)."""
         self.manifest = manifest
         return_freed_memory()
-        self.reader = PackReader(manifest, Path(store_dir), verify=verify, drives=drives, direct=direct_io)
-        self.cache: ByteLRU[tuple[int, int], Expert] = ByteLRU(cache_bytes)
+        self.reader = PackReader(manifest, Path(store_dir), verify=verify, drives=drives, direct=direct_io, buffer_pool=buffer_pool)
+        self.cache = ByteLRU(cache_bytes) if cache is None else cache
         self.pinned: dict[tuple[int, int], Expert] = {}
         self.pinned_bytes = 0
-        self.dtype, self.device = dtype, torch.device(device)
-        self.stager = make_stager(self.device, self.reader)  # CUDA: pinned read buffers, copies on their own stream
+        self.stager, self.dtype, self.device = stager, dtype, stager.device
         # CPU compute: demand reads are widened to the compute dtype on the drive threads, so it
         # overlaps the matmuls (measured in tests/bench/RESULTS.md); a device copies as stored.
         self._decode_on_reader = self.device.type == "cpu"

@@ -24,9 +24,11 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import xxhash
@@ -141,7 +143,8 @@ class PackReader:
     page-aligned). Pass it to `release` when its tensors are no longer used.
     """
 
-    def __init__(self, manifest: Manifest, store_dir: Path, verify: bool | str = True, drives: list[DriveOptions] | None = None, direct: bool = True) -> None:
+    def __init__(self, manifest: Manifest, store_dir: Path, verify: bool | str = True, drives: list[DriveOptions] | None = None, direct: bool = True,
+                 buffer_pool: Callable[[int], Any] | None = None) -> None:
         self.verify = {True: "full", False: "off"}.get(verify, verify)  # type: ignore[call-overload]
         if self.verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)} (got {verify!r})")
@@ -156,7 +159,7 @@ class PackReader:
         # (measured: twice the CPU per token with two spares per drive). The expert cache
         # counts these bytes against its budget (StoreExperts).
         max_record = max((align_up(r.length) for r in manifest.experts), default=0)
-        self.buffers = BufferPool(max_record * sum(o.queue_depth for o in self.options))
+        self.buffers = (buffer_pool or BufferPool)(max_record * sum(o.queue_depth for o in self.options))
         self.widened = TensorPool(max_record * 4 * len(self.options))  # about two bf16 -> fp32 experts per drive
         self.stats = [DriveStats() for _ in self.paths]
         self._fds: list[int] = []

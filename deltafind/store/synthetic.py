@@ -1,6 +1,6 @@
 """Synthetic checkpoints: seeded random weights of a family's real layout, as a setup `Source`.
 
-Each family registers shapes that yield (config, tensor specs, tokenizer writer);
+Each family (synthetic_families.py, synthetic_k3.py) has shapes that yield (config, tensor specs, tokenizer writer);
 tensors are generated one at a time from a seed derived from (seed, name), so
 setup streams them to disk and the same seed always gives the same store. Also
 exports a source as an HF folder (sharded, indexed, optionally prefixed).
@@ -11,68 +11,21 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from deltafind.errors import StoreError
+from deltafind.store import synthetic_families, synthetic_k3
 from deltafind.store.sources import Source, TensorInfo
+from deltafind.store.synthetic_spec import Family, Spec, draw, linear, norm
+
+__all__ = ["FAMILIES", "Family", "Spec", "SyntheticSource", "draw", "linear", "norm", "open_synthetic", "write_hf_folder"]
 
 SYNTHETIC_VERSION = 1
 
 
-@dataclass(frozen=True)
-class Spec:
-    """How to draw one tensor: `kind` in normal (std), ones (1 + std*noise), uniform (lo, hi),
-    log_uniform (log of U(lo, hi)), bytes (uniform uint8 in [lo, hi])."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype = torch.bfloat16
-    kind: str = "normal"
-    std: float = 0.0
-    lo: float = 0.0
-    hi: float = 1.0
-
-
-def linear(out: int, inp: int, dtype: torch.dtype = torch.bfloat16, gain: float = 1.0) -> Spec:
-    return Spec((out, inp), dtype, "normal", gain / math.sqrt(inp))
-
-
-def norm(dim: int, dtype: torch.dtype = torch.bfloat16) -> Spec:
-    return Spec((dim,), dtype, "ones", 0.1)
-
-
-@dataclass
-class Family:
-    shapes: dict[str, dict[str, Any]]
-    build: Callable[[dict[str, Any]], tuple[dict[str, Any], dict[str, Spec]]]
-    write_tokenizer: Callable[[Path, dict[str, Any]], list[str]]
-
-
-FAMILIES: dict[str, Family] = {}
-
-
-def register(name: str, family: Family) -> None:
-    FAMILIES[name] = family
-
-
-def draw(spec: Spec, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if spec.kind == "bytes":
-        return torch.randint(int(spec.lo), int(spec.hi) + 1, spec.shape, dtype=torch.uint8, generator=g)
-    if spec.kind == "normal":
-        t = torch.randn(spec.shape, generator=g) * spec.std
-    elif spec.kind == "ones":
-        t = 1.0 + torch.randn(spec.shape, generator=g) * spec.std
-    elif spec.kind in ("uniform", "log_uniform"):
-        t = torch.rand(spec.shape, generator=g) * (spec.hi - spec.lo) + spec.lo
-        t = t.log() if spec.kind == "log_uniform" else t
-    else:
-        raise ValueError(f"unknown synthetic tensor kind {spec.kind!r}")
-    return t.to(spec.dtype)
+FAMILIES: dict[str, Family] = {**synthetic_families.FAMILIES, **synthetic_k3.FAMILIES}
 
 
 class SyntheticSource(Source):
@@ -106,12 +59,7 @@ class SyntheticSource(Source):
 
 
 def open_synthetic(family: str, shape: str, seed: int = 0) -> SyntheticSource:
-    _load_families()
     return SyntheticSource(family, shape, seed)
-
-
-def _load_families() -> None:
-    from deltafind.store import synthetic_families, synthetic_k3  # noqa: F401  (they register themselves)
 
 
 def write_hf_folder(source: Source, folder: Path, num_shards: int = 2, prefix: str = "", extra: dict[str, torch.Tensor] | None = None) -> Path:

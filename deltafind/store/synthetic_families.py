@@ -2,7 +2,7 @@
 
 Each shape gives an HF config.json and the tensor roster transformers would
 save; tokenizers are a byte-level BPE without merges plus an EOS and a chat
-template, enough to run the model. Add a family by registering a `Family`.
+template, enough to run the model. Add a family to `FAMILIES`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from deltafind.store.synthetic import Family, Spec, linear, norm, register
+from deltafind.store.synthetic_spec import Family, Spec, linear, norm
 
 BYTE_VOCAB = 256
 
@@ -99,10 +99,12 @@ def build_qwen3_moe(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Spec]]
 
 
 _TINY = {"vocab": BYTE_VOCAB + 44, "hidden": 64, "inter": 96, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 16}
-register("llama", Family({"tiny": _TINY}, build_llama, write_byte_tokenizer))
-register("qwen3_moe", Family(
-    {"tiny": {**_TINY, "experts": 8, "top_k": 2, "moe_inter": 32, "dense_layers": {0}},
-     "bench": {**_TINY, "hidden": 2048, "heads": 16, "kv_heads": 4, "head_dim": 128, "layers": 4, "inter": 6144,
-               "experts": 64, "top_k": 8, "moe_inter": 768, "dense_layers": set()}},
-    build_qwen3_moe, write_byte_tokenizer,
-))
+FAMILIES = {
+    "llama": Family({"tiny": _TINY}, build_llama, write_byte_tokenizer),
+    "qwen3_moe": Family(
+        {"tiny": {**_TINY, "experts": 8, "top_k": 2, "moe_inter": 32, "dense_layers": {0}},
+         "bench": {**_TINY, "hidden": 2048, "heads": 16, "kv_heads": 4, "head_dim": 128, "layers": 4, "inter": 6144,
+                   "experts": 64, "top_k": 8, "moe_inter": 768, "dense_layers": set()}},
+        build_qwen3_moe, write_byte_tokenizer,
+    ),
+}

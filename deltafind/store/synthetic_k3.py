@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from deltafind.store.synthetic import Family, Spec, linear, norm, register
+from deltafind.store.synthetic_spec import Family, Spec, linear, norm
 
 F32 = torch.float32
 E2M1_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)
@@ -151,4 +151,4 @@ SHAPES = {
               "block": 2, "layers": 4, "mla": [4], "experts": 64},
     "full-layer": {**REAL, "layers": 2, "mla": [2], "experts": 896},
 }
-register("kimi_k3", Family(SHAPES, build_k3, write_k3_tokenizer))
+FAMILIES = {"kimi_k3": Family(SHAPES, build_k3, write_k3_tokenizer)}

@@ -95,15 +95,15 @@ def decode(store: Path, device: str, cache: int | None, tokens: int, compile_ker
 
 
 def copy_hiding(store: Path, device: torch.device, k: int = 32, reps: int = 3) -> dict[str, Any]:
-    from deltafind.device.staging import make_stager
+    from deltafind.device.staging import make_stager, read_buffer_pool
     from deltafind.models.ops.latent_moe import mxfp4_expert_forward
     from deltafind.store.manifest import Manifest
     from deltafind.store.provider import Expert
     from deltafind.store.reader import PackReader, record_tensors
 
     manifest = Manifest.load(store)
-    reader = PackReader(manifest, store)
-    stager = make_stager(device, reader)  # gives the reader its pinned buffer pool
+    reader = PackReader(manifest, store, buffer_pool=read_buffer_pool(device))  # pinned buffers on CUDA
+    stager = make_stager(device)
     recs = [r for r in manifest.experts if any(t.name.endswith("weight_packed") for t in r.tensors)][:k]
     views = [record_tensors(r, reader.read(r)) for r in recs]  # in pinned memory, kept for the whole bench
     nbytes = sum(r.length for r in recs)

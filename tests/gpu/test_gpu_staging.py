@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from deltafind.device.staging import CudaStager, PinnedBufferPool, make_stager
+from deltafind.device.staging import CudaStager, PinnedBufferPool, make_stager, read_buffer_pool
 from deltafind.store.experts import StoreExperts
 from deltafind.store.manifest import Manifest
 
@@ -38,13 +38,13 @@ def test_stage_copies_on_its_own_stream_and_releases_after_the_copy(cuda: torch.
 
 
 def test_store_experts_on_cuda_read_into_pinned_buffers(cuda: torch.device, k3_store: Path) -> None:
-    experts = StoreExperts(Manifest.load(k3_store), k3_store, cache_bytes=0, device=cuda)
+    experts = StoreExperts(Manifest.load(k3_store), k3_store, cache_bytes=0, stager=make_stager(cuda), buffer_pool=read_buffer_pool(cuda))
     try:
         assert isinstance(experts.stager, CudaStager)
         assert isinstance(experts.reader.buffers, PinnedBufferPool)
         layer = next(r.layer for r in experts.manifest.experts if r.layer > 0)
         got = dict(experts.fetch(layer, [0, 1, 2]))
-        ref = StoreExperts(Manifest.load(k3_store), k3_store, cache_bytes=0)
+        ref = StoreExperts(Manifest.load(k3_store), k3_store, cache_bytes=0, stager=make_stager(torch.device("cpu")))
         want = dict(ref.fetch(layer, [0, 1, 2]))
         ref.close()
         for e, ex in got.items():
@@ -57,9 +57,9 @@ def test_store_experts_on_cuda_read_into_pinned_buffers(cuda: torch.device, k3_s
 def test_make_stager_gives_cuda_a_pinned_reader_pool(cuda: torch.device, k3_store: Path) -> None:
     from deltafind.store.reader import PackReader
 
-    reader = PackReader(Manifest.load(k3_store), k3_store)
+    reader = PackReader(Manifest.load(k3_store), k3_store, buffer_pool=read_buffer_pool(cuda))
     try:
-        assert isinstance(make_stager(cuda, reader), CudaStager)
+        assert isinstance(make_stager(cuda), CudaStager)
         assert isinstance(reader.buffers, PinnedBufferPool)
     finally:
         reader.close()

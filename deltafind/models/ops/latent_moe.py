@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltafind.models.ops.moe import dispatch
+from deltafind.models.ops.moe import dispatch, predict_routed
 from deltafind.models.ops.mxfp4 import can_fuse, fused_gate_up_situ, mxfp4_linear
 from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.situ import SiTUMLP, situ
@@ -83,8 +83,7 @@ class LatentMoE(nn.Module):
 
     def predict(self, x: torch.Tensor) -> list[int]:
         """Distinct experts the router picks for x (a prefetch hint; the route itself is recomputed)."""
-        with torch.no_grad():
-            return torch.unique(self.gate(x)[0]).tolist()
+        return predict_routed(self.gate, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, weight = self.gate(x)

@@ -83,36 +83,25 @@ def dispatch(
     return out
 
 
-def run_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, provider: ExpertProvider,
-                layer_idx: int, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """SwiGLU routed experts through `dispatch`."""
-    return dispatch(x, topk_idx, topk_weight, provider, layer_idx, lambda rows, expert: expert_forward(rows, expert, act))
-
-
-def run_slices(x: torch.Tensor, provider: ExpertProvider, layer_idx: int,
-               run: Callable[[torch.Tensor, Expert], torch.Tensor]) -> torch.Tensor:
+class SlicedMLP(nn.Module):
     """A dense MLP stored as N slices of its intermediate dimension: every token takes every slice, weight 1.
 
-    sum_s down[:, s](act(gate[s] x) * up[s] x) equals the unsliced MLP exactly in
-    real arithmetic, so a dense model runs through the expert path unchanged.
+    sum_s down[:, s](act(gate[s] x) * up[s] x) equals the unsliced MLP exactly in real
+    arithmetic (any elementwise activation), so a dense model runs through `dispatch` unchanged.
+    `run(x_rows, slice)` is one slice's forward, e.g. `partial(expert_forward, act=F.silu)`.
     """
-    n = provider.num_experts(layer_idx)
-    idx = torch.arange(n, device=x.device).expand(x.shape[0], n)  # [T, n]
-    return dispatch(x, idx, torch.ones(idx.shape, dtype=x.dtype, device=x.device), provider, layer_idx, run)
 
-
-class SlicedMLP(nn.Module):
-    """A dense SwiGLU MLP run as expert slices (`run_slices`)."""
-
-    def __init__(self, layer_idx: int, provider: ExpertProvider, act: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, layer_idx: int, provider: ExpertProvider, run: Callable[[torch.Tensor, Expert], torch.Tensor]) -> None:
         super().__init__()
-        self.layer_idx, self.provider, self.act = layer_idx, provider, act
+        self.layer_idx, self.provider, self.run = layer_idx, provider, run
 
     def predict(self, x: torch.Tensor) -> list[int]:
         return list(range(self.provider.num_experts(self.layer_idx)))  # a dense layer always needs every slice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return run_slices(x, self.provider, self.layer_idx, lambda rows, expert: expert_forward(rows, expert, self.act))
+        n = self.provider.num_experts(self.layer_idx)
+        idx = torch.arange(n, device=x.device).expand(x.shape[0], n)  # [T, n]
+        return dispatch(x, idx, torch.ones(idx.shape, dtype=x.dtype, device=x.device), self.provider, self.layer_idx, self.run)
 
 
 class DenseMLP(nn.Module):

@@ -2,7 +2,7 @@
 
 situ(g, u) = [beta*tanh(g/beta) * sigmoid(g)] * [lbeta*tanh(u/lbeta)], evaluated in
 that order in fp32. Owns the resident SiTU MLP (K3's fused shared experts) and
-the dense MLP run as expert slices from an `ExpertProvider` (layer 0).
+one slice of a dense SiTU MLP (layer 0, run by `moe.SlicedMLP`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltafind.models.ops.moe import run_slices
-from deltafind.store.provider import Expert, ExpertProvider
+from deltafind.store.provider import Expert
 
 SITU_BETA = 4.0
 SITU_LINEAR_BETA = 25.0
@@ -44,18 +43,3 @@ def situ_slice_forward(x: torch.Tensor, expert: Expert, beta: float, linear_beta
     up = F.linear(x, expert["up_proj"].to(dtype))
     return F.linear(situ(gate, up, beta, linear_beta), expert["down_proj"].to(dtype))
 
-
-class SlicedSiTUMLP(nn.Module):
-    """A dense SiTU MLP run as slices of its intermediate dimension (`run_slices`; an
-    elementwise activation, so the slices' sum equals the whole MLP in real arithmetic)."""
-
-    def __init__(self, layer_idx: int, provider: ExpertProvider, beta: float = SITU_BETA, linear_beta: float = SITU_LINEAR_BETA) -> None:
-        super().__init__()
-        self.layer_idx, self.provider = layer_idx, provider
-        self.beta, self.linear_beta = beta, linear_beta
-
-    def predict(self, x: torch.Tensor) -> list[int]:
-        return list(range(self.provider.num_experts(self.layer_idx)))  # a dense layer always needs every slice
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return run_slices(x, self.provider, self.layer_idx, lambda rows, ex: situ_slice_forward(rows, ex, self.beta, self.linear_beta))
