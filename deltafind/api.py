@@ -118,7 +118,6 @@ class Model:
         if isinstance(prefetch, bool):
             prefetch = PrefetchOptions(enabled=prefetch)
         trace = TraceWriter(Path(trace_path)) if trace_path else None
-        # On a device the expert cache lives in device memory; it is re-sized below, once the spine is placed.
         cache = DeviceExpertCache(device, expert_cache_bytes) if device.type != "cpu" else None
         experts = StoreExperts(manifest, store_dir, expert_cache_bytes, torch_dtype, drives, prefetch, direct_io, trace, verify=verify,
                                stager=make_stager(device), cache=cache, buffer_pool=read_buffer_pool(device))
@@ -149,7 +148,7 @@ class Model:
             net.tie_weights()
         net.eval()
         if cache is not None:
-            cache.resize(expert_cache_bytes)  # capped by what is free now that the spine is placed
+            cache.resize(expert_cache_bytes)  # device memory: capped by what is free now that the spine is placed
             if compile_kernels:
                 use_compile(True)
                 log.info("mxfp4_compile", device=str(device))

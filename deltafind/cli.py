@@ -96,8 +96,8 @@ def cmd_setup(args: argparse.Namespace) -> int:
     # Refuse an unsupported family, or a config the family refuses (K3's quality guard), before writing anything.
     config = (source if not isinstance(source, Path) else open_source(source)).config
     family = family_module(str(config.get("model_type")))
-    family.ModelArgs.from_config(config)
-    manifest = setup_store(source, store, [Path(d) for d in drives] if drives else None, args.dense_slices, progress=not args.quiet)
+    names = family.weight_names(family.ModelArgs.from_config(config))  # the family says which tensors are experts
+    manifest = setup_store(source, store, [Path(d) for d in drives] if drives else None, args.dense_slices, progress=not args.quiet, names=names)
     print(f"store ready: {store} ({family.__name__.rsplit('.', 1)[-1]}, {len(manifest.experts)} expert records on {len(manifest.drives)} drive(s), {manifest.expert_bytes() / 2**20:.1f} MiB of experts)")
     return 0
 

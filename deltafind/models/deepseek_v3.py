@@ -9,9 +9,10 @@ dense MLPs run as expert slices; shared experts stay resident.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +25,8 @@ from deltafind.models.ops.moe import (
     SlicedMLP,
     activation,
     dispatch,
-    expert_forward,
     predict_routed,
+    swiglu,
 )
 from deltafind.models.transformer import (
     CausalLM,
@@ -34,7 +35,9 @@ from deltafind.models.transformer import (
     make_rope,
     rope_from,
 )
-from deltafind.store.provider import ExpertProvider
+from deltafind.store.provider import HF_WEIGHTS, ExpertProvider, WeightNames
+
+T = TypeVar("T")
 
 # transformers 5 spellings (its attribute_map) -> the names DeepSeek's config.json uses.
 CONFIG_ALIASES = {
@@ -147,7 +150,7 @@ class MoE(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int, experts: ExpertProvider) -> None:
         super().__init__()
         self.layer_idx, self.provider, self.act = layer_idx, experts, activation(args.hidden_act)
-        self.run = partial(expert_forward, act=self.act)
+        self.run = swiglu(args.hidden_act)
         self.gate = NoAuxRouter(args)
         self.shared_experts = None
         if args.n_shared_experts:
@@ -167,20 +170,23 @@ class MoE(nn.Module):
 
 class Model(CausalLM):
     def __init__(self, args: ModelArgs, experts: ExpertProvider) -> None:
-        act = activation(args.hidden_act)
-
         def make_layer(i: int) -> DecoderLayer:
-            mlp = MoE(args, i, experts) if args.is_moe_layer(i) else SlicedMLP(i, experts, partial(expert_forward, act=act))
+            mlp = MoE(args, i, experts) if args.is_moe_layer(i) else SlicedMLP(i, experts, swiglu(args.hidden_act))
             return DecoderLayer(args, MLAttention(args, i), mlp)
 
         super().__init__(args, make_layer, make_rope(args, dim=args.qk_rope_head_dim), experts)
 
 
-def sanitize(args: ModelArgs, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop the MTP layers stored after the last decoder layer (`model.layers.61.*` in V3)."""
+def sanitize(args: ModelArgs, weights: dict[str, T]) -> dict[str, T]:
+    """Drop the MTP layers stored after the last decoder layer (`model.layers.61.*` in V3): not run, not imported."""
 
     def layer_of(name: str) -> int:
         parts = name.split(".")
         return int(parts[2]) if name.startswith("model.layers.") and parts[2].isdigit() else -1
 
     return {k: v for k, v in weights.items() if layer_of(k) < args.num_hidden_layers}
+
+
+def weight_names(args: ModelArgs) -> WeightNames:
+    """transformers' names, less the multi-token-prediction layers (`num_nextn_predict_layers`)."""
+    return dataclasses.replace(HF_WEIGHTS, sanitize=partial(sanitize, args))

@@ -8,6 +8,7 @@ named switches live in kimi_k3_config.py; docs/kimi-k3.md lists the switches.
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import torch
@@ -23,9 +24,17 @@ from deltafind.models.ops.moe import SlicedMLP
 from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.situ import situ_slice_forward
 from deltafind.models.ops.step import run_layers
-from deltafind.store.provider import ExpertProvider
+from deltafind.store.provider import HF_WEIGHTS, ExpertProvider, WeightNames
 
-__all__ = ["Model", "ModelArgs"]
+__all__ = ["MXFP4_RECORD", "WEIGHTS", "Model", "ModelArgs", "weight_names"]
+MXFP4_RECORD = tuple(f"{w}.weight_{k}" for w in ("w1", "w2", "w3") for k in ("packed", "scale"))  # the release's byte order
+# Routed experts are compressed-tensors MXFP4 packs under `block_sparse_moe`, kept exactly as released;
+# layer 0's dense MLP has transformers' names.
+WEIGHTS = WeightNames(
+    routed=re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.((?:w1|w2|w3)\.weight_(?:packed|scale))"),
+    dense=HF_WEIGHTS.dense,
+    layouts=(MXFP4_RECORD, *HF_WEIGHTS.layouts),
+)
 
 
 def kda_options(args: ModelArgs) -> KDAOptions:
@@ -109,9 +118,6 @@ class Model(nn.Module):
     def num_layers(self) -> int:
         return len(self.model.layers)
 
-    def tie_weights(self) -> None:  # K3 never ties; kept for the loader's interface
-        self.lm_head.weight = self.model.embed_tokens.weight
-
     def forward(self, input_ids: torch.Tensor, batch: Batch, all_logits: bool = False) -> torch.Tensor:
         """Logits [T, V] (all_logits) or [num_segments, V] (each segment's last token), fp32.
 
@@ -136,3 +142,7 @@ class Model(nn.Module):
         if not all_logits:
             z = z[batch.last_token_index().to(z.device)]
         return self.lm_head(m.norm(z).to(self.lm_head.weight.dtype)).float()
+
+
+def weight_names(args: ModelArgs) -> WeightNames:
+    return WEIGHTS  # num_nextn_predict_layers is 0 (spec section 2): nothing to drop

@@ -6,11 +6,10 @@ The dense MLP of every layer runs as expert slices from the provider.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 from deltafind.errors import UnsupportedModelError
-from deltafind.models.ops.moe import SlicedMLP, activation, expert_forward
+from deltafind.models.ops.moe import SlicedMLP, swiglu
 from deltafind.models.transformer import (
     Attention,
     CausalLM,
@@ -20,7 +19,7 @@ from deltafind.models.transformer import (
     make_rope,
     rope_from,
 )
-from deltafind.store.provider import ExpertProvider
+from deltafind.store.provider import HF_WEIGHTS, ExpertProvider, WeightNames
 
 
 @dataclass
@@ -51,11 +50,14 @@ class ModelArgs:
 
 class Model(CausalLM):
     def __init__(self, args: ModelArgs, experts: ExpertProvider) -> None:
-        act = activation(args.hidden_act)
-
         def make_layer(i: int) -> DecoderLayer:
-            return DecoderLayer(args, Attention(args, i, qk_norm=self.qk_norm), SlicedMLP(i, experts, partial(expert_forward, act=act)))
+            return DecoderLayer(args, Attention(args, i, qk_norm=self.qk_norm), SlicedMLP(i, experts, swiglu(args.hidden_act)))
 
         super().__init__(args, make_layer, make_rope(args), experts)
 
     qk_norm = False
+
+
+def weight_names(args: ModelArgs) -> WeightNames:
+    """transformers' names: every layer's `mlp.{gate,up,down}_proj` is a dense MLP stored as slices."""
+    return HF_WEIGHTS

@@ -11,3 +11,6 @@ class ModelArgs(llama.ModelArgs):
 
 class Model(llama.Model):
     qk_norm = True
+
+
+weight_names = llama.weight_names

@@ -8,20 +8,13 @@ the `decoder_sparse_step` grid are dense MLPs, run as expert slices.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltafind.models.ops.moe import (
-    SlicedMLP,
-    activation,
-    dispatch,
-    expert_forward,
-    predict_routed,
-)
+from deltafind.models.ops.moe import SlicedMLP, dispatch, predict_routed, swiglu
 from deltafind.models.transformer import (
     Attention,
     CausalLM,
@@ -31,7 +24,7 @@ from deltafind.models.transformer import (
     make_rope,
     rope_from,
 )
-from deltafind.store.provider import ExpertProvider
+from deltafind.store.provider import HF_WEIGHTS, ExpertProvider, WeightNames
 
 
 @dataclass
@@ -94,7 +87,7 @@ class SparseMoe(nn.Module):
         super().__init__()
         self.gate = Router(args)
         self.layer_idx, self.provider = layer_idx, experts
-        self.run = partial(expert_forward, act=activation(args.hidden_act))
+        self.run = swiglu(args.hidden_act)
 
     def predict(self, x: torch.Tensor) -> list[int]:
         return predict_routed(self.gate, x)
@@ -106,10 +99,13 @@ class SparseMoe(nn.Module):
 
 class Model(CausalLM):
     def __init__(self, args: ModelArgs, experts: ExpertProvider) -> None:
-        act = activation(args.hidden_act)
-
         def make_layer(i: int) -> DecoderLayer:
-            mlp = SparseMoe(args, i, experts) if args.is_moe_layer(i) else SlicedMLP(i, experts, partial(expert_forward, act=act))
+            mlp = SparseMoe(args, i, experts) if args.is_moe_layer(i) else SlicedMLP(i, experts, swiglu(args.hidden_act))
             return DecoderLayer(args, Attention(args, i, qk_norm=True), mlp)
 
         super().__init__(args, make_layer, make_rope(args), experts)
+
+
+def weight_names(args: ModelArgs) -> WeightNames:
+    """transformers' names: `mlp.experts.{e}.*_proj` routed, `mlp.*_proj` dense (mlp_only_layers)."""
+    return HF_WEIGHTS

@@ -118,8 +118,7 @@ class CausalLM(nn.Module):
         cos, sin = self.rope.cos_sin(batch.positions)
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
 
-        # Layer 0 has no earlier state to predict from: all slices if dense, else the previous token's route.
-        first = layers[0].mlp.predict(x) if isinstance(layers[0].mlp, SlicedMLP) else None
+        first = layers[0].mlp.predict(x) if isinstance(layers[0].mlp, SlicedMLP) else None  # else the last route
         x = run_layers(self.experts, batch, layers, x, first, lambda i, layer, x: layer.attend(x, batch, cos, sin),
                        lambda i, layer, h: layer.feed_forward(h))
         batch.advance()

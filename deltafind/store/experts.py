@@ -39,14 +39,11 @@ class Stager(Protocol):
 
     device: torch.device
 
-    def stage(self, views: Mapping[str, torch.Tensor], dtype: torch.dtype,
-              release: Callable[[], None]) -> tuple[dict[str, torch.Tensor], bool]:
-        """Device tensors (floats in `dtype`) and whether they alias the host buffer; else `release` is called once it is free."""
-        ...
+    def stage(self, views: Mapping[str, torch.Tensor], dtype: torch.dtype, release: Callable[[], None]) -> tuple[dict[str, torch.Tensor], bool]:
+        """Device tensors (floats in `dtype`) and whether they alias the buffer; else `release` is called once it is free."""
 
     def drain(self) -> None:
         """Wait for every copy in flight and release their buffers."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -108,8 +105,7 @@ class StoreExperts:
         cache: ByteLRU[tuple[int, int], Expert] | None = None,
         buffer_pool: Callable[[int], Any] | None = None,
     ) -> None:
-        """`stager` decides the compute device; `cache` defaults to a `ByteLRU(cache_bytes)`;
-        `buffer_pool(max_free_bytes)` makes the read buffers (default: the reader's mmap pool)."""
+        """`stager` picks the device; `cache` defaults to `ByteLRU(cache_bytes)`, `buffer_pool` to the reader's mmaps."""
         self.manifest = manifest
         return_freed_memory()
         self.reader = PackReader(manifest, Path(store_dir), verify=verify, drives=drives, direct=direct_io, buffer_pool=buffer_pool)

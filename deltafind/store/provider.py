@@ -1,15 +1,17 @@
 """The interface between a model and wherever its experts live.
 
 A model asks an `ExpertProvider` for the experts its router chose at one layer
-and gets tensors back; it never knows about drives, packs or caches. This
-module must not import anything from the rest of `deltafind.store`.
+and gets tensors back; it never knows about drives, packs or caches. A family
+tells the store's import which checkpoint tensors are experts (`WeightNames`).
+This module must not import anything from the rest of `deltafind.store`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -29,12 +31,37 @@ class Expert:
         return self.tensors[name]
 
 
-class ExpertProvider(Protocol):
-    """Everything a model asks of wherever its experts live, called from `models/ops/step.py`.
+def _keep_all(tensors: dict[str, Any]) -> dict[str, Any]:
+    return tensors
 
-    Only `num_experts` and `fetch` must be implemented; the hooks default to doing
-    nothing, so an in-memory provider subclasses this and inherits them.
+
+@dataclass(frozen=True)
+class WeightNames:
+    """How a family names the tensors of its checkpoints, for import (`store/setup.py`).
+
+    `routed` full-matches a routed expert's tensor, groups (layer, expert, part);
+    `dense` a dense MLP's tensor (stored as slices), groups (layer, part); every
+    other tensor goes to the spine. An expert record holds exactly one of
+    `layouts` (its parts, in record order). `sanitize(tensors)` returns the
+    tensors to import, keyed by name (what it drops is logged, never imported).
     """
+
+    routed: re.Pattern[str]
+    dense: re.Pattern[str]
+    layouts: tuple[tuple[str, ...], ...] = (("gate_proj", "up_proj", "down_proj"),)
+    sanitize: Callable[[dict[str, Any]], dict[str, Any]] = _keep_all
+
+
+_PROJ = r"(gate_proj|up_proj|down_proj)"
+HF_WEIGHTS = WeightNames(  # transformers' names for SwiGLU experts and MLPs (Llama, Qwen3, DeepSeek-V3)
+    routed=re.compile(rf"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.{_PROJ}\.weight"),
+    dense=re.compile(rf"model\.layers\.(\d+)\.mlp\.{_PROJ}\.weight"),
+)
+
+
+class ExpertProvider(Protocol):
+    """Everything a model asks of wherever its experts live (called from `models/ops/step.py`); the hooks
+    after `fetch` default to nothing, so an in-memory provider subclasses this and inherits them."""
 
     def num_experts(self, layer_idx: int) -> int:
         """How many experts (or dense slices) layer `layer_idx` has; 0 if none."""

@@ -3,7 +3,8 @@
 Resumable: a journal records each expert record once its pack bytes are on
 disk; a rerun truncates the packs to the last journaled record and goes on.
 Never holds more than one tensor group (one expert, or one dense MLP) beyond
-what it is writing. Knows HF tensor naming, not model families.
+what it is writing. Which tensors are experts is the family's `WeightNames`
+(store/provider.py); this module knows no model's names.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import xxhash
 from tqdm import tqdm
 
 from deltafind.errors import StoreError
+from deltafind.log import get_logger
 from deltafind.store.manifest import (
     ALIGN,
-    EXPERT_PARTS,
     MANIFEST_NAME,
     PACK_HEADER_BYTES,
     PACK_MAGIC,
@@ -37,59 +38,62 @@ from deltafind.store.manifest import (
     align_up,
     pack_name,
 )
+from deltafind.store.provider import HF_WEIGHTS, WeightNames
 from deltafind.store.sources import Source, TensorInfo, open_source
 from deltafind.store.spine_writer import write_safetensors
 
+log = get_logger(__name__)
 JOURNAL_NAME = "setup.journal"
 TENSOR_ALIGN = 64
-ROUTED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-# Kimi K3's MXFP4 experts (compressed-tensors packs), kept exactly as released.
-ROUTED_MXFP4 = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.((?:w1|w2|w3)\.weight_(?:packed|scale))$")
-DENSE = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight$")
-MXFP4_PARTS = tuple(f"{w}.weight_{k}" for w in ("w1", "w2", "w3") for k in ("packed", "scale"))  # the release's byte order
-EXPERT_LAYOUTS = (EXPERT_PARTS, MXFP4_PARTS)  # a record holds exactly one of these sets of named tensors
+EXPERT_NAME = re.compile(r"\.experts\.\d+\.")  # how any family's routed experts read; never spine tensors
 JOURNAL_SYNC_EVERY = 64
 
 
 @dataclass(frozen=True)
 class Plan:
     spine: list[str]
-    routed: dict[tuple[int, int], dict[str, str]]  # (layer, expert) -> part -> tensor name
+    routed: dict[tuple[int, int], dict[str, str]]  # (layer, expert) -> part -> tensor name, in record order
     dense: dict[int, dict[str, str]]  # layer -> part -> tensor name (sliced into N experts)
 
 
-def plan_tensors(tensors: dict[str, TensorInfo]) -> Plan:
+def plan_tensors(tensors: dict[str, TensorInfo], names: WeightNames = HF_WEIGHTS) -> Plan:
+    """Sort a checkpoint's tensors into spine, routed experts and dense MLPs by the family's `names`."""
+    kept = names.sanitize(tensors)
+    if len(kept) < len(tensors):
+        dropped = sorted(set(tensors) - set(kept))
+        log.warning("setup_skipped_tensors", count=len(dropped), first=dropped[:3], why="the family's sanitize drops them")
     spine, routed, dense = [], {}, {}
-    for name in tensors:
-        if m := ROUTED.match(name) or ROUTED_MXFP4.match(name):
+    for name in kept:
+        if m := names.routed.fullmatch(name):
             routed.setdefault((int(m[1]), int(m[2])), {})[m[3]] = name
-        elif m := DENSE.match(name):
+        elif m := names.dense.fullmatch(name):
             dense.setdefault(int(m[1]), {})[m[2]] = name
+        elif EXPERT_NAME.search(name):
+            raise StoreError(f"{name}: an expert tensor the family's weight names do not claim; import with the "
+                             "family's names (`deltafind setup` passes them; setup_store(names=...))")
         else:
             spine.append(name)
     for key, parts in {**routed, **{(k, -1): v for k, v in dense.items()}}.items():
-        if not any(set(parts) == set(layout) for layout in EXPERT_LAYOUTS):
+        layout = next((lay for lay in names.layouts if set(parts) == set(lay)), None)
+        if layout is None:
             raise StoreError(f"layer {key[0]}: expert tensors incomplete, found only {sorted(parts)}")
+        (routed if key[1] >= 0 else dense)[key if key[1] >= 0 else key[0]] = {p: parts[p] for p in layout}
     for (layer, expert), parts in routed.items():
-        if set(parts) == set(MXFP4_PARTS):
-            _check_mxfp4(layer, expert, {p: tensors[n] for p, n in parts.items()})
+        _check_mxfp4(layer, expert, {p: tensors[n] for p, n in parts.items()})
     return Plan(spine, routed, dense)
 
 
 def _check_mxfp4(layer: int, expert: int, parts: dict[str, TensorInfo]) -> None:
-    """Packs must be uint8 and shaped [R, C/2] + [R, C/32], as compressed-tensors writes them."""
-    for w in ("w1", "w2", "w3"):
-        packed, scale = parts[f"{w}.weight_packed"], parts[f"{w}.weight_scale"]
-        ok = packed.dtype == scale.dtype == torch.uint8 and len(packed.shape) == len(scale.shape) == 2
+    """MXFP4 packs must be uint8 and shaped [R, C/2] + [R, C/32], as compressed-tensors writes them."""
+    for name in [p.removesuffix(".weight_packed") for p in parts if p.endswith(".weight_packed")]:
+        packed, scale = parts[f"{name}.weight_packed"], parts.get(f"{name}.weight_scale")
+        ok = scale is not None and packed.dtype == scale.dtype == torch.uint8 and len(packed.shape) == len(scale.shape) == 2
         if not ok or scale.shape != (packed.shape[0], packed.shape[1] * 2 // 32) or (packed.shape[1] * 2) % 32:
+            got = "no scale" if scale is None else f"scale {scale.dtype}{list(scale.shape)}"
             raise StoreError(
-                f"layer {layer} expert {expert} {w}: MXFP4 pack {packed.dtype}{list(packed.shape)} with scale "
-                f"{scale.dtype}{list(scale.shape)} is not a compressed-tensors mxfp4-pack-quantized pair; re-download the checkpoint"
+                f"layer {layer} expert {expert} {name}: MXFP4 pack {packed.dtype}{list(packed.shape)} with {got} "
+                "is not a compressed-tensors mxfp4-pack-quantized pair; re-download the checkpoint"
             )
-
-
-def _expert_order(parts: dict[str, torch.Tensor]) -> tuple[str, ...]:
-    return next(layout for layout in EXPERT_LAYOUTS if set(parts) == set(layout))
 
 
 def _check_scales(layer: int, expert: int, parts: dict[str, torch.Tensor]) -> None:
@@ -100,14 +104,14 @@ def _check_scales(layer: int, expert: int, parts: dict[str, torch.Tensor]) -> No
 
 
 def expert_record_bytes(parts: dict[str, torch.Tensor]) -> tuple[bytes, list[TensorEntry]]:
-    """Lay out one expert's tensors back to back (64-byte aligned) as one record payload.
+    """Lay out one expert's tensors back to back (64-byte aligned, in `parts` order) as one record payload.
 
     Any dtype goes in byte for byte; K3's six MXFP4 tensors (all multiples of 64
     bytes) come out as exactly the released 17,547,264-byte blob.
     """
     chunks, entries, offset = [], [], 0
-    for name in _expert_order(parts):
-        t = parts[name].contiguous()
+    for name, t in parts.items():
+        t = t.contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
         pad = align_up(offset, TENSOR_ALIGN) - offset
         chunks.append(b"\0" * pad)
@@ -130,7 +134,7 @@ def _iter_expert_groups(source: Source, plan: Plan, dense_slices: int) -> Iterat
                 if not cache:  # load the layer's MLP once, slice it N ways
                     for part, name in names.items():
                         cache[part] = list(torch.tensor_split(source.load(name), dense_slices, dim=1 if part == "down_proj" else 0))
-                out = {part: cache[part][i] for part in EXPERT_PARTS}
+                out = {part: cache[part][i] for part in names}
                 if i == dense_slices - 1:
                     cache.clear()
                 return out
@@ -182,9 +186,11 @@ def setup_store(
     dense_slices: int = 8,
     progress: bool = True,
     fault_after: int | None = None,
+    names: WeightNames = HF_WEIGHTS,
 ) -> Manifest:
     """Import `source_path` (a path, or an open `Source` such as a synthetic one) into
-    `store_dir`, striping experts round-robin over `drives`.
+    `store_dir`, striping experts round-robin over `drives`. `names` is the family's
+    (`family.weight_names(args)`; `deltafind setup` passes it).
 
     `fault_after` is for tests: raise after that many expert records, as an
     interrupt would.
@@ -220,7 +226,7 @@ def setup_store(
         journal.start(header)
     store_id = header["store_id"]
 
-    plan = plan_tensors(source.tensors)
+    plan = plan_tensors(source.tensors, names)
     spine_entry = next((d for d in done if d.get("kind") == "spine"), None)
     if spine_entry is None:
         tmp = store_dir / (SPINE_NAME + ".tmp")

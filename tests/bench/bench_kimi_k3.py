@@ -26,6 +26,7 @@ import torch
 
 from deltafind import Model
 from deltafind.engine.generate import forward_step
+from deltafind.models import kimi_k3
 from deltafind.models.ops.batch import SequenceCache
 from deltafind.models.ops.latent_moe import mxfp4_expert_forward
 from deltafind.models.ops.mxfp4 import BATCHED_MIN_TOKENS, dequantize, fused_linear
@@ -60,7 +61,7 @@ def ensure_store(store: Path, drives: list[Path]) -> None:
         return
     log(f"writing the bench store to {store} (real-size experts; a few GB)")
     t0 = time.perf_counter()
-    setup_store(open_synthetic("kimi_k3", "bench"), store, drives or None, dense_slices=4, progress=False)
+    setup_store(open_synthetic("kimi_k3", "bench"), store, drives or None, dense_slices=4, progress=False, names=kimi_k3.WEIGHTS)
     log(f"store written in {time.perf_counter() - t0:.0f} s")
 
 

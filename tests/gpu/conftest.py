@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from deltafind.device.select import cuda_unavailable_reason, mps_unavailable_reason
+from deltafind.models.registry import family_module
 from deltafind.store.setup import setup_store
 from deltafind.store.synthetic import open_synthetic
 
@@ -42,8 +43,10 @@ def cuda(accel: torch.device) -> torch.device:
 
 def _store(tmp_path_factory: pytest.TempPathFactory, family: str, seed: int, drives: int) -> Path:
     root = tmp_path_factory.mktemp(f"gpu-{family}")
-    setup_store(open_synthetic(family, "tiny", seed=seed), root / "s", [root / f"d{i}" for i in range(drives)],
-                dense_slices=2, progress=False)
+    source = open_synthetic(family, "tiny", seed=seed)
+    fam = family_module(family)
+    setup_store(source, root / "s", [root / f"d{i}" for i in range(drives)], dense_slices=2, progress=False,
+                names=fam.weight_names(fam.ModelArgs.from_config(source.config)))
     return root / "s"
 
 

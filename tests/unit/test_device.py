@@ -18,6 +18,7 @@ from structlog.testing import capture_logs
 from deltafind.api import Model
 from deltafind.device import device_cache, select, staging
 from deltafind.errors import ConfigError
+from deltafind.models import kimi_k3
 from deltafind.models.ops import mxfp4
 from deltafind.models.ops.mxfp4_build import load_kernel
 from deltafind.store.setup import setup_store
@@ -33,7 +34,7 @@ no_accelerator = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def k3_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("k3dev")
-    setup_store(open_synthetic("kimi_k3", "tiny", seed=3), root / "s", [root / "d0", root / "d1"], dense_slices=2, progress=False)
+    setup_store(open_synthetic("kimi_k3", "tiny", seed=3), root / "s", [root / "d0", root / "d1"], dense_slices=2, progress=False, names=kimi_k3.WEIGHTS)
     return root / "s"
 
 

@@ -31,6 +31,7 @@ from deltafind.engine.draft.cross import (
 )
 from deltafind.engine.generate import generate
 from deltafind.engine.sampler import SamplingParams
+from deltafind.models import kimi_k3
 from deltafind.store.setup import setup_store
 from deltafind.tokenizer import Tokenizer, write_tokenizer_from_gguf
 from tests.conftest import make_hf_checkpoint
@@ -455,7 +456,7 @@ def test_a_kimi_k3_draft_with_recurrent_state(verify_models, tmp_path: Path) -> 
     state back to an arbitrary prefix, so its session recomputes; output is unchanged, nothing fails."""
     from deltafind.store.synthetic import open_synthetic
 
-    setup_store(open_synthetic("kimi_k3", "tiny"), tmp_path / "k3", progress=False)
+    setup_store(open_synthetic("kimi_k3", "tiny"), tmp_path / "k3", progress=False, names=kimi_k3.WEIGHTS)
     k3 = Model.open(tmp_path / "k3")
     try:
         target = verify_models["target_py"]

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from deltafind.errors import StoreError
-from deltafind.models import dspark
+from deltafind.models import dspark, kimi_k3
 from deltafind.store.dspark_import import (
     CONFIG_NAME,
     DRAFT_DIR,
@@ -254,7 +254,7 @@ def test_markov_chain_and_width() -> None:
 @pytest.fixture(scope="module")
 def k3_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("k3d")
-    setup_store(open_synthetic("kimi_k3", "tiny", seed=3), root / "store", [root / "d0"], dense_slices=2, progress=False)
+    setup_store(open_synthetic("kimi_k3", "tiny", seed=3), root / "store", [root / "d0"], dense_slices=2, progress=False, names=kimi_k3.WEIGHTS)
     return root / "store"
 
 

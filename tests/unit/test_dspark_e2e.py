@@ -18,7 +18,7 @@ from deltafind.engine.draft.policy import DraftStats, PolicyOptions
 from deltafind.engine.generate import generate
 from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.speculative import captured_rows, generate_speculative
-from deltafind.models import dspark
+from deltafind.models import dspark, kimi_k3
 from deltafind.models.ops.batch import Batch, SequenceCache
 from deltafind.store.dspark_import import write_synthetic_dspark
 from deltafind.store.setup import setup_store
@@ -32,7 +32,7 @@ ON = PolicyOptions(mode="on")  # draft every step, so every width and cut is exe
 def model(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("k3e2e")
     store = root / "store"
-    setup_store(open_synthetic("kimi_k3", "tiny", seed=3), store, [root / "d0"], dense_slices=2, progress=False)
+    setup_store(open_synthetic("kimi_k3", "tiny", seed=3), store, [root / "d0"], dense_slices=2, progress=False, names=kimi_k3.WEIGHTS)
     write_synthetic_dspark(store, seed=1)
     m = Model.open(store, expert_cache_bytes=None, prefetch=False)
     yield m

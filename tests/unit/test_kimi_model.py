@@ -20,7 +20,7 @@ from deltafind.models.ops.situ import situ
 from deltafind.store.manifest import Manifest
 from deltafind.store.provider import DictExpertProvider
 from deltafind.store.reader import PackReader, record_tensors
-from deltafind.store.setup import MXFP4_PARTS, setup_store
+from deltafind.store.setup import setup_store
 from deltafind.store.synthetic import open_synthetic, write_hf_folder
 from deltafind.store.synthetic_k3 import REAL, text_config
 from tests.conftest import deltafind_cmd
@@ -32,7 +32,7 @@ PROMPT = [5, 77, 300, 12, 480, 9, 101, 33, 250, 7, 64, 2]
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("k3")
     store = root / "store"
-    setup_store(open_synthetic("kimi_k3", "tiny", seed=3), store, [root / "d0", root / "d1"], dense_slices=2, progress=False)
+    setup_store(open_synthetic("kimi_k3", "tiny", seed=3), store, [root / "d0", root / "d1"], dense_slices=2, progress=False, names=kimi_k3.WEIGHTS)
     return root, store
 
 
@@ -85,12 +85,12 @@ def test_hf_folder_imports_to_the_same_logits(model: Model, tiny: tuple[Path, Pa
     assert all(n.startswith(("language_model.", "vision_tower.", "mm_projector.")) for n in index["weight_map"])
     assert len(set(index["weight_map"].values())) == 3 and json.loads((folder / "config.json").read_text())["text_config"]
     store = root / "from_hf"
-    manifest = setup_store(folder, store, [root / "h0"], dense_slices=2, progress=False)
+    manifest = setup_store(folder, store, [root / "h0"], dense_slices=2, progress=False, names=kimi_k3.WEIGHTS)
     synthetic = Manifest.load(tiny[1])
     # Experts went in byte for byte: same record payloads (sha256), in the release's tensor order.
     assert {r.key: r.sha256 for r in manifest.experts} == {r.key: r.sha256 for r in synthetic.experts}
     moe = next(r for r in manifest.experts if r.layer == 1)
-    assert tuple(t.name for t in moe.tensors) == MXFP4_PARTS and {t.dtype for t in moe.tensors} == {"uint8"}
+    assert tuple(t.name for t in moe.tensors) == kimi_k3.MXFP4_RECORD and {t.dtype for t in moe.tensors} == {"uint8"}
     assert moe.length == sum(t.nbytes for t in moe.tensors)  # no padding between the six tensors
     imported = Model.open(store, expert_cache_bytes=0, prefetch=False)
     try:

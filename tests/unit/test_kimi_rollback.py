@@ -10,6 +10,7 @@ import torch
 
 from deltafind import Model
 from deltafind.engine.generate import forward_step
+from deltafind.models import kimi_k3
 from deltafind.models.ops.attnres import attn_res
 from deltafind.models.ops.batch import Batch, LayerCache, SequenceCache
 from deltafind.models.ops.kda_layer import MAX_ROLLBACK_ROWS, KDAState, RollbackError
@@ -27,7 +28,7 @@ STATE_ATOL, LOGITS_ATOL = 1e-5, 2e-5  # the same bound as decode vs recompute in
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("k3")
-    setup_store(open_synthetic("kimi_k3", "tiny", seed=3), root / "store", [root / "d0"], dense_slices=2, progress=False)
+    setup_store(open_synthetic("kimi_k3", "tiny", seed=3), root / "store", [root / "d0"], dense_slices=2, progress=False, names=kimi_k3.WEIGHTS)
     m = Model.open(root / "store", expert_cache_bytes=None, prefetch=False)
     yield m
     m.close()

@@ -10,6 +10,7 @@ import torch
 
 from deltafind import Model
 from deltafind.errors import StoreError
+from deltafind.models import kimi_k3
 from deltafind.store.manifest import SPINE_NAME
 from deltafind.store.setup import setup_store
 from deltafind.store.spine import plan_spine, read_layout
@@ -33,7 +34,7 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         out[family] = root / family
         setup_store(ckpt, out[family], [root / f"{family}-d0"], dense_slices=2, progress=False)
     out["kimi_k3"] = root / "kimi_k3"
-    setup_store(open_synthetic("kimi_k3", "tiny", seed=3), out["kimi_k3"], [root / "k3-d0"], dense_slices=2, progress=False)
+    setup_store(open_synthetic("kimi_k3", "tiny", seed=3), out["kimi_k3"], [root / "k3-d0"], dense_slices=2, progress=False, names=kimi_k3.WEIGHTS)
     return out
 
 

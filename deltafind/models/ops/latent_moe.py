@@ -18,8 +18,6 @@ from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.situ import SiTUMLP, situ
 from deltafind.store.provider import Expert, ExpertProvider
 
-MXFP4_PARTS = ("w1", "w2", "w3")  # gate, down, up (the SiTU gate input comes from w1)
-
 
 class SigmoidRouter(nn.Module):
     """`gate`: sigmoid scores; the bias picks experts, unbiased scores weight them."""

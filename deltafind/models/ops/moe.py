@@ -7,6 +7,7 @@ Dense MLPs run through the same path as N slices, all active with weight 1.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,11 @@ def expert_forward(x: torch.Tensor, expert: Expert, act: Callable[[torch.Tensor]
     gate = F.linear(x, expert["gate_proj"].to(dtype))
     up = F.linear(x, expert["up_proj"].to(dtype))
     return F.linear(act(gate) * up, expert["down_proj"].to(dtype))
+
+
+def swiglu(hidden_act: str) -> Callable[[torch.Tensor, Expert], torch.Tensor]:
+    """One SwiGLU expert (or dense slice) as `dispatch` runs it, with config.json's `hidden_act`."""
+    return partial(expert_forward, act=activation(hidden_act))
 
 
 def predict_routed(router: nn.Module, x: torch.Tensor) -> list[int]:
@@ -88,7 +94,7 @@ class SlicedMLP(nn.Module):
 
     sum_s down[:, s](act(gate[s] x) * up[s] x) equals the unsliced MLP exactly in real
     arithmetic (any elementwise activation), so a dense model runs through `dispatch` unchanged.
-    `run(x_rows, slice)` is one slice's forward, e.g. `partial(expert_forward, act=F.silu)`.
+    `run(x_rows, slice)` is one slice's forward, e.g. `swiglu("silu")`.
     """
 
     def __init__(self, layer_idx: int, provider: ExpertProvider, run: Callable[[torch.Tensor, Expert], torch.Tensor]) -> None:

@@ -1,9 +1,7 @@
 """The per-layer step every family's forward runs: the model's whole side of the provider contract.
 
-A family supplies its layers' two halves (attention, then the FFN that takes
-experts); this calls the `ExpertProvider` hooks around them in one order for
-all families: `begin_step`, then per layer `enter_layer`, attention, the next
-layer's `prefetch`, the FFN (whose dispatch reports routes and fetches).
+A family supplies each layer's attention and FFN halves; this calls the `ExpertProvider`
+hooks around them in one order for all (the FFN's `moe.dispatch` reports routes and fetches).
 """
 
 from __future__ import annotations
@@ -26,12 +24,8 @@ def run_layers(
     attend: Callable[[int, Any, torch.Tensor], torch.Tensor],
     feed_forward: Callable[[int, Any, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """Run `layers` over `batch` from hidden state x [T, H]; the last layer's output.
-
-    `attend(i, layer, x)` returns the state layer i+1's router predicts from
-    (`layer.predict_experts(state)`); `feed_forward(i, layer, state)` returns the
-    layer's output, which `batch.capture` keeps. `first_hint` is layer 0's prefetch.
-    """
+    """Run `layers` from hidden state x [T, H]; `attend(i, layer, x)` gives the state layer i+1
+    predicts from (`predict_experts`), `feed_forward(i, layer, state)` the output `batch.capture` keeps."""
     provider.begin_step(batch.token_sequences(), batch.positions.tolist())  # traces name each token (drafts too)
     provider.prefetch(0, first_hint)
     for i, layer in enumerate(layers):
