@@ -109,7 +109,7 @@ class Model(nn.Module):
 
     def __init__(self, args: ModelArgs, experts: ExpertProvider) -> None:
         super().__init__()
-        check_load_dtype(getattr(experts, "dtype", None))  # the quality guard's half that sees the load
+        check_load_dtype(experts.dtype)  # the quality guard's half that sees the load
         self.args, self.experts = args, experts
         self.model = Backbone(args, experts)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)

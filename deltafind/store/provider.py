@@ -63,6 +63,8 @@ class ExpertProvider(Protocol):
     """Everything a model asks of wherever its experts live (called from `models/ops/step.py`); the hooks
     after `fetch` default to nothing, so an in-memory provider subclasses this and inherits them."""
 
+    dtype: torch.dtype | None = None  # what float experts arrive as (None: as given)
+
     def num_experts(self, layer_idx: int) -> int:
         """How many experts (or dense slices) layer `layer_idx` has; 0 if none."""
         ...
