@@ -24,8 +24,9 @@ from deltafind.engine.draft.base import DraftSource
 from deltafind.engine.draft.cross import CrossDraftModel, CrossTokenizerSource, TextCodec
 from deltafind.engine.draft.load import make_draft_source
 from deltafind.engine.draft.policy import DraftStats, PolicyOptions
-from deltafind.engine.generate import GenerationStats, forward_step, generate
+from deltafind.engine.generate import forward_step, generate
 from deltafind.engine.sampler import SamplingParams
+from deltafind.engine.stats import GenerationStats
 from deltafind.errors import StoreError
 from deltafind.log import get_logger
 from deltafind.models.ops.batch import SequenceCache

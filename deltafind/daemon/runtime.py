@@ -183,7 +183,7 @@ class Runtime:
                                max_context, PREFIX_CACHE_BYTES)
 
     def healthy(self) -> bool:
-        return self.scheduler is None or self.scheduler._thread.is_alive()
+        return self.scheduler is None or self.scheduler.alive
 
     # -- reload ----------------------------------------------------------------
 
@@ -317,8 +317,7 @@ class Runtime:
                        steps=st.stats.steps, generated_tokens=st.stats.generated_tokens, max_running=st.limits.max_running,
                        max_queue=st.limits.max_queue, prefix_hits=st.prefix_hits)
             d = st.stats.draft
-            out.update(draft_source=getattr(self.scheduler.draft, "name", ""),
-                       draft_mode=self.scheduler.draft_policy.mode if self.scheduler._draft_enabled else "off",
+            out.update(draft_source=st.draft_source, draft_mode=st.draft_mode,
                        draft_proposed=d.proposed, draft_accepted=d.accepted, draft_acceptance_rate=d.acceptance_rate,
                        draft_verify_passes=d.steps, draft_saved_s=d.saved_s, draft_failures=d.failures)
         if self.model is not None:

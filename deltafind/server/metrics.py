@@ -52,10 +52,9 @@ class ServerMetrics:
 def engine_metrics(status: Any) -> list[Metric]:
     """Figures of the engine's `status()` (an EngineStatus)."""
     st = status.stats
-    from deltafind.engine.scheduler import STEP_BUCKETS_S
-
+    h = st.hist["step_seconds"]
     buckets, total = [], 0
-    for le, n in zip([*STEP_BUCKETS_S, float("inf")], st.step_buckets, strict=True):
+    for le, n in zip([*h.bounds, float("inf")], h.counts, strict=True):
         total += n
         buckets.append(({"le": "+Inf" if le == float("inf") else repr(le)}, float(total)))
     return [
@@ -73,7 +72,7 @@ def engine_metrics(status: Any) -> list[Metric]:
         ("deltafind_prefix_cache_bytes", "gauge", "Bytes held by the prefix cache.", [({}, float(status.prefix_bytes))]),
         ("deltafind_step_seconds", "histogram", "Time of one forward step.",
          [*[({**lbl, "__suffix": "_bucket"}, v) for lbl, v in buckets],
-          ({"__suffix": "_sum"}, st.step_s_sum), ({"__suffix": "_count"}, float(st.steps))]),
+          ({"__suffix": "_sum"}, h.sum), ({"__suffix": "_count"}, float(st.steps))]),
         *_draft_metrics(st),
     ]
 

@@ -155,7 +155,7 @@ def _scheduler_joint(model: Model, prompt: list[int], params: SamplingParams, so
 def test_sampling_through_the_scheduler_keeps_the_target_distribution(stores: dict[str, Model],
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """SAMPLES seeded requests, 16 at a time in shared steps: tokens 1-3 against the exact joint, at ALPHA."""
-    from deltafind.engine import scheduler
+    from deltafind.engine import speculative
 
     model = stores["llama"]
     params = SamplingParams(temperature=1.0, top_k=3)
@@ -165,7 +165,7 @@ def test_sampling_through_the_scheduler_keeps_the_target_distribution(stores: di
     pvalue, drafts = _scheduler_joint(model, prompt, params, source, exact)
     assert pvalue > ALPHA
     assert drafts.proposed > drafts.accepted > 0  # drafts were both accepted and rejected
-    monkeypatch.setattr(scheduler, "accept", _accept_everything)
+    monkeypatch.setattr(speculative, "accept", _accept_everything)
     assert _scheduler_joint(model, prompt, params, source, exact)[0] < ALPHA  # a broken rule fails it
 
 
