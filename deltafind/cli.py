@@ -113,29 +113,33 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if report.ok else 4
 
 
-def _open_model(args: argparse.Namespace, settings: Any) -> Any:
-    import torch
+def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """`run`/`bench` flags as settings overrides, as `serve`'s are (None: flag not given)."""
+    spec = getattr(args, "draft", None)
+    draft = None
+    if spec is not None:
+        mode = spec if spec in ("off", "auto") else "on"
+        draft = {"mode": mode, "source": spec if mode == "on" else "auto"}
+    return {
+        "model": {"store": Path(args.store).expanduser() if getattr(args, "store", None) else None},
+        "device": {"kind": getattr(args, "device", None), "threads": getattr(args, "threads", None)},
+        "cache": {"expert_bytes": getattr(args, "cache_bytes", None), "spine_bytes": getattr(args, "spine_bytes", None)},
+        "prefetch": {"enabled": False if getattr(args, "no_prefetch", False) else None},
+        "draft": draft,
+    }
 
+
+def _open_model(args: argparse.Namespace) -> Any:
+    """Settings from the config file, DELTAFIND_* variables and the flags; the demo store when none is named."""
     from deltafind.api import Model
+    from deltafind.config import load_settings
 
-    threads = getattr(args, "threads", None) or settings.device.threads
-    if threads:
-        torch.set_num_threads(threads)
-    device = getattr(args, "device", None) or settings.device.kind  # Model.open resolves auto and falls back to the CPU
-    from deltafind.store.experts import PrefetchOptions
-    from deltafind.store.reader import DriveOptions
-
-    cache = args.cache_bytes if getattr(args, "cache_bytes", None) is not None else settings.cache.expert_bytes
-    spine = args.spine_bytes if getattr(args, "spine_bytes", None) is not None else settings.cache.spine_bytes
-    drives = [DriveOptions(d.path, d.queue_depth, d.read_mb_s) for d in settings.drives]
-    p = settings.prefetch
-    prefetch = PrefetchOptions(p.enabled and not getattr(args, "no_prefetch", False), p.max_in_flight, p.recall_threshold)
-    return Model.open(
-        _store_arg(args, settings), device=device, expert_cache_bytes=int(cache), dtype=settings.device.dtype,
-        drives=drives, prefetch=prefetch, pin_bytes=int(settings.cache.pin_bytes), trace_path=getattr(args, "trace", None),
-        heat_decay=settings.cache.heat_decay, spine_bytes=None if spine is None else int(spine),
-        compile_kernels=settings.device.compile,
-    )
+    overrides = model_overrides(args)
+    settings = load_settings(getattr(args, "config", None), overrides)
+    if settings.model.store is None:
+        overrides["model"]["store"] = _store_arg(args, settings)
+        settings = load_settings(getattr(args, "config", None), overrides)
+    return Model.open(settings=settings, trace_path=getattr(args, "trace", None))
 
 
 def _sampling(args: argparse.Namespace) -> Any:
@@ -176,22 +180,6 @@ def _print_stats(model: Any) -> None:
     print("\n".join("[stats] " + line for line in lines), file=sys.stderr)
 
 
-def _use_draft(args: argparse.Namespace, settings: Any, model: Any) -> None:
-    """--draft, else the [draft] settings (mode on fails without a source; auto logs and goes on)."""
-    from deltafind.engine.draft.base import DraftError
-    from deltafind.engine.draft.load import source_from_settings
-
-    spec = getattr(args, "draft", None)
-    try:
-        if spec is not None:
-            model.use_draft(spec, settings.draft.max_width)
-            return
-        source, policy = source_from_settings(settings.draft, model.net, target_store=model.store_dir)
-    except DraftError as e:
-        raise StoreError(f"draft: {e}") from e
-    model.draft, model.draft_policy = source, policy
-
-
 def _draft_line(model: Any) -> str | None:
     d = model.last_draft_stats
     if model.draft is None:
@@ -202,10 +190,8 @@ def _draft_line(model: Any) -> str | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    settings = _settings(args)
-    model = _open_model(args, settings)
+    model = _open_model(args)
     try:
-        _use_draft(args, settings, model)
         return _run_model(args, model)
     finally:
         model.close()
@@ -248,9 +234,7 @@ def _run_model(args: argparse.Namespace, model: Any) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import resource
 
-    settings = _settings(args)
-    model = _open_model(args, settings)
-    _use_draft(args, settings, model)
+    model = _open_model(args)
     from deltafind.engine.sampler import SamplingParams
 
     ids = model.tokenizer.encode(args.prompt)

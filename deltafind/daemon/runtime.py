@@ -98,9 +98,8 @@ class Runtime:
             s = self.settings
             args = getattr(self.model.net, "args", None)
             context = int(getattr(args, "max_position_embeddings", 0) or 4096)
-            draft, policy = self._draft(s)
             self.scheduler = Scheduler(self.model.net, self.model.eos_token_ids, self._limits(s, context),
-                                       draft=draft, draft_policy=policy)
+                                       draft=self.model.draft, draft_policy=self.model.draft_policy)
             notify.status("warming up")
             tok = self.model.tokenizer
             first = (tok.encode("Hi") or [tok.bos_token_id or 0])[:1]
@@ -128,53 +127,9 @@ class Runtime:
                 return
 
     def _open_model(self) -> Any:
-        import torch
-
         from deltafind.api import Model
-        from deltafind.store.experts import PrefetchOptions
-        from deltafind.store.reader import DriveOptions
 
-        s = self.settings
-        if s.device.threads:
-            torch.set_num_threads(s.device.threads)
-        p = s.prefetch
-        return Model.open(
-            store_dir(s), device=s.device.kind,  # resolved (auto: CUDA, MPS, CPU) and probed by Model.open
-            expert_cache_bytes=int(s.cache.expert_bytes),
-            dtype=s.device.dtype, drives=[DriveOptions(d.path, d.queue_depth, d.read_mb_s) for d in s.drives],
-            prefetch=PrefetchOptions(p.enabled, p.max_in_flight, p.recall_threshold),
-            pin_bytes=int(s.cache.pin_bytes), heat_decay=s.cache.heat_decay,
-            spine_bytes=None if s.cache.spine_bytes is None else int(s.cache.spine_bytes),
-            compile_kernels=s.device.compile,
-        )
-
-    def _draft(self, s: Settings) -> tuple[Any, Any]:
-        """[draft] as a source and policy; mode "on" without a usable source fails the load."""
-        from deltafind.api import Model, open_cross_draft
-        from deltafind.engine.draft.base import DraftError
-        from deltafind.engine.draft.load import source_from_settings
-
-        model = self.model
-        device = model.net.lm_head.weight.device
-
-        def open_model(path: Path) -> Any:
-            m = Model.open(path, device=device, dtype=s.device.dtype)
-            model._draft_models.append(m)  # closed with the target
-            return m
-
-        def open_cross(paths: list[Path]) -> Any:
-            # chat requests never use it (GenRequest.chat; the scheduler checks raw_only)
-            return open_cross_draft(model.tokenizer, paths, open_model=open_model)
-
-        try:
-            source, policy = source_from_settings(s.draft, model.net, target_store=store_dir(s), open_store=lambda p: open_model(p).net,
-                                                  device=device, open_cross=open_cross)
-        except DraftError as e:
-            raise DeltafindError(f"[draft] mode = \"on\" but source {s.draft.source!r} cannot draft: {e}; "
-                                 "set [draft] mode = \"auto\" to run without it") from e
-        if source is not None:
-            log.info("draft_ready", source=source.name, mode=policy.mode, max_width=policy.max_width)
-        return source, policy
+        return Model.open(settings=self.settings)  # device resolved (auto: CUDA, MPS, CPU) and probed; [draft] opened
 
     @staticmethod
     def _limits(s: Settings, context: int) -> SchedulerLimits:
@@ -199,8 +154,8 @@ class Runtime:
                     log.warning("reload_rejected", error=str(e))
                     return {"ok": False, "message": str(e), "applied": [], "restart_needed": self.pending_restart}
                 live, restart = changed_keys(self.settings, new)
-                self._apply(new, new_server, live)
                 self.settings = self._merge(self.settings, new, live)
+                self._apply(self.settings, new_server, live)
                 self.pending_restart = sorted(set(restart))
                 self.config_loaded_at = time.time()
                 log.info("reloaded", applied=live, restart_needed=self.pending_restart)
@@ -235,25 +190,7 @@ class Runtime:
             if d.mode != "off" and sched.draft is None:
                 log.warning("draft_reload_needs_restart", reason="started with [draft] mode = \"off\"; no source is loaded")
 
-        def on_engine() -> None:
-            from deltafind.store.experts import PrefetchOptions
-            from deltafind.store.heat import hottest, read_heat
-
-            ex = model.experts
-            if "cache.expert_bytes" in live:
-                ex.cache.resize(int(new.cache.expert_bytes))
-            if any(k.startswith("prefetch.") for k in live):
-                p = new.prefetch
-                ex.prefetch_options = PrefetchOptions(p.enabled, p.max_in_flight, p.recall_threshold)
-            if "cache.heat_decay" in live:
-                model.heat_decay = new.cache.heat_decay
-            if "cache.pin_bytes" in live:
-                ex.pinned.clear()
-                ex.pinned_bytes = 0
-                if int(new.cache.pin_bytes):
-                    ex.pin(hottest(read_heat(model.store_dir)), int(new.cache.pin_bytes))
-
-        sched.call(on_engine)
+        sched.call(lambda: model.apply_live(new, live))
 
     # -- drain / trace / status ------------------------------------------------
 

@@ -164,8 +164,8 @@ class EngineCore:
                 budget -= n
         for it in items:
             s = it.seq
-            if s.drafter is None or s.pending != 1 or budget <= 0:
-                continue
+            if s.drafter is None or s.pending != 1 or not s.num_generated or budget <= 0:
+                continue  # drafts follow the first token: the prompt (even a 1-token one) is prefilled alone
             width = min(s.drafter.width(s.num_generated), s.max_new - s.num_generated - 1, budget)
             if width > 0:
                 t0 = time.perf_counter()
