@@ -11,6 +11,7 @@ point that `cli` (run, bench) and the daemon's runtime use too.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from deltafind.engine.draft.load import source_from_settings
 from deltafind.engine.draft.policy import DraftStats, PolicyOptions
 from deltafind.engine.generate import forward_step, generate
 from deltafind.engine.sampler import SamplingParams
-from deltafind.engine.stats import GenerationStats
+from deltafind.engine.stats import EngineStats, GenerationStats
 from deltafind.errors import ConfigError, StoreError
 from deltafind.log import get_logger
 from deltafind.models.ops.batch import SequenceCache
@@ -60,6 +61,7 @@ class Model:
         self.draft: DraftSource | None = None  # speculative decoding (engine/speculative.py), see open_draft
         self.draft_policy = PolicyOptions()
         self.last_draft_stats = DraftStats()
+        self.last_engine_stats = EngineStats()
         self._draft_models: list[Model] = []
         self._drafts_by_spec: dict[str, tuple[DraftSource | None, PolicyOptions]] = {}  # generate(draft=) builds each once
         self.memory_lock = MemoryLock()
@@ -204,10 +206,12 @@ class Model:
             return forward_step(self.net, SequenceCache(self.net.num_layers), token_ids, all_logits=True).float()
 
     def stream(self, token_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
-        """Yield new tokens as they are chosen; stats land in `self.last_stats`."""
-        self.last_stats, self.last_draft_stats = GenerationStats(), DraftStats()
-        yield from generate(self.net, token_ids, params, self.eos_token_ids, self.last_stats,
-                            draft=self.draft, draft_policy=self.draft_policy, draft_stats=self.last_draft_stats)
+        """Yield new tokens as they are chosen (on the engine core, synchronously); figures land in
+        `last_stats`, `last_draft_stats` and `last_engine_stats` (the core's snapshot source)."""
+        self.last_stats, self.last_draft_stats, self.last_engine_stats = GenerationStats(), DraftStats(), EngineStats()
+        yield from generate(self.net, token_ids, params, self.eos_token_ids, self.last_stats, draft=self.draft,
+                            draft_policy=self.draft_policy, draft_stats=self.last_draft_stats,
+                            engine_stats=self.last_engine_stats)
 
     def generate(
         self,
@@ -233,6 +237,29 @@ class Model:
             return list(self.stream(token_ids, params))
         finally:
             self.draft, self.draft_policy = saved
+
+    def snapshot(self) -> dict[str, Any]:
+        """The store's figures as JSON-ready data (status --json, bench --json, --stats, /metrics): expert
+        cache and pin tier, reads, prefetch, drives and the streamed spine."""
+        ex = self.experts
+        e, layers = ex.stats, list(ex.stats.layers.values())
+        needed = sum(r.needed for r in layers)
+        out: dict[str, Any] = {
+            "cache_requested": e.requested, "cache_hits": e.cache_hits, "pinned_hits": e.pinned_hits,
+            "cache_hit_rate": (e.cache_hits + e.pinned_hits) / e.requested if e.requested else 0.0,
+            "cache_used_bytes": ex.cache.used_bytes, "cache_budget_bytes": ex.cache.budget_bytes or 0,
+            "cache_experts": len(ex.cache), "pinned_bytes": ex.pinned_bytes, "experts_read": e.read,
+            "bytes_read": e.bytes_read, "io_wait_s": e.wait_s, "prefetch_issued": e.prefetch_issued,
+            "prefetch_used": e.prefetch_used, "prefetch_wasted": e.prefetch_wasted,
+            "prefetch_recall": sum(r.hits for r in layers) / needed if needed else 0.0,
+            "drives": [{"index": i, "path": str(path), "healthy": os.access(path, os.R_OK), "reads": d.reads,
+                        "bytes_read": d.bytes, "read_gb_s": d.gb_s}
+                       for i, (path, d) in enumerate(zip(ex.reader.paths, ex.reader.stats, strict=True))],
+        }
+        if (sp := self.spine) is not None:
+            out["spine"] = {"resident_layers": sp.plan.resident_layers, "num_layers": sp.plan.num_layers,
+                            "layer_reads": sp.layers_read, "bytes_read": sp.bytes_read, "wait_s": sp.wait_s}
+        return out
 
     def save_heat(self) -> None:
         """Merge this run's expert uses into the store's heat file (a read-only store is logged, not fatal)."""

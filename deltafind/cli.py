@@ -164,29 +164,17 @@ def _stream_text(model: Any, ids: list[int], params: Any) -> str:
 
 
 def _print_stats(model: Any) -> None:
-    s, e, c = model.last_stats, model.experts.stats, model.experts.cache
-    drives = ", ".join(f"drive{i} {d.bytes / 2**20:.0f} MiB at {d.gb_s:.2f} GB/s" for i, d in enumerate(model.experts.reader.stats))
-    lines = [
-        f"prompt {s.prompt_tokens} tok, prefill {s.prefill_tok_s:.1f} tok/s",
-        f"generated {s.new_tokens} tok, decode {s.decode_tok_s:.1f} tok/s, finish {s.finish_reason}",
-        f"experts requested {e.requested}, read {e.read} ({e.bytes_read / 2**20:.1f} MiB), cache hits {e.cache_hits}, pinned hits {e.pinned_hits}, cache {c.used_bytes / 2**20:.1f} MiB in {len(c)} experts",
-        f"io wait {e.wait_s:.3f} s; prefetch issued {e.prefetch_issued}, used {e.prefetch_used}, wasted {e.prefetch_wasted}; {drives}",
-    ]
-    if (sp := model.spine) is not None:
-        lines.append(f"spine: {sp.plan.resident_layers} of {sp.plan.num_layers} layers resident, {sp.layers_read} layer reads "
-                     f"({sp.bytes_read / 2**20:.1f} MiB), waited {sp.wait_s:.3f} s")
-    if (line := _draft_line(model)) is not None:
-        lines.append(line)
+    """`--stats`: this reply's figures, then the store's snapshot, rendered as `deltafinctl status` renders it."""
+    from deltafind.control.ctl import draft_line, store_lines
+
+    s = model.last_stats
+    lines = [f"prompt {s.prompt_tokens} tok, prefill {s.prefill_tok_s:.1f} tok/s",
+             f"generated {s.new_tokens} tok, decode {s.decode_tok_s:.1f} tok/s, finish {s.finish_reason}",
+             *store_lines(model.snapshot())]
+    if model.draft is not None:
+        lines.append(draft_line(model.last_draft_stats.source or model.draft.name, model.draft_policy.mode,
+                                model.last_draft_stats.as_dict()))
     print("\n".join("[stats] " + line for line in lines), file=sys.stderr)
-
-
-def _draft_line(model: Any) -> str | None:
-    d = model.last_draft_stats
-    if model.draft is None:
-        return None
-    saved = f", saved ~{d.saved_s:.2f} s" if d.steps else ""
-    return (f"draft {d.source} ({model.draft_policy.mode}): {d.accepted} of {d.proposed} proposed accepted "
-            f"({d.acceptance_rate:.0%}), {d.steps} verify passes{saved}" + (f", {d.failures} failed" if d.failures else ""))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -241,7 +229,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     list(model.stream(ids, params))  # warm-up (fills the cache as far as its budget allows)
     e0 = (model.experts.stats.read, model.experts.stats.bytes_read)
-    list(model.stream(ids, params))
+    tokens = list(model.stream(ids, params))
     s, e = model.last_stats, model.experts.stats
     result = {
         "bench": "decode",
@@ -255,8 +243,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "cache_hit_rate": round(e.cache_hits / max(1, e.requested), 4),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "draft": model.last_draft_stats.as_dict() if model.draft is not None else None,
+        "token_ids": tokens,
+        "snapshot": {"engine": model.last_engine_stats.snapshot(), "store": model.snapshot()},  # as `status --json`
     }
-    print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
+    print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items() if k not in ("token_ids", "snapshot")))
+    model.close()
     return 0
 
 

@@ -9,6 +9,7 @@ app state and the control service.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -107,7 +108,7 @@ class Runtime:
             if fin.reason == "error":
                 raise DeltafindError(f"warm-up failed: {fin.error}")
             self.context_length = context
-            self.state.set_ready(ReadyEngine(self.scheduler, tok, model_name(s), context, extra_metrics=self.store_metrics))
+            self.state.set_ready(ReadyEngine(self.scheduler, tok, model_name(s), context, store_snapshot=self.store_snapshot))
             log.info("model_ready", store=str(store_dir(s)), family=self.model.manifest.family,
                      load_s=round(time.monotonic() - t0, 2), context=context)
             notify.ready(f"serving {model_name(s)}")
@@ -240,6 +241,7 @@ class Runtime:
         return {"active": start, "path": self.trace_path or ""}
 
     def status(self) -> dict[str, Any]:
+        """The daemon's own figures, then the engine's and the store's snapshots (flat, as StatusReply names them)."""
         s = self.settings
         out: dict[str, Any] = {
             "model": model_name(s), "version": __version__, "pid": os.getpid(), "uptime_s": time.time() - self.started_at,
@@ -248,53 +250,19 @@ class Runtime:
             "restart_needed": list(self.pending_restart), "trace_path": self.trace_path or "",
             "draining": False, "running": 0, "waiting": 0, "tok_s": 0.0, "drives": [],
         }
+        engine: dict[str, Any] = {}
         if self.scheduler is not None:
-            st = self.scheduler.status()
-            out.update(draining=st.draining, running=st.running, waiting=st.waiting, tok_s=st.tok_s,
-                       steps=st.stats.steps, generated_tokens=st.stats.generated_tokens, max_running=st.limits.max_running,
-                       max_queue=st.limits.max_queue, prefix_hits=st.prefix_hits)
-            d = st.stats.draft
-            out.update(draft_source=st.draft_source, draft_mode=st.draft_mode,
-                       draft_proposed=d.proposed, draft_accepted=d.accepted, draft_acceptance_rate=d.acceptance_rate,
-                       draft_verify_passes=d.steps, draft_saved_s=d.saved_s, draft_failures=d.failures)
-        if self.model is not None:
-            ex = self.model.experts
-            e = ex.stats
-            layers = list(e.layers.values())
-            needed = sum(r.needed for r in layers)
-            out.update(
-                cache_requested=e.requested, cache_hits=e.cache_hits, pinned_hits=e.pinned_hits,
-                cache_hit_rate=(e.cache_hits + e.pinned_hits) / e.requested if e.requested else 0.0,
-                cache_used_bytes=ex.cache.used_bytes, cache_budget_bytes=ex.cache.budget_bytes or 0,
-                pinned_bytes=ex.pinned_bytes, experts_read=e.read, bytes_read=e.bytes_read,
-                prefetch_issued=e.prefetch_issued, prefetch_used=e.prefetch_used, prefetch_wasted=e.prefetch_wasted,
-                prefetch_recall=sum(r.hits for r in layers) / needed if needed else 0.0,
-            )
-            for i, (path, d) in enumerate(zip(ex.reader.paths, ex.reader.stats, strict=True)):
-                out["drives"].append({"index": i, "path": str(path), "healthy": os.access(path, os.R_OK),
-                                      "reads": d.reads, "bytes_read": d.bytes, "read_gb_s": d.gb_s})
+            engine = self.scheduler.status().snapshot()
+            d = engine["draft"]
+            out.update(engine, draft_proposed=d["proposed"], draft_accepted=d["accepted"],
+                       draft_acceptance_rate=d["acceptance_rate"], draft_verify_passes=d["steps"],
+                       draft_saved_s=d["saved_s"], draft_failures=d["failures"])
+        store = self.store_snapshot()
+        out.update(store, snapshot_json=json.dumps({"engine": engine, "store": store}))
         return out
 
-    def store_metrics(self) -> list[tuple[str, str, str, list[tuple[dict[str, str], float]]]]:
-        st = self.status()
-        if self.model is None:
-            return []
-        drives = st["drives"]
-        return [
-            ("deltafind_expert_requests_total", "counter", "Expert fetches asked by the model.", [({}, float(st["cache_requested"]))]),
-            ("deltafind_expert_cache_hits_total", "counter", "Expert fetches served from memory, by tier.",
-             [({"tier": "cache"}, float(st["cache_hits"])), ({"tier": "pinned"}, float(st["pinned_hits"]))]),
-            ("deltafind_expert_cache_hit_ratio", "gauge", "Share of expert fetches served from memory.", [({}, st["cache_hit_rate"])]),
-            ("deltafind_expert_cache_bytes", "gauge", "Bytes of experts held in the cache.", [({}, float(st["cache_used_bytes"]))]),
-            ("deltafind_drive_read_bytes_total", "counter", "Bytes read per drive.",
-             [({"drive": str(d["index"])}, float(d["bytes_read"])) for d in drives]),
-            ("deltafind_drive_healthy", "gauge", "1 when the drive's pack is readable.",
-             [({"drive": str(d["index"])}, float(d["healthy"])) for d in drives]),
-            ("deltafind_prefetch_recall", "gauge", "Share of routed experts that prefetch predicted.", [({}, st["prefetch_recall"])]),
-            ("deltafind_prefetch_reads_total", "counter", "Prefetch reads, by outcome.",
-             [({"outcome": "issued"}, float(st["prefetch_issued"])), ({"outcome": "used"}, float(st["prefetch_used"])),
-              ({"outcome": "wasted"}, float(st["prefetch_wasted"]))]),
-        ]
+    def store_snapshot(self) -> dict[str, Any]:
+        return self.model.snapshot() if self.model is not None else {}
 
     def close(self) -> None:
         self._stop.set()

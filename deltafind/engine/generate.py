@@ -18,7 +18,7 @@ from deltafind.engine.core import EngineCore, SchedulerLimits
 from deltafind.engine.draft.policy import DraftStats, PolicyOptions
 from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.sequence import FinishEvent, GenRequest
-from deltafind.engine.stats import GenerationStats
+from deltafind.engine.stats import EngineStats, GenerationStats
 from deltafind.errors import DeltafindError
 from deltafind.models.ops.batch import Batch, SequenceCache
 
@@ -36,16 +36,20 @@ def generate(
     net: torch.nn.Module, prompt_ids: Sequence[int], params: SamplingParams, eos_token_ids: Sequence[int] = (),
     stats: GenerationStats | None = None, draft: Any = None, draft_policy: PolicyOptions | None = None,
     draft_stats: DraftStats | None = None, *, request: GenRequest | None = None, limits: SchedulerLimits | None = None,
+    engine_stats: EngineStats | None = None,
 ) -> Iterator[int]:
     """Yield new token ids for `prompt_ids` under `params` (or for `request`, when given).
 
     With `draft` (a `DraftSource`) decoding is speculative: the same tokens under greedy,
     the same distribution under sampling. The whole prompt is prefilled in one pass.
+    `stats`, `draft_stats` and `engine_stats` (the core's counters and histograms) are filled.
     """
     req = request or GenRequest(tuple(prompt_ids), params)
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(req.prompt_ids)
     core = EngineCore(net, eos_token_ids, limits or ONE_AT_A_TIME, draft, draft_policy)
+    if engine_stats is not None:
+        core.stats = engine_stats
     if draft_stats is not None:
         core.stats.draft = draft_stats
     core.add(req, 0)

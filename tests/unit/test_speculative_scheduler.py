@@ -197,14 +197,14 @@ def test_penalties_and_logprobs_with_drafts_equal_drafting_off(stores: dict[str,
 
 
 def test_metrics_report_the_schedulers_draft_counters(stores: dict[str, Model]) -> None:
-    from deltafind.server.metrics import engine_metrics, render
+    from deltafind.server.metrics import ServerMetrics, render
 
     model = stores["moe"]
     sched = Scheduler(model.net, (), SchedulerLimits(max_running=2), draft=NgramSource(), draft_policy=ON)
     try:
         for req, _ in _requests(model)[:3]:
             collect(sched.submit(req), timeout=60)
-        text = render(engine_metrics(sched.status()))
+        text = render(ServerMetrics().snapshot(), True, sched.status().snapshot())
     finally:
         sched.close()
     d = sched.stats.draft
