@@ -115,17 +115,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """`run`/`bench` flags as settings overrides, as `serve`'s are (None: flag not given)."""
+    from deltafind.api import draft_settings
+
     spec = getattr(args, "draft", None)
-    draft = None
-    if spec is not None:
-        mode = spec if spec in ("off", "auto") else "on"
-        draft = {"mode": mode, "source": spec if mode == "on" else "auto"}
     return {
         "model": {"store": Path(args.store).expanduser() if getattr(args, "store", None) else None},
         "device": {"kind": getattr(args, "device", None), "threads": getattr(args, "threads", None)},
         "cache": {"expert_bytes": getattr(args, "cache_bytes", None), "spine_bytes": getattr(args, "spine_bytes", None)},
         "prefetch": {"enabled": False if getattr(args, "no_prefetch", False) else None},
-        "draft": draft,
+        "draft": draft_settings(spec).model_dump(include={"mode", "source"}) if spec is not None else None,
     }
 
 

@@ -51,10 +51,10 @@ def store_lines(s: dict[str, Any]) -> list[str]:
     """The store snapshot (api.Model.snapshot) as text: `deltafinctl status` and `run --stats` both print it."""
     lines = [
         f"experts requested {s['cache_requested']}, read {s['experts_read']} ({_mib(s['bytes_read'])}), cache hits "
-        f"{s['cache_hits']}, pinned hits {s['pinned_hits']} ({100 * s['cache_hit_rate']:.1f}%), cache "
-        f"{_mib(s['cache_used_bytes'])} of {_mib(s['cache_budget_bytes'])}, pinned {_mib(s['pinned_bytes'])}",
+        f"{s['cache_hits']}, pinned hits {s['pinned_hits']} ({100 * s['cache_hit_rate']:.1f}%), cache {_mib(s['cache_used_bytes'])} "
+        f"of {_mib(s['cache_budget_bytes'])} ({s.get('cache_experts', 0)} experts), pinned {_mib(s['pinned_bytes'])}",
         f"prefetch   issued {s['prefetch_issued']}, used {s['prefetch_used']}, wasted {s['prefetch_wasted']}, "
-        f"recall {100 * s['prefetch_recall']:.1f}%",
+        f"recall {100 * s['prefetch_recall']:.1f}%, io wait {s.get('io_wait_s', 0.0):.3f} s",
     ]
     for d in s["drives"]:
         lines.append(f"drive {d['index']}    {'ok' if d['healthy'] else 'UNREADABLE'} {d['path']}: {d['reads']} reads, "
@@ -80,11 +80,10 @@ def summary(s: dict[str, Any]) -> str:
         f"requests   {s['running']}/{s['max_running']} running, {s['waiting']} waiting (queue {s['max_queue']}), "
         f"{s['tok_s']:.1f} tok/s, {s['generated_tokens']} tokens in {s['steps']} steps",
     ]
-    lines += store_lines({**s, **(s.get("snapshot") or {}).get("store", {})})
-    if s.get("draft_source"):
-        lines.append(draft_line(s["draft_source"], s["draft_mode"], {
-            "accepted": s["draft_accepted"], "proposed": s["draft_proposed"], "acceptance_rate": s["draft_acceptance_rate"],
-            "steps": s["draft_verify_passes"], "saved_s": s["draft_saved_s"], "failures": s["draft_failures"]}))
+    snap = s.get("snapshot") or {}
+    lines += store_lines({**s, **snap.get("store", {})})
+    if s.get("draft_source") and "engine" in snap:
+        lines.append(draft_line(s["draft_source"], s["draft_mode"], snap["engine"]["draft"]))
     lines.append(f"config     {s['config_path'] or '(defaults)'}, loaded {loaded}")
     if s["restart_needed"]:
         lines.append(f"restart    needed for {', '.join(s['restart_needed'])}")

@@ -87,8 +87,3 @@ class GenerationStats:
         # the first new token comes from prefill; decode steps produce the rest
         steps = max(self.new_tokens - 1, 0)
         return steps / self.decode_s if self.decode_s else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
-                "prefill_tok_s": round(self.prefill_tok_s, 2), "decode_tok_s": round(self.decode_tok_s, 2),
-                "finish_reason": self.finish_reason}

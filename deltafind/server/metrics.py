@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client.core import (
@@ -27,25 +27,31 @@ from deltafind.engine.stats import HISTOGRAMS
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-ENGINE_GAUGES = {  # snapshot key -> (metric, help)
-    "waiting": ("deltafind_queue_waiting", "Requests waiting for a free slot."),
-    "running": ("deltafind_sequences_running", "Sequences generating now."),
-    "draining": ("deltafind_draining", "1 while the server refuses new requests."),
-    "tok_s": ("deltafind_decode_tokens_per_second", "Tokens generated per second over the last 10 s."),
-    "prefix_bytes": ("deltafind_prefix_cache_bytes", "Bytes held by the prefix cache."),
-}
-ENGINE_COUNTERS = {
-    "steps": ("deltafind_engine_steps", "Forward steps run."),
-    "prompt_tokens": ("deltafind_prompt_tokens", "Prompt tokens run through the model."),
-    "generated_tokens": ("deltafind_generated_tokens", "Tokens generated."),
-    "prefix_hits": ("deltafind_prefix_cache_hits", "Prompts that reused a cached prefix."),
-    "step_errors": ("deltafind_engine_step_errors", "Forward steps that failed (their sequences ended with an error)."),
-}
-STORE_GAUGES = {
-    "cache_hit_rate": ("deltafind_expert_cache_hit_ratio", "Share of expert fetches served from memory."),
-    "cache_used_bytes": ("deltafind_expert_cache_bytes", "Bytes of experts held in the cache."),
-    "prefetch_recall": ("deltafind_prefetch_recall", "Share of routed experts that prefetch predicted."),
-}
+SCALARS = [  # (snapshot, key, metric, kind, help): one unlabelled sample each
+    ("server", "prompt_tokens", "deltafind_request_prompt_tokens", "counter", "Prompt tokens of accepted requests."),
+    ("server", "completion_tokens", "deltafind_request_completion_tokens", "counter", "Completion tokens sent to clients."),
+    ("engine", "waiting", "deltafind_queue_waiting", "gauge", "Requests waiting for a free slot."),
+    ("engine", "running", "deltafind_sequences_running", "gauge", "Sequences generating now."),
+    ("engine", "draining", "deltafind_draining", "gauge", "1 while the server refuses new requests."),
+    ("engine", "tok_s", "deltafind_decode_tokens_per_second", "gauge", "Tokens generated per second over the last 10 s."),
+    ("engine", "prefix_bytes", "deltafind_prefix_cache_bytes", "gauge", "Bytes held by the prefix cache."),
+    ("engine", "steps", "deltafind_engine_steps", "counter", "Forward steps run."),
+    ("engine", "prompt_tokens", "deltafind_prompt_tokens", "counter", "Prompt tokens run through the model."),
+    ("engine", "generated_tokens", "deltafind_generated_tokens", "counter", "Tokens generated."),
+    ("engine", "prefix_hits", "deltafind_prefix_cache_hits", "counter", "Prompts that reused a cached prefix."),
+    ("engine", "step_errors", "deltafind_engine_step_errors", "counter", "Forward steps that failed (their sequences ended with an error)."),
+    ("store", "cache_requested", "deltafind_expert_requests", "counter", "Expert fetches asked by the model."),
+    ("store", "cache_hit_rate", "deltafind_expert_cache_hit_ratio", "gauge", "Share of expert fetches served from memory."),
+    ("store", "cache_used_bytes", "deltafind_expert_cache_bytes", "gauge", "Bytes of experts held in the cache."),
+    ("store", "prefetch_recall", "deltafind_prefetch_recall", "gauge", "Share of routed experts that prefetch predicted."),
+]
+
+
+def family(kind: str, name: str, help_: str, samples: list[tuple[list[str], float]], labels: Sequence[str] = ()) -> Metric:
+    out = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, help_, labels=list(labels))
+    for values, value in samples:
+        out.add_metric(values, float(value))
+    return out
 
 
 class ServerMetrics:
@@ -75,80 +81,49 @@ class ServerMetrics:
 
 
 class SnapshotCollector(Collector):
-    """One scrape's snapshots (server, ready flag, engine, store) as metric families."""
+    """One scrape's snapshots (server, engine, store; None: not loaded yet) as metric families."""
 
     def __init__(self, server: dict[str, Any], ready: bool, engine: dict[str, Any] | None, store: dict[str, Any] | None) -> None:
-        self.server, self.ready, self.engine, self.store = server, ready, engine, store
+        self.snaps, self.ready = {"server": server, "engine": engine, "store": store or None}, ready
 
     def collect(self) -> Iterator[Metric]:
-        s = self.server
-        reqs = CounterMetricFamily("deltafind_http_requests", "HTTP requests by endpoint and status.", labels=["endpoint", "status"])
-        for (endpoint, status), n in sorted(s["requests"].items()):
-            reqs.add_metric([endpoint, status], n)
-        yield reqs
-        yield CounterMetricFamily("deltafind_request_prompt_tokens", "Prompt tokens of accepted requests.", s["prompt_tokens"])
-        yield CounterMetricFamily("deltafind_request_completion_tokens", "Completion tokens sent to clients.", s["completion_tokens"])
-        yield GaugeMetricFamily("deltafind_ready", "1 once the model is loaded and warmed up.", float(self.ready))
-        if self.engine is not None:
-            yield from engine_families(self.engine)
-        if self.store:
-            yield from store_families(self.store)
-
-
-def engine_families(e: dict[str, Any]) -> Iterator[Metric]:
-    for key, (name, help_) in ENGINE_GAUGES.items():
-        yield GaugeMetricFamily(name, help_, float(e[key]))
-    for key, (name, help_) in ENGINE_COUNTERS.items():
-        yield CounterMetricFamily(name, help_, e.get(key, 0))
-    finished = CounterMetricFamily("deltafind_sequences_finished", "Sequences ended, by reason.", labels=["reason"])
-    for reason, n in sorted(e["finished"].items()):
-        finished.add_metric([reason], n)
-    yield finished
-    for key, (_, help_) in HISTOGRAMS.items():
-        h = e["histograms"][key]
-        cumulative, buckets = 0, []
-        for le, n in zip([*h["buckets"], float("inf")], h["counts"], strict=True):
-            cumulative += n
-            buckets.append(("+Inf" if le == float("inf") else repr(le), cumulative))
-        yield HistogramMetricFamily(f"deltafind_{key}", help_, buckets=buckets, sum_value=h["sum"])
-    d, src = e["draft"], [e.get("draft_source") or e["draft"]["source"] or "none"]
-    tokens = CounterMetricFamily("deltafind_draft_tokens", "Draft tokens, proposed and accepted by the target.",
-                                 labels=["source", "outcome"])
-    tokens.add_metric([*src, "proposed"], d["proposed"])
-    tokens.add_metric([*src, "accepted"], d["accepted"])
-    yield tokens
-    for name, kind, help_, value in [
-        ("deltafind_draft_acceptance_ratio", GaugeMetricFamily, "Share of proposed draft tokens the target accepted.",
-         d["acceptance_rate"]),
-        ("deltafind_draft_verify_passes", CounterMetricFamily, "Target passes that verified a draft.", d["steps"]),
-        ("deltafind_draft_saved_seconds", GaugeMetricFamily, "Estimated decode time drafting saved (negative: lost): "
-         "emitted tokens x target-only step time - drafting step time.", d["saved_s"]),
-        ("deltafind_draft_failures", CounterMetricFamily, "Draft failures that fell back to target-only.", d["failures"]),
-    ]:
-        family = kind(name, help_, labels=["source"])
-        family.add_metric(src, value)
-        yield family
-
-
-def store_families(st: dict[str, Any]) -> Iterator[Metric]:
-    yield CounterMetricFamily("deltafind_expert_requests", "Expert fetches asked by the model.", st["cache_requested"])
-    hits = CounterMetricFamily("deltafind_expert_cache_hits", "Expert fetches served from memory, by tier.", labels=["tier"])
-    hits.add_metric(["cache"], st["cache_hits"])
-    hits.add_metric(["pinned"], st["pinned_hits"])
-    yield hits
-    for key, (name, help_) in STORE_GAUGES.items():
-        yield GaugeMetricFamily(name, help_, float(st[key]))
-    reads = CounterMetricFamily("deltafind_drive_read_bytes", "Bytes read per drive.", labels=["drive"])
-    healthy = GaugeMetricFamily("deltafind_drive_healthy", "1 when the drive's pack is readable.", labels=["drive"])
-    for d in st["drives"]:
-        reads.add_metric([str(d["index"])], d["bytes_read"])
-        healthy.add_metric([str(d["index"])], float(d["healthy"]))
-    yield reads
-    yield healthy
-    prefetch = CounterMetricFamily("deltafind_prefetch_reads", "Prefetch reads, by outcome.", labels=["outcome"])
-    for outcome in ("issued", "used", "wasted"):
-        prefetch.add_metric([outcome], st[f"prefetch_{outcome}"])
-    yield prefetch
+        server, e, st = self.snaps["server"], self.snaps["engine"], self.snaps["store"]
+        yield family("counter", "deltafind_http_requests", "HTTP requests by endpoint and status.",
+                     [([ep, code], n) for (ep, code), n in sorted(server["requests"].items())], ["endpoint", "status"])
+        yield family("gauge", "deltafind_ready", "1 once the model is loaded and warmed up.", [([], self.ready)])
+        for snap, key, name, kind, help_ in SCALARS:
+            if self.snaps[snap] is not None:
+                yield family(kind, name, help_, [([], self.snaps[snap][key])])  # type: ignore[index]
+        if e is not None:
+            yield family("counter", "deltafind_sequences_finished", "Sequences ended, by reason.",
+                         [([r], n) for r, n in sorted(e["finished"].items())], ["reason"])
+            for key, (_, help_) in HISTOGRAMS.items():
+                h, total, buckets = e["histograms"][key], 0, []
+                for le, n in zip([*h["buckets"], "+Inf"], h["counts"], strict=True):
+                    total += n
+                    buckets.append((le if le == "+Inf" else repr(le), total))
+                yield HistogramMetricFamily(f"deltafind_{key}", help_, buckets=buckets, sum_value=h["sum"])
+            d, src = e["draft"], [e.get("draft_source") or e["draft"]["source"] or "none"]
+            yield family("counter", "deltafind_draft_tokens", "Draft tokens, proposed and accepted by the target.",
+                         [([*src, "proposed"], d["proposed"]), ([*src, "accepted"], d["accepted"])], ["source", "outcome"])
+            for kind, name, key, help_ in [
+                ("gauge", "deltafind_draft_acceptance_ratio", "acceptance_rate", "Share of proposed draft tokens the target accepted."),
+                ("counter", "deltafind_draft_verify_passes", "steps", "Target passes that verified a draft."),
+                ("gauge", "deltafind_draft_saved_seconds", "saved_s", "Estimated decode time drafting saved (negative: "
+                 "lost): emitted tokens x target-only step time - drafting step time."),
+                ("counter", "deltafind_draft_failures", "failures", "Draft failures that fell back to target-only."),
+            ]:
+                yield family(kind, name, help_, [(src, d[key])], ["source"])
+        if st is not None:
+            yield family("counter", "deltafind_expert_cache_hits", "Expert fetches served from memory, by tier.",
+                         [(["cache"], st["cache_hits"]), (["pinned"], st["pinned_hits"])], ["tier"])
+            drives = [[str(d["index"])] for d in st["drives"]]
+            yield family("counter", "deltafind_drive_read_bytes", "Bytes read per drive.",
+                         [(i, d["bytes_read"]) for i, d in zip(drives, st["drives"], strict=True)], ["drive"])
+            yield family("gauge", "deltafind_drive_healthy", "1 when the drive's pack is readable.",
+                         [(i, d["healthy"]) for i, d in zip(drives, st["drives"], strict=True)], ["drive"])
+            yield family("counter", "deltafind_prefetch_reads", "Prefetch reads, by outcome.",
+                         [([o], st[f"prefetch_{o}"]) for o in ("issued", "used", "wasted")], ["outcome"])
 
 
 def render(server: dict[str, Any], ready: bool = False, engine: dict[str, Any] | None = None,
