@@ -16,6 +16,7 @@ import torch
 from deltafind import Model
 from deltafind.engine.constraint import apply
 from deltafind.engine.core import EngineCore, SchedulerLimits
+from deltafind.engine.draft.base import Proposal
 from deltafind.engine.draft.ngram import NgramSource
 from deltafind.engine.draft.policy import DraftStats, PolicyOptions
 from deltafind.engine.draft.self_draft import SelfDraftSource
@@ -183,7 +184,37 @@ def _exact_joint(model: Model, prompt: list[int], params: SamplingParams, vocab:
     return out
 
 
-@pytest.mark.parametrize("draft", [None, "self1"])
+class Oracle:
+    """A deterministic draft (q None) that proposes constrained greedy decoding's tokens: under sampling
+    the verifier accepts them often, not always."""
+
+    name, capture_layers = "oracle", ()
+
+    def __init__(self, model: Model, prompt_len: int) -> None:
+        self.model, self.n = model, prompt_len
+
+    def session(self, prompt_ids):
+        src = self
+
+        class Session:
+            def propose(self, history, width, params, generator):
+                c = Automaton(src.model.net.lm_head.weight.shape[0])
+                assert all(c.advance(t) for t in history[src.n :])
+                return Proposal(reference(src.model, list(history), width, c))
+
+            def commit(self, history, captured):
+                pass
+
+            def close(self):
+                pass
+
+        return Session()
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("draft", [None, "self1", "oracle"])
 def test_sampled_constrained_output_follows_the_masked_distribution(model: Model, draft) -> None:
     vocab = model.net.lm_head.weight.shape[0]
     prompt = [2, 5, 2, 5, 2, 5, 2]
@@ -192,14 +223,16 @@ def test_sampled_constrained_output_follows_the_masked_distribution(model: Model
     keys = list(exact)
     counts = torch.zeros(len(keys) + 1, dtype=torch.long)
     stats = DraftStats()
-    source = SelfDraftSource(model.net, 1) if draft else None
+    source = {None: None, "self1": SelfDraftSource(model.net, 1), "oracle": Oracle(model, len(prompt))}[draft]
     for seed in range(600):
         req = GenRequest(tuple(prompt), SamplingParams(max_new_tokens=3, temperature=1.0, top_k=3, seed=seed),
                          constraint=lambda: Automaton(vocab))
         got = tuple(generate(model.net, prompt, req.params, (), draft=source, draft_policy=ON, draft_stats=stats, request=req))
         counts[keys.index(got) if got in exact else len(keys)] += 1
     assert chi2_pvalue(counts, torch.tensor([*exact.values(), 0.0])) > ALPHA
-    if source is not None:
+    if draft == "self1":  # its unconstrained drafts are mostly forbidden by the mask, hence rejected
+        assert stats.proposed > stats.accepted
+    if draft == "oracle":
         assert stats.proposed > stats.accepted > 0
 
 
