@@ -5,29 +5,35 @@
     ids = model.tokenizer.encode("The capital of France is")
     print(model.tokenizer.decode(model.generate(ids, max_new_tokens=16)))
 
-Wires store, model family, engine and tokenizer together (as `cli` does).
+Wires store, model family, engine and tokenizer together from `Settings`: the one wiring
+point that `cli` (run, bench) and the daemon's runtime use too.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
+from pydantic import ValidationError
 
+from deltafind.config import ByteSize, DraftSettings, Settings, load_settings
 from deltafind.device.device_cache import DeviceExpertCache
 from deltafind.device.device_cache import spine_budget as device_spine_budget
 from deltafind.device.select import START_ERRORS as DEVICE_START_ERRORS
 from deltafind.device.select import DeviceError, start_device
 from deltafind.device.select import release as release_device
 from deltafind.device.staging import make_stager, read_buffer_pool
-from deltafind.engine.draft.base import DraftSource
+from deltafind.engine.draft.base import DraftError, DraftSource
 from deltafind.engine.draft.cross import CrossDraftModel, CrossTokenizerSource, TextCodec
-from deltafind.engine.draft.load import make_draft_source
+from deltafind.engine.draft.load import source_from_settings
 from deltafind.engine.draft.policy import DraftStats, PolicyOptions
-from deltafind.engine.generate import GenerationStats, forward_step, generate
+from deltafind.engine.generate import forward_step, generate
 from deltafind.engine.sampler import SamplingParams
-from deltafind.errors import StoreError
+from deltafind.engine.stats import EngineStats, GenerationStats
+from deltafind.errors import ConfigError, StoreError
 from deltafind.log import get_logger
 from deltafind.models.ops.batch import SequenceCache
 from deltafind.models.ops.mxfp4 import use_compile
@@ -41,92 +47,82 @@ from deltafind.store.trace import TraceWriter
 from deltafind.tokenizer import Tokenizer
 
 log = get_logger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class Model:
     """A store opened for inference: the resident spine plus streamed experts."""
 
-    def __init__(self, store_dir: Path, manifest: Manifest, net: torch.nn.Module, experts: StoreExperts, tokenizer: Tokenizer) -> None:
+    def __init__(self, store_dir: Path, manifest: Manifest, net: torch.nn.Module, experts: StoreExperts, tokenizer: Tokenizer,
+                 settings: Settings) -> None:
         self.store_dir, self.manifest, self.net, self.experts, self.tokenizer = store_dir, manifest, net, experts, tokenizer
+        self.settings = settings  # what it was opened with (reload: apply_live)
         self.last_stats = GenerationStats()
-        self.heat_decay = 0.99
         self.spine: SpineStreamer | None = None  # streams the layers past the resident prefix
-        self.draft: DraftSource | None = None  # speculative decoding (engine/speculative.py), see use_draft
+        self.draft: DraftSource | None = None  # speculative decoding (engine/speculative.py), see open_draft
         self.draft_policy = PolicyOptions()
         self.last_draft_stats = DraftStats()
+        self.last_engine_stats = EngineStats()
         self._draft_models: list[Model] = []
         self._drafts_by_spec: dict[str, tuple[DraftSource | None, PolicyOptions]] = {}  # generate(draft=) builds each once
         self.memory_lock = MemoryLock()
 
     @classmethod
-    def open(
-        cls,
-        store_dir: str | Path,
-        device: str | torch.device = "cpu",
-        expert_cache_bytes: int | None = None,
-        dtype: str = "float32",
-        drives: list[DriveOptions] | None = None,
-        prefetch: PrefetchOptions | bool = True,
-        direct_io: bool = True,
-        pin_bytes: int = 0,
-        trace_path: str | Path | None = None,
-        heat_decay: float = 0.99,
-        spine_bytes: int | None = None,
-        mlock: bool = True,
-        verify: str = "fast",
-        fallback: bool = True,
-        compile_kernels: bool = False,
-        draft: str = "off",
-        draft_max_width: int = 7,
-    ) -> Model:
-        """Load the spine of the store at `store_dir`; experts stream on demand.
+    def open(cls, store_dir: str | Path | None = None, settings: Settings | None = None, *,
+             trace_path: str | Path | None = None, **overrides: Any) -> Model:
+        """Load the spine of the store at `store_dir` (else `[model] store`); experts stream on demand.
 
-        `expert_cache_bytes=None` keeps every expert read (unlimited cache);
-        0 reads every expert every time it is used. `drives` sets per-drive
-        queue depth and (for benchmarks) a read-rate cap, in the store's drive order.
-        `pin_bytes` keeps the store's hottest experts (by its heat file) resident;
-        `trace_path` appends a router trace (JSONL). `spine_bytes` bounds the spine's
-        memory (None: all resident): the largest prefix of layers that fits stays
-        resident, the rest streams layer by layer. `mlock` pins the resident spine
-        where RLIMIT_MEMLOCK allows (logged once when it does not). `verify` checks each
-        expert read: "fast" (xxh3_64), "full" (sha256 too) or "off" (benchmarks only). `device` is a
-        `[device] kind` (auto, cpu, cuda, cuda:N, mps); if it is unusable or fails
-        while the model is placed on it, `fallback` opens on the CPU instead (logged).
-        `compile_kernels` torch.compiles the MXFP4 dequantisation on a GPU ([device] compile).
+        The one wiring point: everything comes from `settings` (default: `load_settings()`,
+        the config file and DELTAFIND_* variables), with `overrides` as simple keywords on top:
+        device, dtype, compile_kernels, threads ([device]); expert_cache_bytes (None: keep every
+        expert read), pin_bytes, spine_bytes, heat_decay ([cache]); prefetch (bool or
+        PrefetchOptions); drives (DriveOptions per store drive); draft, draft_max_width ([draft]).
+        `trace_path` appends a router trace (JSONL). A device that is unusable, or fails while
+        the model is placed on it, falls back to the CPU (logged).
         """
-        # every other argument, handed unchanged to the on-device attempt below (first line: nothing else is local yet)
-        options = {k: v for k, v in locals().items() if k not in ("cls", "store_dir", "device", "fallback")}
+        settings = settings_with(settings, store_dir, overrides)
+        if settings.device.threads:
+            torch.set_num_threads(settings.device.threads)
+        device = start_device(settings.device.kind)  # auto picks CUDA, then MPS, then CPU; an unusable one gives the CPU
+        try:
+            model = cls._load(settings, device, trace_path)
+        except DEVICE_START_ERRORS as e:
+            if device.type == "cpu":
+                raise
+            log.error("device_failed_at_start", device=str(device), error=f"{type(e).__name__}: {e}", fallback="cpu")
+            release_device(device)
+            model = cls._load(settings, torch.device("cpu"), trace_path)
+        try:
+            model.open_draft(settings.draft)
+        except BaseException:
+            model.close()
+            raise
+        return model
+
+    @classmethod
+    def _load(cls, settings: Settings, device: torch.device, trace_path: str | Path | None) -> Model:
         from safetensors import safe_open
 
-        device = start_device(device)  # auto picks CUDA, then MPS, then CPU; an unusable device logs and gives the CPU
-        if device.type != "cpu" and fallback:
-            try:
-                return cls.open(store_dir, device, **options, fallback=False)
-            except DEVICE_START_ERRORS as e:
-                log.error("device_failed_at_start", device=str(device), error=f"{type(e).__name__}: {e}", fallback="cpu")
-                release_device(device)
-                device = torch.device("cpu")
-
-        store_dir = Path(store_dir).expanduser()
+        store_dir = Path(settings.model.store).expanduser()  # type: ignore[arg-type]
         manifest = Manifest.load(store_dir)
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
-        torch_dtype = DTYPES[dtype]
+        torch_dtype = DTYPES[settings.device.dtype]
         family = family_module(manifest.family)
         args = family.ModelArgs.from_config(manifest.model_config)
-        if isinstance(prefetch, bool):
-            prefetch = PrefetchOptions(enabled=prefetch)
+        c, p = settings.cache, settings.prefetch
+        cache_bytes = None if c.expert_bytes is None else int(c.expert_bytes)
         trace = TraceWriter(Path(trace_path)) if trace_path else None
-        cache = DeviceExpertCache(device, expert_cache_bytes) if device.type != "cpu" else None
-        experts = StoreExperts(manifest, store_dir, expert_cache_bytes, torch_dtype, drives, prefetch, direct_io, trace, verify=verify,
+        drives = [DriveOptions(d.path, d.queue_depth, d.read_mb_s) for d in settings.drives] or None
+        cache = DeviceExpertCache(device, cache_bytes) if device.type != "cpu" else None
+        experts = StoreExperts(manifest, store_dir, cache_bytes, torch_dtype, drives,
+                               PrefetchOptions(p.enabled, p.max_in_flight, p.recall_threshold), True, trace,
                                stager=make_stager(device), cache=cache, buffer_pool=read_buffer_pool(device))
-        if pin_bytes:
-            experts.pin(hottest(read_heat(store_dir)), pin_bytes)
+        if int(c.pin_bytes):
+            experts.pin(hottest(read_heat(store_dir)), int(c.pin_bytes))
         with torch.device("meta"):
             net = family.Model(args, experts)
         # Routing biases stay fp32 (as in HF: rounding them can flip expert choices); see store/spine.py.
         spine_path = store_dir / SPINE_NAME
+        spine_bytes = None if c.spine_bytes is None else int(c.spine_bytes)
         budget = device_spine_budget(device, spine_bytes)  # on a GPU: capped by its free memory, same prefix rule
         try:
             plan = plan_spine(read_layout(spine_path, torch_dtype), net.num_layers, budget)
@@ -148,44 +144,60 @@ class Model:
             net.tie_weights()
         net.eval()
         if cache is not None:
-            cache.resize(expert_cache_bytes)  # device memory: capped by what is free now that the spine is placed
-            if compile_kernels:
+            cache.resize(cache_bytes)  # device memory: capped by what is free now that the spine is placed
+            if settings.device.compile:
                 use_compile(True)
                 log.info("mxfp4_compile", device=str(device))
-        tokenizer = Tokenizer.load(store_dir / TOKENIZER_DIR)
-        model = cls(store_dir, manifest, net, experts, tokenizer)
-        model.heat_decay = heat_decay
+        model = cls(store_dir, manifest, net, experts, Tokenizer.load(store_dir / TOKENIZER_DIR), settings)
         if plan.streamed:
             model.spine = SpineStreamer(spine_path, plan, device)
             model.spine.bind(net)
             experts.spine = model.spine
             log.info("spine_prefix_resident", resident_layers=plan.resident_layers, streamed_layers=len(plan.streamed),
                      resident_bytes=plan.resident_bytes, window_bytes=plan.window_bytes, budget_bytes=spine_bytes)
-        if mlock:
-            model.memory_lock.lock(spine.values())
-        if draft != "off":
-            model.use_draft(draft, draft_max_width)
+        model.memory_lock.lock(spine.values())
         return model
 
-    def use_draft(self, spec: str, max_width: int = 7) -> None:
-        """Draft with `spec` (off | auto | self[:N] | ngram | dspark | cross:STORE[,WIDE] | a store path) from now on.
+    def open_draft(self, draft: DraftSettings) -> None:
+        """The one draft opener: `[draft]` (mode, source, max_width) as this model's draft source and policy.
 
+        mode "on" fails (StoreError) when the source cannot draft; "auto" logs and goes on without.
         Output never changes: the same tokens under greedy, the same distribution under sampling.
-        A cross-tokenizer draft (`raw_only`) is for raw prompts: do not use it for chat.
+        A cross-tokenizer draft (`raw_only`) is for raw prompts: chat requests never use it.
         """
-        device = self.net.lm_head.weight.device
+        device, dtype = self.net.lm_head.weight.device, str(self.net.lm_head.weight.dtype).removeprefix("torch.")
 
         def open_model(path: Path) -> Model:
-            m = Model.open(path, device=device, dtype=str(self.net.lm_head.weight.dtype).removeprefix("torch."))
+            m = Model.open(path, device=str(device), dtype=dtype, draft="off")
             self._draft_models.append(m)  # closed with the target
             return m
 
         def open_cross(paths: list[Path]) -> CrossTokenizerSource:
             return open_cross_draft(self.tokenizer, paths, open_model=open_model)
 
-        self.draft, mode = make_draft_source(spec, self.net, target_store=self.store_dir, open_store=lambda p: open_model(p).net,
-                                             device=device, open_cross=open_cross)
-        self.draft_policy = PolicyOptions(mode=mode if mode != "off" else "auto", max_width=max_width)
+        try:
+            self.draft, self.draft_policy = source_from_settings(
+                draft, self.net, target_store=self.store_dir, open_store=lambda p: open_model(p).net, device=device,
+                open_cross=open_cross)
+        except DraftError as e:
+            raise StoreError(f"[draft] mode = \"on\" but source {draft.source!r} cannot draft: {e}; "
+                             "set [draft] mode = \"auto\" (or --draft off) to run without it") from e
+        if self.draft is not None:
+            log.info("draft_ready", source=self.draft.name, mode=self.draft_policy.mode, max_width=self.draft_policy.max_width)
+
+    def apply_live(self, settings: Settings, live: Sequence[str]) -> None:
+        """Apply reloaded `[cache]`/`[prefetch]` keys named in `live` (call between engine steps)."""
+        c, ex = settings.cache, self.experts
+        if "cache.expert_bytes" in live:
+            ex.cache.resize(None if c.expert_bytes is None else int(c.expert_bytes))
+        if any(k.startswith("prefetch.") for k in live):
+            p = settings.prefetch
+            ex.prefetch_options = PrefetchOptions(p.enabled, p.max_in_flight, p.recall_threshold)
+        if "cache.pin_bytes" in live:
+            ex.unpin()
+            if int(c.pin_bytes):
+                ex.pin(hottest(read_heat(self.store_dir)), int(c.pin_bytes))
+        self.settings = settings
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -197,10 +209,12 @@ class Model:
             return forward_step(self.net, SequenceCache(self.net.num_layers), token_ids, all_logits=True).float()
 
     def stream(self, token_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
-        """Yield new tokens as they are chosen; stats land in `self.last_stats`."""
-        self.last_stats, self.last_draft_stats = GenerationStats(), DraftStats()
-        yield from generate(self.net, token_ids, params, self.eos_token_ids, self.last_stats,
-                            draft=self.draft, draft_policy=self.draft_policy, draft_stats=self.last_draft_stats)
+        """Yield new tokens as they are chosen (on the engine core, synchronously); figures land in
+        `last_stats`, `last_draft_stats` and `last_engine_stats` (the core's snapshot source)."""
+        self.last_stats, self.last_draft_stats, self.last_engine_stats = GenerationStats(), DraftStats(), EngineStats()
+        yield from generate(self.net, token_ids, params, self.eos_token_ids, self.last_stats, draft=self.draft,
+                            draft_policy=self.draft_policy, draft_stats=self.last_draft_stats,
+                            engine_stats=self.last_engine_stats)
 
     def generate(
         self,
@@ -213,19 +227,42 @@ class Model:
         stop_token_ids: Sequence[int] = (),
         draft: str | None = None,
     ) -> list[int]:
-        """New token ids (EOS included when it ends the sequence); `draft` overrides `use_draft` for this call."""
+        """New token ids (EOS included when it ends the sequence); `draft` (a `--draft` value) for this call only."""
         params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop_token_ids))
         if draft is None:
             return list(self.stream(token_ids, params))
         saved = self.draft, self.draft_policy
         try:
             if draft not in self._drafts_by_spec:
-                self.use_draft(draft, self.draft_policy.max_width)
+                self.open_draft(draft_settings(draft, self.draft_policy.max_width))
                 self._drafts_by_spec[draft] = (self.draft, self.draft_policy)
             self.draft, self.draft_policy = self._drafts_by_spec[draft]
             return list(self.stream(token_ids, params))
         finally:
             self.draft, self.draft_policy = saved
+
+    def snapshot(self) -> dict[str, Any]:
+        """The store's figures as JSON-ready data (status --json, bench --json, --stats, /metrics): expert
+        cache and pin tier, reads, prefetch, drives and the streamed spine."""
+        ex = self.experts
+        e, layers = ex.stats, list(ex.stats.layers.values())
+        needed = sum(r.needed for r in layers)
+        out: dict[str, Any] = {
+            "cache_requested": e.requested, "cache_hits": e.cache_hits, "pinned_hits": e.pinned_hits,
+            "cache_hit_rate": (e.cache_hits + e.pinned_hits) / e.requested if e.requested else 0.0,
+            "cache_used_bytes": ex.cache.used_bytes, "cache_budget_bytes": ex.cache.budget_bytes or 0,
+            "cache_experts": len(ex.cache), "pinned_bytes": ex.pinned_bytes, "experts_read": e.read,
+            "bytes_read": e.bytes_read, "io_wait_s": e.wait_s, "prefetch_issued": e.prefetch_issued,
+            "prefetch_used": e.prefetch_used, "prefetch_wasted": e.prefetch_wasted,
+            "prefetch_recall": sum(r.hits for r in layers) / needed if needed else 0.0,
+            "drives": [{"index": i, "path": str(path), "healthy": os.access(path, os.R_OK), "reads": d.reads,
+                        "bytes_read": d.bytes, "read_gb_s": d.gb_s}
+                       for i, (path, d) in enumerate(zip(ex.reader.paths, ex.reader.stats, strict=True))],
+        }
+        if (sp := self.spine) is not None:
+            out["spine"] = {"resident_layers": sp.plan.resident_layers, "num_layers": sp.plan.num_layers,
+                            "layer_reads": sp.layers_read, "bytes_read": sp.bytes_read, "wait_s": sp.wait_s}
+        return out
 
     def save_heat(self) -> None:
         """Merge this run's expert uses into the store's heat file (a read-only store is logged, not fatal)."""
@@ -233,7 +270,7 @@ class Model:
         if not uses:
             return
         try:
-            update_heat(self.store_dir, uses, self.heat_decay)
+            update_heat(self.store_dir, uses, self.settings.cache.heat_decay)
         except OSError as e:
             log.warning("heat_not_saved", store=str(self.store_dir), error=e.strerror)
 
@@ -246,6 +283,57 @@ class Model:
         if self.spine is not None:
             self.spine.close()
         self.memory_lock.unlock()
+
+
+SIMPLE_OVERRIDES = {  # Model.open keyword -> (settings section, key)
+    "device": ("device", "kind"), "dtype": ("device", "dtype"), "compile_kernels": ("device", "compile"),
+    "threads": ("device", "threads"), "expert_cache_bytes": ("cache", "expert_bytes"), "pin_bytes": ("cache", "pin_bytes"),
+    "spine_bytes": ("cache", "spine_bytes"), "heat_decay": ("cache", "heat_decay"), "draft_max_width": ("draft", "max_width"),
+}
+
+
+def draft_settings(spec: str, max_width: int | None = None) -> DraftSettings:
+    """A `--draft` value as `[draft]`: off; auto (draft while it pays); any named source, forced on."""
+    mode = spec if spec in ("off", "auto") else "on"
+    fields = {"mode": mode, "source": "auto" if mode == "off" else spec}
+    return DraftSettings(**fields, **({"max_width": max_width} if max_width else {}))
+
+
+def settings_with(settings: Settings | None, store_dir: str | Path | None, overrides: dict[str, Any]) -> Settings:
+    """`settings` (default: `load_settings()` with drafting off) with Model.open's simple keywords on top."""
+    nested: dict[str, dict[str, Any]] = {"model": {"store": Path(store_dir).expanduser()}} if store_dir else {}
+    for key, value in overrides.items():
+        if key == "prefetch":
+            p = value if isinstance(value, PrefetchOptions) else PrefetchOptions(enabled=bool(value))
+            nested["prefetch"] = {"enabled": p.enabled, "max_in_flight": p.max_in_flight, "recall_threshold": p.recall_threshold}
+        elif key == "drives":
+            nested["drives"] = value  # type: ignore[assignment]  # DriveOptions, resolved below
+        elif key == "draft":
+            nested["draft"] = draft_settings(value).model_dump()
+        elif key in SIMPLE_OVERRIDES:
+            section, name = SIMPLE_OVERRIDES[key]
+            nested.setdefault(section, {})[name] = value
+        else:
+            raise TypeError(f"Model.open() got an unexpected keyword {key!r} (expected one of "
+                            f"{', '.join([*SIMPLE_OVERRIDES, 'prefetch', 'drives', 'draft'])}, or settings=)")
+    if settings is None:
+        nested.setdefault("draft", {"mode": "off"})  # the Python API drafts only when asked
+    data = (settings or load_settings()).model_dump()
+    for section, values in nested.items():
+        data[section] = values if section == "drives" else {**data[section], **values}
+    if data["model"]["store"] is None:
+        raise StoreError("no store to open: pass its folder, or set [model] store")
+    if "drives" in nested:
+        store = Path(data["model"]["store"]).expanduser()
+        paths = Manifest.load(store).drive_paths(store)
+        data["drives"] = [{"path": d.path or paths[i], "queue_depth": d.queue_depth, "read_mb_s": d.read_mb_s}
+                          for i, d in enumerate(nested["drives"])]  # type: ignore[arg-type]
+    pin = data["cache"].pop("pin_bytes", 0)  # the API may pin past the LRU's budget (the pin tier sits beside it)
+    try:
+        out = Settings.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"Model.open: {e}") from None
+    return out.model_copy(update={"cache": out.cache.model_copy(update={"pin_bytes": ByteSize(pin)})})
 
 
 def text_codec(tokenizer: Tokenizer, add_bos: bool | None = False) -> TextCodec:

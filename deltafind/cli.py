@@ -113,29 +113,31 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if report.ok else 4
 
 
-def _open_model(args: argparse.Namespace, settings: Any) -> Any:
-    import torch
+def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """`run`/`bench` flags as settings overrides, as `serve`'s are (None: flag not given)."""
+    from deltafind.api import draft_settings
 
+    spec = getattr(args, "draft", None)
+    return {
+        "model": {"store": Path(args.store).expanduser() if getattr(args, "store", None) else None},
+        "device": {"kind": getattr(args, "device", None), "threads": getattr(args, "threads", None)},
+        "cache": {"expert_bytes": getattr(args, "cache_bytes", None), "spine_bytes": getattr(args, "spine_bytes", None)},
+        "prefetch": {"enabled": False if getattr(args, "no_prefetch", False) else None},
+        "draft": draft_settings(spec).model_dump(include={"mode", "source"}) if spec is not None else None,
+    }
+
+
+def _open_model(args: argparse.Namespace) -> Any:
+    """Settings from the config file, DELTAFIND_* variables and the flags; the demo store when none is named."""
     from deltafind.api import Model
+    from deltafind.config import load_settings
 
-    threads = getattr(args, "threads", None) or settings.device.threads
-    if threads:
-        torch.set_num_threads(threads)
-    device = getattr(args, "device", None) or settings.device.kind  # Model.open resolves auto and falls back to the CPU
-    from deltafind.store.experts import PrefetchOptions
-    from deltafind.store.reader import DriveOptions
-
-    cache = args.cache_bytes if getattr(args, "cache_bytes", None) is not None else settings.cache.expert_bytes
-    spine = args.spine_bytes if getattr(args, "spine_bytes", None) is not None else settings.cache.spine_bytes
-    drives = [DriveOptions(d.path, d.queue_depth, d.read_mb_s) for d in settings.drives]
-    p = settings.prefetch
-    prefetch = PrefetchOptions(p.enabled and not getattr(args, "no_prefetch", False), p.max_in_flight, p.recall_threshold)
-    return Model.open(
-        _store_arg(args, settings), device=device, expert_cache_bytes=int(cache), dtype=settings.device.dtype,
-        drives=drives, prefetch=prefetch, pin_bytes=int(settings.cache.pin_bytes), trace_path=getattr(args, "trace", None),
-        heat_decay=settings.cache.heat_decay, spine_bytes=None if spine is None else int(spine),
-        compile_kernels=settings.device.compile,
-    )
+    overrides = model_overrides(args)
+    settings = load_settings(getattr(args, "config", None), overrides)
+    if settings.model.store is None:
+        overrides["model"]["store"] = _store_arg(args, settings)
+        settings = load_settings(getattr(args, "config", None), overrides)
+    return Model.open(settings=settings, trace_path=getattr(args, "trace", None))
 
 
 def _sampling(args: argparse.Namespace) -> Any:
@@ -160,52 +162,22 @@ def _stream_text(model: Any, ids: list[int], params: Any) -> str:
 
 
 def _print_stats(model: Any) -> None:
-    s, e, c = model.last_stats, model.experts.stats, model.experts.cache
-    drives = ", ".join(f"drive{i} {d.bytes / 2**20:.0f} MiB at {d.gb_s:.2f} GB/s" for i, d in enumerate(model.experts.reader.stats))
-    lines = [
-        f"prompt {s.prompt_tokens} tok, prefill {s.prefill_tok_s:.1f} tok/s",
-        f"generated {s.new_tokens} tok, decode {s.decode_tok_s:.1f} tok/s, finish {s.finish_reason}",
-        f"experts requested {e.requested}, read {e.read} ({e.bytes_read / 2**20:.1f} MiB), cache hits {e.cache_hits}, pinned hits {e.pinned_hits}, cache {c.used_bytes / 2**20:.1f} MiB in {len(c)} experts",
-        f"io wait {e.wait_s:.3f} s; prefetch issued {e.prefetch_issued}, used {e.prefetch_used}, wasted {e.prefetch_wasted}; {drives}",
-    ]
-    if (sp := model.spine) is not None:
-        lines.append(f"spine: {sp.plan.resident_layers} of {sp.plan.num_layers} layers resident, {sp.layers_read} layer reads "
-                     f"({sp.bytes_read / 2**20:.1f} MiB), waited {sp.wait_s:.3f} s")
-    if (line := _draft_line(model)) is not None:
-        lines.append(line)
+    """`--stats`: this reply's figures, then the store's snapshot, rendered as `deltafinctl status` renders it."""
+    from deltafind.control.ctl import draft_line, store_lines
+
+    s = model.last_stats
+    lines = [f"prompt {s.prompt_tokens} tok, prefill {s.prefill_tok_s:.1f} tok/s",
+             f"generated {s.new_tokens} tok, decode {s.decode_tok_s:.1f} tok/s, finish {s.finish_reason}",
+             *store_lines(model.snapshot())]
+    if model.draft is not None:
+        lines.append(draft_line(model.last_draft_stats.source or model.draft.name, model.draft_policy.mode,
+                                model.last_draft_stats.as_dict()))
     print("\n".join("[stats] " + line for line in lines), file=sys.stderr)
 
 
-def _use_draft(args: argparse.Namespace, settings: Any, model: Any) -> None:
-    """--draft, else the [draft] settings (mode on fails without a source; auto logs and goes on)."""
-    from deltafind.engine.draft.base import DraftError
-    from deltafind.engine.draft.load import source_from_settings
-
-    spec = getattr(args, "draft", None)
-    try:
-        if spec is not None:
-            model.use_draft(spec, settings.draft.max_width)
-            return
-        source, policy = source_from_settings(settings.draft, model.net, target_store=model.store_dir)
-    except DraftError as e:
-        raise StoreError(f"draft: {e}") from e
-    model.draft, model.draft_policy = source, policy
-
-
-def _draft_line(model: Any) -> str | None:
-    d = model.last_draft_stats
-    if model.draft is None:
-        return None
-    saved = f", saved ~{d.saved_s:.2f} s" if d.steps else ""
-    return (f"draft {d.source} ({model.draft_policy.mode}): {d.accepted} of {d.proposed} proposed accepted "
-            f"({d.acceptance_rate:.0%}), {d.steps} verify passes{saved}" + (f", {d.failures} failed" if d.failures else ""))
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    settings = _settings(args)
-    model = _open_model(args, settings)
+    model = _open_model(args)
     try:
-        _use_draft(args, settings, model)
         return _run_model(args, model)
     finally:
         model.close()
@@ -248,16 +220,14 @@ def _run_model(args: argparse.Namespace, model: Any) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import resource
 
-    settings = _settings(args)
-    model = _open_model(args, settings)
-    _use_draft(args, settings, model)
+    model = _open_model(args)
     from deltafind.engine.sampler import SamplingParams
 
     ids = model.tokenizer.encode(args.prompt)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     list(model.stream(ids, params))  # warm-up (fills the cache as far as its budget allows)
     e0 = (model.experts.stats.read, model.experts.stats.bytes_read)
-    list(model.stream(ids, params))
+    tokens = list(model.stream(ids, params))
     s, e = model.last_stats, model.experts.stats
     result = {
         "bench": "decode",
@@ -271,8 +241,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "cache_hit_rate": round(e.cache_hits / max(1, e.requested), 4),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "draft": model.last_draft_stats.as_dict() if model.draft is not None else None,
+        "token_ids": tokens,
+        "snapshot": {"engine": model.last_engine_stats.snapshot(), "store": model.snapshot()},  # as `status --json`
     }
-    print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
+    print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items() if k not in ("token_ids", "snapshot")))
+    model.close()
     return 0
 
 

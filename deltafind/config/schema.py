@@ -102,7 +102,7 @@ class DeviceSettings(_Section):
 
 
 class CacheSettings(_Section):
-    expert_bytes: ByteSize = Field(
+    expert_bytes: ByteSize | None = Field(
         ByteSize("4GiB"),
         description="Memory for routed experts kept between uses (RAM, or GPU memory when "
         "computing on a GPU). More = fewer drive reads.",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,10 @@ def _repeated(field: Any) -> bool:
 
 
 def status(path: Path | str) -> dict[str, Any]:
-    return call(path, "Status", pb.StatusRequest())
+    """The daemon's status; "snapshot" holds the engine's and the store's whole snapshots."""
+    reply = call(path, "Status", pb.StatusRequest())
+    reply["snapshot"] = json.loads(reply.pop("snapshot_json", "") or "{}")
+    return reply
 
 
 def reload(path: Path | str) -> dict[str, Any]:

@@ -47,6 +47,31 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def store_lines(s: dict[str, Any]) -> list[str]:
+    """The store snapshot (api.Model.snapshot) as text: `deltafinctl status` and `run --stats` both print it."""
+    lines = [
+        f"experts requested {s['cache_requested']}, read {s['experts_read']} ({_mib(s['bytes_read'])}), cache hits "
+        f"{s['cache_hits']}, pinned hits {s['pinned_hits']} ({100 * s['cache_hit_rate']:.1f}%), cache {_mib(s['cache_used_bytes'])} "
+        f"of {_mib(s['cache_budget_bytes'])} ({s.get('cache_experts', 0)} experts), pinned {_mib(s['pinned_bytes'])}",
+        f"prefetch   issued {s['prefetch_issued']}, used {s['prefetch_used']}, wasted {s['prefetch_wasted']}, "
+        f"recall {100 * s['prefetch_recall']:.1f}%, io wait {s.get('io_wait_s', 0.0):.3f} s",
+    ]
+    for d in s["drives"]:
+        lines.append(f"drive {d['index']}    {'ok' if d['healthy'] else 'UNREADABLE'} {d['path']}: {d['reads']} reads, "
+                     f"{_mib(d['bytes_read'])}, {d['read_gb_s']:.2f} GB/s")
+    if sp := s.get("spine"):
+        lines.append(f"spine      {sp['resident_layers']} of {sp['num_layers']} layers resident, {sp['layer_reads']} layer "
+                     f"reads ({_mib(sp['bytes_read'])}), waited {sp['wait_s']:.3f} s")
+    return lines
+
+
+def draft_line(source: str, mode: str, d: dict[str, Any]) -> str:
+    """A draft's counters (DraftStats.as_dict) as one line of text."""
+    return (f"draft {source} ({mode}): {d['accepted']} of {d['proposed']} proposed accepted "
+            f"({100 * d['acceptance_rate']:.1f}%), {d['steps']} verify passes, saved ~{d['saved_s']:.2f} s"
+            + (f", {d['failures']} failed" if d["failures"] else ""))
+
+
 def summary(s: dict[str, Any]) -> str:
     state = "draining" if s["draining"] else s["load_status"]
     loaded = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s["config_loaded_at"])) if s["config_loaded_at"] else "-"
@@ -54,19 +79,11 @@ def summary(s: dict[str, Any]) -> str:
         f"model      {s['model']} ({state}), pid {s['pid']}, up {s['uptime_s']:.0f} s, deltafind {s['version']}",
         f"requests   {s['running']}/{s['max_running']} running, {s['waiting']} waiting (queue {s['max_queue']}), "
         f"{s['tok_s']:.1f} tok/s, {s['generated_tokens']} tokens in {s['steps']} steps",
-        f"experts    cache hit {100 * s['cache_hit_rate']:.1f}% ({s['cache_hits']} + {s['pinned_hits']} pinned of "
-        f"{s['cache_requested']}), cache {_mib(s['cache_used_bytes'])} of {_mib(s['cache_budget_bytes'])}, "
-        f"pinned {_mib(s['pinned_bytes'])}, read {_mib(s['bytes_read'])}",
-        f"prefetch   issued {s['prefetch_issued']}, used {s['prefetch_used']}, wasted {s['prefetch_wasted']}, "
-        f"recall {100 * s['prefetch_recall']:.1f}%",
     ]
-    if s.get("draft_source"):
-        lines.append(f"draft      {s['draft_source']} ({s['draft_mode']}): {s['draft_accepted']} of {s['draft_proposed']} "
-                     f"proposed accepted ({100 * s['draft_acceptance_rate']:.1f}%), {s['draft_verify_passes']} verify passes, "
-                     f"saved ~{s['draft_saved_s']:.1f} s, {s['draft_failures']} failures")
-    for d in s["drives"]:
-        lines.append(f"drive {d['index']}    {'ok' if d['healthy'] else 'UNREADABLE'} {d['path']}: {d['reads']} reads, "
-                     f"{_mib(d['bytes_read'])}, {d['read_gb_s']:.2f} GB/s")
+    snap = s.get("snapshot") or {}
+    lines += store_lines({**s, **snap.get("store", {})})
+    if s.get("draft_source") and "engine" in snap:
+        lines.append(draft_line(s["draft_source"], s["draft_mode"], snap["engine"]["draft"]))
     lines.append(f"config     {s['config_path'] or '(defaults)'}, loaded {loaded}")
     if s["restart_needed"]:
         lines.append(f"restart    needed for {', '.join(s['restart_needed'])}")

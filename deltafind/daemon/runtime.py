@@ -9,6 +9,7 @@ app state and the control service.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -98,9 +99,8 @@ class Runtime:
             s = self.settings
             args = getattr(self.model.net, "args", None)
             context = int(getattr(args, "max_position_embeddings", 0) or 4096)
-            draft, policy = self._draft(s)
             self.scheduler = Scheduler(self.model.net, self.model.eos_token_ids, self._limits(s, context),
-                                       draft=draft, draft_policy=policy)
+                                       draft=self.model.draft, draft_policy=self.model.draft_policy)
             notify.status("warming up")
             tok = self.model.tokenizer
             first = (tok.encode("Hi") or [tok.bos_token_id or 0])[:1]
@@ -108,7 +108,7 @@ class Runtime:
             if fin.reason == "error":
                 raise DeltafindError(f"warm-up failed: {fin.error}")
             self.context_length = context
-            self.state.set_ready(ReadyEngine(self.scheduler, tok, model_name(s), context, extra_metrics=self.store_metrics))
+            self.state.set_ready(ReadyEngine(self.scheduler, tok, model_name(s), context, store_snapshot=self.store_snapshot))
             log.info("model_ready", store=str(store_dir(s)), family=self.model.manifest.family,
                      load_s=round(time.monotonic() - t0, 2), context=context)
             notify.ready(f"serving {model_name(s)}")
@@ -128,53 +128,9 @@ class Runtime:
                 return
 
     def _open_model(self) -> Any:
-        import torch
-
         from deltafind.api import Model
-        from deltafind.store.experts import PrefetchOptions
-        from deltafind.store.reader import DriveOptions
 
-        s = self.settings
-        if s.device.threads:
-            torch.set_num_threads(s.device.threads)
-        p = s.prefetch
-        return Model.open(
-            store_dir(s), device=s.device.kind,  # resolved (auto: CUDA, MPS, CPU) and probed by Model.open
-            expert_cache_bytes=int(s.cache.expert_bytes),
-            dtype=s.device.dtype, drives=[DriveOptions(d.path, d.queue_depth, d.read_mb_s) for d in s.drives],
-            prefetch=PrefetchOptions(p.enabled, p.max_in_flight, p.recall_threshold),
-            pin_bytes=int(s.cache.pin_bytes), heat_decay=s.cache.heat_decay,
-            spine_bytes=None if s.cache.spine_bytes is None else int(s.cache.spine_bytes),
-            compile_kernels=s.device.compile,
-        )
-
-    def _draft(self, s: Settings) -> tuple[Any, Any]:
-        """[draft] as a source and policy; mode "on" without a usable source fails the load."""
-        from deltafind.api import Model, open_cross_draft
-        from deltafind.engine.draft.base import DraftError
-        from deltafind.engine.draft.load import source_from_settings
-
-        model = self.model
-        device = model.net.lm_head.weight.device
-
-        def open_model(path: Path) -> Any:
-            m = Model.open(path, device=device, dtype=s.device.dtype)
-            model._draft_models.append(m)  # closed with the target
-            return m
-
-        def open_cross(paths: list[Path]) -> Any:
-            # chat requests never use it (GenRequest.chat; the scheduler checks raw_only)
-            return open_cross_draft(model.tokenizer, paths, open_model=open_model)
-
-        try:
-            source, policy = source_from_settings(s.draft, model.net, target_store=store_dir(s), open_store=lambda p: open_model(p).net,
-                                                  device=device, open_cross=open_cross)
-        except DraftError as e:
-            raise DeltafindError(f"[draft] mode = \"on\" but source {s.draft.source!r} cannot draft: {e}; "
-                                 "set [draft] mode = \"auto\" to run without it") from e
-        if source is not None:
-            log.info("draft_ready", source=source.name, mode=policy.mode, max_width=policy.max_width)
-        return source, policy
+        return Model.open(settings=self.settings)  # device resolved (auto: CUDA, MPS, CPU) and probed; [draft] opened
 
     @staticmethod
     def _limits(s: Settings, context: int) -> SchedulerLimits:
@@ -183,7 +139,7 @@ class Runtime:
                                max_context, PREFIX_CACHE_BYTES)
 
     def healthy(self) -> bool:
-        return self.scheduler is None or self.scheduler._thread.is_alive()
+        return self.scheduler is None or self.scheduler.alive
 
     # -- reload ----------------------------------------------------------------
 
@@ -199,8 +155,8 @@ class Runtime:
                     log.warning("reload_rejected", error=str(e))
                     return {"ok": False, "message": str(e), "applied": [], "restart_needed": self.pending_restart}
                 live, restart = changed_keys(self.settings, new)
-                self._apply(new, new_server, live)
                 self.settings = self._merge(self.settings, new, live)
+                self._apply(self.settings, new_server, live)
                 self.pending_restart = sorted(set(restart))
                 self.config_loaded_at = time.time()
                 log.info("reloaded", applied=live, restart_needed=self.pending_restart)
@@ -235,25 +191,7 @@ class Runtime:
             if d.mode != "off" and sched.draft is None:
                 log.warning("draft_reload_needs_restart", reason="started with [draft] mode = \"off\"; no source is loaded")
 
-        def on_engine() -> None:
-            from deltafind.store.experts import PrefetchOptions
-            from deltafind.store.heat import hottest, read_heat
-
-            ex = model.experts
-            if "cache.expert_bytes" in live:
-                ex.cache.resize(int(new.cache.expert_bytes))
-            if any(k.startswith("prefetch.") for k in live):
-                p = new.prefetch
-                ex.prefetch_options = PrefetchOptions(p.enabled, p.max_in_flight, p.recall_threshold)
-            if "cache.heat_decay" in live:
-                model.heat_decay = new.cache.heat_decay
-            if "cache.pin_bytes" in live:
-                ex.pinned.clear()
-                ex.pinned_bytes = 0
-                if int(new.cache.pin_bytes):
-                    ex.pin(hottest(read_heat(model.store_dir)), int(new.cache.pin_bytes))
-
-        sched.call(on_engine)
+        sched.call(lambda: model.apply_live(new, live))
 
     # -- drain / trace / status ------------------------------------------------
 
@@ -303,6 +241,7 @@ class Runtime:
         return {"active": start, "path": self.trace_path or ""}
 
     def status(self) -> dict[str, Any]:
+        """The daemon's own figures, then the engine's and the store's snapshots (flat, as StatusReply names them)."""
         s = self.settings
         out: dict[str, Any] = {
             "model": model_name(s), "version": __version__, "pid": os.getpid(), "uptime_s": time.time() - self.started_at,
@@ -311,54 +250,19 @@ class Runtime:
             "restart_needed": list(self.pending_restart), "trace_path": self.trace_path or "",
             "draining": False, "running": 0, "waiting": 0, "tok_s": 0.0, "drives": [],
         }
+        engine: dict[str, Any] = {}
         if self.scheduler is not None:
-            st = self.scheduler.status()
-            out.update(draining=st.draining, running=st.running, waiting=st.waiting, tok_s=st.tok_s,
-                       steps=st.stats.steps, generated_tokens=st.stats.generated_tokens, max_running=st.limits.max_running,
-                       max_queue=st.limits.max_queue, prefix_hits=st.prefix_hits)
-            d = st.stats.draft
-            out.update(draft_source=getattr(self.scheduler.draft, "name", ""),
-                       draft_mode=self.scheduler.draft_policy.mode if self.scheduler._draft_enabled else "off",
-                       draft_proposed=d.proposed, draft_accepted=d.accepted, draft_acceptance_rate=d.acceptance_rate,
-                       draft_verify_passes=d.steps, draft_saved_s=d.saved_s, draft_failures=d.failures)
-        if self.model is not None:
-            ex = self.model.experts
-            e = ex.stats
-            layers = list(e.layers.values())
-            needed = sum(r.needed for r in layers)
-            out.update(
-                cache_requested=e.requested, cache_hits=e.cache_hits, pinned_hits=e.pinned_hits,
-                cache_hit_rate=(e.cache_hits + e.pinned_hits) / e.requested if e.requested else 0.0,
-                cache_used_bytes=ex.cache.used_bytes, cache_budget_bytes=ex.cache.budget_bytes or 0,
-                pinned_bytes=ex.pinned_bytes, experts_read=e.read, bytes_read=e.bytes_read,
-                prefetch_issued=e.prefetch_issued, prefetch_used=e.prefetch_used, prefetch_wasted=e.prefetch_wasted,
-                prefetch_recall=sum(r.hits for r in layers) / needed if needed else 0.0,
-            )
-            for i, (path, d) in enumerate(zip(ex.reader.paths, ex.reader.stats, strict=True)):
-                out["drives"].append({"index": i, "path": str(path), "healthy": os.access(path, os.R_OK),
-                                      "reads": d.reads, "bytes_read": d.bytes, "read_gb_s": d.gb_s})
+            engine = self.scheduler.status().snapshot()
+            d = engine["draft"]
+            out.update(engine, draft_proposed=d["proposed"], draft_accepted=d["accepted"],
+                       draft_acceptance_rate=d["acceptance_rate"], draft_verify_passes=d["steps"],
+                       draft_saved_s=d["saved_s"], draft_failures=d["failures"])
+        store = self.store_snapshot()
+        out.update(store, snapshot_json=json.dumps({"engine": engine, "store": store}))
         return out
 
-    def store_metrics(self) -> list[tuple[str, str, str, list[tuple[dict[str, str], float]]]]:
-        st = self.status()
-        if self.model is None:
-            return []
-        drives = st["drives"]
-        return [
-            ("deltafind_expert_requests_total", "counter", "Expert fetches asked by the model.", [({}, float(st["cache_requested"]))]),
-            ("deltafind_expert_cache_hits_total", "counter", "Expert fetches served from memory, by tier.",
-             [({"tier": "cache"}, float(st["cache_hits"])), ({"tier": "pinned"}, float(st["pinned_hits"]))]),
-            ("deltafind_expert_cache_hit_ratio", "gauge", "Share of expert fetches served from memory.", [({}, st["cache_hit_rate"])]),
-            ("deltafind_expert_cache_bytes", "gauge", "Bytes of experts held in the cache.", [({}, float(st["cache_used_bytes"]))]),
-            ("deltafind_drive_read_bytes_total", "counter", "Bytes read per drive.",
-             [({"drive": str(d["index"])}, float(d["bytes_read"])) for d in drives]),
-            ("deltafind_drive_healthy", "gauge", "1 when the drive's pack is readable.",
-             [({"drive": str(d["index"])}, float(d["healthy"])) for d in drives]),
-            ("deltafind_prefetch_recall", "gauge", "Share of routed experts that prefetch predicted.", [({}, st["prefetch_recall"])]),
-            ("deltafind_prefetch_reads_total", "counter", "Prefetch reads, by outcome.",
-             [({"outcome": "issued"}, float(st["prefetch_issued"])), ({"outcome": "used"}, float(st["prefetch_used"])),
-              ({"outcome": "wasted"}, float(st["prefetch_wasted"]))]),
-        ]
+    def store_snapshot(self) -> dict[str, Any]:
+        return self.model.snapshot() if self.model is not None else {}
 
     def close(self) -> None:
         self._stop.set()

@@ -1,1 +1,1 @@
-"""The engine: sampling, generation loops and (later) the scheduler. Speaks token ids, never text."""
+"""The engine: one core (schedule, execute, update) driven by the daemon's scheduler or synchronously; sampling, speculative decoding, constraints. Speaks token ids, never text."""

@@ -1,39 +1,28 @@
-"""Single-sequence generation: prefill, then incremental decode against the cache.
+"""Synchronous generation: the engine core driven step by step on the caller's thread.
 
-Yields token ids as they are chosen; stops on EOS, stop token ids or the token
-budget. Timing and expert counters go into a `GenerationStats`.
+`Model.generate`/`stream`, `deltafind run`, `run --chat` and `bench` use this; the
+daemon's `Scheduler` drives the same `EngineCore` from its engine thread. A
+sequence that fails raises its error here. `forward_step` runs ids through one
+cache outside any core (tests, and drafts that keep their own caches).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from deltafind.engine.sampler import SamplingParams, make_sampler
+from deltafind.engine.core import EngineCore, SchedulerLimits
+from deltafind.engine.draft.policy import DraftStats, PolicyOptions
+from deltafind.engine.sampler import SamplingParams
+from deltafind.engine.sequence import FinishEvent, GenRequest
+from deltafind.engine.stats import EngineStats, GenerationStats
+from deltafind.errors import DeltafindError
 from deltafind.models.ops.batch import Batch, SequenceCache
 
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    finish_reason: str = ""
-
-    @property
-    def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
-
-    @property
-    def decode_tok_s(self) -> float:
-        # the first new token comes from prefill; decode steps produce the rest
-        steps = max(self.new_tokens - 1, 0)
-        return steps / self.decode_s if self.decode_s else 0.0
+ONE_AT_A_TIME = SchedulerLimits(max_running=1, max_queue=1, max_step_tokens=1 << 30, max_context=1 << 30)
 
 
 def forward_step(model: torch.nn.Module, cache: SequenceCache, ids: Sequence[int], all_logits: bool = False) -> torch.Tensor:
@@ -44,50 +33,41 @@ def forward_step(model: torch.nn.Module, cache: SequenceCache, ids: Sequence[int
 
 
 def generate(
-    model: torch.nn.Module,
-    prompt_ids: Sequence[int],
-    params: SamplingParams,
-    eos_token_ids: Sequence[int] = (),
-    stats: GenerationStats | None = None,
-    draft: Any = None,
-    draft_policy: Any = None,
-    draft_stats: Any = None,
+    net: torch.nn.Module, prompt_ids: Sequence[int], params: SamplingParams, eos_token_ids: Sequence[int] = (),
+    stats: GenerationStats | None = None, draft: Any = None, draft_policy: PolicyOptions | None = None,
+    draft_stats: DraftStats | None = None, *, request: GenRequest | None = None, limits: SchedulerLimits | None = None,
+    engine_stats: EngineStats | None = None,
 ) -> Iterator[int]:
-    """Yield new token ids for `prompt_ids` under `params`.
+    """Yield new token ids for `prompt_ids` under `params` (or for `request`, when given).
 
-    With `draft` (a `DraftSource`), decoding is speculative (engine/speculative.py):
-    the same tokens under greedy, the same distribution under sampling;
-    `draft_policy` is a `PolicyOptions`, `draft_stats` a `DraftStats` to fill.
+    With `draft` (a `DraftSource`) decoding is speculative: the same tokens under greedy,
+    the same distribution under sampling. The whole prompt is prefilled in one pass.
+    `stats`, `draft_stats` and `engine_stats` (the core's counters and histograms) are filled.
     """
-    if draft is not None:
-        from deltafind.engine.speculative import generate_speculative  # it builds on this module
-
-        yield from generate_speculative(model, prompt_ids, params, draft, draft_policy, eos_token_ids, stats, draft_stats)
-        return
+    req = request or GenRequest(tuple(prompt_ids), params)
     stats = stats if stats is not None else GenerationStats()
-    stats.prompt_tokens = len(prompt_ids)
-    if not prompt_ids:
-        raise ValueError("prompt_ids must not be empty")
-    stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-    sample = make_sampler(params)
-    if params.max_new_tokens == 0:
-        stats.finish_reason = "length"
-        return
-    cache = SequenceCache(model.num_layers)
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        logits = forward_step(model, cache, prompt_ids)[-1]
-        stats.prefill_s = time.perf_counter() - t0
-        while True:
-            token = sample(logits)
-            stats.new_tokens += 1
-            yield token
-            if token in stop:
-                stats.finish_reason = "stop"
-                break
-            if stats.new_tokens >= params.max_new_tokens:
-                stats.finish_reason = "length"
-                break
-            t0 = time.perf_counter()
-            logits = forward_step(model, cache, [token])[-1]
-            stats.decode_s += time.perf_counter() - t0
+    stats.prompt_tokens = len(req.prompt_ids)
+    core = EngineCore(net, eos_token_ids, limits or ONE_AT_A_TIME, draft, draft_policy)
+    if engine_stats is not None:
+        core.stats = engine_stats
+    if draft_stats is not None:
+        core.stats.draft = draft_stats
+    core.add(req, 0)
+    try:
+        while core.has_work:
+            t0, first = time.perf_counter(), stats.new_tokens == 0
+            events = core.step()
+            if first:
+                stats.prefill_s += time.perf_counter() - t0
+            else:
+                stats.decode_s += time.perf_counter() - t0
+            for _, event in events:
+                if not isinstance(event, FinishEvent):
+                    stats.new_tokens += 1
+                    yield event.token_id
+                    continue
+                stats.finish_reason = event.reason
+                if event.reason == "error":
+                    raise event.exception or DeltafindError(event.error or "generation failed")
+    finally:
+        core.abort({0})  # a caller that stops early closes the sequence's draft session

@@ -57,21 +57,27 @@ def make_sampler(params: SamplingParams, generator: torch.Generator | None = Non
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a temperature/top-k/top-p sampler draws from (also used by verification)."""
-    logits = logits.float().cpu()
-    # Shift before dividing: a tiny temperature (1e-271 is valid input) overflows logits / T to
-    # inf and softmax to NaN; shifted, the best logit is 0 and the rest go to -inf (near-greedy).
-    # In float64, because float32 would round such a temperature itself to 0.
-    logits = ((logits - logits.max()).double() / params.temperature).float()
+    """The distribution a temperature/top-k/top-p sampler draws from (also used by verification).
+
+    Computed in float64 for every value the schema accepts: a subnormal temperature (1e-320)
+    or top_p (1e-300) rounds to 0 in float32, which once gave NaN or dropped every token.
+    The best logit is shifted to 0 before dividing, so a tiny temperature sends the rest to
+    -inf (near-greedy) instead of overflowing to inf - inf. The top token always survives top-p.
+    """
+    logits = logits.detach().to("cpu", torch.float64)
+    best = logits.max()
+    if not bool(torch.isfinite(best)):
+        raise RequestError(f"no token can be sampled: the best logit is {float(best)} (every token forbidden?)", "logits")
+    logits = (logits - best) / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
         drop = (torch.cumsum(sorted_probs, 0) - sorted_probs) >= params.top_p
+        drop[0] = False
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        probs = probs / probs.sum()
-    return probs
+    return (probs / probs.sum()).float()

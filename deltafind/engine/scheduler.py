@@ -1,38 +1,32 @@
-"""Continuous batching: one engine thread runs every admitted sequence in each step.
+"""Continuous batching for the daemon: one engine thread steps the `EngineCore` for every request.
 
 Request threads `submit` a `GenRequest` and read `TokenEvent`s back from their
-`Handle`; the engine thread admits waiting requests up to `max_running`, then
-runs one forward over a `Batch` of all running sequences — one token per
-decoding sequence, a chunk of prompt per prefilling one (chunked prefill, within
-`max_step_tokens`) — so each expert is read once per step for all of them.
-Knows nothing of HTTP or text; the server cancels a handle to stop a sequence.
+`Handle`; the engine thread hands new requests and cancellations to the core
+between steps, runs `core.step()` (one forward over all running sequences, see
+engine/core.py) and delivers its events. Knows nothing of HTTP or text; the
+server cancels a handle to stop a sequence.
 """
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from deltafind.engine.draft.policy import DraftStats, PolicyOptions
-from deltafind.engine.prefix_cache import PrefixCache
+from deltafind.engine.core import EngineCore, Events, SchedulerLimits
+from deltafind.engine.draft.policy import PolicyOptions
 from deltafind.engine.sequence import Event, FinishEvent, GenRequest, Handle
-from deltafind.engine.sequence import Sequence as Seq
-from deltafind.engine.speculative import Drafter, accept, captured_rows
+from deltafind.engine.stats import EngineStats
 from deltafind.errors import DeltafindError
 from deltafind.log import get_logger
-from deltafind.models.ops.batch import Batch, SequenceCache
 
 log = get_logger(__name__)
-STEP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+__all__ = ["Draining", "EngineStatus", "QueueFull", "Scheduler", "SchedulerLimits", "collect"]
 
 
 class QueueFull(DeltafindError):
@@ -48,28 +42,6 @@ class Draining(DeltafindError):
 
 
 @dataclass(frozen=True)
-class SchedulerLimits:
-    max_running: int = 8
-    max_queue: int = 64
-    max_step_tokens: int = 256  # prefill chunk budget per step, decode tokens included
-    max_context: int = 2048
-    prefix_cache_bytes: int = 0
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prompt_tokens: int = 0  # prompt tokens run through the model (reused ones excluded)
-    generated_tokens: int = 0
-    finished: dict[str, int] = field(default_factory=dict)
-    step_s_sum: float = 0.0
-    step_buckets: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS_S) + 1))
-    max_batch: int = 0
-    errors: int = 0
-    draft: DraftStats = field(default_factory=DraftStats)  # summed over every drafting sequence
-
-
-@dataclass(frozen=True)
 class EngineStatus:
     running: int
     waiting: int
@@ -80,13 +52,15 @@ class EngineStatus:
     prefix_hits: int
     prefix_misses: int
     prefix_bytes: int
+    draft_source: str = ""
+    draft_mode: str = "off"  # on | auto | off
 
-
-def _device_of(net: Any) -> torch.device:
-    try:
-        return next(net.parameters()).device
-    except (AttributeError, StopIteration):
-        return torch.device("cpu")
+    def snapshot(self) -> dict[str, Any]:
+        """The engine's figures as JSON-ready data (status --json, bench --json, --stats, /metrics)."""
+        return {"running": self.running, "waiting": self.waiting, "draining": self.draining, "tok_s": self.tok_s,
+                "max_running": self.limits.max_running, "max_queue": self.limits.max_queue,
+                "prefix_hits": self.prefix_hits, "prefix_misses": self.prefix_misses, "prefix_bytes": self.prefix_bytes,
+                "draft_source": self.draft_source, "draft_mode": self.draft_mode, **self.stats.snapshot()}
 
 
 class Scheduler:
@@ -95,26 +69,42 @@ class Scheduler:
     def __init__(self, net: Any, eos_token_ids: Sequence[int] = (), limits: SchedulerLimits | None = None,
                  draft: Any = None, draft_policy: PolicyOptions | None = None) -> None:
         """`draft` (a `DraftSource`) turns on speculative decoding under `draft_policy`."""
-        self.net = net
-        self.draft = draft
-        self.draft_policy = draft_policy or PolicyOptions()
-        self._vocab = getattr(getattr(net, "lm_head", None), "weight", torch.empty(0, 0)).shape[0] or None
-        self.eos = set(eos_token_ids)
-        self.limits = limits or SchedulerLimits()
-        self.prefix = PrefixCache(self.limits.prefix_cache_bytes)
-        self.stats = EngineStats()
-        self._device = _device_of(net)
+        self.core = EngineCore(net, eos_token_ids, limits, draft, draft_policy)
         self._cv = threading.Condition()
-        self._waiting: deque[Seq] = deque()
-        self._running: list[Seq] = []
+        self._incoming: deque[tuple[int, GenRequest, float]] = deque()
+        self._handles: dict[int, Handle] = {}
         self._calls: list[Callable[[], None]] = []
         self._ids = itertools.count()
-        self._rotate = 0
         self._draining = False
         self._stopped = False
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps, for tok/s
         self._thread = threading.Thread(target=self._loop, name="deltafind-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.core.stats
+
+    @property
+    def limits(self) -> SchedulerLimits:
+        return self.core.limits
+
+    @property
+    def prefix(self) -> Any:
+        return self.core.prefix
+
+    @property
+    def draft(self) -> Any:
+        return self.core.draft
+
+    @property
+    def draft_policy(self) -> PolicyOptions:
+        return self.core.draft_policy
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs (the watchdog's health check)."""
+        return self._thread.is_alive()
 
     # -- the request side -----------------------------------------------------
 
@@ -127,14 +117,18 @@ class Scheduler:
         with self._cv:
             if self._draining or self._stopped:
                 raise Draining("the server is draining and takes no new requests; retry on another instance or later")
-            free = self.limits.max_running - len(self._running)
-            if len(self._waiting) >= self.limits.max_queue + max(0, free):
-                raise QueueFull(f"the server is busy ({len(self._running)} running, {len(self._waiting)} waiting); retry shortly")
+            running, waiting = self._counts()
+            if waiting >= self.limits.max_queue + max(0, self.limits.max_running - running):
+                raise QueueFull(f"the server is busy ({running} running, {waiting} waiting); retry shortly")
             seq_id = next(self._ids)
             handle = Handle(seq_id, self._wake, mux)
-            self._waiting.append(Seq(seq_id, req, handle, self.eos, self.limits.max_context))
+            self._handles[seq_id] = handle
+            self._incoming.append((seq_id, req, time.monotonic()))
             self._cv.notify_all()
             return handle
+
+    def _counts(self) -> tuple[int, int]:
+        return len(self.core.running), len(self.core.waiting) + len(self._incoming)
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the engine thread between two steps (touching the model safely)."""
@@ -164,19 +158,20 @@ class Scheduler:
 
     def configure(self, limits: SchedulerLimits) -> None:
         """Apply new limits (reload); running sequences keep their own."""
-        with self._cv:
-            self.limits = limits
-            self._calls.append(lambda: self.prefix.resize(limits.prefix_cache_bytes))
-            self._cv.notify_all()
+        def apply() -> None:
+            self.core.limits = limits
+            self.core.prefix.resize(limits.prefix_cache_bytes)
+
+        self.call_soon(apply)
 
     def configure_draft(self, policy: PolicyOptions | None, enabled: bool = True) -> None:
         """New draft policy (reload): sequences admitted from now on use it; False stops drafting."""
-        with self._cv:
+        def apply() -> None:
             if policy is not None:
-                self.draft_policy = policy
-            self._draft_enabled = enabled
+                self.core.draft_policy = policy
+            self.core.draft_enabled = enabled
 
-    _draft_enabled = True
+        self.call_soon(apply)
 
     def drain(self) -> None:
         """Refuse new requests; running and waiting ones go on."""
@@ -194,15 +189,15 @@ class Scheduler:
     def cancel_all(self) -> int:
         """Cancel every running and waiting sequence; returns how many."""
         with self._cv:
-            seqs = [*self._running, *self._waiting]
-        for s in seqs:
-            s.handle.cancel()
-        return len(seqs)
+            handles = list(self._handles.values())
+        for h in handles:
+            h.cancel()
+        return len(handles)
 
     @property
     def num_active(self) -> int:
         with self._cv:
-            return len(self._running) + len(self._waiting)
+            return len(self._handles)
 
     def status(self) -> EngineStatus:
         with self._cv:
@@ -211,11 +206,11 @@ class Scheduler:
                 self._recent.popleft()
             span = now - self._recent[0][0] if self._recent else 0.0
             tokens = sum(n for _, n in self._recent)
-            return EngineStatus(
-                len(self._running), len(self._waiting), self._draining,
-                tokens / span if span > 0.5 else 0.0, self.stats, self.limits,
-                self.prefix.hits, self.prefix.misses, self.prefix.used_bytes,
-            )
+            running, waiting = self._counts()
+            c = self.core
+            return EngineStatus(running, waiting, self._draining, tokens / span if span > 0.5 else 0.0, c.stats, c.limits,
+                                c.prefix.hits, c.prefix.misses, c.prefix.used_bytes, getattr(c.draft, "name", "") or "",
+                                c.draft_policy.mode if c.draft is not None and c.draft_enabled else "off")
 
     def close(self, timeout: float = 10.0) -> None:
         """Cancel everything and stop the engine thread."""
@@ -232,231 +227,41 @@ class Scheduler:
     # -- the engine thread ----------------------------------------------------
 
     def _loop(self) -> None:
+        core = self.core
         while True:
             with self._cv:
-                while not (self._stopped or self._calls or self._running or self._waiting):
+                while not (self._stopped or self._calls or self._incoming or core.has_work):
                     self._cv.wait()
                 calls, self._calls = self._calls, []
+                for seq_id, req, t in self._incoming:
+                    core.add(req, seq_id, t)
+                self._incoming.clear()
+                cancelled = {i for i, h in self._handles.items() if h.cancelled}
                 if self._stopped and not calls:
-                    for s in [*self._running, *self._waiting]:
-                        self._finish(s, "cancelled")
-                    self._running, self._waiting = [], deque()
+                    self._deliver(core.abort(set(self._handles)))
                     return
             for fn in calls:
                 try:
                     fn()
                 except Exception:  # a call's failure is the caller's; the engine goes on
                     log.exception("engine_call_failed")
-            with self._cv:
-                self._reap()
-                self._admit()
-                running = list(self._running)
-            if running:
-                self._step(running)
+            events = core.abort(cancelled) if cancelled else []
+            if core.has_work:
+                stepped = core.step()
+                with self._cv:
+                    self._recent.append((time.monotonic(), sum(not isinstance(e, FinishEvent) for _, e in stepped)))
+                events += stepped
+            self._deliver(events)
 
-    def _reap(self) -> None:
-        for s in [s for s in self._waiting if s.handle.cancelled]:
-            self._waiting.remove(s)
-            self._finish(s, "cancelled")
-        keep = []
-        for s in self._running:
-            if s.handle.cancelled:
-                self._finish(s, "cancelled")
-            else:
-                keep.append(s)
-        self._running = keep
-
-    def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.limits.max_running:
-            s = self._waiting.popleft()
-            if s.max_new == 0:
-                self._finish(s, "length")
-                continue
-            found = self.prefix.take(s.tokens)
-            if found is not None:
-                s.cache, s.cached_tokens = found
-                s.num_computed = s.cached_tokens
-            else:
-                s.cache = SequenceCache(self.net.num_layers)
-            self._start_draft(s, found is not None)
-            self._running.append(s)
-
-    def _start_draft(self, s: Seq, reused: bool) -> None:
-        if self.draft is None or not self._draft_enabled:
-            return
-        if reused and self.draft.capture_layers:
-            # the source needs the target's hidden rows of every position, and a reused prefix has none
-            log.debug("draft_skipped", reason="prefix_reused", request_id=s.req.request_id or None)
-            return
-        if s.req.chat and getattr(self.draft, "raw_only", False):
-            log.debug("draft_skipped", reason="raw_only_source", request_id=s.req.request_id or None)
-            return
-        s.drafter = Drafter(self.draft, s.req.prompt_ids, self.draft_policy, self.stats.draft, s.req.request_id, self._vocab)
-        if s.drafter.active:
-            s.drafter.use_target_cache(s.cache)
-        else:
-            s.drafter = None
-
-    def _plan(self, running: list[Seq]) -> list[tuple[Seq, int]]:
-        """(sequence, tokens to run) for this step: decodes, then prefill chunks, within the budget.
-
-        Decodes come first (one token each, plus a drafting sequence's proposal);
-        when they alone exceed the budget, the ones left out go first next step (a
-        rotating start), so none starves.
-        """
-        budget = max(self.limits.max_step_tokens, 1)
-        self._rotate = (self._rotate + 1) % max(len(running), 1)
-        order = running[self._rotate :] + running[: self._rotate]
-        plan = [(s, 1) for s in order if s.pending == 1][:budget]
-        budget -= len(plan)
-        for s in running:
-            if s.pending > 1 and budget > 0:
-                n = min(s.pending, budget)
-                plan.append((s, n))
-                budget -= n
-        for i, (s, _) in enumerate(plan):
-            s.proposal, s.draft_s, s.emitted, s.step_base = None, 0.0, 1, s.num_computed
-            if s.drafter is not None and s.pending == 1 and budget > 0:
-                width = min(s.drafter.width(s.num_generated), s.max_new - s.num_generated - 1, budget)
-                if width > 0:
-                    t0 = time.perf_counter()
-                    s.proposal = s.drafter.propose(s.tokens, width, s.req.params, s.generator)
-                    s.draft_s = time.perf_counter() - t0
-                    if s.proposal is not None:
-                        plan[i] = (s, 1 + len(s.proposal.tokens))
-                        budget -= len(s.proposal.tokens)
-                if not s.drafter.active:
-                    s.drafter = None
-        return plan
-
-    def _step(self, running: list[Seq]) -> None:
-        plan = self._plan(running)
-        try:
-            events = self._run(plan)
-        except Exception as e:
-            if any(s.proposal is not None for s, _ in plan):
-                # A verify pass that failed (out of memory on the wider batch, say): the step runs
-                # again without drafts, and those sequences go on target-only.
-                log.warning("draft_failed", during="verify", error=f"{type(e).__name__}: {e}", fallback="target_only")
-                try:
-                    for s, _ in plan:
-                        s.num_computed = s.step_base
-                        s.cache.truncate(s.num_computed)
-                        if s.proposal is not None:
-                            self.stats.draft.failures += 1
-                            s.drafter.close()
-                            s.drafter, s.proposal = None, None
-                    events = self._run([(s, 1 if s.pending == 1 else n) for s, n in plan])
-                except Exception as e2:
-                    self._fail_step(plan, e2)
-                    return
-            else:
-                self._fail_step(plan, e)
-                return
+    def _deliver(self, events: Events) -> None:
         with self._cv:
-            for s, event in events:
-                s.handle.put(event)
-            for s in {id(s): s for s, _ in events}.values():
-                if s.finished is not None:
-                    self._running.remove(s)
-                    self._finish(s, s.finished)
-
-    def _fail_step(self, plan: list[tuple[Seq, int]], e: Exception) -> None:
-        log.exception("engine_step_failed", sequences=len(plan), tokens=sum(n for _, n in plan))
-        self.stats.errors += 1
-        with self._cv:
-            for s, _ in plan:
-                self._running.remove(s)
-                self._finish(s, "error", f"the engine failed on this step: {type(e).__name__}: {e}")
-
-    def _run(self, plan: list[tuple[Seq, int]]) -> list[tuple[Seq, Any]]:
-        """One forward over the plan; returns the token events it produced, in order."""
-        ids: list[int] = []
-        rows: list[int] = []
-        capture: set[int] = set()
-        for s, n in plan:
-            ids.extend(s.tokens[s.num_computed : s.num_computed + (1 if s.proposal is not None else n)])
-            if s.proposal is not None:  # [pending, d1 .. dk]
-                ids.extend(s.proposal.tokens)
-            rows.append(n if s.proposal is not None else 1)
-            if s.drafter is not None:
-                capture.update(s.drafter.capture_layers)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            batch = Batch.of([(s.cache, n) for s, n in plan], device=self._device)
-            batch.capture = tuple(sorted(capture))
-            if any(r > 1 for r in rows):
-                batch.logit_rows = tuple(rows)
-            logits = self.net(torch.tensor(ids, dtype=torch.long, device=self._device), batch)  # [sum(rows), V]
-            events: list[tuple[Seq, Any]] = []
-            row = 0
-            for (s, n), seg, r in zip(plan, batch.segments, rows, strict=True):
-                base = s.num_computed
-                s.num_computed += n
-                flat = slice(seg.start, seg.start + n)
-                if s.proposal is not None:
-                    events.extend((s, e) for e in self._verify(s, logits[row : row + r], base, batch, flat))
-                elif s.pending == 0:  # the chunk reached the end: this step's logits pick the next token
-                    events.append((s, s.choose(logits[row])))
-                    if s.drafter is not None:
-                        s.drafter.commit(s.tokens, self._rows(s, batch, flat))
-                elif s.drafter is not None:  # a prefill chunk short of the end: keep its rows
-                    s.drafter.hold_capture(self._rows(s, batch, flat))
-                row += r
-        dt = time.perf_counter() - t0
-        if any(s.proposal is not None for s, _ in plan):
-            self.stats.draft.verify_s += dt  # step seconds that verified drafts (once per step)
-        for s, _ in plan:
-            if s.drafter is not None and s.num_computed > s.num_prompt:
-                s.drafter.record(s.proposal, s.emitted, dt + s.draft_s, s.num_generated)
-            s.proposal = None
-        st = self.stats
-        st.steps += 1
-        st.step_s_sum += dt
-        st.step_buckets[bisect.bisect_left(STEP_BUCKETS_S, dt)] += 1
-        st.max_batch = max(st.max_batch, len(plan))
-        st.prompt_tokens += sum(n for s, n in plan if s.num_computed <= s.num_prompt)
-        st.generated_tokens += len(events)
-        with self._cv:
-            self._recent.append((time.monotonic(), len(events)))
-        return events
-
-    @staticmethod
-    def _rows(s: Seq, batch: Batch, flat: slice) -> torch.Tensor | None:
-        layers = s.drafter.capture_layers if s.drafter is not None else ()
-        return captured_rows(batch, layers, flat) if layers else None
-
-    def _verify(self, s: Seq, logits: torch.Tensor, base: int, batch: Batch, flat: slice) -> list[Any]:
-        """Accept a prefix of `s.proposal` from its k+1 rows of logits [k+1, V]; emit, then truncate."""
-        prop = s.proposal
-        tokens = prop.tokens
-        scored = torch.stack([s.scores(logits[i], tokens[:i]) for i in range(len(tokens) + 1)])  # [k+1, V]
-        emitted = accept(scored, tokens, prop.q, s.req.params, s.generator)
-        s.emitted = len(emitted)
-        events = []
-        for j, token in enumerate(emitted):
-            events.append(s.record(token, logits[j]))
-            if s.finished is not None:
-                break
-        kept = len(events)  # rows kept: the pending token and the drafts emitted before the last token
-        s.num_computed = base + kept
-        if s.cache.length > s.num_computed:
-            s.cache.truncate(s.num_computed)
-        if s.drafter is not None:
-            rows = self._rows(s, batch, slice(flat.start, flat.start + kept))
-            s.drafter.commit(s.tokens, rows)
-        return events
-
-    def _finish(self, s: Seq, reason: str, error: str | None = None) -> None:
-        if reason != "error" and s.cache is not None and s.num_computed:
-            # the cache holds exactly the tokens run so far: a later prompt may extend them
-            self.prefix.put(s.tokens[: s.num_computed], s.cache)
-        s.cache = None
-        if s.drafter is not None:
-            s.drafter.close()
-            s.drafter = None
-        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
-        s.handle.put(s.finish_event(reason, error))
+            for seq_id, event in events:
+                handle = self._handles.get(seq_id)
+                if handle is None:
+                    continue
+                handle.put(event)
+                if isinstance(event, FinishEvent):
+                    del self._handles[seq_id]
 
 
 def collect(handle: Handle, timeout: float | None = None) -> tuple[list[int], FinishEvent]:

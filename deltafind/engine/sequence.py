@@ -1,6 +1,6 @@
-"""One generation request inside the engine: its tokens, cache, sampler and event queue.
+"""One generation request inside the engine: its tokens, cache, sampler, constraint and event queue.
 
-The scheduler owns `Sequence` objects; request threads hold only the `Handle`,
+The engine core owns `Sequence` objects; request threads hold only the `Handle`,
 which reads events back and can cancel. Speaks token ids only, never text.
 """
 
@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from deltafind.engine.constraint import Constraint, ConstraintFactory
+from deltafind.engine.constraint import apply as apply_constraint
 from deltafind.engine.sampler import SamplingParams, make_generator, make_sampler
 from deltafind.errors import RequestError
 from deltafind.models.ops.batch import SequenceCache
@@ -39,6 +41,7 @@ class GenRequest:
     frequency_penalty: float = 0.0
     request_id: str = ""
     chat: bool = False  # a chat turn: raw-only drafts (cross-tokenizer, spec 7.7) stay off
+    constraint: ConstraintFactory | None = field(default=None, compare=False)  # structured output, one per sequence
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -66,6 +69,7 @@ class FinishEvent:
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
+    exception: BaseException | None = field(default=None, compare=False, repr=False)  # re-raised by a synchronous caller
 
 
 Event = TokenEvent | FinishEvent
@@ -119,10 +123,10 @@ class Handle:
 
 
 class Sequence:
-    """Engine-side state of one request."""
+    """Engine-side state of one request (the core owns it; per-step scratch lives in the core's StepPlan)."""
 
-    def __init__(self, seq_id: int, req: GenRequest, handle: Handle, eos_token_ids: set[int], max_len: int) -> None:
-        self.seq_id, self.req, self.handle = seq_id, req, handle
+    def __init__(self, seq_id: int, req: GenRequest, eos_token_ids: set[int], max_len: int) -> None:
+        self.seq_id, self.req = seq_id, req
         self.tokens: list[int] = list(req.prompt_ids)
         self.num_prompt = len(req.prompt_ids)
         self.num_computed = 0  # tokens already fed to the model (the cache holds them)
@@ -131,15 +135,16 @@ class Sequence:
         self.generator = make_generator(req.params)  # the sampler's and the verifier's draws
         self.sample = make_sampler(req.params, self.generator)
         self.drafter: Any = None  # engine/speculative.Drafter while this sequence drafts
-        self.proposal: Any = None  # this step's draft Proposal, if any
-        self.draft_s = 0.0  # this step's drafting time
-        self.emitted = 1  # tokens this step emitted
-        self.step_base = 0  # num_computed when this step was planned
+        self.constraint: Constraint | None = None
         self.counts: Counter[int] = Counter()
         p = req.params
         self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
         self.max_new = min(p.max_new_tokens, max(0, max_len - self.num_prompt))
         self.finished: str | None = None
+        self.error: str | None = None
+        self.exception: BaseException | None = None
+        self.submitted_at = 0.0  # time.monotonic() stamps, for the latency histograms
+        self.last_token_at: float | None = None
 
     @property
     def num_generated(self) -> int:
@@ -150,9 +155,13 @@ class Sequence:
         """Tokens known but not yet fed to the model (prompt rest in prefill, 1 in decode)."""
         return len(self.tokens) - self.num_computed
 
+    def start_constraint(self) -> None:
+        if self.req.constraint is not None:
+            self.constraint = self.req.constraint()
+
     def choose(self, logits: torch.Tensor) -> TokenEvent:
         """Sample the next token from this step's last-token logits [V] and record it."""
-        return self.record(self.sample(self.scores(logits)), logits)
+        return self.record(self.sample(apply_constraint(self.scores(logits), self.constraint)), logits)
 
     def scores(self, logits: torch.Tensor, after: Sequence_[int] = ()) -> torch.Tensor:
         """The logits [V] the sampler sees: penalties for tokens generated so far (plus `after`)."""
@@ -166,9 +175,35 @@ class Sequence:
             scores[ids] -= req.presence_penalty + req.frequency_penalty * n
         return scores
 
+    def verify_rows(self, logits: torch.Tensor, tokens: list[int], q: torch.Tensor | None,
+                    ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+        """The scores [k+1, V] the verifier sees for `[pending, *tokens]`, and the drafts it may accept.
+
+        Row i carries the penalties of the drafts before it and the constraint's mask after
+        them. A draft the mask forbids is kept (the verifier rejects it: p = 0 there) and the
+        drafts after it dropped; the constraint is rolled back to where it was.
+        """
+        c, rows, advanced = self.constraint, [], 0
+        try:
+            for i in range(len(tokens) + 1):
+                rows.append(apply_constraint(self.scores(logits[i], tokens[:i]), c))
+                if c is not None and i < len(tokens):
+                    if not c.advance(tokens[i]):
+                        rows.append(self.scores(logits[i + 1], tokens[: i + 1]))  # never read: tokens[i] is rejected
+                        tokens = tokens[: i + 1]
+                        q = None if q is None else q[: i + 1]
+                        break
+                    advanced += 1
+        finally:
+            if c is not None and advanced:
+                c.rollback(advanced)
+        return torch.stack(rows), tokens, q
+
     def record(self, token: int, logits: torch.Tensor) -> TokenEvent:
         """Append a chosen token (sampled here, or emitted by the verifier) and check for the end."""
         req = self.req
+        if self.constraint is not None and not self.constraint.advance(token):
+            raise RequestError(f"the output constraint refused token {token}, which it had allowed", "response_format")
         event = TokenEvent(token)
         if req.logprobs is not None:
             # Logprobs of the model's distribution (before penalties and temperature), as OpenAI reports.
@@ -180,11 +215,11 @@ class Sequence:
             event = TokenEvent(token, float(lp[token]), top)
         self.tokens.append(token)
         self.counts[token] += 1
-        if token in self.stop_ids:
+        if token in self.stop_ids or (self.constraint is not None and self.constraint.done):
             self.finished = "stop"
         elif self.num_generated >= self.max_new:
             self.finished = "length"
         return event
 
     def finish_event(self, reason: str, error: str | None = None) -> FinishEvent:
-        return FinishEvent(reason, self.num_prompt, self.num_generated, self.cached_tokens, error)
+        return FinishEvent(reason, self.num_prompt, self.num_generated, self.cached_tokens, error, self.exception)

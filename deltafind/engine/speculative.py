@@ -1,6 +1,7 @@
 """The one exact verifier: a draft proposes, the target decides, output never changes.
 
-Each drafting step runs `[pending, d1 .. dk]` through the target in one pass
+The engine core (engine/core.py) plans, runs and updates drafting steps; this
+module holds the acceptance rule and each request's `Drafter`. Each drafting step runs `[pending, d1 .. dk]` through the target in one pass
 (k+1 rows, so each expert is read once for all of them), accepts a prefix of
 the proposal by the rule below, emits that prefix plus one token of the
 target's own, and truncates the cache back to exactly what was emitted.
@@ -21,17 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from deltafind.engine.draft.base import DraftError, DraftSession, DraftSource, Proposal
 from deltafind.engine.draft.policy import DraftStats, PolicyOptions, WidthController
-from deltafind.engine.generate import GenerationStats
-from deltafind.engine.sampler import SamplingParams, make_generator, sampling_probs
+from deltafind.engine.sampler import SamplingParams, sampling_probs
 from deltafind.log import get_logger
-from deltafind.models.ops.batch import Batch, SequenceCache
+from deltafind.models.ops.batch import SequenceCache
 
 log = get_logger(__name__)
 
@@ -80,8 +80,8 @@ def accept(
     return out
 
 
-def captured_rows(batch: Batch, layers: Sequence[int], rows: slice | torch.Tensor) -> torch.Tensor | None:
-    """`batch.captured` as [n, len(layers) * H] for flat `rows`, in `layers` order (None if none)."""
+def captured_rows(batch: Any, layers: Sequence[int], rows: slice | torch.Tensor) -> torch.Tensor | None:
+    """`batch.captured` (a Batch's, or a StepOutput's) as [n, len(layers) * H] for flat `rows`, in `layers` order."""
     if not layers:
         return None
     return torch.cat([batch.captured[layer][rows] for layer in layers], dim=-1)
@@ -210,80 +210,3 @@ class Drafter:
         if session is not None:
             with contextlib.suppress(Exception):
                 session.close()
-
-
-def _target_pass(model: torch.nn.Module, cache: SequenceCache, ids: Sequence[int], capture: tuple[int, ...],
-                 rows: int) -> tuple[torch.Tensor, Batch]:
-    """Run `ids` after `cache`; logits [rows, V] of the last `rows` tokens, and the batch (captured)."""
-    device = model.model.embed_tokens.weight.device
-    batch = Batch.of([(cache, len(ids))], device=device)
-    batch.capture = capture
-    batch.logit_rows = (rows,)
-    logits = model(torch.tensor(list(ids), dtype=torch.long, device=device), batch)
-    return logits, batch
-
-
-def generate_speculative(
-    model: torch.nn.Module,
-    prompt_ids: Sequence[int],
-    params: SamplingParams,
-    source: DraftSource,
-    options: PolicyOptions | None = None,
-    eos_token_ids: Sequence[int] = (),
-    stats: GenerationStats | None = None,
-    draft_stats: DraftStats | None = None,
-) -> Iterator[int]:
-    """`generate` with drafting: the same tokens under greedy, the same distribution under sampling."""
-    stats = stats if stats is not None else GenerationStats()
-    stats.prompt_tokens = len(prompt_ids)
-    if not prompt_ids:
-        raise ValueError("prompt_ids must not be empty")
-    stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-    if params.max_new_tokens == 0:
-        stats.finish_reason = "length"
-        return
-    generator = make_generator(params)
-    vocab = model.lm_head.weight.shape[0]
-    drafter = Drafter(source, prompt_ids, options or PolicyOptions(), draft_stats, vocab_size=vocab)
-    cache = SequenceCache(model.num_layers)
-    capture = drafter.capture_layers
-    history = list(prompt_ids)
-    try:
-        with torch.inference_mode():
-            t0, base = time.perf_counter(), 0
-            logits, batch = _target_pass(model, cache, prompt_ids, capture, 1)
-            stats.prefill_s = time.perf_counter() - t0
-            emitted = accept(logits, [], None, params, generator)
-            drafter.use_target_cache(cache)
-            while True:
-                done = False
-                for token in emitted:
-                    history.append(token)
-                    stats.new_tokens += 1
-                    yield token
-                    if token in stop:
-                        stats.finish_reason, done = "stop", True
-                        break
-                    if stats.new_tokens >= params.max_new_tokens:
-                        stats.finish_reason, done = "length", True
-                        break
-                n_run = len(history) - 1 - base  # rows of the last pass kept: pending + accepted drafts
-                if cache.length > base + n_run:
-                    cache.truncate(base + n_run)  # forget the rejected rows (KV, and recurrent state)
-                drafter.commit(history, captured_rows(batch, capture, slice(0, n_run)) if capture else None)
-                if done:
-                    break
-                t0 = time.perf_counter()
-                width = min(drafter.width(stats.new_tokens), params.max_new_tokens - stats.new_tokens - 1)
-                prop = drafter.propose(history, width, params, generator) if width > 0 else None
-                tokens = prop.tokens if prop is not None else []
-                t1, base = time.perf_counter(), cache.length
-                logits, batch = _target_pass(model, cache, [history[-1], *tokens], capture, len(tokens) + 1)
-                emitted = accept(logits, tokens, prop.q if prop is not None else None, params, generator)
-                dt = time.perf_counter() - t0
-                stats.decode_s += dt
-                drafter.record(prop, len(emitted), dt, stats.new_tokens)
-                if prop is not None:
-                    drafter.stats.verify_s += time.perf_counter() - t1
-    finally:
-        drafter.close()

@@ -22,8 +22,9 @@ import structlog
 
 from deltafind.log import get_logger
 from deltafind.server import errors
+from deltafind.server import metrics as prom
 from deltafind.server.errors import ApiError
-from deltafind.server.metrics import Metric, ServerMetrics, engine_metrics, render
+from deltafind.server.metrics import ServerMetrics
 from deltafind.server.openai import Generate
 
 log = get_logger(__name__)
@@ -48,7 +49,7 @@ class ReadyEngine:
     model_name: str
     context_length: int
     created: int = field(default_factory=lambda: int(time.time()))
-    extra_metrics: Callable[[], list[Metric]] = field(default=lambda: [])
+    store_snapshot: Callable[[], dict[str, Any]] = field(default=lambda: {})  # the store's figures, for /metrics
 
 
 class AppState:
@@ -150,16 +151,15 @@ class Metrics:
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         s = self.state
-        out = s.metrics.metrics()
-        out.append(("deltafind_ready", "gauge", "1 once the model is loaded and warmed up.", [({}, float(s.engine is not None))]))
+        engine, store = None, None
         if s.engine is not None:
-            out += engine_metrics(s.engine.client.status())
+            engine = s.engine.client.status().snapshot()
             try:
-                out += s.engine.extra_metrics()
+                store = s.engine.store_snapshot()
             except Exception:  # a figure that cannot be read must not take /metrics down
                 log.exception("metrics_failed")
-        resp.content_type = "text/plain; version=0.0.4; charset=utf-8"
-        resp.text = render(out)
+        resp.content_type = prom.CONTENT_TYPE
+        resp.text = prom.render(s.metrics.snapshot(), s.engine is not None, engine, store)
 
 
 def create_app(state: AppState) -> falcon.App:

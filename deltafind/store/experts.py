@@ -340,6 +340,11 @@ class StoreExperts:
             self.pinned_bytes += expert.nbytes
         return self.pinned_bytes
 
+    def unpin(self) -> None:
+        """Empty the pin tier (a reload re-pins under a new budget)."""
+        self.pinned.clear()
+        self.pinned_bytes = 0
+
     def close(self) -> None:
         if self.trace is not None:
             self.trace.close()

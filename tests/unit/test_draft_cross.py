@@ -320,14 +320,13 @@ def verify_models(smol: Tokenizer, smol_dir: Path, byte_drafts, tmp_path_factory
 
 def _both(target: Model, source: CrossTokenizerSource, prompt: str, max_new: int, width: int = 7):
     from deltafind.engine.draft.policy import DraftStats, PolicyOptions
-    from deltafind.engine.speculative import generate_speculative
 
     ids = target.tokenizer.encode(prompt)
     params = SamplingParams(max_new_tokens=max_new)
     off = list(generate(target.net, ids, params, target.eos_token_ids))
     stats = DraftStats()
-    on = list(generate_speculative(target.net, ids, params, source, PolicyOptions(mode="on", max_width=width),
-                                   target.eos_token_ids, None, stats))
+    on = list(generate(target.net, ids, params, target.eos_token_ids, draft=source,
+                       draft_policy=PolicyOptions(mode="on", max_width=width), draft_stats=stats))
     return off, on, stats
 
 

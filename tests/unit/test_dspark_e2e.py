@@ -17,7 +17,7 @@ from deltafind.engine.draft.dspark import DSparkSession, DSparkSource
 from deltafind.engine.draft.policy import DraftStats, PolicyOptions
 from deltafind.engine.generate import generate
 from deltafind.engine.sampler import SamplingParams
-from deltafind.engine.speculative import captured_rows, generate_speculative
+from deltafind.engine.speculative import captured_rows
 from deltafind.models import dspark, kimi_k3
 from deltafind.models.ops.batch import Batch, SequenceCache
 from deltafind.store.dspark_import import write_synthetic_dspark
@@ -61,7 +61,7 @@ def _plain(m: Model, prompt: list[int], n: int) -> list[int]:
 
 
 def _drafted(m: Model, prompt: list[int], n: int, source, stats: DraftStats | None = None) -> list[int]:
-    return list(generate_speculative(m.net, prompt, SamplingParams(max_new_tokens=n), source, ON, m.eos_token_ids, draft_stats=stats))
+    return list(generate(m.net, prompt, SamplingParams(max_new_tokens=n), m.eos_token_ids, draft=source, draft_policy=ON, draft_stats=stats))
 
 
 def _oracle(m: Model, source: DSparkSource, continuation: list[int], rank: int = 64) -> None:
@@ -187,8 +187,8 @@ def test_sampling_with_dspark_keeps_going_and_a_desync_is_refused(model: Model) 
     source = DSparkSource.open(model.store_dir, model.net)
     params = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.95, seed=7)
     stats = DraftStats()
-    out = list(generate_speculative(model.net, PROMPTS[0], params, source, ON, model.eos_token_ids, draft_stats=stats))
-    again = list(generate_speculative(model.net, PROMPTS[0], params, source, ON, model.eos_token_ids))
+    out = list(generate(model.net, PROMPTS[0], params, model.eos_token_ids, draft=source, draft_policy=ON, draft_stats=stats))
+    again = list(generate(model.net, PROMPTS[0], params, model.eos_token_ids, draft=source, draft_policy=ON))
     assert len(out) == 12 and out == again and stats.failures == 0 and stats.proposed > 0
     session = source.session(PROMPTS[0])
     with pytest.raises(DraftError, match="holds 0 rows but the target committed 12"):

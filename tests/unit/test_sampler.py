@@ -2,6 +2,8 @@
 tiny but valid temperature (the daemon fuzz found 2.4e-271) stays a distribution, not NaN."""
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deltafind.engine.sampler import SamplingParams, make_sampler, sampling_probs
 
@@ -19,3 +21,27 @@ def test_a_tiny_temperature_is_near_greedy_not_nan() -> None:
         p = sampling_probs(logits, SamplingParams(temperature=t, top_p=0.5, top_k=2))
         assert torch.equal(p, torch.tensor([0.0, 1.0, 0.0, 0.0])), (t, p)
         assert make_sampler(SamplingParams(temperature=t, seed=1))(logits) == 1
+
+
+# Every value the request schema accepts (temperature [0, 2], top_p (0, 1]; SamplingParams allows
+# temperature up to 100), subnormals included: 1e-320 and 1e-300 once gave NaN or an empty distribution.
+temperatures = st.one_of(st.floats(0.0, 100.0, allow_subnormal=True), st.sampled_from([5e-324, 1e-320, 2.4e-271, 1e-45]))
+top_ps = st.one_of(st.floats(0.0, 1.0, exclude_min=True, allow_subnormal=True), st.sampled_from([5e-324, 1e-300, 1e-38]))
+logit_rows = st.lists(st.one_of(st.floats(-1e4, 1e4), st.just(float("-inf"))), min_size=1, max_size=40).filter(
+    lambda xs: any(x != float("-inf") for x in xs))
+
+
+@settings(max_examples=400, deadline=None)
+@given(logits=logit_rows, temperature=temperatures, top_p=top_ps, top_k=st.integers(0, 50), seed=st.integers(0, 2**32))
+def test_every_accepted_temperature_and_top_p_gives_a_distribution(logits, temperature, top_p, top_k, seed) -> None:
+    x = torch.tensor(logits, dtype=torch.float32)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    if temperature == 0.0:
+        assert make_sampler(params)(x) == int(torch.argmax(x))
+        return
+    p = sampling_probs(x, params)
+    assert torch.isfinite(p).all() and (p >= 0).all() and abs(float(p.sum()) - 1.0) < 1e-5, p
+    assert float(p[int(torch.argmax(x))]) > 0  # the best token always survives top-k and top-p
+    assert not (p[x == float("-inf")] > 0).any()  # a forbidden token never does
+    token = make_sampler(params)(x)
+    assert float(p[token]) > 0

@@ -155,7 +155,7 @@ def _scheduler_joint(model: Model, prompt: list[int], params: SamplingParams, so
 def test_sampling_through_the_scheduler_keeps_the_target_distribution(stores: dict[str, Model],
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """SAMPLES seeded requests, 16 at a time in shared steps: tokens 1-3 against the exact joint, at ALPHA."""
-    from deltafind.engine import scheduler
+    from deltafind.engine import speculative
 
     model = stores["llama"]
     params = SamplingParams(temperature=1.0, top_k=3)
@@ -165,7 +165,7 @@ def test_sampling_through_the_scheduler_keeps_the_target_distribution(stores: di
     pvalue, drafts = _scheduler_joint(model, prompt, params, source, exact)
     assert pvalue > ALPHA
     assert drafts.proposed > drafts.accepted > 0  # drafts were both accepted and rejected
-    monkeypatch.setattr(scheduler, "accept", _accept_everything)
+    monkeypatch.setattr(speculative, "accept", _accept_everything)
     assert _scheduler_joint(model, prompt, params, source, exact)[0] < ALPHA  # a broken rule fails it
 
 
@@ -197,14 +197,14 @@ def test_penalties_and_logprobs_with_drafts_equal_drafting_off(stores: dict[str,
 
 
 def test_metrics_report_the_schedulers_draft_counters(stores: dict[str, Model]) -> None:
-    from deltafind.server.metrics import engine_metrics, render
+    from deltafind.server.metrics import ServerMetrics, render
 
     model = stores["moe"]
     sched = Scheduler(model.net, (), SchedulerLimits(max_running=2), draft=NgramSource(), draft_policy=ON)
     try:
         for req, _ in _requests(model)[:3]:
             collect(sched.submit(req), timeout=60)
-        text = render(engine_metrics(sched.status()))
+        text = render(ServerMetrics().snapshot(), True, sched.status().snapshot())
     finally:
         sched.close()
     d = sched.stats.draft
