@@ -30,6 +30,12 @@ from deltafind.errors import StoreError
 from deltafind.log import get_logger
 from deltafind.models.ops.batch import SequenceCache
 from deltafind.models.ops.mxfp4 import use_compile
+from deltafind.models.ops.stored import (
+    adopt_stored,
+    hold_dtype,
+    install_quantized,
+    stored_weight_names,
+)
 from deltafind.models.registry import family_module
 from deltafind.store.experts import PrefetchOptions, StoreExperts
 from deltafind.store.heat import hottest, read_heat, update_heat
@@ -117,7 +123,9 @@ class Model:
         if isinstance(prefetch, bool):
             prefetch = PrefetchOptions(enabled=prefetch)
         trace = TraceWriter(Path(trace_path)) if trace_path else None
-        experts = StoreExperts(manifest, store_dir, expert_cache_bytes, torch_dtype, device, drives, prefetch, direct_io, trace, verify=verify)
+        # bf16/fp16 experts stay as stored in the cache (twice the experts per byte) and are computed on as stored
+        hold = hold_dtype({getattr(torch, t.dtype) for r in manifest.experts for t in r.tensors}, torch_dtype)
+        experts = StoreExperts(manifest, store_dir, expert_cache_bytes, hold, device, drives, prefetch, direct_io, trace, verify=verify)
         if pin_bytes:
             experts.pin(hottest(read_heat(store_dir)), pin_bytes)
         with torch.device("meta"):
@@ -126,7 +134,8 @@ class Model:
         spine_path = store_dir / SPINE_NAME
         budget = device_spine_budget(device, spine_bytes)  # on a GPU: capped by its free memory, same prefix rule
         try:
-            plan = plan_spine(read_layout(spine_path, torch_dtype), net.num_layers, budget)
+            layout = read_layout(spine_path, torch_dtype, keep=stored_weight_names(net))
+            plan = plan_spine(layout, net.num_layers, budget)
         except StoreError as e:
             if budget == spine_bytes:
                 raise
@@ -137,12 +146,15 @@ class Model:
         tied = getattr(args, "tie_word_embeddings", False)
         if tied:
             spine.pop("lm_head.weight", None)
+        quants = {t.name: t.quant for t in layout if t.quant}  # GGUF blocks stay blocks (models/ops/stored.py)
+        install_quantized(net, quants, {n: spine.pop(n) for n in list(spine) if n in quants})
         missing, unexpected = net.load_state_dict(spine, strict=False, assign=True)
-        missing = [k for k in missing if not (tied and k == "lm_head.weight") and k not in streamed]
+        missing = [k for k in missing if not (tied and k == "lm_head.weight") and k not in streamed and k not in quants]
         if missing or unexpected:
             raise StoreError(f"{store_dir}: spine does not fit the {manifest.family} model (missing {missing[:5]}, unexpected {unexpected[:5]}); re-import the store")
         if tied:
             net.tie_weights()
+        adopt_stored(net, torch_dtype)  # bf16/fp16 matmul weights stay as stored; fp32 activations
         net.eval()
         if device.type != "cpu":  # the expert cache lives in device memory, sized from what is free now
             experts.cache = DeviceExpertCache(device, expert_cache_bytes)

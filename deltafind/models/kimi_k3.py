@@ -121,8 +121,9 @@ class Model(nn.Module):
         Layers named in `batch.capture` leave their output h [T, H] in `batch.captured`.
         """
         m, eps, layers = self.model, self.args.rms_norm_eps, self.model.layers
-        dtype = torch.float32 if self.args.activation_dtype == "float32" else m.embed_tokens.weight.dtype
-        stream = AttnResStream(m.embed_tokens(input_ids).to(dtype), self.args.attn_res_block_size)  # [T, H], unscaled
+        h0 = m.embed_tokens(input_ids)  # the compute dtype (a bf16 table stays bf16: models/ops/stored.py)
+        dtype = torch.float32 if self.args.activation_dtype == "float32" else h0.dtype
+        stream = AttnResStream(h0.to(dtype), self.args.attn_res_block_size)  # [T, H], unscaled
         if self._prefetch is not None:
             self._prefetch(0, layers[0].predict_experts(stream.h))
         capture = set(batch.capture)  # DSpark (spec 7.3): the carried h after these layers, [T, H]
@@ -142,4 +143,4 @@ class Model(nn.Module):
         batch.advance()
         if not all_logits:
             z = z[batch.last_token_index().to(z.device)]
-        return self.lm_head(m.norm(z).to(self.lm_head.weight.dtype)).float()
+        return self.lm_head(m.norm(z).to(dtype)).float()

@@ -8,7 +8,7 @@ module must not import anything from the rest of `deltafind.store`.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -24,6 +24,7 @@ class Expert:
 
     tensors: Mapping[str, torch.Tensor]
     nbytes: int
+    quant: Mapping[str, str] = field(default_factory=dict)  # GGUF blocks: tensor name -> "KIND/COLS" (store/quant.py)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]

@@ -27,9 +27,9 @@ import torch
 from deltafind import Model
 from deltafind.engine.generate import forward_step
 from deltafind.models.ops.batch import SequenceCache
+from deltafind.models.ops.cpu_kernels import MXFP4, load_kernel
 from deltafind.models.ops.latent_moe import mxfp4_expert_forward
 from deltafind.models.ops.mxfp4 import BATCHED_MIN_TOKENS, dequantize, fused_linear
-from deltafind.models.ops.cpu_kernels import MXFP4, load_kernel
 from deltafind.store.manifest import Manifest
 from deltafind.store.provider import Expert
 from deltafind.store.reader import PackReader, record_tensors

@@ -11,7 +11,13 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from deltafind.models.ops.cpu_kernels import STORED
-from deltafind.models.ops.stored import BLOCKS, StoredWeight, dequantize, gguf_dequantize, stored_linear
+from deltafind.models.ops.stored import (
+    BLOCKS,
+    StoredWeight,
+    dequantize,
+    gguf_dequantize,
+    stored_linear,
+)
 
 needs_kernel = pytest.mark.skipif(STORED.load() is None, reason=f"no C++ compiler: {STORED.build_error}")
 # gguf-py can quantize these itself; Q4_K/Q5_K/Q6_K blocks are drawn as random bytes with sane scales below.

@@ -12,6 +12,8 @@ summation-order noise.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,11 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from deltafind.models.ops.cpu_kernels import STORED
+from deltafind.store.quant import BLOCKS as GGUF_BLOCKS
+from deltafind.store.quant import parse_quant
 
 # GGML type ids (gguf.GGMLQuantizationType): the kind codes stored_cpu.cpp takes.
 KINDS = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30}
-BLOCKS = {"F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
-          "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}  # (weights, bytes) per block
+BLOCKS = {"F16": (1, 2), "BF16": (1, 2), **GGUF_BLOCKS}  # (weights, bytes) per block
 TORCH_KINDS = {torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
@@ -49,6 +52,12 @@ class StoredWeight:
         if cols % per or data.dim() != 2 or data.shape[1] != cols // per * size:
             raise ValueError(f"{kind} rows of {cols} weights are {cols // per * size} bytes, not {tuple(data.shape)}")
         return cls(data, kind, data.shape[0], cols)
+
+    @classmethod
+    def tagged(cls, data: torch.Tensor, tag: str) -> StoredWeight:
+        """GGUF blocks with their store tag ("KIND/COLS", store/quant.py)."""
+        kind, cols = parse_quant(tag)
+        return cls.of(data, kind, cols)
 
     @property
     def nbytes(self) -> int:
@@ -97,3 +106,110 @@ def stored_linear(x: torch.Tensor, w: StoredWeight, bias: torch.Tensor | None = 
     if bias is not None:
         y += bias
     return y.reshape(*lead, w.rows)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, quant: str = "") -> torch.Tensor:
+    """`F.linear` for a weight in any stored format: GGUF blocks (`quant` tag) and bf16/fp16 under
+    fp32 activations are computed on as stored; otherwise the weight takes the activations' dtype."""
+    if quant:
+        w = StoredWeight.tagged(weight, quant)
+        return F.linear(x, dequantize(w).to(x.dtype), bias) if _widen else stored_linear(x, w, bias)
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    if x.dtype == torch.float32 and weight.dtype in TORCH_KINDS:
+        return stored_linear(x, StoredWeight.of(weight), bias)
+    return F.linear(x, weight.to(x.dtype), bias)
+
+
+def hold_dtype(stored: set[torch.dtype], compute: torch.dtype) -> torch.dtype:
+    """The dtype to hold float weights stored as `stored` in: as stored when they are all one
+    half-precision dtype and compute is fp32 (and not `widened()`), else the compute dtype."""
+    floats = {d for d in stored if d.is_floating_point}
+    if not _widen and compute == torch.float32 and len(floats) == 1 and next(iter(floats)) in TORCH_KINDS:
+        return next(iter(floats))
+    return compute
+
+
+class StoredLinear(torch.nn.Linear):
+    """An `nn.Linear` whose weight stays as stored (bf16/fp16, or GGUF blocks with `quant`)."""
+
+    quant = ""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.quant)
+
+
+class StoredEmbedding(torch.nn.Embedding):
+    """An `nn.Embedding` whose table stays as stored: looked-up rows are decoded exactly."""
+
+    compute_dtype = torch.float32
+    quant = ""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant:
+            rows = StoredWeight.tagged(self.weight[ids.reshape(-1)], self.quant)
+            return dequantize(rows).reshape(*ids.shape, rows.cols).to(self.compute_dtype)
+        return super().forward(ids).to(self.compute_dtype)
+
+
+def install_quantized(net: torch.nn.Module, quants: dict[str, str], tensors: dict[str, torch.Tensor]) -> None:
+    """Give the modules of GGUF-block weights (`quants`: name -> tag) their tags, and the loaded ones
+    their blocks (`tensors`; weights streamed in later arrive through store/spine.py)."""
+    for name, tag in quants.items():
+        module_name, _, leaf = name.rpartition(".")
+        module = net.get_submodule(module_name)
+        if leaf != "weight" or not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            raise ValueError(f"{name}: GGUF blocks are only kept for Linear and Embedding weights")
+        if _widen:  # the oracle path: decoded to fp32 at load, as format 1 stores did at import
+            if name in tensors:
+                module.weight = torch.nn.Parameter(dequantize(StoredWeight.tagged(tensors[name], tag)), requires_grad=False)
+            continue
+        module.quant = tag
+        if name in tensors:
+            module.weight = torch.nn.Parameter(tensors[name], requires_grad=False)
+
+
+_widen = False  # set by `widened()`
+
+
+@contextlib.contextmanager
+def widened() -> Iterator[None]:
+    """Open models with every weight widened to the compute dtype: the exactness oracle."""
+    global _widen
+    old, _widen = _widen, True
+    try:
+        yield
+    finally:
+        _widen = old
+
+
+def stored_weight_names(net: torch.nn.Module) -> set[str]:
+    """Weights of the net's Linear and Embedding modules: the ones it can compute on as stored."""
+    if _widen:
+        return set()
+    return {f"{name}.weight" for name, m in net.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
+
+
+def adopt_stored(net: torch.nn.Module, compute: torch.dtype) -> int:
+    """Let every Linear/Embedding compute on its weight as stored (bf16/fp16 under fp32 activations).
+
+    All of them, loaded or not: spine layers streamed in later (store/spine.py) arrive in their
+    stored dtype too. A weight already in `compute` dtype runs the plain op. Exact: the widened
+    path's weights are these weights widened. Returns how many modules changed.
+    """
+    if _widen:
+        return 0
+    changed = 0
+    tags = {id(m.weight): m.quant for m in net.modules() if getattr(m, "quant", "")}
+    for m in net.modules():
+        if not getattr(m, "quant", "") and id(getattr(m, "weight", None)) in tags:
+            m.quant = tags[id(m.weight)]  # a head tied to a block-stored embedding
+        if type(m) is torch.nn.Linear:
+            m.__class__ = StoredLinear
+        elif type(m) is torch.nn.Embedding:
+            m.__class__ = StoredEmbedding
+            m.compute_dtype = compute
+        else:
+            continue
+        changed += 1
+    return changed
