@@ -13,7 +13,7 @@
 #include <cstring>
 
 #include "cpu_pool.h"
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -47,6 +47,9 @@ inline float bits_to_float(uint32_t bits) { float f; std::memcpy(&f, &bits, 4); 
 
 // IEEE half -> float, exact for every value (subnormals, infinities, NaN payloads).
 inline float h2f(uint16_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#endif
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
   if (e == 0) {
     const float f = std::ldexp(static_cast<float>(m), -24);
@@ -67,6 +70,111 @@ inline void scale_min(const uint8_t* s, int i, int* sc, int* mn) {
   }
 }
 
+// One 32-weight block of Q4_0/Q4_1/Q5_0/Q5_1 into o[0..32). A template per format, so the loops
+// have no branches and the compiler vectorizes them; the arithmetic is gguf-py's, in its order.
+template <int K>
+inline void decode32(const uint8_t* b, float* o) {
+  constexpr bool has_min = K == Q4_1 || K == Q5_1, five = K == Q5_0 || K == Q5_1;
+  constexpr int offset = five ? 16 : 8;
+  const float d = h2f(rd16(b));
+  const float m = has_min ? h2f(rd16(b + 2)) : 0.0f;
+  uint32_t qh = 0;
+  if (five) std::memcpy(&qh, b + (has_min ? 4 : 2), 4);
+  const uint8_t* qs = b + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
+#ifdef __AVX2__
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i low4 = _mm_set1_epi8(15);
+  const __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};  // weights 0-7, 8-15, 16-23, 24-31
+  const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int g = 0; g < 4; ++g) {
+    __m256i q = _mm256_cvtepu8_epi32(parts[g]);
+    if (five) {
+      const __m256i bits = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(qh >> (8 * g))), lanes),
+                                            _mm256_set1_epi32(1));
+      q = _mm256_or_si256(q, _mm256_slli_epi32(bits, 4));
+    }
+    __m256 w;
+    if (has_min)
+      w = _mm256_add_ps(_mm256_mul_ps(dv, _mm256_cvtepi32_ps(q)), mv);  // (d * q) + m, two roundings
+    else
+      w = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(offset))));
+    _mm256_storeu_ps(o + 8 * g, w);
+  }
+  return;
+#endif
+  int v[32];
+  for (int j = 0; j < 16; ++j) {
+    v[j] = qs[j] & 15;
+    v[j + 16] = qs[j] >> 4;
+  }
+  if (five)
+    for (int j = 0; j < 32; ++j) v[j] |= static_cast<int>((qh >> j) & 1u) << 4;
+  if (has_min)
+    for (int j = 0; j < 32; ++j) o[j] = d * static_cast<float>(v[j]) + m;  // (d * q) + m
+  else
+    for (int j = 0; j < 32; ++j) o[j] = d * static_cast<float>(v[j] - offset);  // d * (q - offset)
+}
+
+inline void decode_q8_0(const uint8_t* b, float* o) {
+  const float d = h2f(rd16(b));
+  const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+  for (int j = 0; j < 32; ++j) o[j] = static_cast<float>(q[j]) * d;
+}
+
+// One 256-weight Q4_K or Q5_K block.
+template <int K>
+inline void decode_k45(const uint8_t* b, float* out) {
+  const float d = h2f(rd16(b)), dmin = h2f(rd16(b + 2));
+  const uint8_t* scales = b + 4;
+  const uint8_t* qh = b + 16;                    // Q5_K: bit i of qh[c] is the 5th bit of weight 32*i + c
+  const uint8_t* qs = b + (K == Q4_K ? 16 : 48);  // 4 groups of 32 bytes: low nibbles, then high
+  for (int i = 0; i < 8; ++i) {
+    int sc, mn;
+    scale_min(scales, i, &sc, &mn);
+    const float ds = d * static_cast<float>(sc), dm = dmin * static_cast<float>(mn);
+    const uint8_t* q = qs + (i / 2) * 32;
+    const int shift = (i % 2) * 4;
+    float* o = out + i * 32;
+    int v[32];
+    for (int c = 0; c < 32; ++c) v[c] = (q[c] >> shift) & 15;
+    if (K == Q5_K)
+      for (int c = 0; c < 32; ++c) v[c] |= ((qh[c] >> i) & 1) << 4;
+    for (int c = 0; c < 32; ++c) o[c] = ds * static_cast<float>(v[c]) - dm;  // (d * q) - dm
+  }
+}
+
+inline void decode_q6_k(const uint8_t* b, float* out) {
+  const uint8_t *ql = b, *qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = h2f(rd16(b + 208));
+  for (int h = 0; h < 2; ++h) {
+    for (int k = 0; k < 4; ++k) {  // weights h*128 + k*32 + [0, 32)
+      const uint8_t* lo = ql + h * 64 + (k % 2) * 32;
+      const uint8_t* hi = qh + h * 32;
+      const int lshift = (k / 2) * 4, hshift = k * 2;
+      const float d0 = d * static_cast<float>(sc[h * 8 + k * 2]), d1 = d * static_cast<float>(sc[h * 8 + k * 2 + 1]);
+      float* o = out + h * 128 + k * 32;
+      int v[32];
+      for (int c = 0; c < 32; ++c) v[c] = (((lo[c] >> lshift) & 15) | (((hi[c] >> hshift) & 3) << 4)) - 32;
+      for (int c = 0; c < 16; ++c) o[c] = d0 * static_cast<float>(v[c]);
+      for (int c = 16; c < 32; ++c) o[c] = d1 * static_cast<float>(v[c]);
+    }
+  }
+}
+
+template <int K, int Bytes>
+inline void decode_blocks32(const uint8_t* row, int64_t c0, int n, float* out) {
+  for (int k = 0; k < n / 32; ++k) {
+    const uint8_t* b = row + (c0 / 32 + k) * Bytes;
+    if (K == Q8_0)
+      decode_q8_0(b, out + k * 32);
+    else
+      decode32<K>(b, out + k * 32);
+  }
+}
+
 // Decode weights [c0, c0 + n) of one row into out: c0 a multiple of kChunk, n = kChunk or the row's
 // tail (a multiple of the block size; K formats have no tail).
 void decode(int kind, const uint8_t* row, int64_t c0, int n, float* out) {
@@ -81,65 +189,15 @@ void decode(int kind, const uint8_t* row, int64_t c0, int n, float* out) {
       for (int j = 0; j < n; ++j) out[j] = h2f(rd16(p + 2 * j));
       return;
     }
-    case Q4_K: case Q5_K: {
-      const uint8_t* b = row + (c0 / 256) * (kind == Q4_K ? 144 : 176);
-      const float d = h2f(rd16(b)), dmin = h2f(rd16(b + 2));
-      const uint8_t* scales = b + 4;
-      const uint8_t* qh = b + 16;                       // Q5_K only: bit i of qh[c] is weight 32*i + c's 5th bit
-      const uint8_t* qs = b + (kind == Q4_K ? 16 : 48);  // 4 groups of 32 bytes: low nibbles, then high
-      for (int i = 0; i < 8; ++i) {
-        int sc, mn;
-        scale_min(scales, i, &sc, &mn);
-        const float ds = d * static_cast<float>(sc), dm = dmin * static_cast<float>(mn);
-        const uint8_t* q = qs + (i / 2) * 32;
-        const int shift = (i % 2) * 4;
-        for (int c = 0; c < 32; ++c) {
-          int v = (q[c] >> shift) & 15;
-          if (kind == Q5_K) v |= ((qh[c] >> i) & 1) << 4;
-          out[i * 32 + c] = ds * static_cast<float>(v) - dm;
-        }
-      }
-      return;
-    }
-    case Q6_K: {
-      const uint8_t* b = row + (c0 / 256) * 210;
-      const uint8_t *ql = b, *qh = b + 128;
-      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-      const float d = h2f(rd16(b + 208));
-      for (int f = 0; f < 256; ++f) {
-        const int h = f / 128, r = f % 128;
-        const int lo = (ql[h * 64 + r % 64] >> ((r / 64) * 4)) & 15;
-        const int hi = (qh[h * 32 + r % 32] >> ((r / 32) * 2)) & 3;
-        out[f] = (d * static_cast<float>(sc[f / 16])) * static_cast<float>((lo | (hi << 4)) - 32);
-      }
-      return;
-    }
-    default: break;
-  }
-  int64_t elems, bytes;
-  block_shape(kind, &elems, &bytes);
-  for (int k = 0; k < n / 32; ++k) {
-    const uint8_t* b = row + (c0 / 32 + k) * bytes;
-    float* o = out + k * 32;
-    const float d = h2f(rd16(b));
-    if (kind == Q8_0) {
-      const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
-      for (int j = 0; j < 32; ++j) o[j] = static_cast<float>(q[j]) * d;
-      continue;
-    }
-    const bool has_min = kind == Q4_1 || kind == Q5_1;
-    const float m = has_min ? h2f(rd16(b + 2)) : 0.0f;
-    const bool five = kind == Q5_0 || kind == Q5_1;
-    uint32_t qh = 0;
-    if (five) std::memcpy(&qh, b + (has_min ? 4 : 2), 4);
-    const uint8_t* qs = b + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
-    const int offset = five ? 16 : 8;
-    for (int j = 0; j < 32; ++j) {
-      int v = (qs[j % 16] >> ((j / 16) * 4)) & 15;
-      if (five) v |= ((qh >> j) & 1) << 4;
-      // q1 formats: d*q + m on the unsigned code; q0 formats: d * (code - offset)
-      o[j] = has_min ? d * static_cast<float>(v) + m : d * static_cast<float>(v - offset);
-    }
+    case Q4_0: decode_blocks32<Q4_0, 18>(row, c0, n, out); return;
+    case Q4_1: decode_blocks32<Q4_1, 20>(row, c0, n, out); return;
+    case Q5_0: decode_blocks32<Q5_0, 22>(row, c0, n, out); return;
+    case Q5_1: decode_blocks32<Q5_1, 24>(row, c0, n, out); return;
+    case Q8_0: decode_blocks32<Q8_0, 34>(row, c0, n, out); return;
+    case Q4_K: decode_k45<Q4_K>(row + (c0 / 256) * 144, out); return;
+    case Q5_K: decode_k45<Q5_K>(row + (c0 / 256) * 176, out); return;
+    case Q6_K: decode_q6_k(row + (c0 / 256) * 210, out); return;
+    default: return;
   }
 }
 
