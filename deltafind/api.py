@@ -34,6 +34,7 @@ from deltafind.models.ops.stored import (
     adopt_stored,
     hold_dtype,
     install_quantized,
+    int8_spine,
     stored_weight_names,
 )
 from deltafind.models.registry import family_module
@@ -84,6 +85,7 @@ class Model:
         compile_kernels: bool = False,
         draft: str = "off",
         draft_max_width: int = 7,
+        spine_int8: bool = False,
     ) -> Model:
         """Load the spine of the store at `store_dir`; experts stream on demand.
 
@@ -155,6 +157,8 @@ class Model:
         if tied:
             net.tie_weights()
         adopt_stored(net, torch_dtype)  # bf16/fp16 matmul weights stay as stored; fp32 activations
+        if spine_int8:
+            log.warning("spine_int8", saved_bytes=int8_spine(net), note="row-int8 spine: NOT weight-exact ([cache] spine_int8)")
         net.eval()
         if device.type != "cpu":  # the expert cache lives in device memory, sized from what is free now
             experts.cache = DeviceExpertCache(device, expert_cache_bytes)

@@ -76,3 +76,25 @@ def test_demo_gguf_blocks_equal_widened(demo_store: Path) -> None:
         assert held < 0.35 * wide_bytes  # Q4_1/Q8_0 blocks: ~0.16-0.27 of fp32
     finally:
         stored.close()
+
+
+def test_int8_spine_is_opt_in_halves_the_spine_and_stays_close(tmp_path: Path) -> None:
+    """[cache] spine_int8 (spec 9.6) is not weight-exact: held as int8 rows, about half the bf16
+    bytes, and close to the stored model (the bench prints the drift; here a loose sanity bound)."""
+    store = _store("llama", tmp_path)
+    ids = torch.randint(3, 200, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref = Model.open(store)
+    try:
+        want, ref_bytes = ref.forward_logits(ids), sum(p.numel() * p.element_size() for p in ref.net.parameters())
+    finally:
+        ref.close()
+    m = Model.open(store, spine_int8=True)
+    try:
+        held = sum(p.numel() * p.element_size() for p in m.net.parameters())
+        assert m.net.lm_head.quant.startswith("I8R/") and m.net.lm_head.weight.dtype == torch.uint8
+        assert held < 0.6 * ref_bytes
+        got = m.forward_logits(ids)
+        assert not torch.equal(got, want)  # not weight-exact, and it says so
+        assert float((got - want).abs().mean()) < 0.05 * float(want.std())
+    finally:
+        m.close()

@@ -17,6 +17,7 @@ from deltafind.models.ops.stored import (
     dequantize,
     gguf_dequantize,
     stored_linear,
+    to_row_int8,
 )
 
 needs_kernel = pytest.mark.skipif(STORED.load() is None, reason=f"no C++ compiler: {STORED.build_error}")
@@ -98,3 +99,25 @@ def test_bad_shapes_are_refused_with_the_sizes() -> None:
         StoredWeight.of(torch.zeros(4, 35, dtype=torch.uint8), "Q4_0", 64)
     with pytest.raises(ValueError, match="bf16, fp16 or GGUF"):
         StoredWeight.of(torch.zeros(4, 4))
+
+
+def test_row_int8_follows_spec_9_6() -> None:
+    """Per row: f16 scale = max|w| / 127 (1 for a zero row), q = clamp(round half even(w / scale))."""
+    w = torch.tensor([[0.0, 0.0, 0.0, 0.0] * 8, [1.27, -2.54, 0.635, 0.0] * 8], dtype=torch.bfloat16)
+    raw = to_row_int8(w)
+    assert raw.shape == (2, 2 + 32) and raw.dtype == torch.uint8
+    scales = raw[:, :2].contiguous().view(torch.float16).float().flatten()
+    assert scales[0] == 1.0 and scales[1] == (w[1].float().abs().max() / 127).half().float()
+    q = raw[:, 2:].view(torch.int8)
+    assert q[0].eq(0).all() and q[1, 1] == -127 and q[1, 3] == 0
+    assert torch.equal(q[1, :4], torch.round(w[1, :4].float() / (w[1].float().abs().max() / 127)).to(torch.int8))
+
+
+@needs_kernel
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_row_int8_kernel_equals_its_decode(tokens: int) -> None:
+    w = StoredWeight.tagged(to_row_int8(torch.randn(40, 96) * 0.05), "I8R/96")
+    oracle = w.data[:, :2].contiguous().view(torch.float16).float() * w.data[:, 2:].view(torch.int8).float()
+    assert torch.equal(dequantize(w), oracle)
+    x = torch.randn(tokens, 96)
+    torch.testing.assert_close(stored_linear(x, w), F.linear(x, oracle), rtol=1e-5, atol=1e-6)

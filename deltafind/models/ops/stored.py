@@ -25,7 +25,10 @@ from deltafind.store.quant import BLOCKS as GGUF_BLOCKS
 from deltafind.store.quant import parse_quant
 
 # GGML type ids (gguf.GGMLQuantizationType): the kind codes stored_cpu.cpp takes.
-KINDS = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30}
+# I8R (deltafind's own) is the row-int8 spine: per row an f16 scale, then int8 weights (spec 9.6).
+KINDS = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30,
+         "I8R": 100}
+INT8_SKIP = ("conv1d", "norm", "A_log", "dt_bias", "res_proj", "e_score_correction_bias", ".experts.", "vision", "mm_projector")
 BLOCKS = {"F16": (1, 2), "BF16": (1, 2), **GGUF_BLOCKS}  # (weights, bytes) per block
 TORCH_KINDS = {torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -46,16 +49,19 @@ class StoredWeight:
             if data.dtype not in TORCH_KINDS:
                 raise ValueError(f"a stored weight is bf16, fp16 or GGUF blocks (got {data.dtype})")
             return cls(data, TORCH_KINDS[data.dtype], data.shape[0], data.shape[1])
-        if kind not in BLOCKS or data.dtype != torch.uint8 or cols is None:
+        if kind not in KINDS or kind in TORCH_KINDS.values() or data.dtype != torch.uint8 or cols is None:
             raise ValueError(f"GGUF blocks need a kind in {sorted(BLOCKS)}, uint8 data and cols (got {kind}, {data.dtype})")
-        per, size = BLOCKS[kind]
-        if cols % per or data.dim() != 2 or data.shape[1] != cols // per * size:
-            raise ValueError(f"{kind} rows of {cols} weights are {cols // per * size} bytes, not {tuple(data.shape)}")
+        per, size = BLOCKS.get(kind, (1, 1))
+        nbytes = cols + 2 if kind == "I8R" else cols // per * size
+        if cols % per or data.dim() != 2 or data.shape[1] != nbytes:
+            raise ValueError(f"{kind} rows of {cols} weights are {nbytes} bytes, not {tuple(data.shape)}")
         return cls(data, kind, data.shape[0], cols)
 
     @classmethod
     def tagged(cls, data: torch.Tensor, tag: str) -> StoredWeight:
-        """GGUF blocks with their store tag ("KIND/COLS", store/quant.py)."""
+        """GGUF blocks with their store tag ("KIND/COLS", store/quant.py), or a row-int8 matrix ("I8R/COLS")."""
+        if tag.startswith("I8R/"):
+            return cls.of(data, "I8R", int(tag[4:]))
         kind, cols = parse_quant(tag)
         return cls.of(data, kind, cols)
 
@@ -68,6 +74,8 @@ def dequantize(w: StoredWeight) -> torch.Tensor:
     """fp32 [rows, cols]: the exact decode (the widened path's weights)."""
     if w.kind in ("BF16", "F16"):
         return w.data.float()
+    if w.kind == "I8R" and not _kernel_ok(w):
+        return w.data[:, :2].contiguous().view(torch.float16).float() * w.data[:, 2:].view(torch.int8).float()
     if _kernel_ok(w):
         out = torch.empty(w.rows, w.cols, dtype=torch.float32)
         rc = STORED.load().df_stored_dequant(KINDS[w.kind], w.data.data_ptr(), w.rows, w.cols, out.data_ptr(),
@@ -75,6 +83,39 @@ def dequantize(w: StoredWeight) -> torch.Tensor:
         if rc == 0:
             return out
     return gguf_dequantize(w)
+
+
+def to_row_int8(w: torch.Tensor) -> torch.Tensor:
+    """Spec 9.6's row-int8 of a float matrix [R, C]: uint8 [R, 2 + C], each row its f16 scale
+    (max|w| / 127, 1 for an all-zero row) then clamp(round_half_even(w / scale), -127, 127) as int8."""
+    w = w.float()
+    scale = w.abs().amax(dim=1, keepdim=True) / 127.0
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.clamp(torch.round(w / scale), -127, 127).to(torch.int8)  # torch.round rounds half to even
+    return torch.cat([scale.to(torch.float16).view(torch.uint8), q.view(torch.uint8)], dim=1).contiguous()
+
+
+def int8_spine(net: torch.nn.Module) -> int:
+    """Convert every float Linear/Embedding matrix spec 9.6 names to row-int8 in place (opt-in; NOT
+    weight-exact: the logits drift, see tests/bench/bench_memory.py --int8). Returns bytes saved.
+    Weights not yet loaded (a streamed spine's later layers) stay as stored."""
+    saved, done = 0, {}  # id(weight) -> (int8 parameter, tag): a tied head shares its embedding's
+    for name, m in net.named_modules():
+        if getattr(m, "weight", None) is not None and id(m.weight) in done:
+            m.weight, m.quant = done[id(m.weight)]
+            continue
+        weight = getattr(m, "weight", None)
+        if (not isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) or weight is None or weight.device.type == "meta"
+                or any(s in f"{name}.weight" for s in INT8_SKIP) or getattr(m, "quant", "").startswith("I8R/")):
+            continue
+        if getattr(m, "quant", "") or weight.dim() != 2 or not weight.is_floating_point() or weight.shape[1] % 32:
+            continue  # GGUF blocks are already smaller than int8: only float matrices convert
+        before = weight.numel() * weight.element_size()
+        m.weight = torch.nn.Parameter(to_row_int8(weight), requires_grad=False)
+        m.quant = f"I8R/{weight.shape[1]}"
+        done[id(weight)] = (m.weight, m.quant)
+        saved += before - m.weight.numel()
+    return saved
 
 
 def gguf_dequantize(w: StoredWeight) -> torch.Tensor:

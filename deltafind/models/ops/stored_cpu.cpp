@@ -22,13 +22,15 @@ namespace {
 using df::pool;
 
 // GGML type ids (gguf.GGMLQuantizationType), used as the kind codes of this library.
-enum Kind : int { F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
+// I8R is deltafind's own: the row-int8 spine (spec 9.6), each row an f16 scale then C int8 weights.
+enum Kind : int { F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30, I8R = 100 };
 constexpr int kChunk = 256;  // weights decoded at a time (one K-block, eight 32-blocks, 256 halves)
 constexpr int kTile = 4;     // tokens per pass over a decoded chunk
 
 bool block_shape(int kind, int64_t* elems, int64_t* bytes) {
   switch (kind) {
     case F16: case BF16: *elems = 1; *bytes = 2; return true;
+    case I8R: *elems = 1; *bytes = 1; return true;  // plus the row's 2-byte scale (df_stored_row_bytes)
     case Q4_0: *elems = 32; *bytes = 18; return true;
     case Q4_1: *elems = 32; *bytes = 20; return true;
     case Q5_0: *elems = 32; *bytes = 22; return true;
@@ -189,6 +191,12 @@ void decode(int kind, const uint8_t* row, int64_t c0, int n, float* out) {
       for (int j = 0; j < n; ++j) out[j] = h2f(rd16(p + 2 * j));
       return;
     }
+    case I8R: {
+      const float scale = h2f(rd16(row));
+      const int8_t* q = reinterpret_cast<const int8_t*>(row + 2 + c0);
+      for (int j = 0; j < n; ++j) out[j] = scale * static_cast<float>(q[j]);
+      return;
+    }
     case Q4_0: decode_blocks32<Q4_0, 18>(row, c0, n, out); return;
     case Q4_1: decode_blocks32<Q4_1, 20>(row, c0, n, out); return;
     case Q5_0: decode_blocks32<Q5_0, 22>(row, c0, n, out); return;
@@ -233,7 +241,7 @@ int df_stored_abi() { return 1; }
 int64_t df_stored_row_bytes(int kind, int64_t cols) {
   int64_t elems, bytes;
   if (!block_shape(kind, &elems, &bytes) || cols % (elems == 256 ? 256 : 32) != 0) return 0;
-  return cols / elems * bytes;
+  return cols / elems * bytes + (kind == I8R ? 2 : 0);
 }
 
 // out [R, C] fp32 = the weights decoded (the exactness oracle compares this with gguf-py's).
