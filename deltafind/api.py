@@ -37,6 +37,13 @@ from deltafind.errors import ConfigError, StoreError
 from deltafind.log import get_logger
 from deltafind.models.ops.batch import SequenceCache
 from deltafind.models.ops.mxfp4 import use_compile
+from deltafind.models.ops.stored import (
+    adopt_stored,
+    hold_dtype,
+    install_quantized,
+    int8_spine,
+    stored_weight_names,
+)
 from deltafind.models.registry import family_module
 from deltafind.store.experts import PrefetchOptions, StoreExperts
 from deltafind.store.heat import hottest, read_heat, update_heat
@@ -75,7 +82,7 @@ class Model:
         The one wiring point: everything comes from `settings` (default: `load_settings()`,
         the config file and DELTAFIND_* variables), with `overrides` as simple keywords on top:
         device, dtype, compile_kernels, threads ([device]); expert_cache_bytes (None: keep every
-        expert read), pin_bytes, spine_bytes, heat_decay ([cache]); prefetch (bool or
+        expert read), pin_bytes, spine_bytes, heat_decay, spine_int8 ([cache]); prefetch (bool or
         PrefetchOptions); drives (DriveOptions per store drive); draft, draft_max_width ([draft]).
         `trace_path` appends a router trace (JSONL). A device that is unusable, or fails while
         the model is placed on it, falls back to the CPU (logged).
@@ -113,7 +120,9 @@ class Model:
         trace = TraceWriter(Path(trace_path)) if trace_path else None
         drives = [DriveOptions(d.path, d.queue_depth, d.read_mb_s) for d in settings.drives] or None
         cache = DeviceExpertCache(device, cache_bytes) if device.type != "cpu" else None
-        experts = StoreExperts(manifest, store_dir, cache_bytes, torch_dtype, drives,
+        # bf16/fp16 experts stay as stored in the cache (twice the experts per byte) and are computed on as stored
+        hold = hold_dtype({getattr(torch, t.dtype) for r in manifest.experts for t in r.tensors}, torch_dtype)
+        experts = StoreExperts(manifest, store_dir, cache_bytes, hold, drives,
                                PrefetchOptions(p.enabled, p.max_in_flight, p.recall_threshold), True, trace,
                                stager=make_stager(device), cache=cache, buffer_pool=read_buffer_pool(device))
         if int(c.pin_bytes):
@@ -125,7 +134,8 @@ class Model:
         spine_bytes = None if c.spine_bytes is None else int(c.spine_bytes)
         budget = device_spine_budget(device, spine_bytes)  # on a GPU: capped by its free memory, same prefix rule
         try:
-            plan = plan_spine(read_layout(spine_path, torch_dtype), net.num_layers, budget)
+            layout = read_layout(spine_path, torch_dtype, keep=stored_weight_names(net))
+            plan = plan_spine(layout, net.num_layers, budget)
         except StoreError as e:
             if budget == spine_bytes:
                 raise
@@ -136,12 +146,17 @@ class Model:
         tied = getattr(args, "tie_word_embeddings", False)
         if tied:
             spine.pop("lm_head.weight", None)
+        quants = {t.name: t.quant for t in layout if t.quant}  # GGUF blocks stay blocks (models/ops/stored.py)
+        install_quantized(net, quants, {n: spine.pop(n) for n in list(spine) if n in quants})
         missing, unexpected = net.load_state_dict(spine, strict=False, assign=True)
-        missing = [k for k in missing if not (tied and k == "lm_head.weight") and k not in streamed]
+        missing = [k for k in missing if not (tied and k == "lm_head.weight") and k not in streamed and k not in quants]
         if missing or unexpected:
             raise StoreError(f"{store_dir}: spine does not fit the {manifest.family} model (missing {missing[:5]}, unexpected {unexpected[:5]}); re-import the store")
         if tied:
             net.tie_weights()
+        adopt_stored(net, torch_dtype)  # bf16/fp16 matmul weights stay as stored; fp32 activations
+        if c.spine_int8:
+            log.warning("spine_int8", saved_bytes=int8_spine(net), note="row-int8 spine: NOT weight-exact ([cache] spine_int8)")
         net.eval()
         if cache is not None:
             cache.resize(cache_bytes)  # device memory: capped by what is free now that the spine is placed
@@ -155,7 +170,7 @@ class Model:
             experts.spine = model.spine
             log.info("spine_prefix_resident", resident_layers=plan.resident_layers, streamed_layers=len(plan.streamed),
                      resident_bytes=plan.resident_bytes, window_bytes=plan.window_bytes, budget_bytes=spine_bytes)
-        model.memory_lock.lock(spine.values())
+        model.memory_lock.lock([*net.parameters(), *net.buffers()])  # what is held now (int8 rows replaced their bf16)
         return model
 
     def open_draft(self, draft: DraftSettings) -> None:
@@ -289,6 +304,7 @@ SIMPLE_OVERRIDES = {  # Model.open keyword -> (settings section, key)
     "device": ("device", "kind"), "dtype": ("device", "dtype"), "compile_kernels": ("device", "compile"),
     "threads": ("device", "threads"), "expert_cache_bytes": ("cache", "expert_bytes"), "pin_bytes": ("cache", "pin_bytes"),
     "spine_bytes": ("cache", "spine_bytes"), "heat_decay": ("cache", "heat_decay"), "draft_max_width": ("draft", "max_width"),
+    "spine_int8": ("cache", "spine_int8"),
 }
 
 

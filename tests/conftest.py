@@ -25,8 +25,8 @@ def write_tiny_tokenizer(folder: Path) -> None:
     write_byte_tokenizer(folder, {})
 
 
-def make_hf_checkpoint(family: str, folder: Path, seed: int = 0, **overrides) -> Path:
-    """Save a tiny random transformers model of `family` to `folder` (fp32)."""
+def make_hf_checkpoint(family: str, folder: Path, seed: int = 0, dtype: str = "float32", **overrides) -> Path:
+    """Save a tiny random transformers model of `family` to `folder` (fp32, or `dtype`)."""
     import torch
     import transformers as T
 
@@ -53,7 +53,7 @@ def make_hf_checkpoint(family: str, folder: Path, seed: int = 0, **overrides) ->
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.5)
     folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
+    model.to(getattr(torch, dtype)).save_pretrained(folder)
     write_tiny_tokenizer(folder)
     return folder
 

@@ -128,6 +128,13 @@ class CacheSettings(_Section):
         "pinning (heat = heat * decay + hits). Closer to 1 = longer memory.",
         json_schema_extra=LIVE,
     )
+    spine_int8: bool = Field(
+        False,
+        description="NOT WEIGHT-EXACT, off by default: hold the spine's matrices as row-int8 "
+        "(Kimi K3 spec 9.6: per-row f16 scale, int8 weights), about half of bf16, so a model "
+        "whose bf16 spine does not fit can stay resident. The logits drift from the released "
+        "weights' (tests/bench/RESULTS.md); --stats and status say when it is on.",
+    )
 
     @field_validator("pin_bytes")
     @classmethod

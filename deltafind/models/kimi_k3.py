@@ -124,8 +124,9 @@ class Model(nn.Module):
         Layers named in `batch.capture` leave their output h [T, H] in `batch.captured`.
         """
         m, eps, layers = self.model, self.args.rms_norm_eps, self.model.layers
-        dtype = torch.float32 if self.args.activation_dtype == "float32" else m.embed_tokens.weight.dtype
-        stream = AttnResStream(m.embed_tokens(input_ids).to(dtype), self.args.attn_res_block_size)  # [T, H], unscaled
+        h0 = m.embed_tokens(input_ids)  # the compute dtype (a bf16 table stays bf16: models/ops/stored.py)
+        dtype = torch.float32 if self.args.activation_dtype == "float32" else h0.dtype
+        stream = AttnResStream(h0.to(dtype), self.args.attn_res_block_size)  # [T, H], unscaled
 
         def attend(i: int, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
             x = stream.attention_input(i, layer.self_attention_res_norm.weight, layer.self_attention_res_proj.weight, eps)
@@ -141,7 +142,7 @@ class Model(nn.Module):
         batch.advance()
         if not all_logits:
             z = z[batch.last_token_index().to(z.device)]
-        return self.lm_head(m.norm(z).to(self.lm_head.weight.dtype)).float()
+        return self.lm_head(m.norm(z).to(dtype)).float()
 
 
 def weight_names(args: ModelArgs) -> WeightNames:

@@ -317,7 +317,7 @@ class StoreExperts:
         release = functools.partial(self.reader.release, buf) if buf is not None else _nothing
         tensors, aliased = self.stager.stage(views, self.dtype, release)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        expert = Expert(tensors, nbytes)
+        expert = Expert(tensors, nbytes, {t.name: t.quant for t in rec.tensors if t.quant})
         if pooled and all(any(t is p for p in pooled) for t in tensors.values() if t.is_floating_point()):
             weakref.finalize(expert, self.reader.widened.put_all, pooled)
         if aliased and buf is not None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from deltafind.errors import StoreError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: GGUF blocks kept as stored (quant tags); 1 widened them to fp32 at import
 MANIFEST_NAME = "manifest.json"
 SPINE_NAME = "spine.safetensors"
 TOKENIZER_DIR = "tokenizer"
@@ -42,6 +42,7 @@ class TensorEntry:
     shape: tuple[int, ...]
     offset: int  # from the record start
     nbytes: int
+    quant: str = ""  # GGUF blocks: "KIND/COLS" (store/quant.py); the tensor is uint8 [rows, row_bytes]
 
 
 @dataclass(frozen=True)
@@ -61,12 +62,12 @@ class ExpertRecord:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        d["tensors"] = [asdict(t) for t in self.tensors]
+        d["tensors"] = [{k: v for k, v in asdict(t).items() if k != "quant" or v} for t in self.tensors]
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ExpertRecord:
-        tensors = tuple(TensorEntry(t["name"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"]) for t in d["tensors"])
+        tensors = tuple(TensorEntry(t["name"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"], t.get("quant", "")) for t in d["tensors"])
         return cls(d["layer"], d["expert"], d["drive"], d["offset"], d["length"], d["sha256"], tensors, d.get("xxh3"))
 
 
@@ -118,7 +119,8 @@ class Manifest:
             raise StoreError(f"{path}: unreadable manifest ({e}); re-run `deltafind setup` into a fresh --store") from e
         version = d.get("format_version")
         if version != FORMAT_VERSION:
-            raise StoreError(f"{path}: store format_version {version!r}, this deltafind reads {FORMAT_VERSION}; re-import the model with this version's `deltafind setup`")
+            raise StoreError(f"{path}: store format_version {version!r}, this deltafind reads {FORMAT_VERSION}; re-import the model: "
+                             f"run the same `deltafind setup` again (it replaces a store of an older format from the same source)")
         try:
             d["experts"] = [ExpertRecord.from_json(r) for r in d["experts"]]
             return cls(**d)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -26,6 +26,7 @@ class Expert:
 
     tensors: Mapping[str, torch.Tensor]
     nbytes: int
+    quant: Mapping[str, str] = field(default_factory=dict)  # GGUF blocks: tensor name -> "KIND/COLS" (store/quant.py)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]

@@ -27,6 +27,7 @@ from deltafind.errors import StoreError
 from deltafind.log import get_logger
 from deltafind.store.manifest import (
     ALIGN,
+    FORMAT_VERSION,
     MANIFEST_NAME,
     PACK_HEADER_BYTES,
     PACK_MAGIC,
@@ -39,6 +40,7 @@ from deltafind.store.manifest import (
     pack_name,
 )
 from deltafind.store.provider import HF_WEIGHTS, WeightNames
+from deltafind.store.quant import parse_quant, slice_cols
 from deltafind.store.sources import Source, TensorInfo, open_source
 from deltafind.store.spine_writer import write_safetensors
 
@@ -47,6 +49,7 @@ JOURNAL_NAME = "setup.journal"
 TENSOR_ALIGN = 64
 EXPERT_NAME = re.compile(r"\.experts\.\d+\.")  # how any family's routed experts read; never spine tensors
 JOURNAL_SYNC_EVERY = 64
+Parts = tuple[dict[str, torch.Tensor], dict[str, str]]  # a record's tensors, and quant tags (store/quant.py)
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,7 @@ def _check_scales(layer: int, expert: int, parts: dict[str, torch.Tensor]) -> No
             raise StoreError(f"layer {layer} expert {expert} {name}: E8M0 scale byte 0 or 255, outside what the checkpoint uses; re-download it")
 
 
-def expert_record_bytes(parts: dict[str, torch.Tensor]) -> tuple[bytes, list[TensorEntry]]:
+def expert_record_bytes(parts: dict[str, torch.Tensor], quants: dict[str, str] | None = None) -> tuple[bytes, list[TensorEntry]]:
     """Lay out one expert's tensors back to back (64-byte aligned, in `parts` order) as one record payload.
 
     Any dtype goes in byte for byte; K3's six MXFP4 tensors (all multiples of 64
@@ -116,34 +119,48 @@ def expert_record_bytes(parts: dict[str, torch.Tensor]) -> tuple[bytes, list[Ten
         pad = align_up(offset, TENSOR_ALIGN) - offset
         chunks.append(b"\0" * pad)
         offset += pad
-        entries.append(TensorEntry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, len(raw)))
+        entries.append(TensorEntry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, len(raw), (quants or {}).get(name, "")))
         chunks.append(raw)
         offset += len(raw)
     return b"".join(chunks), entries
 
 
-def _iter_expert_groups(source: Source, plan: Plan, dense_slices: int) -> Iterator[tuple[int, int, Callable[[], dict[str, torch.Tensor]]]]:
-    """(layer, expert, loader) in store order; dense layers yield `dense_slices` slices."""
+def _iter_expert_groups(source: Source, plan: Plan, dense_slices: int) -> Iterator[tuple[int, int, Callable[[], Parts]]]:
+    """(layer, expert, loader) in store order; dense layers yield `dense_slices` slices.
+
+    A loader gives the record's tensors and the quant tags of those kept as GGUF blocks.
+    """
     layers = sorted({k[0] for k in plan.routed} | set(plan.dense))
     for layer in layers:
         if layer in plan.dense:
             names = plan.dense[layer]
-            cache: dict[str, list[torch.Tensor]] = {}
+            cache: dict[str, list[tuple[torch.Tensor, str]]] = {}
 
-            def load_slice(i: int, names: dict[str, str] = names, cache: dict = cache) -> dict[str, torch.Tensor]:
+            def load_slice(i: int, names: dict[str, str] = names, cache: dict = cache) -> Parts:
                 if not cache:  # load the layer's MLP once, slice it N ways
                     for part, name in names.items():
-                        cache[part] = list(torch.tensor_split(source.load(name), dense_slices, dim=1 if part == "down_proj" else 0))
+                        cache[part] = _split(source.load(name), source.tensors[name].quant, dense_slices, part == "down_proj")
                 out = {part: cache[part][i] for part in names}
                 if i == dense_slices - 1:
                     cache.clear()
-                return out
+                return {p: t for p, (t, _) in out.items()}, {p: q for p, (_, q) in out.items() if q}
 
             for i in range(dense_slices):
                 yield layer, i, lambda i=i, f=load_slice: f(i)
         for layer_idx, expert in sorted(k for k in plan.routed if k[0] == layer):
             names = plan.routed[(layer_idx, expert)]
-            yield layer, expert, lambda names=names: {p: source.load(n) for p, n in names.items()}
+            yield layer, expert, lambda names=names: ({p: source.load(n) for p, n in names.items()},
+                                                      {p: source.tensors[n].quant for p, n in names.items() if source.tensors[n].quant})
+
+
+def _split(t: torch.Tensor, tag: str, n: int, by_cols: bool) -> list[tuple[torch.Tensor, str]]:
+    """`t` cut into n slices (rows, or columns for down_proj) as torch.tensor_split cuts; GGUF blocks
+    are cut at block boundaries with each slice's tag."""
+    if not tag or not by_cols:
+        return [(x, tag) for x in torch.tensor_split(t, n, dim=1 if by_cols else 0)]
+    _, cols = parse_quant(tag)
+    bounds = [(int(c[0]), int(c[-1]) + 1) for c in torch.tensor_split(torch.arange(cols), n)]
+    return [slice_cols(t, tag, a, b) for a, b in bounds]
 
 
 class _Journal:
@@ -205,6 +222,8 @@ def setup_store(
     params = {"fingerprint": source.fingerprint(), "source": source_str, "drives": drive_strs, "dense_slices": dense_slices}
 
     if (store_dir / MANIFEST_NAME).exists():
+        _replace_older_format(store_dir, params)
+    if (store_dir / MANIFEST_NAME).exists():
         existing = Manifest.load(store_dir)
         same = {k: existing.source.get(k) for k in params} == params
         if same:
@@ -247,9 +266,9 @@ def setup_store(
             for i, (layer, expert, load) in enumerate(groups):
                 if (layer, expert) in done_keys:
                     continue
-                parts = load()
+                parts, quants = load()
                 _check_scales(layer, expert, parts)
-                payload, entries = expert_record_bytes(parts)
+                payload, entries = expert_record_bytes(parts, quants)
                 drive = i % len(drive_dirs)
                 f, end = packs[drive]
                 f.seek(end)
@@ -292,6 +311,24 @@ def setup_store(
     manifest.save(store_dir)
     journal.path.unlink(missing_ok=True)
     return manifest
+
+
+def _replace_older_format(store_dir: Path, params: dict[str, Any]) -> None:
+    """A store of an older format from the same source and drives is removed, to be imported again."""
+    try:
+        old = json.loads((store_dir / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return  # Manifest.load reports it
+    version = old.get("format_version")
+    if version == FORMAT_VERSION or {k: old.get("source", {}).get(k) for k in params} != params:
+        return
+    log.warning("store_reimport", store=str(store_dir), old_format=version, format=FORMAT_VERSION)
+    for i, d in enumerate(old.get("drives", [])):
+        drive = Path(d) if Path(d).is_absolute() else store_dir / d
+        for pack in [drive / pack_name(i), *drive.glob(f"experts-{i}.g*.pack")]:
+            pack.unlink(missing_ok=True)
+    for name in (MANIFEST_NAME, SPINE_NAME, JOURNAL_NAME):
+        (store_dir / name).unlink(missing_ok=True)
 
 
 def _inside(path: Path, parent: Path) -> bool:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from deltafind.errors import StoreError, UnsupportedModelError
+from deltafind.store.quant import BLOCKS, quant_tag, row_bytes
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -29,6 +30,7 @@ SAFETENSORS_DTYPES = {
 class TensorInfo:
     dtype: torch.dtype
     shape: tuple[int, ...]
+    quant: str = ""  # GGUF blocks kept as stored: "KIND/COLS", dtype uint8, shape [rows, row_bytes] (store/quant.py)
 
     @property
     def nbytes(self) -> int:
@@ -151,7 +153,8 @@ def _reverse_rope_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 class GGUFSource(Source):
-    """A GGUF file (llama architecture); quantized tensors are dequantized to float32."""
+    """A GGUF file (llama architecture). Tensors in llama.cpp's common block formats (store/quant.py)
+    stay as their blocks; F16/BF16 stay as stored; other formats are dequantized to float32."""
 
     def __init__(self, path: Path) -> None:
         import gguf
@@ -193,7 +196,11 @@ class GGUFSource(Source):
             shape = tuple(int(s) for s in reversed(t.shape.tolist()))
             dtype = {gguf.GGMLQuantizationType.F16: torch.float16, gguf.GGMLQuantizationType.BF16: torch.bfloat16}.get(t.tensor_type, torch.float32)
             self._by_hf[hf] = t
-            self.tensors[hf] = TensorInfo(dtype, shape)
+            kind = t.tensor_type.name
+            if kind in BLOCKS and len(shape) == 2 and shape[1] % BLOCKS[kind][0] == 0:
+                self.tensors[hf] = TensorInfo(torch.uint8, (shape[0], row_bytes(kind, shape[1])), quant_tag(kind, shape[1]))
+            else:
+                self.tensors[hf] = TensorInfo(dtype, shape)
 
     def _field(self, key: str, default: Any = None) -> Any:
         field = self.reader.fields.get(key)
@@ -211,7 +218,9 @@ class GGUFSource(Source):
         gguf = self._gguf
         t = self._by_hf[name]
         info = self.tensors[name]
-        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        if info.quant:  # the blocks, byte for byte, one row of blocks per matrix row
+            arr = np.array(t.data, dtype=np.uint8).reshape(info.shape)
+        elif t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             arr = np.array(t.data)
         elif t.tensor_type == gguf.GGMLQuantizationType.BF16:
             arr = np.array(t.data).view(np.uint16)

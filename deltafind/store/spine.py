@@ -1,6 +1,6 @@
 """The spine in memory: what stays resident, and prefix residency when it does not fit.
 
-`[cache] spine_bytes` bounds the spine's memory (in the compute dtype, on the
+`[cache] spine_bytes` bounds the spine's memory (in its in-memory dtypes, on the
 compute device). Always resident: every tensor outside `model.layers.N.`
 (embeddings, final norm, head, K3's output mixture) and, in every layer, its
 router and its 1-D tensors (norms, biases) — next-layer prefetch applies layer
@@ -22,7 +22,7 @@ import re
 import resource
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +32,7 @@ from torch import nn
 
 from deltafind.errors import StoreError
 from deltafind.log import get_logger
+from deltafind.store.quant import SPINE_METADATA_KEY
 
 log = get_logger(__name__)
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -51,6 +52,7 @@ class SpineTensor:
     offset: int  # absolute, in spine.safetensors
     nbytes: int  # as stored
     target: torch.dtype  # in memory
+    quant: str = ""  # GGUF blocks kept as stored (store/quant.py): uint8 [rows, row_bytes]
 
     @property
     def resident_bytes(self) -> int:
@@ -61,29 +63,38 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
-def target_dtype(name: str, stored: torch.dtype, compute: torch.dtype) -> torch.dtype:
+def target_dtype(name: str, stored: torch.dtype, compute: torch.dtype, keep: bool = False) -> torch.dtype:
     """The in-memory dtype: floats take the compute dtype, except routing biases, which stay fp32
-    (as in HF: rounding them can flip expert choices); integers stay as stored."""
+    (as in HF: rounding them can flip expert choices), and `keep` tensors (matmul weights the model
+    computes on as stored, models/ops/stored.py), which stay bf16/fp16; integers stay as stored."""
     if not stored.is_floating_point or name.endswith("e_score_correction_bias"):
+        return stored
+    if keep and stored in (torch.bfloat16, torch.float16):
         return stored
     return compute
 
 
-def read_layout(path: Path, compute: torch.dtype) -> list[SpineTensor]:
-    """Tensors of a safetensors file with their absolute offsets (header only, no data)."""
+def read_layout(path: Path, compute: torch.dtype, keep: Collection[str] = ()) -> list[SpineTensor]:
+    """Tensors of a safetensors file with their absolute offsets (header only, no data); the names in
+    `keep` stay in their stored half-precision dtype in memory."""
     try:
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(n))
     except (OSError, ValueError) as e:
         raise StoreError(f"{path}: unreadable spine header ({e}); run `deltafind doctor` and re-import the store") from e
+    try:
+        quants = json.loads(header.get("__metadata__", {}).get(SPINE_METADATA_KEY, "{}"))
+    except ValueError as e:
+        raise StoreError(f"{path}: unreadable {SPINE_METADATA_KEY} metadata ({e}); re-import the store") from e
     out = []
     for name, meta in header.items():
         if name == "__metadata__":
             continue
         start, end = meta["data_offsets"]
         dtype = SAFETENSORS_DTYPES[meta["dtype"]]
-        out.append(SpineTensor(name, dtype, tuple(meta["shape"]), 8 + n + start, end - start, target_dtype(name, dtype, compute)))
+        out.append(SpineTensor(name, dtype, tuple(meta["shape"]), 8 + n + start, end - start,
+                               target_dtype(name, dtype, compute, name in keep), quants.get(name, "")))
     return out
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from deltafind.store.quant import SPINE_METADATA_KEY
 from deltafind.store.sources import TensorInfo
 
 _DTYPE_CODES = {
@@ -21,7 +22,11 @@ _DTYPE_CODES = {
 
 def write_safetensors(path: Path, tensors: dict[str, TensorInfo], load: Callable[[str], torch.Tensor]) -> str:
     """Write `tensors` (metadata known up front) to `path`; return the file's sha256."""
-    header: dict[str, object] = {"__metadata__": {"format": "pt", "writer": "deltafind"}}
+    meta = {"format": "pt", "writer": "deltafind"}
+    quants = {name: info.quant for name, info in tensors.items() if info.quant}
+    if quants:
+        meta[SPINE_METADATA_KEY] = json.dumps(quants, sort_keys=True)
+    header: dict[str, object] = {"__metadata__": meta}
     offset = 0
     names = sorted(tensors)
     for name in names:

@@ -95,12 +95,18 @@ class LlamaCppEngine:
 class DeltafindEngine:
     name = "deltafind"
 
-    def __init__(self, store: Path) -> None:
+    def __init__(self, store: Path, widened: bool = False) -> None:
+        import contextlib
+
         import deltafind
         from deltafind import Model
+        from deltafind.models.ops.stored import widened as widen_all
 
         self.version = getattr(deltafind, "__version__", "unknown")
-        self.model = Model.open(str(store), device="cpu", expert_cache_bytes=None)
+        if widened:  # the old path: every weight decoded to fp32 at load (the exactness oracle)
+            self.name = "deltafind_widened"
+        with widen_all() if widened else contextlib.nullcontext():
+            self.model = Model.open(str(store), device="cpu", expert_cache_bytes=None)
 
     def encode(self, text: str) -> list[int]:
         return list(self.model.tokenizer.encode(text))
@@ -130,6 +136,8 @@ def main() -> None:
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--engines", choices=("both", "llamacpp", "deltafind"), default="both",
                     help="run one side only (its fields in the JSON line are then null)")
+    ap.add_argument("--widened", action="store_true",
+                    help="also run deltafind with every weight widened to fp32 (the pre-issue-14 path), same rounds")
     args = ap.parse_args()
     if args.new_tokens < 2:
         ap.error("--new-tokens must be >= 2 (decode speed needs a token after the first)")
@@ -155,6 +163,8 @@ def main() -> None:
         if not args.store.exists():
             sys.exit(f"no deltafind store at {args.store}: run `deltafind setup --demo` or pass --store")
         engines.append(DeltafindEngine(args.store))
+        if args.widened:
+            engines.append(DeltafindEngine(args.store, widened=True))
 
     prompts = {e.name: e.encode(args.prompt) for e in engines}
     samples: dict[str, dict[str, list]] = {e.name: {"decode_tok_s": [], "prefill_s": [], "n_new": []} for e in engines}
@@ -198,6 +208,7 @@ def main() -> None:
         "llamacpp_decode_tok_s": lc,
         "deltafind_decode_tok_s": df,
         "ratio": round(df / lc, 4) if lc and df else None,
+        "deltafind_widened_decode_tok_s": med("deltafind_widened", "decode_tok_s"),
         "rounds": args.rounds,
         "method": "(n_new-1)/(t_gen(n_new)-t_gen(1)), median over rounds, engines alternated",
         "llamacpp_first_token_s": med("llamacpp", "prefill_s"),

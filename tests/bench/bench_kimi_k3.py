@@ -28,9 +28,9 @@ from deltafind import Model
 from deltafind.engine.generate import forward_step
 from deltafind.models import kimi_k3
 from deltafind.models.ops.batch import SequenceCache
+from deltafind.models.ops.cpu_kernels import MXFP4, load_kernel
 from deltafind.models.ops.latent_moe import mxfp4_expert_forward
 from deltafind.models.ops.mxfp4 import BATCHED_MIN_TOKENS, dequantize, fused_linear
-from deltafind.models.ops.mxfp4_build import build_error, load_kernel
 from deltafind.store.manifest import Manifest
 from deltafind.store.provider import Expert
 from deltafind.store.reader import PackReader, record_tensors
@@ -236,7 +236,7 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     if load_kernel() is None:
-        log(f"warning: MXFP4 kernel unavailable ({build_error}); timing the torch fallback")
+        log(f"warning: MXFP4 kernel unavailable ({MXFP4.build_error}); timing the torch fallback")
     ensure_store(a.store, a.drive)
     log("dspark ...")
     dspark = dspark_costs(a.store, a.dspark_context, 7)

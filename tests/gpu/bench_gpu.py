@@ -194,7 +194,7 @@ def main() -> int:
         log(f"  {runs[name]['tok_s']} tok/s ({time.perf_counter() - t0:.1f} s)")
     log("copy hiding")
     hide = copy_hiding(args.store, dev)
-    from deltafind.models.ops.mxfp4_build import load_kernel
+    from deltafind.models.ops.cpu_kernels import load_kernel
 
     gs, gc, cs, cc = runs["gpu_stream"], runs["gpu_cached"], runs["cpu_stream"], runs["cpu_cached"]
     result.update({

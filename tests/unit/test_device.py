@@ -20,7 +20,7 @@ from deltafind.device import device_cache, select, staging
 from deltafind.errors import ConfigError
 from deltafind.models import kimi_k3
 from deltafind.models.ops import mxfp4
-from deltafind.models.ops.mxfp4_build import load_kernel
+from deltafind.models.ops.cpu_kernels import load_kernel
 from deltafind.store.setup import setup_store
 from deltafind.store.synthetic import open_synthetic
 

@@ -17,6 +17,7 @@ from deltafind.models import kimi_k3
 from deltafind.models.kimi_k3_config import ModelArgs, QualityRefused
 from deltafind.models.ops.batch import SequenceCache
 from deltafind.models.ops.situ import situ
+from deltafind.models.ops.stored import adopt_stored
 from deltafind.store.manifest import Manifest
 from deltafind.store.provider import DictExpertProvider
 from deltafind.store.reader import PackReader, record_tensors
@@ -70,6 +71,7 @@ def test_streamed_equals_resident(model: Model, tiny: tuple[Path, Path]) -> None
     with torch.device("meta"):
         resident = kimi_k3.Model(args, DictExpertProvider(experts))
     resident.load_state_dict(model.net.state_dict(), assign=True)
+    adopt_stored(resident, torch.float32)  # as Model.open wires it: bf16 weights computed on as stored
     resident.eval()
     streamed = model.forward_logits(PROMPT)
     assert torch.equal(_steps(resident, PROMPT, [len(PROMPT)]), streamed)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from deltafind.models.ops import mxfp4
-from deltafind.models.ops.mxfp4_build import load_kernel
+from deltafind.models.ops.cpu_kernels import load_kernel
 
 
 def e2m1(code: int) -> float:

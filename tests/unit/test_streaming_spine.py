@@ -11,6 +11,7 @@ import torch
 from deltafind import Model
 from deltafind.errors import StoreError
 from deltafind.models import kimi_k3
+from deltafind.models.ops.stored import stored_weight_names
 from deltafind.store.manifest import SPINE_NAME
 from deltafind.store.setup import setup_store
 from deltafind.store.spine import plan_spine, read_layout
@@ -38,8 +39,9 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def _layer_sizes(store: Path, num_layers: int) -> tuple[int, list[int]]:
-    plan = plan_spine(read_layout(store / SPINE_NAME, torch.float32), num_layers, None)
+def _layer_sizes(store: Path, num_layers: int, keep: set[str] = frozenset()) -> tuple[int, list[int]]:
+    """Always-resident bytes and each layer's bytes, as Model.open holds them (`keep`: weights held as stored)."""
+    plan = plan_spine(read_layout(store / SPINE_NAME, torch.float32, keep), num_layers, None)
     return sum(t.resident_bytes for t in plan.always), [sum(t.resident_bytes for t in plan.layers.get(i, [])) for i in range(num_layers)]
 
 
@@ -58,11 +60,11 @@ def test_every_budget_gives_the_all_resident_output(stores, family) -> None:
     store = stores[family]
     ref = Model.open(store, expert_cache_bytes=0, prefetch=False)
     try:
-        n = ref.net.num_layers
+        n, keep = ref.net.num_layers, stored_weight_names(ref.net)
         logits, tokens = ref.forward_logits(PROMPT), ref.generate(PROMPT, max_new_tokens=NEW)
     finally:
         ref.close()
-    base, sizes = _layer_sizes(store, n)
+    base, sizes = _layer_sizes(store, n, keep)
     two = 2 * max(sizes)
     # (resident layers, budget): 0 extra layers, one byte short of 1, 1, and n - 3 (n - 2 resident would leave
     # two streamed layers, which cost exactly what they save, so that budget keeps everything resident)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -90,24 +91,29 @@ def test_doctor_catches_a_wrong_xxh3_in_the_manifest(store) -> None:
     assert len(report.problems) == 1 and "checksum mismatch" in report.problems[0]
 
 
-def test_bf16_experts_widened_on_the_drive_threads_match_a_plain_widening(store) -> None:
-    """The synthetic store's experts are bf16; fp32 compute widens them on the reader threads."""
+def test_bf16_experts_are_held_as_stored_and_widened_only_by_the_oracle(store) -> None:
+    """The synthetic store's experts are bf16: fp32 compute holds them as read (half the bytes of an
+    fp32 copy); under `widened()` (the oracle path) the drive threads widen them exactly."""
+    from deltafind.models.ops.stored import widened
+
     manifest = Manifest.load(store)
-    m = Model.open(store, expert_cache_bytes=None, prefetch=False, dtype="float32")
-    try:
-        m.generate(PROMPT, max_new_tokens=4)
-        cached = dict(m.experts.cache._items)
-        assert cached, "the run read experts"
-        reader = PackReader(manifest, store, verify="full")
+    for widen in (False, True):
+        with widened() if widen else contextlib.nullcontext():
+            m = Model.open(store, expert_cache_bytes=None, prefetch=False, dtype="float32")
         try:
-            for key, (expert, nbytes) in cached.items():
-                rec = next(r for r in manifest.experts if r.key == key)
-                buf = reader.read(rec)
-                for name, t in record_tensors(rec, buf).items():
-                    assert t.dtype == torch.bfloat16 and expert[name].dtype == torch.float32
-                    assert torch.equal(expert[name], t.float())
-                assert nbytes == 2 * rec.length  # the cache counts what it holds (fp32), not what was read
+            m.generate(PROMPT, max_new_tokens=4)
+            cached = dict(m.experts.cache._items)
+            assert cached, "the run read experts"
+            reader = PackReader(manifest, store, verify="full")
+            try:
+                for key, (expert, nbytes) in cached.items():
+                    rec = next(r for r in manifest.experts if r.key == key)
+                    buf = reader.read(rec)
+                    for name, t in record_tensors(rec, buf).items():
+                        assert t.dtype == torch.bfloat16 and expert[name].dtype == (torch.float32 if widen else torch.bfloat16)
+                        assert torch.equal(expert[name], t.float() if widen else t)
+                    assert nbytes == (2 if widen else 1) * rec.length  # the cache counts what it holds
+            finally:
+                reader.close()
         finally:
-            reader.close()
-    finally:
-        m.close()
+            m.close()

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltafind.models.ops.stored import linear
 from deltafind.store.provider import Expert, ExpertProvider
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -36,10 +37,9 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def expert_forward(x: torch.Tensor, expert: Expert, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """SwiGLU-style expert: down(act(gate x) * up x). x [n, H] -> [n, H]."""
-    dtype = x.dtype
-    gate = F.linear(x, expert["gate_proj"].to(dtype))
-    up = F.linear(x, expert["up_proj"].to(dtype))
-    return F.linear(act(gate) * up, expert["down_proj"].to(dtype))
+    gate = linear(x, expert["gate_proj"], quant=expert.quant.get("gate_proj", ""))
+    up = linear(x, expert["up_proj"], quant=expert.quant.get("up_proj", ""))
+    return linear(act(gate) * up, expert["down_proj"], quant=expert.quant.get("down_proj", ""))
 
 
 def swiglu(hidden_act: str) -> Callable[[torch.Tensor, Expert], torch.Tensor]:

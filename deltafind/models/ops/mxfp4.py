@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from deltafind.models.ops.mxfp4_build import load_kernel
+from deltafind.models.ops.cpu_kernels import load_kernel
 
 GROUP = 32
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

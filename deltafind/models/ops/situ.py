@@ -8,9 +8,9 @@ one slice of a dense SiTU MLP (layer 0, run by `moe.SlicedMLP`).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from deltafind.models.ops.stored import linear
 from deltafind.store.provider import Expert
 
 SITU_BETA = 4.0
@@ -38,8 +38,7 @@ class SiTUMLP(nn.Module):
 
 def situ_slice_forward(x: torch.Tensor, expert: Expert, beta: float, linear_beta: float) -> torch.Tensor:
     """One dense-MLP slice from the provider: x [T, H] -> [T, H]."""
-    dtype = x.dtype
-    gate = F.linear(x, expert["gate_proj"].to(dtype))
-    up = F.linear(x, expert["up_proj"].to(dtype))
-    return F.linear(situ(gate, up, beta, linear_beta), expert["down_proj"].to(dtype))
+    gate = linear(x, expert["gate_proj"], quant=expert.quant.get("gate_proj", ""))
+    up = linear(x, expert["up_proj"], quant=expert.quant.get("up_proj", ""))
+    return linear(situ(gate, up, beta, linear_beta), expert["down_proj"], quant=expert.quant.get("down_proj", ""))
 

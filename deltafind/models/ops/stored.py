@@ -1,0 +1,256 @@
+"""Matmul on weights in the format they are stored in: bf16, fp16 and GGUF block formats.
+
+A `StoredWeight` is a logical [rows, cols] matrix kept as its stored bytes: a bf16/fp16
+tensor, or uint8 [rows, row_bytes] of llama.cpp blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q4_K, Q5_K, Q6_K). `stored_linear(x, w)` computes `x @ W.T` with fp32 activations and
+fp32 accumulation, every weight decoded exactly as the fp32-widened path decodes it
+(bf16/fp16: the exact widening; GGUF: gguf-py's `dequantize`, the import's oracle):
+on the CPU through stored_cpu.cpp, elsewhere (or without a compiler) by decoding into
+a scratch matrix and one BLAS matmul. Results equal the widened path within fp32
+summation-order noise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from deltafind.models.ops.cpu_kernels import STORED
+from deltafind.store.quant import BLOCKS as GGUF_BLOCKS
+from deltafind.store.quant import parse_quant
+
+# GGML type ids (gguf.GGMLQuantizationType): the kind codes stored_cpu.cpp takes.
+# I8R (deltafind's own) is the row-int8 spine: per row an f16 scale, then int8 weights (spec 9.6).
+KINDS = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30,
+         "I8R": 100}
+INT8_SKIP = ("conv1d", "norm", "A_log", "dt_bias", "res_proj", "e_score_correction_bias", ".experts.", "vision", "mm_projector")
+BLOCKS = {"F16": (1, 2), "BF16": (1, 2), **GGUF_BLOCKS}  # (weights, bytes) per block
+TORCH_KINDS = {torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+@dataclass(frozen=True)
+class StoredWeight:
+    """A [rows, cols] weight in its stored format: `data` is bf16/fp16 [rows, cols] or uint8 [rows, row_bytes]."""
+
+    data: torch.Tensor
+    kind: str
+    rows: int
+    cols: int
+
+    @classmethod
+    def of(cls, data: torch.Tensor, kind: str | None = None, cols: int | None = None) -> StoredWeight:
+        """Wrap a bf16/fp16 matrix, or a GGUF block matrix of `kind` holding `cols` weights per row."""
+        if kind is None:
+            if data.dtype not in TORCH_KINDS:
+                raise ValueError(f"a stored weight is bf16, fp16 or GGUF blocks (got {data.dtype})")
+            return cls(data, TORCH_KINDS[data.dtype], data.shape[0], data.shape[1])
+        if kind not in KINDS or kind in TORCH_KINDS.values() or data.dtype != torch.uint8 or cols is None:
+            raise ValueError(f"GGUF blocks need a kind in {sorted(BLOCKS)}, uint8 data and cols (got {kind}, {data.dtype})")
+        per, size = BLOCKS.get(kind, (1, 1))
+        nbytes = cols + 2 if kind == "I8R" else cols // per * size
+        if cols % per or data.dim() != 2 or data.shape[1] != nbytes:
+            raise ValueError(f"{kind} rows of {cols} weights are {nbytes} bytes, not {tuple(data.shape)}")
+        return cls(data, kind, data.shape[0], cols)
+
+    @classmethod
+    def tagged(cls, data: torch.Tensor, tag: str) -> StoredWeight:
+        """GGUF blocks with their store tag ("KIND/COLS", store/quant.py), or a row-int8 matrix ("I8R/COLS")."""
+        if tag.startswith("I8R/"):
+            return cls.of(data, "I8R", int(tag[4:]))
+        kind, cols = parse_quant(tag)
+        return cls.of(data, kind, cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+def dequantize(w: StoredWeight) -> torch.Tensor:
+    """fp32 [rows, cols]: the exact decode (the widened path's weights)."""
+    if w.kind in ("BF16", "F16"):
+        return w.data.float()
+    if w.kind == "I8R" and not _kernel_ok(w):
+        return w.data[:, :2].contiguous().view(torch.float16).float() * w.data[:, 2:].view(torch.int8).float()
+    if _kernel_ok(w):
+        out = torch.empty(w.rows, w.cols, dtype=torch.float32)
+        rc = STORED.load().df_stored_dequant(KINDS[w.kind], w.data.data_ptr(), w.rows, w.cols, out.data_ptr(),
+                                              torch.get_num_threads())
+        if rc == 0:
+            return out
+    return gguf_dequantize(w)
+
+
+def to_row_int8(w: torch.Tensor) -> torch.Tensor:
+    """Spec 9.6's row-int8 of a float matrix [R, C]: uint8 [R, 2 + C], each row its f16 scale
+    (max|w| / 127, 1 for an all-zero row) then clamp(round_half_even(w / scale), -127, 127) as int8."""
+    w = w.float()
+    scale = w.abs().amax(dim=1, keepdim=True) / 127.0
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.clamp(torch.round(w / scale), -127, 127).to(torch.int8)  # torch.round rounds half to even
+    return torch.cat([scale.to(torch.float16).view(torch.uint8), q.view(torch.uint8)], dim=1).contiguous()
+
+
+def int8_spine(net: torch.nn.Module) -> int:
+    """Convert every float Linear/Embedding matrix spec 9.6 names to row-int8 in place (opt-in; NOT
+    weight-exact: the logits drift, see tests/bench/bench_memory.py --int8). Returns bytes saved.
+    Weights not yet loaded (a streamed spine's later layers) stay as stored."""
+    saved, done = 0, {}  # id(weight) -> (int8 parameter, tag): a tied head shares its embedding's
+    for name, m in net.named_modules():
+        if getattr(m, "weight", None) is not None and id(m.weight) in done:
+            m.weight, m.quant = done[id(m.weight)]
+            continue
+        weight = getattr(m, "weight", None)
+        if (not isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) or weight is None or weight.device.type == "meta"
+                or any(s in f"{name}.weight" for s in INT8_SKIP) or getattr(m, "quant", "").startswith("I8R/")):
+            continue
+        if getattr(m, "quant", "") or weight.dim() != 2 or not weight.is_floating_point() or weight.shape[1] % 32:
+            continue  # GGUF blocks are already smaller than int8: only float matrices convert
+        before = weight.numel() * weight.element_size()
+        m.weight = torch.nn.Parameter(to_row_int8(weight), requires_grad=False)
+        m.quant = f"I8R/{weight.shape[1]}"
+        done[id(weight)] = (m.weight, m.quant)
+        saved += before - m.weight.numel()
+    return saved
+
+
+def gguf_dequantize(w: StoredWeight) -> torch.Tensor:
+    """gguf-py's numpy decode: the oracle the kernel must match bit for bit."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as np_dequantize
+
+    raw = w.data.cpu().contiguous().numpy()
+    out = np_dequantize(raw, GGMLQuantizationType(KINDS[w.kind]))
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32).reshape(w.rows, w.cols)).to(w.data.device)
+
+
+def _kernel_ok(w: StoredWeight) -> bool:
+    return (w.data.device.type == "cpu" and w.data.is_contiguous() and STORED.load() is not None
+            and STORED.load().df_stored_row_bytes(KINDS[w.kind], w.cols) > 0)
+
+
+def stored_linear(x: torch.Tensor, w: StoredWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ W.T (+ bias)` for fp32 `x` [..., cols]: fp32 out [..., rows], weights read in their stored format."""
+    if x.dtype != torch.float32 or not (x.device.type == "cpu" and _kernel_ok(w)):
+        return F.linear(x, dequantize(w).to(x.dtype), bias)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.cols).contiguous()
+    y = torch.empty(x2.shape[0], w.rows, dtype=torch.float32)
+    rc = STORED.load().df_stored_matmul(KINDS[w.kind], x2.data_ptr(), x2.shape[0], w.cols, w.data.data_ptr(),
+                                        w.rows, w.cols, y.data_ptr(), w.rows, torch.get_num_threads())
+    if rc != 0:
+        return F.linear(x, dequantize(w), bias)
+    if bias is not None:
+        y += bias
+    return y.reshape(*lead, w.rows)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, quant: str = "") -> torch.Tensor:
+    """`F.linear` for a weight in any stored format: GGUF blocks (`quant` tag) and bf16/fp16 under
+    fp32 activations are computed on as stored; otherwise the weight takes the activations' dtype."""
+    if quant:
+        w = StoredWeight.tagged(weight, quant)
+        return F.linear(x, dequantize(w).to(x.dtype), bias) if _widen else stored_linear(x, w, bias)
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    if x.dtype == torch.float32 and weight.dtype in TORCH_KINDS:
+        return stored_linear(x, StoredWeight.of(weight), bias)
+    return F.linear(x, weight.to(x.dtype), bias)
+
+
+def hold_dtype(stored: set[torch.dtype], compute: torch.dtype) -> torch.dtype:
+    """The dtype to hold float weights stored as `stored` in: as stored when they are all one
+    half-precision dtype and compute is fp32 (and not `widened()`), else the compute dtype."""
+    floats = {d for d in stored if d.is_floating_point}
+    if not _widen and compute == torch.float32 and len(floats) == 1 and next(iter(floats)) in TORCH_KINDS:
+        return next(iter(floats))
+    return compute
+
+
+class StoredLinear(torch.nn.Linear):
+    """An `nn.Linear` whose weight stays as stored (bf16/fp16, or GGUF blocks with `quant`)."""
+
+    quant = ""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.quant)
+
+
+class StoredEmbedding(torch.nn.Embedding):
+    """An `nn.Embedding` whose table stays as stored: looked-up rows are decoded exactly."""
+
+    compute_dtype = torch.float32
+    quant = ""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant:
+            rows = StoredWeight.tagged(self.weight[ids.reshape(-1)], self.quant)
+            return dequantize(rows).reshape(*ids.shape, rows.cols).to(self.compute_dtype)
+        return super().forward(ids).to(self.compute_dtype)
+
+
+def install_quantized(net: torch.nn.Module, quants: dict[str, str], tensors: dict[str, torch.Tensor]) -> None:
+    """Give the modules of GGUF-block weights (`quants`: name -> tag) their tags, and the loaded ones
+    their blocks (`tensors`; weights streamed in later arrive through store/spine.py)."""
+    for name, tag in quants.items():
+        module_name, _, leaf = name.rpartition(".")
+        module = net.get_submodule(module_name)
+        if leaf != "weight" or not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            raise ValueError(f"{name}: GGUF blocks are only kept for Linear and Embedding weights")
+        if _widen:  # the oracle path: decoded to fp32 at load, as format 1 stores did at import
+            if name in tensors:
+                module.weight = torch.nn.Parameter(dequantize(StoredWeight.tagged(tensors[name], tag)), requires_grad=False)
+            continue
+        module.quant = tag
+        if name in tensors:
+            module.weight = torch.nn.Parameter(tensors[name], requires_grad=False)
+
+
+_widen = False  # set by `widened()`
+
+
+@contextlib.contextmanager
+def widened() -> Iterator[None]:
+    """Open models with every weight widened to the compute dtype: the exactness oracle."""
+    global _widen
+    old, _widen = _widen, True
+    try:
+        yield
+    finally:
+        _widen = old
+
+
+def stored_weight_names(net: torch.nn.Module) -> set[str]:
+    """Weights of the net's Linear and Embedding modules: the ones it can compute on as stored."""
+    if _widen:
+        return set()
+    return {f"{name}.weight" for name, m in net.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
+
+
+def adopt_stored(net: torch.nn.Module, compute: torch.dtype) -> int:
+    """Let every Linear/Embedding compute on its weight as stored (bf16/fp16 under fp32 activations).
+
+    All of them, loaded or not: spine layers streamed in later (store/spine.py) arrive in their
+    stored dtype too. A weight already in `compute` dtype runs the plain op. Exact: the widened
+    path's weights are these weights widened. Returns how many modules changed.
+    """
+    if _widen:
+        return 0
+    changed = 0
+    tags = {id(m.weight): m.quant for m in net.modules() if getattr(m, "quant", "")}
+    for m in net.modules():
+        if not getattr(m, "quant", "") and id(getattr(m, "weight", None)) in tags:
+            m.quant = tags[id(m.weight)]  # a head tied to a block-stored embedding
+        if type(m) is torch.nn.Linear:
+            m.__class__ = StoredLinear
+        elif type(m) is torch.nn.Embedding:
+            m.__class__ = StoredEmbedding
+            m.compute_dtype = compute
+        else:
+            continue
+        changed += 1
+    return changed

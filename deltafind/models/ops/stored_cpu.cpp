@@ -1,0 +1,284 @@
+// Matmul on weights in their stored format: bf16, fp16 and llama.cpp's GGUF block formats
+// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), with fp32 activations and fp32 accumulation.
+//
+// y[t, r] = sum_c w(r, c) * x[t, c], where w(r, c) is decoded exactly as gguf-py's numpy
+// dequantize decodes it (the same fp32 operations in the same order: built with
+// -ffp-contract=off so d*q + m is never fused). A row is walked in chunks of 256 weights, decoded
+// into an L1 buffer once per tile of tokens, and dotted with 16 lanes per (token, row) combined
+// by one fixed tree at the end; that order does not depend on the number of tokens or threads,
+// so one token and a batch give bit-identical rows. Built by deltafind/models/ops/cpu_kernels.py.
+#include <cmath>
+#include <cstdint>
+#include <algorithm>
+#include <cstring>
+
+#include "cpu_pool.h"
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using df::pool;
+
+// GGML type ids (gguf.GGMLQuantizationType), used as the kind codes of this library.
+// I8R is deltafind's own: the row-int8 spine (spec 9.6), each row an f16 scale then C int8 weights.
+enum Kind : int { F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30, I8R = 100 };
+constexpr int kChunk = 256;  // weights decoded at a time (one K-block, eight 32-blocks, 256 halves)
+constexpr int kTile = 4;     // tokens per pass over a decoded chunk
+
+bool block_shape(int kind, int64_t* elems, int64_t* bytes) {
+  switch (kind) {
+    case F16: case BF16: *elems = 1; *bytes = 2; return true;
+    case I8R: *elems = 1; *bytes = 1; return true;  // plus the row's 2-byte scale (df_stored_row_bytes)
+    case Q4_0: *elems = 32; *bytes = 18; return true;
+    case Q4_1: *elems = 32; *bytes = 20; return true;
+    case Q5_0: *elems = 32; *bytes = 22; return true;
+    case Q5_1: *elems = 32; *bytes = 24; return true;
+    case Q8_0: *elems = 32; *bytes = 34; return true;
+    case Q4_K: *elems = 256; *bytes = 144; return true;
+    case Q5_K: *elems = 256; *bytes = 176; return true;
+    case Q6_K: *elems = 256; *bytes = 210; return true;
+    default: return false;
+  }
+}
+
+inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+
+inline float bits_to_float(uint32_t bits) { float f; std::memcpy(&f, &bits, 4); return f; }
+
+// IEEE half -> float, exact for every value (subnormals, infinities, NaN payloads).
+inline float h2f(uint16_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#endif
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  if (e == 0) {
+    const float f = std::ldexp(static_cast<float>(m), -24);
+    return sign ? -f : f;
+  }
+  if (e == 31) return bits_to_float(sign | 0x7F800000u | (m << 13));
+  return bits_to_float(sign | ((e + 112) << 23) | (m << 13));
+}
+
+// Q4_K/Q5_K: the 6-bit scale and min of sub-block i from the 12 packed bytes.
+inline void scale_min(const uint8_t* s, int i, int* sc, int* mn) {
+  if (i < 4) {
+    *sc = s[i] & 63;
+    *mn = s[i + 4] & 63;
+  } else {
+    *sc = (s[i + 4] & 0x0F) | ((s[i - 4] >> 2) & 0x30);
+    *mn = (s[i + 4] >> 4) | ((s[i] >> 2) & 0x30);
+  }
+}
+
+// One 32-weight block of Q4_0/Q4_1/Q5_0/Q5_1 into o[0..32). A template per format, so the loops
+// have no branches and the compiler vectorizes them; the arithmetic is gguf-py's, in its order.
+template <int K>
+inline void decode32(const uint8_t* b, float* o) {
+  constexpr bool has_min = K == Q4_1 || K == Q5_1, five = K == Q5_0 || K == Q5_1;
+  constexpr int offset = five ? 16 : 8;
+  const float d = h2f(rd16(b));
+  const float m = has_min ? h2f(rd16(b + 2)) : 0.0f;
+  uint32_t qh = 0;
+  if (five) std::memcpy(&qh, b + (has_min ? 4 : 2), 4);
+  const uint8_t* qs = b + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
+#ifdef __AVX2__
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i low4 = _mm_set1_epi8(15);
+  const __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};  // weights 0-7, 8-15, 16-23, 24-31
+  const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int g = 0; g < 4; ++g) {
+    __m256i q = _mm256_cvtepu8_epi32(parts[g]);
+    if (five) {
+      const __m256i bits = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(qh >> (8 * g))), lanes),
+                                            _mm256_set1_epi32(1));
+      q = _mm256_or_si256(q, _mm256_slli_epi32(bits, 4));
+    }
+    __m256 w;
+    if (has_min)
+      w = _mm256_add_ps(_mm256_mul_ps(dv, _mm256_cvtepi32_ps(q)), mv);  // (d * q) + m, two roundings
+    else
+      w = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(offset))));
+    _mm256_storeu_ps(o + 8 * g, w);
+  }
+  return;
+#endif
+  int v[32];
+  for (int j = 0; j < 16; ++j) {
+    v[j] = qs[j] & 15;
+    v[j + 16] = qs[j] >> 4;
+  }
+  if (five)
+    for (int j = 0; j < 32; ++j) v[j] |= static_cast<int>((qh >> j) & 1u) << 4;
+  if (has_min)
+    for (int j = 0; j < 32; ++j) o[j] = d * static_cast<float>(v[j]) + m;  // (d * q) + m
+  else
+    for (int j = 0; j < 32; ++j) o[j] = d * static_cast<float>(v[j] - offset);  // d * (q - offset)
+}
+
+inline void decode_q8_0(const uint8_t* b, float* o) {
+  const float d = h2f(rd16(b));
+  const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+  for (int j = 0; j < 32; ++j) o[j] = static_cast<float>(q[j]) * d;
+}
+
+// One 256-weight Q4_K or Q5_K block.
+template <int K>
+inline void decode_k45(const uint8_t* b, float* out) {
+  const float d = h2f(rd16(b)), dmin = h2f(rd16(b + 2));
+  const uint8_t* scales = b + 4;
+  const uint8_t* qh = b + 16;                    // Q5_K: bit i of qh[c] is the 5th bit of weight 32*i + c
+  const uint8_t* qs = b + (K == Q4_K ? 16 : 48);  // 4 groups of 32 bytes: low nibbles, then high
+  for (int i = 0; i < 8; ++i) {
+    int sc, mn;
+    scale_min(scales, i, &sc, &mn);
+    const float ds = d * static_cast<float>(sc), dm = dmin * static_cast<float>(mn);
+    const uint8_t* q = qs + (i / 2) * 32;
+    const int shift = (i % 2) * 4;
+    float* o = out + i * 32;
+    int v[32];
+    for (int c = 0; c < 32; ++c) v[c] = (q[c] >> shift) & 15;
+    if (K == Q5_K)
+      for (int c = 0; c < 32; ++c) v[c] |= ((qh[c] >> i) & 1) << 4;
+    for (int c = 0; c < 32; ++c) o[c] = ds * static_cast<float>(v[c]) - dm;  // (d * q) - dm
+  }
+}
+
+inline void decode_q6_k(const uint8_t* b, float* out) {
+  const uint8_t *ql = b, *qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = h2f(rd16(b + 208));
+  for (int h = 0; h < 2; ++h) {
+    for (int k = 0; k < 4; ++k) {  // weights h*128 + k*32 + [0, 32)
+      const uint8_t* lo = ql + h * 64 + (k % 2) * 32;
+      const uint8_t* hi = qh + h * 32;
+      const int lshift = (k / 2) * 4, hshift = k * 2;
+      const float d0 = d * static_cast<float>(sc[h * 8 + k * 2]), d1 = d * static_cast<float>(sc[h * 8 + k * 2 + 1]);
+      float* o = out + h * 128 + k * 32;
+      int v[32];
+      for (int c = 0; c < 32; ++c) v[c] = (((lo[c] >> lshift) & 15) | (((hi[c] >> hshift) & 3) << 4)) - 32;
+      for (int c = 0; c < 16; ++c) o[c] = d0 * static_cast<float>(v[c]);
+      for (int c = 16; c < 32; ++c) o[c] = d1 * static_cast<float>(v[c]);
+    }
+  }
+}
+
+template <int K, int Bytes>
+inline void decode_blocks32(const uint8_t* row, int64_t c0, int n, float* out) {
+  for (int k = 0; k < n / 32; ++k) {
+    const uint8_t* b = row + (c0 / 32 + k) * Bytes;
+    if (K == Q8_0)
+      decode_q8_0(b, out + k * 32);
+    else
+      decode32<K>(b, out + k * 32);
+  }
+}
+
+// Decode weights [c0, c0 + n) of one row into out: c0 a multiple of kChunk, n = kChunk or the row's
+// tail (a multiple of the block size; K formats have no tail).
+void decode(int kind, const uint8_t* row, int64_t c0, int n, float* out) {
+  switch (kind) {
+    case BF16: {
+      const uint8_t* p = row + c0 * 2;
+      for (int j = 0; j < n; ++j) out[j] = bits_to_float(static_cast<uint32_t>(rd16(p + 2 * j)) << 16);
+      return;
+    }
+    case F16: {
+      const uint8_t* p = row + c0 * 2;
+      for (int j = 0; j < n; ++j) out[j] = h2f(rd16(p + 2 * j));
+      return;
+    }
+    case I8R: {
+      const float scale = h2f(rd16(row));
+      const int8_t* q = reinterpret_cast<const int8_t*>(row + 2 + c0);
+      for (int j = 0; j < n; ++j) out[j] = scale * static_cast<float>(q[j]);
+      return;
+    }
+    case Q4_0: decode_blocks32<Q4_0, 18>(row, c0, n, out); return;
+    case Q4_1: decode_blocks32<Q4_1, 20>(row, c0, n, out); return;
+    case Q5_0: decode_blocks32<Q5_0, 22>(row, c0, n, out); return;
+    case Q5_1: decode_blocks32<Q5_1, 24>(row, c0, n, out); return;
+    case Q8_0: decode_blocks32<Q8_0, 34>(row, c0, n, out); return;
+    case Q4_K: decode_k45<Q4_K>(row + (c0 / 256) * 144, out); return;
+    case Q5_K: decode_k45<Q5_K>(row + (c0 / 256) * 176, out); return;
+    case Q6_K: decode_q6_k(row + (c0 / 256) * 210, out); return;
+    default: return;
+  }
+}
+
+// acc[0..15] += w[0..n) * x[0..n) for n a multiple of 16: two 8-lane chains (even and odd steps).
+inline void dot_chunk(const float* w, const float* x, int n, float* acc) {
+#ifdef __AVX2__
+  __m256 a0 = _mm256_loadu_ps(acc), a1 = _mm256_loadu_ps(acc + 8);
+  for (int j = 0; j < n; j += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j), _mm256_loadu_ps(x + j), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 8), _mm256_loadu_ps(x + j + 8), a1);
+  }
+  _mm256_storeu_ps(acc, a0);
+  _mm256_storeu_ps(acc + 8, a1);
+#else
+  for (int j = 0; j < n; j += 16)
+    for (int l = 0; l < 16; ++l) acc[l] = std::fma(w[j + l], x[j + l], acc[l]);
+#endif
+}
+
+inline float reduce16(const float* a) {
+  float s[8];
+  for (int l = 0; l < 8; ++l) s[l] = a[l] + a[8 + l];
+  return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+}
+
+}  // namespace
+
+extern "C" {
+
+int df_stored_abi() { return 1; }
+
+// Bytes of one row of `cols` weights in `kind` (0 when the kind is unknown or cols does not fit it).
+int64_t df_stored_row_bytes(int kind, int64_t cols) {
+  int64_t elems, bytes;
+  if (!block_shape(kind, &elems, &bytes) || cols % (elems == 256 ? 256 : 32) != 0) return 0;
+  return cols / elems * bytes + (kind == I8R ? 2 : 0);
+}
+
+// out [R, C] fp32 = the weights decoded (the exactness oracle compares this with gguf-py's).
+int df_stored_dequant(int kind, const uint8_t* w, int64_t R, int64_t C, float* out, int threads) {
+  const int64_t rb = df_stored_row_bytes(kind, C);
+  if (rb == 0) return 1;
+  pool().run(static_cast<int>(R), threads, [&](int r) {
+    for (int64_t c0 = 0; c0 < C; c0 += kChunk)
+      decode(kind, w + r * rb, c0, static_cast<int>(std::min<int64_t>(kChunk, C - c0)), out + r * C + c0);
+  });
+  return 0;
+}
+
+// y [T, R] (row stride ldy) = x [T, C] (row stride ldx) @ W.T, W [R, C] stored as `kind`.
+int df_stored_matmul(int kind, const float* x, int64_t T, int64_t ldx, const uint8_t* w, int64_t R, int64_t C,
+                     float* y, int64_t ldy, int threads) {
+  const int64_t rb = df_stored_row_bytes(kind, C);
+  if (rb == 0) return 1;
+  const int64_t rows_per_task = 16;
+  const int tasks = static_cast<int>((R + rows_per_task - 1) / rows_per_task);
+  pool().run(tasks, threads, [&](int i) {
+    alignas(64) float buf[kChunk];
+    const int64_t r0 = i * rows_per_task, r1 = std::min<int64_t>(R, r0 + rows_per_task);
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t t0 = 0; t0 < T; t0 += kTile) {
+        const int nt = static_cast<int>(std::min<int64_t>(kTile, T - t0));
+        float acc[kTile][16] = {};
+        for (int64_t c0 = 0; c0 < C; c0 += kChunk) {
+          const int n = static_cast<int>(std::min<int64_t>(kChunk, C - c0));
+          decode(kind, w + r * rb, c0, n, buf);
+          for (int t = 0; t < nt; ++t) dot_chunk(buf, x + (t0 + t) * ldx + c0, n, acc[t]);
+        }
+        for (int t = 0; t < nt; ++t) y[(t0 + t) * ldy + r] = reduce16(acc[t]);
+      }
+    }
+  });
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,123 @@
+"""Weights computed on in their stored format: the decode equals gguf-py's bit for bit, and the
+matmul equals the fp32-widened path (decode, then torch's matmul) within summation-order noise."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from deltafind.models.ops.cpu_kernels import STORED
+from deltafind.models.ops.stored import (
+    BLOCKS,
+    StoredWeight,
+    dequantize,
+    gguf_dequantize,
+    stored_linear,
+    to_row_int8,
+)
+
+needs_kernel = pytest.mark.skipif(STORED.load() is None, reason=f"no C++ compiler: {STORED.build_error}")
+# gguf-py can quantize these itself; Q4_K/Q5_K/Q6_K blocks are drawn as random bytes with sane scales below.
+QUANTIZABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
+
+
+def _blocks(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    if kind in QUANTIZABLE:
+        w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
+        return torch.from_numpy(quantize(w, GGMLQuantizationType[kind]))
+    per, size = BLOCKS[kind]
+    raw = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
+    # fp16 scales in a model's range (random bytes would make infinities and NaNs)
+    scale = (rng.standard_normal((rows, cols // per, 2)).astype(np.float16) * np.float16(0.01)).view(np.uint8)
+    if kind == "Q6_K":
+        raw[..., 208:210] = scale[..., :2]  # d
+    else:
+        raw[..., 0:4] = scale  # d, dmin
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", QUANTIZABLE + K_QUANTS)
+@pytest.mark.parametrize("cols", [256, 576, 1024])
+def test_decode_is_bit_identical_to_gguf(kind: str, cols: int) -> None:
+    if BLOCKS[kind][0] == 256 and cols % 256:
+        pytest.skip("K-quants have 256-weight blocks")
+    w = StoredWeight.of(_blocks(kind, 37, cols, seed=cols), kind, cols)
+    ours, oracle = dequantize(w), gguf_dequantize(w)
+    assert torch.isfinite(oracle).all()
+    assert torch.equal(ours.view(torch.int32), oracle.view(torch.int32))  # bit for bit, signed zeros too
+
+
+def _widened(x: torch.Tensor, w: StoredWeight) -> torch.Tensor:
+    return F.linear(x, gguf_dequantize(w) if w.kind in BLOCKS and w.data.dtype == torch.uint8 else w.data.float())
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", [*QUANTIZABLE, *K_QUANTS, "BF16", "F16"])
+@pytest.mark.parametrize("tokens", [1, 3, 9])
+def test_matmul_matches_widened_path(kind: str, tokens: int) -> None:
+    torch.manual_seed(tokens)
+    rows, cols = 70, 512
+    if kind in ("BF16", "F16"):
+        w = StoredWeight.of((torch.randn(rows, cols) * 0.05).to(torch.bfloat16 if kind == "BF16" else torch.float16))
+    else:
+        w = StoredWeight.of(_blocks(kind, rows, cols, seed=7), kind, cols)
+    x = torch.randn(tokens, cols)
+    ours, ref = stored_linear(x, w), _widened(x, w)
+    assert ours.dtype == torch.float32 and ours.shape == (tokens, rows)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["Q4_1", "Q6_K", "BF16"])
+def test_rows_do_not_depend_on_batch(kind: str) -> None:
+    """One token and the same token inside a batch give bit-identical rows (drafts verify in batches)."""
+    cols = 768 if kind != "Q6_K" else 512
+    w = (StoredWeight.of((torch.randn(33, cols) * 0.05).to(torch.bfloat16)) if kind == "BF16"
+         else StoredWeight.of(_blocks(kind, 33, cols, seed=3), kind, cols))
+    x = torch.randn(11, cols)
+    batch = stored_linear(x, w)
+    for t in range(11):
+        assert torch.equal(stored_linear(x[t : t + 1], w), batch[t : t + 1])
+
+
+def test_torch_fallback_is_the_oracle_path() -> None:
+    """Off the kernel (fp64 activations here), the matmul is the widened path exactly."""
+    w = StoredWeight.of(_blocks("Q4_0", 8, 64, seed=1), "Q4_0", 64)
+    x = torch.randn(2, 64, dtype=torch.float64)
+    assert torch.equal(stored_linear(x, w), F.linear(x, gguf_dequantize(w).double()))
+
+
+def test_bad_shapes_are_refused_with_the_sizes() -> None:
+    with pytest.raises(ValueError, match="Q4_0 rows of 64 weights are 36 bytes"):
+        StoredWeight.of(torch.zeros(4, 35, dtype=torch.uint8), "Q4_0", 64)
+    with pytest.raises(ValueError, match="bf16, fp16 or GGUF"):
+        StoredWeight.of(torch.zeros(4, 4))
+
+
+def test_row_int8_follows_spec_9_6() -> None:
+    """Per row: f16 scale = max|w| / 127 (1 for a zero row), q = clamp(round half even(w / scale))."""
+    w = torch.tensor([[0.0, 0.0, 0.0, 0.0] * 8, [1.27, -2.54, 0.635, 0.0] * 8], dtype=torch.bfloat16)
+    raw = to_row_int8(w)
+    assert raw.shape == (2, 2 + 32) and raw.dtype == torch.uint8
+    scales = raw[:, :2].contiguous().view(torch.float16).float().flatten()
+    assert scales[0] == 1.0 and scales[1] == (w[1].float().abs().max() / 127).half().float()
+    q = raw[:, 2:].view(torch.int8)
+    assert q[0].eq(0).all() and q[1, 1] == -127 and q[1, 3] == 0
+    assert torch.equal(q[1, :4], torch.round(w[1, :4].float() / (w[1].float().abs().max() / 127)).to(torch.int8))
+
+
+@needs_kernel
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_row_int8_kernel_equals_its_decode(tokens: int) -> None:
+    w = StoredWeight.tagged(to_row_int8(torch.randn(40, 96) * 0.05), "I8R/96")
+    oracle = w.data[:, :2].contiguous().view(torch.float16).float() * w.data[:, 2:].view(torch.int8).float()
+    assert torch.equal(dequantize(w), oracle)
+    x = torch.randn(tokens, 96)
+    torch.testing.assert_close(stored_linear(x, w), F.linear(x, oracle), rtol=1e-5, atol=1e-6)
