@@ -253,6 +253,20 @@ class ServerSettings(_Section):
         description="Seconds a worker may go silent before gunicorn restarts it (gunicorn "
         "`timeout`); the worker heartbeats during long generations.",
     )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds a client has to send a request's line and headers, from its first "
+        "byte (or from the end of the previous answer on a kept-alive connection); slower "
+        "clients get 408 and are closed. Heads are gathered without a request thread, so "
+        "slow clients never hold one.",
+    )
+    body_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds a client has to send a request's whole body once its headers are "
+        "in; a slower body gets 408.",
+    )
     graceful_timeout_s: float = Field(
         30.0,
         ge=0,
