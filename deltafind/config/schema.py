@@ -128,6 +128,12 @@ class CacheSettings(_Section):
         "pinning (heat = heat * decay + hits). Closer to 1 = longer memory.",
         json_schema_extra=LIVE,
     )
+    heat_save_s: float = Field(
+        600.0,
+        gt=0,
+        description="Seconds between merges of the served model's expert heat into the store's "
+        "heat.json (also done at shutdown), so a crash loses at most this much learning.",
+    )
 
     @field_validator("pin_bytes")
     @classmethod

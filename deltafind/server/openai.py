@@ -22,7 +22,7 @@ import structlog
 
 from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.sequence import FinishEvent, GenRequest
-from deltafind.errors import DeltafindError, RequestError
+from deltafind.errors import DeltafindError, RequestError, StoreError
 from deltafind.server.choices import Choice, chat_logprobs, completion_logprobs, submit_all, usage
 from deltafind.server.errors import ApiError, bad_request
 from deltafind.server.schemas import ChatRequest, CompletionRequest, parse_body
@@ -143,10 +143,12 @@ class Generate:
                 msgs = [{"role": m.role if m.role != "developer" else "system", "content": m.text(),
                          **({"name": m.name} if m.name else {})} for m in body.messages]
                 return [tok.apply_chat_template(msgs)]
-        except DeltafindError as e:  # no chat template, or the template refused the conversation
+        except RequestError as e:  # the template refused this conversation (raise_exception)
             raise bad_request(str(e), "messages", "invalid_messages") from None
-        except Exception as e:  # a jinja template raising (raise_exception) on this conversation
-            raise bad_request(f"the model's chat template rejected these messages: {e}", "messages", "invalid_messages") from None
+        except StoreError as e:  # the store's template is broken, too slow or too big: not the client's fault
+            raise ApiError(500, f"the served model's chat template failed: {e}", None, "chat_template_error") from None
+        except DeltafindError as e:  # the model has no chat template: use /v1/completions
+            raise bad_request(str(e), "messages", "invalid_messages") from None
         out = []
         for i, p in enumerate(body.prompts()):
             if isinstance(p, str):
