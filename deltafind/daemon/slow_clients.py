@@ -97,7 +97,8 @@ class HeadReader:
         if not data:
             return None
         conn.head += data
-        return HEAD_END in conn.head or len(conn.head) > self.max_bytes
+        # a bare-LF head too: gunicorn's parser then answers it (400) at once instead of after the timeout
+        return HEAD_END in conn.head or b"\n\n" in conn.head or len(conn.head) > self.max_bytes
 
     def done(self, conn: Any) -> bytes:
         self.waiting.remove(conn)
