@@ -18,6 +18,7 @@ import time
 from functools import partial
 from typing import Any
 
+import structlog
 from gunicorn import util
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
@@ -83,6 +84,7 @@ class Worker(ThreadWorker):
             self.heads.time_out(conn)
 
     def handle(self, conn: Any) -> Any:
+        structlog.contextvars.clear_contextvars()  # gunicorn's own errors must not log the thread's last request id
         head = getattr(conn, "pending_head", None)
         if head is not None:
             conn.pending_head = None

@@ -23,10 +23,12 @@ import structlog
 from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.sequence import FinishEvent, GenRequest
 from deltafind.errors import DeltafindError, RequestError, StoreError
+from deltafind.log import get_logger
 from deltafind.server.choices import Choice, chat_logprobs, completion_logprobs, submit_all, usage
 from deltafind.server.errors import ApiError, bad_request
 from deltafind.server.schemas import ChatRequest, CompletionRequest, parse_body
 
+log = get_logger(__name__)
 KEEPALIVE_S = 5.0
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request looks for a client that hung up
 
@@ -118,10 +120,15 @@ class Generate:
             resp.stream = self._sse(choices, mux, meta, prompt_tokens, include_usage, want_lp is not None, engine)
             return
         started = time.monotonic()
+        next_check = started + DISCONNECT_POLL_S
         try:
-            for ev in self._events(choices, mux, keepalive=DISCONNECT_POLL_S):
-                if ev is None and client_gone(req):  # nobody will read the answer: free the slots now
-                    structlog.get_logger(__name__).info("client_gone", choices=len(choices))
+            for _ in self._events(choices, mux, keepalive=DISCONNECT_POLL_S):
+                now = time.monotonic()  # checked by the clock: a fast model never leaves the queue quiet
+                if now < next_check:
+                    continue
+                next_check = now + DISCONNECT_POLL_S
+                if client_gone(req):  # nobody will read the answer: free the slots now
+                    log.info("client_gone", choices=len(choices))
                     raise ApiError(499, "the client closed the connection before the answer was ready", None,
                                    "client_closed_request")
         finally:
