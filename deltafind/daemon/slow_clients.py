@@ -111,6 +111,13 @@ class HeadReader:
             out.append(self.waiting.popleft())
         return out
 
+    def idle(self) -> list[Any]:
+        """Take out the connections that have sent nothing yet (a stopping worker closes them at once)."""
+        out = [c for c in self.waiting if not c.head]
+        for c in out:
+            self.waiting.remove(c)
+        return out
+
     def time_out(self, conn: Any) -> None:
         """Answer 408 (when the client sent anything) and close."""
         if conn.head:

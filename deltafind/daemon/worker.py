@@ -77,7 +77,7 @@ class Worker(ThreadWorker):
 
     def murder_pending(self) -> None:
         super().murder_pending()
-        for conn in self.heads.expired(time.monotonic()):
+        for conn in self.heads.expired(time.monotonic()) + ([] if self.alive else self.heads.idle()):
             with contextlib.suppress(OSError, KeyError, ValueError):
                 self.poller.unregister(conn.sock)
             self.nr_conns -= 1

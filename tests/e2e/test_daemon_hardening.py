@@ -2,7 +2,8 @@
 
 One daemon on a copy of the tiny store whose drive is capped at 0.2 MB/s with no
 expert cache, so a token takes about half a second: long enough to disconnect,
-drain or be refused mid-request. One slot, no queue.
+drain or be refused mid-request. One slot, no queue. Greedy requests: this store's greedy
+text runs 40+ tokens before its EOS, so a cut is never a natural stop.
 """
 
 from __future__ import annotations
@@ -226,7 +227,7 @@ def test_a_broken_chat_template_is_a_500_naming_the_store_and_is_bounded(daemon:
 def test_a_non_streamed_request_whose_client_leaves_is_cancelled(daemon: Daemon) -> None:
     before = _cancelled(daemon)
     s = socket.create_connection(("127.0.0.1", daemon.port))
-    body = json.dumps({"model": "test-model", "prompt": "Once upon a time", "max_tokens": 150}).encode()
+    body = json.dumps({"model": "test-model", "prompt": "Once upon a time", "max_tokens": 150, "temperature": 0}).encode()
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
               + str(len(body)).encode() + b"\r\n\r\n" + body)
     deadline = time.monotonic() + 10
@@ -244,7 +245,7 @@ def test_retry_after_is_computed_from_the_pace_of_requests(daemon: Daemon, clien
     took = []
     for _ in range(3):
         t0 = time.monotonic()
-        client.completions.create(model="test-model", prompt="Once upon", max_tokens=6)  # about 4 s here
+        client.completions.create(model="test-model", prompt="Once upon", max_tokens=6, temperature=0)  # about 4 s here
         took.append(time.monotonic() - t0)
     retry = _retry_after(daemon)
     print(f"Retry-After {retry} s after requests of {', '.join(f'{t:.1f}' for t in took)} s (one slot, no queue)")
@@ -254,7 +255,7 @@ def test_retry_after_is_computed_from_the_pace_of_requests(daemon: Daemon, clien
 def _retry_after(daemon: Daemon) -> int:
     """Hold the slot with a stream and read the 429's Retry-After."""
     c = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0, timeout=60)
-    stream = c.completions.create(model="test-model", prompt="Once upon", max_tokens=100, stream=True)
+    stream = c.completions.create(model="test-model", prompt="Once upon", max_tokens=100, temperature=0, stream=True)
     next(iter(stream))
     try:
         refused = c.completions.with_raw_response
@@ -269,7 +270,7 @@ def _retry_after(daemon: Daemon) -> int:
 
 def test_a_stream_cut_by_the_drain_grace_ends_cancelled_not_length(daemon: Daemon, client: openai.OpenAI) -> None:
     _idle(daemon)
-    stream = client.completions.create(model="test-model", prompt="Once upon a time", max_tokens=100, stream=True)
+    stream = client.completions.create(model="test-model", prompt="Once upon a time", max_tokens=100, temperature=0, stream=True)
     chunks = [next(iter(stream))]
     proc = daemon.ctl("drain", "--grace", "1")
     assert proc.returncode == 0, proc.stderr
