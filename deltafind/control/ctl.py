@@ -2,7 +2,8 @@
 
 Prints a readable summary, or the reply as JSON with --json; exits 1 with a
 clear message when no daemon answers or the daemon refuses (e.g. an invalid
-config on reload).
+config on reload), 4 when a permission keeps this user from the socket.
+Global flags go before or after the subcommand.
 """
 
 from __future__ import annotations
