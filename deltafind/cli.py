@@ -146,14 +146,22 @@ def _sampling(args: argparse.Namespace) -> Any:
     return SamplingParams(max_new_tokens=args.max_new, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
 
 
-def _stream_text(model: Any, ids: list[int], params: Any) -> str:
+def _stream_text(model: Any, ids: list[int], params: Any, interruptible: bool = False) -> str:
+    """Print tokens as they come; with `interruptible`, Ctrl-C ends this reply (not the program)."""
     dec = model.tokenizer.decoder(skip_special_tokens=True)
     parts = []
-    for token in model.stream(ids, params):
-        text = dec.push(token)
-        parts.append(text)
-        sys.stdout.write(text)
-        sys.stdout.flush()
+    tokens = model.stream(ids, params)
+    try:
+        for token in tokens:
+            text = dec.push(token)
+            parts.append(text)
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        if not interruptible:
+            raise
+        tokens.close()
+        sys.stdout.write(" [stopped]")
     tail = dec.flush()
     parts.append(tail)
     sys.stdout.write(tail + "\n")
@@ -197,6 +205,8 @@ def _run_model(args: argparse.Namespace, model: Any) -> int:
         model.draft = None
     messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     prompts = [args.prompt] if args.prompt is not None else None
+    if prompts is None:
+        _line_editing()
     while True:
         if prompts is not None:
             if not prompts:
@@ -205,16 +215,40 @@ def _run_model(args: argparse.Namespace, model: Any) -> int:
         else:
             try:
                 text = input("> ")
-            except EOFError:
+            except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt ends the chat
                 print()
                 return 0
             if not text.strip():
                 continue
         messages.append({"role": "user", "content": text})
-        reply = _stream_text(model, model.tokenizer.apply_chat_template(messages), params)
+        reply = _stream_text(model, model.tokenizer.apply_chat_template(messages), params, interruptible=True)
         messages.append({"role": "assistant", "content": reply})
         if args.stats:
             _print_stats(model)
+
+
+def _line_editing() -> None:
+    """readline for input(): arrow keys, Ctrl-R, and a history kept in DELTAFIND_HOME/chat_history."""
+    try:
+        import readline
+    except ImportError:  # Windows, or a Python built without it
+        return
+    import atexit
+    import contextlib
+
+    history = demo_home() / "chat_history"
+    with contextlib.suppress(OSError):
+        readline.read_history_file(history)
+    readline.set_history_length(1000)
+
+    def save() -> None:
+        try:
+            history.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(history)
+        except OSError:
+            pass
+
+    atexit.register(save)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

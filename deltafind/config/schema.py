@@ -128,6 +128,12 @@ class CacheSettings(_Section):
         "pinning (heat = heat * decay + hits). Closer to 1 = longer memory.",
         json_schema_extra=LIVE,
     )
+    heat_save_s: float = Field(
+        600.0,
+        gt=0,
+        description="Seconds between merges of the served model's expert heat into the store's "
+        "heat.json (also done at shutdown), so a crash loses at most this much learning.",
+    )
     spine_int8: bool = Field(
         False,
         description="NOT WEIGHT-EXACT, off by default: hold the spine's matrices as row-int8 "
@@ -259,6 +265,20 @@ class ServerSettings(_Section):
         gt=0,
         description="Seconds a worker may go silent before gunicorn restarts it (gunicorn "
         "`timeout`); the worker heartbeats during long generations.",
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds a client has to send a request's line and headers, from its first "
+        "byte (or from the end of the previous answer on a kept-alive connection); slower "
+        "clients get 408 and are closed. Heads are gathered without a request thread, so "
+        "slow clients never hold one.",
+    )
+    body_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds a client has to send a request's whole body once its headers are "
+        "in; a slower body gets 408.",
     )
     graceful_timeout_s: float = Field(
         30.0,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,58 @@ class ControlFailed(DeltafindError):
     exit_code = 1
 
 
+class NoPermission(DeltafindError):
+    """The socket, or a folder on its path, does not let this user in (systemctl's exit code 4)."""
+
+    exit_code = 4
+
+
+def _who() -> str:
+    import getpass
+    import grp
+
+    names = []
+    for gid in sorted(set(os.getgroups())):
+        try:
+            names.append(grp.getgrgid(gid).gr_name)
+        except KeyError:
+            names.append(str(gid))
+    return f"user {getpass.getuser()} (groups: {', '.join(names) or 'none'})"
+
+
+def _owner(path: Path) -> str:
+    import grp
+    import pwd
+    import stat
+
+    st = path.stat()
+    try:
+        user = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        user = str(st.st_uid)
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    return f"owner {user}:{group}, mode {stat.S_IMODE(st.st_mode):04o}"
+
+
+def permission_error(path: Path) -> NoPermission:
+    """Say which folder or socket keeps this user out, which permission is missing, and the fix."""
+    for folder in reversed(path.parents):
+        if folder.exists() and not os.access(folder, os.X_OK):
+            return NoPermission(f"cannot reach the control socket {path}: no search (x) permission on the folder {folder} "
+                                f"({_owner(folder)}) for {_who()}; join the folder's group, or run deltafinctl as the "
+                                "daemon's user (or with sudo)")
+    try:
+        owner = _owner(path)
+    except OSError:
+        owner = "owner unknown"
+    return NoPermission(f"cannot connect to the control socket {path}: connecting needs write (w) permission on it "
+                        f"({owner}) for {_who()}; join the socket's group (set [control] group and mode = \"0660\") "
+                        "or run deltafinctl as the daemon's user (or with sudo)")
+
+
 async def _call(socket_path: Path, method: str, request: Any, timeout: float) -> Any:
     channel = Channel(path=str(socket_path))
     try:
@@ -36,10 +89,16 @@ async def _call(socket_path: Path, method: str, request: Any, timeout: float) ->
 def call(socket_path: Path | str, method: str, request: Any, timeout: float = 30.0) -> dict[str, Any]:
     """Run one RPC; the reply as a dict (every field, defaults included)."""
     path = Path(socket_path)
-    if not path.exists():
-        raise NoDaemon(f"no daemon running: no control socket at {path} (is deltafind running? see [control] socket or --socket)")
+    try:
+        path.stat()
+    except PermissionError:
+        raise permission_error(path) from None
+    except OSError:  # missing, or a path through a file
+        raise NoDaemon(f"no daemon running: no control socket at {path} (is deltafind running? see [control] socket or --socket)") from None
     try:
         reply = asyncio.run(_call(path, method, request, timeout))
+    except PermissionError:
+        raise permission_error(path) from None
     except (ConnectionRefusedError, FileNotFoundError, StreamTerminatedError, OSError) as e:
         raise NoDaemon(f"no daemon running on {path}: {e.strerror if isinstance(e, OSError) and e.strerror else e}") from None
     except GRPCError as e:

@@ -2,7 +2,8 @@
 
 Prints a readable summary, or the reply as JSON with --json; exits 1 with a
 clear message when no daemon answers or the daemon refuses (e.g. an invalid
-config on reload).
+config on reload), 4 when a permission keeps this user from the socket.
+Global flags go before or after the subcommand.
 """
 
 from __future__ import annotations
@@ -18,18 +19,28 @@ from typing import Any
 from deltafind.errors import DeltafindError
 
 
+def _global_options(p: argparse.ArgumentParser, default: object) -> None:
+    p.add_argument("--config", metavar="FILE", default=default,
+                   help="TOML config, for [control] socket (default /etc/deltafind/deltafind.toml)")
+    p.add_argument("--socket", metavar="PATH", default=default, help="control socket (default: [control] socket)")
+    p.add_argument("--json", action="store_true", default=default, help="print the reply as JSON")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltafinctl", description="Control a running deltafind daemon over its control socket.")
-    p.add_argument("--config", metavar="FILE", help="TOML config, for [control] socket (default /etc/deltafind/deltafind.toml)")
-    p.add_argument("--socket", metavar="PATH", help="control socket (default: [control] socket)")
-    p.add_argument("--json", action="store_true", help="print the reply as JSON")
+    _global_options(p, None)
+    p.set_defaults(json=False)
+    # The same flags after the subcommand too (`deltafinctl status --json`, as with systemctl and kubectl);
+    # SUPPRESS keeps a subcommand from resetting what was given before it.
+    after = argparse.ArgumentParser(add_help=False)
+    _global_options(after, argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("status", help="model, readiness, queue, tok/s, cache, drives, config")
-    sub.add_parser("reload", help="re-read the config and apply what can change live")
-    d = sub.add_parser("drain", help="stop taking new requests (running ones finish)")
+    sub.add_parser("status", parents=[after], help="model, readiness, queue, tok/s, cache, drives, config")
+    sub.add_parser("reload", parents=[after], help="re-read the config and apply what can change live")
+    d = sub.add_parser("drain", parents=[after], help="stop taking new requests (running ones finish)")
     d.add_argument("--grace", type=float, default=0.0, metavar="S", help="cancel what still runs after S seconds (default: never)")
-    sub.add_parser("resume", help="take new requests again after drain")
-    t = sub.add_parser("trace", help="start or stop writing a router trace (JSONL)")
+    sub.add_parser("resume", parents=[after], help="take new requests again after drain")
+    t = sub.add_parser("trace", parents=[after], help="start or stop writing a router trace (JSONL)")
     t.add_argument("action", choices=["start", "stop"])
     t.add_argument("path", nargs="?", help="trace file for start (default ./deltafind-trace.jsonl)")
     return p

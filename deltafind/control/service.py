@@ -13,6 +13,7 @@ import contextlib
 import grp
 import os
 import socket
+import stat
 import threading
 from pathlib import Path
 from typing import Any
@@ -91,8 +92,11 @@ class ControlService(ControlBase):
 def bind_socket(path: Path, mode: int, group: str | None) -> socket.socket:
     """A listening-ready Unix socket at `path` with `mode`/`group` set before anyone can connect."""
     path = Path(path)
+    gid = _gid(group)
     if not path.parent.exists():
-        path.parent.mkdir(parents=True, mode=0o750)
+        make_folder(path.parent, mode, gid)
+    else:
+        check_folder(path.parent, mode, gid)
     if path.exists() or path.is_symlink():
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -107,16 +111,43 @@ def bind_socket(path: Path, mode: int, group: str | None) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(str(tmp))
     os.chmod(tmp, mode)
-    if group is not None:
-        try:
-            gid = grp.getgrnam(group).gr_gid
-        except KeyError:
-            sock.close()
-            tmp.unlink(missing_ok=True)
-            raise ConfigError(f"control.group: no group named {group!r} on this machine") from None
+    if gid is not None:
         os.chown(tmp, -1, gid)
     os.replace(tmp, path)
     return sock
+
+
+def _gid(group: str | None) -> int | None:
+    if group is None:
+        return None
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"control.group: no group named {group!r} on this machine") from None
+
+
+def folder_mode(mode: int) -> int:
+    """The socket folder's mode: the owner's rwx, and search (x) for whoever the socket's mode lets in."""
+    return 0o700 | (0o050 if mode & 0o060 else 0) | (0o005 if mode & 0o006 else 0)
+
+
+def make_folder(folder: Path, mode: int, gid: int | None) -> None:
+    folder.mkdir(parents=True, mode=0o700)
+    if gid is not None:
+        os.chown(folder, -1, gid)
+    os.chmod(folder, folder_mode(mode))  # mkdir's mode is cut by the umask
+
+
+def check_folder(folder: Path, mode: int, gid: int | None) -> None:
+    """Warn when a folder we did not make keeps out the group (or others) that `mode` lets in."""
+    st = folder.stat()
+    need = folder_mode(mode) & 0o055
+    group_ok = not need & 0o050 or (st.st_mode & 0o010 and (gid is None or st.st_gid == gid)) or st.st_mode & 0o001
+    other_ok = not need & 0o005 or st.st_mode & 0o001
+    if not (group_ok and other_ok):
+        log.warning("control_folder_closed", folder=str(folder), folder_mode=oct(stat.S_IMODE(st.st_mode)), folder_gid=st.st_gid,
+                    socket_mode=oct(mode), group_gid=gid,
+                    fix="chgrp the folder to the socket's group and chmod g+x (or o+x) it, or set [control] socket elsewhere")
 
 
 class ControlServer:

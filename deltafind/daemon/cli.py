@@ -58,14 +58,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if settings.model.store is None:
         raise StoreError("no store to serve: set [model] store in the config or pass --store DIR "
                          "(`deltafind setup --demo` makes a demo store)")
-    store = Path(settings.model.store).expanduser()
-    if not (store / "manifest.json").is_file():
-        raise StoreError(f"{store}: not a deltafind store (no manifest.json); create it with `deltafind setup`")
+    check_store_access(Path(settings.model.store).expanduser())
     configure_logging(settings.logging.level, settings.logging.format)
     from deltafind.daemon.app import DaemonApp
 
     DaemonApp(settings, config, overrides).run()
     return 0
+
+
+def check_store_access(store: Path) -> None:
+    """A store this user can read, or a StoreError naming the path and the permission missing."""
+    import os
+
+    from deltafind.store.manifest import MANIFEST_NAME, no_permission
+
+    manifest = store / MANIFEST_NAME
+    try:
+        found = manifest.is_file()
+    except PermissionError:
+        folder = next((p for p in reversed([store, *store.parents]) if p.exists() and not os.access(p, os.X_OK)), store)
+        raise StoreError(no_permission(folder, "search (x)")) from None
+    if not found:
+        raise StoreError(f"{store}: not a deltafind store (no manifest.json); create it with `deltafind setup`")
+    if not os.access(manifest, os.R_OK):
+        raise StoreError(no_permission(manifest, "read"))
 
 
 def cmd_install_service(args: argparse.Namespace) -> int:

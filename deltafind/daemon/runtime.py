@@ -112,6 +112,7 @@ class Runtime:
             log.info("model_ready", store=str(store_dir(s)), family=self.model.manifest.family,
                      load_s=round(time.monotonic() - t0, 2), context=context)
             notify.ready(f"serving {model_name(s)}")
+            threading.Thread(target=self._save_heat_periodically, name="deltafind-heat", daemon=True).start()
         except Exception as e:
             code = e.exit_code if isinstance(e, DeltafindError) and e.exit_code in (3, 4) else 4
             log.error("model_load_failed", error=str(e), exc_info=not isinstance(e, DeltafindError))
@@ -120,6 +121,13 @@ class Runtime:
             for h in __import__("logging").getLogger().handlers:
                 h.flush()
             os._exit(code)  # gunicorn's arbiter halts on exit code 3 (boot error) or 4 (app load error)
+
+    def _save_heat_periodically(self) -> None:
+        while not self._stop.wait(self.settings.cache.heat_save_s):
+            try:  # on the engine thread: it owns the use counts (PERF: one small JSON write per period)
+                self.scheduler.call(self.model.save_heat)  # type: ignore[union-attr]
+            except Exception as e:
+                log.warning("heat_not_saved", error=str(e))
 
     def _extend_while_loading(self) -> None:
         while self.state.engine is None and self.state.load_status == "loading":
@@ -226,6 +234,8 @@ class Runtime:
             raise DeltafindError("the model is still loading; try again when it is ready")
         from deltafind.store.trace import TraceWriter
 
+        if start:
+            self._check_trace_path(Path(path or "deltafind-trace.jsonl"))
         experts = self.model.experts
 
         def swap() -> None:
@@ -239,6 +249,20 @@ class Runtime:
         self.trace_path = (path or "deltafind-trace.jsonl") if start else None
         log.info("trace", active=start, path=self.trace_path)
         return {"active": start, "path": self.trace_path or ""}
+
+    def _check_trace_path(self, path: Path) -> None:
+        """A trace is appended to: never into the store, a drive folder or the config (it would corrupt them)."""
+        from deltafind.errors import RequestError
+
+        target = path.resolve()
+        store = store_dir(self.settings).resolve()
+        guarded = [store, *(p.resolve() for p in self.model.manifest.drive_paths(store))]
+        for folder in guarded:
+            if target == folder or folder in target.parents:
+                raise RequestError(f"{path}: refusing to write a trace inside the store or a drive folder ({folder}); "
+                                   "pick a path outside it, e.g. /var/tmp/deltafind-trace.jsonl", "path")
+        if self.config_path is not None and target == Path(self.config_path).resolve():
+            raise RequestError(f"{path}: refusing to write a trace over the daemon's config; pick another path", "path")
 
     def status(self) -> dict[str, Any]:
         """The daemon's own figures, then the engine's and the store's snapshots (flat, as StatusReply names them)."""

@@ -67,6 +67,27 @@ def render_unit(config: Path | None, user: bool = False) -> str:
     return "\n".join(out) + "\n"
 
 
+HIDDEN = {"ProtectHome=yes": ("/home", "/root", "/run/user"), "PrivateTmp=yes": ("/tmp", "/var/tmp")}
+
+
+def hidden_paths(unit: str, config: Path | None) -> list[str]:
+    """Warnings for the venv, store, drives or config that the unit's sandboxing would hide from the service."""
+    rw, ro = _paths(config)
+    named = [("the venv", Path(sys.prefix).resolve()), ("deltafind's scripts", _scripts()[0].parent.resolve())]
+    named += [("the store or a drive", p) for p in rw] + [("the config folder", p) for p in ro]
+    out = []
+    lines = {line.strip() for line in unit.splitlines()}
+    for setting, roots in HIDDEN.items():
+        if setting not in lines:
+            continue
+        for what, path in named:
+            root = next((r for r in roots if path == Path(r) or Path(r) in path.parents), None)
+            if root is not None:
+                out.append(f"{setting} hides {root} from the service, so {what} ({path}) will not be found; move it "
+                           f"(e.g. under /opt or /var/lib/deltafind) or relax {setting.split('=')[0]}= in the unit")
+    return list(dict.fromkeys(out))
+
+
 def _unit_text() -> str:
     if _UNIT_TEMPLATE.is_file():
         return _UNIT_TEMPLATE.read_text()
@@ -118,6 +139,8 @@ def install(args: argparse.Namespace) -> tuple[str, Path]:
     else:
         text = render_unit(config, args.user)
         data = text.encode()
+        for warning in hidden_paths(text, config):
+            print(f"deltafind: warning: {warning}", file=sys.stderr)
     if not args.print_only:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)

@@ -1,27 +1,103 @@
-"""The gunicorn worker: gthread, plus SIGHUP = reload in place and SIGTERM = drain.
+"""The gunicorn worker: gthread, plus SIGHUP = reload in place, SIGTERM = drain, slow clients bounded.
 
 gthread keeps heartbeating the arbiter from its own loop while request threads
 and the engine thread work, so a long step never looks like a hung worker.
 gunicorn's own SIGHUP would start a second worker (a second model in memory);
 the arbiter forwards SIGHUP here instead and the running worker re-reads its config.
+Request heads are gathered in the main loop, not in pool threads (slow_clients.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import selectors
 import signal
 import threading
+import time
+from functools import partial
 from typing import Any
 
-from gunicorn.workers.gthread import ThreadWorker
+import structlog
+from gunicorn import util
+from gunicorn.workers.gthread import TConn, ThreadWorker
 
 from deltafind.daemon import notify
+from deltafind.daemon.slow_clients import DeadlineSocket, HeadReader, write_error
 from deltafind.log import get_logger
 
 log = get_logger(__name__)
 CANCEL_MARGIN_S = 1.0  # cancel this long before gunicorn's grace ends, so streams can close cleanly
 
 
+MAX_HEAD_BYTES = 64 << 10  # a bigger head goes to gunicorn's parser, which answers 431 past its limits
+
+
 class Worker(ThreadWorker):
+    def init_process(self) -> None:
+        server = self.app.settings.server
+        self.heads = HeadReader(server.header_timeout_s, MAX_HEAD_BYTES)
+        self.body_timeout_s = server.body_timeout_s
+        util.write_error = write_error  # gunicorn's own 400/408/414/431 answers, as OpenAI JSON (this process only)
+        super().init_process()
+
+    # -- request heads, read without a thread ---------------------------------
+
+    def accept(self, listener: Any) -> None:
+        try:
+            client_sock, client_addr = listener.accept()
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
+                raise
+            return
+        self.nr_conns += 1
+        self._read_head(TConn(self.cfg, client_sock, client_addr, listener.getsockname()))
+
+    def on_client_socket_readable(self, conn: Any, client: Any) -> None:
+        self.poller.unregister(client)
+        self.keepalived_conns.remove(conn)
+        self._read_head(conn)
+
+    def _read_head(self, conn: Any) -> None:
+        self.heads.start(conn)
+        self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_head_readable, conn))
+
+    def _on_head_readable(self, conn: Any, client: Any) -> None:
+        state = self.heads.feed(conn)
+        if state is False:
+            return
+        self.poller.unregister(client)
+        head = self.heads.done(conn)
+        if state is None:  # closed before a whole head arrived
+            self.nr_conns -= 1
+            conn.close()
+            return
+        conn.pending_head = head
+        self.enqueue_req(conn)
+
+    def murder_pending(self) -> None:
+        super().murder_pending()
+        for conn in self.heads.expired(time.monotonic()) + ([] if self.alive else self.heads.idle()):
+            with contextlib.suppress(OSError, KeyError, ValueError):
+                self.poller.unregister(conn.sock)
+            self.nr_conns -= 1
+            self.heads.time_out(conn)
+
+    def handle(self, conn: Any) -> Any:
+        structlog.contextvars.clear_contextvars()  # gunicorn's own errors must not log the thread's last request id
+        head = getattr(conn, "pending_head", None)
+        if head is not None:
+            conn.pending_head = None
+            conn.sock.setblocking(True)
+            conn.init()
+            conn.parser.unreader.unread(head)
+            conn.data_ready = True
+        if conn.parser is not None:  # the body (and a pipelined head) must arrive by this deadline
+            conn.parser.unreader.sock = DeadlineSocket(conn.sock, time.monotonic() + self.body_timeout_s)
+        return super().handle(conn)
+
+    # -- signals ------------------------------------------------------------------
+
     def init_signals(self) -> None:
         super().init_signals()
         signal.signal(signal.SIGHUP, self.handle_hup)

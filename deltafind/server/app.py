@@ -23,6 +23,7 @@ import structlog
 from deltafind.log import get_logger
 from deltafind.server import errors
 from deltafind.server import metrics as prom
+from deltafind.server.choices import Pace
 from deltafind.server.errors import ApiError
 from deltafind.server.metrics import ServerMetrics
 from deltafind.server.openai import Generate
@@ -62,6 +63,7 @@ class AppState:
         self.load_status = "loading"  # loading | failed | ready
         self.load_error: str | None = None
         self.metrics = ServerMetrics()
+        self.pace = Pace()  # request durations, for Retry-After
         self.lock = threading.Lock()
 
     def set_ready(self, engine: ReadyEngine) -> None:
@@ -126,6 +128,8 @@ class Health:
         resp.media = {"status": status, "model": s.model_name, **({"error": s.load_error} if s.load_error else {})}
         if status == "loading":
             resp.set_header("Retry-After", "5")
+
+    on_head = on_get  # load balancers probe with HEAD; falcon sends the headers only
 
 
 class Models:

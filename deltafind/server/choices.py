@@ -8,7 +8,9 @@ so a stop string never reaches the client.
 
 from __future__ import annotations
 
+import math
 import queue
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,9 +19,10 @@ from deltafind.engine.sequence import Event, FinishEvent, GenRequest, Handle, To
 from deltafind.server.errors import ApiError
 from deltafind.tokenizer import StopMatcher
 
-# Why the engine stopped -> what the client is told. A cancel we did not ask for
-# (shutdown after the drain grace) ends the stream cleanly, as a length stop.
-FINISH = {"stop": "stop", "length": "length", "cancelled": "length"}
+# Why the engine stopped -> what the client is told. A cancel we did not ask for (shutdown
+# after the drain grace) says so: "length" would read as reaching max_tokens.
+FINISH = {"stop": "stop", "length": "length", "cancelled": "cancelled"}
+MAX_RETRY_AFTER_S = 120
 
 
 @dataclass
@@ -71,7 +74,28 @@ class Choice:
         return out, []
 
 
-def submit_all(engine: Any, reqs: list[GenRequest], mux: queue.Queue) -> list[Handle]:
+class Pace:
+    """How long requests take here (a moving average), to tell a refused client when to come back."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self.weight = weight
+        self.request_s: float | None = None
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float) -> None:
+        with self._lock:
+            prev = self.request_s
+            self.request_s = seconds if prev is None else prev + self.weight * (seconds - prev)
+
+    def retry_after_s(self, running: int, waiting: int, max_running: int) -> int:
+        """Seconds until the requests ahead (the queue, then this one) likely have a slot."""
+        if self.request_s is None or running == 0:
+            return 1
+        rounds = (waiting + 1) / max(1, max_running)
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(self.request_s * rounds)))
+
+
+def submit_all(engine: Any, reqs: list[GenRequest], mux: queue.Queue, pace: Pace | None = None) -> list[Handle]:
     """Submit every request or none (n > 1 and prompt lists are all-or-nothing)."""
     handles: list[Handle] = []
     try:
@@ -80,7 +104,11 @@ def submit_all(engine: Any, reqs: list[GenRequest], mux: queue.Queue) -> list[Ha
     except QueueFull as e:
         for h in handles:
             h.cancel()
-        raise ApiError(429, str(e), None, "rate_limit_exceeded", {"Retry-After": str(e.retry_after_s)}, "rate_limit_error") from None
+        retry = e.retry_after_s
+        if pace is not None:
+            st = engine.status()
+            retry = max(retry, pace.retry_after_s(st.running, st.waiting, st.limits.max_running))
+        raise ApiError(429, str(e), None, "rate_limit_exceeded", {"Retry-After": str(retry)}, "rate_limit_error") from None
     except Draining as e:
         for h in handles:
             h.cancel()

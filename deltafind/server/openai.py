@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import queue
+import select
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,19 +22,50 @@ import structlog
 
 from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.sequence import FinishEvent, GenRequest
-from deltafind.errors import DeltafindError, RequestError
+from deltafind.errors import DeltafindError, RequestError, StoreError
+from deltafind.log import get_logger
 from deltafind.server.choices import Choice, chat_logprobs, completion_logprobs, submit_all, usage
 from deltafind.server.errors import ApiError, bad_request
 from deltafind.server.schemas import ChatRequest, CompletionRequest, parse_body
 
+log = get_logger(__name__)
 KEEPALIVE_S = 5.0
+DISCONNECT_POLL_S = 0.5  # how often a non-streamed request looks for a client that hung up
+
+
+def client_gone(req: falcon.Request) -> bool:
+    """Whether the client closed its connection (readable with nothing to read); False when unknown."""
+    sock = req.env.get("gunicorn.socket")
+    if not isinstance(sock, socket.socket) or sock.fileno() < 0:
+        return False
+    try:
+        if not select.select([sock], [], [], 0)[0]:
+            return False
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:  # reset by the peer
+        return True
 
 
 def read_body(req: falcon.Request, limit: int) -> bytes:
+    """The request body, at most `limit` bytes: a Content-Length body or a chunked one.
+
+    A body that stops arriving raises the socket timeout the daemon's worker sets
+    (server.body_timeout_s), answered 408; a client that hangs up mid-body, 400.
+    """
     if req.content_length is not None and req.content_length > limit:
         raise ApiError(413, f"the request body is {req.content_length} bytes; the limit is {limit} (server.max_body_bytes)",
                        None, "body_too_large")
-    raw = req.bounded_stream.read(limit + 1)
+    # bounded_stream reads a missing Content-Length as an empty body; the WSGI server decodes chunked itself.
+    chunked = "chunked" in (req.get_header("Transfer-Encoding") or "").lower()
+    try:
+        raw = (req.stream if chunked else req.bounded_stream).read(limit + 1)
+    except TimeoutError:
+        raise ApiError(408, "the request body did not arrive in time (server.body_timeout_s); send it without pauses",
+                       None, "request_timeout") from None
+    except Exception as e:
+        raise ApiError(400, f"the request body could not be read: {type(e).__name__}: {e}", None, "invalid_body") from None
     if len(raw) > limit:
         raise ApiError(413, f"the request body is over the limit of {limit} bytes (server.max_body_bytes)", None, "body_too_large")
     return raw
@@ -73,7 +106,7 @@ class Generate:
                 except RequestError as e:
                     raise bad_request(str(e), e.param, "invalid_value") from None
         mux: queue.Queue = queue.Queue()
-        handles = submit_all(engine.client, gen, mux)
+        handles = submit_all(engine.client, gen, mux, self.state.pace)
         choices = [Choice(k, h, engine.tokenizer, body.stops) for k, h in enumerate(handles)]
         prompt_tokens = sum(len(ids) for ids in prompts)
         meta = {"id": ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
@@ -86,12 +119,22 @@ class Generate:
             resp.set_header("X-Accel-Buffering", "no")
             resp.stream = self._sse(choices, mux, meta, prompt_tokens, include_usage, want_lp is not None, engine)
             return
+        started = time.monotonic()
+        next_check = started + DISCONNECT_POLL_S
         try:
-            for _ in self._events(choices, mux, keepalive=None):
-                pass
+            for _ in self._events(choices, mux, keepalive=DISCONNECT_POLL_S):
+                now = time.monotonic()  # checked by the clock: a fast model never leaves the queue quiet
+                if now < next_check:
+                    continue
+                next_check = now + DISCONNECT_POLL_S
+                if client_gone(req):  # nobody will read the answer: free the slots now
+                    log.info("client_gone", choices=len(choices))
+                    raise ApiError(499, "the client closed the connection before the answer was ready", None,
+                                   "client_closed_request")
         finally:
             for c in choices:
                 c.handle.cancel()
+        self.state.pace.observe(time.monotonic() - started)
         failed = next((c for c in choices if c.finish_reason == "error"), None)
         if failed is not None:
             raise ApiError(500, failed.error or "generation failed", None, "engine_error")
@@ -107,10 +150,12 @@ class Generate:
                 msgs = [{"role": m.role if m.role != "developer" else "system", "content": m.text(),
                          **({"name": m.name} if m.name else {})} for m in body.messages]
                 return [tok.apply_chat_template(msgs)]
-        except DeltafindError as e:  # no chat template, or the template refused the conversation
+        except RequestError as e:  # the template refused this conversation (raise_exception)
             raise bad_request(str(e), "messages", "invalid_messages") from None
-        except Exception as e:  # a jinja template raising (raise_exception) on this conversation
-            raise bad_request(f"the model's chat template rejected these messages: {e}", "messages", "invalid_messages") from None
+        except StoreError as e:  # the store's template is broken, too slow or too big: not the client's fault
+            raise ApiError(500, f"the served model's chat template failed: {e}", None, "chat_template_error") from None
+        except DeltafindError as e:  # the model has no chat template: use /v1/completions
+            raise bad_request(str(e), "messages", "invalid_messages") from None
         out = []
         for i, p in enumerate(body.prompts()):
             if isinstance(p, str):
@@ -190,6 +235,7 @@ class Generate:
 
         def stream() -> Iterator[bytes]:
             structlog.contextvars.bind_contextvars(request_id=request_id)  # runs after process_response
+            started = time.monotonic()
             try:
                 if self.chat:
                     for c in choices:
@@ -213,6 +259,7 @@ class Generate:
                     yield b"data: " + json.dumps(data).encode() + b"\n\n"
                 yield b"data: [DONE]\n\n"
                 self.state.metrics.count_completion(sum(c.completion_tokens for c in choices))
+                self.state.pace.observe(time.monotonic() - started)
             finally:
                 for c in choices:
                     c.handle.cancel()  # a no-op for finished ones; frees the slot of a client that left

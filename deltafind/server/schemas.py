@@ -27,6 +27,10 @@ UNSUPPORTED = {
     "reasoning_effort": "reasoning effort", "service_tier": "service tiers", "suffix": "suffix (insertion)",
     "verbosity": "verbosity", "prompt_cache_key": "prompt cache keys", "safety_identifier": "safety identifiers",
 }
+# Defaults that SDKs (LangChain, LiteLLM, agent frameworks) send on every request: these values,
+# and null for any UNSUPPORTED field, ask for nothing, so the field is dropped before validation.
+NO_OP: dict[str, tuple[Any, ...]] = {"tools": ([],), "functions": ([],), "service_tier": ("auto", "default"),
+                                     "modalities": (["text"],)}
 # Accepted only at their no-op value.
 NEUTRAL = {"logit_bias": ({}, None), "store": (False, None), "echo": (False, None),
            "response_format": ({"type": "text"}, None), "best_of": (1, None)}
@@ -166,9 +170,16 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return out
 
 
+def _drop_no_ops(body: dict[str, Any]) -> None:
+    for key in [k for k in UNSUPPORTED if k in body]:
+        if body[key] is None or any(type(body[key]) is type(v) and body[key] == v for v in NO_OP.get(key, ())):
+            del body[key]
+
+
 def _precheck(body: dict[str, Any], chat: bool) -> None:
+    _drop_no_ops(body)
     for key, what in UNSUPPORTED.items():
-        if key in body and body[key] is not None:
+        if key in body:
             raise bad_request(f"{key}: {what} is not supported by this server; remove the field", key, "unsupported_parameter")
     for key, allowed in NEUTRAL.items():
         if key in body and body[key] not in allowed:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
 from deltafind.errors import DeltafindError
-from deltafind.store.manifest import SPINE_NAME, Manifest
+from deltafind.store.manifest import SPINE_NAME, Manifest, no_permission, pack_name
 from deltafind.store.reader import PackReader
 
 
@@ -25,6 +26,20 @@ class DoctorReport:
         return not self.problems
 
 
+def _drive_problems(manifest: Manifest, store_dir: Path) -> dict[int, str]:
+    """Every drive whose pack is missing or unreadable, each with its own message."""
+    out: dict[int, str] = {}
+    for idx, folder in enumerate(manifest.drive_paths(store_dir)):
+        pack = folder / pack_name(idx, manifest.pack_generation)
+        if not folder.is_dir():
+            out[idx] = f"drive {idx} ({folder}) is missing: mount it, or fix the store's drive list in [[drives]]"
+        elif not os.access(pack, os.F_OK):
+            out[idx] = f"drive {idx}: {pack} is missing; is the right drive mounted at {folder}?"
+        elif not os.access(pack, os.R_OK):
+            out[idx] = no_permission(pack, "read")
+    return out
+
+
 def check_store(store_dir: Path, progress: bool = True) -> DoctorReport:
     store_dir = Path(store_dir)
     report = DoctorReport(store_dir)
@@ -37,8 +52,17 @@ def check_store(store_dir: Path, progress: bool = True) -> DoctorReport:
                 h.update(chunk)
         if h.hexdigest() != manifest.spine_sha256:
             report.problems.append(f"{spine}: checksum mismatch (the spine is corrupt; re-run setup)")
+    except PermissionError:
+        report.problems.append(no_permission(spine, "read"))
     except OSError as e:
         report.problems.append(f"{spine}: unreadable ({e.strerror})")
+    missing = _drive_problems(manifest, store_dir)
+    if missing:  # report every drive that is gone, not only the first
+        report.problems += list(missing.values())
+        skipped = sum(1 for r in manifest.experts if r.drive in missing)
+        report.problems.append(f"{skipped} expert record(s) on drive(s) {', '.join(map(str, sorted(missing)))} not verified; "
+                               "fix the drives above and run doctor again")
+        return report
     try:
         reader = PackReader(manifest, store_dir)
     except DeltafindError as e:

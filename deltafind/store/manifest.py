@@ -110,11 +110,15 @@ class Manifest:
     @classmethod
     def load(cls, store_dir: Path) -> Manifest:
         path = Path(store_dir) / MANIFEST_NAME
+        if not os.access(store_dir, os.X_OK) and Path(store_dir).is_dir():
+            raise StoreError(no_permission(Path(store_dir), "search (x)"))
         if not path.exists():
             hint = " (setup did not finish: run `deltafind setup` again to resume)" if (Path(store_dir) / "setup.journal").exists() else ""
             raise StoreError(f"{store_dir}: not a deltafind store: {MANIFEST_NAME} is missing{hint}; create one with `deltafind setup --from CHECKPOINT --store {store_dir}`")
         try:
             d = json.loads(path.read_text())
+        except PermissionError:
+            raise StoreError(no_permission(path, "read")) from None
         except (OSError, json.JSONDecodeError) as e:
             raise StoreError(f"{path}: unreadable manifest ({e}); re-run `deltafind setup` into a fresh --store") from e
         version = d.get("format_version")
@@ -128,11 +132,47 @@ class Manifest:
             raise StoreError(f"{path}: malformed manifest ({e}); re-run `deltafind setup` into a fresh --store") from e
 
 
+def current_umask() -> int:
+    """This process's umask (read without changing it where /proc says it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def no_permission(path: Path, permission: str) -> str:
+    """Which user lacks which permission on `path`, its owner and mode, and the fix (never "re-run setup")."""
+    import getpass
+    import grp
+    import pwd
+    import stat
+
+    try:
+        st = path.stat()
+        owner = f"{pwd.getpwuid(st.st_uid).pw_name}:{grp.getgrgid(st.st_gid).gr_name}"
+        where = f"owner {owner}, mode {stat.S_IMODE(st.st_mode):04o}"
+    except (OSError, KeyError):
+        where = "owner and mode unreadable"
+    return (f"{path}: permission denied: user {getpass.getuser()} has no {permission} permission on it ({where}); "
+            f"grant it (for example `chmod -R a+rX {path.parent if path.is_file() else path}`, or add the service user to "
+            "the owning group), or run as the user that owns the store")
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON next to `path`, fsync, then rename over it: readers see old or new, never half."""
+    """Write JSON next to `path`, fsync, then rename over it: readers see old or new, never half.
+
+    The file gets the mode a plain open() would (0666 less the umask, so 0644 by default):
+    a service user reads a store that root made.
+    """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes 0600
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=1)
             f.flush()

@@ -1,0 +1,128 @@
+"""Bounds on slow clients for the gthread worker: headers read in the poller, bodies against a deadline.
+
+gthread hands a connection to a pool thread as soon as its first byte arrives, and
+the thread then blocks until the headers are complete: a hundred clients trickling
+headers hold every thread and /health stops answering. Here the main loop gathers
+each request head without a thread and closes a connection whose head is not
+complete within server.header_timeout_s (408); a thread only gets complete heads.
+The body is read in the request thread through a socket whose every recv is bounded
+by what is left of server.body_timeout_s, so a trickled body ends in a 408 too.
+Also renders gunicorn's own error answers (400/408/414/431/...) as OpenAI JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import socket
+import time
+from collections import deque
+from typing import Any
+
+from deltafind.log import get_logger
+from deltafind.server.errors import ApiError
+
+log = get_logger(__name__)
+HEAD_END = b"\r\n\r\n"
+RECV_BYTES = 65536
+REASONS = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout", 414: "URI Too Long",
+           417: "Expectation Failed", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
+           501: "Not Implemented"}
+CODES = {408: "request_timeout", 414: "uri_too_long", 431: "headers_too_large", 501: "unsupported_transfer_coding"}
+
+
+def error_response(status: int, message: str) -> bytes:
+    """A complete `Connection: close` HTTP/1.1 answer with an OpenAI-shaped error body."""
+    code = CODES.get(status, "invalid_request" if status < 500 else "internal_error")
+    body = json.dumps(ApiError(status, message or REASONS.get(status, "request failed"), None, code).body()).encode()
+    head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nConnection: close\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+    return head.encode("latin-1") + body
+
+
+def write_error(sock: Any, status_int: int, reason: str, mesg: str) -> None:
+    """Drop-in for `gunicorn.util.write_error` (its HTML page): the same answer as OpenAI JSON."""
+    from gunicorn import util
+
+    util.write_nonblock(sock, error_response(int(status_int), mesg or reason))
+
+
+class DeadlineSocket:
+    """What the request parser reads from: each recv may wait only until `deadline`.
+
+    Writes go to the real socket, whose blocking mode is restored after every read.
+    """
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock, self.deadline = sock, deadline
+
+    def recv(self, size: int) -> bytes:
+        prior = self.sock.gettimeout()
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(errno.ETIMEDOUT, "request body read timed out")
+        self.sock.settimeout(left if prior is None else min(left, prior))
+        try:
+            return self.sock.recv(size)
+        finally:
+            self.sock.settimeout(prior)
+
+    def __getattr__(self, name: str) -> Any:  # settimeout, gettimeout, fileno for gunicorn's body drain
+        return getattr(self.sock, name)
+
+
+class HeadReader:
+    """The request heads being gathered in the worker's main loop, oldest first."""
+
+    def __init__(self, header_timeout_s: float, max_head_bytes: int) -> None:
+        self.timeout_s, self.max_bytes = header_timeout_s, max_head_bytes
+        self.waiting: deque[Any] = deque()
+
+    def start(self, conn: Any) -> None:
+        conn.head = bytearray()
+        conn.head_deadline = time.monotonic() + self.timeout_s
+        conn.sock.setblocking(False)
+        self.waiting.append(conn)
+
+    def feed(self, conn: Any) -> bool | None:
+        """Read what arrived: True = the head is complete (or too big: the parser answers 431),
+        None = the client closed, False = wait for more."""
+        try:
+            data = conn.sock.recv(RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return None
+        if not data:
+            return None
+        conn.head += data
+        # a bare-LF head too: gunicorn's parser then answers it (400) at once instead of after the timeout
+        return HEAD_END in conn.head or b"\n\n" in conn.head or len(conn.head) > self.max_bytes
+
+    def done(self, conn: Any) -> bytes:
+        self.waiting.remove(conn)
+        head, conn.head = bytes(conn.head), None
+        return head
+
+    def expired(self, now: float) -> list[Any]:
+        out = []
+        while self.waiting and self.waiting[0].head_deadline <= now:
+            out.append(self.waiting.popleft())
+        return out
+
+    def idle(self) -> list[Any]:
+        """Take out the connections that have sent nothing yet (a stopping worker closes them at once)."""
+        out = [c for c in self.waiting if not c.head]
+        for c in out:
+            self.waiting.remove(c)
+        return out
+
+    def time_out(self, conn: Any) -> None:
+        """Answer 408 (when the client sent anything) and close."""
+        if conn.head:
+            log.info("request_head_timeout", client=str(conn.client), bytes=len(conn.head), timeout_s=self.timeout_s)
+            with contextlib.suppress(OSError):
+                conn.sock.send(error_response(408, f"the request headers did not arrive within {self.timeout_s:g} s "
+                                                   "(server.header_timeout_s)"))
+        conn.close()
