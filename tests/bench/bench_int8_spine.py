@@ -21,13 +21,14 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
 
 
 def k3_store(root: Path) -> Path:
-    import deltafind.store.synthetic_k3  # noqa: F401 - registers kimi_k3
+    from deltafind.models import kimi_k3
     from deltafind.store.setup import setup_store
     from deltafind.store.synthetic import open_synthetic
 
     store = root / "k3-bench"
     if not (store / "manifest.json").exists():
-        setup_store(open_synthetic("kimi_k3", "bench", 0), store, [root / "k3-bench-d0"], dense_slices=4, progress=False)
+        setup_store(open_synthetic("kimi_k3", "bench", 0), store, [root / "k3-bench-d0"], dense_slices=4, progress=False,
+                    names=kimi_k3.WEIGHTS)
     return store
 
 

@@ -38,7 +38,10 @@ def make_store(root: Path, family: str) -> Path:
             fam.shapes["mem"] = {**fam.shapes["tiny"], **QWEN_WIDE}
         else:
             fam.shapes["mem"] = {**fam.shapes["full-layer"], **K3_WIDE}
-        setup_store(open_synthetic(family, "mem", 0), store, [root / f"{family}-d0"], dense_slices=4, progress=False)
+        from deltafind.models.registry import family_module
+
+        names = family_module(family).weight_names(None)  # synthetic stores need only the family's patterns
+        setup_store(open_synthetic(family, "mem", 0), store, [root / f"{family}-d0"], dense_slices=4, progress=False, names=names)
     return store
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from deltafind import Model
+from deltafind.models import kimi_k3
 from deltafind.models.ops.stored import StoredEmbedding, StoredLinear, widened
 from deltafind.store.setup import setup_store
 from deltafind.store.synthetic import open_synthetic
@@ -24,7 +25,8 @@ HF = ["llama", "qwen3", "qwen3_moe", "deepseek_v3"]
 def _store(family: str, root: Path) -> Path:
     store = root / "store"
     if family == "kimi_k3":
-        setup_store(open_synthetic("kimi_k3", "tiny", seed=2), store, [root / "d0"], dense_slices=2, progress=False)
+        setup_store(open_synthetic("kimi_k3", "tiny", seed=2), store, [root / "d0"], dense_slices=2, progress=False,
+                    names=kimi_k3.WEIGHTS)
     else:
         hf = make_hf_checkpoint(family, root / "hf", seed=5, dtype="bfloat16")
         setup_store(hf, store, [root / "d0", root / "d1"], dense_slices=2, progress=False)
