@@ -20,9 +20,9 @@ from deltafind.models.ops.batch import Batch
 from deltafind.models.ops.kda_layer import KDAOptions, KimiDeltaAttention
 from deltafind.models.ops.latent_moe import LatentMoE, SigmoidRouter
 from deltafind.models.ops.mla_nope import GatedNoPEMLA, MLAOptions
-from deltafind.models.ops.moe import SlicedMLP
+from deltafind.models.ops.moe import SlicedMLP, expert_forward
 from deltafind.models.ops.norm import RMSNorm
-from deltafind.models.ops.situ import situ_slice_forward
+from deltafind.models.ops.situ import situ
 from deltafind.models.ops.step import run_layers
 from deltafind.store.provider import HF_WEIGHTS, ExpertProvider, WeightNames
 
@@ -82,7 +82,8 @@ class DecoderLayer(nn.Module):
             self.block_sparse_moe = LatentMoE(h, args.routed_expert_hidden_size, args.moe_intermediate_size * args.num_shared_experts,
                                               router, layer_idx, experts, eps, beta, lbeta)
         else:
-            self.mlp = SlicedMLP(layer_idx, experts, partial(situ_slice_forward, beta=beta, linear_beta=lbeta))  # dense: slices in the store
+            situ_glu = partial(situ, beta=beta, linear_beta=lbeta)
+            self.mlp = SlicedMLP(layer_idx, experts, partial(expert_forward, gated=situ_glu))  # dense: slices in the store
 
     def ffn(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp

@@ -35,16 +35,20 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         ) from None
 
 
-def expert_forward(x: torch.Tensor, expert: Expert, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """SwiGLU-style expert: down(act(gate x) * up x). x [n, H] -> [n, H]."""
-    gate = linear(x, expert["gate_proj"], quant=expert.quant.get("gate_proj", ""))
-    up = linear(x, expert["up_proj"], quant=expert.quant.get("up_proj", ""))
-    return linear(act(gate) * up, expert["down_proj"], quant=expert.quant.get("down_proj", ""))
+def expert_forward(x: torch.Tensor, expert: Expert, gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """A gated-MLP expert (or dense slice): down(gated(gate x, up x)). x [n, H] -> [n, H].
+
+    Weights are computed on in their stored format (models/ops/stored.py)."""
+    q = expert.quant
+    gate = linear(x, expert["gate_proj"], quant=q.get("gate_proj", ""))
+    up = linear(x, expert["up_proj"], quant=q.get("up_proj", ""))
+    return linear(gated(gate, up), expert["down_proj"], quant=q.get("down_proj", ""))
 
 
 def swiglu(hidden_act: str) -> Callable[[torch.Tensor, Expert], torch.Tensor]:
-    """One SwiGLU expert (or dense slice) as `dispatch` runs it, with config.json's `hidden_act`."""
-    return partial(expert_forward, act=activation(hidden_act))
+    """One SwiGLU expert (or dense slice), act(gate x) * up x, with config.json's `hidden_act`."""
+    act = activation(hidden_act)
+    return partial(expert_forward, gated=lambda gate, up: act(gate) * up)
 
 
 def predict_routed(router: nn.Module, x: torch.Tensor) -> list[int]:
@@ -94,8 +98,8 @@ class SlicedMLP(nn.Module):
 
     sum_s down[:, s](act(gate[s] x) * up[s] x) equals the unsliced MLP exactly in real
     arithmetic (any elementwise activation), so a dense model runs through the expert path.
-    `run(x, slice)` is one slice's forward, e.g. `swiglu("silu")`. Summed directly, not
-    through `dispatch`, whose grouping costs 1.4-3x here (tests/bench/bench_sliced_dispatch.py).
+    `run(x, slice)` is one slice's forward, e.g. `swiglu("silu")`. Summed directly: through
+    `dispatch` it cost 1.4-3x (tests/bench/bench_sliced_dispatch.py).
     """
 
     def __init__(self, layer_idx: int, provider: ExpertProvider, run: Callable[[torch.Tensor, Expert], torch.Tensor]) -> None:

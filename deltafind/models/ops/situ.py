@@ -1,17 +1,14 @@
 """SiTU, Kimi K3's soft-capped gated activation, and the MLPs built on it (spec 4.6-4.7).
 
 situ(g, u) = [beta*tanh(g/beta) * sigmoid(g)] * [lbeta*tanh(u/lbeta)], evaluated in
-that order in fp32. Owns the resident SiTU MLP (K3's fused shared experts) and
-one slice of a dense SiTU MLP (layer 0, run by `moe.SlicedMLP`).
+that order in fp32. Owns the resident SiTU MLP (K3's fused shared experts); layer 0's
+dense SiTU MLP runs as slices (`moe.SlicedMLP` with `moe.expert_forward`).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-from deltafind.models.ops.stored import linear
-from deltafind.store.provider import Expert
 
 SITU_BETA = 4.0
 SITU_LINEAR_BETA = 25.0
@@ -34,11 +31,4 @@ class SiTUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(situ(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta))
-
-
-def situ_slice_forward(x: torch.Tensor, expert: Expert, beta: float, linear_beta: float) -> torch.Tensor:
-    """One dense-MLP slice from the provider: x [T, H] -> [T, H]."""
-    gate = linear(x, expert["gate_proj"], quant=expert.quant.get("gate_proj", ""))
-    up = linear(x, expert["up_proj"], quant=expert.quant.get("up_proj", ""))
-    return linear(situ(gate, up, beta, linear_beta), expert["down_proj"], quant=expert.quant.get("down_proj", ""))
 
