@@ -54,7 +54,7 @@ from deltafind.store.trace import TraceWriter
 from deltafind.tokenizer import Tokenizer
 
 log = get_logger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Model:

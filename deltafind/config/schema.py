@@ -75,7 +75,7 @@ class DeviceSettings(_Section):
         description="Where the model computes: auto (the best available accelerator, else "
         "cpu), cpu, cuda (GPU 0), cuda:N (GPU N) or mps (Apple GPU).",
     )
-    dtype: Literal["float32", "bfloat16"] = Field(
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",
         description="Activation dtype: float32 (matches the reference path) or bfloat16. "
         "Weights keep the format the store holds them in.",
