@@ -64,6 +64,9 @@ def summary(s: dict[str, Any]) -> str:
         lines.append(f"draft      {s['draft_source']} ({s['draft_mode']}): {s['draft_accepted']} of {s['draft_proposed']} "
                      f"proposed accepted ({100 * s['draft_acceptance_rate']:.1f}%), {s['draft_verify_passes']} verify passes, "
                      f"saved ~{s['draft_saved_s']:.1f} s, {s['draft_failures']} failures")
+    if s.get("store_bytes_total") and s["store_bytes_present"] < s["store_bytes_total"]:
+        lines.append(f"store      streaming install: {_mib(s['store_bytes_present'])} of {_mib(s['store_bytes_total'])} of experts on disk "
+                     f"({100 * s['store_bytes_present'] / s['store_bytes_total']:.1f}%); the rest is fetched on first use")
     for d in s["drives"]:
         lines.append(f"drive {d['index']}    {'ok' if d['healthy'] else 'UNREADABLE'} {d['path']}: {d['reads']} reads, "
                      f"{_mib(d['bytes_read'])}, {d['read_gb_s']:.2f} GB/s")

@@ -334,6 +334,8 @@ class Runtime:
                 prefetch_issued=e.prefetch_issued, prefetch_used=e.prefetch_used, prefetch_wasted=e.prefetch_wasted,
                 prefetch_recall=sum(r.hits for r in layers) / needed if needed else 0.0,
             )
+            remote, total = ex.reader.remote, ex.manifest.expert_bytes()  # a streaming install fills as it serves
+            out.update(store_bytes_total=total, store_bytes_present=remote.present_bytes() if remote is not None else total)
             for i, (path, d) in enumerate(zip(ex.reader.paths, ex.reader.stats, strict=True)):
                 out["drives"].append({"index": i, "path": str(path), "healthy": os.access(path, os.R_OK),
                                       "reads": d.reads, "bytes_read": d.bytes, "read_gb_s": d.gb_s})
