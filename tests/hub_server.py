@@ -29,7 +29,8 @@ INFO = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>[^/?]
 class Faults:
     drop_after: dict[str, int] = field(default_factory=dict)  # file -> body bytes sent before the connection drops (once)
     corrupt_at: dict[str, int] = field(default_factory=dict)  # file -> absolute offset flipped in the first response covering it
-    fail: set[str] = field(default_factory=set)  # files answered with 500, always
+    fail: set[str] = field(default_factory=set)  # files answered with `fail_status`, always
+    fail_status: int = 500
     rate_bytes_s: float | None = None  # throttle every body
 
 
@@ -139,7 +140,7 @@ class FakeHub:
                 if meta is None:
                     return self._reply(404, {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": COMMIT})
                 if name in hub.faults.fail:
-                    return self._reply(500, {"X-Repo-Commit": COMMIT})
+                    return self._reply(hub.faults.fail_status, {"X-Repo-Commit": COMMIT})
                 size = meta["size"]
                 etag = f'"{meta["sha256"] if meta["lfs"] else meta["blob"]}"'
                 headers = {"X-Repo-Commit": COMMIT, "ETag": etag, "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
@@ -163,7 +164,11 @@ class FakeHub:
                     if flip is not None and start <= flip < end:
                         data[flip - start] ^= 0x40
                         del hub.faults.corrupt_at[name]
-                    drop = hub.faults.drop_after.pop(name, None)
+                    drop = hub.faults.drop_after.get(name)
+                    if drop is not None and drop < len(data):
+                        del hub.faults.drop_after[name]
+                    else:
+                        drop = None
                 self.send_response(code)
                 for k, v in {**headers, "Content-Length": str(len(data))}.items():
                     self.send_header(k, v)

@@ -53,6 +53,7 @@ class HubRepo:
     commit: str
     files: dict[str, HubFile]
     endpoint: str
+    progress: bool = True
     verified: set[str] = field(default_factory=set)
 
     @property
@@ -73,22 +74,48 @@ class HubRepo:
         return names
 
     def download(self, filename: str) -> Path:
-        """The file in the local HF cache, downloaded (resuming a partial one) and verified."""
-        from huggingface_hub import hf_hub_download
-
-        path = Path(hf_hub_download(self.repo_id, filename, revision=self.commit))
-        if filename in self.verified:
+        """The file in the local HF cache: downloaded (resuming a partial one), verified."""
+        if filename in self.verified and (path := self.cached(filename)) is not None:
             return path
+        meta = self.files.get(filename)
+        fetch = self._download_lfs if meta is not None and meta.sha256 and meta.size is not None else self._download_small
+        path = fetch(filename)
         problem = self._check(filename, path)
         if problem:  # a corrupt or stale copy: drop it and fetch it once more from the start
             print(f"deltafind: {filename}: {problem}; downloading it again", file=sys.stderr)
             _drop_cached(path)
-            path = Path(hf_hub_download(self.repo_id, filename, revision=self.commit, force_download=True))
+            path = fetch(filename)
             problem = self._check(filename, path)
             if problem:
+                _drop_cached(path)
                 raise StoreError(f"{self.label} {filename}: {problem} twice; the hub or a proxy serves corrupt bytes — try again later or another HF_ENDPOINT")
         self.verified.add(filename)
         return path
+
+    def _download_small(self, filename: str) -> Path:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(self.repo_id, filename, revision=self.commit))
+
+    def _download_lfs(self, filename: str) -> Path:
+        """A weight shard into the HF cache's layout (blobs/<sha256>, snapshots/<commit>/<file>), through a
+        partial file that survives a killed setup: huggingface_hub restarts such a file from byte 0."""
+        from huggingface_hub import constants
+        from huggingface_hub.file_download import repo_folder_name
+
+        meta = self.files[filename]
+        assert meta.sha256 and meta.size is not None
+        repo_dir = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=self.repo_id, repo_type="model")
+        blob, link = repo_dir / "blobs" / meta.sha256, repo_dir / "snapshots" / self.commit / filename
+        if not blob.exists():
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            part = blob.with_name(blob.name + ".deltafind-partial")
+            RangeClient(self.repo_id, self.commit, self.endpoint).download(filename, part, meta.size, self.progress)
+            os.replace(part, blob)
+        if not link.is_symlink():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(os.path.relpath(blob, link.parent))
+        return link
 
     def _check(self, filename: str, path: Path) -> str | None:
         meta = self.files.get(filename)
@@ -166,7 +193,21 @@ def resolve_repo(repo_id: str, revision: str | None) -> HubRepo:
     except OSError as e:  # connection refused, DNS, TLS: httpx's errors are OSErrors underneath
         raise StoreError(f"{where}: cannot reach the hub ({e}); check the network or HF_ENDPOINT") from e
     files = {s.rfilename: HubFile(s.size, s.lfs.sha256 if s.lfs else None, s.blob_id) for s in info.siblings or []}
+    _remember_ref(repo_id, revision or "main", str(info.sha))
     return HubRepo(repo_id, str(info.sha), files, constants.ENDPOINT)
+
+
+def _remember_ref(repo_id: str, revision: str, commit: str) -> None:
+    """Record revision -> commit in the HF cache, as huggingface_hub does, so HF_HUB_OFFLINE finds the
+    files we download by commit (pinned, so a branch moving mid-download cannot mix two commits)."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    if revision == commit:
+        return
+    ref = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "refs" / revision
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    ref.write_text(commit)
 
 
 def open_checkpoint(spec: str, store_dir: Path, streaming: bool = False, delete_source: bool = False, progress: bool = True) -> Path | Source:
@@ -193,7 +234,9 @@ def open_checkpoint(spec: str, store_dir: Path, streaming: bool = False, delete_
         except LocalEntryNotFoundError as e:
             raise StoreError(f"{spec}: not in the Hugging Face cache and HF_HUB_OFFLINE is set; unset HF_HUB_OFFLINE to download it") from e
         return open_source(Path(folder))
-    return HubSource(resolve_repo(repo_id, revision), store_dir, streaming=streaming, delete_source=delete_source)
+    repo = resolve_repo(repo_id, revision)
+    repo.progress = progress
+    return HubSource(repo, store_dir, streaming=streaming, delete_source=delete_source)
 
 
 class HubSource(Source):

@@ -10,8 +10,10 @@ Knows HTTP and the safetensors layout; never the store's records or models.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from deltafind.errors import StoreError
 
@@ -79,6 +81,54 @@ class RangeClient:
             except (httpx2.HTTPError, _BadRange) as e:
                 last = e
         raise RemoteError(f"{where}: {type(last).__name__}: {last} (gave up after {self.retries + 1} tries)") from last
+
+
+    def download(self, filename: str, dest: Path, size: int, progress: bool = True) -> None:
+        """Append the rest of `filename` to `dest` until it holds `size` bytes: a rerun after a kill,
+        or a retry after a dropped connection, asks only for what `dest` lacks."""
+        import httpx2
+        from huggingface_hub.errors import HfHubHTTPError
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+        from tqdm import tqdm
+
+        url = self.url(filename)
+        have = dest.stat().st_size if dest.exists() else 0
+        if have > size:  # not a prefix of this file
+            dest.unlink()
+            have = 0
+        last: Exception | None = None
+        failures = 0
+        with tqdm(total=size, initial=have, unit="B", unit_scale=True, unit_divisor=1024, desc=filename, disable=not progress,
+                  mininterval=1.0) as bar:
+            while have < size:
+                if failures > self.retries:
+                    raise RemoteError(f"{url}: {type(last).__name__}: {last} (gave up after {failures} tries; run setup again to resume from byte {have})") from last
+                if failures:
+                    time.sleep(min(self.backoff_s * 2 ** (failures - 1), MAX_BACKOFF_S))
+                headers = {**build_hf_headers(), "Range": f"bytes={have}-", "Accept-Encoding": "identity"}
+                try:
+                    with get_session().stream("GET", url, headers=headers, follow_redirects=True, timeout=TIMEOUT_S) as r:
+                        hf_raise_for_status(r)
+                        if r.status_code != 206 or not r.headers.get("Content-Range", "").startswith(f"bytes {have}-"):
+                            raise _BadRange(f"HTTP {r.status_code} with Content-Range {r.headers.get('Content-Range')!r}, asked for bytes {have}-")
+                        with open(dest, "ab") as f:
+                            for chunk in r.iter_bytes():
+                                f.write(chunk)
+                                have += len(chunk)
+                                bar.update(len(chunk))
+                                failures = 0  # progress: the retry budget is for a stuck transfer
+                            f.flush()
+                            os.fsync(f.fileno())
+                except HfHubHTTPError as e:
+                    code = e.response.status_code if e.response is not None else None
+                    if code in PERMANENT:
+                        raise RemoteError(f"{url}: HTTP {code}") from e
+                    last, failures = e, failures + 1
+                except (httpx2.HTTPError, _BadRange) as e:
+                    last, failures = e, failures + 1
+                have = dest.stat().st_size
+        if have != size:
+            raise RemoteError(f"{url}: {have} bytes received, the hub lists {size}")
 
 
 class _BadRange(Exception):
