@@ -120,40 +120,41 @@ class RemoteExperts:
         return self.submit([rec.key])[rec.key].result()
 
     def submit(self, keys: Iterable[Key], force: bool = False) -> dict[Key, Future[ExpertRecord]]:
-        """Start fetches for `keys` (grouped with missing neighbours); `force` refetches present ones."""
+        """Start fetches for the missing `keys` (`force`: all of them), neighbours in a shard
+        coalesced into one range, up to `coalesce` experts each."""
         out: dict[Key, Future[ExpertRecord]] = {}
+        todo: list[Key] = []
         with self._lock:
             self._refresh()
-            for key in keys:
-                if key in out:
-                    continue
+            for key in dict.fromkeys(keys):
                 if key not in self.parts:
                     raise CorruptExpertError(f"expert {key[1]} of layer {key[0]}: neither on disk nor in {REMOTE_NAME}; re-run `deltafind setup`")
-                if not force and key in self.present:
-                    out[key] = done = Future()
-                    done.set_result(self.present[key])
-                    continue
                 if key in self._inflight:
                     out[key] = self._inflight[key]
-                    continue
-                group = [key] if force else self._group(key)
+                elif not force and key in self.present:
+                    out[key] = done = Future()
+                    done.set_result(self.present[key])
+                else:
+                    todo.append(key)
+            for group in self._groups(todo):
                 futs = {k: Future() for k in group}
                 self._inflight.update(futs)
                 out.update(futs)
                 self._pool.submit(self._fetch, group, futs)
         return out
 
-    def _group(self, key: Key) -> list[Key]:
-        """`key` and the missing experts right after it in its shard, up to `coalesce`."""
-        order = self._order[self.parts[key][0].file]
-        group = [key]
-        for k in order[self._pos[key] + 1:]:
-            if len(group) >= self.coalesce or k in self.present or k in self._inflight:
-                break
-            if min(p.start for p in self.parts[k]) - max(p.end for p in self.parts[group[-1]]) > MAX_GAP_BYTES:
-                break
-            group.append(k)
-        return group
+    def _groups(self, keys: list[Key]) -> list[list[Key]]:
+        """Runs of keys that sit next to each other in their shard, up to `coalesce` long."""
+        groups: list[list[Key]] = []
+        for key in sorted(keys, key=lambda k: (self.parts[k][0].file, self._pos[k])):
+            last = groups[-1][-1] if groups else None
+            if (last is not None and len(groups[-1]) < self.coalesce and self.parts[last][0].file == self.parts[key][0].file
+                    and self._pos[key] == self._pos[last] + 1
+                    and min(p.start for p in self.parts[key]) - max(p.end for p in self.parts[last]) <= MAX_GAP_BYTES):
+                groups[-1].append(key)
+            else:
+                groups.append([key])
+        return groups
 
     def _fetch(self, group: list[Key], futs: dict[Key, Future[ExpertRecord]]) -> None:
         url = self.client.url(self.parts[group[0]][0].file)
@@ -245,7 +246,7 @@ class RemoteExperts:
 
     def fetch_all(self, keys: list[Key], force: bool = False, progress: Any = None) -> list[str]:
         """Fetch `keys` (all at once, coalesced and bounded); returns the errors, one per failed expert."""
-        futs = self.submit(keys, force=force) if force else self.submit(keys)
+        futs = self.submit(keys, force=force)
         errors = []
         pending = set(futs.values())
         while pending:
