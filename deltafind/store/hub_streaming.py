@@ -62,6 +62,8 @@ def record_layout(infos: dict[str, TensorInfo]) -> tuple[int, list[TensorEntry]]
 
 def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | None = None, dense_slices: int = 8, progress: bool = True) -> Manifest:
     """Write a streaming store of `source` (a hub checkpoint) into `store_dir`."""
+    if not isinstance(source, HubSource) or not source.streaming:
+        raise StoreError("--streaming installs from a hub: give --from ORG/NAME[@REVISION] (not --demo, --synthetic or a local path)")
     store_dir = Path(store_dir)
     drive_dirs = [Path(d) for d in drives] if drives else [store_dir / "drive0"]
     drive_strs = [os.path.relpath(d.resolve(), store_dir.resolve()) if _inside(d, store_dir) else str(d.resolve()) for d in drive_dirs]
