@@ -77,7 +77,15 @@ def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | Non
     plan = plan_tensors(source.tensors)
     store_id = uuid.uuid4().hex
     tmp = store_dir / (SPINE_NAME + ".tmp")
-    spine_sha = write_safetensors(tmp, {n: source.tensors[n] for n in plan.spine}, source.load)
+    spine = {n: source.tensors[n] for n in plan.spine}
+    with tqdm(total=sum(i.nbytes for i in spine.values()), unit="B", unit_scale=True, unit_divisor=1024, desc="spine",
+              disable=not progress, mininterval=1.0) as bar:
+        def load(name: str) -> Any:
+            t = source.load(name)
+            bar.update(spine[name].nbytes)
+            return t
+
+        spine_sha = write_safetensors(tmp, spine, load)
     os.replace(tmp, store_dir / SPINE_NAME)
 
     records, remote = [], []

@@ -20,6 +20,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from deltafind.control.service import status_reply
+from deltafind.store.doctor import check_store
 from deltafind.store.manifest import Manifest
 from deltafind.store.setup import setup_store
 from tests.conftest import deltafind_cmd, make_hf_checkpoint
@@ -192,9 +193,12 @@ def test_streaming_install_answers_with_the_same_tokens(hub: FakeHub, env: dict[
     assert any(int(r.range.split("-")[1]) - int(r.range.split("=")[1].split("-")[0]) > expert_bytes for r in gets)  # coalesced
     fetcher = open_fetcher(store, Manifest.load(store))
     assert fetcher.present_bytes() > dense
+    missing = len(fetcher.missing())
     fetcher.close()
     hub.log.clear()
     assert _generate(store, env) == reference[1]
+    report = check_store(store, progress=False)  # doctor checks what is on disk, fetches nothing
+    assert report.ok and report.experts_checked == len(Manifest.load(store).experts) - missing
     assert not [r for r in hub.log if "/resolve/" in r.path]  # later reads are local
 
 
