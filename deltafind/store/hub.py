@@ -15,6 +15,8 @@ import json
 import os
 import re
 import sys
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -276,6 +278,7 @@ class HubSource(Source):
         self._handles: dict[str, Any] = {}
         self._staged: dict[str, Any] = {}  # spine tensor -> handle of its staging file
         self._pending: dict[str, set[str]] = {}  # shard -> tensors setup has yet to read from it
+        self._ahead: dict[str, Future[Path]] = {}  # the next shard, downloading in the background
         self._spine: set[str] = set()
 
     def _header(self, filename: str) -> tuple[int, dict[str, RemoteTensor]]:
@@ -321,11 +324,32 @@ class HubSource(Source):
         from safetensors import safe_open
 
         if filename not in self._handles:
-            path = self.repo.download(filename)
+            ahead = self._ahead.pop(filename, None)
+            path = ahead.result() if ahead is not None else self.repo.download(filename)
             self._handles[filename] = h = safe_open(str(path), "pt")
             if self.delete_source:
                 self._stage(filename, h)
+            self._download_next(filename)
         return self._handles[filename]
+
+    def _download_next(self, current: str) -> None:
+        """Download the next shard setup will need while this one is imported (one at a time)."""
+        if self._ahead:
+            return
+        for name in self.shards[self.shards.index(current) + 1:]:
+            if name not in self._handles and self._pending.get(name):
+                fut: Future[Path] = Future()
+
+                def run(name: str = name, fut: Future[Path] = fut) -> None:
+                    try:
+                        fut.set_result(self.repo.download(name))
+                    except BaseException as e:  # handed to the import when it needs this shard
+                        fut.set_exception(e)
+
+                # A daemon thread: a failed or interrupted setup exits at once; the partial file stays for the rerun.
+                threading.Thread(target=run, daemon=True, name="hub-download").start()
+                self._ahead[name] = fut
+                return
 
     def _stage(self, filename: str, h: Any) -> None:
         """Copy the shard's spine tensors into the store's staging folder, so the shard can go."""
