@@ -11,6 +11,7 @@ turns the store into an ordinary one.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -18,6 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from deltafind.errors import StoreError
@@ -33,10 +35,10 @@ from deltafind.store.manifest import (
     pack_name,
     write_json_atomic,
 )
+from deltafind.store.reader import record_tensors
 from deltafind.store.remote_experts import PRESENT_NAME, REMOTE_NAME, RemoteExperts
 from deltafind.store.setup import (
     TENSOR_ALIGN,
-    _expert_order,
     _inside,
     _iter_expert_groups,
     _open_packs,
@@ -50,9 +52,9 @@ READ_CHUNK = 16 << 20
 
 
 def record_layout(infos: dict[str, TensorInfo]) -> tuple[int, list[TensorEntry]]:
-    """Where `expert_record_bytes` would put each tensor, from metadata alone."""
+    """Where `expert_record_bytes` puts each tensor, from metadata alone (its order, TENSOR_ALIGN gaps)."""
     entries, offset = [], 0
-    for name in _expert_order(infos):
+    for name in _record_order(tuple(infos)):
         info = infos[name]
         offset = align_up(offset, TENSOR_ALIGN)
         entries.append(TensorEntry(name, str(info.dtype).removeprefix("torch."), info.shape, offset, info.nbytes))
@@ -60,8 +62,17 @@ def record_layout(infos: dict[str, TensorInfo]) -> tuple[int, list[TensorEntry]]
     return offset, entries
 
 
-def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | None = None, dense_slices: int = 8, progress: bool = True) -> Manifest:
-    """Write a streaming store of `source` (a hub checkpoint) into `store_dir`."""
+@functools.cache
+def _record_order(parts: tuple[str, ...]) -> tuple[str, ...]:
+    """The order `expert_record_bytes` lays these parts out in, asked of it with one-byte stand-ins."""
+    _, entries = expert_record_bytes({p: torch.zeros(1, dtype=torch.uint8) for p in parts})
+    return tuple(e.name for e in entries)
+
+
+def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | None = None, dense_slices: int = 8, progress: bool = True,
+                    **plan_options: Any) -> Manifest:
+    """Write a streaming store of `source` (a hub checkpoint) into `store_dir`; `plan_options` go to
+    `plan_tensors` as setup_store passes them."""
     if not isinstance(source, HubSource) or not source.streaming:
         raise StoreError("--streaming installs from a hub: give --from ORG/NAME[@REVISION] (not --demo, --synthetic or a local path)")
     store_dir = Path(store_dir)
@@ -74,7 +85,7 @@ def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | Non
             return existing
         raise StoreError(f"{store_dir}: already holds a different store (from {existing.source.get('source')}); choose another --store or delete that folder first")
     store_dir.mkdir(parents=True, exist_ok=True)
-    plan = plan_tensors(source.tensors)
+    plan = plan_tensors(source.tensors, **plan_options)
     store_id = uuid.uuid4().hex
     tmp = store_dir / (SPINE_NAME + ".tmp")
     spine = {n: source.tensors[n] for n in plan.spine}
@@ -144,7 +155,7 @@ def _xxh3(data: bytes) -> str:
 
 def open_fetcher(store_dir: Path, manifest: Manifest) -> RemoteExperts:
     paths = [d / pack_name(i, manifest.pack_generation) for i, d in enumerate(manifest.drive_paths(store_dir))]
-    return RemoteExperts(store_dir, manifest, paths)
+    return RemoteExperts(store_dir, manifest, paths, record_tensors)
 
 
 def fill_store(store_dir: Path, progress: bool = True) -> Manifest:

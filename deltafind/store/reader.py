@@ -173,7 +173,7 @@ class PackReader:
                 raise
         from deltafind.store.remote_experts import open_remote
 
-        self.remote = open_remote(manifest, store_dir, self.paths)  # a streaming install: missing records come from the hub
+        self.remote = open_remote(manifest, store_dir, self.paths, record_tensors)  # a streaming install: missing records come from the hub
         self._pools = [ThreadPoolExecutor(max_workers=o.queue_depth, thread_name_prefix=f"drive{i}") for i, o in enumerate(self.options)]
         self._decoder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="decode")  # confirmed prefetches
 

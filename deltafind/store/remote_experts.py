@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -47,17 +47,20 @@ class Part:
     end: int
 
 
-def open_remote(manifest: Manifest, store_dir: Path, pack_paths: list[Path]) -> RemoteExperts | None:
+Views = Callable[[ExpertRecord, Any], dict[str, torch.Tensor]]  # the reader's record_tensors
+
+
+def open_remote(manifest: Manifest, store_dir: Path, pack_paths: list[Path], views: Views) -> RemoteExperts | None:
     """The fetcher of a streaming store; None for a store whose experts are all on disk."""
     if not manifest.source.get("remote"):
         return None
-    return RemoteExperts(Path(store_dir), manifest, pack_paths)
+    return RemoteExperts(Path(store_dir), manifest, pack_paths, views)
 
 
 class RemoteExperts:
     """Fetches missing records into the packs; thread-safe (the drive threads call `ensure`)."""
 
-    def __init__(self, store_dir: Path, manifest: Manifest, pack_paths: list[Path], coalesce: int = COALESCE,
+    def __init__(self, store_dir: Path, manifest: Manifest, pack_paths: list[Path], views: Views, coalesce: int = COALESCE,
                  parallel: int = PARALLEL, client: RangeClient | None = None) -> None:
         path = store_dir / REMOTE_NAME
         try:
@@ -65,7 +68,7 @@ class RemoteExperts:
         except (OSError, json.JSONDecodeError) as e:
             raise StoreError(f"{path}: unreadable ({e}); this streaming store cannot fetch its missing experts — run `deltafind setup --streaming` into a fresh --store") from e
         self.client = client or RangeClient(meta["repo_id"], meta["commit"], meta["endpoint"])
-        self.meta = meta
+        self.meta, self.views = meta, views
         self.coalesce = max(1, min(coalesce, MAX_COALESCE))
         self.records = {r.key: r for r in manifest.experts}
         self.parts: dict[Key, list[Part]] = {(layer, e): [Part(*p) for p in parts] for layer, e, parts in meta["experts"]}
@@ -218,9 +221,7 @@ class RemoteExperts:
 
     def _check(self, key: Key, payload: bytes) -> str | None:
         """What a transfer could have broken and the format forbids: non-finite floats, E8M0 bytes 0/255."""
-        from deltafind.store.reader import record_tensors
-
-        for name, t in record_tensors(self.records[key], bytearray(payload)).items():
+        for name, t in self.views(self.records[key], bytearray(payload)).items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 return f"{name} holds NaN or inf"
             if name.endswith("weight_scale") and t.numel() and bool(((t == 0) | (t == 255)).any()):
