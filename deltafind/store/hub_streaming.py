@@ -38,9 +38,11 @@ from deltafind.store.manifest import (
 from deltafind.store.reader import record_tensors
 from deltafind.store.remote_experts import PRESENT_NAME, REMOTE_NAME, RemoteExperts
 from deltafind.store.setup import (
+    JOURNAL_NAME,
     TENSOR_ALIGN,
     _inside,
     _iter_expert_groups,
+    _Journal,
     _open_packs,
     expert_record_bytes,
     plan_tensors,
@@ -86,7 +88,15 @@ def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | Non
         raise StoreError(f"{store_dir}: already holds a different store (from {existing.source.get('source')}); choose another --store or delete that folder first")
     store_dir.mkdir(parents=True, exist_ok=True)
     plan = plan_tensors(source.tensors, **plan_options)
-    store_id = uuid.uuid4().hex
+    journal = _Journal(store_dir / JOURNAL_NAME)  # a rerun after an interruption keeps the store id and the spine so far
+    header, _ = journal.read()
+    if header is not None and header.get("params") != params:
+        raise StoreError(f"{store_dir}: holds an interrupted setup of a different source ({header.get('params', {}).get('source')}); "
+                         "resume it with the same --from/--drive/--dense-slices, or delete the folder")
+    if header is None:
+        header = {"params": params, "store_id": uuid.uuid4().hex}
+        journal.start(header)
+    store_id = header["store_id"]
     tmp = store_dir / (SPINE_NAME + ".tmp")
     spine = {n: source.tensors[n] for n in plan.spine}
     with tqdm(total=sum(i.nbytes for i in spine.values()), unit="B", unit_scale=True, unit_divisor=1024, desc="spine",
@@ -96,7 +106,7 @@ def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | Non
             bar.update(spine[name].nbytes)
             return t
 
-        spine_sha = write_safetensors(tmp, spine, load)
+        spine_sha = write_safetensors(tmp, spine, load, resume=True)
     os.replace(tmp, store_dir / SPINE_NAME)
 
     records, remote = [], []
@@ -144,6 +154,7 @@ def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | Non
         tokenizer_files=tokenizer_files, experts=sorted(records, key=lambda r: r.key),
     )
     manifest.save(store_dir)
+    journal.path.unlink(missing_ok=True)
     return manifest
 
 

@@ -202,6 +202,27 @@ def test_streaming_install_answers_with_the_same_tokens(hub: FakeHub, env: dict[
     assert not [r for r in hub.log if "/resolve/" in r.path]  # later reads are local
 
 
+def test_an_interrupted_streaming_install_resumes_its_spine(hub: FakeHub, env: dict[str, str], streaming_store: Path, tmp_path: Path) -> None:
+    hub.faults.rate_bytes_s = 50_000
+    exe = Path(sys.executable).with_name("deltafind")
+    proc = subprocess.Popen([str(exe), "setup", "--from", REPO, "--store", str(tmp_path / "s"), "--streaming", "--quiet"],
+                            env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tmp = tmp_path / "s" / "spine.safetensors.tmp"
+    deadline = time.monotonic() + 120
+    while not (tmp.exists() and tmp.stat().st_size > 100_000):  # the first tensors (lm_head, embeddings) are written
+        assert proc.poll() is None and time.monotonic() < deadline, "setup ended before it could be killed"
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    tensors = [r.range for r in hub.log if r.range and int(r.range[len("bytes="):].split("-")[0]) > 8]  # not headers
+    first = tensors[0]  # lm_head's bytes
+    hub.faults.rate_bytes_s = None
+    hub.log.clear()
+    _setup(env, "--from", REPO, "--store", str(tmp_path / "s"), "--streaming", "--quiet")
+    assert first not in [r.range for r in hub.log]  # kept, not fetched again
+    assert Manifest.load(tmp_path / "s").spine_sha256 == Manifest.load(streaming_store).spine_sha256
+
+
 def test_a_failed_fetch_fails_the_request_naming_the_expert_and_url(hub: FakeHub, env: dict[str, str], streaming_store: Path, tmp_path: Path) -> None:
     store = _copy(streaming_store, tmp_path)
     hub.faults.fail = {SHARDS[1], SHARDS[2]}
