@@ -274,6 +274,9 @@ class Model:
                         "bytes_read": d.bytes, "read_gb_s": d.gb_s}
                        for i, (path, d) in enumerate(zip(ex.reader.paths, ex.reader.stats, strict=True))],
         }
+        remote, total = ex.reader.remote, self.manifest.expert_bytes()  # a streaming install fills as it serves
+        out.update(store_bytes_total=total, store_bytes_present=remote.present_bytes() if remote is not None else total,
+                   spine_int8=self.settings.cache.spine_int8)
         if (sp := self.spine) is not None:
             out["spine"] = {"resident_layers": sp.plan.resident_layers, "num_layers": sp.plan.num_layers,
                             "layer_reads": sp.layers_read, "bytes_read": sp.bytes_read, "wait_s": sp.wait_s}

@@ -80,6 +80,8 @@ def cmd_setup(args: argparse.Namespace) -> int:
     _settings(args)  # a bad config fails here, before any work
     if args.dspark or args.synthetic == "dspark":
         return _setup_dspark(args)
+    if args.fill:
+        return _setup_fill(args)
     if args.demo:
         source, store = demo_gguf_path(), Path(args.store or demo_store_dir()).expanduser()
         drives = args.drive or [store / "drive0", store / "drive1"]
@@ -92,13 +94,36 @@ def cmd_setup(args: argparse.Namespace) -> int:
     else:
         if not args.source or not args.store:
             raise StoreError("setup needs --from CHECKPOINT and --store DIR (or --demo, or --synthetic FAMILY)")
-        source, store, drives = Path(args.source).expanduser(), Path(args.store).expanduser(), args.drive
+        from deltafind.store.hub import open_checkpoint
+
+        # --from is a local path, or ORG/NAME[@REVISION] on a hub
+        store, drives = Path(args.store).expanduser(), args.drive
+        source = open_checkpoint(args.source, store, args.streaming, args.delete_source, progress=not args.quiet)
     # Refuse an unsupported family, or a config the family refuses (K3's quality guard), before writing anything.
     config = (source if not isinstance(source, Path) else open_source(source)).config
     family = family_module(str(config.get("model_type")))
     names = family.weight_names(family.ModelArgs.from_config(config))  # the family says which tensors are experts
+    if args.streaming:
+        from deltafind.store.hub_streaming import setup_streaming
+
+        manifest = setup_streaming(source, store, [Path(d) for d in drives] if drives else None, args.dense_slices,
+                                   progress=not args.quiet, names=names)
+        print(f"store ready, streaming: {store} ({len(manifest.experts)} expert records; missing experts are fetched from the hub on first use, "
+              f"`deltafind setup --fill --store {store}` completes it)")
+        return 0
     manifest = setup_store(source, store, [Path(d) for d in drives] if drives else None, args.dense_slices, progress=not args.quiet, names=names)
     print(f"store ready: {store} ({family.__name__.rsplit('.', 1)[-1]}, {len(manifest.experts)} expert records on {len(manifest.drives)} drive(s), {manifest.expert_bytes() / 2**20:.1f} MiB of experts)")
+    return 0
+
+
+def _setup_fill(args: argparse.Namespace) -> int:
+    """`setup --fill`: fetch what a streaming install still lacks and verify it against the hub."""
+    from deltafind.store.hub_streaming import fill_store
+
+    if not args.store:
+        raise StoreError("setup --fill needs --store DIR (a store made by `setup --streaming`)")
+    manifest = fill_store(Path(args.store).expanduser(), progress=not args.quiet)
+    print(f"store complete: {args.store} ({len(manifest.experts)} expert records, {manifest.expert_bytes() / 2**20:.1f} MiB of experts, verified against the hub)")
     return 0
 
 
@@ -351,7 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("setup", help="import a HuggingFace folder or GGUF file into a store")
     _add_common(p)
-    p.add_argument("--from", dest="source", metavar="PATH", help="HuggingFace model folder or .gguf file")
+    p.add_argument("--from", dest="source", metavar="PATH", help="HuggingFace model folder, .gguf file, or hub repo ORG/NAME[@REVISION] (downloaded through the HF cache; HF_ENDPOINT, HF_TOKEN)")
+    p.add_argument("--streaming", action="store_true", help="with a hub repo: write spine and records only; experts are fetched by range on first use")
+    p.add_argument("--fill", action="store_true", help="fetch every expert a streaming --store still lacks, verify against the hub")
+    p.add_argument("--delete-source", action="store_true", help="with a hub repo: free each downloaded shard from the HF cache once imported")
     p.add_argument("--store", metavar="DIR", help="store folder to create")
     p.add_argument("--drive", action="append", metavar="PATH", help="drive folder for expert packs (repeat to stripe over several)")
     p.add_argument("--dense-slices", type=int, default=8, metavar="N", help="expert slices per dense MLP (default 8)")

@@ -28,7 +28,7 @@ class Drive(_message.Message):
     def __init__(self, index: _Optional[int] = ..., path: _Optional[str] = ..., healthy: _Optional[bool] = ..., reads: _Optional[int] = ..., bytes_read: _Optional[int] = ..., read_gb_s: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("model", "version", "pid", "uptime_s", "ready", "load_status", "draining", "running", "waiting", "max_running", "max_queue", "tok_s", "steps", "generated_tokens", "prefix_hits", "cache_requested", "cache_hits", "pinned_hits", "cache_hit_rate", "cache_used_bytes", "cache_budget_bytes", "pinned_bytes", "experts_read", "bytes_read", "prefetch_issued", "prefetch_used", "prefetch_wasted", "prefetch_recall", "drives", "config_path", "config_loaded_at", "restart_needed", "trace_path", "draft_source", "draft_mode", "draft_proposed", "draft_accepted", "draft_acceptance_rate", "draft_verify_passes", "draft_saved_s", "draft_failures", "snapshot_json")
+    __slots__ = ("model", "version", "pid", "uptime_s", "ready", "load_status", "draining", "running", "waiting", "max_running", "max_queue", "tok_s", "steps", "generated_tokens", "prefix_hits", "cache_requested", "cache_hits", "pinned_hits", "cache_hit_rate", "cache_used_bytes", "cache_budget_bytes", "pinned_bytes", "experts_read", "bytes_read", "prefetch_issued", "prefetch_used", "prefetch_wasted", "prefetch_recall", "drives", "config_path", "config_loaded_at", "restart_needed", "trace_path", "draft_source", "draft_mode", "draft_proposed", "draft_accepted", "draft_acceptance_rate", "draft_verify_passes", "draft_saved_s", "draft_failures", "snapshot_json", "store_bytes_present", "store_bytes_total")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,8 @@ class StatusReply(_message.Message):
     DRAFT_SAVED_S_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FAILURES_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_JSON_FIELD_NUMBER: _ClassVar[int]
+    STORE_BYTES_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    STORE_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: str
     pid: int
@@ -113,7 +115,9 @@ class StatusReply(_message.Message):
     draft_saved_s: float
     draft_failures: int
     snapshot_json: str
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., ready: _Optional[bool] = ..., load_status: _Optional[str] = ..., draining: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_running: _Optional[int] = ..., max_queue: _Optional[int] = ..., tok_s: _Optional[float] = ..., steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., cache_requested: _Optional[int] = ..., cache_hits: _Optional[int] = ..., pinned_hits: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., cache_used_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., experts_read: _Optional[int] = ..., bytes_read: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_used: _Optional[int] = ..., prefetch_wasted: _Optional[int] = ..., prefetch_recall: _Optional[float] = ..., drives: _Optional[_Iterable[_Union[Drive, _Mapping]]] = ..., config_path: _Optional[str] = ..., config_loaded_at: _Optional[float] = ..., restart_needed: _Optional[_Iterable[str]] = ..., trace_path: _Optional[str] = ..., draft_source: _Optional[str] = ..., draft_mode: _Optional[str] = ..., draft_proposed: _Optional[int] = ..., draft_accepted: _Optional[int] = ..., draft_acceptance_rate: _Optional[float] = ..., draft_verify_passes: _Optional[int] = ..., draft_saved_s: _Optional[float] = ..., draft_failures: _Optional[int] = ..., snapshot_json: _Optional[str] = ...) -> None: ...
+    store_bytes_present: int
+    store_bytes_total: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., ready: _Optional[bool] = ..., load_status: _Optional[str] = ..., draining: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_running: _Optional[int] = ..., max_queue: _Optional[int] = ..., tok_s: _Optional[float] = ..., steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., cache_requested: _Optional[int] = ..., cache_hits: _Optional[int] = ..., pinned_hits: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., cache_used_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., experts_read: _Optional[int] = ..., bytes_read: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_used: _Optional[int] = ..., prefetch_wasted: _Optional[int] = ..., prefetch_recall: _Optional[float] = ..., drives: _Optional[_Iterable[_Union[Drive, _Mapping]]] = ..., config_path: _Optional[str] = ..., config_loaded_at: _Optional[float] = ..., restart_needed: _Optional[_Iterable[str]] = ..., trace_path: _Optional[str] = ..., draft_source: _Optional[str] = ..., draft_mode: _Optional[str] = ..., draft_proposed: _Optional[int] = ..., draft_accepted: _Optional[int] = ..., draft_acceptance_rate: _Optional[float] = ..., draft_verify_passes: _Optional[int] = ..., draft_saved_s: _Optional[float] = ..., draft_failures: _Optional[int] = ..., snapshot_json: _Optional[str] = ..., store_bytes_present: _Optional[int] = ..., store_bytes_total: _Optional[int] = ...) -> None: ...
 
 class ReloadRequest(_message.Message):
     __slots__ = ()

@@ -70,6 +70,8 @@ def check_store(store_dir: Path, progress: bool = True) -> DoctorReport:
         return report
     try:
         for rec in tqdm(manifest.experts, unit="expert", desc="verify", disable=not progress):
+            if reader.remote is not None and rec.key not in reader.remote.present:
+                continue  # a streaming install's expert not fetched yet: nothing on disk to check
             try:
                 reader.read(rec)
                 report.experts_checked += 1

@@ -151,6 +151,7 @@ class StoreExperts:
     def fetch(self, layer_idx: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, Expert]]:
         wanted = list(dict.fromkeys(expert_ids))
         self._observe(layer_idx, wanted)
+        self._fetch_missing(layer_idx, wanted)
         pending: dict[Future, int] = {}
         speculative: set[Future] = set()  # prefetched reads: started earlier, maybe for another request
         held: dict[int, int] = {}  # expert -> bytes reserved in the cache for its read
@@ -226,8 +227,15 @@ class StoreExperts:
             return
         self._issue(layer_idx, ids)
 
+    def _fetch_missing(self, layer_idx: int, ids: list[int]) -> None:
+        """A streaming install: start fetching the layer's missing experts together, so neighbours
+        in a shard share one range request (store/remote_experts.py)."""
+        if (remote := self.reader.remote) is not None:
+            remote.submit([(layer_idx, e) for e in ids if (layer_idx, e) not in remote.present and (layer_idx, e) in self._records])
+
     def _issue(self, layer_idx: int, ids: list[int]) -> None:
         opts = self.prefetch_options
+        self._fetch_missing(layer_idx, ids)
         for e in ids:
             key = (layer_idx, e)
             if key in self._inflight or key in self.pinned or key in self.cache or key not in self._records:

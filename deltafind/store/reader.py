@@ -148,6 +148,7 @@ class PackReader:
         self.verify = {True: "full", False: "off"}.get(verify, verify)  # type: ignore[call-overload]
         if self.verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)} (got {verify!r})")
+        self.remote: Any = None  # RemoteExperts of a streaming install (store/remote_experts.py)
         self._learned: dict[tuple[int, int], str] = {}  # xxh3 of sha256-verified bytes, for records without one
         recorded = manifest.drive_paths(store_dir)
         opts = drives or []
@@ -172,6 +173,9 @@ class PackReader:
             except BaseException:
                 self.close()
                 raise
+        from deltafind.store.remote_experts import open_remote
+
+        self.remote = open_remote(manifest, store_dir, self.paths, record_tensors)  # a streaming install: missing records come from the hub
         self._pools = [ThreadPoolExecutor(max_workers=o.queue_depth, thread_name_prefix=f"drive{i}") for i, o in enumerate(self.options)]
         self._decoder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="decode")  # confirmed prefetches
 
@@ -270,6 +274,8 @@ class PackReader:
         self.buffers.put(buf)
 
     def _read(self, rec: ExpertRecord) -> mmap.mmap:
+        if self.remote is not None:
+            rec = self.remote.ensure(rec)  # fetched and written into its place first, if it is not there yet
         where = f"expert {rec.expert} of layer {rec.layer}"
         if rec.drive >= len(self._fds):
             raise CorruptExpertError(f"{where}: drive {rec.drive} is closed or unknown")
@@ -327,6 +333,8 @@ class PackReader:
     def close(self) -> None:
         for pool in [*getattr(self, "_pools", []), *([self._decoder] if hasattr(self, "_decoder") else [])]:
             pool.shutdown(wait=True, cancel_futures=True)
+        if self.remote is not None:
+            self.remote.close()
         for fd in self._fds:
             os.close(fd)
         self._fds = []

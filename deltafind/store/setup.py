@@ -246,16 +246,7 @@ def setup_store(
     store_id = header["store_id"]
 
     plan = plan_tensors(source.tensors, names)
-    spine_entry = next((d for d in done if d.get("kind") == "spine"), None)
-    if spine_entry is None:
-        tmp = store_dir / (SPINE_NAME + ".tmp")
-        spine_sha = write_safetensors(tmp, {n: source.tensors[n] for n in plan.spine}, source.load)
-        os.replace(tmp, store_dir / SPINE_NAME)
-        journal.add({"kind": "spine", "sha256": spine_sha})
-        journal.sync()
-    else:
-        spine_sha = spine_entry["sha256"]
-
+    source.begin_import(plan.spine)
     records = [ExpertRecord.from_json(d["record"]) for d in done if d.get("kind") == "expert"]
     done_keys = {r.key for r in records}
     packs = _open_packs(drive_dirs, store_id, records)
@@ -293,6 +284,18 @@ def setup_store(
         for f, _ in packs:
             f.close()
 
+    # The spine goes after the experts: a hub source frees each shard once its experts are in
+    # (its spine tensors staged), so peak disk stays near the store's size (store/hub.py).
+    spine_entry = next((d for d in done if d.get("kind") == "spine"), None)
+    if spine_entry is None:
+        tmp = store_dir / (SPINE_NAME + ".tmp")
+        spine_sha = write_safetensors(tmp, {n: source.tensors[n] for n in plan.spine}, source.load)
+        os.replace(tmp, store_dir / SPINE_NAME)
+        journal.add({"kind": "spine", "sha256": spine_sha})
+        journal.sync()
+    else:
+        spine_sha = spine_entry["sha256"]
+
     tok_dir = store_dir / TOKENIZER_DIR
     tok_dir.mkdir(exist_ok=True)
     tokenizer_files = source.write_tokenizer(tok_dir)
@@ -310,6 +313,7 @@ def setup_store(
     )
     manifest.save(store_dir)
     journal.path.unlink(missing_ok=True)
+    source.end_import()
     return manifest
 
 

@@ -56,6 +56,12 @@ class Source:
     def write_tokenizer(self, dest: Path) -> list[str]:
         raise NotImplementedError
 
+    def begin_import(self, spine: list[str]) -> None:
+        """Setup is about to read: `spine` are the names it writes to the spine (the rest are experts)."""
+
+    def end_import(self) -> None:
+        """Setup finished: a source may free what it fetched (store/hub.py's --delete-source)."""
+
 
 def _stat_fingerprint(paths: list[Path], extra: bytes = b"") -> str:
     h = hashlib.sha256(extra)

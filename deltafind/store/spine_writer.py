@@ -7,6 +7,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -20,8 +21,12 @@ _DTYPE_CODES = {
 }
 
 
-def write_safetensors(path: Path, tensors: dict[str, TensorInfo], load: Callable[[str], torch.Tensor]) -> str:
-    """Write `tensors` (metadata known up front) to `path`; return the file's sha256."""
+def write_safetensors(path: Path, tensors: dict[str, TensorInfo], load: Callable[[str], torch.Tensor], resume: bool = False) -> str:
+    """Write `tensors` (metadata known up front) to `path`; return the file's sha256.
+
+    `resume`: keep the whole tensors an interrupted write of the same header left in `path`
+    and load only the rest (a streaming install fetches each tensor over the network).
+    """
     meta = {"format": "pt", "writer": "deltafind"}
     quants = {name: info.quant for name, info in tensors.items() if info.quant}
     if quants:
@@ -35,12 +40,14 @@ def write_safetensors(path: Path, tensors: dict[str, TensorInfo], load: Callable
         offset += info.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
+    head = len(raw).to_bytes(8, "little") + raw
     h = hashlib.sha256()
-    with open(path, "wb") as f:
-        for chunk in (len(raw).to_bytes(8, "little"), raw):
-            f.write(chunk)
-            h.update(chunk)
-        for name in names:
+    kept = _resumable(path, head, [tensors[n].nbytes for n in names], h) if resume else -1
+    with open(path, "ab" if kept >= 0 else "wb") as f:
+        if kept < 0:
+            f.write(head)
+            h.update(head)
+        for name in names[max(kept, 0):]:
             t = load(name).to(tensors[name].dtype).contiguous()
             if tuple(t.shape) != tensors[name].shape:
                 raise ValueError(f"tensor {name}: shape {tuple(t.shape)} differs from its metadata {tensors[name].shape}")
@@ -50,3 +57,26 @@ def write_safetensors(path: Path, tensors: dict[str, TensorInfo], load: Callable
         f.flush()
         os.fsync(f.fileno())
     return h.hexdigest()
+
+
+def _resumable(path: Path, head: bytes, sizes: list[int], h: Any) -> int:
+    """How many whole tensors `path` holds after `head` (-1: none reusable); hashes and keeps exactly those."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(len(head)) != head:
+                return -1
+            have, keep, count = os.fstat(f.fileno()).st_size - len(head), len(head), 0
+            for size in sizes:
+                if have < size:
+                    break
+                have, keep, count = have - size, keep + size, count + 1
+            f.seek(0)
+            left = keep
+            while left:
+                chunk = f.read(min(left, 1 << 24))
+                h.update(chunk)
+                left -= len(chunk)
+    except FileNotFoundError:
+        return -1
+    os.truncate(path, keep)
+    return count

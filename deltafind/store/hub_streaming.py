@@ -1,0 +1,256 @@
+"""`setup --streaming` and `setup --fill`: a store that serves before its experts are on disk.
+
+A streaming install writes the spine, tokenizer, config and manifest, every
+dense slice, and for every routed expert a record whose place in the packs is
+reserved (sparse) and whose bytes stay in the hub's shards, mapped in
+`remote.json`; store/remote_experts.py fetches them on first use. `fill_store`
+fetches the rest, checks each shard against the sha256 the hub publishes
+(rebuilt from the store's bytes: a bad expert is found and refetched), and
+turns the store into an ordinary one.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from deltafind.errors import StoreError
+from deltafind.store.hub import HubSource
+from deltafind.store.manifest import (
+    MANIFEST_NAME,
+    SPINE_NAME,
+    TOKENIZER_DIR,
+    ExpertRecord,
+    Manifest,
+    TensorEntry,
+    align_up,
+    pack_name,
+    write_json_atomic,
+)
+from deltafind.store.reader import record_tensors
+from deltafind.store.remote_experts import PRESENT_NAME, REMOTE_NAME, RemoteExperts
+from deltafind.store.setup import (
+    JOURNAL_NAME,
+    TENSOR_ALIGN,
+    _inside,
+    _iter_expert_groups,
+    _Journal,
+    _open_packs,
+    expert_record_bytes,
+    plan_tensors,
+)
+from deltafind.store.sources import TensorInfo
+from deltafind.store.spine_writer import write_safetensors
+
+READ_CHUNK = 16 << 20
+
+
+def record_layout(infos: dict[str, TensorInfo]) -> tuple[int, list[TensorEntry]]:
+    """Where `expert_record_bytes` puts each tensor, from metadata alone (its order, TENSOR_ALIGN gaps)."""
+    entries, offset = [], 0
+    for name in _record_order(tuple(infos)):
+        info = infos[name]
+        offset = align_up(offset, TENSOR_ALIGN)
+        entries.append(TensorEntry(name, str(info.dtype).removeprefix("torch."), info.shape, offset, info.nbytes))
+        offset += info.nbytes
+    return offset, entries
+
+
+@functools.cache
+def _record_order(parts: tuple[str, ...]) -> tuple[str, ...]:
+    """The order `expert_record_bytes` lays these parts out in, asked of it with one-byte stand-ins."""
+    _, entries = expert_record_bytes({p: torch.zeros(1, dtype=torch.uint8) for p in parts})
+    return tuple(e.name for e in entries)
+
+
+def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | None = None, dense_slices: int = 8, progress: bool = True,
+                    **plan_options: Any) -> Manifest:
+    """Write a streaming store of `source` (a hub checkpoint) into `store_dir`; `plan_options` go to
+    `plan_tensors` as setup_store passes them."""
+    if not isinstance(source, HubSource) or not source.streaming:
+        raise StoreError("--streaming installs from a hub: give --from ORG/NAME[@REVISION] (not --demo, --synthetic or a local path)")
+    store_dir = Path(store_dir)
+    drive_dirs = [Path(d) for d in drives] if drives else [store_dir / "drive0"]
+    drive_strs = [os.path.relpath(d.resolve(), store_dir.resolve()) if _inside(d, store_dir) else str(d.resolve()) for d in drive_dirs]
+    params = {"fingerprint": source.fingerprint(), "source": str(source.path), "drives": drive_strs, "dense_slices": dense_slices, "streaming": True}
+    if (store_dir / MANIFEST_NAME).exists():
+        existing = Manifest.load(store_dir)
+        if {k: existing.source.get(k) for k in params} == params:
+            return existing
+        raise StoreError(f"{store_dir}: already holds a different store (from {existing.source.get('source')}); choose another --store or delete that folder first")
+    store_dir.mkdir(parents=True, exist_ok=True)
+    plan = plan_tensors(source.tensors, **plan_options)
+    journal = _Journal(store_dir / JOURNAL_NAME)  # a rerun after an interruption keeps the store id and the spine so far
+    header, _ = journal.read()
+    if header is not None and header.get("params") != params:
+        raise StoreError(f"{store_dir}: holds an interrupted setup of a different source ({header.get('params', {}).get('source')}); "
+                         "resume it with the same --from/--drive/--dense-slices, or delete the folder")
+    if header is None:
+        header = {"params": params, "store_id": uuid.uuid4().hex}
+        journal.start(header)
+    store_id = header["store_id"]
+    tmp = store_dir / (SPINE_NAME + ".tmp")
+    spine = {n: source.tensors[n] for n in plan.spine}
+    with tqdm(total=sum(i.nbytes for i in spine.values()), unit="B", unit_scale=True, unit_divisor=1024, desc="spine",
+              disable=not progress, mininterval=1.0) as bar:
+        def load(name: str) -> Any:
+            t = source.load(name)
+            bar.update(spine[name].nbytes)
+            return t
+
+        spine_sha = write_safetensors(tmp, spine, load, resume=True)
+    os.replace(tmp, store_dir / SPINE_NAME)
+
+    records, remote = [], []
+    packs = _open_packs(drive_dirs, store_id, [])
+    try:
+        groups = list(_iter_expert_groups(source, plan, dense_slices))
+        for i, (layer, expert, load) in enumerate(tqdm(groups, unit="expert", desc="records", disable=not progress)):
+            drive = i % len(drive_dirs)
+            f, end = packs[drive]
+            names = plan.routed.get((layer, expert))
+            if names is not None:  # routed: its place is reserved, its bytes stay on the hub
+                length, entries = record_layout({p: source.tensors[n] for p, n in names.items()})
+                rec = ExpertRecord(layer, expert, drive, end, length, "", tuple(entries), None)
+                spans = [source.remote[names[e.name]] for e in entries]
+                remote.append([layer, expert, [[t.file, t.start, t.end] for t in spans]])
+            else:  # a dense slice: every token reads it, so it is fetched now
+                payload, entries = expert_record_bytes(load())
+                length = len(payload)
+                f.seek(end)
+                f.write(payload)
+                rec = ExpertRecord(layer, expert, drive, end, length, hashlib.sha256(payload).hexdigest(), tuple(entries),
+                                   _xxh3(payload))
+            records.append(rec)
+            packs[drive] = (f, end + align_up(length))
+        for f, end in packs:
+            f.truncate(end)  # sparse: a record takes disk once its bytes arrive
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        for f, _ in packs:
+            f.close()
+
+    tokenizer_files = source.write_tokenizer(store_dir / TOKENIZER_DIR)
+    (store_dir / "config.json").write_text(json.dumps(source.config, indent=1))
+    spine_remote = [[source.remote[n].file, source.remote[n].start, source.remote[n].end, n] for n in plan.spine]
+    files = {f: {"size": source.repo.files[f].size, "sha256": source.repo.files[f].sha256} for f in source.shards}
+    write_json_atomic(store_dir / REMOTE_NAME, {
+        "repo_id": source.repo.repo_id, "commit": source.repo.commit, "endpoint": source.repo.endpoint,
+        "files": files, "spine": spine_remote, "experts": remote,
+    })
+    (store_dir / PRESENT_NAME).touch()
+    manifest = Manifest(
+        store_id=store_id, family=str(source.config.get("model_type")), model_config=source.config, drives=drive_strs,
+        dense_slices=dense_slices, source={**params, "remote": REMOTE_NAME}, spine_sha256=spine_sha,
+        tokenizer_files=tokenizer_files, experts=sorted(records, key=lambda r: r.key),
+    )
+    manifest.save(store_dir)
+    journal.path.unlink(missing_ok=True)
+    return manifest
+
+
+def _xxh3(data: bytes) -> str:
+    import xxhash
+
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def open_fetcher(store_dir: Path, manifest: Manifest) -> RemoteExperts:
+    paths = [d / pack_name(i, manifest.pack_generation) for i, d in enumerate(manifest.drive_paths(store_dir))]
+    return RemoteExperts(store_dir, manifest, paths, record_tensors)
+
+
+def fill_store(store_dir: Path, progress: bool = True) -> Manifest:
+    """Fetch every missing expert, verify each shard against the hub's sha256, make the store ordinary."""
+    store_dir = Path(store_dir)
+    manifest = Manifest.load(store_dir)
+    if not manifest.source.get("remote"):
+        return manifest  # already complete
+    fetcher = open_fetcher(store_dir, manifest)
+    try:
+        missing = fetcher.missing()
+        total = sum(fetcher.records[k].length for k in missing)
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="fill", disable=not progress) as bar:
+            errors = fetcher.fetch_all(missing, progress=bar)
+        if errors:
+            raise StoreError(f"{store_dir}: {len(errors)} expert(s) could not be fetched, first: {errors[0]}; run `deltafind setup --fill` again to retry")
+        for file, meta in fetcher.meta["files"].items():
+            _verify_shard(store_dir, manifest, fetcher, file, meta)
+        records = [fetcher.present[r.key] for r in manifest.experts]
+    finally:
+        fetcher.close()
+    manifest.experts = records
+    manifest.source = {k: v for k, v in manifest.source.items() if k != "remote"}
+    manifest.save(store_dir)
+    for name in (REMOTE_NAME, PRESENT_NAME):
+        (store_dir / name).unlink(missing_ok=True)
+    return manifest
+
+
+def _verify_shard(store_dir: Path, manifest: Manifest, fetcher: RemoteExperts, file: str, meta: dict[str, Any]) -> None:
+    """Rebuild `file` from the store (the hub for what the store leaves out) and check its sha256;
+    on a mismatch refetch the shard's experts once and check again."""
+    if not meta.get("sha256"):
+        return
+    keys = [k for k, parts in fetcher.parts.items() if parts[0].file == file]
+    if not keys:
+        return
+    for attempt in range(2):
+        got = _shard_sha256(store_dir, manifest, fetcher, file, meta["size"])
+        if got == meta["sha256"]:
+            return
+        if attempt == 0:
+            fetcher.fetch_all(keys, force=True)
+    raise StoreError(f"{fetcher.client.url(file)}: the store's bytes of this shard do not match the sha256 the hub publishes, even after refetching its experts; run `deltafind setup --fill` again, or re-install")
+
+
+def _shard_sha256(store_dir: Path, manifest: Manifest, fetcher: RemoteExperts, file: str, size: int) -> str:
+    """sha256 of `file` as the store holds it: experts from the packs, spine tensors from the spine,
+    everything else (header, tensors the store leaves out) by range from the hub."""
+    pieces: list[tuple[int, int, Any]] = []  # (start, end, read() -> bytes)
+    packs = [d / pack_name(i, manifest.pack_generation) for i, d in enumerate(manifest.drive_paths(store_dir))]
+    for key, parts in fetcher.parts.items():
+        rec = fetcher.present[key]
+        for entry, p in zip(rec.tensors, parts, strict=True):
+            if p.file == file:
+                pieces.append((p.start, p.end, lambda rec=rec, entry=entry: _pread(packs[rec.drive], rec.offset + entry.offset, entry.nbytes)))
+    spine = store_dir / SPINE_NAME
+    base, local = read_local_header(spine)
+    for f, start, end, name in fetcher.meta["spine"]:
+        if f == file and name in local and local[name][1] - local[name][0] == end - start:
+            a, b = local[name]
+            pieces.append((start, end, lambda a=a, b=b: _pread(spine, base + a, b - a)))
+    pieces.sort(key=lambda x: x[0])
+    h, pos = hashlib.sha256(), 0
+    for start, end, read in [*pieces, (size, size, lambda: b"")]:
+        while pos < start:  # bytes the store does not hold
+            n = min(start - pos, READ_CHUNK)
+            h.update(fetcher.client.get(file, pos, pos + n))
+            pos += n
+        h.update(read())
+        pos = max(pos, end)
+    return h.hexdigest()
+
+
+def read_local_header(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:
+    with open(path, "rb") as f:
+        hlen = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(hlen))
+    return 8 + hlen, {n: tuple(m["data_offsets"]) for n, m in header.items() if n != "__metadata__"}
+
+
+def _pread(path: Path, offset: int, n: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(n)
+
+
