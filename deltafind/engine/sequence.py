@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from deltafind.engine import constraint as constraints  # constraint hook (agents branch)
+from deltafind.engine.constraint import ConstraintFactory  # constraint hook (agents branch)
 from deltafind.engine.sampler import SamplingParams, make_generator, make_sampler
 from deltafind.errors import RequestError
 from deltafind.models.ops.batch import SequenceCache
@@ -39,6 +41,7 @@ class GenRequest:
     frequency_penalty: float = 0.0
     request_id: str = ""
     chat: bool = False  # a chat turn: raw-only drafts (cross-tokenizer, spec 7.7) stay off
+    constraint: ConstraintFactory | None = field(default=None, compare=False)  # constraint hook (agents branch)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -140,6 +143,7 @@ class Sequence:
         self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
         self.max_new = min(p.max_new_tokens, max(0, max_len - self.num_prompt))
         self.finished: str | None = None
+        self.constraint = req.constraint() if req.constraint is not None else None  # constraint hook (agents branch)
 
     @property
     def num_generated(self) -> int:
@@ -164,6 +168,14 @@ class Sequence:
             n = torch.tensor(list(counts.values()), dtype=scores.dtype, device=scores.device)
             scores = scores.clone()
             scores[ids] -= req.presence_penalty + req.frequency_penalty * n
+        if self.constraint is not None:  # constraint hook (agents branch): the mask after `after` (drafts)
+            took = 0  # constraint hook (agents branch)
+            for t in after:  # constraint hook (agents branch)
+                if not self.constraint.advance(t):  # constraint hook (agents branch): a forbidden draft
+                    break  # constraint hook (agents branch): rejected at its own row; this row is moot
+                took += 1  # constraint hook (agents branch)
+            scores = constraints.apply(scores, self.constraint)  # constraint hook (agents branch)
+            self.constraint.rollback(took)  # constraint hook (agents branch)
         return scores
 
     def record(self, token: int, logits: torch.Tensor) -> TokenEvent:
@@ -180,8 +192,12 @@ class Sequence:
             event = TokenEvent(token, float(lp[token]), top)
         self.tokens.append(token)
         self.counts[token] += 1
-        if token in self.stop_ids:
+        if self.constraint is not None and not self.constraint.advance(token):  # constraint hook (agents branch)
+            self.finished = "error"  # constraint hook (agents branch): a token the mask forbade got through
+        elif token in self.stop_ids:
             self.finished = "stop"
+        elif self.constraint is not None and self.constraint.done:  # constraint hook (agents branch)
+            self.finished = "stop"  # constraint hook (agents branch)
         elif self.num_generated >= self.max_new:
             self.finished = "length"
         return event

@@ -1,0 +1,120 @@
+"""From a chat request to what the engine and the answer need: prompt ids, constraint, output parser.
+
+Owns the per-request decisions of tool calling, reasoning and structured output:
+which tool format the model speaks (server/tools.py), whether it thinks
+(`reasoning_effort`, `chat_template_kwargs`), the grammar that enforces a
+`response_format` or a required/named call (server/structured.py) and the
+`OutputParser` (server/output.py) each choice's text goes through. Shared by
+/v1/chat/completions, /v1/responses and /v1/messages, which map onto OpenAI chat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from deltafind.engine.constraint import ConstraintFactory
+from deltafind.errors import DeltafindError
+from deltafind.server.errors import bad_request
+from deltafind.server.output import OutputParser
+from deltafind.server.structured import Grammar, json_schema_grammar, response_format_schema
+from deltafind.server.tools import (
+    ToolFormat,
+    call_grammar,
+    check_tool_choice,
+    check_tools,
+    pick_format,
+    template_messages,
+)
+
+K3_THINK = ("<|open|>think<|sep|>", "<|close|>think<|sep|>")
+K3_STRIP = ("<|open|>response<|sep|>", "<|close|>response<|sep|>", "<|close|>message<|sep|>", "<|end_of_msg|>")
+THINK = ("<think>", "</think>")
+# OpenAI reasoning_effort -> K3 thinking_effort (K3 takes low, high, max: `medium` rounds up to high).
+K3_EFFORT = {"low": "low", "medium": "high", "high": "high", "max": "max"}
+
+
+@dataclass
+class ChatPlan:
+    prompt_ids: list[int]
+    constraint: ConstraintFactory | None
+    make_parser: Callable[[], OutputParser] | None
+    tool_choice: str
+
+
+def _thinking(body: Any, kwargs: dict[str, Any], k3: bool) -> tuple[bool, str | None]:
+    """(thinking on, K3 effort) from reasoning_effort and chat_template_kwargs (enable_thinking / thinking)."""
+    on = True
+    for key in ("enable_thinking", "thinking"):
+        if key in kwargs:
+            if not isinstance(kwargs[key], bool):
+                raise bad_request(f"chat_template_kwargs.{key}: must be true or false", f"chat_template_kwargs.{key}", "invalid_value")
+            on = kwargs[key]
+    effort = kwargs.get("thinking_effort", "max") if k3 else None
+    if body.reasoning_effort in ("none", "minimal"):
+        on = False
+    elif body.reasoning_effort is not None and k3:
+        effort = K3_EFFORT[body.reasoning_effort]
+    return on, effort
+
+
+def plan_chat(tokenizer: Any, body: Any, messages: list[dict[str, Any]]) -> ChatPlan:
+    """Render `messages` with the request's tools, reasoning and response format; build the constraint."""
+    tools = check_tools(body.tools)
+    mode, forced = check_tool_choice(body.tool_choice, tools)
+    schema, field = response_format_schema(body.response_format or {})
+    if schema is not None and mode == "required":
+        raise bad_request("response_format: cannot be combined with a required or named tool_choice", "response_format",
+                          "invalid_value")
+    kwargs = dict(body.chat_template_kwargs or {})
+    k3 = hasattr(tokenizer, "chat_segments")
+    thinking, effort = _thinking(body, kwargs, k3)
+    constrained = schema is not None or mode == "required"
+    if constrained:
+        thinking = False  # the grammar starts at the answer: a thought first would be forced into it
+    fmt, native = pick_format(tokenizer)
+    use = [t for t in tools if forced is None or t.name == forced] if mode != "none" else []
+    parallel = body.parallel_tool_calls is not False and forced is None
+    try:
+        if k3:
+            tc = {"required": "required", "none": "none"}.get(mode) if tools else None
+            ids = tokenizer.apply_chat_template(
+                messages, tools=[t.raw for t in tools] or None, tool_choice=tc, response_format=body.response_format,
+                thinking=thinking, thinking_effort=effort if thinking else None)
+            prompt_text = ""
+        else:
+            msgs = template_messages(messages, fmt, native, use)
+            extra = {k: v for k, v in kwargs.items() if k not in ("enable_thinking", "thinking")}
+            extra.update(enable_thinking=thinking, thinking=thinking)
+            tpl_tools = [t.raw for t in use] if native and use else None
+            prompt_text = tokenizer.render_chat(msgs, tools=tpl_tools, **extra)
+            ids = tokenizer.apply_chat_template(msgs, tools=tpl_tools, **extra)
+    except DeltafindError as e:  # the template refused the conversation
+        raise bad_request(str(e), "messages", "invalid_messages") from None
+    except Exception as e:  # a jinja template raising on this conversation
+        raise bad_request(f"the model's chat template rejected these messages: {e}", "messages", "invalid_messages") from None
+    constraint = None
+    if mode == "required":
+        # K3 answers in the response channel (thinking is off): close it, then the tools section.
+        prefix = f'<[{tokenizer.token_to_id("<|close|>")}]> "response" <[{tokenizer.token_to_id("<|sep|>")}]>' if k3 else ""
+        grammar = call_grammar(fmt, tokenizer, use, parallel, prefix)
+        constraint = Grammar(tokenizer, grammar, "tools").factory()
+    elif schema is not None:
+        grammar = json_schema_grammar(schema, field)
+        constraint = Grammar(tokenizer, grammar, field).factory()
+    think = None
+    in_think = False
+    if k3:
+        think, in_think = K3_THINK, thinking
+    elif THINK[1] in tokenizer.chat_template_source:
+        think = THINK
+        tail = prompt_text.rstrip()
+        in_think = tail.rfind(THINK[0]) > tail.rfind(THINK[1])
+    parse_tools: ToolFormat | None = fmt if use else None
+    strip = K3_STRIP if k3 else ()
+    make_parser = None
+    if parse_tools is not None or think is not None or k3:
+        def make_parser() -> OutputParser:
+            return OutputParser(parse_tools, think, in_think, strip)
+    return ChatPlan(ids, constraint, make_parser, mode)
