@@ -59,8 +59,11 @@ def _thinking(body: Any, kwargs: dict[str, Any], k3: bool) -> tuple[bool, str | 
     return on, effort
 
 
-def plan_chat(tokenizer: Any, body: Any, messages: list[dict[str, Any]]) -> ChatPlan:
-    """Render `messages` with the request's tools, reasoning and response format; build the constraint."""
+def plan_chat(tokenizer: Any, body: Any, messages: list[dict[str, Any]], always_parse: bool = False) -> ChatPlan:
+    """Render `messages` with the request's tools, reasoning and response format; build the constraint.
+
+    `always_parse`: a parser even for plain text (the item-shaped APIs read every answer through one).
+    """
     tools = check_tools(body.tools)
     mode, forced = check_tool_choice(body.tool_choice, tools)
     schema, field = response_format_schema(body.response_format or {})
@@ -74,7 +77,9 @@ def plan_chat(tokenizer: Any, body: Any, messages: list[dict[str, Any]]) -> Chat
     if constrained:
         thinking = False  # the grammar starts at the answer: a thought first would be forced into it
     fmt, native = pick_format(tokenizer)
-    use = [t for t in tools if forced is None or t.name == forced] if mode != "none" else []
+    # Every tool is rendered whatever tool_choice says, so an agent's turns share one prompt prefix;
+    # `use` is what the grammar may call.
+    use = [t for t in tools if forced is None or t.name == forced]
     parallel = body.parallel_tool_calls is not False and forced is None
     try:
         if k3:
@@ -84,10 +89,10 @@ def plan_chat(tokenizer: Any, body: Any, messages: list[dict[str, Any]]) -> Chat
                 thinking=thinking, thinking_effort=effort if thinking else None)
             prompt_text = ""
         else:
-            msgs = template_messages(messages, fmt, native, use)
+            msgs = template_messages(messages, fmt, native, tools)
             extra = {k: v for k, v in kwargs.items() if k not in ("enable_thinking", "thinking")}
             extra.update(enable_thinking=thinking, thinking=thinking)
-            tpl_tools = [t.raw for t in use] if native and use else None
+            tpl_tools = [t.raw for t in tools] if native and tools else None
             prompt_text = tokenizer.render_chat(msgs, tools=tpl_tools, **extra)
             ids = tokenizer.apply_chat_template(msgs, tools=tpl_tools, **extra)
     except DeltafindError as e:  # the template refused the conversation
@@ -98,6 +103,8 @@ def plan_chat(tokenizer: Any, body: Any, messages: list[dict[str, Any]]) -> Chat
     if mode == "required":
         # K3 answers in the response channel (thinking is off): close it, then the tools section.
         prefix = f'<[{tokenizer.token_to_id("<|close|>")}]> "response" <[{tokenizer.token_to_id("<|sep|>")}]>' if k3 else ""
+        for t in use:  # each schema on its own first, so a 400 names the tool whose schema is unusable
+            Grammar(tokenizer, json_schema_grammar(t.parameters, t.field), t.field)
         grammar = call_grammar(fmt, tokenizer, use, parallel, prefix)
         constraint = Grammar(tokenizer, grammar, "tools").factory()
     elif schema is not None:
@@ -111,10 +118,10 @@ def plan_chat(tokenizer: Any, body: Any, messages: list[dict[str, Any]]) -> Chat
         think = THINK
         tail = prompt_text.rstrip()
         in_think = tail.rfind(THINK[0]) > tail.rfind(THINK[1])
-    parse_tools: ToolFormat | None = fmt if use else None
+    parse_tools: ToolFormat | None = fmt if tools else None
     strip = K3_STRIP if k3 else ()
     make_parser = None
-    if parse_tools is not None or think is not None or k3:
+    if parse_tools is not None or think is not None or k3 or always_parse:
         def make_parser() -> OutputParser:
             return OutputParser(parse_tools, think, in_think, strip)
     return ChatPlan(ids, constraint, make_parser, mode)

@@ -59,7 +59,33 @@ class Generate:
         if body.model != engine.model_name:
             raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{engine.model_name}` (GET /v1/models)",
                            "model", "model_not_found")
-        plan = plan_chat(engine.tokenizer, body, chat_messages(body)) if isinstance(body, ChatRequest) else None
+        choices, mux, prompt_tokens, want_lp = self.submit(engine, body)
+        meta = {"id": ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
+                "model": engine.model_name}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            resp.content_type = "text/event-stream"
+            resp.set_header("Cache-Control", "no-cache")
+            resp.set_header("X-Accel-Buffering", "no")
+            resp.stream = self._sse(choices, mux, meta, prompt_tokens, include_usage, want_lp is not None, engine)
+            return
+        try:
+            for _ in self._events(choices, mux, keepalive=None):
+                pass
+        finally:
+            for c in choices:
+                c.handle.cancel()
+        failed = next((c for c in choices if c.finish_reason == "error"), None)
+        if failed is not None:
+            raise ApiError(500, failed.error or "generation failed", None, "engine_error")
+        self.state.metrics.count_completion(sum(c.completion_tokens for c in choices))
+        resp.media = self._response(choices, meta, prompt_tokens, want_lp is not None, engine)
+
+    def submit(self, engine: Any, body: ChatRequest | CompletionRequest,
+               always_parse: bool = False) -> tuple[list[Choice], queue.Queue, int, int | None]:
+        """Build and submit a request's sequences: (choices, their event queue, prompt tokens, logprobs wanted)."""
+        cfg = self.state.config
+        plan = plan_chat(engine.tokenizer, body, chat_messages(body), always_parse) if isinstance(body, ChatRequest) else None
         prompts = [plan.prompt_ids] if plan is not None else self._prompts(engine, body)
         constraint = plan.constraint if plan is not None else completion_constraint(engine.tokenizer, body)
         max_context = min(cfg.max_context or engine.context_length, engine.context_length)
@@ -88,27 +114,8 @@ class Generate:
         choices = [Choice(k, h, engine.tokenizer, body.stops, parser=make_parser() if make_parser else None)
                    for k, h in enumerate(handles)]
         prompt_tokens = sum(len(ids) for ids in prompts)
-        meta = {"id": ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
-                "model": engine.model_name}
         self.state.metrics.count_prompt(prompt_tokens)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            resp.content_type = "text/event-stream"
-            resp.set_header("Cache-Control", "no-cache")
-            resp.set_header("X-Accel-Buffering", "no")
-            resp.stream = self._sse(choices, mux, meta, prompt_tokens, include_usage, want_lp is not None, engine)
-            return
-        try:
-            for _ in self._events(choices, mux, keepalive=None):
-                pass
-        finally:
-            for c in choices:
-                c.handle.cancel()
-        failed = next((c for c in choices if c.finish_reason == "error"), None)
-        if failed is not None:
-            raise ApiError(500, failed.error or "generation failed", None, "engine_error")
-        self.state.metrics.count_completion(sum(c.completion_tokens for c in choices))
-        resp.media = self._response(choices, meta, prompt_tokens, want_lp is not None, engine)
+        return choices, mux, prompt_tokens, want_lp
 
     # -- building blocks ------------------------------------------------------
 

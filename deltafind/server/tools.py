@@ -88,6 +88,11 @@ class ToolSpec:
     name: str
     parameters: dict[str, Any]
     raw: dict[str, Any]  # the tool as the client sent it (templates read it whole)
+    index: int = 0  # its place in `tools`
+
+    @property
+    def field(self) -> str:
+        return f"tools[{self.index}].function.parameters"
 
 
 def check_tools(tools: list[Any] | None) -> list[ToolSpec]:
@@ -112,7 +117,7 @@ def check_tools(tools: list[Any] | None) -> list[ToolSpec]:
             params = {**params, "additionalProperties": False}  # a forced call writes only declared arguments
         if any(t.name == name for t in out):
             raise bad_request(f"{where}.function.name: {name!r} is declared twice", f"{where}.function.name", "invalid_value")
-        out.append(ToolSpec(name, params, tool))
+        out.append(ToolSpec(name, params, tool, i))
     return out
 
 
