@@ -50,7 +50,7 @@ class GrammarConstraint:
 
     def allowed(self) -> torch.Tensor | None:
         bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
-        return torch.from_numpy(np.unpackbits(bits, bitorder="little")[: self._n].astype(bool))
+        return torch.from_numpy(np.unpackbits(bits, count=self._n, bitorder="little").view(np.bool_))
 
     def advance(self, token: int) -> bool:
         if self._m.is_stopped() or self._m.is_error():
