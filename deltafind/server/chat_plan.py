@@ -20,6 +20,7 @@ from deltafind.server.errors import bad_request
 from deltafind.server.output import OutputParser
 from deltafind.server.structured import Grammar, json_schema_grammar, response_format_schema
 from deltafind.server.tools import (
+    LLAMA3,
     ToolFormat,
     call_grammar,
     check_tool_choice,
@@ -100,16 +101,18 @@ def plan_chat(tokenizer: Any, body: Any, messages: list[dict[str, Any]], always_
     except Exception as e:  # a jinja template raising on this conversation
         raise bad_request(f"the model's chat template rejected these messages: {e}", "messages", "invalid_messages") from None
     constraint = None
+    if mode != "none" and schema is None:
+        for t in use:  # each schema on its own first, so a 400 names the tool whose schema is unusable
+            Grammar(tokenizer, json_schema_grammar(t.parameters, t.field), t.field)
     if mode == "required":
         # K3 answers in the response channel (thinking is off): close it, then the tools section.
         prefix = f'<[{tokenizer.token_to_id("<|close|>")}]> "response" <[{tokenizer.token_to_id("<|sep|>")}]>' if k3 else ""
-        for t in use:  # each schema on its own first, so a 400 names the tool whose schema is unusable
-            Grammar(tokenizer, json_schema_grammar(t.parameters, t.field), t.field)
-        grammar = call_grammar(fmt, tokenizer, use, parallel, prefix)
-        constraint = Grammar(tokenizer, grammar, "tools").factory()
+        constraint = Grammar(tokenizer, call_grammar(fmt, tokenizer, use, parallel, prefix), "tools").factory()
     elif schema is not None:
-        grammar = json_schema_grammar(schema, field)
-        constraint = Grammar(tokenizer, grammar, field).factory()
+        constraint = Grammar(tokenizer, json_schema_grammar(schema, field), field).factory()
+    elif mode == "auto" and use and fmt is not LLAMA3:  # free text, but a call once started is valid
+        grammar = Grammar(tokenizer, call_grammar(fmt, tokenizer, use, parallel), "tools")
+        constraint = grammar.triggered_factory(tokenizer, fmt.start)
     think = None
     in_think = False
     if k3:

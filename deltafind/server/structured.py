@@ -68,6 +68,51 @@ class GrammarConstraint:
         return self._m.is_stopped()
 
 
+class TriggeredConstraint:
+    """Free text until the output reaches `marker`, then `grammar` (which starts with the marker) from there:
+    a tool call under tool_choice "auto" has its arguments enforced once the model starts it."""
+
+    LOOKBACK = 8  # tokens searched back for the marker's first one
+
+    def __init__(self, vocab: llg.LLTokenizer, grammar: str, vocab_size: int, decode: Any, marker: str) -> None:
+        self._vocab, self._grammar, self._n, self._decode, self._marker = vocab, grammar, vocab_size, decode, marker
+        self._tokens: list[int] = []
+        self._start = -1  # index of the first token the grammar consumed (-1: not triggered)
+        self._inner: GrammarConstraint | None = None
+
+    def allowed(self) -> torch.Tensor | None:
+        return None if self._inner is None else self._inner.allowed()
+
+    def advance(self, token: int) -> bool:
+        if self._inner is not None:
+            if not self._inner.advance(token):
+                return False
+            self._tokens.append(token)
+            return True
+        self._tokens.append(token)
+        if self._marker in self._decode(self._tokens[-self.LOOKBACK:]):
+            for k in range(1, min(len(self._tokens), self.LOOKBACK) + 1):
+                if self._decode(self._tokens[-k:]).startswith(self._marker):
+                    inner = GrammarConstraint(self._vocab, self._grammar, self._n)
+                    if all(inner.advance(t) for t in self._tokens[-k:]):
+                        self._inner, self._start = inner, len(self._tokens) - k
+                    break  # a marker glued to text before it in one token stays free text
+        return True
+
+    def rollback(self, n: int) -> None:
+        for _ in range(n):
+            self._tokens.pop()
+            if self._inner is not None:
+                if len(self._tokens) <= self._start:
+                    self._inner, self._start = None, -1
+                else:
+                    self._inner.rollback(1)
+
+    @property
+    def done(self) -> bool:
+        return self._inner is not None and self._inner.done
+
+
 class Grammar:
     """A compiled grammar for one tokenizer; `factory()` makes a fresh constraint per sequence."""
 
@@ -81,6 +126,10 @@ class Grammar:
 
     def factory(self) -> ConstraintFactory:
         return lambda: GrammarConstraint(self.vocab, self.grammar, self.vocab_size)
+
+    def triggered_factory(self, tokenizer: Any, marker: str) -> ConstraintFactory:
+        """Constraints that let text run free until `marker`, then enforce this grammar."""
+        return lambda: TriggeredConstraint(self.vocab, self.grammar, self.vocab_size, tokenizer.decode, marker)
 
 
 def json_schema_grammar(schema: dict[str, Any] | bool, field: str) -> str:

@@ -126,3 +126,35 @@ def test_json_schema_response_format_and_bad_schemas(family: tuple[str, Tokenize
     with pytest.raises(ApiError) as e:
         plan_chat(tok, body(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]), [])
     assert e.value.param == "tools[0].function.parameters"
+
+
+def test_auto_lets_text_run_then_enforces_a_started_call(family: tuple[str, Tokenizer]) -> None:
+    name, tok = family
+    if name == "llama3":
+        pytest.skip("a Llama 3 call is the whole answer: no marker to trigger on")
+    plan = plan_chat(tok, body(tool_choice="auto"), [{"role": "user", "content": "x"}])
+    con = plan.constraint()
+    marker = {"hermes": "<tool_call>", "deepseek_v3": "<｜tool▁calls▁begin｜>", "kimi_k2": "<|tool_calls_section_begin|>",
+              "kimi_k3": "<|open|>tools<|sep|>"}[name]
+    before = ("Hmm.<|close|>think<|sep|><|open|>response<|sep|>Let me check.<|close|>response<|sep|>" if name == "kimi_k3"
+              else "Let me check. ")
+    prose = tok.encode(before, allow_special=True) + tok.encode(marker, allow_special=True)
+    for t in prose:
+        assert con.allowed() is None  # free text until the marker
+        assert con.advance(t)
+    rng = random.Random(1)
+    ids = list(prose)
+    while not con.done:
+        t = rng.choice(con.allowed().nonzero().flatten().tolist())
+        assert con.advance(t)
+        if t in tok.eos_token_ids:
+            break
+        ids.append(t)
+    parser = plan.make_parser()
+    parser.feed(tok.decode(ids))
+    parser.finish()
+    assert "".join(parser.content).strip() == "Let me check."
+    call = parser.tool_calls[0]
+    jsonschema.validate(json.loads("".join(call.arguments)), SCHEMA if call.name == "get_weather" else {"type": "object"})
+    con.rollback(len(ids) - len(prose) + len(tok.encode(marker, allow_special=True)))  # back before the marker: free again
+    assert con.allowed() is None and not con.done
