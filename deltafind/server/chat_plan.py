@@ -18,7 +18,7 @@ from deltafind.engine.constraint import ConstraintFactory
 from deltafind.errors import DeltafindError
 from deltafind.server.errors import bad_request
 from deltafind.server.output import OutputParser
-from deltafind.server.structured import Grammar, json_schema_grammar, response_format_schema
+from deltafind.server.structured import Grammar, json_schema_grammar, lark_json, response_format_schema
 from deltafind.server.tools import (
     LLAMA3,
     ToolFormat,
@@ -74,9 +74,8 @@ def plan_chat(tokenizer: Any, body: Any, messages: list[dict[str, Any]], always_
     kwargs = dict(body.chat_template_kwargs or {})
     k3 = hasattr(tokenizer, "chat_segments")
     thinking, effort = _thinking(body, kwargs, k3)
-    constrained = schema is not None or mode == "required"
-    if constrained:
-        thinking = False  # the grammar starts at the answer: a thought first would be forced into it
+    if (schema is not None or mode == "required") and not k3:
+        thinking = False  # the grammar starts at the answer (K3's grammar starts at its think channel instead)
     fmt, native = pick_format(tokenizer)
     # Every tool is rendered whatever tool_choice says, so an agent's turns share one prompt prefix;
     # `use` is what the grammar may call.
@@ -104,12 +103,15 @@ def plan_chat(tokenizer: Any, body: Any, messages: list[dict[str, Any]], always_
     if mode != "none" and schema is None:
         for t in use:  # each schema on its own first, so a 400 names the tool whose schema is unusable
             Grammar(tokenizer, json_schema_grammar(t.parameters, t.field), t.field)
+    # K3 answers after its think channel (free text; special tokens end it) in its response channel.
+    o, c, sep = (f"<[{tokenizer.token_to_id(m)}]>" for m in ("<|open|>", "<|close|>", "<|sep|>")) if k3 else ("", "", "")
+    k3_answer = f'/(?s:.*)/ {c} "think" {sep} {o} "response" {sep}' if k3 and thinking else ""
     if mode == "required":
-        # K3 answers in the response channel (thinking is off): close it, then the tools section.
-        prefix = f'<[{tokenizer.token_to_id("<|close|>")}]> "response" <[{tokenizer.token_to_id("<|sep|>")}]>' if k3 else ""
+        prefix = f'{k3_answer} /(?s:.*)/ {c} "response" {sep}' if k3 else ""
         constraint = Grammar(tokenizer, call_grammar(fmt, tokenizer, use, parallel, prefix), "tools").factory()
     elif schema is not None:
-        constraint = Grammar(tokenizer, json_schema_grammar(schema, field), field).factory()
+        grammar = f"start: {k3_answer} {lark_json(schema)}" if k3 else json_schema_grammar(schema, field)
+        constraint = Grammar(tokenizer, grammar, field).factory()
     elif mode == "auto" and use and fmt is not LLAMA3:  # free text, but a call once started is valid
         grammar = Grammar(tokenizer, call_grammar(fmt, tokenizer, use, parallel), "tools")
         constraint = grammar.triggered_factory(tokenizer, fmt.start)

@@ -72,13 +72,12 @@ class TriggeredConstraint:
     """Free text until the output reaches `marker`, then `grammar` (which starts with the marker) from there:
     a tool call under tool_choice "auto" has its arguments enforced once the model starts it."""
 
-    LOOKBACK = 8  # tokens searched back for the marker's first one
-
     def __init__(self, vocab: llg.LLTokenizer, grammar: str, vocab_size: int, decode: Any, marker: str) -> None:
         self._vocab, self._grammar, self._n, self._decode, self._marker = vocab, grammar, vocab_size, decode, marker
         self._tokens: list[int] = []
         self._start = -1  # index of the first token the grammar consumed (-1: not triggered)
         self._inner: GrammarConstraint | None = None
+        self._lookback = len(marker.encode()) + 1  # tokens searched back for the marker's first one (bytes at worst)
 
     def allowed(self) -> torch.Tensor | None:
         return None if self._inner is None else self._inner.allowed()
@@ -90,8 +89,8 @@ class TriggeredConstraint:
             self._tokens.append(token)
             return True
         self._tokens.append(token)
-        if self._marker in self._decode(self._tokens[-self.LOOKBACK:]):
-            for k in range(1, min(len(self._tokens), self.LOOKBACK) + 1):
+        if self._marker in self._decode(self._tokens[-self._lookback:]):
+            for k in range(1, min(len(self._tokens), self._lookback) + 1):
                 if self._decode(self._tokens[-k:]).startswith(self._marker):
                     inner = GrammarConstraint(self._vocab, self._grammar, self._n)
                     if all(inner.advance(t) for t in self._tokens[-k:]):

@@ -165,9 +165,11 @@ def call_grammar(fmt: ToolFormat, tokenizer: Any, tools: list[ToolSpec], paralle
         elif fmt is KIMI_K2:
             body = (f'{lit("<|tool_call_begin|>")} {lark_literal("functions." + t.name)} ":" /[0-9]+/ '
                     f'{lit("<|tool_call_argument_begin|>")} {lark_json(t.parameters)} {lit("<|tool_call_end|>")}')
-        else:  # K3: the arguments as one `json` element (spec 6.6's form for a JSON string)
+        else:  # K3: typed `argument` elements as the renderer writes them; else one `json` element (spec 6.6)
+            typed = _k3_arguments(t.parameters, k3)
+            args = typed if typed is not None else f'{k3(K3_JSON_OPEN)} {lark_json(t.parameters)} {k3(K3_JSON_CLOSE)}'
             body = (f'{k3("<|open|>call")} {lark_literal(" tool=" + chr(34) + t.name + chr(34) + " index=")} "\\"" /[1-9][0-9]*/ "\\"" '
-                    f'{k3("<|sep|>" + K3_JSON_OPEN)} {lark_json(t.parameters)} {k3(K3_JSON_CLOSE + K3_XTML.call_close)}')
+                    f'{k3("<|sep|>")} {args} {k3(K3_XTML.call_close)}')
         rules.append(f"call_{i}: {body}")
         alts.append(f"call_{i}")
     sep = ' "\\n" ' if fmt is HERMES else " "
@@ -177,6 +179,30 @@ def call_grammar(fmt: ToolFormat, tokenizer: Any, tools: list[ToolSpec], paralle
         calls = f"{open_(fmt.section_open)} {calls} {close(fmt.section_close or '')}"
     lines = [f"start: {prefix} {calls}".replace("  ", " "), "call: " + " | ".join(alts), *rules]
     return "\n".join(lines)
+
+
+def _k3_arguments(params: dict[str, Any], k3: Any) -> str | None:
+    """Lark for K3's typed `argument` elements of a flat schema, in its property order (None: not expressible,
+    e.g. a string pattern or a union type; the call then takes the `json` element)."""
+    required = set(params.get("required") or [])
+    parts = []
+    for key, sub in (params.get("properties") or {}).items():
+        if not isinstance(sub, dict) or re.search(r'[&"<>]', key):
+            return None
+        kind = sub.get("type")
+        if "enum" in sub and all(isinstance(v, str) for v in sub["enum"]) and kind in (None, "string"):
+            kind, value = "string", "(" + " | ".join(lark_literal(v) for v in sub["enum"]) + ")"
+        elif kind == "string" and not any(k in sub for k in ("pattern", "format", "const", "enum")):
+            lo, hi = int(sub.get("minLength", 0)), sub.get("maxLength")
+            value = f"/(?s:.{{{lo},{'' if hi is None else int(hi)}}})/"
+        elif kind in ("integer", "number", "boolean", "object", "array", "null"):
+            kind, value = {"integer": "number"}.get(kind, kind), lark_json(sub)
+        else:
+            return None
+        elem = (f'{k3("<|open|>argument")} {lark_literal(f" key={chr(34)}{key}{chr(34)} type={chr(34)}{kind}{chr(34)}")} '
+                f'{k3("<|sep|>")} {value} {k3("<|close|>argument<|sep|>")}')
+        parts.append(f"({elem})" + ("" if key in required else "?"))
+    return " ".join(parts) if parts else '""'
 
 
 # -- the history side ------------------------------------------------------------
