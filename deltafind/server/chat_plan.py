@@ -18,7 +18,12 @@ from deltafind.engine.constraint import ConstraintFactory
 from deltafind.errors import DeltafindError
 from deltafind.server.errors import bad_request
 from deltafind.server.output import OutputParser
-from deltafind.server.structured import Grammar, json_schema_grammar, lark_json, response_format_schema
+from deltafind.server.structured import (
+    Grammar,
+    json_schema_grammar,
+    lark_json,
+    response_format_schema,
+)
 from deltafind.server.tools import (
     LLAMA3,
     ToolFormat,
