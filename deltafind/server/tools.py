@@ -239,9 +239,13 @@ def template_messages(messages: list[dict[str, Any]], fmt: ToolFormat, native: b
         if native or fmt is not HERMES:
             out.append(m)
             continue
-        if m.get("tool_calls"):  # a template without tools: the calls become the Hermes text the model wrote
-            text = "".join(f"\n<tool_call>\n{json.dumps({'name': c['function'].get('name'), 'arguments': c['function']['arguments']}, ensure_ascii=False)}\n</tool_call>"
-                           for c in m.pop("tool_calls"))
+        if m.get("tool_calls"):  # a template without tools: the calls become the Hermes text the model wrote,
+            # with the arguments as the client sent them back (our own output, verbatim) so the tokens repeat
+            raw = [(c["function"].get("name"), (messages[i].get("tool_calls") or [])[j].get("function", {}).get("arguments"))
+                   for j, c in enumerate(m.pop("tool_calls"))]
+            text = "".join(f'\n<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+                           f'{args if isinstance(args, str) and args.strip() else json.dumps(args or {}, ensure_ascii=False)}}}\n</tool_call>'
+                           for name, args in raw)
             m["content"] = ((m.get("content") or "") + text).lstrip("\n") if m.get("content") else text.lstrip("\n")
         if m.get("role") == "tool":
             body = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
