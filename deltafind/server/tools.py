@@ -113,11 +113,29 @@ def check_tools(tools: list[Any] | None) -> list[ToolSpec]:
         if not isinstance(params, dict):
             raise bad_request(f"{where}.function.parameters: must be a JSON schema object", f"{where}.function.parameters",
                               "invalid_schema")
-        if params.get("type") == "object" and "additionalProperties" not in params:
-            params = {**params, "additionalProperties": False}  # a forced call writes only declared arguments
+        params = closed_objects(params)
         if any(t.name == name for t in out):
             raise bad_request(f"{where}.function.name: {name!r} is declared twice", f"{where}.function.name", "invalid_value")
         out.append(ToolSpec(name, params, tool, i))
+    return out
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object that lists `properties` and says nothing
+    else: a forced call writes only declared arguments (and cannot ramble on with keys of its own)."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_objects(v) if k in ("properties", "items", "anyOf", "oneOf", "allOf", "$defs", "definitions",
+                                         "prefixItems") else v for k, v in schema.items()}
+    if "properties" in out and isinstance(out["properties"], dict):
+        out["properties"] = {k: closed_objects(v) for k, v in schema["properties"].items()}
+    for key in ("$defs", "definitions"):
+        if isinstance(schema.get(key), dict):
+            out[key] = {k: closed_objects(v) for k, v in schema[key].items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
     return out
 
 

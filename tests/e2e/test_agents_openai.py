@@ -99,8 +99,8 @@ def test_parse_with_pydantic_and_json_object(client: openai.OpenAI) -> None:
                                       messages=[{"role": "user", "content": "Describe Paris as JSON."}])
     city = r.choices[0].message.parsed
     assert isinstance(city, City) and r.choices[0].finish_reason == "stop"
-    r = client.chat.completions.create(model="test-model", temperature=0, max_tokens=40, response_format={"type": "json_object"},
-                                       messages=[{"role": "user", "content": "Give me a JSON object."}])
+    r = client.chat.completions.create(model="test-model", temperature=0, max_tokens=60, response_format={"type": "json_object"},
+                                       messages=[{"role": "user", "content": "What's the weather in Paris for 3 days?"}])
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
@@ -140,12 +140,12 @@ def _schemas() -> st.SearchStrategy[dict]:
     return obj(st.one_of(leaf, obj(leaf)))
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
 @given(schema=_schemas())
 def test_required_calls_validate_against_generated_schemas(client: openai.OpenAI, schema: dict) -> None:
     tools = [{"type": "function", "function": {"name": "record", "description": "Record the data", "parameters": schema}}]
     r = client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "Record something."}],
                                        tools=tools, tool_choice="required", parallel_tool_calls=False, temperature=0,
-                                       max_tokens=300)
+                                       max_tokens=200)
     assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
     jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), schema)
