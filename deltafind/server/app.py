@@ -1,7 +1,7 @@
 """The Falcon WSGI app: routes, API keys, request ids, readiness.
 
 `create_app(state)` serves /v1/models, /v1/chat/completions, /v1/completions,
-/health and /metrics. The app starts before the model is loaded: until the
+/v1/responses, /v1/messages (Anthropic), /health and /metrics. The app starts before the model is loaded: until the
 daemon hands `state` a `ReadyEngine`, model routes answer 503 model_loading.
 Holds an engine client (submit/status) and a tokenizer, nothing deeper.
 """
@@ -25,8 +25,10 @@ from deltafind.server import errors
 from deltafind.server import metrics as prom
 from deltafind.server.choices import Pace
 from deltafind.server.errors import ApiError
+from deltafind.server.messages import Messages
 from deltafind.server.metrics import ServerMetrics
 from deltafind.server.openai import Generate
+from deltafind.server.responses import Responses
 
 log = get_logger(__name__)
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
@@ -177,4 +179,6 @@ def create_app(state: AppState) -> falcon.App:
     app.add_route("/v1/models/{model}", models, suffix="one")
     app.add_route("/v1/chat/completions", Generate(state, chat=True))
     app.add_route("/v1/completions", Generate(state, chat=False))
+    app.add_route("/v1/responses", Responses(state))
+    app.add_route("/v1/messages", Messages(state))
     return app

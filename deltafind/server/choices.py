@@ -40,10 +40,26 @@ class Choice:
     completion_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    parser: Any = None  # server/output.OutputParser: reasoning and tool calls out of a chat answer
+    deltas: list[Any] = field(default_factory=list)  # the parser's output not yet sent
 
     def __post_init__(self) -> None:
-        self.decoder = self.tokenizer.decoder(skip_special_tokens=True)
+        # A parser reads the markup (special tokens kept); the end-of-turn token is never text.
+        self.decoder = self.tokenizer.decoder(skip_special_tokens=self.parser is None)
         self.matcher = StopMatcher(self.stops)
+        self._eos = set(self.tokenizer.eos_token_ids) if self.parser is not None else set()
+
+    def _parse(self, text: str, final: bool = False) -> None:
+        if self.parser is not None:
+            self.deltas += self.parser.feed(text)
+            if final:
+                self.deltas += self.parser.finish()
+                if self.parser.tool_calls and self.finish_reason == "stop":
+                    self.finish_reason = "tool_calls"
+
+    def take_deltas(self) -> list[Any]:
+        out, self.deltas = self.deltas, []
+        return out
 
     def on_event(self, event: Event) -> tuple[str, list[tuple[int, float, tuple]]]:
         """Feed one engine event; returns (text to send now, logprob entries to send now)."""
@@ -51,11 +67,13 @@ class Choice:
             if self.finish_reason is not None:  # stopped by a stop string; the cancel is on its way
                 return "", []
             entries = [] if event.logprob is None else [(event.token_id, event.logprob, event.top)]
-            out, hit = self.matcher.push(self.decoder.push(event.token_id))
+            piece = "" if event.token_id in self._eos else self.decoder.push(event.token_id)
+            out, hit = self.matcher.push(piece)
             if hit:
                 self.finish_reason = "stop"
                 self.handle.cancel()
             self.text.append(out)
+            self._parse(out, final=hit)
             self.logprobs.extend(entries)
             return out, entries
         assert isinstance(event, FinishEvent)
@@ -71,6 +89,7 @@ class Choice:
         out += self.matcher.flush()
         self.finish_reason = "stop" if hit else FINISH.get(event.reason, "length")
         self.text.append(out)
+        self._parse(out, final=True)
         return out, []
 
 

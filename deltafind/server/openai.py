@@ -22,10 +22,17 @@ import structlog
 
 from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.sequence import FinishEvent, GenRequest
-from deltafind.errors import DeltafindError, RequestError, StoreError
+from deltafind.errors import RequestError
 from deltafind.log import get_logger
+from deltafind.server.chat_plan import plan_chat
 from deltafind.server.choices import Choice, chat_logprobs, completion_logprobs, submit_all, usage
 from deltafind.server.errors import ApiError, bad_request
+from deltafind.server.replies import (
+    chat_message,
+    chat_messages,
+    chunk_deltas,
+    completion_constraint,
+)
 from deltafind.server.schemas import ChatRequest, CompletionRequest, parse_body
 
 log = get_logger(__name__)
@@ -85,33 +92,9 @@ class Generate:
         if body.model != engine.model_name:
             raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{engine.model_name}` (GET /v1/models)",
                            "model", "model_not_found")
-        prompts = self._prompts(engine, body)
-        max_context = min(cfg.max_context or engine.context_length, engine.context_length)
-        gen = []
-        n = body.n or 1
-        want_lp: int | None = None
-        if isinstance(body, ChatRequest) and body.logprobs:
-            want_lp = body.top_logprobs or 0
-        elif isinstance(body, CompletionRequest) and body.logprobs is not None:
-            want_lp = body.logprobs
-        for ids in prompts:
-            max_new = self._max_new(body, len(ids), max_context, cfg.max_tokens_default)
-            for i in range(n):
-                seed = None if body.seed is None else body.seed + i
-                try:
-                    params = SamplingParams(max_new, 1.0 if body.temperature is None else body.temperature,
-                                            1.0 if body.top_p is None else body.top_p, 0, seed)
-                    gen.append(GenRequest(tuple(ids), params, want_lp, body.presence_penalty or 0.0,
-                                          body.frequency_penalty or 0.0, self.state.request_id(), chat=self.chat))
-                except RequestError as e:
-                    raise bad_request(str(e), e.param, "invalid_value") from None
-        mux: queue.Queue = queue.Queue()
-        handles = submit_all(engine.client, gen, mux, self.state.pace)
-        choices = [Choice(k, h, engine.tokenizer, body.stops) for k, h in enumerate(handles)]
-        prompt_tokens = sum(len(ids) for ids in prompts)
+        choices, mux, prompt_tokens, want_lp = self.submit(engine, body)
         meta = {"id": ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
                 "model": engine.model_name}
-        self.state.metrics.count_prompt(prompt_tokens)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             resp.content_type = "text/event-stream"
@@ -141,21 +124,46 @@ class Generate:
         self.state.metrics.count_completion(sum(c.completion_tokens for c in choices))
         resp.media = self._response(choices, meta, prompt_tokens, want_lp is not None, engine)
 
+    def submit(self, engine: Any, body: ChatRequest | CompletionRequest,
+               always_parse: bool = False) -> tuple[list[Choice], queue.Queue, int, int | None]:
+        """Build and submit a request's sequences: (choices, their event queue, prompt tokens, logprobs wanted)."""
+        cfg = self.state.config
+        plan = plan_chat(engine.tokenizer, body, chat_messages(body), always_parse) if isinstance(body, ChatRequest) else None
+        prompts = [plan.prompt_ids] if plan is not None else self._prompts(engine, body)
+        constraint = plan.constraint if plan is not None else completion_constraint(engine.tokenizer, body)
+        max_context = min(cfg.max_context or engine.context_length, engine.context_length)
+        gen = []
+        n = body.n or 1
+        want_lp: int | None = None
+        if isinstance(body, ChatRequest) and body.logprobs:
+            want_lp = body.top_logprobs or 0
+        elif isinstance(body, CompletionRequest) and body.logprobs is not None:
+            want_lp = body.logprobs
+        for ids in prompts:
+            max_new = self._max_new(body, len(ids), max_context, cfg.max_tokens_default)
+            for i in range(n):
+                seed = None if body.seed is None else body.seed + i
+                try:
+                    params = SamplingParams(max_new, 1.0 if body.temperature is None else body.temperature,
+                                            1.0 if body.top_p is None else body.top_p, 0, seed)
+                    gen.append(GenRequest(tuple(ids), params, want_lp, body.presence_penalty or 0.0,
+                                          body.frequency_penalty or 0.0, self.state.request_id(), chat=self.chat,
+                                          constraint=constraint))
+                except RequestError as e:
+                    raise bad_request(str(e), e.param, "invalid_value") from None
+        mux: queue.Queue = queue.Queue()
+        handles = submit_all(engine.client, gen, mux, self.state.pace)
+        make_parser = plan.make_parser if plan is not None else None
+        choices = [Choice(k, h, engine.tokenizer, body.stops, parser=make_parser() if make_parser else None)
+                   for k, h in enumerate(handles)]
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        self.state.metrics.count_prompt(prompt_tokens)
+        return choices, mux, prompt_tokens, want_lp
+
     # -- building blocks ------------------------------------------------------
 
-    def _prompts(self, engine: Any, body: ChatRequest | CompletionRequest) -> list[list[int]]:
+    def _prompts(self, engine: Any, body: CompletionRequest) -> list[list[int]]:
         tok = engine.tokenizer
-        try:
-            if isinstance(body, ChatRequest):
-                msgs = [{"role": m.role if m.role != "developer" else "system", "content": m.text(),
-                         **({"name": m.name} if m.name else {})} for m in body.messages]
-                return [tok.apply_chat_template(msgs)]
-        except RequestError as e:  # the template refused this conversation (raise_exception)
-            raise bad_request(str(e), "messages", "invalid_messages") from None
-        except StoreError as e:  # the store's template is broken, too slow or too big: not the client's fault
-            raise ApiError(500, f"the served model's chat template failed: {e}", None, "chat_template_error") from None
-        except DeltafindError as e:  # the model has no chat template: use /v1/completions
-            raise bad_request(str(e), "messages", "invalid_messages") from None
         out = []
         for i, p in enumerate(body.prompts()):
             if isinstance(p, str):
@@ -204,7 +212,7 @@ class Generate:
         for c in choices:
             text = "".join(c.text)
             if self.chat:
-                item = {"index": c.index, "message": {"role": "assistant", "content": text, "refusal": None},
+                item = {"index": c.index, "message": chat_message(c, text),
                         "logprobs": chat_logprobs(tok, c.logprobs) if want_lp else None, "finish_reason": c.finish_reason}
             else:
                 item = {"index": c.index, "text": text, "logprobs": completion_logprobs(tok, c.logprobs, 0) if want_lp else None,
@@ -224,9 +232,9 @@ class Generate:
             data = {**meta, "object": obj, "choices": items, **({"usage": None} if include_usage else {}), **extra}
             return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
 
-        def item(c: Choice, text: str | None, entries: list, finish: str | None) -> dict:
+        def item(c: Choice, text: str | None, entries: list, finish: str | None, delta: dict | None = None) -> dict:
             if self.chat:
-                delta = {} if text is None else {"content": text}
+                delta = delta if delta is not None else {} if text is None else {"content": text}
                 lp = chat_logprobs(tok, entries) if want_lp and entries else None
                 return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             lp = completion_logprobs(tok, entries, offsets[c.index]) if want_lp and entries else None
@@ -246,7 +254,10 @@ class Generate:
                         yield b": keep-alive\n\n"  # also finds out early that a client has gone
                         continue
                     c, text, entries, done = ev
-                    if text or entries:
+                    if c.parser is not None:
+                        for k, delta in enumerate(chunk_deltas(c.take_deltas()) or ([{}] if entries else [])):
+                            yield chunk([item(c, None, entries if k == 0 else [], None, delta)])
+                    elif text or entries:
                         yield chunk([item(c, text, entries, None)])
                     if done:
                         if c.finish_reason == "error":

@@ -21,10 +21,9 @@ MAX_SEED = 2**63 - 1
 
 # Known OpenAI fields this server cannot honour: a clear "not supported", not "unknown".
 UNSUPPORTED = {
-    "tools": "tool calling", "tool_choice": "tool calling", "parallel_tool_calls": "tool calling",
-    "functions": "function calling", "function_call": "function calling", "audio": "audio output",
+    "functions": "function calling (use tools)", "function_call": "function calling", "audio": "audio output",
     "modalities": "output modalities", "prediction": "predicted outputs", "web_search_options": "web search",
-    "reasoning_effort": "reasoning effort", "service_tier": "service tiers", "suffix": "suffix (insertion)",
+    "service_tier": "service tiers", "suffix": "suffix (insertion)",
     "verbosity": "verbosity", "prompt_cache_key": "prompt cache keys", "safety_identifier": "safety identifiers",
 }
 # Defaults that SDKs (LangChain, LiteLLM, agent frameworks) send on every request: these values,
@@ -33,7 +32,7 @@ NO_OP: dict[str, tuple[Any, ...]] = {"tools": ([],), "functions": ([],), "servic
                                      "modalities": (["text"],)}
 # Accepted only at their no-op value.
 NEUTRAL = {"logit_bias": ({}, None), "store": (False, None), "echo": (False, None),
-           "response_format": ({"type": "text"}, None), "best_of": (1, None)}
+           "best_of": (1, None)}
 
 
 class _Strict(BaseModel):
@@ -51,10 +50,15 @@ class TextPart(_Strict):
 
 
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     refusal: str | None = None
+    # Tool calling and reasoning (checked in detail by server/tools.py when the prompt is built).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: Annotated[str, Field(max_length=256)] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -102,6 +106,11 @@ class ChatRequest(_Common):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=256)] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "max"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatRequest:
@@ -190,10 +199,10 @@ def _precheck(body: dict[str, Any], chat: bool) -> None:
     for i, m in enumerate(body["messages"]):
         if not isinstance(m, dict):
             continue
-        if m.get("role") in ("tool", "function"):
-            raise bad_request(f"messages[{i}].role: {m['role']!r} messages are not supported (no tool calling)",
+        if m.get("role") == "function":
+            raise bad_request(f"messages[{i}].role: 'function' messages are not supported (use 'tool')",
                               f"messages[{i}].role", "unsupported_parameter")
-        for key in ("tool_calls", "function_call", "audio", "tool_call_id"):
+        for key in ("function_call", "audio"):
             if m.get(key) is not None:
                 raise bad_request(f"messages[{i}].{key} is not supported by this server", f"messages[{i}].{key}", "unsupported_parameter")
         if isinstance(m.get("content"), list):

@@ -167,6 +167,16 @@ class Tokenizer:
         """The id of a vocabulary spelling, or None."""
         return self._trusted.token_to_id(token)
 
+    def backend_json(self) -> str:
+        """The `tokenizers` JSON of this vocabulary (for grammar libraries that index token bytes)."""
+        return self._trusted.to_str()
+
+    @property
+    def chat_template_source(self) -> str:
+        """The chat template's jinja source ("" without one): which tool/thinking format it speaks."""
+        found = find_chat_template(self._folder, self._config)
+        return found[0] if found else ""
+
     @property
     def has_chat_template(self) -> bool:
         """Whether the model's files carry a chat template."""

@@ -106,7 +106,7 @@ def test_logprobs_chat_and_completions(client: openai.OpenAI) -> None:
 def test_unsupported_and_invalid_requests_are_400_naming_the_field(client: openai.OpenAI) -> None:
     msgs = [{"role": "user", "content": "Hi"}]
     cases = [
-        (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        (dict(tools=[{"type": "web_search"}]), "tools[0]"),  # function tools only
         (dict(extra_body={"frobnicate": 1}), "frobnicate"),
         (dict(temperature=5), "temperature"),
         (dict(stop=["a", "b", "c", "d", "e"]), "stop"),

@@ -1,0 +1,102 @@
+"""Output items for the item-shaped APIs (/v1/responses, /v1/messages): one answer as ordered blocks.
+
+Both APIs stream an answer as blocks that open, grow and close: a reasoning
+block, a text block, one block per tool call. `Blocks` turns parser `Delta`s
+(server/output.py) into those lifecycle steps, and `drive` runs one submitted
+sequence to its end, yielding them (or keep-alive ticks). Wire formats stay in
+responses.py and messages.py.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from deltafind.engine.sequence import FinishEvent
+from deltafind.server.errors import ApiError
+from deltafind.server.output import Delta
+
+
+@dataclass
+class Block:
+    kind: str  # reasoning | text | call
+    index: int  # its place among the answer's blocks
+    call_id: str = ""
+    name: str = ""
+    parts: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+@dataclass(frozen=True)
+class Step:
+    what: str  # open | delta | close
+    block: Block
+    text: str = ""
+
+
+class Blocks:
+    """The blocks of one answer, built from parser deltas in order."""
+
+    def __init__(self) -> None:
+        self.blocks: list[Block] = []
+        self._open: Block | None = None
+        self._calls: dict[int, Block] = {}
+
+    def feed(self, deltas: list[Delta]) -> list[Step]:
+        steps: list[Step] = []
+        for d in deltas:
+            if d.kind == "args":
+                block = self._calls[d.index]
+            else:
+                kind = {"content": "text"}.get(d.kind, d.kind)
+                if self._open is None or self._open.kind != kind or kind == "call":
+                    steps += self._close()
+                    self._open = Block(kind, len(self.blocks), d.call_id, d.text if kind == "call" else "")
+                    self.blocks.append(self._open)
+                    steps.append(Step("open", self._open))
+                    if kind == "call":
+                        self._calls[d.index] = self._open
+                        continue
+                block = self._open
+            block.parts.append(d.text)
+            steps.append(Step("delta", block, d.text))
+        return steps
+
+    def _close(self) -> list[Step]:
+        if self._open is None:
+            return []
+        block, self._open = self._open, None
+        return [Step("close", block)]
+
+    def finish(self) -> list[Step]:
+        return self._close()
+
+
+def drive(choice: Any, mux: queue.Queue, blocks: Blocks, keepalive: float | None) -> Iterator[list[Step] | None]:
+    """Run one submitted choice to its end: its block steps per event (None: `keepalive` passed quietly).
+
+    Raises ApiError 500 when the engine failed the sequence.
+    """
+    try:
+        while True:
+            try:
+                _, event = mux.get(timeout=keepalive)
+            except queue.Empty:
+                yield None
+                continue
+            choice.on_event(event)
+            steps = blocks.feed(choice.take_deltas())
+            if isinstance(event, FinishEvent):
+                if choice.finish_reason == "error":
+                    raise ApiError(500, choice.error or "generation failed", None, "engine_error")
+                yield steps + blocks.finish()
+                return
+            if steps:
+                yield steps
+    finally:
+        choice.handle.cancel()  # a no-op once finished; frees the slot of a client that left

@@ -1,0 +1,173 @@
+"""Structured output enforced by the decoder: JSON schemas and Lark grammars -> engine Constraints.
+
+Owns the llguidance-backed `GrammarConstraint` (the engine's `Constraint` contract,
+engine/constraint.py), the per-tokenizer llguidance vocabulary (built once, ~0.5 s
+for 49k ids) and compiling `response_format` schemas. It lives in `server/`
+because only the API turns requests into grammars; the engine sees the mask.
+A grammar is compiled and checked on the request thread, so a schema the library
+cannot compile is a 400 naming the field before anything is submitted.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from typing import Any
+
+import llguidance as llg
+import numpy as np
+import torch
+
+from deltafind.engine.constraint import ConstraintFactory
+from deltafind.server.errors import bad_request
+
+_VOCABS: weakref.WeakKeyDictionary[Any, llg.LLTokenizer] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+# The JSON shape every json_object answer and free-form tool call obeys.
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# JSON as chat templates print it (`tojson` is json.dumps), so a sent-back answer renders as generated.
+JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+
+
+def vocabulary(tokenizer: Any) -> llg.LLTokenizer:
+    """llguidance's view of `tokenizer` (token bytes, specials, EOS), built once per tokenizer."""
+    with _LOCK:
+        lt = _VOCABS.get(tokenizer)
+        if lt is None:
+            lt = llg.LLTokenizer(tokenizer.backend_json(), n_vocab=tokenizer.vocab_size,
+                                 eos_token=list(tokenizer.eos_token_ids))
+            _VOCABS[tokenizer] = lt
+        return lt
+
+
+class GrammarConstraint:
+    """One sequence's grammar state (llguidance `LLMatcher`): the engine's `Constraint`."""
+
+    def __init__(self, vocab: llg.LLTokenizer, grammar: str, vocab_size: int) -> None:
+        self._m = llg.LLMatcher(vocab, grammar, log_level=0)
+        self._n = vocab_size
+
+    def allowed(self) -> torch.Tensor | None:
+        bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
+        return torch.from_numpy(np.unpackbits(bits, count=self._n, bitorder="little").view(np.bool_))
+
+    def advance(self, token: int) -> bool:
+        if self._m.is_stopped() or self._m.is_error():
+            return False
+        if self._m.validate_tokens([token]) != 1:  # checked first: a refused token would break the matcher for good
+            return False
+        return self._m.consume_token(token) and not self._m.is_error()
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self._m.rollback(n)
+
+    @property
+    def done(self) -> bool:
+        return self._m.is_stopped()
+
+
+class TriggeredConstraint:
+    """Free text until the output reaches `marker`, then `grammar` (which starts with the marker) from there:
+    a tool call under tool_choice "auto" has its arguments enforced once the model starts it."""
+
+    def __init__(self, vocab: llg.LLTokenizer, grammar: str, vocab_size: int, decode: Any, marker: str) -> None:
+        self._vocab, self._grammar, self._n, self._decode, self._marker = vocab, grammar, vocab_size, decode, marker
+        self._tokens: list[int] = []
+        self._start = -1  # index of the first token the grammar consumed (-1: not triggered)
+        self._inner: GrammarConstraint | None = None
+        self._lookback = len(marker.encode()) + 1  # tokens searched back for the marker's first one (bytes at worst)
+
+    def allowed(self) -> torch.Tensor | None:
+        return None if self._inner is None else self._inner.allowed()
+
+    def advance(self, token: int) -> bool:
+        if self._inner is not None:
+            if not self._inner.advance(token):
+                return False
+            self._tokens.append(token)
+            return True
+        self._tokens.append(token)
+        if self._marker in self._decode(self._tokens[-self._lookback:]):
+            for k in range(1, min(len(self._tokens), self._lookback) + 1):
+                if self._decode(self._tokens[-k:]).startswith(self._marker):
+                    inner = GrammarConstraint(self._vocab, self._grammar, self._n)
+                    if all(inner.advance(t) for t in self._tokens[-k:]):
+                        self._inner, self._start = inner, len(self._tokens) - k
+                    break  # a marker glued to text before it in one token stays free text
+        return True
+
+    def rollback(self, n: int) -> None:
+        for _ in range(n):
+            self._tokens.pop()
+            if self._inner is not None:
+                if len(self._tokens) <= self._start:
+                    self._inner, self._start = None, -1
+                else:
+                    self._inner.rollback(1)
+
+    @property
+    def done(self) -> bool:
+        return self._inner is not None and self._inner.done
+
+
+class Grammar:
+    """A compiled grammar for one tokenizer; `factory()` makes a fresh constraint per sequence."""
+
+    def __init__(self, tokenizer: Any, grammar: str, field: str) -> None:
+        self.vocab = vocabulary(tokenizer)
+        self.grammar = grammar
+        self.vocab_size = tokenizer.vocab_size
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.vocab)
+        if is_error:
+            raise bad_request(f"{field}: the schema cannot be enforced: {messages[0]}", field, "invalid_schema")
+
+    def factory(self) -> ConstraintFactory:
+        return lambda: GrammarConstraint(self.vocab, self.grammar, self.vocab_size)
+
+    def triggered_factory(self, tokenizer: Any, marker: str) -> ConstraintFactory:
+        """Constraints that let text run free until `marker`, then enforce this grammar."""
+        return lambda: TriggeredConstraint(self.vocab, self.grammar, self.vocab_size, tokenizer.decode, marker)
+
+
+def json_schema_grammar(schema: dict[str, Any] | bool, field: str) -> str:
+    """llguidance grammar text for one JSON schema (a 400 naming `field` when it is not usable)."""
+    if not isinstance(schema, dict | bool):
+        raise bad_request(f"{field}: a JSON schema must be an object (got {type(schema).__name__})", field, "invalid_schema")
+    try:
+        return llg.LLMatcher.grammar_from_json_schema(schema if isinstance(schema, dict) else {} if schema else {"not": {}},
+                                                      overrides=JSON_STYLE)
+    except (ValueError, TypeError) as e:
+        raise bad_request(f"{field}: the schema cannot be compiled: {e}", field, "invalid_schema") from None
+
+
+def lark_json(schema: dict[str, Any]) -> str:
+    """A Lark rule body that embeds a JSON schema (`%json {...}`)."""
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_STYLE}, ensure_ascii=False)
+
+
+def lark_literal(text: str) -> str:
+    """A Lark string literal for `text` (JSON escapes are Lark's)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def response_format_schema(response_format: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """(schema to enforce, or None for plain text; the field it came from) of an OpenAI `response_format`."""
+    kind = response_format.get("type")
+    if kind in (None, "text"):
+        return None, "response_format"
+    if kind == "json_object":
+        return ANY_OBJECT, "response_format"
+    if kind == "json_schema":
+        js = response_format.get("json_schema")
+        if not isinstance(js, dict) or ("schema" not in js and "name" not in js):
+            raise bad_request("response_format.json_schema: required object with `name` and `schema`",
+                              "response_format.json_schema", "invalid_value")
+        schema = js.get("schema", {})
+        if not isinstance(schema, dict):
+            raise bad_request("response_format.json_schema.schema: must be a JSON object",
+                              "response_format.json_schema.schema", "invalid_schema")
+        return schema, "response_format.json_schema.schema"
+    raise bad_request(f"response_format.type: {kind!r} is not one of text, json_object, json_schema",
+                      "response_format.type", "invalid_value")

@@ -1,0 +1,61 @@
+"""Turn-over-turn prefix reuse: a scripted 6-turn tool-using conversation replayed against the daemon.
+
+Per turn it prints the prompt tokens, the tokens the prefix cache served, the tokens prefilled
+(prompt - cached) and the tokens that turn added to the conversation (prompt - previous prompt -
+previous completion). Goal: prefilled == new + 1 (the previous turn's last token was sampled but
+never run through the model, so it is prefilled with the new ones).
+
+    python tests/bench/bench_agent_turns.py [--store ~/.cache/deltafind/demo]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import openai
+
+from tests.e2e.daemon_fixtures import Daemon
+
+TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file of the project",
+                                           "parameters": {"type": "object", "properties": {"path": {"type": "string", "maxLength": 40}},
+                                                          "required": ["path"]}}},
+         {"type": "function", "function": {"name": "run_tests", "description": "Run the test suite",
+                                           "parameters": {"type": "object", "properties": {"k": {"type": "string", "maxLength": 20}}}}}]
+SCRIPT = ["Find out why test_parse fails.", None, None, "Now fix it.", None, "Summarise what you changed."]
+RESULTS = {"read_file": "def parse(s):\n    return int(s)\n", "run_tests": "1 failed: test_parse (ValueError)"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--store", type=Path, default=Path.home() / ".cache/deltafind/demo")
+    args = ap.parse_args()
+    d = Daemon(args.store, "[server]\nmax_running = 1\n").start()
+    try:
+        c = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=600)
+        msgs: list[dict] = [{"role": "system", "content": "You are a coding agent. Use the tools."}]
+        prev = None
+        print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'prefilled':>9} {'new':>5}  answer")
+        for turn, user in enumerate(SCRIPT, 1):
+            if user is not None:
+                msgs.append({"role": "user", "content": user})
+            choice = "required" if turn < len(SCRIPT) else "none"
+            r = c.chat.completions.create(model="test-model", messages=msgs, tools=TOOLS, tool_choice=choice,
+                                          parallel_tool_calls=False, temperature=0, max_tokens=48)
+            u, m = r.usage, r.choices[0].message
+            cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
+            new = u.prompt_tokens - (prev[0] + prev[1]) if prev else u.prompt_tokens
+            what = f"call {m.tool_calls[0].function.name}" if m.tool_calls else f"text {len(m.content or '')} chars"
+            print(f"{turn:>4} {u.prompt_tokens:>7} {cached:>7} {u.prompt_tokens - cached:>9} {new:>5}  {what}")
+            prev = (u.prompt_tokens, u.completion_tokens)
+            msgs.append(m.model_dump(exclude_none=True))
+            for call in m.tool_calls or []:
+                msgs.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(RESULTS[call.function.name])})
+    finally:
+        d.stop()
+        d.cleanup()
+
+
+if __name__ == "__main__":
+    main()
