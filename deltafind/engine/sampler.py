@@ -74,7 +74,10 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
+        # ordered by logit, ties by index as argmax breaks them: the best token comes first even where
+        # its probability rounds equal to another's (logits 0 and 3e-40 give 0.5 and 0.5)
+        order = torch.sort(logits, descending=True, stable=True).indices
+        sorted_probs = probs[order]
         # keep the smallest prefix whose mass reaches top_p (always at least the top token)
         drop = (torch.cumsum(sorted_probs, 0) - sorted_probs) >= params.top_p
         drop[0] = False

@@ -180,7 +180,9 @@ def _loc(loc: tuple[Any, ...]) -> str:
 
 
 def _drop_no_ops(body: dict[str, Any]) -> None:
-    for key in [k for k in UNSUPPORTED if k in body]:
+    """Null asks for nothing, whatever the field (SDKs send their defaults as null); so do the NO_OP values,
+    also on an endpoint that lacks the feature (`tools: []` on /v1/completions)."""
+    for key in list(body):
         if body[key] is None or any(type(body[key]) is type(v) and body[key] == v for v in NO_OP.get(key, ())):
             del body[key]
 

@@ -123,7 +123,7 @@ def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | Non
                 spans = [source.remote[names[e.name]] for e in entries]
                 remote.append([layer, expert, [[t.file, t.start, t.end] for t in spans]])
             else:  # a dense slice: every token reads it, so it is fetched now
-                payload, entries = expert_record_bytes(load())
+                payload, entries = expert_record_bytes(*load())  # (tensors, quant tags)
                 length = len(payload)
                 f.seek(end)
                 f.write(payload)
