@@ -5,8 +5,6 @@ own parsers judge the answers."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import anthropic
 import jsonschema
@@ -14,25 +12,12 @@ import openai
 import pytest
 from pydantic import BaseModel
 
+from tests.e2e import test_agents_openai as chat_tests
 from tests.e2e.daemon_fixtures import Daemon
-from tests.e2e.test_agents_openai import CONFIG, WEATHER
+from tests.e2e.test_agents_openai import WEATHER
 
+daemon, client = chat_tests.daemon, chat_tests.client  # the same fixtures: a demo daemon per module, its openai client
 RESP_TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather forecast for a city", "parameters": WEATHER}]
-
-
-@pytest.fixture(scope="module")
-def daemon(demo_store: Path) -> Iterator[Daemon]:
-    d = Daemon(demo_store, CONFIG).start()
-    yield d
-    d.stop()
-    d.cleanup()
-
-
-@pytest.fixture(scope="module")
-def client(daemon: Daemon) -> Iterator[openai.OpenAI]:
-    c = openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    yield c
-    c.close()
 
 
 def test_responses_text_tools_streaming_and_previous_id(client: openai.OpenAI) -> None:

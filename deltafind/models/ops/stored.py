@@ -13,6 +13,7 @@ summation-order noise.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -74,14 +75,14 @@ def dequantize(w: StoredWeight) -> torch.Tensor:
     """fp32 [rows, cols]: the exact decode (the widened path's weights)."""
     if w.kind in ("BF16", "F16"):
         return w.data.float()
-    if w.kind == "I8R" and not _kernel_ok(w):
-        return w.data[:, :2].contiguous().view(torch.float16).float() * w.data[:, 2:].view(torch.int8).float()
     if _kernel_ok(w):
         out = torch.empty(w.rows, w.cols, dtype=torch.float32)
         rc = STORED.load().df_stored_dequant(KINDS[w.kind], w.data.data_ptr(), w.rows, w.cols, out.data_ptr(),
                                               torch.get_num_threads())
         if rc == 0:
             return out
+    if w.kind == "I8R":
+        return w.data[:, :2].contiguous().view(torch.float16).float() * w.data[:, 2:].view(torch.int8).float()
     return gguf_dequantize(w)
 
 
@@ -97,7 +98,7 @@ def to_row_int8(w: torch.Tensor) -> torch.Tensor:
 
 def int8_spine(net: torch.nn.Module) -> int:
     """Convert every float Linear/Embedding matrix spec 9.6 names to row-int8 in place (opt-in; NOT
-    weight-exact: the logits drift, see tests/bench/bench_memory.py --int8). Returns bytes saved.
+    weight-exact: the logits drift, see tests/bench/bench_int8_spine.py). Returns bytes saved.
     Weights not yet loaded (a streamed spine's later layers) stay as stored."""
     saved, done = 0, {}  # id(weight) -> (int8 parameter, tag): a tied head shares its embedding's
     for name, m in net.named_modules():
@@ -128,9 +129,15 @@ def gguf_dequantize(w: StoredWeight) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32).reshape(w.rows, w.cols)).to(w.data.device)
 
 
+@functools.cache
+def _kernel_takes(kind: str, cols: int) -> bool:
+    """Whether the CPU kernel is built and takes rows of `cols` weights in `kind` (asked once per shape)."""
+    lib = STORED.load()
+    return lib is not None and lib.df_stored_row_bytes(KINDS[kind], cols) > 0
+
+
 def _kernel_ok(w: StoredWeight) -> bool:
-    return (w.data.device.type == "cpu" and w.data.is_contiguous() and STORED.load() is not None
-            and STORED.load().df_stored_row_bytes(KINDS[w.kind], w.cols) > 0)
+    return w.data.device.type == "cpu" and w.data.is_contiguous() and _kernel_takes(w.kind, w.cols)
 
 
 def stored_linear(x: torch.Tensor, w: StoredWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
