@@ -112,14 +112,17 @@ class Tokenizer:
             backend = make_tiktoken_backend(
                 ranks, _tiktoken_pattern(config, folder), _tiktoken_specials(config, len(ranks))
             )
-            if cls is Tokenizer:  # Kimi K3's XTML chat and safety slicing (tokenizer/kimi.py)
-                from .kimi import tokenizer_class
-
-                cls = tokenizer_class(config)
+            if cls is Tokenizer:  # a subclass that claims this folder (K3's XTML: tokenizer/kimi.py)
+                cls = next((c for c in Tokenizer.__subclasses__() if c.claims(config)), Tokenizer)
             return cls(backend, config, generation_config=generation, folder=folder)
         raise StoreError(
             f"{folder} has neither tokenizer.json nor tiktoken.model; re-run setup for this model"
         )
+
+    @classmethod
+    def claims(cls, config: dict[str, Any]) -> bool:
+        """Whether a tiktoken folder with this tokenizer_config.json needs this subclass."""
+        return False
 
     @classmethod
     def from_tiktoken(

@@ -56,6 +56,10 @@ def safety_slices(text: str) -> list[str]:
 class KimiTokenizer(Tokenizer):
     """K3's tokenizer: plain encode with safety slicing, XTML chat, EOS = <|end_of_msg|>."""
 
+    @classmethod
+    def claims(cls, config: dict[str, Any]) -> bool:
+        return is_xtml(config)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         eom = self.token_to_id(EOM)
@@ -87,10 +91,6 @@ class KimiTokenizer(Tokenizer):
         for seg in self.chat_segments(messages, add_generation_prompt, **kwargs):
             ids += self.encode(seg.text, allow_special=seg.control)
         return ids
-
-
-def tokenizer_class(config: dict[str, Any]) -> type[Tokenizer]:
-    return KimiTokenizer if is_xtml(config) else Tokenizer
 
 
 SAMPLE_CORPUS = (
