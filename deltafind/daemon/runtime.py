@@ -196,7 +196,7 @@ class Runtime:
             d = new.draft
             sched.configure_draft(PolicyOptions(mode="auto" if d.mode == "off" else d.mode, max_width=d.max_width),
                                   enabled=d.mode != "off")
-            if d.mode != "off" and sched.draft is None:
+            if d.mode != "off" and sched.core.draft is None:
                 log.warning("draft_reload_needs_restart", reason="started with [draft] mode = \"off\"; no source is loaded")
 
         sched.call(lambda: model.apply_live(new, live))
@@ -276,7 +276,7 @@ class Runtime:
         }
         engine: dict[str, Any] = {}
         if self.scheduler is not None:
-            engine = self.scheduler.status().snapshot()
+            engine = self.scheduler.snapshot()
             d = engine["draft"]
             out.update(engine, draft_proposed=d["proposed"], draft_accepted=d["accepted"],
                        draft_acceptance_rate=d["acceptance_rate"], draft_verify_passes=d["steps"],

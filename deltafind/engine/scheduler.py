@@ -15,7 +15,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from deltafind.engine.core import EngineCore, Events, SchedulerLimits
@@ -26,7 +25,7 @@ from deltafind.errors import DeltafindError
 from deltafind.log import get_logger
 
 log = get_logger(__name__)
-__all__ = ["Draining", "EngineStatus", "QueueFull", "Scheduler", "SchedulerLimits", "collect"]
+__all__ = ["Draining", "QueueFull", "Scheduler", "SchedulerLimits", "collect"]
 
 
 class QueueFull(DeltafindError):
@@ -39,28 +38,6 @@ class QueueFull(DeltafindError):
 
 class Draining(DeltafindError):
     """The engine takes no new requests (drain or shutdown; HTTP 503)."""
-
-
-@dataclass(frozen=True)
-class EngineStatus:
-    running: int
-    waiting: int
-    draining: bool
-    tok_s: float
-    stats: EngineStats
-    limits: SchedulerLimits
-    prefix_hits: int
-    prefix_misses: int
-    prefix_bytes: int
-    draft_source: str = ""
-    draft_mode: str = "off"  # on | auto | off
-
-    def snapshot(self) -> dict[str, Any]:
-        """The engine's figures as JSON-ready data (status --json, bench --json, --stats, /metrics)."""
-        return {"running": self.running, "waiting": self.waiting, "draining": self.draining, "tok_s": self.tok_s,
-                "max_running": self.limits.max_running, "max_queue": self.limits.max_queue,
-                "prefix_hits": self.prefix_hits, "prefix_misses": self.prefix_misses, "prefix_bytes": self.prefix_bytes,
-                "draft_source": self.draft_source, "draft_mode": self.draft_mode, **self.stats.snapshot()}
 
 
 class Scheduler:
@@ -86,22 +63,6 @@ class Scheduler:
         return self.core.stats
 
     @property
-    def limits(self) -> SchedulerLimits:
-        return self.core.limits
-
-    @property
-    def prefix(self) -> Any:
-        return self.core.prefix
-
-    @property
-    def draft(self) -> Any:
-        return self.core.draft
-
-    @property
-    def draft_policy(self) -> PolicyOptions:
-        return self.core.draft_policy
-
-    @property
     def alive(self) -> bool:
         """The engine thread runs (the watchdog's health check)."""
         return self._thread.is_alive()
@@ -118,7 +79,8 @@ class Scheduler:
             if self._draining or self._stopped:
                 raise Draining("the server is draining and takes no new requests; retry on another instance or later")
             running, waiting = self._counts()
-            if waiting >= self.limits.max_queue + max(0, self.limits.max_running - running):
+            lim = self.core.limits
+            if waiting >= lim.max_queue + max(0, lim.max_running - running):
                 raise QueueFull(f"the server is busy ({running} running, {waiting} waiting); retry shortly")
             seq_id = next(self._ids)
             handle = Handle(seq_id, self._wake, mux)
@@ -199,7 +161,8 @@ class Scheduler:
         with self._cv:
             return len(self._handles)
 
-    def status(self) -> EngineStatus:
+    def snapshot(self) -> dict[str, Any]:
+        """The engine's figures as JSON-ready data (status --json, bench --json, --stats, /metrics)."""
         with self._cv:
             now = time.monotonic()
             while self._recent and self._recent[0][0] < now - 10.0:
@@ -207,10 +170,13 @@ class Scheduler:
             span = now - self._recent[0][0] if self._recent else 0.0
             tokens = sum(n for _, n in self._recent)
             running, waiting = self._counts()
-            c = self.core
-            return EngineStatus(running, waiting, self._draining, tokens / span if span > 0.5 else 0.0, c.stats, c.limits,
-                                c.prefix.hits, c.prefix.misses, c.prefix.used_bytes, getattr(c.draft, "name", "") or "",
-                                c.draft_policy.mode if c.draft is not None and c.draft_enabled else "off")
+            c, lim = self.core, self.core.limits
+            return {"running": running, "waiting": waiting, "draining": self._draining,
+                    "tok_s": tokens / span if span > 0.5 else 0.0, "max_running": lim.max_running, "max_queue": lim.max_queue,
+                    "prefix_hits": c.prefix.hits, "prefix_misses": c.prefix.misses, "prefix_bytes": c.prefix.used_bytes,
+                    "draft_source": getattr(c.draft, "name", "") or "",
+                    "draft_mode": c.draft_policy.mode if c.draft is not None and c.draft_enabled else "off",
+                    **c.stats.snapshot()}
 
     def close(self, timeout: float = 10.0) -> None:
         """Cancel everything and stop the engine thread."""

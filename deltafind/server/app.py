@@ -47,7 +47,7 @@ class ServerConfig:
 
 @dataclass
 class ReadyEngine:
-    client: Any  # submit(GenRequest, mux) -> Handle, status(), draining
+    client: Any  # submit(GenRequest, mux) -> Handle, snapshot(), draining
     tokenizer: Any
     model_name: str
     context_length: int
@@ -159,7 +159,7 @@ class Metrics:
         s = self.state
         engine, store = None, None
         if s.engine is not None:
-            engine = s.engine.client.status().snapshot()
+            engine = s.engine.client.snapshot()
             try:
                 store = s.engine.store_snapshot()
             except Exception:  # a figure that cannot be read must not take /metrics down

@@ -125,8 +125,8 @@ def submit_all(engine: Any, reqs: list[GenRequest], mux: queue.Queue, pace: Pace
             h.cancel()
         retry = e.retry_after_s
         if pace is not None:
-            st = engine.status()
-            retry = max(retry, pace.retry_after_s(st.running, st.waiting, st.limits.max_running))
+            st = engine.snapshot()
+            retry = max(retry, pace.retry_after_s(st["running"], st["waiting"], st["max_running"]))
         raise ApiError(429, str(e), None, "rate_limit_exceeded", {"Retry-After": str(retry)}, "rate_limit_error") from None
     except Draining as e:
         for h in handles:

@@ -1,7 +1,7 @@
 """GET /metrics: the owners' status snapshots, exposed through prometheus-client.
 
 Request counters live here (`ServerMetrics`); the engine's figures come from its
-client's `status().snapshot()` and the store's from the daemon's `store_snapshot()`
+client's `snapshot()` and the store's from the daemon's `store_snapshot()`
 callable, so this module knows neither the scheduler's internals nor the store.
 One collector maps each snapshot key to a metric family; prometheus-client writes
 the exposition text.

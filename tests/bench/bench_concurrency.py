@@ -56,7 +56,7 @@ def one(cfg: dict) -> dict:
         t0 = max(ts[0] for ts in times)
         t1 = max(ts[-1] for ts in times)
         decoded = sum(1 for ts in times for t in ts if t > t0)
-        st = sched.status().stats
+        st = sched.stats
         return {"streams": n, "decode_tok_s": decoded / (t1 - t0) if t1 > t0 else 0.0, "steps": st.steps,
                 "bytes_read": m.experts.stats.bytes_read - bytes0, "max_batch": st.max_batch}
     finally:

@@ -102,8 +102,8 @@ def test_every_sequence_ends_within_budgets_with_exact_output(reqs, max_running,
         for segments, num_tokens in net.steps:
             assert segments <= max_running
             assert num_tokens <= max(step_tokens, 1)
-        assert sched.status().running == sched.status().waiting == 0
-        assert sched.prefix.used_bytes <= limits.prefix_cache_bytes
+        assert sched.snapshot()["running"] == sched.snapshot()["waiting"] == 0
+        assert sched.core.prefix.used_bytes <= limits.prefix_cache_bytes
     finally:
         sched.close()
 

@@ -56,10 +56,12 @@ class ScriptedEngine:
         threading.Thread(target=run, daemon=True).start()
         return handle
 
-    def status(self):
-        from deltafind.engine.scheduler import EngineStats, EngineStatus, SchedulerLimits
+    def snapshot(self):  # the keys Scheduler.snapshot gives, for an idle engine
+        from deltafind.engine.stats import EngineStats
 
-        return EngineStatus(0, 0, self.draining, 0.0, EngineStats(), SchedulerLimits(), 0, 0, 0)
+        return {"running": 0, "waiting": 0, "draining": self.draining, "tok_s": 0.0, "max_running": 8, "max_queue": 64,
+                "prefix_hits": 0, "prefix_misses": 0, "prefix_bytes": 0, "draft_source": "", "draft_mode": "off",
+                **EngineStats().snapshot()}
 
 
 def make(tokenizer: Tokenizer, engine: ScriptedEngine | None = None, **config) -> tuple[testing.TestClient, AppState]:

@@ -204,7 +204,7 @@ def test_metrics_report_the_schedulers_draft_counters(stores: dict[str, Model]) 
     try:
         for req, _ in _requests(model)[:3]:
             collect(sched.submit(req), timeout=60)
-        text = render(ServerMetrics().snapshot(), True, sched.status().snapshot())
+        text = render(ServerMetrics().snapshot(), True, sched.snapshot())
     finally:
         sched.close()
     d = sched.stats.draft
