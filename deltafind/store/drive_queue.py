@@ -108,10 +108,11 @@ class ChunkOwner(Protocol):
 class Chunk:
     """One positional read: `size` bytes at `offset` of `queue`'s drive, landing at `pos` of its owner's buffer."""
 
-    __slots__ = ("offset", "owner", "pos", "queue", "size", "taken")
+    __slots__ = ("offset", "owner", "pos", "queue", "size", "speculative", "taken")
 
     def __init__(self, queue: DriveQueue, offset: int, size: int, pos: int, owner: ChunkOwner) -> None:
         self.queue, self.offset, self.size, self.pos, self.owner, self.taken = queue, offset, size, pos, owner, False
+        self.speculative = False  # taken from the speculative queue (counts against its slots)
 
 
 def split(offset: int, nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:
@@ -129,6 +130,10 @@ class DriveQueue:
 
     def __init__(self, idx: int, fd: int, queue_depth: int, read_mb_s: float | None, drop_behind: bool) -> None:
         self.idx, self.fd, self.drop_behind = idx, fd, drop_behind
+        # Speculative chunks may hold at most a quarter of the slots, so a demand read arriving
+        # behind a prefetch finds the drive's queue mostly free (it waits for at most these).
+        self.speculative_slots = max(1, queue_depth // 4)
+        self._speculative_running = 0
         self.bucket = TokenBucket(read_mb_s) if read_mb_s else None
         self.stats = DriveStats()
         self._demand: deque[Chunk] = deque()
@@ -175,19 +180,30 @@ class DriveQueue:
     def _next(self) -> Chunk | None:
         with self._cv:
             while True:
-                for q in (self._demand, self._speculative):
-                    while q:
-                        c = q.popleft()
-                        if not c.taken:
-                            c.taken = True
-                            return c
+                while self._demand:
+                    c = self._demand.popleft()
+                    if not c.taken:
+                        c.taken = True
+                        return c
+                while self._speculative and self._speculative_running < self.speculative_slots:
+                    c = self._speculative.popleft()
+                    if not c.taken:
+                        c.taken = c.speculative = True
+                        self._speculative_running += 1
+                        return c
                 if self._closed:
                     return None
                 self._cv.wait()
 
     def _work(self) -> None:
         while (chunk := self._next()) is not None:
-            chunk.owner.run(chunk)
+            try:
+                chunk.owner.run(chunk)
+            finally:
+                if chunk.speculative:
+                    with self._cv:
+                        self._speculative_running -= 1
+                        self._cv.notify()
 
     def close(self) -> None:
         """Stop the threads after the reads in flight; owners of chunks never started are told."""

@@ -175,7 +175,9 @@ def _io(rows: list[dict]) -> dict | None:
             # where the time between reads goes: drive idle (nothing queued: the model computing between
             # layers, or waiting on the last read of a layer elsewhere) as a share of the run's wall time
             "drive_idle_fraction": [round(d["idle_s"] / run_["wall_s"], 3) for d in drives], "idle_gaps": [d["idle_gaps"] for d in drives],
-            "io_wait_fraction": round(run_["io_wait_s"] / run_["wall_s"], 3), "wall_s": round(run_["wall_s"], 3)}
+            "io_wait_fraction": round(run_["io_wait_s"] / run_["wall_s"], 3), "wall_s": round(run_["wall_s"], 3),
+            # the read path alone: bytes over the time some read was in flight on the slowest drive
+            "busy_gb_s": round(sum(d["bytes"] for d in drives) / max(d["span_s"] - d["idle_s"] for d in drives) / 1e9, 3)}
 
 
 def summarize(res: dict[str, list[dict]], t: int, cap_mb_s: float) -> list[dict]:
@@ -191,6 +193,7 @@ def summarize(res: dict[str, list[dict]], t: int, cap_mb_s: float) -> list[dict]
         needed, drive = median(rows, "read_gb_s"), statistics.median(r.get("drive_bytes", r["bytes_read"]) / r["wall_s"] / 1e9 for r in rows)
         eff[key] = {"decode_tok_s": round(median(rows, "decode_tok_s"), 3), "needed_gb_s": round(needed, 3), "drive_gb_s": round(drive, 3),
                     "ratio": raw and round(needed / raw, 3), "drive_ratio": raw and round(drive / raw, 3),
+                    "busy_ratio": raw and _io(rows) and round(_io(rows)["busy_gb_s"] / raw, 3),
                     "bytes_per_token": int(median(rows, "bytes_read") / (t + 3)), "cpu_ms_per_token": round(1e3 * median(rows, "cpu_s") / (t + 3), 1),
                     "io": _io(rows)}
     out.append(eff)
