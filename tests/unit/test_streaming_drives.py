@@ -20,7 +20,7 @@ from deltafind.store.manifest import Manifest, pack_name
 from deltafind.store.placement import rebalance
 from deltafind.store.reader import DriveOptions, PackReader
 from deltafind.store.setup import setup_store
-from tests.conftest import make_hf_checkpoint
+from tests.conftest import deltafind_cmd, make_hf_checkpoint
 
 PROMPT = [11, 42, 7, 99, 3, 150, 8]
 TOKENS = 10
@@ -200,3 +200,26 @@ def test_reads_fill_the_queue_and_report_how(built) -> None:
         assert io["buffers_reused"] > 0  # the second pass reused the first pass's buffers
     finally:
         reader.close()
+
+
+def test_cli_rebalance_stripe_upgrades_a_store_of_real_size_records(tmp_path) -> None:
+    """Records of 3 MiB (over the 1 MiB stripe minimum) set up whole, then striped by the CLI."""
+    ckpt = make_hf_checkpoint("qwen3_moe", tmp_path / "hf", num_hidden_layers=1, hidden_size=256, moe_intermediate_size=1024,
+                              num_experts=4, num_experts_per_tok=2)
+    store = tmp_path / "store"
+    setup_store(ckpt, store, [store / "d0", store / "d1"], progress=False, placement="whole")
+    trace = tmp_path / "t.jsonl"
+    m = Model.open(store, expert_cache_bytes=0, trace_path=trace)
+    tokens = m.generate(PROMPT, max_new_tokens=4)
+    m.experts.uses.clear()
+    m.close()
+    proc = deltafind_cmd("trace", "warm", str(trace), "--store", str(store), "--rebalance", "--stripe")
+    assert proc.returncode == 0, proc.stderr
+    assert "striped: every large record is split over all 2 drive(s)" in proc.stdout
+    manifest = Manifest.load(store)
+    assert manifest.placement == "stripe" and all(len(r.stripes) == 2 for r in manifest.experts)
+    m = Model.open(store, expert_cache_bytes=0)
+    try:
+        assert m.generate(PROMPT, max_new_tokens=4) == tokens
+    finally:
+        m.close()
