@@ -17,6 +17,7 @@ older tree on the whole-record stores, which it can read).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -85,6 +86,7 @@ def one(cfg: dict) -> dict:
     spine_resident = sum(p.numel() * p.element_size() for p in model.net.parameters()) + sum(b.numel() * b.element_size() for b in model.net.buffers())
     ids = [65, 66, 67, 68]
     params = SamplingParams(max_new_tokens=cfg["tokens"], ignore_eos=True)
+    fetches = time_fetches(model.experts)
     passes = []
     for _ in range(cfg.get("passes", 1)):  # a second pass: what a warm page cache gives a buffered reader
         t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
@@ -114,10 +116,44 @@ def one(cfg: dict) -> dict:
         "page_cache_growth_bytes": page_cache_bytes() - cached0,
         "drive_bytes": getattr(reader, "bytes_read", e.bytes_read),  # wasted prefetches included
         "io": reader.io_stats() if hasattr(reader, "io_stats") else None,
+        "between_reads": between_reads(fetches),
     }
     model.experts.uses.clear()  # keep the bench store's heat file out of it
     model.close()
     return out
+
+
+def time_fetches(experts: object) -> list[list[tuple[str, float]]]:
+    """Record when each fetch starts, when each expert reaches the model, and when it ends (wraps
+    the provider's `fetch`; what it yields is unchanged)."""
+    log: list[list[tuple[str, float]]] = []
+    inner = experts.fetch  # type: ignore[attr-defined]
+
+    def fetch(layer_idx, expert_ids):
+        events = [("start", time.perf_counter())]
+        log.append(events)
+        for item in inner(layer_idx, expert_ids):
+            events.append(("got", time.perf_counter()))
+            yield item
+        events.append(("end", time.perf_counter()))
+
+    experts.fetch = fetch  # type: ignore[attr-defined]
+    return log
+
+
+def between_reads(log: list[list[tuple[str, float]]]) -> dict:
+    """Where a cold decode's time goes around the reads, per layer fetch (medians, ms): from the
+    fetch's start to its first expert, to its end (the last expert computed), and from its end to
+    the next fetch's start (attention, router, norms; lm_head and sampling between tokens) — in
+    that last gap no read is queued unless a prefetch is."""
+    import statistics as st
+
+    done = [f for f in log if f[-1][0] == "end" and len(f) > 2]
+    gaps = [b[0][1] - a[-1][1] for a, b in itertools.pairwise(done)]
+    ms = lambda xs: round(1e3 * st.median(xs), 2) if xs else None  # noqa: E731
+    return {"fetches": len(done), "first_expert_ms": ms([f[1][1] - f[0][1] for f in done]),
+            "fetch_ms": ms([f[-1][1] - f[0][1] for f in done]), "last_expert_to_end_ms": ms([f[-1][1] - f[-2][1] for f in done]),
+            "gap_to_next_fetch_ms": ms(gaps), "gap_share_of_wall": round(sum(gaps) / max(1e-9, done[-1][-1][1] - done[0][0][1]), 3) if gaps else None}
 
 
 def profile(store: Path, tokens: int, threads: int, prefetch: bool) -> None:
@@ -176,6 +212,7 @@ def _io(rows: list[dict]) -> dict | None:
             # layers, or waiting on the last read of a layer elsewhere) as a share of the run's wall time
             "drive_idle_fraction": [round(d["idle_s"] / run_["wall_s"], 3) for d in drives], "idle_gaps": [d["idle_gaps"] for d in drives],
             "io_wait_fraction": round(run_["io_wait_s"] / run_["wall_s"], 3), "wall_s": round(run_["wall_s"], 3),
+            "between_reads": run_.get("between_reads"),
             # the read path alone: bytes over the time some read was in flight on the slowest drive
             "busy_gb_s": round(sum(d["bytes"] for d in drives) / max(d["span_s"] - d["idle_s"] for d in drives) / 1e9, 3)}
 
