@@ -82,7 +82,7 @@ class Model:
         The one wiring point: everything comes from `settings` (default: `load_settings()`,
         the config file and DELTAFIND_* variables), with `overrides` as simple keywords on top:
         device, dtype, compile_kernels, threads ([device]); expert_cache_bytes (None: keep every
-        expert read), pin_bytes, spine_bytes, heat_decay, spine_int8 ([cache]); prefetch (bool or
+        expert read), pin_bytes, spine_bytes, heat_decay, spine_int8, read_mode ([cache]); prefetch (bool or
         PrefetchOptions); drives (DriveOptions per store drive); draft, draft_max_width ([draft]).
         `trace_path` appends a router trace (JSONL). A device that is unusable, or fails while
         the model is placed on it, falls back to the CPU (logged).
@@ -123,7 +123,7 @@ class Model:
         # bf16/fp16 experts stay as stored in the cache (twice the experts per byte) and are computed on as stored
         hold = hold_dtype({getattr(torch, t.dtype) for r in manifest.experts for t in r.tensors}, torch_dtype)
         experts = StoreExperts(manifest, store_dir, cache_bytes, hold, drives,
-                               PrefetchOptions(p.enabled, p.max_in_flight, p.recall_threshold), True, trace,
+                               PrefetchOptions(p.enabled, p.max_in_flight, p.recall_threshold), c.read_mode, trace,
                                stager=make_stager(device), cache=cache, buffer_pool=read_buffer_pool(device))
         if int(c.pin_bytes):
             experts.pin(hottest(read_heat(store_dir)), int(c.pin_bytes))
@@ -307,7 +307,7 @@ SIMPLE_OVERRIDES = {  # Model.open keyword -> (settings section, key)
     "device": ("device", "kind"), "dtype": ("device", "dtype"), "compile_kernels": ("device", "compile"),
     "threads": ("device", "threads"), "expert_cache_bytes": ("cache", "expert_bytes"), "pin_bytes": ("cache", "pin_bytes"),
     "spine_bytes": ("cache", "spine_bytes"), "heat_decay": ("cache", "heat_decay"), "draft_max_width": ("draft", "max_width"),
-    "spine_int8": ("cache", "spine_int8"),
+    "spine_int8": ("cache", "spine_int8"), "read_mode": ("cache", "read_mode"),
 }
 
 

@@ -333,13 +333,17 @@ def cmd_trace(args: argparse.Namespace) -> int:
     heat = update_heat(Path(args.store), heat_from_trace(records), settings.cache.heat_decay)
     print(f"{args.store}: heat file now covers {len(heat)} experts; set [cache] pin_bytes to keep the hottest resident")
     if args.rebalance:
+        from deltafind.store.manifest import Manifest
         from deltafind.store.placement import rebalance
         from deltafind.store.reader import DriveOptions
 
         drives = [DriveOptions(d.path, d.queue_depth, d.read_mb_s) for d in settings.drives] or None
-        before, after, moved = rebalance(Path(args.store), heat, drives)
+        before, after, moved = rebalance(Path(args.store), heat, drives, stripe=args.stripe)
         share = lambda b: " / ".join(f"{h / max(1e-9, sum(b.heat_per_drive)):.0%}" for h in b.heat_per_drive)  # noqa: E731
-        if moved:
+        if args.stripe or Manifest.load(Path(args.store)).placement == "stripe":
+            print(f"{'striped' if moved else 'placement kept'}: every large record is split over all {len(before.heat_per_drive)} drive(s)"
+                  f"{'' if moved else ' already (or the store has one drive, or records too small to split)'}")
+        elif moved:
             print(f"rebalanced: heat per drive {share(before)} -> {share(after)} (busiest/mean {before.heat_imbalance:.2f} -> {after.heat_imbalance:.2f})")
         else:
             print(f"placement kept: heat per drive {share(before)} (busiest/mean {before.heat_imbalance:.2f}) is as even as a rebalance would make it")
@@ -427,6 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="trace file written by --trace")
     p.add_argument("--store", metavar="DIR", help="with warm: the store to warm")
     p.add_argument("--rebalance", action="store_true", help="with warm: rewrite the packs so each drive carries an even share of the heat (needs room for a second copy; crash-safe)")
+    p.add_argument("--stripe", action="store_true", help="with --rebalance: split every large record over all drives instead (the upgrade of a store set up before striping)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_trace)

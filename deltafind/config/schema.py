@@ -134,6 +134,14 @@ class CacheSettings(_Section):
         description="Seconds between merges of the served model's expert heat into the store's "
         "heat.json (also done at shutdown), so a crash loses at most this much learning.",
     )
+    read_mode: Literal["direct", "buffered"] = Field(
+        "direct",
+        description="How experts are read from the drives. direct: O_DIRECT, bypassing the OS "
+        "page cache, so the memory used is what expert_bytes allows and every miss costs a "
+        "drive read. buffered: through the page cache, for stores that fit in RAM: a re-read "
+        "expert comes from memory, but the kernel holds those bytes outside expert_bytes "
+        "(measured trade-off: tests/bench/RESULTS.md). Needs a restart.",
+    )
     spine_int8: bool = Field(
         False,
         description="NOT WEIGHT-EXACT, off by default: hold the spine's matrices as row-int8 "

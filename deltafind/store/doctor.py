@@ -59,7 +59,7 @@ def check_store(store_dir: Path, progress: bool = True) -> DoctorReport:
     missing = _drive_problems(manifest, store_dir)
     if missing:  # report every drive that is gone, not only the first
         report.problems += list(missing.values())
-        skipped = sum(1 for r in manifest.experts if r.drive in missing)
+        skipped = sum(1 for r in manifest.experts if any(e.drive in missing for e in r.extents()))
         report.problems.append(f"{skipped} expert record(s) on drive(s) {', '.join(map(str, sorted(missing)))} not verified; "
                                "fix the drives above and run doctor again")
         return report

@@ -97,7 +97,7 @@ class StoreExperts:
         dtype: torch.dtype = torch.float32,
         drives: list[DriveOptions] | None = None,
         prefetch: PrefetchOptions | None = None,
-        direct_io: bool = True,
+        read_mode: str = "direct",
         trace: TraceWriter | None = None,
         verify: str = "fast",
         *,
@@ -108,7 +108,7 @@ class StoreExperts:
         """`stager` picks the device; `cache` defaults to `ByteLRU(cache_bytes)`, `buffer_pool` to the reader's mmaps."""
         self.manifest = manifest
         return_freed_memory()
-        self.reader = PackReader(manifest, Path(store_dir), verify=verify, drives=drives, direct=direct_io, buffer_pool=buffer_pool)
+        self.reader = PackReader(manifest, Path(store_dir), verify=verify, drives=drives, read_mode=read_mode, buffer_pool=buffer_pool)
         self.cache = ByteLRU(cache_bytes) if cache is None else cache
         self.pinned: dict[tuple[int, int], Expert] = {}
         self.pinned_bytes = 0
@@ -169,7 +169,10 @@ class StoreExperts:
             elif (fut := self._inflight.pop(key, None)) is not None:
                 self.stats.prefetch_used += 1
                 held[e] = self._reserved.pop(key, 0)
-                fut = self.reader.decode_when_read(self.record(layer_idx, e), fut, self.dtype) if self._decode_on_reader else fut
+                if self._decode_on_reader:
+                    fut = self.reader.decode_when_read(self.record(layer_idx, e), fut, self.dtype)
+                else:
+                    self.reader.promote(fut)  # needed now: ahead of other speculative reads
                 pending[fut] = e
                 speculative.add(fut)
             else:
@@ -243,7 +246,7 @@ class StoreExperts:
             if len(self._inflight) >= opts.max_in_flight:
                 break
             self._reserved[key] = self._reserve(self._records[key])
-            self._inflight[key] = self.reader.submit(self._records[key])
+            self._inflight[key] = self.reader.submit(self._records[key], speculative=True)
             self.stats.prefetch_issued += 1
 
     def begin_step(self, seq_ids: Sequence[int], positions: Sequence[int]) -> None:

@@ -12,7 +12,7 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from deltafind.errors import StoreError
 
@@ -24,6 +24,7 @@ ALIGN = 4096
 PACK_HEADER_BYTES = ALIGN
 PACK_MAGIC = "deltafind-pack"
 EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
+PLACEMENTS = ("whole", "stripe")
 
 
 def pack_name(drive_idx: int, generation: int = 0) -> str:
@@ -45,30 +46,50 @@ class TensorEntry:
     quant: str = ""  # GGUF blocks: "KIND/COLS" (store/quant.py); the tensor is uint8 [rows, row_bytes]
 
 
+class Extent(NamedTuple):
+    """A contiguous piece of a record on one drive: `nbytes` (a multiple of ALIGN) at `offset` of its pack."""
+
+    drive: int
+    offset: int
+    nbytes: int
+
+
 @dataclass(frozen=True)
 class ExpertRecord:
     layer: int
     expert: int
-    drive: int
+    drive: int  # a whole record's drive; a striped record's first stripe's
     offset: int  # absolute offset in that drive's pack, multiple of ALIGN
     length: int  # payload bytes (the record occupies align_up(length) bytes)
     sha256: str
     tensors: tuple[TensorEntry, ...]
     xxh3: str | None = None  # xxh3_64 of the payload: the per-read check (sha256 stays for doctor)
+    # Striped placement (manifest placement "stripe"): the record's aligned bytes, in order, as
+    # pieces on several drives, read in parallel (RAID 0 per record). Empty: whole at (drive, offset).
+    stripes: tuple[Extent, ...] = ()
 
     @property
     def key(self) -> tuple[int, int]:
         return (self.layer, self.expert)
 
+    def extents(self) -> tuple[Extent, ...]:
+        """Where the record's align_up(length) bytes lie, in payload order."""
+        return self.stripes or (Extent(self.drive, self.offset, align_up(self.length)),)
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["tensors"] = [{k: v for k, v in asdict(t).items() if k != "quant" or v} for t in self.tensors]
+        if self.stripes:
+            d["stripes"] = [list(e) for e in self.stripes]
+        else:
+            del d["stripes"]
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ExpertRecord:
         tensors = tuple(TensorEntry(t["name"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"], t.get("quant", "")) for t in d["tensors"])
-        return cls(d["layer"], d["expert"], d["drive"], d["offset"], d["length"], d["sha256"], tensors, d.get("xxh3"))
+        stripes = tuple(Extent(*e) for e in d.get("stripes", ()))
+        return cls(d["layer"], d["expert"], d["drive"], d["offset"], d["length"], d["sha256"], tensors, d.get("xxh3"), stripes)
 
 
 @dataclass
@@ -84,6 +105,10 @@ class Manifest:
     experts: list[ExpertRecord] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
     pack_generation: int = 0  # which pack files hold the records (see pack_name)
+    # "whole": each record on one drive (round-robin, or by heat after a rebalance); "stripe": records
+    # large enough are split over all drives (store/placement.py). Absent from a "whole" manifest, so
+    # older deltafind still opens those and refuses striped ones ("malformed manifest").
+    placement: str = "whole"
 
     def drive_paths(self, store_dir: Path) -> list[Path]:
         return [(store_dir / d) if not os.path.isabs(d) else Path(d) for d in self.drives]
@@ -102,6 +127,8 @@ class Manifest:
         d["experts"] = [r.to_json() for r in self.experts]
         if not self.pack_generation:
             del d["pack_generation"]  # a never-rebalanced store stays readable by older deltafind
+        if self.placement == "whole":
+            del d["placement"]
         return d
 
     def save(self, store_dir: Path) -> None:
@@ -125,6 +152,9 @@ class Manifest:
         if version != FORMAT_VERSION:
             raise StoreError(f"{path}: store format_version {version!r}, this deltafind reads {FORMAT_VERSION}; re-import the model: "
                              f"run the same `deltafind setup` again (it replaces a store of an older format from the same source)")
+        if d.get("placement", "whole") not in PLACEMENTS:
+            raise StoreError(f"{path}: unknown expert placement {d['placement']!r} (this deltafind knows {', '.join(PLACEMENTS)}); "
+                             "upgrade deltafind, or re-run `deltafind setup` into a fresh --store")
         try:
             d["experts"] = [ExpertRecord.from_json(r) for r in d["experts"]]
             return cls(**d)

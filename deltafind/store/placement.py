@@ -1,10 +1,15 @@
-"""Rebalance expert placement across drives by heat (`deltafind trace warm --rebalance`).
+"""Where expert records lie on the drives: striping at setup, rebalancing (`trace warm --rebalance`).
 
-Setup stripes experts round-robin, blind to which are hot; a skewed router
-then keeps one drive busy while the others idle. This spreads each layer's
-heat evenly over the drives (a step reads one layer's experts at a time, so
-per-layer balance is what keeps every drive busy), then fills with cold
-experts to balance bytes. Crash-safe: the new packs are written beside the old
+Placement "stripe" (setup's default over several drives): each record of at
+least 2 x MIN_STRIPE_BYTES is split into one piece per drive, read in parallel,
+so every drive carries an equal share of every layer's reads whatever the
+router picks (the per-layer barrier no longer waits on the busiest drive:
+measured in tests/bench/RESULTS.md). Placement "whole" (older stores, small
+records): each record on one drive, round-robin at setup; a skewed router then
+keeps one drive busy while the others idle, so `--rebalance` spreads each
+layer's heat evenly over the drives (a step reads one layer's experts at a
+time), then fills with cold experts to balance bytes; `--rebalance --stripe`
+rewrites a whole store as a striped one (the upgrade path). Crash-safe: the new packs are written beside the old
 ones under the next generation's names and synced, `manifest.json` is
 replaced atomically (the one commit point), and only then are the old packs
 removed. A rerun after a crash removes whatever the manifest does not name
@@ -21,13 +26,16 @@ import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from deltafind.errors import StoreError
 from deltafind.log import get_logger
 from deltafind.store.manifest import (
+    ALIGN,
     PACK_HEADER_BYTES,
     PACK_MAGIC,
     ExpertRecord,
+    Extent,
     Manifest,
     align_up,
     pack_name,
@@ -38,6 +46,43 @@ log = get_logger(__name__)
 LOCK_NAME = ".placement.lock"
 CROSS_LAYER = 0.1
 PACK_FILE = re.compile(r"^experts-(\d+)(?:\.g(\d+))?\.pack$")
+# A stripe below one read chunk (store/drive_queue.py) costs more in per-read overhead than the
+# balance gains; records under 2 x this stay whole (a demo's dense slices, the tests' tiny experts).
+MIN_STRIPE_BYTES = 1 << 20
+
+
+def stripe_extents(size: int, ends: list[int], first: int, min_stripe: int = MIN_STRIPE_BYTES) -> tuple[Extent, ...]:
+    """Pieces of a record of `size` aligned bytes over the drives, starting at drive `first`
+    (rotated per record so the shorter last piece does not always land on one drive);
+    appends at `ends` (each drive's pack end), which it advances."""
+    n = len(ends)
+    k = max(1, min(n, size // min_stripe))
+    pages, extra = divmod(size // ALIGN, k)  # k pieces whose sizes differ by at most one page
+    out = []
+    for j in range(k):
+        d, nbytes = (first + j) % n, (pages + (j < extra)) * ALIGN
+        out.append(Extent(d, ends[d], nbytes))
+        ends[d] += nbytes
+    return tuple(out)
+
+
+def place(rec: ExpertRecord, extents: tuple[Extent, ...]) -> ExpertRecord:
+    """`rec` at `extents` (one extent: a whole record)."""
+    return replace(rec, drive=extents[0].drive, offset=extents[0].offset, stripes=extents if len(extents) > 1 else ())
+
+
+def write_record(files: Sequence[Any], rec: ExpertRecord, payload: bytes | memoryview) -> None:
+    """Write `payload` (the record's bytes) at its extents in `files` (one per drive), zero-padded to 4096."""
+    data = memoryview(payload)[: rec.length]
+    pos = 0
+    for e in rec.extents():
+        f = files[e.drive]
+        f.seek(e.offset)
+        piece = data[pos : pos + e.nbytes]
+        f.write(piece)
+        if len(piece) < e.nbytes:
+            f.write(b"\0" * (e.nbytes - len(piece)))
+        pos += e.nbytes
 
 
 def plan_placement(records: Sequence[ExpertRecord], heat: Mapping[tuple[int, int], float], num_drives: int) -> dict[tuple[int, int], int]:
@@ -79,9 +124,13 @@ class Balance:
 def balance(records: Sequence[ExpertRecord], heat: Mapping[tuple[int, int], float], num_drives: int, where: Mapping[tuple[int, int], int] | None = None) -> Balance:
     h, b = [0.0] * num_drives, [0] * num_drives
     for r in records:
-        d = where[r.key] if where is not None else r.drive
-        h[d] += heat.get(r.key, 0.0)
-        b[d] += align_up(r.length)
+        if where is not None:
+            h[where[r.key]] += heat.get(r.key, 0.0)
+            b[where[r.key]] += align_up(r.length)
+            continue
+        for e in r.extents():  # a striped record's heat lands on each drive in proportion to its piece
+            h[e.drive] += heat.get(r.key, 0.0) * e.nbytes / align_up(r.length)
+            b[e.drive] += e.nbytes
     return Balance(h, b)
 
 
@@ -123,12 +172,16 @@ def rebalance(
     drives: Sequence[DriveOptions] | None = None,
     min_gain: float = 0.02,
     fault: Callable[[str], None] | None = None,
+    stripe: bool = False,
+    min_stripe_bytes: int = MIN_STRIPE_BYTES,
 ) -> tuple[Balance, Balance, bool]:
-    """Rewrite the store's packs so each drive carries an even share of the heat.
+    """Rewrite the store's packs so each drive carries an even share of the heat (`stripe`: of every record).
 
-    Returns (before, after, moved). Refuses (StoreError) when another rebalance
-    holds the lock, when there is no heat, or when a drive lacks room for its
-    new pack next to the old. `fault` is for tests: called at each stage name.
+    Returns (before, after, moved). A striped store keeps its placement (every
+    drive already holds a share of every large record). Refuses (StoreError) when
+    another rebalance holds the lock, when there is no heat (not needed with
+    `stripe`), or when a drive lacks room for its new pack next to the old.
+    `fault` is for tests: called at each stage name.
     """
     store_dir = Path(store_dir)
     lock_fd = os.open(store_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
@@ -137,29 +190,35 @@ def rebalance(
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise StoreError(f"{store_dir}: another `trace warm --rebalance` is running on this store; wait for it to finish") from None
-        return _rebalance_locked(store_dir, heat, drives, min_gain, fault or (lambda _stage: None))
+        return _rebalance_locked(store_dir, heat, drives, min_gain, fault or (lambda _stage: None), stripe, min_stripe_bytes)
     finally:
         os.close(lock_fd)
 
 
 def _rebalance_locked(store_dir: Path, heat: Mapping[tuple[int, int], float], drives: Sequence[DriveOptions] | None,
-                      min_gain: float, fault: Callable[[str], None]) -> tuple[Balance, Balance, bool]:
+                      min_gain: float, fault: Callable[[str], None], stripe: bool, min_stripe: int) -> tuple[Balance, Balance, bool]:
     manifest = Manifest.load(store_dir)
     dirs = _drive_dirs(manifest, store_dir, drives)
     n = len(dirs)
     stale = _remove_stale(dirs, manifest.store_id, manifest.pack_generation)
     if stale:
         log.info("placement_stale_packs_removed", files=[str(f) for f in stale])
-    if not any(heat.get(r.key, 0.0) > 0 for r in manifest.experts):
-        raise StoreError(f"{store_dir}: no expert heat to balance by; record a trace (`deltafind run --trace FILE`) and pass it to `trace warm`")
     before = balance(manifest.experts, heat, n)
-    where = plan_placement(manifest.experts, heat, n)
-    after = balance(manifest.experts, heat, n, where)
-    if n == 1 or before.heat_imbalance - after.heat_imbalance < min_gain:
-        return before, before, False
+    if stripe or manifest.placement == "stripe":
+        new_records = striped_layout(manifest.experts, n, min_stripe)
+        after = balance(new_records, heat, n)
+        if n == 1 or manifest.placement == "stripe" or not any(r.stripes for r in new_records):
+            return before, before, False
+    else:
+        if not any(heat.get(r.key, 0.0) > 0 for r in manifest.experts):
+            raise StoreError(f"{store_dir}: no expert heat to balance by; record a trace (`deltafind run --trace FILE`) and pass it to `trace warm`")
+        where = plan_placement(manifest.experts, heat, n)
+        after = balance(manifest.experts, heat, n, where)
+        if n == 1 or before.heat_imbalance - after.heat_imbalance < min_gain:
+            return before, before, False
+        new_records = _new_layout(manifest.experts, where, n)
     gen = manifest.pack_generation + 1
-    new_records = _new_layout(manifest.experts, where, n)
-    need = [PACK_HEADER_BYTES + sum(align_up(r.length) for r in new_records if r.drive == d) for d in range(n)]
+    need = [PACK_HEADER_BYTES + sum(e.nbytes for r in new_records for e in r.extents() if e.drive == d) for d in range(n)]
     by_device: dict[int, tuple[Path, int]] = {}
     for d, path in enumerate(dirs):
         dev = os.stat(path).st_dev
@@ -180,11 +239,7 @@ def _rebalance_locked(store_dir: Path, heat: Mapping[tuple[int, int], float], dr
         for i, r in enumerate(new_records):
             buf = reader.read(old[r.key])  # verified against its sha256 on the way
             try:
-                f = files[r.drive]
-                f.seek(r.offset)
-                f.write(memoryview(buf)[: r.length])
-                if align_up(r.length) > r.length:
-                    f.write(b"\0" * (align_up(r.length) - r.length))
+                write_record(files, r, buf)
             finally:
                 reader.release(buf)
             if i == len(new_records) // 2:
@@ -199,7 +254,8 @@ def _rebalance_locked(store_dir: Path, heat: Mapping[tuple[int, int], float], dr
     for d in dirs:
         _fsync_dir(d)
     fault("written")
-    replace(manifest, experts=sorted(new_records, key=lambda r: r.key), pack_generation=gen).save(store_dir)  # the commit point
+    placement = "stripe" if any(r.stripes for r in new_records) else "whole"
+    replace(manifest, experts=sorted(new_records, key=lambda r: r.key), pack_generation=gen, placement=placement).save(store_dir)  # the commit point
     fault("committed")
     _remove_stale(dirs, manifest.store_id, gen)
     log.info("placement_rebalanced", generation=gen, heat_before=before.heat_per_drive, heat_after=after.heat_per_drive)
@@ -211,9 +267,15 @@ def _new_layout(records: Sequence[ExpertRecord], where: Mapping[tuple[int, int],
     out = []
     for r in sorted(records, key=lambda r: r.key):
         d = where[r.key]
-        out.append(replace(r, drive=d, offset=ends[d]))
+        out.append(replace(r, drive=d, offset=ends[d], stripes=()))
         ends[d] += align_up(r.length)
     return out
+
+
+def striped_layout(records: Sequence[ExpertRecord], n: int, min_stripe: int = MIN_STRIPE_BYTES) -> list[ExpertRecord]:
+    """Every record split over the `n` drives (those under 2 x `min_stripe` whole, round-robin)."""
+    ends = [PACK_HEADER_BYTES] * n
+    return [place(r, stripe_extents(align_up(r.length), ends, i % n, min_stripe)) for i, r in enumerate(sorted(records, key=lambda r: r.key))]
 
 
 def _fsync_dir(path: Path) -> None:

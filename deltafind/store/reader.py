@@ -1,11 +1,14 @@
-"""Read expert records from the drives' pack files: one bounded I/O pool per drive.
+"""Read expert records from the drives' pack files: one bounded read queue per drive.
 
-Each drive gets its own threads (queue depth from config) doing positional
-reads with O_DIRECT into page-aligned, reusable buffers; where O_DIRECT is not
-available (macOS, tmpfs, some overlay filesystems) reads are buffered and the
-page cache is dropped behind them (POSIX_FADV_DONTNEED / F_NOCACHE) — logged
-once per drive, never silent. An optional `read_mb_s` caps a drive's rate with
-a token bucket to emulate slower drives in benchmarks and tests.
+A record (whole on one drive, or striped over several: manifest `stripes`) is
+read as chunks on each drive's queue (store/drive_queue.py: queue depth from
+config, demand before prefetch) into one page-aligned, reusable buffer.
+`read_mode="direct"` (the default) reads with O_DIRECT; where that is refused
+(macOS, tmpfs, some overlay filesystems) reads are buffered and the page cache
+is dropped behind them (POSIX_FADV_DONTNEED / F_NOCACHE) — logged once per
+drive, never silent. `"buffered"` reads through the page cache on purpose
+([cache] read_mode, for stores that fit in RAM). An optional `read_mb_s` caps a
+drive's rate with a token bucket to emulate slower drives in benchmarks and tests.
 
 Every read is checked before it is used: `verify="fast"` (what the engine uses)
 compares the record's xxh3_64 (~19 GB/s per core), or for records written
@@ -22,7 +25,6 @@ import mmap
 import os
 import sys
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,10 +37,12 @@ import xxhash
 
 from deltafind.errors import CorruptExpertError, StoreError
 from deltafind.log import get_logger
+from deltafind.store.drive_queue import Chunk, DriveQueue, DriveStats, split
 from deltafind.store.manifest import (
     PACK_HEADER_BYTES,
     PACK_MAGIC,
     ExpertRecord,
+    Extent,
     Manifest,
     align_up,
     pack_name,
@@ -46,27 +50,14 @@ from deltafind.store.manifest import (
 
 log = get_logger(__name__)
 VERIFY_MODES = ("full", "fast", "off")
+READ_MODES = ("direct", "buffered")  # [cache] read_mode: O_DIRECT, or through the OS page cache
 
 
 @dataclass(frozen=True)
 class DriveOptions:
     path: Path | None = None  # None: the drive folder recorded in the store
-    queue_depth: int = 8
+    queue_depth: int = 8  # chunk reads in flight on this drive
     read_mb_s: float | None = None  # emulate a slower drive (benchmarks, tests)
-
-
-@dataclass
-class DriveStats:
-    reads: int = 0
-    bytes: int = 0
-    busy_s: float = 0.0  # summed read latency (overlapping reads count each)
-    first_t: float = 0.0
-    last_t: float = 0.0
-
-    @property
-    def gb_s(self) -> float:
-        span = self.last_t - self.first_t
-        return self.bytes / span / 1e9 if span > 0 else 0.0
 
 
 class BufferPool:
@@ -76,6 +67,7 @@ class BufferPool:
         self._free: dict[int, list[mmap.mmap]] = defaultdict(list)
         self._free_bytes = 0
         self.max_free_bytes = max_free_bytes
+        self.reused = self.allocated = 0
         self._lock = threading.Lock()
 
     def get(self, size: int) -> mmap.mmap:
@@ -83,7 +75,9 @@ class BufferPool:
         with self._lock:
             if self._free[size]:
                 self._free_bytes -= size
+                self.reused += 1
                 return self._free[size].pop()
+            self.allocated += 1
         return mmap.mmap(-1, size)
 
     def put(self, buf: mmap.mmap) -> None:
@@ -121,33 +115,26 @@ class TensorPool:
                     self._free_bytes += n
 
 
-class _TokenBucket:
-    """Reserve a time slot of n/rate seconds per read; reads finish no sooner than their slot."""
-
-    def __init__(self, mb_s: float) -> None:
-        self.rate = mb_s * 1e6
-        self._next = 0.0
-        self._lock = threading.Lock()
-
-    def reserve(self, nbytes: int) -> float:
-        with self._lock:
-            start = max(time.perf_counter(), self._next)
-            self._next = start + nbytes / self.rate
-            return self._next
+Decoded = tuple[dict[str, torch.Tensor], Any, list[torch.Tensor]]  # tensors, the buffer they view (or None), pooled widened tensors
 
 
 class PackReader:
-    """Open packs of one store; `submit(rec)` reads on that drive's pool, `read(rec)` waits for it.
+    """Open packs of one store; `submit(rec)` reads on the drives' queues, `read(rec)` waits for it.
 
-    A returned buffer holds the record payload at offset 0 (it may be longer,
-    page-aligned). Pass it to `release` when its tensors are no longer used.
+    A record is read as 1 MiB chunks on every drive that holds a piece of it
+    (store/drive_queue.py), into one buffer, then checked. A returned buffer holds
+    the record payload at offset 0 (it may be longer, page-aligned). Pass it to
+    `release` when its tensors are no longer used.
     """
 
-    def __init__(self, manifest: Manifest, store_dir: Path, verify: bool | str = True, drives: list[DriveOptions] | None = None, direct: bool = True,
-                 buffer_pool: Callable[[int], Any] | None = None) -> None:
+    def __init__(self, manifest: Manifest, store_dir: Path, verify: bool | str = True, drives: list[DriveOptions] | None = None,
+                 read_mode: str = "direct", buffer_pool: Callable[[int], Any] | None = None) -> None:
         self.verify = {True: "full", False: "off"}.get(verify, verify)  # type: ignore[call-overload]
         if self.verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)} (got {verify!r})")
+        if read_mode not in READ_MODES:
+            raise ValueError(f"read_mode must be one of {', '.join(READ_MODES)} (got {read_mode!r})")
+        self.read_mode = read_mode
         self.remote: Any = None  # RemoteExperts of a streaming install (store/remote_experts.py)
         self._learned: dict[tuple[int, int], str] = {}  # xxh3 of sha256-verified bytes, for records without one
         recorded = manifest.drive_paths(store_dir)
@@ -156,30 +143,27 @@ class PackReader:
             raise StoreError(f"{store_dir}: the config lists {len(opts)} drive(s) but the store was striped over {len(recorded)}: list all {len(recorded)} in [[drives]], in the store's order ({', '.join(map(str, recorded))})")
         self.options = [opts[i] if i < len(opts) else DriveOptions() for i in range(len(recorded))]
         self.paths = [(o.path or d) / pack_name(i, manifest.pack_generation) for i, (o, d) in enumerate(zip(self.options, recorded, strict=True))]
-        # One buffer per read slot, reused: fresh mmaps cost their page faults on every read
-        # (measured: twice the CPU per token with two spares per drive). The expert cache
-        # counts these bytes against its budget (StoreExperts).
+        # One buffer per record a drive can have in flight, reused: fresh mmaps cost their page
+        # faults on every read (measured: twice the CPU per token with two spares per drive). The
+        # expert cache counts these bytes against its budget (StoreExperts).
         max_record = max((align_up(r.length) for r in manifest.experts), default=0)
         self.buffers = (buffer_pool or BufferPool)(max_record * sum(o.queue_depth for o in self.options))
         self.widened = TensorPool(max_record * 4 * len(self.options))  # about two bf16 -> fp32 experts per drive
-        self.stats = [DriveStats() for _ in self.paths]
         self._fds: list[int] = []
         self.direct: list[bool] = []
-        self._buckets = [_TokenBucket(o.read_mb_s) if o.read_mb_s else None for o in self.options]
-        self._lock = threading.Lock()
+        self.queues: list[DriveQueue] = []
         for idx, path in enumerate(self.paths):
             try:
-                self._open(idx, path, manifest.store_id, direct)
+                self._open(idx, path, manifest.store_id, read_mode)
             except BaseException:
                 self.close()
                 raise
         from deltafind.store.remote_experts import open_remote
 
         self.remote = open_remote(manifest, store_dir, self.paths, record_tensors)  # a streaming install: missing records come from the hub
-        self._pools = [ThreadPoolExecutor(max_workers=o.queue_depth, thread_name_prefix=f"drive{i}") for i, o in enumerate(self.options)]
         self._decoder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="decode")  # confirmed prefetches
 
-    def _open(self, idx: int, path: Path, store_id: str, direct: bool) -> None:
+    def _open(self, idx: int, path: Path, store_id: str, read_mode: str) -> None:
         if not path.parent.is_dir():
             raise StoreError(f"drive {idx} ({path.parent}) is missing: mount it, or fix the store's drive list in [[drives]]")
         try:
@@ -194,6 +178,7 @@ class PackReader:
         if meta.get("magic") != PACK_MAGIC or meta.get("store_id") != store_id or meta.get("drive") != idx:
             os.close(fd)
             raise StoreError(f"drive {idx}: {path} is not this store's pack (drive order changed, or a different store's drive?)")
+        direct = read_mode == "direct"
         use_direct = False
         if direct and hasattr(os, "O_DIRECT"):
             try:
@@ -211,22 +196,66 @@ class PackReader:
             log.warning("o_direct_unavailable", drive=idx, path=str(path), fallback="buffered")
         self._fds.append(fd)
         self.direct.append(use_direct)
+        drop_behind = direct and not use_direct and hasattr(os, "posix_fadvise")  # "direct" asked: keep the page cache out
+        o = self.options[idx]
+        self.queues.append(DriveQueue(idx, fd, o.queue_depth, o.read_mb_s, drop_behind))
 
-    def submit(self, rec: ExpertRecord) -> Future[mmap.mmap]:
-        return self._pools[rec.drive].submit(self._read, rec)
+    @property
+    def stats(self) -> list[DriveStats]:
+        return [q.stats for q in self.queues]
 
-    def submit_decoded(self, rec: ExpertRecord, dtype: torch.dtype) -> Future[tuple[dict[str, torch.Tensor], mmap.mmap | None, list[torch.Tensor]]]:
+    def submit(self, rec: ExpertRecord, speculative: bool = False) -> Future[Any]:
+        """Read `rec` (a buffer holding it at offset 0). `speculative`: a prefetch, queued behind demand reads."""
+        return self._start(rec, speculative, None)
+
+    def submit_decoded(self, rec: ExpertRecord, dtype: torch.dtype) -> Future[Decoded]:
         """Read, check and convert float tensors to `dtype` on the drive's thread (host compute).
 
         The widening then overlaps with the caller's compute instead of adding to it.
         Returns the tensors and the buffer they still view (None once it went back to the pool).
         """
-        return self._pools[rec.drive].submit(self._read_decoded, rec, dtype)
+        return self._start(rec, False, dtype)
 
-    def decode_when_read(self, rec: ExpertRecord, read: Future[mmap.mmap], dtype: torch.dtype) -> Future[tuple[dict[str, torch.Tensor], mmap.mmap | None, list[torch.Tensor]]]:
+    def promote(self, read: Future[Any]) -> None:
+        """A speculative read is now needed: its chunks not yet started go with the demand reads."""
+        owner = getattr(read, "_record_read", None)
+        if owner is not None:
+            owner.promote()
+
+    def _start(self, rec: ExpertRecord, speculative: bool, dtype: torch.dtype | None) -> Future[Any]:
+        fut: Future[Any] = Future()
+        remote = self.remote
+        if remote is None or rec.key in remote.present:
+            self._queue(remote.present[rec.key] if remote is not None else rec, fut, speculative, dtype)
+            return fut
+        fetched = remote.submit([rec.key])[rec.key]  # fetched and written into its place first
+
+        def landed(f: Future[ExpertRecord]) -> None:
+            if f.exception() is not None:
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(f.exception())  # type: ignore[arg-type]
+                return
+            try:
+                self._queue(f.result(), fut, speculative, dtype)
+            except BaseException as e:
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(e)
+
+        fetched.add_done_callback(landed)
+        return fut
+
+    def _queue(self, rec: ExpertRecord, fut: Future[Any], speculative: bool, dtype: torch.dtype | None) -> None:
+        extents = rec.extents()
+        if any(e.drive >= len(self.queues) for e in extents):
+            raise CorruptExpertError(f"expert {rec.expert} of layer {rec.layer}: drive {max(e.drive for e in extents)} is closed or unknown")
+        read = _RecordRead(self, rec, fut, dtype)
+        fut._record_read = read  # type: ignore[attr-defined]  # for promote()
+        read.queue(extents, speculative)
+
+    def decode_when_read(self, rec: ExpertRecord, read: Future[Any], dtype: torch.dtype) -> Future[Decoded]:
         """Convert an already-submitted read (a prefetch the router confirmed) off the caller's
         thread, once it lands; no decode thread waits on a read meanwhile."""
-        out: Future[tuple[dict[str, torch.Tensor], mmap.mmap | None, list[torch.Tensor]]] = Future()
+        out: Future[Decoded] = Future()
 
         def convert() -> None:
             if not out.set_running_or_notify_cancel():  # the caller gave up on it
@@ -238,19 +267,17 @@ class PackReader:
             except BaseException as e:  # a read error or a cancelled read reaches the caller
                 out.set_exception(e)
 
-        def landed(_read: Future[mmap.mmap]) -> None:
+        def landed(_read: Future[Any]) -> None:
             try:
                 self._decoder.submit(convert)
             except RuntimeError:  # closing: convert here rather than leave the caller waiting
                 convert()
 
+        self.promote(read)
         read.add_done_callback(landed)
         return out
 
-    def _read_decoded(self, rec: ExpertRecord, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], mmap.mmap | None, list[torch.Tensor]]:
-        return self._convert(rec, self._read(rec), dtype)
-
-    def _convert(self, rec: ExpertRecord, buf: mmap.mmap, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], mmap.mmap | None, list[torch.Tensor]]:
+    def _convert(self, rec: ExpertRecord, buf: Any, dtype: torch.dtype) -> Decoded:
         """The record's tensors in `dtype` (floats; packed formats as stored), the buffer they
         still view (None: it went back to the pool), and the widened tensors, which come from
         `widened` and go back there (`put_all`) when the expert is dropped."""
@@ -267,50 +294,22 @@ class PackReader:
         self.buffers.put(buf)
         return tensors, None, pooled
 
-    def read(self, rec: ExpertRecord) -> mmap.mmap:
+    def read(self, rec: ExpertRecord) -> Any:
         return self.submit(rec).result()
 
-    def release(self, buf: mmap.mmap) -> None:
+    def release(self, buf: Any) -> None:
         self.buffers.put(buf)
 
-    def _read(self, rec: ExpertRecord) -> mmap.mmap:
-        if self.remote is not None:
-            rec = self.remote.ensure(rec)  # fetched and written into its place first, if it is not there yet
-        where = f"expert {rec.expert} of layer {rec.layer}"
-        if rec.drive >= len(self._fds):
-            raise CorruptExpertError(f"{where}: drive {rec.drive} is closed or unknown")
-        size = align_up(rec.length)
-        buf = self.buffers.get(size)
-        bucket = self._buckets[rec.drive]
-        slot_end = bucket.reserve(size) if bucket else 0.0
-        t0 = time.perf_counter()
-        try:
-            n = os.preadv(self._fds[rec.drive], [memoryview(buf)[:size]], rec.offset)
-            if not self.direct[rec.drive] and hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(self._fds[rec.drive], rec.offset, size, os.POSIX_FADV_DONTNEED)
-        except OSError as e:
-            self.buffers.put(buf)
-            raise CorruptExpertError(f"{where}: read failed on drive {rec.drive} ({self.paths[rec.drive]}: {e.strerror})") from e
-        if slot_end:
-            time.sleep(max(0.0, slot_end - time.perf_counter()))
-        t1 = time.perf_counter()
-        if n < rec.length:
-            self.buffers.put(buf)
-            raise CorruptExpertError(f"{where}: short read on drive {rec.drive} ({n} of {rec.length} bytes); the pack {self.paths[rec.drive]} is truncated — re-run setup")
+    def check(self, rec: ExpertRecord, buf: Any) -> None:
+        """Raise CorruptExpertError unless the landed bytes are the record's."""
         if not self._intact(rec, memoryview(buf)[: rec.length]):
-            self.buffers.put(buf)
+            drives = sorted({e.drive for e in rec.extents()})
+            where = ", ".join(f"{self.paths[d]}" for d in drives)
             raise CorruptExpertError(
-                f"{where}: checksum mismatch in {self.paths[rec.drive]} at offset {rec.offset}; "
+                f"expert {rec.expert} of layer {rec.layer}: checksum mismatch in {where} at offset {rec.offset}"
+                f"{' (striped over drives ' + ', '.join(map(str, drives)) + ')' if len(drives) > 1 else ''}; "
                 "the drive returned corrupt data — run `deltafind doctor` and re-import the store"
             )
-        with self._lock:
-            s = self.stats[rec.drive]
-            s.reads += 1
-            s.bytes += rec.length
-            s.busy_s += t1 - t0
-            s.first_t = s.first_t or t0
-            s.last_t = t1
-        return buf
 
     def _intact(self, rec: ExpertRecord, data: memoryview) -> bool:
         if self.verify == "off":
@@ -330,9 +329,17 @@ class PackReader:
     def bytes_read(self) -> int:
         return sum(s.bytes for s in self.stats)
 
+    def io_stats(self) -> dict[str, Any]:
+        """Per drive: reads (chunks), sizes, queue depth, idle gaps; buffer reuse; the read mode."""
+        pool = self.buffers
+        return {"read_mode": self.read_mode, "o_direct": self.direct, "drives": [s.as_dict() for s in self.stats],
+                "buffers_reused": getattr(pool, "reused", None), "buffers_allocated": getattr(pool, "allocated", None)}
+
     def close(self) -> None:
-        for pool in [*getattr(self, "_pools", []), *([self._decoder] if hasattr(self, "_decoder") else [])]:
-            pool.shutdown(wait=True, cancel_futures=True)
+        for q in getattr(self, "queues", []):
+            q.close()
+        if hasattr(self, "_decoder"):
+            self._decoder.shutdown(wait=True, cancel_futures=True)
         if self.remote is not None:
             self.remote.close()
         for fd in self._fds:
@@ -348,3 +355,91 @@ def record_tensors(rec: ExpertRecord, buf: object) -> dict[str, torch.Tensor]:
         count = t.nbytes // torch.empty(0, dtype=dtype).element_size()
         out[t.name] = torch.frombuffer(buf, dtype=dtype, count=count, offset=t.offset).view(t.shape) if count else torch.empty(t.shape, dtype=dtype)
     return out
+
+
+class _RecordRead:
+    """One record in flight: its chunks on their drives, the buffer they fill, a countdown.
+
+    The thread that lands the last chunk checks the bytes (and converts them, for
+    `submit_decoded`) and completes the future; a cancelled read skips the chunks
+    not yet started and recycles its buffer.
+    """
+
+    def __init__(self, reader: PackReader, rec: ExpertRecord, fut: Future[Any], dtype: torch.dtype | None) -> None:
+        self.reader, self.rec, self.fut, self.dtype = reader, rec, fut, dtype
+        self.buf: Any = None
+        self.error: BaseException | None = None
+        self.chunks: list[Chunk] = []
+        self._left = 0
+        self._lock = threading.Lock()
+
+    def queue(self, extents: tuple[Extent, ...], speculative: bool) -> None:
+        pos, by_drive = 0, {}
+        for e in extents:
+            q = self.reader.queues[e.drive]
+            for off, n in split(e.offset, e.nbytes):
+                c = Chunk(q, off, n, pos + off - e.offset, self)
+                self.chunks.append(c)
+                by_drive.setdefault(e.drive, []).append(c)
+            pos += e.nbytes
+        self._left = len(self.chunks)
+        for d, chunks in by_drive.items():
+            self.reader.queues[d].put(chunks, speculative)
+
+    def promote(self) -> None:
+        by_queue: dict[int, list[Chunk]] = {}
+        for c in self.chunks:
+            by_queue.setdefault(c.queue.idx, []).append(c)
+        for idx, chunks in by_queue.items():
+            self.reader.queues[idx].promote(chunks)
+
+    def run(self, chunk: Chunk) -> None:
+        if not self.fut.cancelled() and self.error is None:
+            try:
+                with self._lock:
+                    if self.buf is None:
+                        self.buf = self.reader.buffers.get(align_up(self.rec.length))
+                n = chunk.queue.read_into(chunk, memoryview(self.buf)[chunk.pos : chunk.pos + chunk.size])
+                if n < min(chunk.size, self.rec.length - chunk.pos):
+                    raise _Short(n)
+            except _Short as e:
+                self.error = CorruptExpertError(
+                    f"expert {self.rec.expert} of layer {self.rec.layer}: short read on drive {chunk.queue.idx} ({e.args[0]} of {chunk.size} bytes "
+                    f"at offset {chunk.offset}); the pack {self.reader.paths[chunk.queue.idx]} is truncated — re-run setup")
+            except OSError as e:
+                self.error = CorruptExpertError(
+                    f"expert {self.rec.expert} of layer {self.rec.layer}: read failed on drive {chunk.queue.idx} "
+                    f"({self.reader.paths[chunk.queue.idx]}: {e.strerror})")
+            except BaseException as e:
+                self.error = e
+        self._landed()
+
+    def abandon(self, chunk: Chunk) -> None:
+        self.error = self.error or CorruptExpertError(f"expert {self.rec.expert} of layer {self.rec.layer}: the reader closed before it was read")
+        self._landed()
+
+    def _landed(self) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left:
+                return
+        buf, reader = self.buf, self.reader
+        if not self.fut.set_running_or_notify_cancel():  # cancelled: nobody wants the bytes
+            if buf is not None:
+                reader.buffers.put(buf)
+            return
+        try:
+            if self.error is not None:
+                raise self.error
+            reader.check(self.rec, buf)
+            result = reader._convert(self.rec, buf, self.dtype) if self.dtype is not None else buf
+        except BaseException as e:
+            if buf is not None:
+                reader.buffers.put(buf)
+            self.fut.set_exception(e)
+            return
+        self.fut.set_result(result)
+
+
+class _Short(Exception):
+    pass

@@ -39,6 +39,7 @@ from deltafind.store.manifest import (
     align_up,
     pack_name,
 )
+from deltafind.store.placement import MIN_STRIPE_BYTES, place, stripe_extents, write_record
 from deltafind.store.provider import HF_WEIGHTS, WeightNames
 from deltafind.store.quant import parse_quant, slice_cols
 from deltafind.store.sources import Source, TensorInfo, open_source
@@ -204,9 +205,13 @@ def setup_store(
     progress: bool = True,
     fault_after: int | None = None,
     names: WeightNames = HF_WEIGHTS,
+    placement: str = "stripe",
+    min_stripe_bytes: int = MIN_STRIPE_BYTES,
 ) -> Manifest:
     """Import `source_path` (a path, or an open `Source` such as a synthetic one) into
-    `store_dir`, striping experts round-robin over `drives`. `names` is the family's
+    `store_dir`, each expert record split over all `drives` (`placement="stripe"`, records
+    of at least 2 x `min_stripe_bytes`; smaller ones whole, round-robin) or whole, round-robin
+    (`"whole"`): store/placement.py. `names` is the family's
     (`family.weight_names(args)`; `deltafind setup` passes it).
 
     `fault_after` is for tests: raise after that many expert records, as an
@@ -260,13 +265,13 @@ def setup_store(
                 parts, quants = load()
                 _check_scales(layer, expert, parts)
                 payload, entries = expert_record_bytes(parts, quants)
-                drive = i % len(drive_dirs)
-                f, end = packs[drive]
-                f.seek(end)
-                f.write(payload + b"\0" * (align_up(len(payload)) - len(payload)))
-                packs[drive] = (f, end + align_up(len(payload)))
-                rec = ExpertRecord(layer, expert, drive, end, len(payload), hashlib.sha256(payload).hexdigest(), tuple(entries),
-                                   xxhash.xxh3_64_hexdigest(payload))
+                ends = [end for _, end in packs]
+                size = align_up(len(payload))
+                extents = stripe_extents(size, ends, i % len(ends), min_stripe_bytes if placement == "stripe" else size + 1)
+                rec = place(ExpertRecord(layer, expert, 0, 0, len(payload), hashlib.sha256(payload).hexdigest(), tuple(entries),
+                                         xxhash.xxh3_64_hexdigest(payload)), extents)
+                write_record([f for f, _ in packs], rec, payload)
+                packs = [(f, end) for (f, _), end in zip(packs, ends, strict=True)]
                 records.append(rec)
                 journal.add({"kind": "expert", "record": rec.to_json()})
                 written += 1
@@ -310,6 +315,7 @@ def setup_store(
         spine_sha256=spine_sha,
         tokenizer_files=tokenizer_files,
         experts=sorted(records, key=lambda r: r.key),
+        placement="stripe" if any(r.stripes for r in records) else "whole",
     )
     manifest.save(store_dir)
     journal.path.unlink(missing_ok=True)
@@ -359,7 +365,7 @@ def _open_packs(drive_dirs: list[Path], store_id: str, records: list[ExpertRecor
         else:
             with open(path, "wb") as f:
                 f.write(header.ljust(PACK_HEADER_BYTES, b"\0"))
-        end = max([r.offset + align_up(r.length) for r in records if r.drive == idx], default=PACK_HEADER_BYTES)
+        end = max([e.offset + e.nbytes for r in records for e in r.extents() if e.drive == idx], default=PACK_HEADER_BYTES)
         f = open(path, "r+b")  # noqa: SIM115 - closed by setup_store
         f.truncate(end)
         packs.append((f, end))

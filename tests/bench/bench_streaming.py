@@ -1,11 +1,14 @@
-"""Expert-streaming benchmarks (issue 3): efficiency, drive scaling, prefetch value, memory.
+"""Expert-streaming benchmarks (issues 3, 15): efficiency, drive scaling, prefetch value, page cache, memory.
 
 Each configuration runs in a fresh subprocess (cold expert cache, its own peak
 RSS); configurations alternate so machine noise hits all of them alike.
 Stores are seeded synthetic qwen3_moe stores with bf16 experts (9 MiB each),
-made on first use under --root. Prints one JSON line per bench and a summary.
+made on first use under --root: `qN` with whole records round-robin over N drive
+folders (the layout before striping), `qNs` with every record striped over the N.
+Prints one JSON line per bench and a summary, with the load average.
 `--before DIR` (a checkout of an older deltafind, e.g. `git archive REV | tar -x -C DIR`)
-runs every configuration under both trees in the same rounds, side by side.
+runs every configuration under both trees in the same rounds, side by side (the
+older tree on the whole-record stores, which it can read).
 
     python tests/bench/bench_streaming.py --root /tmp/dfbench [--rounds 2] [--tokens 6] [--before DIR]
     python tests/bench/bench_streaming.py --profile /tmp/dfbench/q2 --tokens 8 --no-prefetch   # where a decode spends its time
@@ -14,6 +17,7 @@ runs every configuration under both trees in the same rounds, side by side.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -23,20 +27,30 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from streaming_drives import (
+    barrier_bounds,
+    drop_store_from_page_cache,
+    page_cache_bytes,
+    raw_odirect,
+)
+
 ENV = dict(os.environ)  # before deltafind is imported here (it sets OMP_WAIT_POLICY): what --before runs get
 SHAPE = {"layers": 2}  # the qwen3_moe "bench" shape, 2 layers: 128 experts x 9 MiB
 
 
-def make_store(root: Path, drives: int) -> Path:
+def make_store(root: Path, drives: int, placement: str = "whole") -> Path:
     import deltafind.store.synthetic_families  # noqa: F401 - registers the families
     from deltafind.store.setup import setup_store
     from deltafind.store.synthetic import FAMILIES, open_synthetic
 
-    store = root / f"q{drives}"
+    name = f"q{drives}" + ("s" if placement == "stripe" else "")
+    store = root / name
     if not (store / "manifest.json").exists():
         fam = FAMILIES["qwen3_moe"]
         fam.shapes["bench-stream"] = {**fam.shapes["bench"], **SHAPE}
-        setup_store(open_synthetic("qwen3_moe", "bench-stream", 0), store, [root / f"q{drives}-drive{i}" for i in range(drives)], progress=False)
+        setup_store(open_synthetic("qwen3_moe", "bench-stream", 0), store, [root / f"{name}-drive{i}" for i in range(drives)], progress=False,
+                    placement=placement)
     return store
 
 
@@ -54,31 +68,33 @@ def one(cfg: dict) -> dict:
     from deltafind.engine.sampler import SamplingParams
     from deltafind.store.experts import PrefetchOptions
     from deltafind.store.manifest import Manifest
-    from deltafind.store.reader import DriveOptions, PackReader
+    from deltafind.store.reader import DriveOptions
 
     torch.set_num_threads(cfg.get("threads", 2))
     store = Path(cfg["store"])
     n_drives = len(Manifest.load(store).drives)
     drives = [DriveOptions(queue_depth=cfg.get("queue_depth", 8), read_mb_s=cfg.get("read_mb_s"))] * n_drives
-    if cfg.get("raw"):
-        manifest = Manifest.load(store)
-        reader = PackReader(manifest, store, verify=False, drives=drives)
-        t0 = time.perf_counter()
-        for fut in [reader.submit(r) for r in manifest.experts]:
-            reader.release(fut.result())
-        dt = time.perf_counter() - t0
-        reader.close()
-        return {"raw_gb_s": reader.bytes_read / dt / 1e9}
+    if cfg.get("raw"):  # plain threads and O_DIRECT, not deltafind's reader (streaming_drives.py)
+        return raw_odirect(store, cfg.get("queue_depth", 8), cfg.get("read_bytes", 1 << 20))
     runtime_rss = _rss_now()  # torch and deltafind imported, nothing loaded
+    read_mode = {"read_mode": cfg["read_mode"]} if "read_mode" in cfg else {}  # an older tree has no such key
+    if cfg.get("read_mode") == "buffered":
+        drop_store_from_page_cache(store)
+    cached0 = page_cache_bytes()
     model = Model.open(store, expert_cache_bytes=cfg.get("cache", 0), drives=drives,
-                       prefetch=PrefetchOptions(enabled=cfg.get("prefetch", True), max_in_flight=16), heat_decay=1.0)
+                       prefetch=PrefetchOptions(enabled=cfg.get("prefetch", True), max_in_flight=16), heat_decay=1.0, **read_mode)
     spine_resident = sum(p.numel() * p.element_size() for p in model.net.parameters()) + sum(b.numel() * b.element_size() for b in model.net.buffers())
     ids = [65, 66, 67, 68]
     params = SamplingParams(max_new_tokens=cfg["tokens"], ignore_eos=True)
-    t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
-    list(model.stream(ids, params))
-    wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+    fetches = time_fetches(model.experts)
+    passes = []
+    for _ in range(cfg.get("passes", 1)):  # a second pass: what a warm page cache gives a buffered reader
+        t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+        list(model.stream(ids, params))
+        wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+        passes.append(model.last_stats.decode_tok_s)
     s, e = model.last_stats, model.experts.stats
+    reader = model.experts.reader
     out = {
         "decode_tok_s": s.decode_tok_s,
         "wall_s": wall,
@@ -95,11 +111,49 @@ def one(cfg: dict) -> dict:
         "spine_resident_bytes": spine_resident,
         "runtime_rss_bytes": runtime_rss,
         "cache_used_bytes": model.experts.cache.used_bytes,
-        "free_read_buffers_bytes": model.experts.reader.buffers._free_bytes,
+        "free_read_buffers_bytes": reader.buffers._free_bytes,
+        "decode_tok_s_by_pass": passes,
+        "page_cache_growth_bytes": page_cache_bytes() - cached0,
+        "drive_bytes": getattr(reader, "bytes_read", e.bytes_read),  # wasted prefetches included
+        "io": reader.io_stats() if hasattr(reader, "io_stats") else None,
+        "between_reads": between_reads(fetches),
     }
     model.experts.uses.clear()  # keep the bench store's heat file out of it
     model.close()
     return out
+
+
+def time_fetches(experts: object) -> list[list[tuple[str, float]]]:
+    """Record when each fetch starts, when each expert reaches the model, and when it ends (wraps
+    the provider's `fetch`; what it yields is unchanged)."""
+    log: list[list[tuple[str, float]]] = []
+    inner = experts.fetch  # type: ignore[attr-defined]
+
+    def fetch(layer_idx, expert_ids):
+        events = [("start", time.perf_counter())]
+        log.append(events)
+        for item in inner(layer_idx, expert_ids):
+            events.append(("got", time.perf_counter()))
+            yield item
+        events.append(("end", time.perf_counter()))
+
+    experts.fetch = fetch  # type: ignore[attr-defined]
+    return log
+
+
+def between_reads(log: list[list[tuple[str, float]]]) -> dict:
+    """Where a cold decode's time goes around the reads, per layer fetch (medians, ms): from the
+    fetch's start to its first expert, to its end (the last expert computed), and from its end to
+    the next fetch's start (attention, router, norms; lm_head and sampling between tokens) — in
+    that last gap no read is queued unless a prefetch is."""
+    import statistics as st
+
+    done = [f for f in log if f[-1][0] == "end" and len(f) > 2]
+    gaps = [b[0][1] - a[-1][1] for a, b in itertools.pairwise(done)]
+    ms = lambda xs: round(1e3 * st.median(xs), 2) if xs else None  # noqa: E731
+    return {"fetches": len(done), "first_expert_ms": ms([f[1][1] - f[0][1] for f in done]),
+            "fetch_ms": ms([f[-1][1] - f[0][1] for f in done]), "last_expert_to_end_ms": ms([f[-1][1] - f[-2][1] for f in done]),
+            "gap_to_next_fetch_ms": ms(gaps), "gap_share_of_wall": round(sum(gaps) / max(1e-9, done[-1][-1][1] - done[0][0][1]), 3) if gaps else None}
 
 
 def profile(store: Path, tokens: int, threads: int, prefetch: bool) -> None:
@@ -144,54 +198,72 @@ def median(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
-def barrier_bound(stores: dict[int, Path], top_k: int = 8, samples: int = 4000) -> dict[int, float]:
-    """Best speedup N drives can give when each layer's reads must finish before the next layer
-    starts: mean reads per layer over the mean of the busiest drive's share (uniform routes, as the
-    synthetic router's are, over the stores' actual striping)."""
-    import random
-    from collections import Counter
-
-    from deltafind.store.manifest import Manifest
-
-    out = {}
-    for n, store in stores.items():
-        drive = {r.key: r.drive for r in Manifest.load(store).experts}
-        layers = sorted({k[0] for k in drive})
-        counts = {layer: 1 + max(e for (lay, e) in drive if lay == layer) for layer in layers}
-        rng, busiest = random.Random(0), 0
-        for _ in range(samples):
-            for layer in layers:
-                busiest += max(Counter(drive[(layer, e)] for e in rng.sample(range(counts[layer]), top_k)).values())
-        out[n] = round(samples * len(layers) * top_k / busiest, 3)
-    return out
+def _io(rows: list[dict]) -> dict | None:
+    """How the drives were driven in the median-speed run: read sizes, queue depth, idle gaps, alignment, buffer reuse."""
+    run_ = sorted(rows, key=lambda r: r["decode_tok_s"])[len(rows) // 2]
+    io = run_.get("io")
+    if not io:
+        return None
+    drives = io["drives"]
+    return {"read_mode": io["read_mode"], "o_direct": io["o_direct"], "buffers_reused": io["buffers_reused"], "buffers_allocated": io["buffers_allocated"],
+            "mean_read_bytes": [d["mean_read_bytes"] for d in drives], "mean_queue_depth": [d["mean_queue_depth"] for d in drives],
+            "max_queue_depth": [d["max_queue_depth"] for d in drives], "misaligned_reads": sum(d["misaligned_reads"] for d in drives),
+            # where the time between reads goes: drive idle (nothing queued: the model computing between
+            # layers, or waiting on the last read of a layer elsewhere) as a share of the run's wall time
+            "drive_idle_fraction": [round(d["idle_s"] / run_["wall_s"], 3) for d in drives], "idle_gaps": [d["idle_gaps"] for d in drives],
+            "io_wait_fraction": round(run_["io_wait_s"] / run_["wall_s"], 3), "wall_s": round(run_["wall_s"], 3),
+            "between_reads": run_.get("between_reads"),
+            # the read path alone: bytes over the time some read was in flight on the slowest drive
+            "busy_gb_s": round(sum(d["bytes"] for d in drives) / max(d["span_s"] - d["idle_s"] for d in drives) / 1e9, 3)}
 
 
 def summarize(res: dict[str, list[dict]], t: int, cap_mb_s: float) -> list[dict]:
-    raw = median(res["raw"], "raw_gb_s")
-    stream = res["stream"]
-    efficiency = {"bench": "streaming_efficiency", "raw_odirect_gb_s": round(raw, 3), "decode_read_gb_s": round(median(stream, "read_gb_s"), 3),
-                  "ratio": round(median(stream, "read_gb_s") / raw, 3), "decode_tok_s": round(median(stream, "decode_tok_s"), 3),
-                  "io_wait_fraction": round(median(stream, "io_wait_s") / median(stream, "wall_s"), 3),
-                  "bytes_per_token": int(median(stream, "bytes_read") / (t + 3)),
-                  "cpu_ms_per_token": round(1e3 * median(stream, "cpu_s") / (t + 3), 1) if "cpu_s" in stream[0] else None}
-    one_drive = median(res["cap1"], "decode_tok_s")
-    scaling = {"bench": "drive_scaling", "cap_mb_s_per_drive": cap_mb_s,
-               "tok_s": {n: round(median(res[f"cap{n}"], "decode_tok_s"), 3) for n in (1, 2, 3, 4)},
-               "speedup": {n: round(median(res[f"cap{n}"], "decode_tok_s") / one_drive, 3) for n in (1, 2, 3, 4)}}
-    prefetch = {"bench": "prefetch_value", "ratio_on_off": round(median(stream, "decode_tok_s") / median(res["noprefetch"], "decode_tok_s"), 3),
-                "tok_s_on_off": [round(median(stream, "decode_tok_s"), 3), round(median(res["noprefetch"], "decode_tok_s"), 3)],
-                "recall_by_layer": stream[-1]["recall_by_layer"], "precision_by_layer": stream[-1]["precision_by_layer"],
-                "prefetch_used": stream[-1]["prefetch_used"], "prefetch_wasted": stream[-1]["prefetch_wasted"]}
+    """One line per bench from one tree's runs (an older tree ran only the whole-record configurations)."""
+    out = []
+    raw = max(median(res["raw"], "raw_gb_s"), median(res["raw_rec"], "raw_gb_s")) if res.get("raw") else None
+    eff = {"bench": "streaming_efficiency", "raw_odirect_gb_s": raw and round(raw, 3),
+           "raw_by_read_size": {str(r[0]["raw_read_bytes"]): round(median(r, "raw_gb_s"), 3) for r in (res.get("raw"), res.get("raw_rec")) if r}}
+    for key in ("whole", "stripe", "stream"):
+        rows = res.get(key)
+        if not rows:
+            continue
+        needed, drive = median(rows, "read_gb_s"), statistics.median(r.get("drive_bytes", r["bytes_read"]) / r["wall_s"] / 1e9 for r in rows)
+        eff[key] = {"decode_tok_s": round(median(rows, "decode_tok_s"), 3), "needed_gb_s": round(needed, 3), "drive_gb_s": round(drive, 3),
+                    "ratio": raw and round(needed / raw, 3), "drive_ratio": raw and round(drive / raw, 3),
+                    "busy_ratio": raw and _io(rows) and round(_io(rows)["busy_gb_s"] / raw, 3),
+                    "bytes_per_token": int(median(rows, "bytes_read") / (t + 3)), "cpu_ms_per_token": round(1e3 * median(rows, "cpu_s") / (t + 3), 1),
+                    "io": _io(rows)}
+    out.append(eff)
+    scaling: dict = {"bench": "drive_scaling", "cap_mb_s_per_drive": cap_mb_s, "prefetch": False}
+    for name, prefix in (("whole", "cap"), ("stripe", "caps")):
+        if f"{prefix}2" not in res:
+            continue
+        tok = {n: median(res[f"{prefix}{n}" if n > 1 else "cap1"], "decode_tok_s") for n in (1, 2, 3, 4)}
+        scaling[name] = {"tok_s": {n: round(v, 3) for n, v in tok.items()}, "speedup": {n: round(v / tok[1], 3) for n, v in tok.items()},
+                         "per_drive_efficiency_at_4": round(tok[4] / tok[1] / 4, 3)}
+    out.append(scaling)
+    if "stream" in res and "stripe" in res:
+        on, off = median(res["stream"], "decode_tok_s"), median(res["stripe"], "decode_tok_s")
+        out.append({"bench": "prefetch_value", "ratio_on_off": round(on / off, 3), "tok_s_on_off": [round(on, 3), round(off, 3)],
+                    "recall_by_layer": res["stream"][-1]["recall_by_layer"], "precision_by_layer": res["stream"][-1]["precision_by_layer"]})
+    if "pc_direct" in res:
+        pc = {"bench": "page_cache", "store_expert_bytes": res["pc_direct"][0]["bytes_read"]}
+        for key in ("pc_direct", "pc_buffered"):
+            rows = res[key]
+            pc[key.removeprefix("pc_")] = {"decode_tok_s_pass1": round(statistics.median(r["decode_tok_s_by_pass"][0] for r in rows), 3),
+                                           "decode_tok_s_pass2": round(statistics.median(r["decode_tok_s_by_pass"][-1] for r in rows), 3),
+                                           "page_cache_growth_bytes": int(median(rows, "page_cache_growth_bytes")),
+                                           "peak_rss_bytes": int(median(rows, "peak_rss_bytes"))}
+        pc["warm_buffered_over_direct"] = round(pc["buffered"]["decode_tok_s_pass2"] / pc["direct"]["decode_tok_s_pass2"], 3)
+        out.append(pc)
     mem = res["mem"]
     peak = median(mem, "peak_rss_bytes")
     # The denominator is what the budgets allow: the spine as held (compute dtype) plus the cache budget.
     budget = mem[0].get("spine_resident_bytes", 2 * mem[0]["spine_bytes"]) + (1 << 30)
     runtime = median(mem, "runtime_rss_bytes") if "runtime_rss_bytes" in mem[0] else None
-    memory = {"bench": "memory", "peak_rss_bytes": int(peak), "spine_resident_plus_cache_bytes": budget, "ratio": round(peak / budget, 3),
-              "runtime_rss_bytes": runtime and int(runtime),
-              "ratio_without_runtime": runtime and round((peak - runtime) / budget, 3),
-              "cache_used_bytes": mem[0].get("cache_used_bytes"), "free_read_buffers_bytes": mem[0].get("free_read_buffers_bytes")}
-    return [efficiency, scaling, prefetch, memory]
+    out.append({"bench": "memory", "peak_rss_bytes": int(peak), "spine_resident_plus_cache_bytes": budget, "ratio": round(peak / budget, 3),
+                "runtime_rss_bytes": runtime and int(runtime), "ratio_without_runtime": runtime and round((peak - runtime) / budget, 3)})
+    return out
 
 
 def main() -> None:
@@ -213,36 +285,34 @@ def main() -> None:
         profile(args.profile, max(2, args.tokens), args.threads, not args.no_prefetch)
         return
     args.root.mkdir(parents=True, exist_ok=True)
-    stores = {n: make_store(args.root, n) for n in (1, 2, 3, 4)}
-    t, th = args.tokens, args.threads
+    whole = {n: make_store(args.root, n) for n in (1, 2, 3, 4)}
+    stripe = {n: make_store(args.root, n, "stripe") for n in (2, 3, 4)}
+    t, th, cap = args.tokens, args.threads, args.cap_mb_s
     trees: dict[str, Path | None] = {"after": None, **({"before": args.before} if args.before else {})}
-    keys = ("raw", "stream", "noprefetch", "cap1", "cap2", "cap3", "cap4", "mem")
-    res: dict[str, dict[str, list[dict]]] = {name: {k: [] for k in keys} for name in trees}
+    # (key, config, runs under an older tree too)
+    configs = [("raw", {"store": str(stripe[2]), "raw": True}, False),
+               ("raw_rec", {"store": str(stripe[2]), "raw": True, "read_bytes": 16 << 20}, False),
+               ("whole", {"store": str(whole[2]), "tokens": t, "prefetch": False}, True),
+               ("stripe", {"store": str(stripe[2]), "tokens": t, "prefetch": False}, False),
+               ("stream", {"store": str(stripe[2]), "tokens": t}, False),
+               *[(f"cap{n}", {"store": str(whole[n]), "tokens": max(2, t // 2), "read_mb_s": cap, "prefetch": False}, True) for n in (1, 2, 3, 4)],
+               *[(f"caps{n}", {"store": str(stripe[n]), "tokens": max(2, t // 2), "read_mb_s": cap, "prefetch": False}, False) for n in (2, 3, 4)],
+               ("pc_direct", {"store": str(stripe[2]), "tokens": t, "prefetch": False, "passes": 2, "read_mode": "direct"}, False),
+               ("pc_buffered", {"store": str(stripe[2]), "tokens": t, "prefetch": False, "passes": 2, "read_mode": "buffered"}, False),
+               ("mem", {"store": str(whole[2]), "tokens": t, "cache": 1 << 30}, True)]
+    res: dict[str, dict[str, list[dict]]] = {name: {} for name in trees}
     for _ in range(args.rounds):
-        configs = [("raw", {"store": str(stores[2]), "raw": True}),
-                   ("stream", {"store": str(stores[2]), "tokens": t}),
-                   ("noprefetch", {"store": str(stores[2]), "tokens": t, "prefetch": False}),
-                   *[(f"cap{n}", {"store": str(stores[n]), "tokens": max(2, t // 2), "read_mb_s": args.cap_mb_s}) for n in (1, 2, 3, 4)],
-                   ("mem", {"store": str(stores[2]), "tokens": t, "cache": 1 << 30})]
-        for key, cfg in configs:
+        for key, cfg, older_too in configs:
             for name, tree in trees.items():  # before and after back to back, so noise hits both
-                res[name][key].append(run({**cfg, "threads": th}, tree))
-    out = {name: summarize(r, t, args.cap_mb_s) for name, r in res.items()}
-    bound = barrier_bound(stores)
-    for lines in out.values():
-        lines[1]["per_layer_barrier_bound"] = bound
+                if tree is None or older_too:
+                    res[name].setdefault(key, []).append(run({**cfg, "threads": th}, tree))
+    out = {name: summarize(r, t, cap) for name, r in res.items()}
+    bounds = {"whole_4": barrier_bounds(whole[4]), "stripe_4": barrier_bounds(stripe[4])}
     for name, lines in out.items():
         for line in lines:
-            print(json.dumps({"tree": name, **line}))
-    if "before" in out:
-        pick = {"streaming_efficiency": "ratio", "prefetch_value": "ratio_on_off", "memory": "ratio"}
-        for b, a in zip(out["before"], out["after"], strict=True):
-            if b["bench"] in pick:
-                print(json.dumps({"bench": b["bench"], "before": b[pick[b["bench"]]], "after": a[pick[b["bench"]]],
-                                  "decode_tok_s_before_after": [b.get("decode_tok_s"), a.get("decode_tok_s")],
-                                  "cpu_ms_per_token_before_after": [b.get("cpu_ms_per_token"), a.get("cpu_ms_per_token")]}))
-            else:
-                print(json.dumps({"bench": b["bench"], "before": b["speedup"], "after": a["speedup"], "tok_s_before": b["tok_s"], "tok_s_after": a["tok_s"]}))
+            if line["bench"] == "drive_scaling":
+                line["per_layer_barrier_bound_4_drives"] = bounds
+            print(json.dumps({"tree": name, **line, "loadavg": os.getloadavg()}))
 
 
 if __name__ == "__main__":

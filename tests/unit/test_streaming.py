@@ -23,13 +23,18 @@ PROMPT = [11, 42, 7, 99, 3, 150, 8]
 
 
 @pytest.fixture(scope="module")
-def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[int | str, Path]:
+    """1 and 3 drives with whole records (the tiny experts are under setup's stripe minimum), and
+    "3s": 3 drives with every record split over all three (4096-byte minimum stripe)."""
     root = tmp_path_factory.mktemp("stream")
     ckpt = make_hf_checkpoint("qwen3_moe", root / "hf", num_hidden_layers=3, mlp_only_layers=[0], num_experts=16, num_experts_per_tok=4)
-    out = {}
-    for n in (1, 3):
+    out: dict[int | str, Path] = {}
+    for n in (1, 3, "3s"):
+        drives = int(str(n).rstrip("s"))
         out[n] = root / f"s{n}"
-        setup_store(ckpt, out[n], [root / f"s{n}-d{i}" for i in range(n)], dense_slices=4, progress=False)
+        setup_store(ckpt, out[n], [root / f"s{n}-d{i}" for i in range(drives)], dense_slices=4, progress=False,
+                    min_stripe_bytes=4096 if n == "3s" else 1 << 20)
+    assert Manifest.load(out[3]).placement == "whole" and Manifest.load(out["3s"]).placement == "stripe"
     return out
 
 
@@ -42,7 +47,7 @@ def reference(stores: dict[int, Path]) -> tuple[torch.Tensor, list[int]]:
         m.close()
 
 
-@pytest.mark.parametrize("drives", [1, 3])
+@pytest.mark.parametrize("drives", [1, 3, "3s"])
 @pytest.mark.parametrize("budget", [None, 0, 40_000])
 @pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("trace", [True, False])
