@@ -431,9 +431,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_trace)
 
+    from deltafind.cluster.cli import add_subcommand as add_node  # node
     from deltafind.daemon.cli import add_subcommands  # serve, install-service
 
     add_subcommands(sub)
+    add_node(sub)
     return parser
 
 
