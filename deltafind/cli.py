@@ -332,7 +332,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
     settings = _settings(args)
     heat = update_heat(Path(args.store), heat_from_trace(records), settings.cache.heat_decay)
     print(f"{args.store}: heat file now covers {len(heat)} experts; set [cache] pin_bytes to keep the hottest resident")
-    if args.rebalance:
+    if args.rebalance and args.nodes:  # the cluster's placement of experts on nodes (deltafind/cluster)
+        from deltafind.cluster.cli import rebalance_nodes
+
+        print(rebalance_nodes(Path(args.store), heat, args.nodes, args.node_read_mb_s, settings.cluster.hot_replicas))
+    elif args.rebalance:
         from deltafind.store.placement import rebalance
         from deltafind.store.reader import DriveOptions
 
@@ -427,6 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="trace file written by --trace")
     p.add_argument("--store", metavar="DIR", help="with warm: the store to warm")
     p.add_argument("--rebalance", action="store_true", help="with warm: rewrite the packs so each drive carries an even share of the heat (needs room for a second copy; crash-safe)")
+    p.add_argument("--nodes", type=int, metavar="N", help="with warm --rebalance: place the routed experts on N expert nodes of a cluster (writes cluster-placement.json)")
+    p.add_argument("--node-read-mb-s", metavar="R1,R2,..", help="with --nodes: each node's read rate, to weigh its share (default: equal)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_trace)

@@ -34,3 +34,25 @@ def cmd_node(args: argparse.Namespace) -> int:
     settings = load_settings(Path(args.config) if args.config else None, overrides)
     configure_logging(settings.logging.level, settings.logging.format)
     return serve_node(settings)
+
+
+def rebalance_nodes(store: Path, heat: dict[tuple[int, int], float], num_nodes: int, rates: str | None, hot_replicas: float) -> str:
+    """`trace warm --rebalance --nodes N`: recompute the store's cluster placement sidecar from its heat."""
+    from deltafind.cluster.placement import make_placement, write_placement
+    from deltafind.cluster.runs import routed_counts
+    from deltafind.errors import ConfigError
+    from deltafind.store.manifest import Manifest
+
+    try:
+        node_rates = [float(r) for r in rates.split(",")] if rates else None
+    except ValueError:
+        raise ConfigError(f"--node-read-mb-s {rates!r}: expected {num_nodes} numbers separated by commas, e.g. 2000,2000") from None
+    counts = routed_counts(Manifest.load(store))
+    placement = make_placement(counts, num_nodes, heat, node_rates, hot_replicas)
+    path = write_placement(store, placement)
+    share = [sum(heat.get(k, 1.0) / len(r) for k, r in placement.owners.items() if n in r) for n in range(1, num_nodes + 1)]
+    total = sum(share) or 1.0
+    replicated = sum(1 for r in placement.owners.values() if len(r) > 1)
+    return (f"{path}: {len(placement.owners)} routed experts on {num_nodes} nodes, heat per node "
+            + " / ".join(f"{h / total:.0%}" for h in share) + f", {replicated} replicated on two nodes; "
+            "restart the coordinator to use it")

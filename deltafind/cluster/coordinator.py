@@ -10,12 +10,10 @@ a node that died or stalled is marked down and its experts' other copies serve f
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +63,7 @@ class ClusterExperts:
         self.nodes: dict[int, NodeState] = {}
         self._ride: dict[int, Sequence[int] | None] = {}  # layer -> prediction to send with the previous layer's rows
         self._joined = False
+        self._outbox: dict[int, list[Any]] = {}  # node -> sends that may still be running
 
     # -- forming the cluster -------------------------------------------------------------------
 
@@ -86,7 +85,8 @@ class ClusterExperts:
         wire.join(self.spec)
         self._joined = True
         blob = wire.text(json.dumps(placement.to_json()))
-        works = [w for r in self.nodes for w in wire.send(r, [wire.OP_PLACEMENT, 0, 0, blob.numel(), 0, 0, -1, 0], blob)]
+        for r in self.nodes:
+            self._send(r, [wire.OP_PLACEMENT, 0, 0, blob.numel(), 0, 0, -1, 0], blob)
         deadline = time.monotonic() + self.spec.join_timeout_s
         problems = []
         for r in self.nodes:
@@ -94,7 +94,6 @@ class ClusterExperts:
                 self._reply(r, deadline)
             except ClusterError as e:
                 problems.append(str(e))
-        _wait_all(works)
         if problems:
             raise ClusterError("the expert nodes refused the placement: " + "; ".join(problems))
         log.info("cluster_ready", nodes=num_nodes, routed_layers=len(self.routed), experts=len(placement.owners))
@@ -122,11 +121,9 @@ class ClusterExperts:
         elif layer_idx - 1 in self.routed:
             self._ride[layer_idx] = expert_ids  # rides with the previous layer's rows
         else:
-            works = []
             for r, ids in self._hints(layer_idx, expert_ids).items():
-                works += self._send(r, [wire.OP_PREFETCH, -1, 0, 0, 0, 0, layer_idx, -1 if ids is None else len(ids)],
-                                    torch.tensor(ids or [], dtype=torch.int64))
-            _wait_all(works)
+                self._send(r, [wire.OP_PREFETCH, -1, 0, 0, 0, 0, layer_idx, -1 if ids is None else len(ids)],
+                           torch.tensor(ids or [], dtype=torch.int64))
 
     def run_experts(self, layer_idx: int, rows: Mapping[int, torch.Tensor], run: Run) -> Iterator[tuple[int, torch.Tensor]]:
         """(expert, its output on `rows[expert]`), each computed by a node holding it."""
@@ -137,7 +134,7 @@ class ClusterExperts:
             by_node.setdefault(self._pick(layer_idx, e, by_node), []).append(e)
             self.local.uses[(layer_idx, e)] += 1  # heat is the coordinator's: it sees every route
         t0 = time.perf_counter()
-        works, errors = [], []
+        errors = []
         for r in sorted(set(by_node) | set(hints)):
             ids, pred = by_node.get(r, []), hints.get(r, [])
             x = torch.cat([rows[e] for e in ids]) if ids else torch.empty(0, 0)
@@ -145,7 +142,7 @@ class ClusterExperts:
             header = [wire.OP_RUN if ids else wire.OP_PREFETCH, layer_idx, len(ids), x.shape[0], dim,
                       wire.dtype_code(x.dtype), layer_idx + 1 if r in hints else -1, -1 if pred is None else len(pred)]
             body = torch.tensor([*ids, *(rows[e].shape[0] for e in ids), *(pred or [])], dtype=torch.int64)
-            works += self._send(r, header, body, x)
+            self._send(r, header, body, x)
         deadline = time.monotonic() + self.spec.timeout_s
         out: dict[int, torch.Tensor] = {}
         for r, ids in sorted(by_node.items()):
@@ -158,7 +155,6 @@ class ClusterExperts:
                 errors.append(f"node {r}: {e}")
             self.nodes[r].exchange_s += time.perf_counter() - t0
             self.nodes[r].layers += 1
-        _wait_all(works)
         if errors:
             raise ClusterError(f"layer {layer_idx}'s experts failed on the expert nodes ({'; '.join(errors)}); "
                                "this request fails, the daemon keeps serving (deltafinctl status shows the nodes)")
@@ -193,17 +189,18 @@ class ClusterExperts:
                 out.setdefault(live[0], []).append(e)  # type: ignore[union-attr]
         return out
 
-    def _send(self, r: int, header: list[int], *tensors: torch.Tensor) -> list[Any]:
+    def _send(self, r: int, header: list[int], *tensors: torch.Tensor) -> None:
+        """Start sending; never waited with a timeout (a timed-out wait closes the pair): the node's
+        reply shows it got them, and sends still running then are kept until they complete."""
         node = self.nodes[r]
         if not node.alive:
-            return []
+            return
         try:
-            works = wire.send(r, header, *tensors)
+            self._outbox.setdefault(r, []).extend(wire.send(r, header, *tensors))
         except RuntimeError as e:
             self._down(r, f"send failed: {e}")
-            return []
+            return
         node.bytes_sent += 8 * len(header) + sum(t.numel() * t.element_size() for t in tensors)
-        return works
 
     def _reply(self, r: int, deadline: float, shape: tuple[int, int] | None = None) -> torch.Tensor:
         """Node r's answer: its output [rows, dim] (or nothing for `shape` None); ClusterError on failure."""
@@ -219,12 +216,14 @@ class ClusterExperts:
         except RuntimeError as e:  # gloo: the peer closed, or the deadline passed (the pair is closed then too)
             self._down(r, f"no answer within {self.spec.timeout_s:g} s or connection lost ({e})")
             raise ClusterError(node.last_error) from None
+        self._outbox[r] = [w for w in self._outbox.get(r, []) if not w.is_completed()]
         node.bytes_received += 8 * wire.REPLY + y.numel() * y.element_size() + (err_len if status else 0)
         return y
 
     def _down(self, r: int, error: str) -> None:
         node = self.nodes[r]
         node.alive, node.last_error = False, error
+        self._outbox.pop(r, None)
         log.error("cluster_node_down", rank=r, error=error[:500])
 
     def status(self) -> list[dict[str, Any]]:
@@ -238,15 +237,12 @@ class ClusterExperts:
     def close(self) -> None:
         """Stop the nodes (they exit 0) and leave the group; the local store is its owner's to close."""
         if self._joined:
-            works = []
             for r in self.nodes:
-                works += self._send(r, [wire.OP_STOP, 0, 0, 0, 0, 0, -1, 0])
-            _wait_all(works)
+                self._send(r, [wire.OP_STOP, 0, 0, 0, 0, 0, -1, 0])
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and any(not w.is_completed() for ws in self._outbox.values() for w in ws):
+                time.sleep(0.01)
+            self._outbox.clear()
             wire.leave()
             self._joined = False
 
-
-def _wait_all(works: list[Any]) -> None:
-    for w in works:
-        with contextlib.suppress(RuntimeError):  # a dead peer's send: its failure is reported where its reply was awaited
-            w.wait(timedelta(seconds=5))

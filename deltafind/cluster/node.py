@@ -78,20 +78,27 @@ class ExpertNode:
                 if op == wire.OP_STOP:
                     log.info("cluster_node_stopped", rank=self.spec.rank)
                     return 0
-                if op == wire.OP_PLACEMENT:
-                    blob = wire.recv(0, (n_rows,), torch.uint8, None)
-                    self._answer(partial(self._take_placement, bytes(blob.tolist())))
-                    continue
-                body = wire.recv(0, (2 * n_ids + max(n_pred, 0),), torch.int64, None).tolist()
-                x = wire.recv(0, (n_rows, dim), wire.DTYPES[dtype], None) if n_rows else None
-                ids, counts, pred = body[:n_ids], body[n_ids:2 * n_ids], body[2 * n_ids:]
-                if pred_layer >= 0:  # before this layer's reads are queued, as on one machine (models/ops/step.py)
-                    self.experts.prefetch(pred_layer, None if n_pred < 0 else pred)
-                if op == wire.OP_RUN:
-                    self._answer(partial(self._run, layer, ids, counts, x))
+                try:
+                    self._handle(op, layer, n_ids, n_rows, dim, dtype, pred_layer, n_pred)
+                except RuntimeError as e:  # torch.distributed: the coordinator went away mid-message
+                    log.error("cluster_coordinator_lost", rank=self.spec.rank, error=str(e)[:300])
+                    return 1
         finally:
             self.experts.close()
             wire.leave()
+
+    def _handle(self, op: int, layer: int, n_ids: int, n_rows: int, dim: int, dtype: int, pred_layer: int, n_pred: int) -> None:
+        if op == wire.OP_PLACEMENT:
+            blob = wire.recv(0, (n_rows,), torch.uint8, None)
+            self._answer(partial(self._take_placement, bytes(blob.tolist())))
+            return
+        body = wire.recv(0, (2 * n_ids + max(n_pred, 0),), torch.int64, None).tolist()
+        x = wire.recv(0, (n_rows, dim), wire.DTYPES[dtype], None) if n_rows else None
+        ids, counts, pred = body[:n_ids], body[n_ids:2 * n_ids], body[2 * n_ids:]
+        if pred_layer >= 0:  # before this layer's reads are queued, as on one machine (models/ops/step.py)
+            self.experts.prefetch(pred_layer, None if n_pred < 0 else pred)
+        if op == wire.OP_RUN:
+            self._answer(partial(self._run, layer, ids, counts, x))
 
     def _take_placement(self, blob: bytes) -> torch.Tensor:
         placement = Placement.from_json(json.loads(blob))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ REPLY = 8
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8)
 FOREVER = timedelta(days=365)  # a node waits this long for the next request (a wait without one would use the group's)
 DEFAULT_PORT = 29500
+_PAIRS: dict[int, Any] = {}  # node rank -> the group of the coordinator and that node
 
 
 class ClusterError(DeltafindError):
@@ -64,6 +66,10 @@ def join(spec: GroupSpec) -> None:
     try:
         dist.init_process_group(spec.backend, init_method=where, rank=spec.rank, world_size=spec.world_size,
                                 timeout=timedelta(seconds=spec.join_timeout_s))
+        # One group per (coordinator, node) pair: a timed-out wait closes every pair of its group (gloo),
+        # so each node gets its own and a stalled node cannot take the others down with it.
+        _PAIRS.clear()
+        _PAIRS.update({r: dist.new_group([0, r]) for r in range(1, spec.world_size)})
     except (RuntimeError, ValueError, OSError) as e:
         raise ClusterError(f"rank {spec.rank} of {spec.world_size} could not join the cluster at {where} ({spec.backend}): {e}; "
                            "check [cluster] coordinator/port (or MASTER_ADDR/MASTER_PORT), that every node runs, "
@@ -71,8 +77,14 @@ def join(spec: GroupSpec) -> None:
 
 
 def leave() -> None:
+    _PAIRS.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _pair(peer: int) -> Any:
+    """The group of this rank and `peer` (one side is always the coordinator, rank 0)."""
+    return _PAIRS[peer if peer else dist.get_rank()]
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -81,8 +93,9 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 def send(peer: int, header: list[int], *tensors: torch.Tensor) -> list[dist.Work]:
     """Start sending a header and its tensors to `peer`; the caller waits the works."""
-    works = [dist.isend(torch.tensor(header, dtype=torch.int64), peer)]
-    works += [dist.isend(t.contiguous(), peer) for t in tensors if t.numel()]
+    group = _pair(peer)
+    works = [dist.isend(torch.tensor(header, dtype=torch.int64), peer, group=group)]
+    works += [dist.isend(t.contiguous(), peer, group=group) for t in tensors if t.numel()]
     return works
 
 
@@ -90,7 +103,7 @@ def recv(peer: int, shape: tuple[int, ...], dtype: torch.dtype, deadline: float 
     """A tensor from `peer`, waiting until `deadline` (time.monotonic; None: as long as it takes)."""
     out = torch.empty(shape, dtype=dtype)
     if out.numel():
-        work = dist.irecv(out, peer)
+        work = dist.irecv(out, peer, group=_pair(peer))
         wait = FOREVER if deadline is None else timedelta(seconds=max(deadline - time.monotonic(), 0.001))
         work.wait(wait)
     return out

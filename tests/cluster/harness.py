@@ -35,26 +35,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_node(store: Path, rank: int, world_size: int, port: int, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def start_node(store: Path, rank: int, world_size: int, port: int, env: dict[str, str] | None = None,
+               config: Path | None = None) -> subprocess.Popen[bytes]:
     exe = Path(sys.executable).with_name("deltafind")
-    return subprocess.Popen([str(exe), "node", "--store", str(store), "--rank", str(rank), "--world-size", str(world_size),
-                             "--port", str(port)], env={**os.environ, **NODE_ENV, **(env or {})},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    extra = ["--config", str(config)] if config else []
+    with open(store.parent / f"node{rank}-{port}.log", "w") as log:  # a file, so a chatty node never blocks on a pipe
+        return subprocess.Popen([str(exe), "node", *extra, "--store", str(store), "--rank", str(rank), "--world-size",
+                                 str(world_size), "--port", str(port)], env={**os.environ, **NODE_ENV, **(env or {})},
+                                stdout=subprocess.DEVNULL, stderr=log)
 
 
 @contextmanager
-def nodes(store: Path, count: int, port: int, env: dict[str, str] | None = None) -> Iterator[list[subprocess.Popen[str]]]:
+def nodes(store: Path, count: int, port: int, env: dict[str, str] | None = None,
+          config: Path | None = None) -> Iterator[list[subprocess.Popen[bytes]]]:
     """`count` expert nodes (ranks 1..count) joining a group at `port`; killed if still running at the end."""
-    procs = [start_node(store, r, count + 1, port, env) for r in range(1, count + 1)]
+    procs = [start_node(store, r, count + 1, port, env, config) for r in range(1, count + 1)]
     try:
         yield procs
     finally:
         for p in procs:
             if p.poll() is None:
+                p.send_signal(signal.SIGCONT)  # a stopped node dies only once it runs
                 p.send_signal(signal.SIGKILL)
             p.wait(timeout=30)
-            if p.stderr is not None:
-                p.stderr.close()
+
+
+def slow_node_config(store: Path, read_mb_s: float) -> Path:
+    """A node config whose drive reads at `read_mb_s` and which caches nothing: every token reads."""
+    path = store.parent / f"node-{read_mb_s}.toml"
+    path.write_text(f'[model]\nstore = "{store}"\n\n[[drives]]\npath = "{store / "drive0"}"\nread_mb_s = {read_mb_s}\n\n'
+                    "[cache]\nexpert_bytes = 0\n")
+    return path
 
 
 def cluster_settings(count: int, port: int, **extra: object) -> dict[str, object]:
