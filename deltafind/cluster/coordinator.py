@@ -125,32 +125,34 @@ class ClusterExperts:
                 self._send(r, [wire.OP_PREFETCH, -1, 0, 0, 0, 0, layer_idx, -1 if ids is None else len(ids)],
                            torch.tensor(ids or [], dtype=torch.int64))
 
-    def run_experts(self, layer_idx: int, rows: Mapping[int, torch.Tensor], run: Run) -> Iterator[tuple[int, torch.Tensor]]:
-        """(expert, its output on `rows[expert]`), each computed by a node holding it."""
+    def run_experts(self, layer_idx: int, x: torch.Tensor, tokens: Mapping[int, torch.Tensor],
+                    run: Run) -> Iterator[tuple[int, torch.Tensor]]:
+        """(expert, its output on x[tokens[expert]]), each computed by a node holding it. A node gets
+        each token's row once, with each expert's indices into them (a gather there is exact)."""
         hint = self._ride.pop(layer_idx + 1, _NO_HINT)
         hints = self._hints(layer_idx + 1, hint) if hint is not _NO_HINT else {}  # type: ignore[arg-type]
         by_node: dict[int, list[int]] = {}
-        for e in sorted(rows):
+        for e in sorted(tokens):
             by_node.setdefault(self._pick(layer_idx, e, by_node), []).append(e)
             self.local.uses[(layer_idx, e)] += 1  # heat is the coordinator's: it sees every route
         t0 = time.perf_counter()
-        errors = []
         for r in sorted(set(by_node) | set(hints)):
             ids, pred = by_node.get(r, []), hints.get(r, [])
-            x = torch.cat([rows[e] for e in ids]) if ids else torch.empty(0, 0)
-            dim = x.shape[1] if ids else 0
-            header = [wire.OP_RUN if ids else wire.OP_PREFETCH, layer_idx, len(ids), x.shape[0], dim,
+            rows, index = _rows_once([tokens[e] for e in ids], x) if ids else (x[:0], x.new_empty(0, dtype=torch.int64))
+            header = [wire.OP_RUN if ids else wire.OP_PREFETCH, layer_idx, len(ids), rows.shape[0], x.shape[1],
                       wire.dtype_code(x.dtype), layer_idx + 1 if r in hints else -1, -1 if pred is None else len(pred)]
-            body = torch.tensor([*ids, *(rows[e].shape[0] for e in ids), *(pred or [])], dtype=torch.int64)
-            self._send(r, header, body, x)
+            head = torch.tensor([*ids, *(len(tokens[e]) for e in ids), *(pred or [])], dtype=torch.int64)
+            self._send(r, header, head, index.cpu(), rows)
         deadline = time.monotonic() + self.spec.timeout_s
         out: dict[int, torch.Tensor] = {}
+        errors = []
         for r, ids in sorted(by_node.items()):
+            sizes = [len(tokens[e]) for e in ids]
             try:
                 if not self.nodes[r].alive:
                     raise ClusterError(self.nodes[r].last_error)
-                y = self._reply(r, deadline, (sum(rows[e].shape[0] for e in ids), rows[ids[0]].shape[1]))
-                out.update(zip(ids, torch.split(y, [rows[e].shape[0] for e in ids]), strict=True))
+                y = self._reply(r, deadline, (sum(sizes), x.shape[1]))
+                out.update(zip(ids, torch.split(y.to(x.device), sizes), strict=True))
             except ClusterError as e:
                 errors.append(f"node {r}: {e}")
             self.nodes[r].exchange_s += time.perf_counter() - t0
@@ -246,3 +248,11 @@ class ClusterExperts:
             wire.leave()
             self._joined = False
 
+
+
+def _rows_once(tokens: list[torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct rows of x these experts use ([U, D], on the CPU for the wire) and, concatenated,
+    each expert's indices into them."""
+    every = torch.cat(tokens)
+    distinct, index = torch.unique(every, sorted=True, return_inverse=True)
+    return x[distinct].cpu(), index

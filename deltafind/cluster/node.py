@@ -92,13 +92,14 @@ class ExpertNode:
             blob = wire.recv(0, (n_rows,), torch.uint8, None)
             self._answer(partial(self._take_placement, bytes(blob.tolist())))
             return
-        body = wire.recv(0, (2 * n_ids + max(n_pred, 0),), torch.int64, None).tolist()
+        head = wire.recv(0, (2 * n_ids + max(n_pred, 0),), torch.int64, None).tolist()
+        ids, counts, pred = head[:n_ids], head[n_ids:2 * n_ids], head[2 * n_ids:]
+        index = wire.recv(0, (sum(counts),), torch.int64, None) if n_ids else None
         x = wire.recv(0, (n_rows, dim), wire.DTYPES[dtype], None) if n_rows else None
-        ids, counts, pred = body[:n_ids], body[n_ids:2 * n_ids], body[2 * n_ids:]
         if pred_layer >= 0:  # before this layer's reads are queued, as on one machine (models/ops/step.py)
             self.experts.prefetch(pred_layer, None if n_pred < 0 else pred)
         if op == wire.OP_RUN:
-            self._answer(partial(self._run, layer, ids, counts, x))
+            self._answer(partial(self._run, layer, ids, counts, index, x))
 
     def _take_placement(self, blob: bytes) -> torch.Tensor:
         placement = Placement.from_json(json.loads(blob))
@@ -114,9 +115,10 @@ class ExpertNode:
         log.info("cluster_node_ready", rank=self.spec.rank, experts=len(self.mine), store=str(self.store_dir))
         return torch.empty(0)
 
-    def _run(self, layer: int, ids: list[int], counts: list[int], x: torch.Tensor | None) -> torch.Tensor:
-        assert x is not None
-        rows = dict(zip(ids, torch.split(x.to(self.device), counts), strict=True))
+    def _run(self, layer: int, ids: list[int], counts: list[int], index: torch.Tensor | None, x: torch.Tensor | None) -> torch.Tensor:
+        assert x is not None and index is not None
+        x = x.to(self.device)
+        rows = {e: x[i] for e, i in zip(ids, torch.split(index.to(self.device), counts), strict=True)}  # exact gathers
         run = self.runs[layer]
         out = {e: run(rows[e], expert) for e, expert in self.experts.fetch(layer, ids)}
         return torch.cat([out[e] for e in ids]).cpu() if self.spec.backend == "gloo" else torch.cat([out[e] for e in ids])

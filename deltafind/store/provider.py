@@ -65,8 +65,9 @@ class ExpertProvider(Protocol):
     after `fetch` default to nothing, so an in-memory provider subclasses this and inherits them.
 
     A provider whose experts are computed where they live (deltafind/cluster) also has
-    `run_experts(layer_idx, rows: {expert: [n, D]}, run) -> Iterator[(expert, run(rows, expert))]`;
-    `moe.dispatch` then hands it the rows instead of fetching, and sums the outputs as before."""
+    `run_experts(layer_idx, x [T, D], tokens: {expert: token indices}, run) -> Iterator[(expert,
+    run(x[tokens[expert]], expert))]`; `moe.dispatch` then hands it the rows instead of fetching,
+    and sums the outputs as before."""
 
     dtype: torch.dtype | None = None  # what float experts arrive as (None: as given)
 

@@ -96,9 +96,10 @@ def _expert_outputs(x: torch.Tensor, order: torch.Tensor, span: dict[int, tuple[
                     provider: ExpertProvider, layer_idx: int,
                     run: Callable[[torch.Tensor, Expert], torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
     """(expert, run(its rows, expert)) in completion order: fetched and run here, or, where the provider
-    runs experts where they live (`run_experts`, deltafind/cluster), computed there on the same rows."""
+    runs experts where they live (`run_experts`, deltafind/cluster), computed there on the same rows
+    (x[tokens] for each expert's tokens)."""
     if (remote := getattr(provider, "run_experts", None)) is not None:
-        yield from remote(layer_idx, {e: x[order[a:b] // k] for e, (a, b) in span.items()}, run)
+        yield from remote(layer_idx, x, {e: order[a:b] // k for e, (a, b) in span.items()}, run)
         return
     for expert_idx, expert in provider.fetch(layer_idx, list(span)):
         a, b = span[expert_idx]
