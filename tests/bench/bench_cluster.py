@@ -11,7 +11,7 @@ Prints one JSON line per configuration and round, then a summary:
                (per MoE layer: the routed hidden row once, k expert outputs back, fp32)
   exchange     per routed layer, send to last reply, with warm node caches and no cap (loopback)
 
-    python tests/bench/bench_cluster.py --root /tmp/dfcluster [--nodes 1,2,3,4] [--read-mb-s 0.25] [--rounds 2]
+    python tests/bench/bench_cluster.py --root /tmp/dfcluster [--nodes 1,2,3,4] [--read-mb-s 0.25] [--rounds 2] [--no-pin-dense]
 """
 
 from __future__ import annotations
@@ -76,13 +76,18 @@ def wire_bytes(model: Any) -> int:
     return sum(n["bytes_sent"] + n["bytes_received"] for n in model.snapshot().get("nodes", []))
 
 
-def measure(store: Path, nodes: int, read_mb_s: float | None, cache: str, new_tokens: int) -> dict:
+def measure(store: Path, nodes: int, read_mb_s: float | None, cache: str, new_tokens: int, pin_dense: bool) -> dict:
     """Decode tok/s (a generate of 1 token subtracted from one of `new_tokens`: prefill cancels), wire bytes per token."""
     port = free_port()
     procs = start_nodes(store, nodes, port, node_config(store, read_mb_s, cache)) if nodes else []
     try:
         model = open_model(store, nodes, port, read_mb_s, cache)
         try:
+            if pin_dense:  # dense slices are read every token: a deployment keeps them resident, as it does the spine
+                from deltafind.cluster.runs import routed_counts
+
+                routed = routed_counts(model.manifest)
+                model.experts.pin([r.key for r in model.manifest.experts if r.layer not in routed], 1 << 40)
             model.generate(PROMPT, max_new_tokens=2)  # warm-up: first-use costs out of the figures
             t0, b0 = time.perf_counter(), wire_bytes(model)
             model.generate(PROMPT, max_new_tokens=1)
@@ -126,6 +131,8 @@ def main() -> int:
     ap.add_argument("--read-mb-s", type=float, default=0.25, help="each machine's drive cap")
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--pin-dense", action=argparse.BooleanOptionalAction, default=True,
+                    help="keep the dense layers' slices resident on the machine computing them (default on)")
     args = ap.parse_args()
     args.root.mkdir(parents=True, exist_ok=True)
     store = make_store(args.root, args.family)
@@ -133,13 +140,14 @@ def main() -> int:
     runs: dict[int, list[dict]] = {0: [], **{n: [] for n in counts}}
     for rnd in range(args.rounds):
         for n in [0, *counts]:  # 0: one machine
-            r = measure(store, n, args.read_mb_s, "0", args.new_tokens)
+            r = measure(store, n, args.read_mb_s, "0", args.new_tokens, args.pin_dense)
             runs[n].append(r)
             print(json.dumps({"bench": "cluster_decode", "round": rnd, **{k: v for k, v in r.items() if k != "config"}}), flush=True)
-    warm = measure(store, 2, None, "1GiB", args.new_tokens)
+    warm = measure(store, 2, None, "1GiB", args.new_tokens, args.pin_dense)
     print(json.dumps({"bench": "cluster_exchange", **{k: v for k, v in warm.items() if k != "config"}}), flush=True)
     one = statistics.median(r["decode_tok_s"] for r in runs[0])
-    print(f"\none machine (drive {args.read_mb_s} MB/s, no expert cache): {one:.2f} tok/s; load {os.getloadavg()}")
+    print(f"\none machine (drive {args.read_mb_s} MB/s, no expert cache, dense slices {'pinned' if args.pin_dense else 'read'}): "
+          f"{one:.2f} tok/s; load {os.getloadavg()}")
     for n in counts:
         tok = statistics.median(r["decode_tok_s"] for r in runs[n])
         wire = statistics.median(r["wire_bytes_per_token"] for r in runs[n])
