@@ -77,7 +77,15 @@ def cmd_setup(args: argparse.Namespace) -> int:
     from deltafind.store.setup import setup_store
     from deltafind.store.sources import open_source
 
-    _settings(args)  # a bad config fails here, before any work
+    settings = _settings(args)  # a bad config fails here, before any work
+    if args.node is not None:  # an expert node's own store (deltafind/cluster)
+        from deltafind.cluster.packs import write_node_store
+
+        if not args.store or not args.into:
+            raise StoreError("setup --node R needs --store DIR (the whole store) and --into DIR (node R's store)")
+        n, nbytes = write_node_store(Path(args.store), args.node, Path(args.into), args.nodes, settings.cluster.hot_replicas)
+        print(f"node store ready: {args.into} ({n} experts of node {args.node}, {nbytes / 2**20:.1f} MiB)")
+        return 0
     if args.dspark or args.synthetic == "dspark":
         return _setup_dspark(args)
     if args.fill:
@@ -393,6 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", default="tiny", help="with --synthetic: tiny (tests), bench (real-size experts), full-layer (kimi_k3)")
     p.add_argument("--seed", type=int, default=0, help="with --synthetic: weight seed (same seed, same store)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--node", type=int, metavar="R", help="write expert node R's store (its experts only, by the --store's cluster placement) --into DIR")
+    p.add_argument("--into", metavar="DIR", help="with --node: the node store to write")
+    p.add_argument("--nodes", type=int, metavar="N", help="with --node, when --store has no cluster placement yet: compute one for N nodes")
     p.set_defaults(func=cmd_setup)
 
     p = sub.add_parser("run", help="generate from a prompt, or chat")

@@ -1,5 +1,6 @@
 """Placement of routed experts on nodes: balanced by heat per read rate, replicas on distinct nodes,
-a sidecar that round-trips and is refused with the fix when it no longer fits, and the CLI that writes it."""
+a sidecar that round-trips and is refused with the fix when it no longer fits, the CLI that writes it,
+and per-node stores (`setup --node R --into DIR`) that hold only their node's experts."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from deltafind.cluster.placement import (
 from deltafind.cluster.runs import routed_counts
 from deltafind.errors import StoreError
 from deltafind.store.manifest import Manifest
+from deltafind.store.reader import PackReader
 from tests.cluster.harness import make_store
 from tests.conftest import deltafind_cmd
 
@@ -73,3 +75,48 @@ def test_trace_warm_rebalance_nodes_writes_the_sidecar(tmp_path: Path) -> None:
     assert counts == {1: 8}  # layer 0 is dense (slices stay with the coordinator)
     check_placement(placement, counts, 2, store)
     assert json.loads((store / SIDECAR).read_text())["num_nodes"] == 2
+
+
+def test_per_node_stores_hold_only_their_experts_and_serve_the_same_tokens(tmp_path: Path) -> None:
+    from deltafind.api import Model
+    from deltafind.config import load_settings
+    from tests.cluster.harness import cluster_settings, free_port, start_node
+
+    store = make_store("qwen3_moe", tmp_path)
+    ref = Model.open(store)
+    try:
+        want = ref.generate([5, 9, 33, 70], max_new_tokens=8)
+    finally:
+        ref.close()
+    node_stores = []
+    for rank in (1, 2):
+        into = tmp_path / f"node{rank}"
+        proc = deltafind_cmd("setup", "--store", str(store), "--node", str(rank), "--into", str(into), "--nodes", "2")
+        assert proc.returncode == 0, proc.stderr
+        node_stores.append(into)
+    placement = read_placement(store)  # written by the first call, read by the second and by the coordinator
+    for rank, into in enumerate(node_stores, 1):
+        assert sorted(r.key for r in Manifest.load(into).experts) == placement.experts_of(rank)
+        m = Manifest.load(into)
+        reader = PackReader(m, into, verify=True)  # every record intact: each read checks its checksum
+        try:
+            for r in m.experts:
+                reader.release(reader.read(r))
+        finally:
+            reader.close()
+    port = free_port()
+    procs = [start_node(into, rank, 3, port) for rank, into in enumerate(node_stores, 1)]  # each on its own store
+    try:
+        settings = load_settings(None, {"model": {"store": str(store)}, "draft": {"mode": "off"},
+                                        "cluster": cluster_settings(2, port)})
+        model = Model.open(store, settings=settings)
+        try:
+            assert model.generate([5, 9, 33, 70], max_new_tokens=8) == want
+        finally:
+            model.close()
+        assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
