@@ -185,11 +185,11 @@ class ClusterExperts:
                     if layer == layer_idx and self.nodes[r].alive:
                         out[r] = None
             return out
-        for e in ids:
-            live = [r for r in self.placement.owners.get((layer_idx, e), ()) if self.nodes[r].alive]
-            if live:
-                out.setdefault(live[0], []).append(e)  # type: ignore[union-attr]
-        return out
+        queued: dict[int, list[int]] = {}
+        for e in sorted(ids):  # the copies run_experts will pick if the prediction holds: reads start where they are needed
+            if any(self.nodes[r].alive for r in self.placement.owners.get((layer_idx, e), ())):
+                queued.setdefault(self._pick(layer_idx, e, queued), []).append(e)
+        return dict(queued)
 
     def _send(self, r: int, header: list[int], *tensors: torch.Tensor) -> None:
         """Start sending; never waited with a timeout (a timed-out wait closes the pair): the node's

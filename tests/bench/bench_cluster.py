@@ -54,12 +54,13 @@ def node_config(store: Path, read_mb_s: float | None, cache: str) -> Path:
     return path
 
 
-def open_model(store: Path, nodes: int, port: int, read_mb_s: float | None, cache: str) -> Any:
+def open_model(store: Path, nodes: int, port: int, read_mb_s: float | None, cache: str, hot_replicas: float = 0.0) -> Any:
     from deltafind.api import Model
     from deltafind.config import load_settings
 
     drive = {"path": str(store / "drive0"), **({"read_mb_s": read_mb_s} if read_mb_s else {})}
-    cluster = {"role": "coordinator", "world_size": nodes + 1, "port": port, "join_timeout_s": 300} if nodes else {}
+    cluster = {"role": "coordinator", "world_size": nodes + 1, "port": port, "join_timeout_s": 300,
+               "hot_replicas": hot_replicas} if nodes else {}
     settings = load_settings(None, {"model": {"store": str(store)}, "draft": {"mode": "off"}, "drives": [drive],
                                     "cache": {"expert_bytes": cache}, "logging": {"level": "warning"}, "cluster": cluster})
     return Model.open(store, settings=settings)
@@ -76,12 +77,13 @@ def wire_bytes(model: Any) -> int:
     return sum(n["bytes_sent"] + n["bytes_received"] for n in model.snapshot().get("nodes", []))
 
 
-def measure(store: Path, nodes: int, read_mb_s: float | None, cache: str, new_tokens: int, pin_dense: bool) -> dict:
+def measure(store: Path, nodes: int, read_mb_s: float | None, cache: str, new_tokens: int, pin_dense: bool,
+            hot_replicas: float = 0.0) -> dict:
     """Decode tok/s (a generate of 1 token subtracted from one of `new_tokens`: prefill cancels), wire bytes per token."""
     port = free_port()
     procs = start_nodes(store, nodes, port, node_config(store, read_mb_s, cache)) if nodes else []
     try:
-        model = open_model(store, nodes, port, read_mb_s, cache)
+        model = open_model(store, nodes, port, read_mb_s, cache, hot_replicas)
         try:
             if pin_dense:  # dense slices are read every token: a deployment keeps them resident, as it does the spine
                 from deltafind.cluster.runs import routed_counts
@@ -131,6 +133,8 @@ def main() -> int:
     ap.add_argument("--read-mb-s", type=float, default=0.25, help="each machine's drive cap")
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--hot-replicas", type=float, default=0.0, help="[cluster] hot_replicas: this fraction of each layer's "
+                    "hottest experts on two nodes, each read sent to the less loaded copy")
     ap.add_argument("--pin-dense", action=argparse.BooleanOptionalAction, default=True,
                     help="keep the dense layers' slices resident on the machine computing them (default on)")
     args = ap.parse_args()
@@ -140,13 +144,14 @@ def main() -> int:
     runs: dict[int, list[dict]] = {0: [], **{n: [] for n in counts}}
     for rnd in range(args.rounds):
         for n in [0, *counts]:  # 0: one machine
-            r = measure(store, n, args.read_mb_s, "0", args.new_tokens, args.pin_dense)
+            r = measure(store, n, args.read_mb_s, "0", args.new_tokens, args.pin_dense, args.hot_replicas)
             runs[n].append(r)
             print(json.dumps({"bench": "cluster_decode", "round": rnd, **{k: v for k, v in r.items() if k != "config"}}), flush=True)
     warm = measure(store, 2, None, "1GiB", args.new_tokens, args.pin_dense)
     print(json.dumps({"bench": "cluster_exchange", **{k: v for k, v in warm.items() if k != "config"}}), flush=True)
     one = statistics.median(r["decode_tok_s"] for r in runs[0])
-    print(f"\none machine (drive {args.read_mb_s} MB/s, no expert cache, dense slices {'pinned' if args.pin_dense else 'read'}): "
+    print(f"\nhot_replicas {args.hot_replicas}")
+    print(f"one machine (drive {args.read_mb_s} MB/s, no expert cache, dense slices {'pinned' if args.pin_dense else 'read'}): "
           f"{one:.2f} tok/s; load {os.getloadavg()}")
     for n in counts:
         tok = statistics.median(r["decode_tok_s"] for r in runs[n])
