@@ -173,7 +173,11 @@ class Model:
         model = cls(store_dir, manifest, net, experts, Tokenizer.load(store_dir / TOKENIZER_DIR), settings)
         if provider is not experts:
             model.cluster = provider
-            provider.start(net)  # joins the group: blocks until every expert node is up
+            try:
+                provider.start(net)  # joins the group: blocks until every expert node is up
+            except BaseException:
+                model.close()
+                raise
         if plan.streamed:
             model.spine = SpineStreamer(spine_path, plan, device)
             model.spine.bind(net)

@@ -53,9 +53,10 @@ def group_spec(cluster: ClusterSettings, device: torch.device) -> GroupSpec:
         raise ConfigError(f"[cluster] role = \"coordinator\" needs rank 0, not {rank}: the expert nodes are ranks 1..{cluster.world_size - 1}")
     if cluster.role == "expert" and not 1 <= rank < cluster.world_size:
         raise ConfigError(f"[cluster] role = \"expert\" needs a rank from 1 to {cluster.world_size - 1} (world_size - 1), not {rank}")
-    backend = cluster.backend
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
+    if cluster.backend == "nccl":  # TODO(cluster): device tensors on the wire; untested here (one GPU cannot host two NCCL ranks)
+        raise ConfigError("[cluster] backend = \"nccl\" is not supported yet (the exchange moves CPU tensors): "
+                          "set backend = \"gloo\" (or auto)")
+    backend = "gloo"
     return GroupSpec(rank, cluster.world_size, cluster.coordinator or "127.0.0.1", cluster.port or DEFAULT_PORT,
                      backend, cluster.join_timeout_s, cluster.timeout_s)
 

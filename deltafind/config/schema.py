@@ -377,8 +377,8 @@ class ClusterSettings(_Section):
     )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto",
-        description="torch.distributed backend of the per-layer exchange: auto (nccl when "
-        "computing on CUDA, else gloo), gloo, or nccl.",
+        description="torch.distributed backend of the per-layer exchange: auto (today gloo), "
+        "gloo, or nccl (not supported yet: refused at start).",
     )
     timeout_s: float = Field(
         30.0,
