@@ -64,6 +64,7 @@ class ClusterExperts:
         self._ride: dict[int, Sequence[int] | None] = {}  # layer -> prediction to send with the previous layer's rows
         self._joined = False
         self._outbox: dict[int, list[Any]] = {}  # node -> sends that may still be running
+        self._hinted: dict[int, dict[int, int]] = {}  # layer -> predicted expert -> the node reading it
 
     # -- forming the cluster -------------------------------------------------------------------
 
@@ -132,8 +133,13 @@ class ClusterExperts:
         hint = self._ride.pop(layer_idx + 1, _NO_HINT)
         hints = self._hints(layer_idx + 1, hint) if hint is not _NO_HINT else {}  # type: ignore[arg-type]
         by_node: dict[int, list[int]] = {}
-        for e in sorted(tokens):
-            by_node.setdefault(self._pick(layer_idx, e, by_node), []).append(e)
+        hinted = self._hinted.pop(layer_idx, {})
+        for e in sorted(tokens, key=lambda e: (e not in hinted, e)):
+            # A predicted expert goes where its read was started (the prediction was balanced); the rest balance around them.
+            node = hinted.get(e)
+            if node is None or not self.nodes[node].alive:
+                node = self._pick(layer_idx, e, by_node)
+            by_node.setdefault(node, []).append(e)
             self.local.uses[(layer_idx, e)] += 1  # heat is the coordinator's: it sees every route
         t0 = time.perf_counter()
         for r in sorted(set(by_node) | set(hints)):
@@ -186,9 +192,10 @@ class ClusterExperts:
                         out[r] = None
             return out
         queued: dict[int, list[int]] = {}
-        for e in sorted(ids):  # the copies run_experts will pick if the prediction holds: reads start where they are needed
+        for e in sorted(ids):  # balanced over the live copies; run_experts sends each to the copy that reads it
             if any(self.nodes[r].alive for r in self.placement.owners.get((layer_idx, e), ())):
                 queued.setdefault(self._pick(layer_idx, e, queued), []).append(e)
+        self._hinted[layer_idx] = {e: r for r, es in queued.items() for e in es}
         return dict(queued)
 
     def _send(self, r: int, header: list[int], *tensors: torch.Tensor) -> None:
