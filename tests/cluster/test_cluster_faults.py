@@ -1,10 +1,12 @@
-"""Faults on a loopback cluster: a node killed mid-request (the real daemon, the openai SDK) and a
-node that stalls past `[cluster] timeout_s` fail the requests in flight with a clear error, never a
-wrong token; a live replica keeps serving, and status and /health say which node is down."""
+"""Faults on a loopback cluster: a node killed mid-request (the real daemon, the openai SDK), a node
+that stalls past `[cluster] timeout_s` and a node whose read fails its checksum fail the requests in
+flight with a clear error, never a wrong token; a live replica keeps serving, a node that reported
+an error keeps answering, and status and /health say which node is down."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -14,7 +16,15 @@ import pytest
 from deltafind.api import Model
 from deltafind.cluster.wire import ClusterError
 from deltafind.config import load_settings
-from tests.cluster.harness import cluster_settings, free_port, make_store, nodes, slow_node_config
+from deltafind.store.manifest import Manifest, pack_name
+from tests.cluster.harness import (
+    cluster_settings,
+    free_port,
+    make_store,
+    nodes,
+    slow_node_config,
+    start_node,
+)
 from tests.e2e.daemon_fixtures import Daemon
 
 openai = pytest.importorskip("openai")
@@ -82,3 +92,35 @@ def test_stalled_node_times_out_and_experts_without_a_copy_fail_clearly(store: P
             assert want  # the cluster served before the stall
         finally:
             model.close()
+
+
+def test_node_error_fails_the_request_with_its_cause_and_the_node_stays_up(store: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad-store"
+    shutil.copytree(store, bad)
+    manifest = Manifest.load(bad)
+    with open(bad / "drive0" / pack_name(0), "r+b") as f:  # every routed record of node 2's copy fails its checksum
+        for r in manifest.experts:
+            if r.layer == 1:
+                f.seek(r.offset)
+                f.write(bytes(b ^ 0xFF for b in f.read(64)))
+                f.seek(r.offset)
+    port = free_port()
+    procs = [start_node(store, 1, 3, port), start_node(bad, 2, 3, port)]
+    try:
+        settings = load_settings(None, {"model": {"store": str(store)}, "draft": {"mode": "off"},
+                                        "cluster": cluster_settings(2, port)})
+        model = Model.open(store, settings=settings)
+        try:
+            for _ in range(2):  # the node answers every request, with the read's error each time
+                with pytest.raises(ClusterError, match=r"node 2: CorruptExpertError: .*expert \d+ of layer 1"):
+                    model.generate(model.tokenizer.encode(PROMPT), max_new_tokens=4)
+            node2 = model.snapshot()["nodes"][1]
+            assert node2["alive"] and "CorruptExpertError" in node2["last_error"]
+        finally:
+            model.close()
+        assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
