@@ -49,7 +49,13 @@ def start_node(store: Path, rank: int, world_size: int, port: int, env: dict[str
 def nodes(store: Path, count: int, port: int, env: dict[str, str] | None = None,
           config: Path | None = None) -> Iterator[list[subprocess.Popen[bytes]]]:
     """`count` expert nodes (ranks 1..count) joining a group at `port`; killed if still running at the end."""
-    procs = [start_node(store, r, count + 1, port, env, config) for r in range(1, count + 1)]
+    with reaped([start_node(store, r, count + 1, port, env, config) for r in range(1, count + 1)]) as procs:
+        yield procs
+
+
+@contextmanager
+def reaped(procs: list[subprocess.Popen[bytes]]) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """`procs`, killed at the end if still running (a test that failed half-way leaves no node behind)."""
     try:
         yield procs
     finally:

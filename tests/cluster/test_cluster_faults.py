@@ -22,6 +22,7 @@ from tests.cluster.harness import (
     free_port,
     make_store,
     nodes,
+    reaped,
     slow_node_config,
     start_node,
 )
@@ -105,8 +106,7 @@ def test_node_error_fails_the_request_with_its_cause_and_the_node_stays_up(store
                 f.write(bytes(b ^ 0xFF for b in f.read(64)))
                 f.seek(r.offset)
     port = free_port()
-    procs = [start_node(store, 1, 3, port), start_node(bad, 2, 3, port)]
-    try:
+    with reaped([start_node(store, 1, 3, port), start_node(bad, 2, 3, port)]) as procs:
         settings = load_settings(None, {"model": {"store": str(store)}, "draft": {"mode": "off"},
                                         "cluster": cluster_settings(2, port)})
         model = Model.open(store, settings=settings)
@@ -119,8 +119,3 @@ def test_node_error_fails_the_request_with_its_cause_and_the_node_stays_up(store
         finally:
             model.close()
         assert [p.wait(timeout=60) for p in procs] == [0, 0]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()

@@ -80,7 +80,7 @@ def test_trace_warm_rebalance_nodes_writes_the_sidecar(tmp_path: Path) -> None:
 def test_per_node_stores_hold_only_their_experts_and_serve_the_same_tokens(tmp_path: Path) -> None:
     from deltafind.api import Model
     from deltafind.config import load_settings
-    from tests.cluster.harness import cluster_settings, free_port, start_node
+    from tests.cluster.harness import cluster_settings, free_port, reaped, start_node
 
     store = make_store("qwen3_moe", tmp_path)
     ref = Model.open(store)
@@ -105,8 +105,7 @@ def test_per_node_stores_hold_only_their_experts_and_serve_the_same_tokens(tmp_p
         finally:
             reader.close()
     port = free_port()
-    procs = [start_node(into, rank, 3, port) for rank, into in enumerate(node_stores, 1)]  # each on its own store
-    try:
+    with reaped([start_node(into, rank, 3, port) for rank, into in enumerate(node_stores, 1)]) as procs:
         settings = load_settings(None, {"model": {"store": str(store)}, "draft": {"mode": "off"},
                                         "cluster": cluster_settings(2, port)})
         model = Model.open(store, settings=settings)
@@ -115,8 +114,3 @@ def test_per_node_stores_hold_only_their_experts_and_serve_the_same_tokens(tmp_p
         finally:
             model.close()
         assert [p.wait(timeout=60) for p in procs] == [0, 0]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
