@@ -73,6 +73,7 @@ class Model:
         self._draft_models: list[Model] = []
         self._drafts_by_spec: dict[str, tuple[DraftSource | None, PolicyOptions]] = {}  # generate(draft=) builds each once
         self.memory_lock = MemoryLock()
+        self.cluster: Any = None  # the expert nodes' provider when [cluster] role = "coordinator"
 
     @classmethod
     def open(cls, store_dir: str | Path | None = None, settings: Settings | None = None, *,
@@ -127,8 +128,14 @@ class Model:
                                stager=make_stager(device), cache=cache, buffer_pool=read_buffer_pool(device))
         if int(c.pin_bytes):
             experts.pin(hottest(read_heat(store_dir)), int(c.pin_bytes))
+        provider = experts
+        if settings.cluster.role == "coordinator":  # routed experts run on the expert nodes (deltafind/cluster)
+            from deltafind.cluster.coordinator import ClusterExperts
+            from deltafind.cluster.wire import group_spec
+
+            provider = ClusterExperts(experts, group_spec(settings.cluster, device), store_dir, settings.cluster.hot_replicas)
         with torch.device("meta"):
-            net = family.Model(args, experts)
+            net = family.Model(args, provider)
         # Routing biases stay fp32 (as in HF: rounding them can flip expert choices); see store/spine.py.
         spine_path = store_dir / SPINE_NAME
         spine_bytes = None if c.spine_bytes is None else int(c.spine_bytes)
@@ -164,6 +171,13 @@ class Model:
                 use_compile(True)
                 log.info("mxfp4_compile", device=str(device))
         model = cls(store_dir, manifest, net, experts, Tokenizer.load(store_dir / TOKENIZER_DIR), settings)
+        if provider is not experts:
+            model.cluster = provider
+            try:
+                provider.start(net)  # joins the group: blocks until every expert node is up
+            except BaseException:
+                model.close()
+                raise
         if plan.streamed:
             model.spine = SpineStreamer(spine_path, plan, device)
             model.spine.bind(net)
@@ -277,6 +291,8 @@ class Model:
         remote, total = ex.reader.remote, self.manifest.expert_bytes()  # a streaming install fills as it serves
         out.update(store_bytes_total=total, store_bytes_present=remote.present_bytes() if remote is not None else total,
                    spine_int8=self.settings.cache.spine_int8)
+        if self.cluster is not None:
+            out["nodes"] = self.cluster.status()
         if (sp := self.spine) is not None:
             out["spine"] = {"resident_layers": sp.plan.resident_layers, "num_layers": sp.plan.num_layers,
                             "layer_reads": sp.layers_read, "bytes_read": sp.bytes_read, "wait_s": sp.wait_s}
@@ -296,6 +312,8 @@ class Model:
         for m in self._draft_models:
             m.close()
         self._draft_models = []
+        if self.cluster is not None:
+            self.cluster.close()
         self.save_heat()
         self.experts.close()
         if self.spine is not None:

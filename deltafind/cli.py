@@ -77,7 +77,15 @@ def cmd_setup(args: argparse.Namespace) -> int:
     from deltafind.store.setup import setup_store
     from deltafind.store.sources import open_source
 
-    _settings(args)  # a bad config fails here, before any work
+    settings = _settings(args)  # a bad config fails here, before any work
+    if args.node is not None:  # an expert node's own store (deltafind/cluster)
+        from deltafind.cluster.packs import write_node_store
+
+        if not args.store or not args.into:
+            raise StoreError("setup --node R needs --store DIR (the whole store) and --into DIR (node R's store)")
+        n, nbytes = write_node_store(Path(args.store), args.node, Path(args.into), args.nodes, settings.cluster.hot_replicas)
+        print(f"node store ready: {args.into} ({n} experts of node {args.node}, {nbytes / 2**20:.1f} MiB)")
+        return 0
     if args.dspark or args.synthetic == "dspark":
         return _setup_dspark(args)
     if args.fill:
@@ -332,7 +340,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
     settings = _settings(args)
     heat = update_heat(Path(args.store), heat_from_trace(records), settings.cache.heat_decay)
     print(f"{args.store}: heat file now covers {len(heat)} experts; set [cache] pin_bytes to keep the hottest resident")
-    if args.rebalance:
+    if args.rebalance and args.nodes:  # the cluster's placement of experts on nodes (deltafind/cluster)
+        from deltafind.cluster.cli import rebalance_nodes
+
+        print(rebalance_nodes(Path(args.store), heat, args.nodes, args.node_read_mb_s, settings.cluster.hot_replicas))
+    elif args.rebalance:
         from deltafind.store.manifest import Manifest
         from deltafind.store.placement import rebalance
         from deltafind.store.reader import DriveOptions
@@ -393,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", default="tiny", help="with --synthetic: tiny (tests), bench (real-size experts), full-layer (kimi_k3)")
     p.add_argument("--seed", type=int, default=0, help="with --synthetic: weight seed (same seed, same store)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--node", type=int, metavar="R", help="write expert node R's store (its experts only, by the --store's cluster placement) --into DIR")
+    p.add_argument("--into", metavar="DIR", help="with --node: the node store to write")
+    p.add_argument("--nodes", type=int, metavar="N", help="with --node, when --store has no cluster placement yet: compute one for N nodes")
     p.set_defaults(func=cmd_setup)
 
     p = sub.add_parser("run", help="generate from a prompt, or chat")
@@ -432,13 +447,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", metavar="DIR", help="with warm: the store to warm")
     p.add_argument("--rebalance", action="store_true", help="with warm: rewrite the packs so each drive carries an even share of the heat (needs room for a second copy; crash-safe)")
     p.add_argument("--stripe", action="store_true", help="with --rebalance: split every large record over all drives instead (the upgrade of a store set up before striping)")
+    p.add_argument("--nodes", type=int, metavar="N", help="with warm --rebalance: place the routed experts on N expert nodes of a cluster (writes cluster-placement.json)")
+    p.add_argument("--node-read-mb-s", metavar="R1,R2,..", help="with --nodes: each node's read rate, to weigh its share (default: equal)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_trace)
 
+    from deltafind.cluster.cli import add_subcommand as add_node  # node
     from deltafind.daemon.cli import add_subcommands  # serve, install-service
 
     add_subcommands(sub)
+    add_node(sub)
     return parser
 
 

@@ -9,6 +9,7 @@ from deltafind.config.example import render_example_toml
 from deltafind.config.load import DEFAULT_CONFIG_PATH, load_settings
 from deltafind.config.schema import (
     CacheSettings,
+    ClusterSettings,
     ControlSettings,
     DeviceSettings,
     DraftSettings,
@@ -27,6 +28,7 @@ __all__ = [
     "DEFAULT_CONFIG_PATH",
     "ByteSize",
     "CacheSettings",
+    "ClusterSettings",
     "ControlSettings",
     "DeviceSettings",
     "DraftSettings",

@@ -7,13 +7,14 @@ it) and, when `deltafinctl reload` can apply it to a running daemon,
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -347,6 +348,75 @@ class LoggingSettings(_Section):
         return value.strip().lower() if isinstance(value, str) else value
 
 
+class ClusterSettings(_Section):
+    role: Literal["off", "coordinator", "expert"] = Field(
+        "off",
+        description="Expert parallelism over several machines (deltafind/cluster): off (one "
+        "machine), coordinator (holds the spine and serves the API; routed experts run on the "
+        "expert nodes), or expert (a node started with `deltafind node`).",
+    )
+    rank: int | None = Field(
+        None,
+        ge=0,
+        description="This process's rank: 0 is the coordinator, 1..N the expert nodes. "
+        "Unset = $RANK (torchrun sets it), else 0.",
+        examples=[1],
+    )
+    world_size: int | None = Field(
+        None,
+        ge=2,
+        description="Processes in the cluster: the coordinator plus N expert nodes. "
+        "Unset = $WORLD_SIZE (torchrun sets it).",
+        examples=[3],
+    )
+    coordinator: str | None = Field(
+        None,
+        description="Host name or address of the coordinator, where the process group meets. "
+        "Unset = $MASTER_ADDR, else 127.0.0.1.",
+        examples=["10.0.0.1"],
+    )
+    port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="TCP port on the coordinator where the process group meets. Unset = "
+        "$MASTER_PORT, else 29500.",
+        examples=[29500],
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto",
+        description="torch.distributed backend of the per-layer exchange: auto (today gloo), "
+        "gloo, or nccl (not supported yet: refused at start).",
+    )
+    timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="A node that has not answered a layer within this many seconds fails the "
+        "requests in flight and is marked down (its experts' replicas take over).",
+    )
+    join_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="How long each process waits for the whole group to join at start.",
+    )
+    hot_replicas: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Fraction of each layer's hottest experts placed on two nodes (0 = one copy "
+        "of each, 1 = two copies of every expert), when the store has no placement sidecar.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_environment(cls, data: Any) -> Any:
+        # torchrun and the usual launchers name the group with these variables; a key in the file wins.
+        if not isinstance(data, dict) or data.get("role", "off") == "off":
+            return data
+        env = {"rank": "RANK", "world_size": "WORLD_SIZE", "coordinator": "MASTER_ADDR", "port": "MASTER_PORT"}
+        return {**{k: os.environ[v] for k, v in env.items() if os.environ.get(v)}, **{k: v for k, v in data.items() if v is not None}}
+
+
 # The parsed config file for the `load_settings` call in progress; a context
 # variable because pydantic-settings builds its sources from the class alone.
 _FILE_DATA: ContextVar[dict[str, Any] | None] = ContextVar("deltafind_config_file", default=None)
@@ -396,6 +466,10 @@ class Settings(BaseSettings):
     )
     logging: LoggingSettings = Field(
         default_factory=LoggingSettings, description="Logs, written to stderr."
+    )
+    cluster: ClusterSettings = Field(
+        default_factory=ClusterSettings,
+        description="Serving one model from several machines (expert parallelism).",
     )
 
     @field_validator("drives")

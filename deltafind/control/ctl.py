@@ -70,6 +70,10 @@ def store_lines(s: dict[str, Any]) -> list[str]:
     for d in s["drives"]:
         lines.append(f"drive {d['index']}    {'ok' if d['healthy'] else 'UNREADABLE'} {d['path']}: {d['reads']} reads, "
                      f"{_mib(d['bytes_read'])}, {d['read_gb_s']:.2f} GB/s")
+    for n in s.get("nodes", ()):  # expert nodes of a cluster (deltafind/cluster)
+        lines.append(f"node {n['rank']}     {'ok' if n['alive'] else 'DOWN'}: {n['experts']} experts, {n['experts_read']} read "
+                     f"({_mib(n['bytes_read'])}, {n['read_mb_s']:.1f} MB/s), {n['layers']} layers exchanged"
+                     + (f", last error: {n['last_error']}" if n["last_error"] else ""))
     if sp := s.get("spine"):
         lines.append(f"spine      {sp['resident_layers']} of {sp['num_layers']} layers resident, {sp['layer_reads']} layer "
                      f"reads ({_mib(sp['bytes_read'])}), waited {sp['wait_s']:.3f} s")

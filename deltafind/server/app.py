@@ -53,6 +53,7 @@ class ReadyEngine:
     context_length: int
     created: int = field(default_factory=lambda: int(time.time()))
     store_snapshot: Callable[[], dict[str, Any]] = field(default=lambda: {})  # the store's figures, for /metrics
+    nodes: Callable[[], list[dict[str, Any]]] = field(default=list)  # a cluster's expert nodes (cheap: /health asks)
 
 
 class AppState:
@@ -126,7 +127,12 @@ class Health:
         s = self.state
         draining = s.engine is not None and s.engine.client.draining
         status = "draining" if draining else s.load_status
+        down = [n["rank"] for n in (s.engine.nodes() if status == "ready" and s.engine else ()) if not n["alive"]]
         resp.status = 200 if status == "ready" else 503
+        if down:  # still serving what the live nodes hold (deltafind/cluster)
+            status = "degraded"
+            resp.media = {"status": status, "model": s.model_name, "nodes_down": down}
+            return
         resp.media = {"status": status, "model": s.model_name, **({"error": s.load_error} if s.load_error else {})}
         if status == "loading":
             resp.set_header("Retry-After", "5")

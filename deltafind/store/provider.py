@@ -62,7 +62,12 @@ HF_WEIGHTS = WeightNames(  # transformers' names for SwiGLU experts and MLPs (Ll
 
 class ExpertProvider(Protocol):
     """Everything a model asks of wherever its experts live (called from `models/ops/step.py`); the hooks
-    after `fetch` default to nothing, so an in-memory provider subclasses this and inherits them."""
+    after `fetch` default to nothing, so an in-memory provider subclasses this and inherits them.
+
+    A provider whose experts are computed where they live (deltafind/cluster) also has
+    `run_experts(layer_idx, x [T, D], tokens: {expert: token indices}, run) -> Iterator[(expert,
+    run(x[tokens[expert]], expert))]`; `moe.dispatch` then hands it the rows instead of fetching,
+    and sums the outputs as before."""
 
     dtype: torch.dtype | None = None  # what float experts arrive as (None: as given)
 

@@ -85,7 +85,7 @@ def test_make_proto_reproduces_the_committed_stubs(tmp_path: Path) -> None:
 LAYERS = (
     ("deltafind.cli", "deltafind.daemon", "deltafind.api", "deltafind"),
     ("deltafind.server", "deltafind.control"),
-    ("deltafind.engine",),
+    ("deltafind.engine", "deltafind.cluster"),  # cluster: a provider over models/store/device, wired by api
     ("deltafind.models", "deltafind.device"),
     ("deltafind.store",),
     ("deltafind.tokenizer", "deltafind.config", "deltafind.errors", "deltafind.log"),

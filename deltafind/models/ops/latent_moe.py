@@ -8,6 +8,8 @@ added. Routed experts come from an `ExpertProvider` as MXFP4 packs, untouched.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -78,6 +80,7 @@ class LatentMoE(nn.Module):
         self.shared_experts = SiTUMLP(hidden, shared_width, beta, linear_beta)
         self.layer_idx, self.provider = layer_idx, provider
         self.beta, self.linear_beta = beta, linear_beta
+        self.run = partial(mxfp4_expert_forward, beta=beta, linear_beta=linear_beta)  # an expert node runs it too
 
     def predict(self, x: torch.Tensor) -> list[int]:
         """Distinct experts the router picks for x (a prefetch hint; the route itself is recomputed)."""
@@ -86,7 +89,6 @@ class LatentMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, weight = self.gate(x)
         r_in = self.routed_expert_down_proj(x).float()  # [T, L], shared by all chosen experts
-        r_sum = dispatch(r_in, idx, weight, self.provider, self.layer_idx,
-                         lambda rows, expert: mxfp4_expert_forward(rows, expert, self.beta, self.linear_beta))
+        r_sum = dispatch(r_in, idx, weight, self.provider, self.layer_idx, self.run)
         r_out = self.routed_expert_up_proj(self.routed_expert_norm(r_sum).to(x.dtype))
         return r_out + self.shared_experts(x)

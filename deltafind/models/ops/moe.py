@@ -6,7 +6,7 @@ Dense MLPs run through the same path as N slices, all active with weight 1.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
@@ -80,10 +80,9 @@ def dispatch(
     span = {e: (end - c, end) for e, end, c in zip(unique.tolist(), ends, counts.tolist(), strict=True)}
     k = topk_idx.shape[1]
     partial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for expert_idx, expert in provider.fetch(layer_idx, unique.tolist()):
+    for expert_idx, y in _expert_outputs(x, order, span, k, provider, layer_idx, run):
         rows = order[span[expert_idx][0] : span[expert_idx][1]]  # positions in the flat [T*k]
         tokens = rows // k
-        y = run(x[tokens], expert)
         partial[expert_idx] = (tokens, y * topk_weight.reshape(-1)[rows].to(y.dtype)[:, None])
     out = torch.zeros_like(x)
     # Sum in expert order, not arrival order: results must not depend on I/O timing.
@@ -91,6 +90,20 @@ def dispatch(
         tokens, y = partial[expert_idx]
         out.index_add_(0, tokens, y)
     return out
+
+
+def _expert_outputs(x: torch.Tensor, order: torch.Tensor, span: dict[int, tuple[int, int]], k: int,
+                    provider: ExpertProvider, layer_idx: int,
+                    run: Callable[[torch.Tensor, Expert], torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+    """(expert, run(its rows, expert)) in completion order: fetched and run here, or, where the provider
+    runs experts where they live (`run_experts`, deltafind/cluster), computed there on the same rows
+    (x[tokens] for each expert's tokens)."""
+    if (remote := getattr(provider, "run_experts", None)) is not None:
+        yield from remote(layer_idx, x, {e: order[a:b] // k for e, (a, b) in span.items()}, run)
+        return
+    for expert_idx, expert in provider.fetch(layer_idx, list(span)):
+        a, b = span[expert_idx]
+        yield expert_idx, run(x[order[a:b] // k], expert)
 
 
 class SlicedMLP(nn.Module):

@@ -1,0 +1,265 @@
+"""The coordinator's `ExpertProvider`: routed experts computed on the expert nodes, the rest local.
+
+`moe.dispatch` hands `run_experts` each chosen expert's rows; they go to a live node holding that
+expert (the next layer's predicted experts ride along, so the node starts reading early), and
+each node returns one output per expert, which dispatch sums in expert order exactly as one
+machine does. Dense slices, router traces and heat stay with the local store. A node that dies,
+stalls past `[cluster] timeout_s` or fails a layer fails the requests in flight (ClusterError);
+a node that died or stalled is marked down and its experts' other copies serve from then on.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from deltafind.cluster import wire
+from deltafind.cluster.placement import Placement, check_placement, make_placement, read_placement
+from deltafind.cluster.runs import Run, routed_runs
+from deltafind.cluster.wire import ClusterError, GroupSpec
+from deltafind.log import get_logger
+from deltafind.store.experts import StoreExperts
+from deltafind.store.heat import read_heat
+from deltafind.store.provider import Expert
+
+log = get_logger(__name__)
+_NO_HINT = object()
+
+
+@dataclass
+class NodeState:
+    """What the coordinator knows of one expert node (`deltafinctl status`, /health)."""
+
+    rank: int
+    experts: int
+    alive: bool = True
+    last_error: str = ""
+    bytes_read: int = 0
+    experts_read: int = 0
+    cache_hits: int = 0
+    read_wait_s: float = 0.0
+    read_mb_s: float = 0.0
+    layers: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    exchange_s: float = 0.0  # time from the first send of a layer to this node's reply
+
+
+class ClusterExperts:
+    """Routed layers on the nodes, everything else from `local`; `start(net)` forms the group."""
+
+    def __init__(self, local: StoreExperts, spec: GroupSpec, store_dir: Path, hot_replicas: float = 0.0) -> None:
+        self.local, self.spec, self.store_dir, self.hot_replicas = local, spec, Path(store_dir), hot_replicas
+        self.dtype = local.dtype
+        self.routed: set[int] = set()
+        self.placement = Placement(spec.world_size - 1, {})
+        self.nodes: dict[int, NodeState] = {}
+        self._ride: dict[int, Sequence[int] | None] = {}  # layer -> prediction to send with the previous layer's rows
+        self._joined = False
+        self._outbox: dict[int, list[Any]] = {}  # node -> sends that may still be running
+        self._hinted: dict[int, dict[int, int]] = {}  # layer -> predicted expert -> the node reading it
+
+    # -- forming the cluster -------------------------------------------------------------------
+
+    def start(self, net: nn.Module) -> None:
+        """Place the routed experts of `net`, join the group and hand every node its placement."""
+        runs: Mapping[int, Run] = routed_runs(net)
+        self.routed = set(runs)
+        counts = {layer: self.local.num_experts(layer) for layer in sorted(runs)}
+        num_nodes = self.spec.world_size - 1
+        placement = read_placement(self.store_dir)
+        if placement is not None:
+            check_placement(placement, counts, num_nodes, self.store_dir)
+        else:
+            placement = make_placement(counts, num_nodes, read_heat(self.store_dir), None, self.hot_replicas)
+        self.placement = placement
+        self.nodes = {r: NodeState(r, len(placement.experts_of(r))) for r in range(1, num_nodes + 1)}
+        log.info("cluster_joining", rank=0, world_size=self.spec.world_size, address=self.spec.address, port=self.spec.port,
+                 backend=self.spec.backend)
+        wire.join(self.spec)
+        self._joined = True
+        blob = wire.text(json.dumps(placement.to_json()))
+        for r in self.nodes:
+            self._send(r, [wire.OP_PLACEMENT, 0, 0, blob.numel(), 0, 0, -1, 0], blob)
+        deadline = time.monotonic() + self.spec.join_timeout_s
+        problems = []
+        for r in self.nodes:
+            try:
+                self._reply(r, deadline)
+            except ClusterError as e:
+                problems.append(str(e))
+        if problems:
+            raise ClusterError("the expert nodes refused the placement: " + "; ".join(problems))
+        log.info("cluster_ready", nodes=num_nodes, routed_layers=len(self.routed), experts=len(placement.owners))
+
+    # -- the provider contract -----------------------------------------------------------------
+
+    def num_experts(self, layer_idx: int) -> int:
+        return self.local.num_experts(layer_idx)
+
+    def fetch(self, layer_idx: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, Expert]]:
+        return self.local.fetch(layer_idx, expert_ids)  # dense slices (routed layers go through run_experts)
+
+    def begin_step(self, seq_ids: Sequence[int], positions: Sequence[int]) -> None:
+        self.local.begin_step(seq_ids, positions)
+
+    def enter_layer(self, layer_idx: int) -> None:
+        self.local.enter_layer(layer_idx)
+
+    def observe_routes(self, layer_idx: int, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> None:
+        self.local.observe_routes(layer_idx, topk_idx, topk_weight)
+
+    def prefetch(self, layer_idx: int, expert_ids: Sequence[int] | None) -> None:
+        if layer_idx not in self.routed:
+            self.local.prefetch(layer_idx, expert_ids)
+        elif layer_idx - 1 in self.routed:
+            self._ride[layer_idx] = expert_ids  # rides with the previous layer's rows
+        else:
+            for r, ids in self._hints(layer_idx, expert_ids).items():
+                self._send(r, [wire.OP_PREFETCH, -1, 0, 0, 0, 0, layer_idx, -1 if ids is None else len(ids)],
+                           torch.tensor(ids or [], dtype=torch.int64))
+
+    def run_experts(self, layer_idx: int, x: torch.Tensor, tokens: Mapping[int, torch.Tensor],
+                    run: Run) -> Iterator[tuple[int, torch.Tensor]]:
+        """(expert, its output on x[tokens[expert]]), each computed by a node holding it. A node gets
+        each token's row once, with each expert's indices into them (a gather there is exact)."""
+        hint = self._ride.pop(layer_idx + 1, _NO_HINT)
+        hints = self._hints(layer_idx + 1, hint) if hint is not _NO_HINT else {}  # type: ignore[arg-type]
+        by_node: dict[int, list[int]] = {}
+        hinted = self._hinted.pop(layer_idx, {})
+        for e in sorted(tokens, key=lambda e: (e not in hinted, e)):
+            # A predicted expert goes where its read was started (the prediction was balanced); the rest balance around them.
+            node = hinted.get(e)
+            if node is None or not self.nodes[node].alive:
+                node = self._pick(layer_idx, e, by_node)
+            by_node.setdefault(node, []).append(e)
+            self.local.uses[(layer_idx, e)] += 1  # heat is the coordinator's: it sees every route
+        t0 = time.perf_counter()
+        for r in sorted(set(by_node) | set(hints)):
+            ids, pred = by_node.get(r, []), hints.get(r, [])
+            rows, index = _rows_once([tokens[e] for e in ids], x) if ids else (x[:0], x.new_empty(0, dtype=torch.int64))
+            header = [wire.OP_RUN if ids else wire.OP_PREFETCH, layer_idx, len(ids), rows.shape[0], x.shape[1],
+                      wire.dtype_code(x.dtype), layer_idx + 1 if r in hints else -1, -1 if pred is None else len(pred)]
+            head = torch.tensor([*ids, *(len(tokens[e]) for e in ids), *(pred or [])], dtype=torch.int64)
+            self._send(r, header, head, index.cpu(), rows)
+        deadline = time.monotonic() + self.spec.timeout_s
+        out: dict[int, torch.Tensor] = {}
+        errors = []
+        for r, ids in sorted(by_node.items()):
+            sizes = [len(tokens[e]) for e in ids]
+            try:
+                if not self.nodes[r].alive:
+                    raise ClusterError(self.nodes[r].last_error)
+                y = self._reply(r, deadline, (sum(sizes), x.shape[1]))
+                out.update(zip(ids, torch.split(y.to(x.device), sizes), strict=True))
+            except ClusterError as e:
+                errors.append(f"node {r}: {e}")
+            self.nodes[r].exchange_s += time.perf_counter() - t0
+            self.nodes[r].layers += 1
+        if errors:
+            raise ClusterError(f"layer {layer_idx}'s experts failed on the expert nodes ({'; '.join(errors)}); "
+                               "this request fails, the daemon keeps serving (deltafinctl status shows the nodes)")
+        yield from out.items()
+
+    # -- nodes ---------------------------------------------------------------------------------
+
+    def _pick(self, layer_idx: int, e: int, queued: Mapping[int, list[int]]) -> int:
+        """The live copy expected to finish first: the fewest of this layer's experts queued per unit of read rate."""
+        live = [r for r in self.placement.owners.get((layer_idx, e), ()) if self.nodes[r].alive]
+        if not live:
+            owners = self.placement.owners.get((layer_idx, e), ())
+            why = "; ".join(f"node {r}: {self.nodes[r].last_error}" for r in owners) or "no node holds it"
+            raise ClusterError(f"expert {e} of layer {layer_idx} has no live copy ({why}); restart its nodes "
+                               "(`deltafind node`), then the coordinator")
+        return min(live, key=lambda r: ((len(queued.get(r, ())) + 1) / max(self.nodes[r].read_mb_s, 1.0), live.index(r)))
+
+    def _hints(self, layer_idx: int, ids: Sequence[int] | None) -> dict[int, list[int] | None]:
+        """Each live node's share of a prediction (None: every holder reads as its previous route)."""
+        if layer_idx not in self.routed:
+            return {}
+        out: dict[int, list[int] | None] = {}
+        if ids is None:
+            for (layer, _), ranks in self.placement.owners.items():
+                for r in ranks:
+                    if layer == layer_idx and self.nodes[r].alive:
+                        out[r] = None
+            return out
+        queued: dict[int, list[int]] = {}
+        for e in sorted(ids):  # balanced over the live copies; run_experts sends each to the copy that reads it
+            if any(self.nodes[r].alive for r in self.placement.owners.get((layer_idx, e), ())):
+                queued.setdefault(self._pick(layer_idx, e, queued), []).append(e)
+        self._hinted[layer_idx] = {e: r for r, es in queued.items() for e in es}
+        return dict(queued)
+
+    def _send(self, r: int, header: list[int], *tensors: torch.Tensor) -> None:
+        """Start sending; never waited with a timeout (a timed-out wait closes the pair): the node's
+        reply shows it got them, and sends still running then are kept until they complete."""
+        node = self.nodes[r]
+        if not node.alive:
+            return
+        try:
+            self._outbox.setdefault(r, []).extend(wire.send(r, header, *tensors))
+        except RuntimeError as e:
+            self._down(r, f"send failed: {e}")
+            return
+        node.bytes_sent += 8 * len(header) + sum(t.numel() * t.element_size() for t in tensors)
+
+    def _reply(self, r: int, deadline: float, shape: tuple[int, int] | None = None) -> torch.Tensor:
+        """Node r's answer: its output [rows, dim] (or nothing for `shape` None); ClusterError on failure."""
+        node = self.nodes[r]
+        try:
+            status, err_len, dtype, *stats = wire.recv_header(r, wire.REPLY, deadline)
+            node.bytes_read, node.experts_read, node.cache_hits = stats[0], stats[1], stats[2]
+            node.read_wait_s, node.read_mb_s = stats[3] / 1e6, stats[4] / 1e3
+            if status != 0:
+                node.last_error = bytes(wire.recv(r, (err_len,), torch.uint8, deadline).tolist()).decode(errors="replace")
+                raise ClusterError(node.last_error)
+            y = wire.recv(r, shape, wire.DTYPES[dtype], deadline) if shape else torch.empty(0)
+        except RuntimeError as e:  # gloo: the peer closed, or the deadline passed (the pair is closed then too)
+            self._down(r, f"no answer within {self.spec.timeout_s:g} s or connection lost ({e})")
+            raise ClusterError(node.last_error) from None
+        self._outbox[r] = [w for w in self._outbox.get(r, []) if not w.is_completed()]
+        node.bytes_received += 8 * wire.REPLY + y.numel() * y.element_size() + (err_len if status else 0)
+        return y
+
+    def _down(self, r: int, error: str) -> None:
+        node = self.nodes[r]
+        node.alive, node.last_error = False, error
+        self._outbox.pop(r, None)
+        log.error("cluster_node_down", rank=r, error=error[:500])
+
+    def status(self) -> list[dict[str, Any]]:
+        """Every node: alive, experts owned, read rate, last error, traffic."""
+        return [asdict(n) for n in self.nodes.values()]
+
+    @property
+    def degraded(self) -> bool:
+        return any(not n.alive for n in self.nodes.values())
+
+    def close(self) -> None:
+        """Stop the nodes (they exit 0) and leave the group; the local store is its owner's to close."""
+        if self._joined:
+            for r in self.nodes:
+                self._send(r, [wire.OP_STOP, 0, 0, 0, 0, 0, -1, 0])
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and any(not w.is_completed() for ws in self._outbox.values() for w in ws):
+                time.sleep(0.01)
+            self._outbox.clear()
+            wire.leave()
+            self._joined = False
+
+
+
+def _rows_once(tokens: list[torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct rows of x these experts use ([U, D], on the CPU for the wire) and, concatenated,
+    each expert's indices into them."""
+    every = torch.cat(tokens)
+    distinct, index = torch.unique(every, sorted=True, return_inverse=True)
+    return x[distinct].cpu(), index

@@ -1,0 +1,39 @@
+"""`[cluster]`: torchrun's variables fill what the file leaves unset, and a wrong rank or size names the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltafind.cluster.wire import group_spec
+from deltafind.config import load_settings
+from deltafind.errors import ConfigError
+
+
+def test_torchrun_variables_fill_unset_keys_and_the_file_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in {"RANK": "2", "WORLD_SIZE": "4", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29123"}.items():
+        monkeypatch.setenv(k, v)
+    cfg = tmp_path / "node.toml"
+    cfg.write_text('[cluster]\nrole = "expert"\nport = 29999\n')
+    spec = group_spec(load_settings(cfg).cluster, torch.device("cpu"))
+    assert (spec.rank, spec.world_size, spec.address, spec.port, spec.backend) == (2, 4, "10.1.2.3", 29999, "gloo")
+    off = tmp_path / "off.toml"
+    off.write_text("")
+    assert load_settings(off).cluster.rank is None  # one machine: the variables are torchrun's business, not ours
+
+
+@pytest.mark.parametrize(("toml", "message"), [
+    ('role = "expert"\nrank = 3\nworld_size = 3', r"rank from 1 to 2"),
+    ('role = "coordinator"\nrank = 1\nworld_size = 3', r"needs rank 0"),
+    ('role = "expert"\nrank = 1', r"world_size is unset"),
+    ('role = "expert"\nrank = 1\nworld_size = 2\nbackend = "nccl"', r"backend = \"gloo\""),
+])
+def test_bad_group_names_the_key(toml: str, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[cluster]\n{toml}\n")
+    with pytest.raises(ConfigError, match=message):
+        group_spec(load_settings(cfg).cluster, torch.device("cpu"))
