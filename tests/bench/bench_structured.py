@@ -287,8 +287,9 @@ def first_request(store: Path, rounds: int = 3) -> None:
                 status, _ = d.post_json("/v1/chat/completions", body, timeout=600)
                 assert status == 200
                 times.append(time.perf_counter() - t0)
-            built = re.search(r"grammar_vocabulary_built.*", d.log_text(full=True))
-            where = re.sub(r"\s+", " ", built.group(0))[:140] if built else "(no grammar_vocabulary_built line)"
+            line = next((ln for ln in d.log_text(full=True).splitlines() if "grammar_vocabulary_built" in ln), "")
+            fields = dict(re.findall(r'"(seconds|thread)": "?([\w.-]+)', line))
+            where = f"vocabulary built in {fields.get('seconds')} s on {fields.get('thread')}" if line else "no grammar_vocabulary_built log line"
             print(f"  first {times[0]:.2f} s, second {times[1]:.2f} s, first - second {times[0] - times[1]:+.2f} s; {where}")
         finally:
             d.stop()
