@@ -25,6 +25,7 @@ from deltafind.engine.sequence import GenRequest
 from deltafind.errors import ConfigError, DeltafindError
 from deltafind.log import configure_logging, get_logger
 from deltafind.server import AppState, ReadyEngine, ServerConfig
+from deltafind.server.structured import prepare_vocabulary
 
 log = get_logger(__name__)
 MAX_STEP_TOKENS = 256
@@ -96,6 +97,7 @@ class Runtime:
             extender = threading.Thread(target=self._extend_while_loading, daemon=True)
             extender.start()
             self.model = self._open_model()
+            prepare_vocabulary(self.model.tokenizer)  # structured output's vocabulary, built while warming up
             s = self.settings
             args = getattr(self.model.net, "args", None)
             context = int(getattr(args, "max_position_embeddings", 0) or 4096)

@@ -29,6 +29,7 @@ from deltafind.server.messages import Messages
 from deltafind.server.metrics import ServerMetrics
 from deltafind.server.openai import Generate
 from deltafind.server.responses import Responses
+from deltafind.server.turns import TurnMemory
 
 log = get_logger(__name__)
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
@@ -54,6 +55,7 @@ class ReadyEngine:
     created: int = field(default_factory=lambda: int(time.time()))
     store_snapshot: Callable[[], dict[str, Any]] = field(default=lambda: {})  # the store's figures, for /metrics
     nodes: Callable[[], list[dict[str, Any]]] = field(default=list)  # a cluster's expert nodes (cheap: /health asks)
+    turns: TurnMemory = field(default_factory=TurnMemory)  # finished answers' ids, so the next turn's prompt reuses them
 
 
 class AppState:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,9 @@ class Choice:
     cached_tokens: int = 0
     parser: Any = None  # server/output.OutputParser: reasoning and tool calls out of a chat answer
     deltas: list[Any] = field(default_factory=list)  # the parser's output not yet sent
+    turns: Any = None  # server/turns.TurnMemory: told the whole sequence when it ends, for the next turn
+    prompt_ids: Sequence[int] = ()
+    ids: list[int] = field(default_factory=list)  # every token generated, even past a stop string
 
     def __post_init__(self) -> None:
         # A parser reads the markup (special tokens kept); the end-of-turn token is never text.
@@ -64,6 +68,7 @@ class Choice:
     def on_event(self, event: Event) -> tuple[str, list[tuple[int, float, tuple]]]:
         """Feed one engine event; returns (text to send now, logprob entries to send now)."""
         if isinstance(event, TokenEvent):
+            self.ids.append(event.token_id)
             if self.finish_reason is not None:  # stopped by a stop string; the cancel is on its way
                 return "", []
             entries = [] if event.logprob is None else [(event.token_id, event.logprob, event.top)]
@@ -79,6 +84,8 @@ class Choice:
         assert isinstance(event, FinishEvent)
         self.prompt_tokens, self.cached_tokens = event.prompt_tokens, event.cached_tokens
         self.completion_tokens = event.completion_tokens
+        if self.turns is not None and event.reason != "error":
+            self.turns.remember(self.tokenizer, [*self.prompt_ids, *self.ids])
         if self.finish_reason is not None:
             return "", []
         if event.reason == "error":

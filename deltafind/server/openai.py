@@ -129,6 +129,9 @@ class Generate:
         """Build and submit a request's sequences: (choices, their event queue, prompt tokens, logprobs wanted)."""
         cfg = self.state.config
         plan = plan_chat(engine.tokenizer, body, chat_messages(body), always_parse) if isinstance(body, ChatRequest) else None
+        turns = engine.turns if plan is not None else None
+        if plan is not None:  # an answer sent back in the history keeps the ids the model generated for it
+            plan.prompt_ids = engine.turns.splice(engine.tokenizer, plan.prompt_ids)
         prompts = [plan.prompt_ids] if plan is not None else self._prompts(engine, body)
         constraint = plan.constraint if plan is not None else completion_constraint(engine.tokenizer, body)
         max_context = min(cfg.max_context or engine.context_length, engine.context_length)
@@ -154,7 +157,8 @@ class Generate:
         mux: queue.Queue = queue.Queue()
         handles = submit_all(engine.client, gen, mux, self.state.pace)
         make_parser = plan.make_parser if plan is not None else None
-        choices = [Choice(k, h, engine.tokenizer, body.stops, parser=make_parser() if make_parser else None)
+        choices = [Choice(k, h, engine.tokenizer, body.stops, parser=make_parser() if make_parser else None,
+                          turns=turns, prompt_ids=prompts[0] if turns is not None else ())
                    for k, h in enumerate(handles)]
         prompt_tokens = sum(len(ids) for ids in prompts)
         self.state.metrics.count_prompt(prompt_tokens)

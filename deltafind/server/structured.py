@@ -1,7 +1,8 @@
 """Structured output enforced by the decoder: JSON schemas and Lark grammars -> engine Constraints.
 
 Owns the llguidance-backed `GrammarConstraint` (the engine's `Constraint` contract,
-engine/constraint.py), the per-tokenizer llguidance vocabulary (built once, ~0.5 s
+engine/constraint.py; its masks are built on worker threads, overlapped with the
+forward), the per-tokenizer llguidance vocabulary (built once, at model load, ~1 s
 for 49k ids) and compiling `response_format` schemas. It lives in `server/`
 because only the API turns requests into grammars; the engine sees the mask.
 A grammar is compiled and checked on the request thread, so a schema the library
@@ -11,8 +12,11 @@ cannot compile is a 400 naming the field before anything is submitted.
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import llguidance as llg
@@ -20,10 +24,15 @@ import numpy as np
 import torch
 
 from deltafind.engine.constraint import ConstraintFactory
+from deltafind.log import get_logger
 from deltafind.server.errors import bad_request
+
+log = get_logger(__name__)
 
 _VOCABS: weakref.WeakKeyDictionary[Any, llg.LLTokenizer] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
+# Grammar work off the engine thread (matchers, masks): a few threads, as llguidance runs them without the GIL.
+_MASKS = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="deltafind-mask")
 # The JSON shape every json_object answer and free-form tool call obeys.
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 # JSON as chat templates print it (`tojson` is json.dumps), so a sent-back answer renders as generated.
@@ -31,41 +40,111 @@ JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexibl
 
 
 def vocabulary(tokenizer: Any) -> llg.LLTokenizer:
-    """llguidance's view of `tokenizer` (token bytes, specials, EOS), built once per tokenizer."""
+    """llguidance's view of `tokenizer` (token bytes, specials, EOS), built once per tokenizer.
+
+    A caller that finds it being built (`prepare_vocabulary`) waits for it under the lock.
+    """
     with _LOCK:
         lt = _VOCABS.get(tokenizer)
         if lt is None:
+            t0 = time.perf_counter()
             lt = llg.LLTokenizer(tokenizer.backend_json(), n_vocab=tokenizer.vocab_size,
                                  eos_token=list(tokenizer.eos_token_ids))
             _VOCABS[tokenizer] = lt
+            log.info("grammar_vocabulary_built", tokens=tokenizer.vocab_size, seconds=round(time.perf_counter() - t0, 2),
+                     thread=threading.current_thread().name)
         return lt
 
 
+def prepare_vocabulary(tokenizer: Any) -> threading.Thread:
+    """Build `tokenizer`'s grammar vocabulary on a background thread (at model load), so the first
+    constrained request does not pay for it (~1 s for 49k ids, 5-10 s for K3's 160k); it waits if early.
+
+    llguidance holds the GIL while it builds: started during loading, it overlaps the warm-up's I/O.
+    """
+    def build() -> None:
+        try:
+            vocabulary(tokenizer)
+        except Exception as e:  # a request builds it again and reports the failure as its own
+            log.warning("grammar_vocabulary_failed", error=f"{type(e).__name__}: {e}")
+
+    t = threading.Thread(target=build, name="deltafind-grammar-vocab", daemon=True)
+    t.start()
+    return t
+
+
 class GrammarConstraint:
-    """One sequence's grammar state (llguidance `LLMatcher`): the engine's `Constraint`."""
+    """One sequence's grammar state (llguidance `LLMatcher`): the engine's `Constraint`.
+
+    The matcher and each next mask are built on a worker thread (llguidance drops the GIL
+    there): the first while the prompt prefills, the next as soon as a token is consumed,
+    so it overlaps the next forward pass and `allowed` on the engine thread only waits
+    for what is left. The matcher is used by one thread at a time: every call settles the
+    pending job first.
+    """
 
     def __init__(self, vocab: llg.LLTokenizer, grammar: str, vocab_size: int) -> None:
-        self._m = llg.LLMatcher(vocab, grammar, log_level=0)
         self._n = vocab_size
+        self._m: llg.LLMatcher | None = None
+        self._stopped = False  # read without touching the matcher, which a job may be using
+        self._job: Future[torch.Tensor] | None = _MASKS.submit(self._start, vocab, grammar)
 
-    def allowed(self) -> torch.Tensor | None:
+    def _start(self, vocab: llg.LLTokenizer, grammar: str) -> torch.Tensor:
+        self._m = llg.LLMatcher(vocab, grammar, log_level=0)
+        return self._compute()
+
+    def _compute(self) -> torch.Tensor:
+        assert self._m is not None
         bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
         return torch.from_numpy(np.unpackbits(bits, count=self._n, bitorder="little").view(np.bool_))
 
+    def _settle(self) -> torch.Tensor | None:
+        """The pending job's mask (None when none is pending); its failure is raised here, on the caller's thread."""
+        return None if self._job is None else self._job.result()
+
+    def allowed(self) -> torch.Tensor | None:
+        mask = self._settle()
+        if mask is None:
+            mask = self._compute()
+            self._job = _done(mask)
+        return mask
+
     def advance(self, token: int) -> bool:
-        if self._m.is_stopped() or self._m.is_error():
+        mask = self._settle()
+        m = self._m
+        assert m is not None
+        if m.is_stopped() or m.is_error():
             return False
-        if self._m.validate_tokens([token]) != 1:  # checked first: a refused token would break the matcher for good
+        known = mask is not None and 0 <= token < len(mask)
+        # A refused token would break the matcher for good: a sampled token is checked against its mask,
+        # anything else (a speculative draft) by the matcher first.
+        if (known and not mask[token]) or (not known and m.validate_tokens([token]) != 1):
             return False
-        return self._m.consume_token(token) and not self._m.is_error()
+        self._job = None
+        if not m.consume_token(token) or m.is_error():
+            return False
+        self._stopped = m.is_stopped()
+        if not self._stopped:
+            self._job = _MASKS.submit(self._compute)  # the next mask, while the engine runs the next forward
+        return True
 
     def rollback(self, n: int) -> None:
         if n:
+            self._settle()
+            self._job = None
+            assert self._m is not None
             self._m.rollback(n)
+            self._stopped = self._m.is_stopped()
 
     @property
     def done(self) -> bool:
-        return self._m.is_stopped()
+        return self._stopped
+
+
+def _done(value: torch.Tensor) -> Future[torch.Tensor]:
+    f: Future[torch.Tensor] = Future()
+    f.set_result(value)
+    return f
 
 
 class TriggeredConstraint:

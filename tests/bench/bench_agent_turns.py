@@ -5,7 +5,10 @@ Per turn it prints the prompt tokens, the tokens the prefix cache served, the to
 previous completion). Goal: prefilled == new + 1 (the previous turn's last token was sampled but
 never run through the model, so it is prefilled with the new ones).
 
-    python tests/bench/bench_agent_turns.py [--store ~/.cache/deltafind/demo]
+    python tests/bench/bench_agent_turns.py [--store ~/.cache/deltafind/demo] [--no-thinking] [--max-tokens N]
+
+A synthetic K3 store (`deltafind setup --synthetic kimi_k3`) has random weights: it never closes its think
+channel by itself, so replay it with --no-thinking (the call then starts at once, forced by the grammar).
 """
 
 from __future__ import annotations
@@ -30,7 +33,12 @@ RESULTS = {"read_file": "def parse(s):\n    return int(s)\n", "run_tests": "1 fa
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", type=Path, default=Path.home() / ".cache/deltafind/demo")
+    ap.add_argument("--no-thinking", action="store_true", help="chat_template_kwargs thinking=false on every turn")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--tool-choice", default="required", choices=["required", "auto"],
+                    help="turns 1-5 (turn 6 is none); K3 renders required/none as a system message after the history")
     args = ap.parse_args()
+    extra = {"extra_body": {"chat_template_kwargs": {"thinking": False}}} if args.no_thinking else {}
     d = Daemon(args.store, "[server]\nmax_running = 1\n").start()
     try:
         c = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=600)
@@ -40,13 +48,15 @@ def main() -> None:
         for turn, user in enumerate(SCRIPT, 1):
             if user is not None:
                 msgs.append({"role": "user", "content": user})
-            choice = "required" if turn < len(SCRIPT) else "none"
+            choice = args.tool_choice if turn < len(SCRIPT) else "none"
             r = c.chat.completions.create(model="test-model", messages=msgs, tools=TOOLS, tool_choice=choice,
-                                          parallel_tool_calls=False, temperature=0, max_tokens=48)
+                                          parallel_tool_calls=False, temperature=0, max_tokens=args.max_tokens,
+                                          **extra)
             u, m = r.usage, r.choices[0].message
             cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
             new = u.prompt_tokens - (prev[0] + prev[1]) if prev else u.prompt_tokens
             what = f"call {m.tool_calls[0].function.name}" if m.tool_calls else f"text {len(m.content or '')} chars"
+            what += f" ({r.choices[0].finish_reason})"
             print(f"{turn:>4} {u.prompt_tokens:>7} {cached:>7} {u.prompt_tokens - cached:>9} {new:>5}  {what}")
             prev = (u.prompt_tokens, u.completion_tokens)
             msgs.append(m.model_dump(exclude_none=True))

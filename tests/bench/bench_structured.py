@@ -1,5 +1,6 @@
 """Structured output cost: per-token mask time of llguidance, outlines-core and xgrammar on the demo's 49k
-vocabulary and a synthetic 160k-token byte-level BPE (K3's size), and the daemon's decode slowdown with
+vocabulary and a synthetic 160k-token byte-level BPE (K3's size), what the engine thread pays per token with
+the next mask built inline vs overlapped with a (stand-in) forward pass, and the daemon's decode slowdown with
 json_schema on vs off, measured side by side in one run.
 
     python tests/bench/bench_structured.py [--store ~/.cache/deltafind/demo] [--xgrammar-path DIR]
@@ -28,6 +29,7 @@ SCHEMA = {"type": "object", "properties": {
 ANSWER = json.dumps({"city": "Paris", "days": 3, "hourly": [{"t": 20.5, "sky": "sun"}, {"t": 18.25, "sky": "cloud"},
                                                              {"t": 15, "sky": "rain"}] * 3,
                      "note": "Bring an umbrella on the third day; mornings are cool."})
+FORWARD_S = 0.005  # a stand-in forward pass for the engine-thread rows (the demo decodes a token in 10+ ms)
 
 
 def synthetic_tokenizer(size: int = 163_840, seed: int = 0):
@@ -71,21 +73,29 @@ def mask_cost(tokenizer, label: str, xgrammar_path: str | None) -> None:
         times.append(time.perf_counter() - t0)
         assert m.consume_token(tok), ("llguidance refused", tokenizer.decode([tok]))
     rows.append(("llguidance", setup, compile_s, times))
-    # What the engine pays per token: the mask as a bool tensor, applied to [V] logits, then advance.
+    # What the engine thread pays per token: the mask as a bool tensor applied to [V] logits, and the advance.
+    # "inline": the mask waited for right after the advance (as when it was built on the engine thread);
+    # "overlapped": a forward pass (a GIL-free sleep of FORWARD_S) runs while the worker builds it.
     import torch
 
     from deltafind.engine.constraint import apply
     from deltafind.server.structured import Grammar
-    con = Grammar(tokenizer, llg.LLMatcher.grammar_from_json_schema(SCHEMA, overrides={**JSON_STYLE, "whitespace_flexible": True}),
-                  "bench").factory()()
+    grammar = Grammar(tokenizer, llg.LLMatcher.grammar_from_json_schema(SCHEMA, overrides={**JSON_STYLE, "whitespace_flexible": True}),
+                      "bench")
     logits = torch.randn(n)
-    times = []
-    for tok in ids:
-        t0 = time.perf_counter()
-        apply(logits, con)
-        assert con.advance(tok)
-        times.append(time.perf_counter() - t0)
-    rows.append(("  engine step", 0.0, 0.0, times))
+    for name, overlap in (("  engine inline", False), ("  engine overlap", True)):
+        con = grammar.factory()()
+        times = []
+        for tok in ids:
+            if overlap:
+                time.sleep(FORWARD_S)
+            t0 = time.perf_counter()
+            apply(logits, con)
+            assert con.advance(tok)
+            if not overlap:
+                con.allowed()
+            times.append(time.perf_counter() - t0)
+        rows.append((name, 0.0, 0.0, times))
 
     try:
         import outlines_core as oc
@@ -146,8 +156,71 @@ def mask_cost(tokenizer, label: str, xgrammar_path: str | None) -> None:
               f"{us[int(len(us) * 0.9)]:8.1f} {us[-1]:8.1f}")
 
 
-def decode_slowdown(store: Path, tokens: int = 96, reps: int = 3) -> None:
-    """The daemon on the demo store: decode tokens/s with json_schema vs without, alternated in one run."""
+def engine_slowdown(store: Path, tokens: int = 96, reps: int = 5) -> None:
+    """The engine core in-process on the demo, batch 1, greedy: decode seconds per token without a constraint,
+    with a grammar that admits exactly that answer (the same tokens, so the same forward passes: only the
+    constraint's cost differs), and with json_schema (other tokens), alternated in one run."""
+    import os
+
+    import torch
+
+    from deltafind.api import Model
+    from deltafind.engine.generate import generate
+    from deltafind.engine.sampler import SamplingParams
+    from deltafind.engine.sequence import GenRequest
+    from deltafind.engine.stats import GenerationStats
+    from deltafind.server.structured import Grammar, json_schema_grammar, lark_literal
+
+    model = Model.open(store)
+    tok = model.tokenizer
+    # a prompt the demo answers at length (the JSON one it ends after 25 tokens)
+    prompt = tuple(tok.apply_chat_template([{"role": "user", "content": "Write a long story about a lighthouse keeper."}]))
+    params = SamplingParams(max_new_tokens=tokens, temperature=0.0)
+
+    def run(factory) -> tuple[tuple[float, float], list[int]]:
+        """((wall s per decoded token, engine-thread CPU s per token), tokens). The CPU clock counts this
+        thread only (the forward runs here with torch at one thread; masks built elsewhere do not count):
+        what the critical path costs, less the waiting for a CPU on a loaded machine."""
+        st = GenerationStats()
+        c0 = time.thread_time()
+        out = list(generate(model.net, prompt, params, model.eos_token_ids, st, request=GenRequest(prompt, params, constraint=factory)))
+        return (st.decode_s / max(st.new_tokens - 1, 1), (time.thread_time() - c0) / len(out)), out
+
+    _, free = run(None)
+    assert len(free) == tokens and not set(free) & set(model.eos_token_ids), "the free answer ended early"
+    same = Grammar(tok, f"start: {lark_literal(tok.decode([t for t in free if t not in model.eos_token_ids]))}", "bench").factory()
+    long_text = {"type": "object", "properties": {"text": {"type": "string", "minLength": 2000}}, "required": ["text"]}
+    schema = Grammar(tok, json_schema_grammar(long_text, "bench"), "bench").factory()
+    configs = {"off": None, "same tokens": same, "json_schema": schema}
+    run(same)
+    run(schema)
+    load0 = os.getloadavg()
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in configs}
+    for i in range(reps):
+        names = list(configs) if i % 2 == 0 else list(reversed(configs))
+        for name in names:
+            t, out = run(configs[name])
+            if name == "same tokens":
+                assert out == free, "the literal grammar changed the greedy answer"
+            times[name].append(t)
+    load1 = os.getloadavg()
+    print(f"\nengine in-process, demo, batch 1, {tokens} tokens, {reps} alternated rounds, torch threads {torch.get_num_threads()} "
+          f"(load average {load0[0]:.1f} -> {load1[0]:.1f}); medians, and each round vs its own off run:")
+    for k, clock in enumerate(("wall", "engine-thread CPU")):
+        base = statistics.median(t[k] for t in times["off"])
+        for name, ts in times.items():
+            mine = [t[k] for t in ts]
+            rounds = [100 * (t[k] / o[k] - 1) for t, o in zip(ts, times["off"], strict=True)]
+            print(f"  {clock:<17} {name:<12} {1e3 * statistics.median(mine):7.2f} ms/token  {100 * (statistics.median(mine) / base - 1):+6.1f} %"
+                  f"   rounds {', '.join(f'{p:+.1f}' for p in rounds)} %")
+    model.close()
+
+
+def decode_slowdown(store: Path, tokens: int = 96, reps: int = 5) -> None:
+    """The daemon on the demo store: decode tokens/s with json_schema vs without, alternated in one run
+    (off-on, then on-off, ...), each pair's ratio and their median, with the load average around them."""
+    import os
+
     import openai
 
     from tests.e2e.daemon_fixtures import Daemon
@@ -157,9 +230,10 @@ def decode_slowdown(store: Path, tokens: int = 96, reps: int = 3) -> None:
         c = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=600)
         long_text = {"type": "object", "properties": {"text": {"type": "string", "minLength": 2000}}, "required": ["text"]}
         msgs = [{"role": "user", "content": "Write a long story about a lighthouse keeper, as JSON."}]
+        fmt = {"type": "json_schema", "json_schema": {"name": "story", "schema": long_text}}
 
-        def run(fmt: dict | None) -> float:
-            kw = {"response_format": fmt} if fmt else {}
+        def run(constrained: bool) -> float:
+            kw = {"response_format": fmt} if constrained else {}
             first = last = None
             n = 0
             for ch in c.chat.completions.create(model="test-model", messages=msgs, max_tokens=tokens, temperature=0, stream=True,
@@ -172,17 +246,54 @@ def decode_slowdown(store: Path, tokens: int = 96, reps: int = 3) -> None:
                     last = now
             return (n - 1) / (last - first)
 
-        run(None)  # warm-up
-        on, off = [], []
-        for _ in range(reps):
-            off.append(run(None))
-            on.append(run({"type": "json_schema", "json_schema": {"name": "story", "schema": long_text}}))
+        run(False)  # warm-up: both prompts cached, the grammar vocabulary built
+        run(True)
+        load0 = os.getloadavg()
+        on, off, ratios = [], [], []
+        for i in range(reps):
+            order = (False, True) if i % 2 == 0 else (True, False)
+            got = {k: run(k) for k in order}
+            off.append(got[False])
+            on.append(got[True])
+            ratios.append(got[False] / got[True])
+        load1 = os.getloadavg()
         a, b = statistics.median(off), statistics.median(on)
-        print(f"\ndecode on the demo, batch 1, {tokens} tokens, median of {reps}: off {a:.1f} tok/s, json_schema {b:.1f} tok/s, "
-              f"slowdown {100 * (a / b - 1):.1f} %")
+        print(f"\ndecode on the demo, batch 1, {tokens} tokens, {reps} alternated pairs: off {a:.1f} tok/s, json_schema {b:.1f} tok/s "
+              f"(medians); slowdown per pair {', '.join(f'{100 * (r - 1):+.1f}' for r in ratios)} %, "
+              f"median {100 * (statistics.median(ratios) - 1):+.1f} %; load average {load0[0]:.1f} -> {load1[0]:.1f}")
     finally:
         d.stop()
         d.cleanup()
+
+
+def first_request(store: Path, rounds: int = 3) -> None:
+    """A fresh daemon per round: the latency of the first json_schema request, sent as soon as /health says
+    ready, and of the same request again; where the grammar vocabulary was built (the daemon's log)."""
+    import os
+    import re
+
+    from tests.e2e.daemon_fixtures import Daemon
+
+    body = {"model": "test-model", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": "A city, as JSON."}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": {
+                "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}}
+    print(f"\nfirst constrained request after ready (load average {os.getloadavg()[0]:.1f}):")
+    for _ in range(rounds):
+        d = Daemon(store, "[server]\nmax_running = 1\n").start()
+        try:
+            times = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                status, _ = d.post_json("/v1/chat/completions", body, timeout=600)
+                assert status == 200
+                times.append(time.perf_counter() - t0)
+            line = next((ln for ln in d.log_text(full=True).splitlines() if "grammar_vocabulary_built" in ln), "")
+            fields = dict(re.findall(r'"(seconds|thread)": "?([\w.-]+)', line))
+            where = f"vocabulary built in {fields.get('seconds')} s on {fields.get('thread')}" if line else "no grammar_vocabulary_built log line"
+            print(f"  first {times[0]:.2f} s, second {times[1]:.2f} s, first - second {times[0] - times[1]:+.2f} s; {where}")
+        finally:
+            d.stop()
+            d.cleanup()
 
 
 def main() -> None:
@@ -190,13 +301,21 @@ def main() -> None:
     ap.add_argument("--store", type=Path, default=Path.home() / ".cache/deltafind/demo")
     ap.add_argument("--xgrammar-path")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--first-request", action="store_true", help="only the first-request latency on fresh daemons")
+    ap.add_argument("--only-decode", action="store_true", help="skip the mask-cost tables")
+    ap.add_argument("--reps", type=int, default=5, help="alternated off/on pairs for the decode slowdown")
     args = ap.parse_args()
     from deltafind.tokenizer import Tokenizer
 
-    mask_cost(Tokenizer.load(args.store / "tokenizer"), "demo (SmolLM2)", args.xgrammar_path)
-    mask_cost(synthetic_tokenizer(), "synthetic 160k byte-level BPE", args.xgrammar_path)
+    if not args.only_decode:
+        mask_cost(Tokenizer.load(args.store / "tokenizer"), "demo (SmolLM2)", args.xgrammar_path)
+        mask_cost(synthetic_tokenizer(), "synthetic 160k byte-level BPE", args.xgrammar_path)
+    if args.first_request:
+        first_request(args.store)
+        return
     if not args.skip_decode:
-        decode_slowdown(args.store)
+        engine_slowdown(args.store, reps=args.reps)
+        decode_slowdown(args.store, reps=args.reps)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,33 @@ def test_named_tool_choice_and_the_result_sent_back(client: openai.OpenAI) -> No
     assert cached >= r.usage.prompt_tokens + r.usage.completion_tokens - 1
 
 
+def test_agent_turns_reuse_the_whole_history_even_when_spelled_oddly(client: openai.OpenAI, demo_store: Path) -> None:
+    """Three turns of a tool-using agent: each prompt is served from the cache up to the last token
+    the previous turn generated. Turn 1's call comes out in tokens BPE would not choose (asserted),
+    which re-encoding the sent-back call would miss (issue 13's turn-2 miss)."""
+    from deltafind.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(demo_store / "tokenizer")
+    tools = [{"type": "function", "function": {"name": "read_file", "description": "Read a file of the project",
+                                               "parameters": {"type": "object", "properties": {"path": {"type": "string", "maxLength": 40}},
+                                                              "required": ["path"]}}}]
+    msgs: list[dict] = [{"role": "system", "content": "You are a coding agent. Use the tools."},
+                        {"role": "user", "content": "Find out why test_parse fails."}]
+    prev = None
+    for turn in range(3):
+        r = client.chat.completions.create(model="test-model", messages=msgs, tools=tools, tool_choice="required",
+                                           parallel_tool_calls=False, temperature=0, max_tokens=48, logprobs=turn == 0)
+        if turn == 0:
+            pieces = [t.token for t in r.choices[0].logprobs.content]
+            assert pieces != [tok.decode([i]) for i in tok.encode("".join(pieces), add_bos=False, allow_special=True)]
+        else:
+            assert r.usage.prompt_tokens_details.cached_tokens == prev.prompt_tokens + prev.completion_tokens - 1
+        prev = r.usage
+        m = r.choices[0].message
+        msgs += [m.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": '"def parse(s):\\n    return int(s)\\n"'}]
+
+
 class City(BaseModel):  # bounded fields: the 135M model, held to the schema, might else run out of tokens
     name: str = Field(max_length=24)
     country: str = Field(max_length=24)
