@@ -19,6 +19,7 @@ from deltafind.models.ops.moe import SlicedMLP
 from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.rope import Rope, apply_rope, rope_parameters
 from deltafind.models.ops.step import run_layers
+from deltafind.models.ops.stored import FusedLinear
 from deltafind.store.provider import ExpertProvider
 
 A = TypeVar("A")
@@ -49,17 +50,26 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
         self.qk_norm = qk_norm
+        self._qkv = FusedLinear()  # q, k and v in one stored-format matmul where the kernel applies
 
     def forward(self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        mods = (self.q_proj, self.k_proj, self.v_proj)
+        qkv = self._qkv(x, [m.weight for m in mods], [getattr(m, "quant", "") for m in mods])  # [T, (Hq + 2 Hkv) D]
+        if qkv is None:  # the per-matrix path (widened weights, GPU, no compiler)
+            qkv = torch.cat([m(x) for m in mods], dim=1)
+        elif self.q_proj.bias is not None:
+            qkv += torch.cat([m.bias for m in mods])
+        heads = qkv.view(t, hq + 2 * hkv, d)
+        v = heads[:, hq + hkv :]  # [T, Hkv, D]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attend(q, k, v, batch, self.layer_idx, scale=self.head_dim**-0.5)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+            q, k = self.q_norm(heads[:, :hq]), self.k_norm(heads[:, hq : hq + hkv])
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:
+            qk = apply_rope(heads[:, : hq + hkv], cos, sin)  # PERF: q and k rotated in one pass
+            q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
+        o = attend(q, k, v, batch, self.layer_idx, scale=d**-0.5)
+        return self.o_proj(o.reshape(t, hq * d))
 
 
 class DecoderLayer(nn.Module):
