@@ -17,7 +17,7 @@ from deltafind.models.ops.attention import attend
 from deltafind.models.ops.batch import Batch
 from deltafind.models.ops.moe import SlicedMLP
 from deltafind.models.ops.norm import RMSNorm
-from deltafind.models.ops.rope import Rope, apply_rope, rope_parameters
+from deltafind.models.ops.rope import Rope, apply_rope, rope_parameters, rope_tables
 from deltafind.models.ops.step import run_layers
 from deltafind.models.ops.stored import FusedLinear
 from deltafind.store.provider import ExpertProvider
@@ -88,6 +88,8 @@ class DecoderLayer(nn.Module):
 
     def predict_experts(self, h: torch.Tensor) -> list[int]:
         """This layer's likely experts for hidden state h (its own norm and router; every slice if dense)."""
+        if isinstance(self.mlp, SlicedMLP):
+            return self.mlp.predict(h)  # every slice, whatever h is: no norm to compute
         return self.mlp.predict(self.post_attention_layernorm(h))
 
 
@@ -125,7 +127,7 @@ class CausalLM(nn.Module):
         layer-skip self-draft); only those layers' caches grow.
         """
         x = self.model.embed_tokens(input_ids)  # [T, H]
-        cos, sin = self.rope.cos_sin(batch.positions)
+        cos, sin = rope_tables(*self.rope.cos_sin(batch.positions))  # [T, 1, D]: shaped once, not per layer
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
 
         first = layers[0].mlp.predict(x) if isinstance(layers[0].mlp, SlicedMLP) else None  # else the last route

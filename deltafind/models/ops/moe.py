@@ -128,14 +128,22 @@ class SlicedMLP(nn.Module):
     def __init__(self, layer_idx: int, provider: ExpertProvider, run: Callable[[torch.Tensor, Expert], torch.Tensor]) -> None:
         super().__init__()
         self.layer_idx, self.provider, self.run = layer_idx, provider, run
+        self._route: tuple[tuple[int, int, torch.device], torch.Tensor, torch.Tensor] | None = None
+
+    def _all_slices(self, tokens: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The route every token takes, [T, n] slice ids and weights 1: built once per shape (never mutated)."""
+        key = (tokens, n, device)
+        if self._route is None or self._route[0] != key:
+            route = torch.arange(n, device=device).expand(tokens, -1)
+            self._route = (key, route, torch.ones(route.shape, device=device))
+        return self._route[1], self._route[2]
 
     def predict(self, x: torch.Tensor) -> list[int]:
         return list(range(self.provider.num_experts(self.layer_idx)))  # a dense layer always needs every slice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids = self.predict(x)
-        route = torch.arange(len(ids), device=x.device).expand(x.shape[0], -1)  # [T, n]
-        self.provider.observe_routes(self.layer_idx, route, torch.ones(route.shape, device=x.device))
+        self.provider.observe_routes(self.layer_idx, *self._all_slices(x.shape[0], len(ids), x.device))  # [T, n]
         if isinstance(self.run, GatedExpert):
             experts = dict(self.provider.fetch(self.layer_idx, ids))
             fused = self.run.slices(x, [experts[e] for e in ids])  # one matmul per half, not one per slice
