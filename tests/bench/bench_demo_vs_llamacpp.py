@@ -98,7 +98,7 @@ class LlamaCppEngine:
 class DeltafindEngine:
     name = "deltafind"
 
-    def __init__(self, store: Path, widened: bool = False) -> None:
+    def __init__(self, store: Path, widened: bool = False, dtype: str = "float32") -> None:
         import contextlib
 
         import deltafind
@@ -108,8 +108,10 @@ class DeltafindEngine:
         self.version = getattr(deltafind, "__version__", "unknown")
         if widened:  # the old path: every weight decoded to fp32 at load (the exactness oracle)
             self.name = "deltafind_widened"
+        if dtype != "float32":  # [device] dtype: bf16 activations
+            self.name = f"deltafind_{dtype}"
         with widen_all() if widened else contextlib.nullcontext():
-            self.model = Model.open(str(store), device="cpu", expert_cache_bytes=None)
+            self.model = Model.open(str(store), device="cpu", dtype=dtype, expert_cache_bytes=None)
 
     def encode(self, text: str) -> list[int]:
         return list(self.model.tokenizer.encode(text))
@@ -142,6 +144,8 @@ def main() -> None:
                     help="run one side only (its fields in the JSON line are then null)")
     ap.add_argument("--widened", action="store_true",
                     help="also run deltafind with every weight widened to fp32 (the pre-issue-14 path), same rounds")
+    ap.add_argument("--bf16", action="store_true",
+                    help="also run deltafind with bf16 activations ([device] dtype = \"bfloat16\"), same rounds")
     args = ap.parse_args()
     if args.new_tokens < 2:
         ap.error("--new-tokens must be >= 2 (decode speed needs a token after the first)")
@@ -170,6 +174,8 @@ def main() -> None:
         engines.append(DeltafindEngine(args.store))
         if args.widened:
             engines.append(DeltafindEngine(args.store, widened=True))
+        if args.bf16:
+            engines.append(DeltafindEngine(args.store, dtype="bfloat16"))
 
     prompts = {e.name: e.encode(args.prompt) for e in engines}
     samples: dict[str, dict[str, list]] = {e.name: {"decode_tok_s": [], "decode_cpu_tok_s": [], "prefill_s": [], "n_new": []}
@@ -222,6 +228,8 @@ def main() -> None:
         "deltafind_decode_cpu_tok_s": df_cpu,
         "cpu_ratio": round(df_cpu / lc_cpu, 4) if lc_cpu and df_cpu else None,
         "deltafind_widened_decode_cpu_tok_s": med("deltafind_widened", "decode_cpu_tok_s"),
+        "deltafind_bf16_decode_tok_s": med("deltafind_bfloat16", "decode_tok_s"),
+        "deltafind_bf16_decode_cpu_tok_s": med("deltafind_bfloat16", "decode_cpu_tok_s"),
         "loadavg_start": [round(v, 2) for v in load_start],
         "loadavg_end": [round(v, 2) for v in os.getloadavg()],
         "rounds": args.rounds,
