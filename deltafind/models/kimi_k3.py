@@ -20,7 +20,7 @@ from deltafind.models.ops.batch import Batch
 from deltafind.models.ops.kda_layer import KDAOptions, KimiDeltaAttention
 from deltafind.models.ops.latent_moe import LatentMoE, SigmoidRouter
 from deltafind.models.ops.mla_nope import GatedNoPEMLA, MLAOptions
-from deltafind.models.ops.moe import SlicedMLP, expert_forward
+from deltafind.models.ops.moe import GatedExpert, SlicedMLP
 from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.situ import situ
 from deltafind.models.ops.step import run_layers
@@ -83,7 +83,7 @@ class DecoderLayer(nn.Module):
                                               router, layer_idx, experts, eps, beta, lbeta)
         else:
             situ_glu = partial(situ, beta=beta, linear_beta=lbeta)
-            self.mlp = SlicedMLP(layer_idx, experts, partial(expert_forward, gated=situ_glu))  # dense: slices in the store
+            self.mlp = SlicedMLP(layer_idx, experts, GatedExpert(situ_glu))  # dense: slices in the store
 
     def ffn(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp

@@ -17,8 +17,9 @@ from deltafind.models.ops.attention import attend
 from deltafind.models.ops.batch import Batch
 from deltafind.models.ops.moe import SlicedMLP
 from deltafind.models.ops.norm import RMSNorm
-from deltafind.models.ops.rope import Rope, apply_rope, rope_parameters
+from deltafind.models.ops.rope import Rope, apply_rope, rope_parameters, rope_tables
 from deltafind.models.ops.step import run_layers
+from deltafind.models.ops.stored import FusedLinear
 from deltafind.store.provider import ExpertProvider
 
 A = TypeVar("A")
@@ -49,17 +50,26 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
         self.qk_norm = qk_norm
+        self._qkv = FusedLinear()  # q, k and v in one stored-format matmul where the kernel applies
 
     def forward(self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        mods = (self.q_proj, self.k_proj, self.v_proj)
+        qkv = self._qkv(x, [m.weight for m in mods], [getattr(m, "quant", "") for m in mods])  # [T, (Hq + 2 Hkv) D]
+        if qkv is None:  # the per-matrix path (widened weights, GPU, no compiler)
+            qkv = torch.cat([m(x) for m in mods], dim=1)
+        elif self.q_proj.bias is not None:
+            qkv += torch.cat([m.bias for m in mods])
+        heads = qkv.view(t, hq + 2 * hkv, d)
+        v = heads[:, hq + hkv :]  # [T, Hkv, D]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attend(q, k, v, batch, self.layer_idx, scale=self.head_dim**-0.5)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+            q, k = self.q_norm(heads[:, :hq]), self.k_norm(heads[:, hq : hq + hkv])
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:
+            qk = apply_rope(heads[:, : hq + hkv], cos, sin)  # PERF: q and k rotated in one pass
+            q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
+        o = attend(q, k, v, batch, self.layer_idx, scale=d**-0.5)
+        return self.o_proj(o.reshape(t, hq * d))
 
 
 class DecoderLayer(nn.Module):
@@ -78,6 +88,8 @@ class DecoderLayer(nn.Module):
 
     def predict_experts(self, h: torch.Tensor) -> list[int]:
         """This layer's likely experts for hidden state h (its own norm and router; every slice if dense)."""
+        if isinstance(self.mlp, SlicedMLP):
+            return self.mlp.predict(h)  # every slice, whatever h is: no norm to compute
         return self.mlp.predict(self.post_attention_layernorm(h))
 
 
@@ -115,7 +127,7 @@ class CausalLM(nn.Module):
         layer-skip self-draft); only those layers' caches grow.
         """
         x = self.model.embed_tokens(input_ids)  # [T, H]
-        cos, sin = self.rope.cos_sin(batch.positions)
+        cos, sin = rope_tables(*self.rope.cos_sin(batch.positions))  # [T, 1, D]: shaped once, not per layer
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
 
         first = layers[0].mlp.predict(x) if isinstance(layers[0].mlp, SlicedMLP) else None  # else the last route

@@ -8,7 +8,10 @@ excludes prefill the same way for both engines:
     decode tok/s = (n_new - 1) / (t[generate n_new tokens] - t[generate 1 token])
 
 i.e. the time of a one-token generation (prefill + first token) is measured in the same
-round and subtracted. Per-engine medians over the rounds are reported on ONE JSON line
+round and subtracted. The same is computed from the process's CPU time (`decode_cpu_tok_s`):
+on a shared machine whose other tenants take the cores, wall time measures them too, while CPU
+time at --threads 1 still measures each engine's own work (with more threads it counts
+llama.cpp's spin-waits too). `os.getloadavg()` is printed at the start and the end. Per-engine medians over the rounds are reported on ONE JSON line
 on stdout (progress goes to stderr).
 
     pip install --no-deps llama-cpp-python diskcache   # bench-only, builds llama.cpp
@@ -95,7 +98,7 @@ class LlamaCppEngine:
 class DeltafindEngine:
     name = "deltafind"
 
-    def __init__(self, store: Path, widened: bool = False) -> None:
+    def __init__(self, store: Path, widened: bool = False, dtype: str = "float32") -> None:
         import contextlib
 
         import deltafind
@@ -105,8 +108,10 @@ class DeltafindEngine:
         self.version = getattr(deltafind, "__version__", "unknown")
         if widened:  # the old path: every weight decoded to fp32 at load (the exactness oracle)
             self.name = "deltafind_widened"
+        if dtype != "float32":  # [device] dtype: bf16 activations
+            self.name = f"deltafind_{dtype}"
         with widen_all() if widened else contextlib.nullcontext():
-            self.model = Model.open(str(store), device="cpu", expert_cache_bytes=None)
+            self.model = Model.open(str(store), device="cpu", dtype=dtype, expert_cache_bytes=None)
 
     def encode(self, text: str) -> list[int]:
         return list(self.model.tokenizer.encode(text))
@@ -119,10 +124,11 @@ class DeltafindEngine:
         return getattr(getattr(self.model, "last_stats", None), "decode_s", None)
 
 
-def timed(engine, ids: list[int], n: int) -> tuple[float, list[int]]:
-    t0 = time.perf_counter()
+def timed(engine, ids: list[int], n: int) -> tuple[float, float, list[int]]:
+    """(wall s, process CPU s, tokens) of one generation."""
+    t0, c0 = time.perf_counter(), time.process_time()
     out = engine.generate(ids, n)
-    return time.perf_counter() - t0, out
+    return time.perf_counter() - t0, time.process_time() - c0, out
 
 
 def main() -> None:
@@ -138,6 +144,8 @@ def main() -> None:
                     help="run one side only (its fields in the JSON line are then null)")
     ap.add_argument("--widened", action="store_true",
                     help="also run deltafind with every weight widened to fp32 (the pre-issue-14 path), same rounds")
+    ap.add_argument("--bf16", action="store_true",
+                    help="also run deltafind with bf16 activations ([device] dtype = \"bfloat16\"), same rounds")
     args = ap.parse_args()
     if args.new_tokens < 2:
         ap.error("--new-tokens must be >= 2 (decode speed needs a token after the first)")
@@ -150,6 +158,7 @@ def main() -> None:
     except RuntimeError:
         pass
 
+    load_start = os.getloadavg()
     engines = []
     if args.engines in ("both", "llamacpp"):
         gguf = args.gguf or demo_gguf_path()
@@ -165,9 +174,12 @@ def main() -> None:
         engines.append(DeltafindEngine(args.store))
         if args.widened:
             engines.append(DeltafindEngine(args.store, widened=True))
+        if args.bf16:
+            engines.append(DeltafindEngine(args.store, dtype="bfloat16"))
 
     prompts = {e.name: e.encode(args.prompt) for e in engines}
-    samples: dict[str, dict[str, list]] = {e.name: {"decode_tok_s": [], "prefill_s": [], "n_new": []} for e in engines}
+    samples: dict[str, dict[str, list]] = {e.name: {"decode_tok_s": [], "decode_cpu_tok_s": [], "prefill_s": [], "n_new": []}
+                                           for e in engines}
     outputs: dict[str, list[int]] = {}
     for e in engines:  # warm-up: load everything, fill caches, make every expert resident
         outputs[e.name] = e.generate(prompts[e.name], args.new_tokens)
@@ -176,26 +188,29 @@ def main() -> None:
 
     for r in range(args.rounds):
         for e in engines:  # llama.cpp first, then deltafind, every round
-            t1, _ = timed(e, prompts[e.name], 1)
-            tn, out = timed(e, prompts[e.name], args.new_tokens)
+            t1, c1, _ = timed(e, prompts[e.name], 1)
+            tn, cn, out = timed(e, prompts[e.name], args.new_tokens)
             if out != outputs[e.name]:
                 log(f"warning: {e.name} greedy output changed between runs")
             decode_s = tn - t1
             tok_s = (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else float("nan")
+            cpu_tok_s = (len(out) - 1) / (cn - c1) if len(out) > 1 and cn > c1 else float("nan")
             s = samples[e.name]
             s["decode_tok_s"].append(round(tok_s, 3))
+            s["decode_cpu_tok_s"].append(round(cpu_tok_s, 3))
             s["prefill_s"].append(round(t1, 5))
             s["n_new"].append(len(out))
             own = getattr(e, "self_reported_decode_s", lambda: None)()
             if own is not None:
                 s.setdefault("self_reported_decode_s", []).append(round(own, 5))
-            log(f"round {r + 1}/{args.rounds} {e.name}: {tok_s:.1f} decode tok/s ({len(out)} tokens, 1-token call {t1 * 1e3:.1f} ms)")
+            log(f"round {r + 1}/{args.rounds} {e.name}: {tok_s:.1f} decode tok/s, {cpu_tok_s:.1f} per CPU-s ({len(out)} tokens, 1-token call {t1 * 1e3:.1f} ms)")
 
     def med(name: str, key: str):
         v = samples.get(name, {}).get(key)
         return round(statistics.median(v), 3) if v else None
 
     lc, df = med("llamacpp", "decode_tok_s"), med("deltafind", "decode_tok_s")
+    lc_cpu, df_cpu = med("llamacpp", "decode_cpu_tok_s"), med("deltafind", "decode_cpu_tok_s")
     same_prefix = None
     if "llamacpp" in outputs and "deltafind" in outputs:
         a, b = outputs["llamacpp"], outputs["deltafind"]
@@ -209,6 +224,14 @@ def main() -> None:
         "deltafind_decode_tok_s": df,
         "ratio": round(df / lc, 4) if lc and df else None,
         "deltafind_widened_decode_tok_s": med("deltafind_widened", "decode_tok_s"),
+        "llamacpp_decode_cpu_tok_s": lc_cpu,
+        "deltafind_decode_cpu_tok_s": df_cpu,
+        "cpu_ratio": round(df_cpu / lc_cpu, 4) if lc_cpu and df_cpu else None,
+        "deltafind_widened_decode_cpu_tok_s": med("deltafind_widened", "decode_cpu_tok_s"),
+        "deltafind_bf16_decode_tok_s": med("deltafind_bfloat16", "decode_tok_s"),
+        "deltafind_bf16_decode_cpu_tok_s": med("deltafind_bfloat16", "decode_cpu_tok_s"),
+        "loadavg_start": [round(v, 2) for v in load_start],
+        "loadavg_end": [round(v, 2) for v in os.getloadavg()],
         "rounds": args.rounds,
         "method": "(n_new-1)/(t_gen(n_new)-t_gen(1)), median over rounds, engines alternated",
         "llamacpp_first_token_s": med("llamacpp", "prefill_s"),

@@ -13,6 +13,7 @@ from gguf.quants import quantize
 from deltafind.models.ops.cpu_kernels import STORED
 from deltafind.models.ops.stored import (
     BLOCKS,
+    FusedLinear,
     StoredWeight,
     dequantize,
     gguf_dequantize,
@@ -121,3 +122,54 @@ def test_row_int8_kernel_equals_its_decode(tokens: int) -> None:
     assert torch.equal(dequantize(w), oracle)
     x = torch.randn(tokens, 96)
     torch.testing.assert_close(stored_linear(x, w), F.linear(x, oracle), rtol=1e-5, atol=1e-6)
+
+
+def _weight(kind: str, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, str]:
+    """(tensor, quant tag) of a stored weight: bf16, or GGUF blocks with their tag."""
+    if kind == "BF16":
+        return (torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.05).to(torch.bfloat16), ""
+    return _blocks(kind, rows, cols, seed), f"{kind}/{cols}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_fused_parts_match_the_per_matrix_widened_path(tokens: int) -> None:
+    """One kernel call over mixed-format matrices equals the widened matrices run one by one: rows
+    stacked (q/k/v; every slice's gate then up) and side by side (a dense MLP's down slices, summed)."""
+    kinds = ["Q4_1", "Q8_0", "BF16", "Q6_K", "Q5_0"]
+    stacked = [_weight(k, 24 + 8 * i, 512, seed=i) for i, k in enumerate(kinds)]
+    x = torch.randn(tokens, 512)
+    ours = FusedLinear()(x, [w for w, _ in stacked], [q for _, q in stacked])
+    widened = [_widened(x, StoredWeight.tagged(w, q) if q else StoredWeight.of(w)) for w, q in stacked]
+    ref = torch.cat(widened, dim=1)
+    assert ours is not None and ours.shape == ref.shape
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+    side = [_weight(k, 40, 256 * (1 + i % 2), seed=10 + i) for i, k in enumerate(kinds)]
+    xs = torch.randn(tokens, sum(int(w.shape[1] if not q else q.split("/")[1]) for w, q in side))
+    ours = FusedLinear(stack_cols=True)(xs, [w for w, _ in side], [q for _, q in side])
+    ref, c0 = torch.zeros(tokens, 40), 0
+    for w, q in side:
+        sw = StoredWeight.tagged(w, q) if q else StoredWeight.of(w)
+        ref += _widened(xs[:, c0 : c0 + sw.cols], sw)
+        c0 += sw.cols
+    assert ours is not None
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    for t in range(tokens):  # a token alone and inside the batch: bit-identical rows
+        alone = FusedLinear(stack_cols=True)(xs[t : t + 1], [w for w, _ in side], [q for _, q in side])
+        assert torch.equal(alone, ours[t : t + 1])
+
+
+def test_fused_linear_replans_on_new_weights_and_declines_float_ones() -> None:
+    fused = FusedLinear()
+    a, qa = _weight("Q4_0", 16, 64, seed=1)
+    x = torch.randn(2, 64)
+    first = fused(x, [a], [qa])
+    if STORED.load() is None:
+        assert first is None  # no compiler: the caller's per-matrix path runs
+        return
+    b, qb = _weight("Q4_0", 16, 64, seed=2)
+    second = fused(x, [b], [qb])  # a new weight object (a re-read slice, a streamed spine layer)
+    assert second is not None and torch.equal(second, stored_linear(x, StoredWeight.tagged(b, qb)))
+    assert fused(x, [torch.randn(16, 64)], [""]) is None  # fp32 weights: not for the stored kernel
+    assert fused(x.double(), [b], [qb]) is None

@@ -8,6 +8,16 @@ import torch.nn.functional as F
 from deltafind.models.ops.batch import Batch
 
 
+def _decode_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query row per head, q [Hq, 1, D] over k, v [Hkv, L, D]: two batched matmuls and a softmax.
+
+    PERF: SDPA's fused CPU kernel costs 2-3x this for one row (and much more when its threads
+    wait on a shared machine); the arithmetic is the same up to summation order."""
+    hkv, group = k.shape[0], q.shape[0] // k.shape[0]
+    scores = torch.bmm(q.reshape(hkv, group, q.shape[-1]), k.transpose(1, 2)) * scale  # [Hkv, G, L]
+    return torch.bmm(torch.softmax(scores, dim=-1), v).reshape(q.shape[0], 1, v.shape[-1])  # [Hq, 1, Dv]
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -28,6 +38,9 @@ def attend(
         qs = q[sl].transpose(0, 1)  # [Hq, n, D]
         ks, vs = k_all.transpose(0, 1), v_all.transpose(0, 1)  # [Hkv, L, D]
         n, total = seg.num_tokens, k_all.shape[0]
+        if n == 1:
+            out[sl] = _decode_one(qs, ks, vs, q.shape[-1] ** -0.5 if scale is None else scale).transpose(0, 1)
+            continue
         mask = None
         if n > 1:
             # query i sits at absolute position total - n + i and sees keys 0..that position

@@ -105,11 +105,17 @@ def _bind_mxfp4(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+class StoredPart(ctypes.Structure):
+    """One matrix of a `df_stored_parts` call (stored_cpu.cpp's `Part`)."""
+
+    _fields_ = [("kind", I64), ("rows", I64), ("cols", I64), ("row_bytes", I64), ("data", P)]
+
+
 def _bind_stored(lib: ctypes.CDLL) -> ctypes.CDLL:
-    lib.df_stored_matmul.argtypes = [I32, P, I64, I64, P, I64, I64, P, I64, I32]
-    lib.df_stored_matmul.restype = I32
     lib.df_stored_dequant.argtypes = [I32, P, I64, I64, P, I32]
     lib.df_stored_dequant.restype = I32
+    lib.df_stored_parts.argtypes = [P, I32, I32, P, I64, I64, P, I64, I32]
+    lib.df_stored_parts.restype = I32
     lib.df_stored_row_bytes.argtypes = [I32, I64]
     lib.df_stored_row_bytes.restype = I64
     lib.df_stored_abi.restype = I32

@@ -6,14 +6,13 @@ Dense MLPs run through the same path as N slices, all active with weight 1.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from functools import partial
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltafind.models.ops.stored import linear
+from deltafind.models.ops.stored import FusedLinear, linear
 from deltafind.store.provider import Expert, ExpertProvider
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -45,10 +44,34 @@ def expert_forward(x: torch.Tensor, expert: Expert, gated: Callable[[torch.Tenso
     return linear(gated(gate, up), expert["down_proj"], quant=q.get("down_proj", ""))
 
 
-def swiglu(hidden_act: str) -> Callable[[torch.Tensor, Expert], torch.Tensor]:
+class GatedExpert:
+    """A gated-MLP expert's forward, `expert_forward` with one `gated(gate, up)`: callable per expert
+    (dispatch's `run`), and `slices` runs a dense layer's slices as ONE gate/up and ONE down matmul."""
+
+    def __init__(self, gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        self.gated = gated
+        self._gate_up, self._down = FusedLinear(), FusedLinear(stack_cols=True)
+
+    def __call__(self, x: torch.Tensor, expert: Expert) -> torch.Tensor:
+        return expert_forward(x, expert, self.gated)
+
+    def slices(self, x: torch.Tensor, experts: Sequence[Expert]) -> torch.Tensor | None:
+        """sum_s down_s(gated(gate_s x, up_s x)) for x [T, H] in one call per half (the slices'
+        matrices stay where they are), or None where the stored-format kernel does not apply."""
+        parts = [(e["gate_proj"], e.quant.get("gate_proj", "")) for e in experts]
+        parts += [(e["up_proj"], e.quant.get("up_proj", "")) for e in experts]
+        gate_up = self._gate_up(x, [w for w, _ in parts], [q for _, q in parts])  # [T, 2I]: gates, then ups
+        if gate_up is None:
+            return None
+        half = gate_up.shape[1] // 2
+        h = self.gated(gate_up[:, :half], gate_up[:, half:])  # [T, I], slice s at its columns
+        return self._down(h, [e["down_proj"] for e in experts], [e.quant.get("down_proj", "") for e in experts])
+
+
+def swiglu(hidden_act: str) -> GatedExpert:
     """One SwiGLU expert (or dense slice), act(gate x) * up x, with config.json's `hidden_act`."""
     act = activation(hidden_act)
-    return partial(expert_forward, gated=lambda gate, up: act(gate) * up)
+    return GatedExpert(lambda gate, up: act(gate) * up)
 
 
 def predict_routed(router: nn.Module, x: torch.Tensor) -> list[int]:
@@ -118,15 +141,30 @@ class SlicedMLP(nn.Module):
     def __init__(self, layer_idx: int, provider: ExpertProvider, run: Callable[[torch.Tensor, Expert], torch.Tensor]) -> None:
         super().__init__()
         self.layer_idx, self.provider, self.run = layer_idx, provider, run
+        self._route: tuple[tuple[int, int, torch.device], torch.Tensor, torch.Tensor] | None = None
+
+    def _all_slices(self, tokens: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The route every token takes, [T, n] slice ids and weights 1: built once per shape (never mutated)."""
+        key = (tokens, n, device)
+        if self._route is None or self._route[0] != key:
+            route = torch.arange(n, device=device).expand(tokens, -1)
+            self._route = (key, route, torch.ones(route.shape, device=device))
+        return self._route[1], self._route[2]
 
     def predict(self, x: torch.Tensor) -> list[int]:
         return list(range(self.provider.num_experts(self.layer_idx)))  # a dense layer always needs every slice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids = self.predict(x)
-        route = torch.arange(len(ids), device=x.device).expand(x.shape[0], -1)  # [T, n]
-        self.provider.observe_routes(self.layer_idx, route, torch.ones(route.shape, device=x.device))
-        partial = {e: self.run(x, expert) for e, expert in self.provider.fetch(self.layer_idx, ids)}
+        self.provider.observe_routes(self.layer_idx, *self._all_slices(x.shape[0], len(ids), x.device))  # [T, n]
+        if isinstance(self.run, GatedExpert):
+            experts = dict(self.provider.fetch(self.layer_idx, ids))
+            fused = self.run.slices(x, [experts[e] for e in ids])  # one matmul per half, not one per slice
+            if fused is not None:
+                return fused
+            partial = {e: self.run(x, experts[e]) for e in ids}
+        else:
+            partial = {e: self.run(x, expert) for e, expert in self.provider.fetch(self.layer_idx, ids)}
         out = torch.zeros_like(x)
         for e in ids:  # fixed order: results must not depend on I/O timing
             out += partial[e]

@@ -94,14 +94,23 @@ class Rope:
         return emb.cos() * self.scale, emb.sin() * self.scale
 
 
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, dim] shaped [T, 1, dim] for `apply_rope`, once per forward rather than per call."""
+    return cos[:, None, :], sin[:, None, :]
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, dim] with the half-split (HF "rotate_half") layout."""
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    """Rotate x [T, heads, dim] with the half-split (HF "rotate_half") layout; cos/sin [T, dim] or
+    already [T, 1, dim] (`rope_tables`)."""
+    if cos.dim() == 2:
+        cos, sin = cos[:, None, :], sin[:, None, :]
+    if cos.dtype != x.dtype:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return x * cos + rotate_half(x) * sin
 
 

@@ -13,15 +13,17 @@ summation-order noise.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from deltafind.models.ops.cpu_kernels import STORED
+from deltafind.models.ops.cpu_kernels import STORED, StoredPart
 from deltafind.store.quant import BLOCKS as GGUF_BLOCKS
 from deltafind.store.quant import parse_quant
 
@@ -140,20 +142,68 @@ def _kernel_ok(w: StoredWeight) -> bool:
     return w.data.device.type == "cpu" and w.data.is_contiguous() and _kernel_takes(w.kind, w.cols)
 
 
+def _part(w: StoredWeight) -> StoredPart:
+    return StoredPart(KINDS[w.kind], w.rows, w.cols, w.data.shape[1] * w.data.element_size(), w.data.data_ptr())
+
+
+def _run_parts(parts: ctypes.Array, stack_cols: bool, x: torch.Tensor, out_cols: int) -> torch.Tensor | None:
+    """One `df_stored_parts` call: x [T, in] fp32 contiguous -> y [T, out_cols]; None if the kernel refused."""
+    y = torch.empty(x.shape[0], out_cols, dtype=torch.float32)
+    rc = STORED.load().df_stored_parts(parts, len(parts), int(stack_cols), x.data_ptr(), x.shape[0], x.shape[1],
+                                       y.data_ptr(), out_cols, torch.get_num_threads())
+    return y if rc == 0 else None
+
+
 def stored_linear(x: torch.Tensor, w: StoredWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ W.T (+ bias)` for fp32 `x` [..., cols]: fp32 out [..., rows], weights read in their stored format."""
     if x.dtype != torch.float32 or not (x.device.type == "cpu" and _kernel_ok(w)):
         return F.linear(x, dequantize(w).to(x.dtype), bias)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, w.cols).contiguous()
-    y = torch.empty(x2.shape[0], w.rows, dtype=torch.float32)
-    rc = STORED.load().df_stored_matmul(KINDS[w.kind], x2.data_ptr(), x2.shape[0], w.cols, w.data.data_ptr(),
-                                        w.rows, w.cols, y.data_ptr(), w.rows, torch.get_num_threads())
-    if rc != 0:
+    y = _run_parts((StoredPart * 1)(_part(w)), False, x.reshape(-1, w.cols).contiguous(), w.rows)
+    if y is None:
         return F.linear(x, dequantize(w), bias)
     if bias is not None:
         y += bias
     return y.reshape(*lead, w.rows)
+
+
+class FusedLinear:
+    """`x @ W.T` in ONE kernel call for W built from several stored matrices without copying them:
+    their rows stacked (q/k/v; every slice's gate then up), or side by side (`stack_cols`: a dense
+    MLP's down slices, x's columns following the parts). Planned once, rebuilt when any weight object
+    changes; holds the weights weakly, so it never keeps an evicted expert or old spine layer alive.
+    `__call__` returns None where the kernel does not apply (GPU, non-fp32 x, widened or MXFP4
+    weights, no compiler): the caller then runs its per-matrix path, which is the oracle.
+    """
+
+    def __init__(self, stack_cols: bool = False) -> None:
+        self.stack_cols = stack_cols
+        self._refs: tuple[weakref.ref, ...] = ()
+        self._parts: ctypes.Array | None = None
+        self._in_cols = self._out_cols = 0
+
+    def _plan(self, weights: Sequence[torch.Tensor], quants: Sequence[str]) -> None:
+        self._refs, self._parts = tuple(weakref.ref(w) for w in weights), None
+        if _widen:
+            return
+        try:
+            ws = [StoredWeight.tagged(w, q) if q else StoredWeight.of(w) for w, q in zip(weights, quants, strict=True)]
+        except ValueError:
+            return  # fp32 or packed weights: not for this kernel
+        if not all(_kernel_ok(w) for w in ws) or len({w.rows if self.stack_cols else w.cols for w in ws}) != 1:
+            return
+        self._parts = (StoredPart * len(ws))(*map(_part, ws))
+        rows, cols = [w.rows for w in ws], [w.cols for w in ws]
+        self._in_cols, self._out_cols = (sum(cols), rows[0]) if self.stack_cols else (cols[0], sum(rows))
+
+    def __call__(self, x: torch.Tensor, weights: Sequence[torch.Tensor], quants: Sequence[str]) -> torch.Tensor | None:
+        """x [T, in] -> [T, out] fp32, or None (see the class)."""
+        refs = self._refs
+        if len(refs) != len(weights) or any(r() is not w for r, w in zip(refs, weights, strict=True)):
+            self._plan(weights, quants)
+        if self._parts is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self._in_cols:
+            return None
+        return _run_parts(self._parts, self.stack_cols, x.contiguous(), self._out_cols)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, quant: str = "") -> torch.Tensor:
@@ -182,8 +232,13 @@ class StoredLinear(torch.nn.Linear):
     """An `nn.Linear` whose weight stays as stored (bf16/fp16, or GGUF blocks with `quant`)."""
 
     quant = ""
+    _fused: FusedLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused is None:
+            self._fused = FusedLinear()
+        if x.dim() == 2 and (y := self._fused(x, (self.weight,), (self.quant,))) is not None:
+            return y if self.bias is None else y + self.bias
         return linear(x, self.weight, self.bias, self.quant)
 
 

@@ -72,10 +72,63 @@ inline void scale_min(const uint8_t* s, int i, int* sc, int* mn) {
   }
 }
 
+#ifdef __AVX2__
+// The 32 weights of one block (or 32 consecutive bf16/f16/int8 weights) as four vectors, weights
+// 0-7, 8-15, 16-23, 24-31, decoded with exactly decode()'s fp32 operations: the fused path below
+// never writes them to memory. `scale` is the row's scale (I8R only).
+template <int K>
+inline void decode_vec(const uint8_t* b, float scale, __m256 w[4]) {
+  if constexpr (K == BF16) {
+    for (int g = 0; g < 4; ++g) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * g));
+      w[g] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+  } else if constexpr (K == F16) {
+    for (int g = 0; g < 4; ++g) w[g] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * g)));
+  } else if constexpr (K == I8R || K == Q8_0) {
+    const float d = K == Q8_0 ? h2f(rd16(b)) : scale;
+    const uint8_t* q = K == Q8_0 ? b + 2 : b;
+    const __m256 dv = _mm256_set1_ps(d);
+    for (int g = 0; g < 4; ++g) {
+      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * g));
+      w[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), dv);  // q * d, as decode_q8_0
+    }
+  } else {
+    constexpr bool has_min = K == Q4_1 || K == Q5_1, five = K == Q5_0 || K == Q5_1;
+    constexpr int offset = five ? 16 : 8;
+    const __m256 dv = _mm256_set1_ps(h2f(rd16(b))), mv = _mm256_set1_ps(has_min ? h2f(rd16(b + 2)) : 0.0f);
+    uint32_t qh = 0;
+    if (five) std::memcpy(&qh, b + (has_min ? 4 : 2), 4);
+    const uint8_t* qs = b + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i low4 = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int g = 0; g < 4; ++g) {
+      __m256i q = _mm256_cvtepu8_epi32(parts[g]);
+      if (five) {
+        const __m256i bits = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(qh >> (8 * g))), lanes),
+                                              _mm256_set1_epi32(1));
+        q = _mm256_or_si256(q, _mm256_slli_epi32(bits, 4));
+      }
+      w[g] = has_min ? _mm256_add_ps(_mm256_mul_ps(dv, _mm256_cvtepi32_ps(q)), mv)
+                     : _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(offset))));
+    }
+  }
+}
+
+#endif
+
 // One 32-weight block of Q4_0/Q4_1/Q5_0/Q5_1 into o[0..32). A template per format, so the loops
 // have no branches and the compiler vectorizes them; the arithmetic is gguf-py's, in its order.
 template <int K>
 inline void decode32(const uint8_t* b, float* o) {
+#ifdef __AVX2__
+  __m256 w[4];
+  decode_vec<K>(b, 0.0f, w);
+  for (int g = 0; g < 4; ++g) _mm256_storeu_ps(o + 8 * g, w[g]);
+#else
   constexpr bool has_min = K == Q4_1 || K == Q5_1, five = K == Q5_0 || K == Q5_1;
   constexpr int offset = five ? 16 : 8;
   const float d = h2f(rd16(b));
@@ -83,29 +136,6 @@ inline void decode32(const uint8_t* b, float* o) {
   uint32_t qh = 0;
   if (five) std::memcpy(&qh, b + (has_min ? 4 : 2), 4);
   const uint8_t* qs = b + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
-#ifdef __AVX2__
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i low4 = _mm_set1_epi8(15);
-  const __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
-  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};  // weights 0-7, 8-15, 16-23, 24-31
-  const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int g = 0; g < 4; ++g) {
-    __m256i q = _mm256_cvtepu8_epi32(parts[g]);
-    if (five) {
-      const __m256i bits = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(qh >> (8 * g))), lanes),
-                                            _mm256_set1_epi32(1));
-      q = _mm256_or_si256(q, _mm256_slli_epi32(bits, 4));
-    }
-    __m256 w;
-    if (has_min)
-      w = _mm256_add_ps(_mm256_mul_ps(dv, _mm256_cvtepi32_ps(q)), mv);  // (d * q) + m, two roundings
-    else
-      w = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(offset))));
-    _mm256_storeu_ps(o + 8 * g, w);
-  }
-  return;
-#endif
   int v[32];
   for (int j = 0; j < 16; ++j) {
     v[j] = qs[j] & 15;
@@ -117,6 +147,7 @@ inline void decode32(const uint8_t* b, float* o) {
     for (int j = 0; j < 32; ++j) o[j] = d * static_cast<float>(v[j]) + m;  // (d * q) + m
   else
     for (int j = 0; j < 32; ++j) o[j] = d * static_cast<float>(v[j] - offset);  // d * (q - offset)
+#endif
 }
 
 inline void decode_q8_0(const uint8_t* b, float* o) {
@@ -209,33 +240,101 @@ void decode(int kind, const uint8_t* row, int64_t c0, int n, float* out) {
   }
 }
 
-// acc[0..15] += w[0..n) * x[0..n) for n a multiple of 16: two 8-lane chains (even and odd steps).
+// acc[0..32) += w[0..n) * x[0..n) for n a multiple of 32: four 8-lane chains, weights j % 32 in
+// [8c, 8c + 8) on chain c (four independent FMA chains hide the FMA latency).
 inline void dot_chunk(const float* w, const float* x, int n, float* acc) {
 #ifdef __AVX2__
-  __m256 a0 = _mm256_loadu_ps(acc), a1 = _mm256_loadu_ps(acc + 8);
-  for (int j = 0; j < n; j += 16) {
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j), _mm256_loadu_ps(x + j), a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 8), _mm256_loadu_ps(x + j + 8), a1);
-  }
-  _mm256_storeu_ps(acc, a0);
-  _mm256_storeu_ps(acc + 8, a1);
+  __m256 a[4];
+  for (int c = 0; c < 4; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
+  for (int j = 0; j < n; j += 32)
+    for (int c = 0; c < 4; ++c) a[c] = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 8 * c), _mm256_loadu_ps(x + j + 8 * c), a[c]);
+  for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
 #else
-  for (int j = 0; j < n; j += 16)
-    for (int l = 0; l < 16; ++l) acc[l] = std::fma(w[j + l], x[j + l], acc[l]);
+  for (int j = 0; j < n; j += 32)
+    for (int l = 0; l < 32; ++l) acc[l] = std::fma(w[j + l], x[j + l], acc[l]);
 #endif
 }
 
-inline float reduce16(const float* a) {
+// The one fixed tree that ends every (token, row): chains pairwise, then the 8 lanes.
+inline float reduce32(const float* a) {
   float s[8];
-  for (int l = 0; l < 8; ++l) s[l] = a[l] + a[8 + l];
+  for (int l = 0; l < 8; ++l) s[l] = (a[l] + a[8 + l]) + (a[16 + l] + a[24 + l]);
   return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
 }
+
+#ifdef __AVX2__
+// acc[t][0..32) += row . x[t] over `cols` weights, decode fused into the dot: the lanes take weights
+// in dot_chunk's order, so results are bit-identical to the decode-to-buffer path.
+template <int K, int NT>
+void fused_row(const uint8_t* row, int64_t cols, const float* x, int64_t ldx, float (*acc)[32]) {
+  constexpr int64_t bytes = K == BF16 || K == F16 ? 64 : K == I8R ? 32 : K == Q8_0 ? 34 : K == Q4_0 ? 18
+                          : K == Q4_1 ? 20 : K == Q5_0 ? 22 : 24;
+  float scale = 0.0f;
+  if (K == I8R) {
+    scale = h2f(rd16(row));
+    row += 2;
+  }
+  __m256 a[NT][4];
+  for (int t = 0; t < NT; ++t)
+    for (int c = 0; c < 4; ++c) a[t][c] = _mm256_loadu_ps(acc[t] + 8 * c);
+  for (int64_t b = 0; b < cols / 32; ++b) {
+    __m256 w[4];
+    decode_vec<K>(row + b * bytes, scale, w);
+    const float* xb = x + b * 32;
+    for (int t = 0; t < NT; ++t)
+      for (int c = 0; c < 4; ++c) a[t][c] = _mm256_fmadd_ps(w[c], _mm256_loadu_ps(xb + t * ldx + 8 * c), a[t][c]);
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc[t] + 8 * c, a[t][c]);
+}
+
+template <int K>
+bool fused_tile(const uint8_t* row, int64_t cols, const float* x, int64_t ldx, int nt, float (*acc)[32]) {
+  switch (nt) {
+    case 1: fused_row<K, 1>(row, cols, x, ldx, acc); return true;
+    case 2: fused_row<K, 2>(row, cols, x, ldx, acc); return true;
+    case 3: fused_row<K, 3>(row, cols, x, ldx, acc); return true;
+    case 4: fused_row<K, 4>(row, cols, x, ldx, acc); return true;
+    default: return false;
+  }
+}
+#endif
+
+// acc[t] += row . x[t] for t < nt (<= kTile), `cols` weights of `kind`: fused where a format has a
+// register decoder, else decoded chunk by chunk into an L1 buffer. Both take the same lane order.
+void accumulate(int kind, const uint8_t* row, int64_t cols, const float* x, int64_t ldx, int nt, float (*acc)[32]) {
+#ifdef __AVX2__
+  switch (kind) {
+    case BF16: if (fused_tile<BF16>(row, cols, x, ldx, nt, acc)) return; break;
+    case F16: if (fused_tile<F16>(row, cols, x, ldx, nt, acc)) return; break;
+    case I8R: if (fused_tile<I8R>(row, cols, x, ldx, nt, acc)) return; break;
+    case Q8_0: if (fused_tile<Q8_0>(row, cols, x, ldx, nt, acc)) return; break;
+    case Q4_0: if (fused_tile<Q4_0>(row, cols, x, ldx, nt, acc)) return; break;
+    case Q4_1: if (fused_tile<Q4_1>(row, cols, x, ldx, nt, acc)) return; break;
+    case Q5_0: if (fused_tile<Q5_0>(row, cols, x, ldx, nt, acc)) return; break;
+    case Q5_1: if (fused_tile<Q5_1>(row, cols, x, ldx, nt, acc)) return; break;
+    default: break;
+  }
+#endif
+  alignas(64) float buf[kChunk];
+  for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
+    const int n = static_cast<int>(std::min<int64_t>(kChunk, cols - c0));
+    decode(kind, row, c0, n, buf);
+    for (int t = 0; t < nt; ++t) dot_chunk(buf, x + t * ldx + c0, n, acc[t]);
+  }
+}
+
+// One weight matrix of a call: `rows` x `cols` in `kind`, row-major stored rows of `row_bytes`.
+struct Part {
+  int64_t kind, rows, cols, row_bytes;
+  const uint8_t* data;
+};
 
 }  // namespace
 
 extern "C" {
 
-int df_stored_abi() { return 1; }
+int df_stored_abi() { return 2; }
 
 // Bytes of one row of `cols` weights in `kind` (0 when the kind is unknown or cols does not fit it).
 int64_t df_stored_row_bytes(int kind, int64_t cols) {
@@ -255,27 +354,53 @@ int df_stored_dequant(int kind, const uint8_t* w, int64_t R, int64_t C, float* o
   return 0;
 }
 
-// y [T, R] (row stride ldy) = x [T, C] (row stride ldx) @ W.T, W [R, C] stored as `kind`.
-int df_stored_matmul(int kind, const float* x, int64_t T, int64_t ldx, const uint8_t* w, int64_t R, int64_t C,
-                     float* y, int64_t ldy, int threads) {
-  const int64_t rb = df_stored_row_bytes(kind, C);
-  if (rb == 0) return 1;
-  const int64_t rows_per_task = 16;
-  const int tasks = static_cast<int>((R + rows_per_task - 1) / rows_per_task);
-  pool().run(tasks, threads, [&](int i) {
-    alignas(64) float buf[kChunk];
-    const int64_t r0 = i * rows_per_task, r1 = std::min<int64_t>(R, r0 + rows_per_task);
+// y = x @ W.T for W made of `n` stored matrices (`Part`s), weights read as stored, in one pool run.
+// stack_cols = 0: W stacks the parts' rows (all of one width C = x's columns); y's columns follow the
+//   parts in order (q/k/v, or every slice's gate then up): y [T, sum rows].
+// stack_cols = 1: W joins the parts side by side (all of one height R); x's columns follow the parts
+//   in order and each output sums over all of them in one set of lanes (a dense MLP's down slices).
+// x [T, *] and y [T, *] have row strides ldx, ldy. Returns 1 if a part's shape does not fit its kind.
+int df_stored_parts(const Part* parts, int n, int stack_cols, const float* x, int64_t T, int64_t ldx, float* y,
+                    int64_t ldy, int threads) {
+  constexpr int64_t rows_per_task = 16;
+  int64_t tasks = 0;
+  for (int p = 0; p < n; ++p) {
+    if (parts[p].row_bytes != df_stored_row_bytes(static_cast<int>(parts[p].kind), parts[p].cols)) return 1;
+    if (!stack_cols) tasks += (parts[p].rows + rows_per_task - 1) / rows_per_task;
+    else if (parts[p].rows != parts[0].rows) return 1;
+  }
+  if (stack_cols) tasks = (parts[0].rows + rows_per_task - 1) / rows_per_task;
+  auto rows_of = [&](int64_t r0, int64_t r1, const Part* first, int count, int64_t y_col) {
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t t0 = 0; t0 < T; t0 += kTile) {
         const int nt = static_cast<int>(std::min<int64_t>(kTile, T - t0));
-        float acc[kTile][16] = {};
-        for (int64_t c0 = 0; c0 < C; c0 += kChunk) {
-          const int n = static_cast<int>(std::min<int64_t>(kChunk, C - c0));
-          decode(kind, w + r * rb, c0, n, buf);
-          for (int t = 0; t < nt; ++t) dot_chunk(buf, x + (t0 + t) * ldx + c0, n, acc[t]);
+        float acc[kTile][32] = {};
+        int64_t x_col = 0;
+        for (int p = 0; p < count; ++p) {
+          accumulate(static_cast<int>(first[p].kind), first[p].data + r * first[p].row_bytes, first[p].cols,
+                     x + t0 * ldx + x_col, ldx, nt, acc);
+          x_col += first[p].cols;
         }
-        for (int t = 0; t < nt; ++t) y[(t0 + t) * ldy + r] = reduce16(acc[t]);
+        for (int t = 0; t < nt; ++t) y[(t0 + t) * ldy + y_col + r] = reduce32(acc[t]);
       }
+    }
+  };
+  pool().run(static_cast<int>(tasks), threads, [&](int i) {
+    if (stack_cols) {
+      const int64_t r0 = i * rows_per_task;
+      rows_of(r0, std::min<int64_t>(parts[0].rows, r0 + rows_per_task), parts, n, 0);
+      return;
+    }
+    int64_t task = i, y_col = 0;  // find the part holding task i
+    for (int p = 0; p < n; ++p) {
+      const int64_t part_tasks = (parts[p].rows + rows_per_task - 1) / rows_per_task;
+      if (task < part_tasks) {
+        const int64_t r0 = task * rows_per_task;
+        rows_of(r0, std::min<int64_t>(parts[p].rows, r0 + rows_per_task), parts + p, 1, y_col);
+        return;
+      }
+      task -= part_tasks;
+      y_col += parts[p].rows;
     }
   });
   return 0;

@@ -1,0 +1,80 @@
+"""Where one demo decode token's CPU time goes: the stored-format kernel calls vs everything else.
+
+Not run in CI. One thread, greedy, all experts resident; CPU time of the calling thread, so other
+tenants of a shared machine barely move it. Decode per token = (t[n tokens] - t[1 token]) / (n - 1),
+as bench_demo_vs_llamacpp.py computes it; the kernel share is the time inside `stored._run_parts`
+(one ctypes call each). Prints ONE JSON line. To compare with an older tree, run this file with
+PYTHONPATH pointing at that tree (`git archive REV deltafind | tar -x -C DIR`): its kernel
+figures are null when it has no `_run_parts`.
+
+    python tests/bench/bench_demo_token_profile.py [--store DEMO] [--new-tokens 32] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    home = os.environ.get("DELTAFIND_HOME")
+    ap.add_argument("--store", type=Path, default=(Path(home) if home else Path.home() / ".cache" / "deltafind") / "demo")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(1)
+    import deltafind.models.ops.stored as stored
+    from deltafind import Model
+
+    spent: collections.Counter[str] = collections.Counter()
+    inner = getattr(stored, "_run_parts", None)
+    if inner is not None:
+        def timed_parts(*a):
+            t = time.thread_time()
+            try:
+                return inner(*a)
+            finally:
+                spent["kernel_s"] += time.thread_time() - t
+                spent["calls"] += 1
+
+        stored._run_parts = timed_parts
+    model = Model.open(str(args.store), device="cpu", expert_cache_bytes=None)
+    ids = list(model.tokenizer.encode("The capital of France is"))
+    model.generate(ids, max_new_tokens=8, temperature=0.0)  # warm: every expert resident
+
+    def run(n: int) -> tuple[float, float, int, int]:
+        spent.clear()
+        t = time.thread_time()
+        out = model.generate(ids, max_new_tokens=n, temperature=0.0)
+        return time.thread_time() - t, spent["kernel_s"], spent["calls"], len(out)
+
+    rows = []
+    for _ in range(args.rounds):
+        c1, k1, n1, _ = run(1)
+        cn, kn, nn, n_out = run(args.new_tokens)
+        d = n_out - 1
+        rows.append(((cn - c1) / d * 1e3, (kn - k1) / d * 1e3, (nn - n1) / d))
+    total, kernel, calls = (statistics.median(r[i] for r in rows) for i in range(3))
+    has = inner is not None
+    print(json.dumps({
+        "bench": "demo_token_profile", "threads": 1, "rounds": args.rounds, "new_tokens": args.new_tokens,
+        "decode_cpu_ms_per_token": round(total, 2),
+        "kernel_cpu_ms_per_token": round(kernel, 2) if has else None,
+        "kernel_calls_per_token": round(calls, 1) if has else None,
+        "rest_cpu_ms_per_token": round(total - kernel, 2) if has else None,
+        "samples_ms": [[round(v, 2) for v in r] for r in rows],
+        "loadavg": [round(v, 2) for v in os.getloadavg()],
+    }, separators=(",", ":")))
+
+
+if __name__ == "__main__":
+    main()
