@@ -270,6 +270,7 @@ class Model:
             "bytes_read": e.bytes_read, "io_wait_s": e.wait_s, "prefetch_issued": e.prefetch_issued,
             "prefetch_used": e.prefetch_used, "prefetch_wasted": e.prefetch_wasted,
             "prefetch_recall": sum(r.hits for r in layers) / needed if needed else 0.0,
+            "prefetch_gated": e.prefetch_gated, "prefetch_gate": ex.gate.snapshot(),  # per-layer recall/precision, drive load
             "drives": [{"index": i, "path": str(path), "healthy": os.access(path, os.R_OK), "reads": d.reads,
                         "bytes_read": d.bytes, "read_gb_s": d.gb_s}
                        for i, (path, d) in enumerate(zip(ex.reader.paths, ex.reader.stats, strict=True))],
