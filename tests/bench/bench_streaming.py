@@ -253,7 +253,7 @@ def main() -> None:
     if args.prefill:
         import streaming_prefill
 
-        for line in streaming_prefill.bench(args.root, trees, ENV, th):
+        for line in streaming_prefill.bench(args.root, ENV, th):
             print(json.dumps(line), flush=True)
 
 
