@@ -8,7 +8,7 @@ reduced width, depth and expert count), made on first use under --root. A cold e
 with every expert held (no reads). Reached through `bench_streaming.py --prefill`.
 
     python tests/bench/bench_streaming.py --prefill --root /tmp/dfbench
-    python tests/bench/streaming_prefill.py --root /tmp/dfbench [--lengths 1,8,64,512]   # this bench alone
+    python tests/bench/streaming_prefill.py /tmp/dfbench   # this bench alone
 """
 
 from __future__ import annotations
@@ -125,22 +125,11 @@ def bench(root: Path, env: dict[str, str], threads: int, lengths: tuple[int, ...
     return lines
 
 
-def main() -> None:
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--root", type=Path, default=Path("/tmp/dfbench"))
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--lengths", default="1,8,64,512")
-    ap.add_argument("--one")
-    args = ap.parse_args()
-    if args.one:
-        print(json.dumps(one(json.loads(args.one))))
-        return
-    args.root.mkdir(parents=True, exist_ok=True)
-    for line in bench(args.root, dict(os.environ), args.threads, tuple(int(x) for x in args.lengths.split(","))):
-        print(json.dumps(line), flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--one"]:
+        print(json.dumps(one(json.loads(sys.argv[2]))))
+    else:  # this bench alone: streaming_prefill.py [ROOT]
+        root = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/dfbench")
+        root.mkdir(parents=True, exist_ok=True)
+        for line in bench(root, dict(os.environ), 2):
+            print(json.dumps(line), flush=True)
