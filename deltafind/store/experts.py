@@ -253,7 +253,7 @@ class StoreExperts:
         self._last_route[layer_idx] = wanted
         predicted = self._predicted.pop(layer_idx, None)
         if predicted is not None:
-            self.gate.observe(layer_idx, predicted, wanted)
+            self.gate.observe(layer_idx, predicted, wanted, {e for lay, e in self._inflight if lay == layer_idx})
 
     def _demand_read(self, layer_idx: int, e: int) -> Future:
         rec = self.record(layer_idx, e)

@@ -7,8 +7,9 @@ knows the window from the moment it decides to the next `fetch`. The drive's sla
 window minus its queue's drain time: a read inside the slack costs nothing if wrong, a read past
 it delays the demand reads behind it by its own time. So a predicted read is started when
 its expected gain (precision x bytes read in idle time) is at least its expected loss
-((1 - precision) x bytes past the slack); a layer whose measured precision is below `recall_threshold` stops.
-It decides which reads start, never what `fetch` returns (store/experts.py): tokens never change.
+((1 - precision) x bytes past the slack), precision being the lower of the layer's predictions'
+and of the reads it started (in a warm cache the predicted experts not held miss more often);
+a layer whose measured precision is below `recall_threshold` stops. It decides which reads start, never what `fetch` returns (store/experts.py): tokens never change.
 This module knows records only as (key, drive, bytes); no reader, cache or tensor.
 """
 
@@ -44,7 +45,8 @@ class LayerRecall:
     hits: int = 0
     needed: int = 0
     observations: int = 0
-    ema: float = PRIOR_PRECISION  # precision, exponentially weighted: the gate's p
+    ema: float = PRIOR_PRECISION  # precision of the predictions, exponentially weighted
+    read_ema: float | None = None  # precision of the reads started (cached hits are not read: these miss more)
     issued: int = 0  # reads the gate started
     held: int = 0  # predicted reads the gate did not start (no slack, low precision, window unknown)
 
@@ -58,7 +60,8 @@ class LayerRecall:
 
     def as_dict(self, layer: int) -> dict[str, Any]:
         return {"layer": layer, "recall": round(self.recall, 4), "precision": round(self.precision, 4),
-                "precision_ema": round(self.ema, 4), "predicted": self.predicted, "hits": self.hits, "needed": self.needed,
+                "precision_ema": round(self.ema, 4), "read_precision_ema": None if self.read_ema is None else round(self.read_ema, 4),
+                "predicted": self.predicted, "hits": self.hits, "needed": self.needed,
                 "issued": self.issued, "held": self.held}
 
 
@@ -90,7 +93,7 @@ class PrefetchGate:
     def __post_init__(self) -> None:
         self.drives = [DriveLoad() for _ in range(self.num_drives)]
         self._lock = threading.Lock()  # drive threads report completions
-        self._windows: OrderedDict[tuple[int, int], float] = OrderedDict()
+        self._windows: OrderedDict[tuple[int, int], tuple[float, float]] = OrderedDict()
         self._decided_at: dict[int, float] = {}  # layer -> when the gate decided for it (this step)
         self._width = 0  # tokens in this step: a prefill chunk's window is not a decode step's
 
@@ -108,12 +111,13 @@ class PrefetchGate:
         key = (layer_idx, self._width)
         seen = self._windows.pop(key, None)
         dt = time.perf_counter() - t
-        self._windows[key] = dt if seen is None else (1 - EMA) * seen + EMA * dt
+        # (average, last): a window that shrinks at once (the cache started hitting) counts at once
+        self._windows[key] = (dt, dt) if seen is None else ((1 - EMA) * seen[0] + EMA * dt, dt)
         while len(self._windows) > MAX_WINDOWS:
             self._windows.popitem(last=False)
 
-    def observe(self, layer_idx: int, predicted: set[int], wanted: Sequence[int]) -> None:
-        """A prediction for `layer_idx` met the router's choice."""
+    def observe(self, layer_idx: int, predicted: set[int], wanted: Sequence[int], read: set[int] | frozenset[int] = frozenset()) -> None:
+        """A prediction for `layer_idx` met the router's choice; `read`: the predicted experts whose reads started."""
         r = self._layer(layer_idx)
         hits = len(predicted.intersection(wanted))
         r.predicted += len(predicted)
@@ -125,6 +129,9 @@ class PrefetchGate:
             # The first observation replaces the prior: starting from a fixed guess kept a
             # useless layer open for ~8 tokens (measured: wasted reads on short runs).
             r.ema = p if r.observations == 1 else (1 - EMA) * r.ema + EMA * p
+        if read:
+            q = len(read.intersection(wanted)) / len(read)
+            r.read_ema = q if r.read_ema is None else (1 - EMA) * r.read_ema + EMA * q
 
     def track(self, drive: int, nbytes: int, fut: Future) -> None:
         """A read of `nbytes` was queued on `drive` (demand or prefetch): count it until it lands."""
@@ -161,13 +168,14 @@ class PrefetchGate:
         if not cands:
             return []
         r, opts = self._layer(layer_idx), self.options
-        window = self._windows.get((layer_idx, self._width))
+        seen = self._windows.get((layer_idx, self._width))
+        window = None if seen is None else min(seen)  # the shorter of average and last: never an optimistic slack
         closed = r.observations >= opts.warmup and r.ema < opts.recall_threshold
         if closed or window is None or room <= 0:  # no window yet: this layer and width were never timed
             return self._hold(r, len(cands))
         with self._lock:
             slack = [window * rate - d.queued_bytes if (rate := d.rate) is not None else 0.0 for d in self.drives]
-        p, out = r.ema, []
+        p, out = r.ema if r.read_ema is None else min(r.ema, r.read_ema), []
         for key, drive, nbytes in cands:
             if len(out) >= room:
                 break

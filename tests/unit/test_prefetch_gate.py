@@ -106,3 +106,13 @@ def test_precision_weighs_against_bytes_past_the_slack() -> None:
         gate.observe(1, {1, 2, 3, 4}, [1, 9, 10, 11])  # precision -> ~0.25, under recall_threshold 0.3
     gate.begin_step(1)
     assert gate.admit(1, [((1, e), 0, 4 * MB) for e in range(8)], 8) == []
+
+
+def test_the_reads_started_weigh_when_they_miss_more_than_the_predictions() -> None:
+    gate = _measured(window_s=0.1)  # ~10 MB of slack per idle drive
+    for _ in range(4):  # predictions hit 3 of 4, but the one not cached (the one read) always misses
+        gate.observe(1, {1, 2, 3, 4}, [1, 2, 3, 9], read={4})
+    r = gate.layers[1]
+    assert abs(r.ema - 0.75) < 1e-9 and r.read_ema == 0.0
+    gate.begin_step(1)
+    assert gate.admit(1, [((1, 4), 1, 16 * MB)], 8) == []  # past the slack at read precision 0: held
