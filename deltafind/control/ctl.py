@@ -88,7 +88,8 @@ def prefetch_lines(gate: dict[str, Any]) -> list[str]:
     cells = [f"{r['layer']}: r {100 * r['recall']:.0f}% p {100 * r['precision']:.0f}% ({r['issued']}/{r['issued'] + r['held']})"
              for r in gate["layers"] if r["predicted"] or r["needed"]]
     return [f"prefetch   by layer, recall/precision (reads started/predicted) {'; '.join(cells[i : i + 8])}"
-            for i in range(0, len(cells), 8)] + ([f"prefetch   gate held every read {gate['gated']} times"] if gate.get("gated") else [])
+            for i in range(0, len(cells), 8)] + ([f"prefetch   {gate['gated']} layer decisions started no read (no drive slack, window not yet timed, or precision under the threshold)"]
+               if gate.get("gated") else [])
 
 
 def draft_line(source: str, mode: str, d: dict[str, Any]) -> str:
