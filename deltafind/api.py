@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,8 @@ from deltafind.engine.draft.base import DraftError, DraftSource
 from deltafind.engine.draft.cross import CrossDraftModel, CrossTokenizerSource, TextCodec
 from deltafind.engine.draft.load import source_from_settings
 from deltafind.engine.draft.policy import DraftStats, PolicyOptions
-from deltafind.engine.generate import forward_step, generate
+from deltafind.engine.generate import ONE_AT_A_TIME, forward_step, generate
+from deltafind.engine.prefill import PrefillPlan, activation_budget, plan_for
 from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.stats import EngineStats, GenerationStats
 from deltafind.errors import ConfigError, StoreError
@@ -74,6 +76,7 @@ class Model:
         self._drafts_by_spec: dict[str, tuple[DraftSource | None, PolicyOptions]] = {}  # generate(draft=) builds each once
         self.memory_lock = MemoryLock()
         self.cluster: Any = None  # the expert nodes' provider when [cluster] role = "coordinator"
+        self.prefill = PrefillPlan(1 << 62, 1, 0)  # set at load from the memory left (engine/prefill.py)
 
     @classmethod
     def open(cls, store_dir: str | Path | None = None, settings: Settings | None = None, *,
@@ -83,7 +86,8 @@ class Model:
         The one wiring point: everything comes from `settings` (default: `load_settings()`,
         the config file and DELTAFIND_* variables), with `overrides` as simple keywords on top:
         device, dtype, compile_kernels, threads ([device]); expert_cache_bytes (None: keep every
-        expert read), pin_bytes, spine_bytes, heat_decay, spine_int8, read_mode ([cache]); prefetch (bool or
+        expert read), pin_bytes, spine_bytes, heat_decay, spine_int8, read_mode ([cache]); max_prefill_tokens
+        ([server]); prefetch (bool or
         PrefetchOptions); drives (DriveOptions per store drive); draft, draft_max_width ([draft]).
         `trace_path` appends a router trace (JSONL). A device that is unusable, or fails while
         the model is placed on it, falls back to the CPU (logged).
@@ -185,6 +189,10 @@ class Model:
             log.info("spine_prefix_resident", resident_layers=plan.resident_layers, streamed_layers=len(plan.streamed),
                      resident_bytes=plan.resident_bytes, window_bytes=plan.window_bytes, budget_bytes=spine_bytes)
         model.memory_lock.lock([*net.parameters(), *net.buffers()])  # what is held now (int8 rows replaced their bf16)
+        # Prefill chunks as large as the memory left once the expert cache has filled its budget allows.
+        unfilled = max(int(cache_bytes) - experts.cache.used_bytes, 0) if cache_bytes is not None else 0
+        model.prefill = plan_for(args, activation_budget(device, unfilled), settings.server.max_prefill_tokens,
+                                 torch.empty(0, dtype=torch_dtype).element_size())
         return model
 
     def open_draft(self, draft: DraftSettings) -> None:
@@ -241,7 +249,8 @@ class Model:
         """Yield new tokens as they are chosen (on the engine core, synchronously); figures land in
         `last_stats`, `last_draft_stats` and `last_engine_stats` (the core's snapshot source)."""
         self.last_stats, self.last_draft_stats, self.last_engine_stats = GenerationStats(), DraftStats(), EngineStats()
-        yield from generate(self.net, token_ids, params, self.eos_token_ids, self.last_stats, draft=self.draft,
+        limits = replace(ONE_AT_A_TIME, prefill=replace(self.prefill, cap=self.settings.server.max_prefill_tokens))
+        yield from generate(self.net, token_ids, params, self.eos_token_ids, self.last_stats, draft=self.draft, limits=limits,
                             draft_policy=self.draft_policy, draft_stats=self.last_draft_stats,
                             engine_stats=self.last_engine_stats)
 
@@ -284,6 +293,7 @@ class Model:
             "bytes_read": e.bytes_read, "io_wait_s": e.wait_s, "prefetch_issued": e.prefetch_issued,
             "prefetch_used": e.prefetch_used, "prefetch_wasted": e.prefetch_wasted,
             "prefetch_recall": sum(r.hits for r in layers) / needed if needed else 0.0,
+            "prefetch_gated": e.prefetch_gated, "prefetch_gate": ex.gate.snapshot(),  # per-layer recall/precision, drive load
             "drives": [{"index": i, "path": str(path), "healthy": os.access(path, os.R_OK), "reads": d.reads,
                         "bytes_read": d.bytes, "read_gb_s": d.gb_s}
                        for i, (path, d) in enumerate(zip(ex.reader.paths, ex.reader.stats, strict=True))],
@@ -326,6 +336,7 @@ SIMPLE_OVERRIDES = {  # Model.open keyword -> (settings section, key)
     "threads": ("device", "threads"), "expert_cache_bytes": ("cache", "expert_bytes"), "pin_bytes": ("cache", "pin_bytes"),
     "spine_bytes": ("cache", "spine_bytes"), "heat_decay": ("cache", "heat_decay"), "draft_max_width": ("draft", "max_width"),
     "spine_int8": ("cache", "spine_int8"), "read_mode": ("cache", "read_mode"),
+    "max_prefill_tokens": ("server", "max_prefill_tokens"),
 }
 
 

@@ -263,6 +263,16 @@ class ServerSettings(_Section):
         examples=[131072],
         json_schema_extra=LIVE,
     )
+    max_prefill_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Most prompt tokens one step runs (a prefill chunk). Unset = as many as "
+        "memory allows (derived from the memory free at load, less the caches' budgets). Each "
+        "chunk reads each expert it needs once per layer, so larger chunks read fewer bytes per "
+        "prompt token; a cap shortens the steps that running sequences wait behind.",
+        examples=[4096],
+        json_schema_extra=LIVE,
+    )
     max_tokens_default: int = Field(
         512,
         ge=1,

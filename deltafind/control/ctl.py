@@ -67,6 +67,8 @@ def store_lines(s: dict[str, Any]) -> list[str]:
         f"prefetch   issued {s['prefetch_issued']}, used {s['prefetch_used']}, wasted {s['prefetch_wasted']}, "
         f"recall {100 * s['prefetch_recall']:.1f}%, io wait {s.get('io_wait_s', 0.0):.3f} s",
     ]
+    if gate := s.get("prefetch_gate"):
+        lines += prefetch_lines(gate)
     for d in s["drives"]:
         lines.append(f"drive {d['index']}    {'ok' if d['healthy'] else 'UNREADABLE'} {d['path']}: {d['reads']} reads, "
                      f"{_mib(d['bytes_read'])}, {d['read_gb_s']:.2f} GB/s")
@@ -83,6 +85,15 @@ def store_lines(s: dict[str, Any]) -> list[str]:
         lines.append(f"store      streaming install: {_mib(s['store_bytes_present'])} of {_mib(s['store_bytes_total'])} of experts on disk "
                      f"({100 * s['store_bytes_present'] / s['store_bytes_total']:.1f}%); the rest is fetched on first use")
     return lines
+
+
+def prefetch_lines(gate: dict[str, Any]) -> list[str]:
+    """The prefetch gate's per-layer recall and precision (and reads it started or held), eight layers a line."""
+    cells = [f"{r['layer']}: r {100 * r['recall']:.0f}% p {100 * r['precision']:.0f}% ({r['issued']}/{r['issued'] + r['held']})"
+             for r in gate["layers"] if r["predicted"] or r["needed"]]
+    return [f"prefetch   by layer, recall/precision (reads started/predicted) {'; '.join(cells[i : i + 8])}"
+            for i in range(0, len(cells), 8)] + ([f"prefetch   {gate['gated']} layer decisions started no read (no drive slack, window not yet timed, or precision under the threshold)"]
+               if gate.get("gated") else [])
 
 
 def draft_line(source: str, mode: str, d: dict[str, Any]) -> str:

@@ -13,6 +13,7 @@ import json
 import os
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,6 @@ from deltafind.server import AppState, ReadyEngine, ServerConfig
 from deltafind.server.structured import prepare_vocabulary
 
 log = get_logger(__name__)
-MAX_STEP_TOKENS = 256
 PREFIX_CACHE_BYTES = 256 << 20  # finished conversations' KV kept for exact prefix reuse
 
 
@@ -144,11 +144,12 @@ class Runtime:
 
         return Model.open(settings=self.settings)  # device resolved (auto: CUDA, MPS, CPU) and probed; [draft] opened
 
-    @staticmethod
-    def _limits(s: Settings, context: int) -> SchedulerLimits:
+    def _limits(self, s: Settings, context: int) -> SchedulerLimits:
         max_context = min(s.server.max_context or context, context)
-        return SchedulerLimits(s.server.max_running, s.server.max_queue, max(MAX_STEP_TOKENS, s.server.max_running),
-                               max_context, PREFIX_CACHE_BYTES)
+        cap = s.server.max_prefill_tokens  # else prefill chunks are as large as memory allows (engine/prefill.py)
+        prefill = replace(self.model.prefill, cap=cap) if self.model is not None else None
+        return SchedulerLimits(s.server.max_running, s.server.max_queue, max(cap or max_context, s.server.max_running),
+                               max_context, PREFIX_CACHE_BYTES, prefill)
 
     def healthy(self) -> bool:
         return self.scheduler is None or self.scheduler.alive

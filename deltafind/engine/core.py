@@ -21,6 +21,7 @@ import torch
 from deltafind.engine import speculative
 from deltafind.engine.draft.base import Proposal
 from deltafind.engine.draft.policy import PolicyOptions
+from deltafind.engine.prefill import PrefillPlan
 from deltafind.engine.prefix_cache import PrefixCache
 from deltafind.engine.sequence import Event, FinishEvent, GenRequest, Sequence
 from deltafind.engine.stats import EngineStats
@@ -39,6 +40,7 @@ class SchedulerLimits:
     max_step_tokens: int = 256  # prefill chunk budget per step, decode tokens included
     max_context: int = 2048
     prefix_cache_bytes: int = 0
+    prefill: PrefillPlan | None = None  # a prefill chunk's size from activation memory (None: max_step_tokens only)
 
 
 @dataclass
@@ -159,7 +161,8 @@ class EngineCore:
         budget -= len(items)
         for s in running:
             if s.pending > 1 and budget > 0:
-                n = min(s.pending, budget)
+                fits = self.limits.prefill.tokens(s.num_computed) if self.limits.prefill is not None else budget
+                n = min(s.pending, budget, fits)
                 items.append(PlanItem(s, n, s.num_computed))
                 budget -= n
         for it in items:

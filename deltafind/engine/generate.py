@@ -41,7 +41,8 @@ def generate(
     """Yield new token ids for `prompt_ids` under `params` (or for `request`, when given).
 
     With `draft` (a `DraftSource`) decoding is speculative: the same tokens under greedy,
-    the same distribution under sampling. The whole prompt is prefilled in one pass.
+    the same distribution under sampling. The prompt is prefilled in chunks as `limits.prefill`
+    allows (one pass when it fits; `Model.stream` passes the model's plan).
     `stats`, `draft_stats` and `engine_stats` (the core's counters and histograms) are filled.
     """
     req = request or GenRequest(tuple(prompt_ids), params)

@@ -2,8 +2,9 @@
 
 `fetch` yields cached and pinned experts first, then the rest in completion
 order as the drive pools deliver them. `prefetch` starts reads for a predicted
-next layer; a prediction only starts reads — what `fetch` returns never
-depends on it, so output is identical with prefetch on or off.
+next layer, those the gate admits (store/prefetch_gate.py); a prediction only
+starts reads — what `fetch` returns never depends on it, so output is identical
+with prefetch on or off.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from deltafind.errors import CorruptExpertError
 from deltafind.store.cache import ByteLRU
 from deltafind.store.manifest import ExpertRecord, Manifest
+from deltafind.store.prefetch_gate import LayerRecall, PrefetchGate, PrefetchOptions
 from deltafind.store.provider import Expert
 from deltafind.store.reader import DriveOptions, PackReader, record_tensors
 from deltafind.store.spine import SpineStreamer
@@ -46,31 +48,6 @@ class Stager(Protocol):
         """Wait for every copy in flight and release their buffers."""
 
 
-@dataclass(frozen=True)
-class PrefetchOptions:
-    enabled: bool = True
-    max_in_flight: int = 32
-    recall_threshold: float = 0.3  # below this trailing recall a layer stops speculating
-    warmup: int = 4  # observations before the gate may close (a short reply must benefit too)
-
-
-@dataclass
-class LayerRecall:
-    predicted: int = 0
-    hits: int = 0
-    needed: int = 0
-    ema: float = 1.0
-    observations: int = 0
-
-    @property
-    def recall(self) -> float:
-        return self.hits / self.needed if self.needed else 0.0
-
-    @property
-    def precision(self) -> float:
-        return self.hits / self.predicted if self.predicted else 0.0
-
-
 @dataclass
 class ExpertStats:
     requested: int = 0
@@ -83,7 +60,7 @@ class ExpertStats:
     prefetch_used: int = 0
     prefetch_wasted: int = 0
     prefetch_gated: int = 0
-    layers: dict[int, LayerRecall] = field(default_factory=lambda: defaultdict(LayerRecall))
+    layers: dict[int, LayerRecall] = field(default_factory=lambda: defaultdict(LayerRecall))  # the gate's, per layer
 
 
 class StoreExperts:
@@ -127,17 +104,25 @@ class StoreExperts:
             self.reader.widened.max_free_bytes = 0  # nothing to widen (MXFP4 packs, or stored as computed)
         if self._reserving:  # the reader's buffer pools are host memory the budget must cover too
             self.cache.reserve(self.reader.buffers.max_free_bytes + self.reader.widened.max_free_bytes)
-        self.prefetch_options = prefetch or PrefetchOptions(enabled=False)
+        self.gate = PrefetchGate(prefetch or PrefetchOptions(enabled=False), len(self.reader.paths))
         self._records: dict[tuple[int, int], ExpertRecord] = {r.key: r for r in manifest.experts}
         self._counts = manifest.expert_counts()
         self._inflight: dict[tuple[int, int], Future] = {}
         self._last_route: dict[int, list[int]] = {}
         self._predicted: dict[int, set[int]] = {}
         self.uses: dict[tuple[int, int], int] = defaultdict(int)  # for the heat histogram
-        self.stats = ExpertStats()
+        self.stats = ExpertStats(layers=self.gate.layers)
         self.trace = trace
         self._step: tuple[Sequence[int], Sequence[int]] = ([], [])
         self.spine: SpineStreamer | None = None  # the spine's streamed layers, when they do not all fit
+
+    @property
+    def prefetch_options(self) -> PrefetchOptions:
+        return self.gate.options
+
+    @prefetch_options.setter
+    def prefetch_options(self, options: PrefetchOptions) -> None:  # a live reload
+        self.gate.options = options
 
     def num_experts(self, layer_idx: int) -> int:
         return self._counts.get(layer_idx, 0)
@@ -150,6 +135,7 @@ class StoreExperts:
 
     def fetch(self, layer_idx: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, Expert]]:
         wanted = list(dict.fromkeys(expert_ids))
+        self.gate.fetch_started(layer_idx)
         self._observe(layer_idx, wanted)
         self._fetch_missing(layer_idx, wanted)
         pending: dict[Future, int] = {}
@@ -218,10 +204,6 @@ class StoreExperts:
         self._predicted[layer_idx] = set(ids)
         if self.trace is not None:
             self.trace.write({"layer": layer_idx, "pred": ids})
-        gate = self.stats.layers[layer_idx]
-        if gate.observations >= opts.warmup and gate.ema < opts.recall_threshold:
-            self.stats.prefetch_gated += 1
-            return
         if layer_idx - 1 in self._counts:
             # The model asks before fetching layer_idx - 1: queued now, these reads would sit ahead
             # of that layer's demand reads in the drive queues (measured: prefetch on was 0.70x of
@@ -237,20 +219,32 @@ class StoreExperts:
             remote.submit([(layer_idx, e) for e in ids if (layer_idx, e) not in remote.present and (layer_idx, e) in self._records])
 
     def _issue(self, layer_idx: int, ids: list[int]) -> None:
-        opts = self.prefetch_options
+        """Start the reads the gate admits among `ids` (best first) that are not held or read already."""
         self._fetch_missing(layer_idx, ids)
-        for e in ids:
-            key = (layer_idx, e)
-            if key in self._inflight or key in self.pinned or key in self.cache or key not in self._records:
-                continue
-            if len(self._inflight) >= opts.max_in_flight:
-                break
+        keys = [(layer_idx, e) for e in ids]
+        # a striped record loads each of its drives by its share: the gate weighs that share on its first drive
+        todo = [(k, self._records[k].drive, self._records[k].length // len(self._records[k].extents())) for k in keys
+                if k not in self._inflight and k not in self.pinned and k not in self.cache and k in self._records]
+        gated = self.gate.gated
+        for key in self.gate.admit(layer_idx, todo, self.prefetch_options.max_in_flight - len(self._inflight)):
             self._reserved[key] = self._reserve(self._records[key])
-            self._inflight[key] = self.reader.submit(self._records[key], speculative=True)
+            self._inflight[key] = self._submit(self._records[key], speculative=True)
             self.stats.prefetch_issued += 1
+        self.stats.prefetch_gated += self.gate.gated - gated
+
+    def _submit(self, rec: ExpertRecord, speculative: bool = False) -> Future:
+        return self._track(rec, self.reader.submit(rec, speculative=speculative))
+
+    def _track(self, rec: ExpertRecord, fut: Future) -> Future:
+        """Count the read on every drive it loads (a striped record: each stripe on its own drive)."""
+        extents = rec.extents()
+        for ex in extents:
+            self.gate.track(ex.drive, rec.length // len(extents), fut)
+        return fut
 
     def begin_step(self, seq_ids: Sequence[int], positions: Sequence[int]) -> None:
         self._step = (seq_ids, positions)
+        self.gate.begin_step(len(positions))
 
     def enter_layer(self, layer_idx: int) -> None:
         if self.spine is not None:
@@ -267,22 +261,14 @@ class StoreExperts:
     def _observe(self, layer_idx: int, wanted: list[int]) -> None:
         self._last_route[layer_idx] = wanted
         predicted = self._predicted.pop(layer_idx, None)
-        if predicted is None:
-            return
-        r = self.stats.layers[layer_idx]
-        hits = len(predicted.intersection(wanted))
-        r.predicted += len(predicted)
-        r.hits += hits
-        r.needed += len(wanted)
-        r.observations += 1
-        recall = hits / len(wanted) if wanted else 1.0
-        # The first observation seeds the average: starting from 1.0 kept a useless layer's gate
-        # open for ~8 tokens (measured: wasted reads made prefetch a net loss on short runs).
-        r.ema = recall if r.observations == 1 else 0.8 * r.ema + 0.2 * recall
+        if predicted is not None:
+            self.gate.observe(layer_idx, predicted, wanted, {e for lay, e in self._inflight if lay == layer_idx})
 
     def _demand_read(self, layer_idx: int, e: int) -> Future:
         rec = self.record(layer_idx, e)
-        return self.reader.submit_decoded(rec, self.dtype) if self._decode_on_reader else self.reader.submit(rec)
+        if not self._decode_on_reader:
+            return self._submit(rec)
+        return self._track(rec, self.reader.submit_decoded(rec, self.dtype))
 
     def _drop_inflight(self, layer_idx: int) -> None:
         for key in [k for k in self._inflight if k[0] == layer_idx]:

@@ -276,6 +276,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", type=Path, metavar="STORE", help="instead: cProfile one cold decode on STORE")
     ap.add_argument("--no-prefetch", action="store_true", help="with --profile")
+    ap.add_argument("--prefetch-matrix", action="store_true", help="also: prefetch on/off, cold/warm x 1/4 drives x batch 1/8 (streaming_prefetch.py)")
+    ap.add_argument("--prefill", action="store_true", help="also: prefill bytes per prompt token and a 512-token K3 prompt projected (streaming_prefill.py)")
     ap.add_argument("--one")
     args = ap.parse_args()
     if args.one:
@@ -313,6 +315,16 @@ def main() -> None:
             if line["bench"] == "drive_scaling":
                 line["per_layer_barrier_bound_4_drives"] = bounds
             print(json.dumps({"tree": name, **line, "loadavg": os.getloadavg()}))
+    if args.prefetch_matrix:
+        import streaming_prefetch
+
+        for line in streaming_prefetch.matrix({n: whole[n] for n in (1, 4)}, args.rounds, args.tokens, args.cap_mb_s, th, trees, ENV):
+            print(json.dumps(line), flush=True)
+    if args.prefill:
+        import streaming_prefill
+
+        for line in streaming_prefill.bench(args.root, ENV, th):
+            print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,33 @@ def test_output_is_bit_identical_to_all_resident(stores, reference, tmp_path, dr
         m.close()
 
 
+@pytest.mark.parametrize("read_mb_s", [None, 1.0])
+def test_the_prefetch_gate_never_changes_tokens_and_reports_each_layer(stores, reference, read_mb_s) -> None:
+    """Uncapped the gate starts reads; on a slow drive (its queue past every window) it holds most:
+    tokens stay those of the all-resident reference either way, and the snapshot's per-layer
+    recall and precision are the counts the gate saw."""
+    capped = {"drives": [DriveOptions(read_mb_s=read_mb_s)] * 3} if read_mb_s else {}
+    m = Model.open(stores[3], expert_cache_bytes=0, prefetch=PrefetchOptions(max_in_flight=6), **capped)
+    try:
+        assert m.generate(PROMPT, max_new_tokens=12) == reference[1]
+        e, gate = m.experts.stats, m.snapshot()["prefetch_gate"]
+        layers = {r["layer"]: r for r in gate["layers"]}
+        assert set(layers) == {0, 1, 2}  # layer 0 is a dense MLP in 4 slices: always all predicted, all needed
+        assert layers[0]["recall"] == layers[0]["precision"] == 1.0
+        for r in layers.values():
+            assert r["needed"] > 0 and r["recall"] == round(r["hits"] / r["needed"], 4)
+            assert r["precision"] == round(r["hits"] / r["predicted"], 4)
+        assert sum(r["issued"] for r in layers.values()) == e.prefetch_issued
+        assert e.prefetch_used + e.prefetch_wasted <= e.prefetch_issued
+        routed = [layers[1], layers[2]]
+        if read_mb_s is None:
+            assert e.prefetch_used > 0
+        else:  # the drive had little slack to give: most routed predictions wait for the router
+            assert sum(r["held"] for r in routed) > sum(r["issued"] for r in routed)
+    finally:
+        m.close()
+
+
 def test_trace_summarize_and_warm_pin_the_hot_experts(stores, reference, tmp_path) -> None:
     trace = tmp_path / "t.jsonl"
     m = Model.open(stores[3], expert_cache_bytes=0, trace_path=trace)

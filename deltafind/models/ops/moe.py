@@ -75,10 +75,12 @@ def swiglu(hidden_act: str) -> GatedExpert:
 
 
 def predict_routed(router: nn.Module, x: torch.Tensor) -> list[int]:
-    """Distinct experts `router` would choose for any token of x (a prefetch hint)."""
+    """Distinct experts `router` would choose for any token of x (a prefetch hint), the most chosen
+    first: the prefetch gate starts reads best first while a drive has slack (store/prefetch_gate.py)."""
     with torch.no_grad():
         idx, _ = router(x)
-    return torch.unique(idx).tolist()
+    ids, counts = torch.unique(idx, return_counts=True)
+    return ids[torch.argsort(counts, descending=True, stable=True)].tolist()
 
 
 def dispatch(

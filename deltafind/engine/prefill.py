@@ -1,0 +1,77 @@
+"""How many prompt tokens one step runs: the prefill chunk, as large as the activation memory allows.
+
+A step reads each expert its tokens chose once per layer (`models/ops/moe.dispatch` groups tokens
+by expert), so a chunk of T tokens reads E(1-(1-k/E)^T) experts a layer: bytes per prompt token
+fall as T grows, and the largest chunk that fits is the cheapest. Its working set grows with T:
+a dozen hidden-width rows a token, one partial output per chosen expert, one expert's gate/up
+rows, and attention scores against the context so far. `PrefillPlan` holds those costs (from the
+model's config) and the budget (memory free at load, less what the caches may still take, halved
+for allocator slack); `tokens(cached)` is the chunk for a sequence with `cached` tokens computed.
+Token counts and bytes only: no tensors, no store.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ROWS_PER_TOKEN = 12  # hidden-width rows alive at once per token: residual, norms, q/k/v/o, mixture, outputs
+SAFETY = 0.5  # of the memory free at load: allocator slack, transients the estimate leaves out
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """A chunk T fits when T * (token_bytes + score_bytes * (cached + T)) <= budget_bytes."""
+
+    budget_bytes: int
+    token_bytes: int  # working set per token that does not depend on the context
+    score_bytes: int  # attention scores (and mask) per token per context position
+    cap: int | None = None  # [server] max_prefill_tokens
+
+    def tokens(self, cached: int = 0) -> int:
+        """The largest chunk (>= 1) that fits after `cached` tokens, within the cap."""
+        a, b = self.score_bytes, self.token_bytes + self.score_bytes * cached
+        if a:  # a*T^2 + b*T - budget <= 0
+            t = int((-b + math.sqrt(b * b + 4 * a * self.budget_bytes)) / (2 * a))
+        else:
+            t = self.budget_bytes // max(b, 1)
+        return max(1, min(t, self.cap or t))
+
+
+def _arg(args: Any, *names: str, default: int = 0) -> int:
+    for n in names:
+        v = getattr(args, n, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return default
+
+
+def plan_for(args: Any, budget_bytes: int, cap: int | None = None, itemsize: int = 4) -> PrefillPlan:
+    """The prefill plan of a model whose config is `args` (any family's `ModelArgs`), in `itemsize`-byte activations."""
+    hidden = _arg(args, "hidden_size", default=4096)
+    k = _arg(args, "num_experts_per_tok", "num_experts_per_token")
+    routed = _arg(args, "routed_expert_hidden_size", default=hidden)  # K3's experts run in a latent width
+    inter = _arg(args, "moe_intermediate_size", "intermediate_size", default=4 * hidden)
+    heads = _arg(args, "num_attention_heads", default=32)
+    token = itemsize * (ROWS_PER_TOKEN * hidden + k * routed + 2 * inter)
+    return PrefillPlan(max(budget_bytes, 0), token, itemsize * heads + 1, cap)  # fp32 scores + a bool mask
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory free for new allocations now: a GPU's free memory, else the host's MemAvailable."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def activation_budget(device: torch.device, reserved_bytes: int) -> int:
+    """What a step may use for activations: free memory less `reserved_bytes` (caches still to fill), times SAFETY."""
+    return int(SAFETY * max(free_bytes(device) - reserved_bytes, 0))

@@ -1,0 +1,118 @@
+"""The prefetch gate: reads start only where a drive has slack and the layer's predictions pay.
+
+The gate is pure policy over (drive, bytes) and real futures; these drive it with reads that
+land after measured sleeps, so its rates and windows are measured as the store's are.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+from deltafind.store.prefetch_gate import PrefetchGate, PrefetchOptions
+
+MB = 1_000_000
+
+
+def _landing(seconds: float) -> Future:
+    fut: Future = Future()
+    fut.set_running_or_notify_cancel()
+    threading.Timer(seconds, fut.set_result, (None,)).start()
+    return fut
+
+
+def _measured(num_drives: int = 2, window_s: float = 0.2) -> PrefetchGate:
+    """A gate whose drives each read 10 MB in ~0.1 s (~100 MB/s) and whose layer 1 took `window_s` at width 1."""
+    gate = PrefetchGate(PrefetchOptions(), num_drives)
+    futs = [_landing(0.1) for _ in range(num_drives)]
+    for d, fut in enumerate(futs):
+        gate.track(d, 10 * MB, fut)
+    for fut in futs:
+        fut.result()
+    time.sleep(0.01)  # the done callbacks run on the timer threads
+    gate.begin_step(1)
+    gate.admit(1, [((1, 0), 0, MB)], 8)  # opens layer 1's window (no window yet: nothing starts)
+    time.sleep(window_s)
+    gate.fetch_started(1)
+    gate.begin_step(1)
+    return gate
+
+
+def test_drive_rate_and_queue_are_measured_from_real_reads() -> None:
+    gate = _measured()
+    rate = gate.drives[0].rate
+    assert rate is not None and 40 * MB < rate < 110 * MB  # 10 MB over >= 0.1 s (a loaded machine runs late)
+    assert gate.drives[0].queued_bytes == 0
+    slow = _landing(0.3)
+    gate.track(0, 5 * MB, slow)
+    assert gate.drives[0].queued_bytes == 5 * MB
+    slow.result()
+    time.sleep(0.01)
+    assert gate.drives[0].queued_bytes == 0 and gate.drives[0].queued_reads == 0
+
+
+def test_a_first_window_is_measured_before_anything_starts() -> None:
+    gate = PrefetchGate(PrefetchOptions(), 1)
+    gate.begin_step(1)
+    assert gate.admit(3, [((3, 1), 0, MB)], 8) == []  # this layer and width were never timed
+    assert gate.layers[3].held == 1 and gate.gated == 1
+
+
+def test_an_idle_drive_takes_reads_up_to_its_slack_a_busy_one_none() -> None:
+    gate = _measured(window_s=0.2)  # slack of an idle drive: ~0.2 s x ~100 MB/s = ~20 MB
+    busy = [_landing(2.0) for _ in range(4)]
+    for fut in busy:
+        gate.track(0, 10 * MB, fut)  # drive 0: 40 MB queued, ~0.4 s of work: past the window
+    cands = [((1, e), e % 2, 2 * MB) for e in range(8)]  # alternate drives, best first
+    started = gate.admit(1, cands, 8)
+    assert started == [(1, e) for e in range(1, 8, 2)]  # only drive 1's, all four (8 MB of its ~20 MB slack)
+    gate.begin_step(1)
+    many = [((1, 100 + e), 1, 4 * MB) for e in range(20)]  # 80 MB for drive 1 alone: more than its slack
+    n = len(gate.admit(1, many, 64))
+    assert 2 <= n <= 8  # what fits its slack (plus one a coin-flip precision may still pay for), never all 20
+    assert len(gate.admit(1, many, 1)) <= 1  # and never more than the room given
+    for fut in busy:
+        fut.result()
+
+
+def test_a_layer_whose_predictions_miss_stops_after_warmup() -> None:
+    gate = _measured(window_s=0.2)
+    cand = [((1, 5), 1, MB)]
+    assert gate.admit(1, cand, 8) == [(1, 5)]  # idle drive, prior precision: it pays
+    for _ in range(PrefetchOptions().warmup):
+        gate.observe(1, {5, 6}, [7, 8])
+    assert gate.layers[1].ema == 0.0 and gate.layers[1].precision == 0.0
+    gate.begin_step(1)
+    assert gate.admit(1, cand, 8) == []
+    gate.observe(1, {5, 6}, [5, 6, 7, 8])
+    assert gate.layers[1].recall == 2 / (4 * 2 + 4)  # hits over routed experts, all observations
+    snap = gate.snapshot()
+    assert snap["layers"][0]["layer"] == 1 and snap["layers"][0]["precision"] == round(2 / 10, 4)
+    assert [d["drive"] for d in snap["drives"]] == [0, 1]
+
+
+def test_precision_weighs_against_bytes_past_the_slack() -> None:
+    gate = _measured(window_s=0.1)  # ~10 MB of slack per idle drive
+    for _ in range(4):
+        gate.observe(1, {1, 2, 3, 4}, [1, 2, 3, 4])  # precision 1: a read past the slack costs nothing wasted
+    gate.begin_step(1)
+    assert len(gate.admit(1, [((1, e), 0, 4 * MB) for e in range(8)], 8)) == 8
+    for _ in range(3):
+        gate.observe(1, {1, 2, 3, 4}, [1, 2, 9, 10])  # precision -> ~0.6: reads past the slack now lose
+    gate.begin_step(1)
+    assert 1 <= len(gate.admit(1, [((1, e), 0, 4 * MB) for e in range(8)], 8)) <= 4
+    for _ in range(12):
+        gate.observe(1, {1, 2, 3, 4}, [1, 9, 10, 11])  # precision -> ~0.25, under recall_threshold 0.3
+    gate.begin_step(1)
+    assert gate.admit(1, [((1, e), 0, 4 * MB) for e in range(8)], 8) == []
+
+
+def test_the_reads_started_weigh_when_they_miss_more_than_the_predictions() -> None:
+    gate = _measured(window_s=0.1)  # ~10 MB of slack per idle drive
+    for _ in range(4):  # predictions hit 3 of 4, but the one not cached (the one read) always misses
+        gate.observe(1, {1, 2, 3, 4}, [1, 2, 3, 9], read={4})
+    r = gate.layers[1]
+    assert abs(r.ema - 0.75) < 1e-9 and r.read_ema == 0.0
+    gate.begin_step(1)
+    assert gate.admit(1, [((1, 4), 1, 16 * MB)], 8) == []  # past the slack at read precision 0: held

@@ -1,0 +1,94 @@
+"""Prefill chunks: as large as memory allows, and each chunk reads each expert it needs once per layer.
+
+Reads are counted where every read goes through (the store's pack reader) against a real store,
+per (forward step, layer, expert), with the routes each step took beside them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from deltafind import Model
+from deltafind.engine.prefill import PrefillPlan, plan_for
+from deltafind.models.kimi_k3_config import ModelArgs as K3Args
+from deltafind.store.experts import PrefetchOptions
+from deltafind.store.setup import setup_store
+from deltafind.store.synthetic_k3 import REAL, text_config
+from tests.conftest import make_hf_checkpoint
+
+PROMPT = [(7 * i + 3) % 200 + 1 for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("prefill")
+    ckpt = make_hf_checkpoint("qwen3_moe", root / "hf", num_hidden_layers=3, mlp_only_layers=[0], num_experts=16, num_experts_per_tok=4)
+    setup_store(ckpt, root / "s", [root / "d0", root / "d1"], dense_slices=4, progress=False)
+    return root / "s"
+
+
+def _counted(m: Model) -> tuple[Counter, dict[tuple[int, int], set[int]]]:
+    """Count every read of the model's store per (step, layer, expert); note each step's routed experts per layer."""
+    reads: Counter = Counter()
+    routes: dict[tuple[int, int], set[int]] = {}
+    ex, step = m.experts, [0]
+    read, begin, observe = ex.reader._read, ex.begin_step, ex.observe_routes
+
+    def counting_read(rec):
+        reads[(step[0], rec.layer, rec.expert)] += 1
+        return read(rec)
+
+    def next_step(seq_ids, positions):
+        step[0] += 1
+        begin(seq_ids, positions)
+
+    def seen(layer_idx, topk_idx, topk_weight):
+        routes.setdefault((step[0], layer_idx), set()).update(topk_idx.flatten().tolist())
+        observe(layer_idx, topk_idx, topk_weight)
+
+    ex.reader._read, ex.begin_step, ex.observe_routes = counting_read, next_step, seen
+    return reads, routes
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_each_prefill_chunk_reads_each_expert_once_per_layer(store, prefetch) -> None:
+    whole = Model.open(store, expert_cache_bytes=0, prefetch=False)
+    try:
+        expected = whole.generate(PROMPT, max_new_tokens=3)
+    finally:
+        whole.close()
+    m = Model.open(store, expert_cache_bytes=0, prefetch=PrefetchOptions(enabled=prefetch, max_in_flight=8), max_prefill_tokens=16)
+    try:
+        reads, routes = _counted(m)
+        assert m.generate(PROMPT, max_new_tokens=3) == expected  # chunked as one pass: the same tokens
+        assert max(reads.values()) == 1  # no expert read twice in one step
+        steps = sorted({s for s, _ in routes})
+        assert len(steps) == 3 + 2  # 40 prompt tokens in chunks of 16, 16, 8; then two decode steps
+        for (s, layer), routed in routes.items():
+            got = {e for (s2, lay, e), _ in reads.items() if (s2, lay) == (s, layer)}
+            assert routed <= got  # every routed expert read in its step (cache 0: nothing kept)
+            if not prefetch:
+                assert got == routed  # and, without prediction, nothing else
+        assert m.experts.reader.bytes_read == sum(m.experts.record(lay, e).length * n for (_, lay, e), n in reads.items())
+    finally:
+        m.close()
+
+
+def test_the_chunk_is_the_largest_that_fits_the_budget() -> None:
+    plan = PrefillPlan(budget_bytes=10_000_000, token_bytes=20_000, score_bytes=40)
+    for cached in (0, 1000, 100_000):
+        t = plan.tokens(cached)
+        assert t * (plan.token_bytes + plan.score_bytes * (cached + t)) <= plan.budget_bytes
+        assert (t + 1) * (plan.token_bytes + plan.score_bytes * (cached + t + 1)) > plan.budget_bytes
+    assert plan.tokens(10**9) == 1  # never zero: a long context still moves
+    assert PrefillPlan(10_000_000, 20_000, 40, cap=64).tokens() == 64
+
+
+def test_a_k3_plan_prefills_a_512_token_prompt_in_one_chunk_with_16_gib() -> None:
+    args = K3Args.from_config(text_config({**REAL, "layers": 61, "mla": [4], "experts": 896}))
+    plan = plan_for(args, 16 << 30)
+    assert plan.tokens(0) >= 512
+    assert plan_for(args, 256 << 20).tokens(0) < 512  # a tight budget splits it
