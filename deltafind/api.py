@@ -50,7 +50,6 @@ from deltafind.models.registry import family_module
 from deltafind.store.experts import PrefetchOptions, StoreExperts
 from deltafind.store.heat import hottest, read_heat, update_heat
 from deltafind.store.manifest import SPINE_NAME, TOKENIZER_DIR, Manifest
-from deltafind.store.reader import DriveOptions
 from deltafind.store.spine import MemoryLock, SpineStreamer, load_resident, plan_spine, read_layout
 from deltafind.store.trace import TraceWriter
 from deltafind.tokenizer import Tokenizer
@@ -120,16 +119,14 @@ class Model:
         torch_dtype = DTYPES[settings.device.dtype]
         family = family_module(manifest.family)
         args = family.ModelArgs.from_config(manifest.model_config)
-        c, p = settings.cache, settings.prefetch
+        c = settings.cache
         cache_bytes = None if c.expert_bytes is None else int(c.expert_bytes)
         trace = TraceWriter(Path(trace_path)) if trace_path else None
-        drives = [DriveOptions(d.path, d.queue_depth, d.read_mb_s) for d in settings.drives] or None
         cache = DeviceExpertCache(device, cache_bytes) if device.type != "cpu" else None
         # bf16/fp16 experts stay as stored in the cache (twice the experts per byte) and are computed on as stored
         hold = hold_dtype({getattr(torch, t.dtype) for r in manifest.experts for t in r.tensors}, torch_dtype)
-        experts = StoreExperts(manifest, store_dir, cache_bytes, hold, drives,
-                               PrefetchOptions(p.enabled, p.max_in_flight, p.recall_threshold), c.read_mode, trace,
-                               stager=make_stager(device), cache=cache, buffer_pool=read_buffer_pool(device))
+        experts = StoreExperts.from_settings(settings, manifest, store_dir, hold, trace, stager=make_stager(device), cache=cache,
+                                             buffer_pool=read_buffer_pool(device))
         if int(c.pin_bytes):
             experts.pin(hottest(read_heat(store_dir)), int(c.pin_bytes))
         provider = experts

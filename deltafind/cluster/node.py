@@ -26,10 +26,9 @@ from deltafind.errors import ConfigError, StoreError
 from deltafind.log import get_logger
 from deltafind.models.ops.stored import hold_dtype
 from deltafind.models.registry import family_module
-from deltafind.store.experts import PrefetchOptions, StoreExperts
+from deltafind.store.experts import StoreExperts
 from deltafind.store.heat import hottest, read_heat
 from deltafind.store.manifest import Manifest
-from deltafind.store.reader import DriveOptions
 
 log = get_logger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,13 +49,9 @@ class ExpertNode:
         self.spec = wire.group_spec(settings.cluster, self.device)
         self.store_dir = Path(settings.model.store).expanduser()
         manifest = Manifest.load(self.store_dir)
-        c, p = settings.cache, settings.prefetch
         hold = hold_dtype({getattr(torch, t.dtype) for r in manifest.experts for t in r.tensors}, DTYPES[settings.device.dtype])
-        self.experts = StoreExperts(
-            manifest, self.store_dir, None if c.expert_bytes is None else int(c.expert_bytes), hold,
-            [DriveOptions(d.path, d.queue_depth, d.read_mb_s) for d in settings.drives] or None,
-            PrefetchOptions(p.enabled, p.max_in_flight, p.recall_threshold), True, None,
-            stager=make_stager(self.device), buffer_pool=read_buffer_pool(self.device))
+        self.experts = StoreExperts.from_settings(settings, manifest, self.store_dir, hold, stager=make_stager(self.device),
+                                                  buffer_pool=read_buffer_pool(self.device))
         family = family_module(manifest.family)
         with torch.device("meta"):
             net = family.Model(family.ModelArgs.from_config(manifest.model_config), self.experts)

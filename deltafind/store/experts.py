@@ -66,6 +66,18 @@ class ExpertStats:
 class StoreExperts:
     """Experts of one store, read on demand through the drive pools and a byte-budgeted LRU."""
 
+    @classmethod
+    def from_settings(cls, settings: Any, manifest: Manifest, store_dir: Path, dtype: torch.dtype, trace: TraceWriter | None = None, *,
+                      stager: Stager, cache: ByteLRU[tuple[int, int], Expert] | None = None,
+                      buffer_pool: Callable[[int], Any] | None = None) -> StoreExperts:
+        """The store's experts as `settings` ([cache], [prefetch], [[drives]]) say: the one place that reads
+        those sections for a reader (Model.open, and an expert node of a cluster)."""
+        c, p = settings.cache, settings.prefetch
+        return cls(manifest, store_dir, None if c.expert_bytes is None else int(c.expert_bytes), dtype,
+                   [DriveOptions(d.path, d.queue_depth, d.read_mb_s) for d in settings.drives] or None,
+                   PrefetchOptions(p.enabled, p.max_in_flight, p.recall_threshold), c.read_mode, trace,
+                   stager=stager, cache=cache, buffer_pool=buffer_pool)
+
     def __init__(
         self,
         manifest: Manifest,
