@@ -229,7 +229,8 @@ def decode_slowdown(store: Path, tokens: int = 96, reps: int = 5) -> None:
     try:
         c = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=600)
         long_text = {"type": "object", "properties": {"text": {"type": "string", "minLength": 2000}}, "required": ["text"]}
-        msgs = [{"role": "user", "content": "Write a long story about a lighthouse keeper, as JSON."}]
+        # one prompt both runs answer at length (to the "..., as JSON." one the demo stops after 25 tokens unconstrained)
+        msgs = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
         fmt = {"type": "json_schema", "json_schema": {"name": "story", "schema": long_text}}
 
         def run(constrained: bool) -> float:
