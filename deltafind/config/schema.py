@@ -7,36 +7,25 @@ it) and, when `deltafinctl reload` can apply it to a running daemon,
 
 from __future__ import annotations
 
-import os
-import re
-import sys
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from deltafind.config.types import ByteSize, FileMode
-
-LIVE: dict[str, Any] = {"live": True}
-_DEVICE_RE = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")
-# sun_path holds 108 bytes on Linux and 104 on macOS, NUL included.
-_MAX_SOCKET_PATH = 103 if sys.platform == "darwin" else 107
-
-
-def is_live(field: FieldInfo) -> bool:
-    """Whether `deltafinctl reload` applies this field without a restart."""
-    extra = field.json_schema_extra
-    return isinstance(extra, dict) and extra.get("live") is True
+from deltafind.config.section import DEVICE_RE, LIVE, Section, is_live
+from deltafind.config.service_sections import (
+    ClusterSettings,
+    ControlSettings,
+    LoggingSettings,
+    ServerSettings,
+)
+from deltafind.config.types import ByteSize
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelSettings(_Section):
+class ModelSettings(Section):
     store: Path | None = Field(
         None,
         description="Store folder made by `deltafind setup`: its manifest names the model, "
@@ -52,7 +41,7 @@ class ModelSettings(_Section):
     )
 
 
-class DriveSettings(_Section):
+class DriveSettings(Section):
     path: Path = Field(
         description="Folder on this drive holding the store's expert files.",
         examples=["/mnt/nvme0/deltafind"],
@@ -70,7 +59,7 @@ class DriveSettings(_Section):
     )
 
 
-class DeviceSettings(_Section):
+class DeviceSettings(Section):
     kind: str = Field(
         "auto",
         description="Where the model computes: auto (the best available accelerator, else "
@@ -97,12 +86,12 @@ class DeviceSettings(_Section):
     @field_validator("kind", mode="before")
     @classmethod
     def _check_kind(cls, value: object) -> object:
-        if isinstance(value, str) and _DEVICE_RE.fullmatch(value.strip().lower()):
+        if isinstance(value, str) and DEVICE_RE.fullmatch(value.strip().lower()):
             return value.strip().lower()
         raise ValueError("expected auto, cpu, cuda, cuda:N (N = GPU index) or mps")
 
 
-class CacheSettings(_Section):
+class CacheSettings(Section):
     expert_bytes: ByteSize | None = Field(
         ByteSize("4GiB"),
         description="Memory for routed experts kept between uses (RAM, or GPU memory when "
@@ -163,7 +152,7 @@ class CacheSettings(_Section):
         return value
 
 
-class PrefetchSettings(_Section):
+class PrefetchSettings(Section):
     enabled: bool = Field(
         True,
         description="Read experts predicted to be routed soon, so reads overlap compute.",
@@ -186,7 +175,7 @@ class PrefetchSettings(_Section):
     )
 
 
-class DraftSettings(_Section):
+class DraftSettings(Section):
     mode: Literal["off", "auto", "on"] = Field(
         "auto",
         description="Speculative decoding: off, on (always; startup fails without a draft "
@@ -208,223 +197,6 @@ class DraftSettings(_Section):
         description="Most draft tokens proposed and verified per step (1..16).",
         json_schema_extra=LIVE,
     )
-
-
-class ServerSettings(_Section):
-    host: str = Field(
-        "127.0.0.1",
-        min_length=1,
-        description="Address the HTTP API listens on; 127.0.0.1 keeps it local, 0.0.0.0 "
-        "exposes it (set API keys then).",
-    )
-    port: int = Field(
-        8000, ge=0, le=65535, description="TCP port of the HTTP API (0 = pick a free port)."
-    )
-    unix_socket: Path | None = Field(
-        None,
-        description="Also serve the HTTP API on this Unix socket. Unset = TCP only.",
-        examples=["/run/deltafind/api.sock"],
-    )
-    api_keys: list[str] = Field(
-        [],
-        repr=False,
-        description="Accepted API keys (`Authorization: Bearer KEY`). With none here or in "
-        "api_key_file, requests need no key. Prefer api_key_file or "
-        "DELTAFIND_SERVER__API_KEYS to keeping keys in this file.",
-        json_schema_extra={"live": True, "secret": True},
-    )
-    api_key_file: Path | None = Field(
-        None,
-        description="File of more accepted API keys, one per line (blank lines and # "
-        "comments ignored); read again on reload.",
-        examples=["/etc/deltafind/api-keys"],
-        json_schema_extra=LIVE,
-    )
-    max_body_bytes: ByteSize = Field(
-        ByteSize("1MiB"),
-        description="Largest request body accepted; larger ones get 413.",
-        json_schema_extra=LIVE,
-    )
-    max_queue: int = Field(
-        64,
-        ge=0,
-        le=65536,
-        description="Most requests waiting for a free slot; more get 429 with Retry-After.",
-        json_schema_extra=LIVE,
-    )
-    max_running: int = Field(
-        8, ge=1, le=4096, description="Most sequences generating at once.", json_schema_extra=LIVE
-    )
-    max_context: int | None = Field(
-        None,
-        ge=1,
-        description="Most tokens per sequence, prompt plus completion. Unset = the model's "
-        "context length.",
-        examples=[131072],
-        json_schema_extra=LIVE,
-    )
-    max_prefill_tokens: int | None = Field(
-        None,
-        ge=1,
-        description="Most prompt tokens one step runs (a prefill chunk). Unset = as many as "
-        "memory allows (derived from the memory free at load, less the caches' budgets). Each "
-        "chunk reads each expert it needs once per layer, so larger chunks read fewer bytes per "
-        "prompt token; a cap shortens the steps that running sequences wait behind.",
-        examples=[4096],
-        json_schema_extra=LIVE,
-    )
-    max_tokens_default: int = Field(
-        512,
-        ge=1,
-        description="Completion length for requests that set no max_tokens.",
-        json_schema_extra=LIVE,
-    )
-    timeout_s: float = Field(
-        30.0,
-        gt=0,
-        description="Seconds a worker may go silent before gunicorn restarts it (gunicorn "
-        "`timeout`); the worker heartbeats during long generations.",
-    )
-    header_timeout_s: float = Field(
-        10.0,
-        gt=0,
-        description="Seconds a client has to send a request's line and headers, from its first "
-        "byte (or from the end of the previous answer on a kept-alive connection); slower "
-        "clients get 408 and are closed. Heads are gathered without a request thread, so "
-        "slow clients never hold one.",
-    )
-    body_timeout_s: float = Field(
-        60.0,
-        gt=0,
-        description="Seconds a client has to send a request's whole body once its headers are "
-        "in; a slower body gets 408.",
-    )
-    graceful_timeout_s: float = Field(
-        30.0,
-        ge=0,
-        description="Seconds in-flight requests get to finish after SIGTERM (gunicorn "
-        "`graceful_timeout`); systemd's TimeoutStopSec must be longer.",
-    )
-
-    @field_validator("api_keys")
-    @classmethod
-    def _check_keys(cls, keys: list[str]) -> list[str]:
-        if any(not key or key != key.strip() or " " in key for key in keys):
-            raise ValueError("expected non-empty API keys without spaces")
-        return keys
-
-
-class ControlSettings(_Section):
-    socket: Path = Field(
-        Path("/run/deltafind/control.sock"),
-        description="Unix socket of the control API that deltafinctl talks to.",
-    )
-    mode: FileMode = Field(
-        FileMode(0o600),
-        description='Permissions of the control socket, octal: "0600" = owner only, "0660" = '
-        "owner and group.",
-    )
-    group: str | None = Field(
-        None,
-        min_length=1,
-        description='Group to own the control socket, so its members can use deltafinctl (with '
-        'mode "0660"). Unset = the daemon\'s group.',
-        examples=["deltafind"],
-    )
-
-    @field_validator("socket")
-    @classmethod
-    def _check_socket(cls, path: Path) -> Path:
-        if len(str(path).encode()) > _MAX_SOCKET_PATH:
-            raise ValueError(f"expected a socket path of at most {_MAX_SOCKET_PATH} bytes")
-        return path
-
-
-class LoggingSettings(_Section):
-    level: Literal["debug", "info", "warning", "error"] = Field(
-        "info",
-        description="Least severe level logged: debug, info, warning or error.",
-        json_schema_extra=LIVE,
-    )
-    format: Literal["auto", "json", "console"] = Field(
-        "auto",
-        description="json (one object per line), console (for people), or auto: console on a "
-        "TTY, json otherwise and under systemd or launchd.",
-    )
-
-    @field_validator("level", "format", mode="before")
-    @classmethod
-    def _lower(cls, value: object) -> object:
-        return value.strip().lower() if isinstance(value, str) else value
-
-
-class ClusterSettings(_Section):
-    role: Literal["off", "coordinator", "expert"] = Field(
-        "off",
-        description="Expert parallelism over several machines (deltafind/cluster): off (one "
-        "machine), coordinator (holds the spine and serves the API; routed experts run on the "
-        "expert nodes), or expert (a node started with `deltafind node`).",
-    )
-    rank: int | None = Field(
-        None,
-        ge=0,
-        description="This process's rank: 0 is the coordinator, 1..N the expert nodes. "
-        "Unset = $RANK (torchrun sets it), else 0.",
-        examples=[1],
-    )
-    world_size: int | None = Field(
-        None,
-        ge=2,
-        description="Processes in the cluster: the coordinator plus N expert nodes. "
-        "Unset = $WORLD_SIZE (torchrun sets it).",
-        examples=[3],
-    )
-    coordinator: str | None = Field(
-        None,
-        description="Host name or address of the coordinator, where the process group meets. "
-        "Unset = $MASTER_ADDR, else 127.0.0.1.",
-        examples=["10.0.0.1"],
-    )
-    port: int | None = Field(
-        None,
-        ge=1,
-        le=65535,
-        description="TCP port on the coordinator where the process group meets. Unset = "
-        "$MASTER_PORT, else 29500.",
-        examples=[29500],
-    )
-    backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto",
-        description="torch.distributed backend of the per-layer exchange: auto (today gloo), "
-        "gloo, or nccl (not supported yet: refused at start).",
-    )
-    timeout_s: float = Field(
-        30.0,
-        gt=0,
-        description="A node that has not answered a layer within this many seconds fails the "
-        "requests in flight and is marked down (its experts' replicas take over).",
-    )
-    join_timeout_s: float = Field(
-        600.0,
-        gt=0,
-        description="How long each process waits for the whole group to join at start.",
-    )
-    hot_replicas: float = Field(
-        0.0,
-        ge=0,
-        le=1,
-        description="Fraction of each layer's hottest experts placed on two nodes (0 = one copy "
-        "of each, 1 = two copies of every expert), when the store has no placement sidecar.",
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_environment(cls, data: Any) -> Any:
-        # torchrun and the usual launchers name the group with these variables; a key in the file wins.
-        if not isinstance(data, dict) or data.get("role", "off") == "off":
-            return data
-        env = {"rank": "RANK", "world_size": "WORLD_SIZE", "coordinator": "MASTER_ADDR", "port": "MASTER_PORT"}
-        return {**{k: os.environ[v] for k, v in env.items() if os.environ.get(v)}, **{k: v for k, v in data.items() if v is not None}}
 
 
 # The parsed config file for the `load_settings` call in progress; a context
