@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cache-mib", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=4)
-    ap.add_argument("--k3", action="store_true", help="also a Kimi K3 store of the real hidden size (several GB)")
+    ap.add_argument("--k3", action="store_true", help="also a Kimi K3 store of the real hidden size 7168 (small vocabulary: ~0.5 GiB spine)")
     ap.add_argument("--child", nargs=2, metavar=("STORE", "MODE"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
