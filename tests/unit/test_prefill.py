@@ -35,11 +35,11 @@ def _counted(m: Model) -> tuple[Counter, dict[tuple[int, int], set[int]]]:
     reads: Counter = Counter()
     routes: dict[tuple[int, int], set[int]] = {}
     ex, step = m.experts, [0]
-    read, begin, observe = ex.reader._read, ex.begin_step, ex.observe_routes
+    queue, begin, observe = ex.reader._queue, ex.begin_step, ex.observe_routes
 
-    def counting_read(rec):
+    def counting_queue(rec, *args):  # every record read (demand, decoded or prefetch) is queued here once
         reads[(step[0], rec.layer, rec.expert)] += 1
-        return read(rec)
+        return queue(rec, *args)
 
     def next_step(seq_ids, positions):
         step[0] += 1
@@ -49,7 +49,7 @@ def _counted(m: Model) -> tuple[Counter, dict[tuple[int, int], set[int]]]:
         routes.setdefault((step[0], layer_idx), set()).update(topk_idx.flatten().tolist())
         observe(layer_idx, topk_idx, topk_weight)
 
-    ex.reader._read, ex.begin_step, ex.observe_routes = counting_read, next_step, seen
+    ex.reader._queue, ex.begin_step, ex.observe_routes = counting_queue, next_step, seen
     return reads, routes
 
 
@@ -72,7 +72,9 @@ def test_each_prefill_chunk_reads_each_expert_once_per_layer(store, prefetch) ->
             assert routed <= got  # every routed expert read in its step (cache 0: nothing kept)
             if not prefetch:
                 assert got == routed  # and, without prediction, nothing else
-        assert m.experts.reader.bytes_read == sum(m.experts.record(lay, e).length * n for (_, lay, e), n in reads.items())
+        # the drives read whole aligned extents (O_DIRECT): each record's align_up(length), once per read counted
+        aligned = {(lay, e): sum(x.nbytes for x in m.experts.record(lay, e).extents()) for _, lay, e in reads}
+        assert m.experts.reader.bytes_read == sum(aligned[(lay, e)] * n for (_, lay, e), n in reads.items())
     finally:
         m.close()
 
