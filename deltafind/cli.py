@@ -1,6 +1,6 @@
-"""Entry points: `deltafind` (setup, run, doctor, bench) and `deltafinctl`.
+"""Entry point `deltafind`: setup, doctor and trace (run/bench: run_cli; serve: daemon/cli).
 
-Parses flags, builds Settings once, wires the API objects and maps
+`deltafinctl` is control/ctl.py's `main`. Parses flags, builds Settings once, wires the API objects and maps
 DeltafindError to a one-line message and its exit code — never a traceback.
 """
 
@@ -249,13 +249,6 @@ def _quiet_logging() -> None:
     except ValueError as e:
         print(f"deltafind: warning: DELTAFIND_LOGGING__LEVEL/FORMAT: {e}; using warning/console", file=sys.stderr)
         configure_logging("warning", "console", sys.stderr)
-
-
-def ctl_main(argv: Sequence[str] | None = None) -> int:
-    """`deltafinctl`: the daemon's control client (status, reload, drain, resume, trace)."""
-    from deltafind.control.ctl import main as ctl
-
-    return ctl(argv)
 
 
 if __name__ == "__main__":
