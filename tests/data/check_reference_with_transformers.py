@@ -115,14 +115,14 @@ def main() -> None:
     hf_margin = (hf_top2.values[:, 0] - hf_top2.values[:, 1]).tolist()
     lc_top1 = [p["top1"] for p in pos]
     lc_margin = np.array([p["margin"] for p in pos])
-    agree = np.array([a == b for a, b in zip(hf_top1, lc_top1)])
+    agree = np.array([a == b for a, b in zip(hf_top1, lc_top1, strict=True)])
     # llama.cpp's top-1 logit vs transformers' logit for the same token (absolute scale).
     d_logit = np.array([abs(float(logits[i, p["top1"]]) - p["top5_logits"][0]) for i, p in enumerate(pos)])
     # The same pair's margin under transformers: how far an engine's margin can drift.
     d_margin = np.array([
         abs(float(logits[i, p["top5"][0]] - logits[i, p["top5"][1]]) - p["margin"]) for i, p in enumerate(pos)
     ])
-    in_top5 = np.mean([h in p["top5"] for h, p in zip(hf_top1, pos)])
+    in_top5 = np.mean([h in p["top5"] for h, p in zip(hf_top1, pos, strict=True)])
 
     by_margin = {}
     for th in THRESHOLDS:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -167,7 +168,7 @@ def main() -> None:
             "n_gt_2_0": int((margins > 2.0).sum()),
         },
         "teacher_forced_top1_accuracy": round(
-            float(np.mean([p["top1"] == q["token"] for p, q in zip(positions, positions[1:])])), 4
+            float(np.mean([p["top1"] == q["token"] for p, q in itertools.pairwise(positions)])), 4
         ),
         "prompt": PROMPT,
         "prompt_ids": [int(t) for t in prompt_ids],

@@ -7,8 +7,6 @@ greedy tokens, and incremental decode must equal full recompute.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 

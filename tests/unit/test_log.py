@@ -63,7 +63,7 @@ def test_exceptions_render_as_a_field() -> None:
     stream = io.StringIO()
     configure_logging("info", "json", stream)
     try:
-        1 / 0
+        raise ZeroDivisionError("division by zero")
     except ZeroDivisionError:
         get_logger("deltafind.engine").exception("step_failed", step=5)
         logging.getLogger("falcon").exception("handler_failed")
