@@ -26,7 +26,6 @@ from deltafind.log import get_logger
 from deltafind.store.manifest import SPINE_NAME, TOKENIZER_DIR
 
 log = get_logger(__name__)
-NAMES = ("off", "auto", "self", "ngram", "dspark")
 MEMORY_RESERVE = 0.10  # of available memory, left free after a draft spine is loaded
 OpenStore = Callable[[Path], torch.nn.Module]
 # Opens cross-tokenizer draft stores (probe[, wide]) with both tokenizers: only the wiring holds text.
