@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltafind.engine.sequence import FinishEvent
+from deltafind.server.choices import events
 from deltafind.server.errors import ApiError
 from deltafind.server.output import Delta
 
@@ -83,19 +83,15 @@ def drive(choice: Any, mux: queue.Queue, blocks: Blocks, keepalive: float | None
     Raises ApiError 500 when the engine failed the sequence.
     """
     try:
-        while True:
-            try:
-                _, event = mux.get(timeout=keepalive)
-            except queue.Empty:
+        for ev in events([choice], mux, keepalive):
+            if ev is None:
                 yield None
                 continue
-            choice.on_event(event)
             steps = blocks.feed(choice.take_deltas())
-            if isinstance(event, FinishEvent):
+            if ev[3]:  # finished
                 if choice.finish_reason == "error":
                     raise ApiError(500, choice.error or "generation failed", None, "engine_error")
-                yield steps + blocks.finish()
-                return
+                steps += blocks.finish()
             if steps:
                 yield steps
     finally:
