@@ -71,12 +71,9 @@ class DaemonApp(BaseApplication):
                 self.cfg.set(key, value)
 
     def load(self) -> Any:
-        from deltafind.daemon.runtime import model_name
+        from deltafind.daemon.runtime import model_name, server_config
 
-        self.state = AppState(model_name=model_name(self.settings))
-        from deltafind.daemon.runtime import server_config
-
-        self.state.config = server_config(self.settings)
+        self.state = AppState(server_config(self.settings), model_name(self.settings))
         return create_app(self.state)
 
     def _post_worker_init(self, worker: Any) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hmac
 import re
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -69,7 +68,6 @@ class AppState:
         self.load_error: str | None = None
         self.metrics = ServerMetrics()
         self.pace = Pace()  # request durations, for Retry-After
-        self.lock = threading.Lock()
 
     def set_ready(self, engine: ReadyEngine) -> None:
         self.engine, self.load_status = engine, "ready"

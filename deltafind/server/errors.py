@@ -16,9 +16,7 @@ from deltafind.log import get_logger
 
 log = get_logger(__name__)
 
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
-         405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error",
-         500: "server_error"}
+TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}  # else by class: 4xx, 5xx
 
 
 class ApiError(Exception):

@@ -41,7 +41,6 @@ class ToolFormat:
     section_open: str | None = None
     section_close: str | None = None
     args_key: str = "arguments"
-    at_start_only: bool = False  # Llama 3: a call is the whole answer, or it is text
 
     @property
     def start(self) -> str:
@@ -51,7 +50,7 @@ class ToolFormat:
 HERMES = ToolFormat("hermes", "<tool_call>", re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"(?P<name>[^"]+)"\s*,\s*"arguments"\s*:\s*(?=\{)'),
                     "</tool_call>")
 LLAMA3 = ToolFormat("llama3", "{", re.compile(r'(?:<\|python_tag\|>)?\{\s*"name"\s*:\s*"(?P<name>[^"]+)"\s*,\s*"(?:parameters|arguments)"\s*:\s*(?=\{)'),
-                    "}", args_key="parameters", at_start_only=True)
+                    "}", args_key="parameters")
 DEEPSEEK_V3 = ToolFormat("deepseek_v3", "<｜tool▁call▁begin｜>",
                          re.compile(r"<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>)?(?P<name>[^\n<｜]+?)(?:\n```json\n|<｜tool▁sep｜>)(?=\{)"),
                          "<｜tool▁call▁end｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
