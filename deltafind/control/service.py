@@ -56,8 +56,6 @@ class ControlService(ControlBase):
     async def _call(self, fn: Any, *args: Any) -> Any:
         try:
             return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-        except GRPCError:
-            raise
         except Exception as e:
             raise grpc_status(e) from None
 
@@ -194,8 +192,5 @@ class ControlServer:
                 self._loop.call_soon_threadsafe(self._server.close)
         if self._thread is not None:
             self._thread.join(5)
-        try:
-            if self.path.exists():
-                self.path.unlink()
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            self.path.unlink(missing_ok=True)

@@ -130,8 +130,7 @@ class Health:
         down = [n["rank"] for n in (s.engine.nodes() if status == "ready" and s.engine else ()) if not n["alive"]]
         resp.status = 200 if status == "ready" else 503
         if down:  # still serving what the live nodes hold (deltafind/cluster)
-            status = "degraded"
-            resp.media = {"status": status, "model": s.model_name, "nodes_down": down}
+            resp.media = {"status": "degraded", "model": s.model_name, "nodes_down": down}
             return
         resp.media = {"status": status, "model": s.model_name, **({"error": s.load_error} if s.load_error else {})}
         if status == "loading":

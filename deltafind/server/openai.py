@@ -115,7 +115,6 @@ class Generate:
 
     def __init__(self, state: Any, chat: bool) -> None:
         self.state, self.chat = state, chat
-        self.kind = "chat" if chat else "completions"
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         engine = self.state.require_ready()

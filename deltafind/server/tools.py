@@ -126,11 +126,8 @@ def closed_objects(schema: Any) -> Any:
         return [closed_objects(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: closed_objects(v) if k in ("properties", "items", "anyOf", "oneOf", "allOf", "$defs", "definitions",
-                                         "prefixItems") else v for k, v in schema.items()}
-    if "properties" in out and isinstance(out["properties"], dict):
-        out["properties"] = {k: closed_objects(v) for k, v in schema["properties"].items()}
-    for key in ("$defs", "definitions"):
+    out = {k: closed_objects(v) if k in ("items", "anyOf", "oneOf", "allOf", "prefixItems") else v for k, v in schema.items()}
+    for key in ("properties", "$defs", "definitions"):  # maps of name -> schema
         if isinstance(schema.get(key), dict):
             out[key] = {k: closed_objects(v) for k, v in schema[key].items()}
     if "properties" in out and "additionalProperties" not in out:
