@@ -171,9 +171,9 @@ class ControlServer:
                 loop.run_until_complete(self._server.start(sock=self._sock))
             except BaseException as e:
                 errors.append(e)
-                started.set()
                 return
-            started.set()
+            finally:
+                started.set()
             log.info("control_listening", socket=str(self.path), mode=oct(self.mode))
             try:
                 loop.run_until_complete(self._server.wait_closed())

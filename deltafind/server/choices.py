@@ -156,13 +156,9 @@ def submit_all(engine: Any, reqs: list[GenRequest], mux: queue.Queue, pace: Pace
     return handles
 
 
-def token_piece(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id])
-
-
 def chat_logprobs(tokenizer: Any, entries: list[tuple[int, float, tuple]]) -> dict[str, Any]:
     def one(tid: int, lp: float) -> dict[str, Any]:
-        text = token_piece(tokenizer, tid)
+        text = tokenizer.decode([tid])
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
     return {"content": [{**one(t, lp), "top_logprobs": [one(a, b) for a, b in top]} for t, lp, top in entries],
@@ -172,10 +168,10 @@ def chat_logprobs(tokenizer: Any, entries: list[tuple[int, float, tuple]]) -> di
 def completion_logprobs(tokenizer: Any, entries: list[tuple[int, float, tuple]], offset: int) -> dict[str, Any]:
     tokens, lps, tops, offsets = [], [], [], []
     for t, lp, top in entries:
-        text = token_piece(tokenizer, t)
+        text = tokenizer.decode([t])
         tokens.append(text)
         lps.append(lp)
-        tops.append({token_piece(tokenizer, a): b for a, b in top})
+        tops.append({tokenizer.decode([a]): b for a, b in top})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
