@@ -261,14 +261,14 @@ class Runtime:
             raise RequestError(f"{path}: refusing to write a trace over the daemon's config; pick another path", "path")
 
     def status(self) -> dict[str, Any]:
-        """The daemon's own figures, then the engine's and the store's snapshots (flat, as StatusReply names them)."""
+        """The daemon's own figures, then the engine's and the store's snapshots (flat, as StatusReply names them;
+        a figure not known yet, while loading, is left to the reply's zero)."""
         s = self.settings
         out: dict[str, Any] = {
             "model": model_name(s), "version": __version__, "pid": os.getpid(), "uptime_s": time.time() - self.started_at,
             "ready": self.state.engine is not None, "load_status": self.state.load_status,
             "config_path": str(self.config_path or ""), "config_loaded_at": self.config_loaded_at,
             "restart_needed": list(self.pending_restart), "trace_path": self.trace_path or "",
-            "draining": False, "running": 0, "waiting": 0, "tok_s": 0.0, "drives": [],
         }
         engine: dict[str, Any] = {}
         if self.scheduler is not None:

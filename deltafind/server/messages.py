@@ -153,6 +153,7 @@ class Messages:
             resp.media = {**shell, "content": [_content(b) for b in blocks.blocks], "stop_reason": stop_reason(),
                           "usage": usage()}
             return
+
         def event(kind: str, **data: Any) -> bytes:
             return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n".encode()
 
