@@ -89,7 +89,6 @@ class ControlService(ControlBase):
 
 def bind_socket(path: Path, mode: int, group: str | None) -> socket.socket:
     """A listening-ready Unix socket at `path` with `mode`/`group` set before anyone can connect."""
-    path = Path(path)
     gid = _gid(group)
     if not path.parent.exists():
         make_folder(path.parent, mode, gid)

@@ -62,8 +62,7 @@ def model_name(settings: Settings) -> str:
 class Runtime:
     def __init__(self, settings: Settings, config_path: Path | None, overrides: dict[str, Any], state: AppState) -> None:
         self.settings, self.config_path, self.overrides, self.state = settings, config_path, overrides, state
-        self.config_loaded_at = time.time()
-        self.started_at = time.time()
+        self.config_loaded_at = self.started_at = time.time()
         self.model: Any = None
         self.scheduler: Scheduler | None = None
         self.pending_restart: list[str] = []

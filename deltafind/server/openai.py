@@ -160,7 +160,6 @@ class Generate:
         constraint = plan.constraint if plan is not None else completion_constraint(engine.tokenizer, body)
         max_context = min(cfg.max_context or engine.context_length, engine.context_length)
         gen = []
-        n = body.n or 1
         want_lp: int | None = None
         if isinstance(body, ChatRequest) and body.logprobs:
             want_lp = body.top_logprobs or 0
@@ -168,7 +167,7 @@ class Generate:
             want_lp = body.logprobs
         for ids in prompts:
             max_new = self._max_new(body, len(ids), max_context, cfg.max_tokens_default)
-            for i in range(n):
+            for i in range(body.n or 1):
                 seed = None if body.seed is None else body.seed + i
                 try:
                     params = SamplingParams(max_new, 1.0 if body.temperature is None else body.temperature,
