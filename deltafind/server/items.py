@@ -55,7 +55,7 @@ class Blocks:
             else:
                 kind = {"content": "text"}.get(d.kind, d.kind)
                 if self._open is None or self._open.kind != kind or kind == "call":
-                    steps += self._close()
+                    steps += self.finish()
                     self._open = Block(kind, len(self.blocks), d.call_id, d.text if kind == "call" else "")
                     self.blocks.append(self._open)
                     steps.append(Step("open", self._open))
@@ -67,14 +67,12 @@ class Blocks:
             steps.append(Step("delta", block, d.text))
         return steps
 
-    def _close(self) -> list[Step]:
+    def finish(self) -> list[Step]:
+        """Close the open block (at the answer's end, or when another begins)."""
         if self._open is None:
             return []
         block, self._open = self._open, None
         return [Step("close", block)]
-
-    def finish(self) -> list[Step]:
-        return self._close()
 
 
 def drive(choice: Any, mux: queue.Queue, blocks: Blocks, keepalive: float | None) -> Iterator[list[Step] | None]:
