@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import getpass
+import grp
 import json
 import os
+import pwd
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -32,34 +36,22 @@ class NoPermission(DeltafindError):
     exit_code = 4
 
 
-def _who() -> str:
-    import getpass
-    import grp
+def _name(lookup: Any, num: int) -> str:
+    """A user's or group's name (`pwd.getpwuid`, `grp.getgrgid`), or its number when it has none."""
+    try:
+        return str(lookup(num)[0])
+    except KeyError:
+        return str(num)
 
-    names = []
-    for gid in sorted(set(os.getgroups())):
-        try:
-            names.append(grp.getgrgid(gid).gr_name)
-        except KeyError:
-            names.append(str(gid))
+
+def _who() -> str:
+    names = [_name(grp.getgrgid, gid) for gid in sorted(set(os.getgroups()))]
     return f"user {getpass.getuser()} (groups: {', '.join(names) or 'none'})"
 
 
 def _owner(path: Path) -> str:
-    import grp
-    import pwd
-    import stat
-
     st = path.stat()
-    try:
-        user = pwd.getpwuid(st.st_uid).pw_name
-    except KeyError:
-        user = str(st.st_uid)
-    try:
-        group = grp.getgrgid(st.st_gid).gr_name
-    except KeyError:
-        group = str(st.st_gid)
-    return f"owner {user}:{group}, mode {stat.S_IMODE(st.st_mode):04o}"
+    return f"owner {_name(pwd.getpwuid, st.st_uid)}:{_name(grp.getgrgid, st.st_gid)}, mode {stat.S_IMODE(st.st_mode):04o}"
 
 
 def permission_error(path: Path) -> NoPermission:

@@ -56,8 +56,6 @@ class ControlService(ControlBase):
     async def _call(self, fn: Any, *args: Any) -> Any:
         try:
             return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-        except GRPCError:
-            raise
         except Exception as e:
             raise grpc_status(e) from None
 
@@ -91,7 +89,6 @@ class ControlService(ControlBase):
 
 def bind_socket(path: Path, mode: int, group: str | None) -> socket.socket:
     """A listening-ready Unix socket at `path` with `mode`/`group` set before anyone can connect."""
-    path = Path(path)
     gid = _gid(group)
     if not path.parent.exists():
         make_folder(path.parent, mode, gid)
@@ -173,9 +170,9 @@ class ControlServer:
                 loop.run_until_complete(self._server.start(sock=self._sock))
             except BaseException as e:
                 errors.append(e)
-                started.set()
                 return
-            started.set()
+            finally:
+                started.set()
             log.info("control_listening", socket=str(self.path), mode=oct(self.mode))
             try:
                 loop.run_until_complete(self._server.wait_closed())
@@ -194,8 +191,5 @@ class ControlServer:
                 self._loop.call_soon_threadsafe(self._server.close)
         if self._thread is not None:
             self._thread.join(5)
-        try:
-            if self.path.exists():
-                self.path.unlink()
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            self.path.unlink(missing_ok=True)

@@ -3,15 +3,18 @@
 One gthread worker owns the model (a second would load a second spine); it is
 loaded in the worker after fork (post_worker_init), never with preload_app, since
 CUDA and OpenMP do not survive fork. The arbiter hides NOTIFY_SOCKET from gunicorn
-(which would send READY=1 on bind) and forwards SIGHUP to the worker.
+(which would send READY=1 on bind) and forwards SIGHUP to the worker. gunicorn's
+error and access logs go through deltafind's structlog pipeline (`Logger`).
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 from pathlib import Path
 from typing import Any
 
+from gunicorn import glogging
 from gunicorn.app.base import BaseApplication
 from gunicorn.arbiter import Arbiter
 
@@ -21,6 +24,7 @@ from deltafind.log import get_logger
 from deltafind.server import AppState, create_app
 
 log = get_logger(__name__)
+access_log = get_logger("deltafind.access")
 
 
 def binds(settings: Settings) -> list[str]:
@@ -30,6 +34,46 @@ def binds(settings: Settings) -> list[str]:
     if s.unix_socket is not None:
         out.append(f"unix:{s.unix_socket}")
     return out
+
+
+class Logger(glogging.Logger):
+    """gunicorn's logs without handlers of their own: records reach the root handler `configure_logging`
+    set up, and each access is one event with fields instead of a formatted line."""
+
+    def setup(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.loglevel = self.LOG_LEVELS.get(cfg.loglevel.lower(), logging.INFO)
+        for logger in (self.error_log, self.access_log):
+            for handler in list(logger.handlers):
+                logger.removeHandler(handler)
+            logger.propagate = True
+        self.error_log.setLevel(self.loglevel)
+        self.access_log.setLevel(logging.INFO)
+
+    @property
+    def access_log_enabled(self) -> bool:
+        return True
+
+    def access(self, resp: Any, req: Any, environ: dict, request_time: Any) -> None:
+        status = str(resp.status).split(None, 1)[0]
+        headers = dict((k.lower(), v) for k, v in (resp.headers or []))
+        access_log.info(
+            "http_request",
+            method=environ.get("REQUEST_METHOD"),
+            path=environ.get("PATH_INFO"),
+            status=int(status) if status.isdigit() else status,
+            bytes=getattr(resp, "sent", None),
+            duration_ms=round(request_time.total_seconds() * 1000, 2),
+            remote=environ.get("REMOTE_ADDR") or "unix",
+            request_id=headers.get("x-request-id"),
+            user_agent=environ.get("HTTP_USER_AGENT"),
+        )
+
+    def reopen_files(self) -> None:
+        pass
+
+    def close_on_exec(self) -> None:
+        pass
 
 
 class _Arbiter(Arbiter):
@@ -58,7 +102,7 @@ class DaemonApp(BaseApplication):
             "graceful_timeout": max(0, round(s.graceful_timeout_s)),
             "keepalive": 5,
             "preload_app": False,
-            "logger_class": "deltafind.daemon.glog.Logger",
+            "logger_class": "deltafind.daemon.app.Logger",
             "loglevel": self.settings.logging.level,
             "control_socket_disable": True,
             "umask": 0o007,  # a unix: bind gets 0770, not gunicorn's world-writable default
@@ -71,12 +115,9 @@ class DaemonApp(BaseApplication):
                 self.cfg.set(key, value)
 
     def load(self) -> Any:
-        from deltafind.daemon.runtime import model_name
+        from deltafind.daemon.runtime import model_name, server_config
 
-        self.state = AppState(model_name=model_name(self.settings))
-        from deltafind.daemon.runtime import server_config
-
-        self.state.config = server_config(self.settings)
+        self.state = AppState(server_config(self.settings), model_name(self.settings))
         return create_app(self.state)
 
     def _post_worker_init(self, worker: Any) -> None:

@@ -55,10 +55,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from deltafind.config import DEFAULT_CONFIG_PATH
 
         config = DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else None
-    if settings.model.store is None:
-        raise StoreError("no store to serve: set [model] store in the config or pass --store DIR "
-                         "(`deltafind setup --demo` makes a demo store)")
-    check_store_access(Path(settings.model.store).expanduser())
+    from deltafind.daemon.runtime import store_dir
+
+    check_store_access(store_dir(settings))
     configure_logging(settings.logging.level, settings.logging.format)
     from deltafind.daemon.app import DaemonApp
 

@@ -28,10 +28,6 @@ def take_environment() -> None:
         _watchdog_usec = int(usec)
 
 
-def enabled() -> bool:
-    return _socket_path is not None
-
-
 def notify(*lines: str) -> bool:
     """Send `KEY=value` lines in one datagram; False when there is no socket or it fails."""
     path = _socket_path

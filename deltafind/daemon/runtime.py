@@ -23,7 +23,7 @@ from deltafind.daemon import notify
 from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.scheduler import Scheduler, SchedulerLimits, collect
 from deltafind.engine.sequence import GenRequest
-from deltafind.errors import ConfigError, DeltafindError
+from deltafind.errors import ConfigError, DeltafindError, RequestError, StoreError
 from deltafind.log import configure_logging, get_logger
 from deltafind.server import AppState, ReadyEngine, ServerConfig
 from deltafind.server.structured import prepare_vocabulary
@@ -50,9 +50,8 @@ def server_config(settings: Settings) -> ServerConfig:
 
 def store_dir(settings: Settings) -> Path:
     if settings.model.store is None:
-        from deltafind.errors import StoreError
-
-        raise StoreError("no store to serve: set [model] store in the config or pass --store DIR")
+        raise StoreError("no store to serve: set [model] store in the config or pass --store DIR "
+                         "(`deltafind setup --demo` makes a demo store)")
     return Path(settings.model.store).expanduser()
 
 
@@ -63,8 +62,7 @@ def model_name(settings: Settings) -> str:
 class Runtime:
     def __init__(self, settings: Settings, config_path: Path | None, overrides: dict[str, Any], state: AppState) -> None:
         self.settings, self.config_path, self.overrides, self.state = settings, config_path, overrides, state
-        self.config_loaded_at = time.time()
-        self.started_at = time.time()
+        self.config_loaded_at = self.started_at = time.time()
         self.model: Any = None
         self.scheduler: Scheduler | None = None
         self.pending_restart: list[str] = []
@@ -96,7 +94,9 @@ class Runtime:
             notify.status("loading model")
             extender = threading.Thread(target=self._extend_while_loading, daemon=True)
             extender.start()
-            self.model = self._open_model()
+            from deltafind.api import Model
+
+            self.model = Model.open(settings=self.settings)  # device resolved (auto: CUDA, MPS, CPU) and probed; [draft] opened
             prepare_vocabulary(self.model.tokenizer)  # structured output's vocabulary, built while warming up
             s = self.settings
             args = getattr(self.model.net, "args", None)
@@ -138,11 +138,6 @@ class Runtime:
             notify.extend_timeout(60)
             if self._stop.wait(20):
                 return
-
-    def _open_model(self) -> Any:
-        from deltafind.api import Model
-
-        return Model.open(settings=self.settings)  # device resolved (auto: CUDA, MPS, CPU) and probed; [draft] opened
 
     def _limits(self, s: Settings, context: int) -> SchedulerLimits:
         max_context = min(s.server.max_context or context, context)
@@ -208,7 +203,7 @@ class Runtime:
 
     # -- drain / trace / status ------------------------------------------------
 
-    def drain(self, grace_s: float | None = None, wait: bool = False) -> None:
+    def drain(self, grace_s: float | None = None) -> None:
         """Refuse new requests; after `grace_s` cancel what still runs (None: never)."""
         if self.scheduler is None:
             return
@@ -225,10 +220,7 @@ class Runtime:
             if sched.num_active:
                 log.warning("drain_grace_over", cancelled=sched.cancel_all())
 
-        t = threading.Thread(target=cancel_after_grace, name="deltafind-drain", daemon=True)
-        t.start()
-        if wait:
-            t.join()
+        threading.Thread(target=cancel_after_grace, name="deltafind-drain", daemon=True).start()
 
     def resume(self) -> None:
         if self.scheduler is not None:
@@ -257,8 +249,6 @@ class Runtime:
 
     def _check_trace_path(self, path: Path) -> None:
         """A trace is appended to: never into the store, a drive folder or the config (it would corrupt them)."""
-        from deltafind.errors import RequestError
-
         target = path.resolve()
         store = store_dir(self.settings).resolve()
         guarded = [store, *(p.resolve() for p in self.model.manifest.drive_paths(store))]
@@ -270,14 +260,14 @@ class Runtime:
             raise RequestError(f"{path}: refusing to write a trace over the daemon's config; pick another path", "path")
 
     def status(self) -> dict[str, Any]:
-        """The daemon's own figures, then the engine's and the store's snapshots (flat, as StatusReply names them)."""
+        """The daemon's own figures, then the engine's and the store's snapshots (flat, as StatusReply names them;
+        a figure not known yet, while loading, is left to the reply's zero)."""
         s = self.settings
         out: dict[str, Any] = {
             "model": model_name(s), "version": __version__, "pid": os.getpid(), "uptime_s": time.time() - self.started_at,
             "ready": self.state.engine is not None, "load_status": self.state.load_status,
             "config_path": str(self.config_path or ""), "config_loaded_at": self.config_loaded_at,
             "restart_needed": list(self.pending_restart), "trace_path": self.trace_path or "",
-            "draining": False, "running": 0, "waiting": 0, "tok_s": 0.0, "drives": [],
         }
         engine: dict[str, Any] = {}
         if self.scheduler is not None:

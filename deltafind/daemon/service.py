@@ -42,9 +42,10 @@ def render_unit(config: Path | None, user: bool = False) -> str:
     exe, ctl = _scripts()
     cfg = f" --config {shlex.quote(str(config.resolve()))}" if config else ""
     rw, ro = _paths(config)
-    text = _unit_text()
+    if not _UNIT_TEMPLATE.is_file():
+        raise ConfigError(f"the unit template {_UNIT_TEMPLATE} is missing from this install; reinstall deltafind")
     out = []
-    for line in text.splitlines():
+    for line in _UNIT_TEMPLATE.read_text().splitlines():
         key = line.split("=", 1)[0]
         if key == "ExecStart":
             line = f"ExecStart={exe} serve{cfg}"
@@ -86,12 +87,6 @@ def hidden_paths(unit: str, config: Path | None) -> list[str]:
                 out.append(f"{setting} hides {root} from the service, so {what} ({path}) will not be found; move it "
                            f"(e.g. under /opt or /var/lib/deltafind) or relax {setting.split('=')[0]}= in the unit")
     return list(dict.fromkeys(out))
-
-
-def _unit_text() -> str:
-    if _UNIT_TEMPLATE.is_file():
-        return _UNIT_TEMPLATE.read_text()
-    raise ConfigError(f"the unit template {_UNIT_TEMPLATE} is missing from this install; reinstall deltafind")
 
 
 def render_plist(config: Path | None, user: bool = True) -> bytes:

@@ -18,6 +18,7 @@ import json
 import socket
 import time
 from collections import deque
+from http import HTTPStatus
 from typing import Any
 
 from deltafind.log import get_logger
@@ -26,17 +27,15 @@ from deltafind.server.errors import ApiError
 log = get_logger(__name__)
 HEAD_END = b"\r\n\r\n"
 RECV_BYTES = 65536
-REASONS = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout", 414: "URI Too Long",
-           417: "Expectation Failed", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
-           501: "Not Implemented"}
 CODES = {408: "request_timeout", 414: "uri_too_long", 431: "headers_too_large", 501: "unsupported_transfer_coding"}
 
 
 def error_response(status: int, message: str) -> bytes:
-    """A complete `Connection: close` HTTP/1.1 answer with an OpenAI-shaped error body."""
+    """A complete `Connection: close` HTTP/1.1 answer with an OpenAI-shaped error body (`status`: a standard code)."""
     code = CODES.get(status, "invalid_request" if status < 500 else "internal_error")
-    body = json.dumps(ApiError(status, message or REASONS.get(status, "request failed"), None, code).body()).encode()
-    head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nConnection: close\r\n"
+    reason = HTTPStatus(status).phrase
+    body = json.dumps(ApiError(status, message or reason, None, code).body()).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
     return head.encode("latin-1") + body
 

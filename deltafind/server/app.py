@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hmac
 import re
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -69,7 +68,6 @@ class AppState:
         self.load_error: str | None = None
         self.metrics = ServerMetrics()
         self.pace = Pace()  # request durations, for Retry-After
-        self.lock = threading.Lock()
 
     def set_ready(self, engine: ReadyEngine) -> None:
         self.engine, self.load_status = engine, "ready"
@@ -89,11 +87,15 @@ class AppState:
         return str(structlog.contextvars.get_contextvars().get("request_id", ""))
 
 
-class RequestContext:
-    """Per request: bind a request id (echoed as X-Request-Id), check the API key, count."""
+class _Resource:
+    """Holds the state that a resource (or the middleware) reads per request."""
 
     def __init__(self, state: AppState) -> None:
         self.state = state
+
+
+class RequestContext(_Resource):
+    """Per request: bind a request id (echoed as X-Request-Id), check the API key, count."""
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
         structlog.contextvars.clear_contextvars()  # gthread reuses threads
@@ -121,10 +123,7 @@ def check_key(header: str | None, keys: tuple[str, ...]) -> None:
                        {"WWW-Authenticate": "Bearer"})
 
 
-class Health:
-    def __init__(self, state: AppState) -> None:
-        self.state = state
-
+class Health(_Resource):
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         s = self.state
         draining = s.engine is not None and s.engine.client.draining
@@ -132,8 +131,7 @@ class Health:
         down = [n["rank"] for n in (s.engine.nodes() if status == "ready" and s.engine else ()) if not n["alive"]]
         resp.status = 200 if status == "ready" else 503
         if down:  # still serving what the live nodes hold (deltafind/cluster)
-            status = "degraded"
-            resp.media = {"status": status, "model": s.model_name, "nodes_down": down}
+            resp.media = {"status": "degraded", "model": s.model_name, "nodes_down": down}
             return
         resp.media = {"status": status, "model": s.model_name, **({"error": s.load_error} if s.load_error else {})}
         if status == "loading":
@@ -142,10 +140,7 @@ class Health:
     on_head = on_get  # load balancers probe with HEAD; falcon sends the headers only
 
 
-class Models:
-    def __init__(self, state: AppState) -> None:
-        self.state = state
-
+class Models(_Resource):
     def _card(self, e: ReadyEngine) -> dict[str, Any]:
         return {"id": e.model_name, "object": "model", "created": e.created, "owned_by": "deltafind"}
 
@@ -159,10 +154,7 @@ class Models:
         resp.media = self._card(e)
 
 
-class Metrics:
-    def __init__(self, state: AppState) -> None:
-        self.state = state
-
+class Metrics(_Resource):
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         s = self.state
         engine, store = None, None

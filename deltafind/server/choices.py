@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +39,6 @@ class Choice:
     finish_reason: str | None = None
     error: str | None = None
     completion_tokens: int = 0
-    prompt_tokens: int = 0
     cached_tokens: int = 0
     parser: Any = None  # server/output.OutputParser: reasoning and tool calls out of a chat answer
     deltas: list[Any] = field(default_factory=list)  # the parser's output not yet sent
@@ -82,8 +81,7 @@ class Choice:
             self.logprobs.extend(entries)
             return out, entries
         assert isinstance(event, FinishEvent)
-        self.prompt_tokens, self.cached_tokens = event.prompt_tokens, event.cached_tokens
-        self.completion_tokens = event.completion_tokens
+        self.cached_tokens, self.completion_tokens = event.cached_tokens, event.completion_tokens
         if self.turns is not None and event.reason != "error":
             self.turns.remember(self.tokenizer, [*self.prompt_ids, *self.ids])
         if self.finish_reason is not None:
@@ -121,34 +119,46 @@ class Pace:
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil(self.request_s * rounds)))
 
 
+def events(choices: list[Choice], mux: queue.Queue, keepalive: float | None) -> Iterator[tuple[Choice, str, list, bool] | None]:
+    """(choice, text, logprob entries, finished) per engine event on `mux` until every choice has finished;
+    None when `keepalive` seconds passed quietly."""
+    by_seq = {c.handle.seq_id: c for c in choices}
+    open_ = len(choices)
+    while open_:
+        try:
+            seq_id, event = mux.get(timeout=keepalive)
+        except queue.Empty:
+            yield None
+            continue
+        c = by_seq[seq_id]
+        text, entries = c.on_event(event)
+        done = isinstance(event, FinishEvent)
+        open_ -= done
+        yield c, text, entries, done
+
+
 def submit_all(engine: Any, reqs: list[GenRequest], mux: queue.Queue, pace: Pace | None = None) -> list[Handle]:
     """Submit every request or none (n > 1 and prompt lists are all-or-nothing)."""
     handles: list[Handle] = []
     try:
         for r in reqs:
             handles.append(engine.submit(r, mux))
-    except QueueFull as e:
+    except (QueueFull, Draining) as e:
         for h in handles:
             h.cancel()
+        if isinstance(e, Draining):
+            raise ApiError(503, str(e), None, "server_draining", {"Retry-After": "5"}) from None
         retry = e.retry_after_s
         if pace is not None:
             st = engine.snapshot()
             retry = max(retry, pace.retry_after_s(st["running"], st["waiting"], st["max_running"]))
         raise ApiError(429, str(e), None, "rate_limit_exceeded", {"Retry-After": str(retry)}, "rate_limit_error") from None
-    except Draining as e:
-        for h in handles:
-            h.cancel()
-        raise ApiError(503, str(e), None, "server_draining", {"Retry-After": "5"}) from None
     return handles
-
-
-def token_piece(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id])
 
 
 def chat_logprobs(tokenizer: Any, entries: list[tuple[int, float, tuple]]) -> dict[str, Any]:
     def one(tid: int, lp: float) -> dict[str, Any]:
-        text = token_piece(tokenizer, tid)
+        text = tokenizer.decode([tid])
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
     return {"content": [{**one(t, lp), "top_logprobs": [one(a, b) for a, b in top]} for t, lp, top in entries],
@@ -158,10 +168,10 @@ def chat_logprobs(tokenizer: Any, entries: list[tuple[int, float, tuple]]) -> di
 def completion_logprobs(tokenizer: Any, entries: list[tuple[int, float, tuple]], offset: int) -> dict[str, Any]:
     tokens, lps, tops, offsets = [], [], [], []
     for t, lp, top in entries:
-        text = token_piece(tokenizer, t)
+        text = tokenizer.decode([t])
         tokens.append(text)
         lps.append(lp)
-        tops.append({token_piece(tokenizer, a): b for a, b in top})
+        tops.append({tokenizer.decode([a]): b for a, b in top})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

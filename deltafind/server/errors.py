@@ -16,9 +16,7 @@ from deltafind.log import get_logger
 
 log = get_logger(__name__)
 
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
-         405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error",
-         500: "server_error"}
+TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}  # else by class: 4xx, 5xx
 
 
 class ApiError(Exception):
@@ -39,16 +37,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param, code)
 
 
-def _render(resp: falcon.Response, err: ApiError) -> None:
-    resp.status = err.status
-    resp.content_type = falcon.MEDIA_JSON
-    resp.text = json.dumps(err.body())
-    for k, v in err.headers.items():
-        resp.set_header(k, v)
-
-
 def handle_api_error(req: falcon.Request, resp: falcon.Response, ex: ApiError, params: dict) -> None:
-    _render(resp, ex)
+    resp.status = ex.status
+    resp.content_type = falcon.MEDIA_JSON
+    resp.text = json.dumps(ex.body())
+    for k, v in ex.headers.items():
+        resp.set_header(k, v)
 
 
 def handle_http_error(req: falcon.Request, resp: falcon.Response, ex: falcon.HTTPError, params: dict) -> None:
@@ -58,13 +52,13 @@ def handle_http_error(req: falcon.Request, resp: falcon.Response, ex: falcon.HTT
         message = f"no route {req.method} {req.path}; see /v1/models, /v1/chat/completions, /v1/completions"
     elif status == 405:
         message = f"method {req.method} is not allowed on {req.path}"
-    headers = dict(ex.headers or {})
-    _render(resp, ApiError(status, message, None, None if status >= 500 else "invalid_request", headers))
+    code = None if status >= 500 else "invalid_request"
+    handle_api_error(req, resp, ApiError(status, message, None, code, dict(ex.headers or {})), params)
 
 
 def handle_unexpected(req: falcon.Request, resp: falcon.Response, ex: Exception, params: dict) -> None:
     log.exception("request_failed", method=req.method, path=req.path)
-    _render(resp, ApiError(500, f"internal error: {type(ex).__name__}; see the server log", None, "internal_error"))
+    handle_api_error(req, resp, ApiError(500, f"internal error: {type(ex).__name__}; see the server log", None, "internal_error"), params)
 
 
 def install(app: falcon.App) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltafind.engine.sequence import FinishEvent
+from deltafind.server.choices import events
 from deltafind.server.errors import ApiError
 from deltafind.server.output import Delta
 
@@ -55,7 +55,7 @@ class Blocks:
             else:
                 kind = {"content": "text"}.get(d.kind, d.kind)
                 if self._open is None or self._open.kind != kind or kind == "call":
-                    steps += self._close()
+                    steps += self.finish()
                     self._open = Block(kind, len(self.blocks), d.call_id, d.text if kind == "call" else "")
                     self.blocks.append(self._open)
                     steps.append(Step("open", self._open))
@@ -67,14 +67,12 @@ class Blocks:
             steps.append(Step("delta", block, d.text))
         return steps
 
-    def _close(self) -> list[Step]:
+    def finish(self) -> list[Step]:
+        """Close the open block (at the answer's end, or when another begins)."""
         if self._open is None:
             return []
         block, self._open = self._open, None
         return [Step("close", block)]
-
-    def finish(self) -> list[Step]:
-        return self._close()
 
 
 def drive(choice: Any, mux: queue.Queue, blocks: Blocks, keepalive: float | None) -> Iterator[list[Step] | None]:
@@ -83,19 +81,15 @@ def drive(choice: Any, mux: queue.Queue, blocks: Blocks, keepalive: float | None
     Raises ApiError 500 when the engine failed the sequence.
     """
     try:
-        while True:
-            try:
-                _, event = mux.get(timeout=keepalive)
-            except queue.Empty:
+        for ev in events([choice], mux, keepalive):
+            if ev is None:
                 yield None
                 continue
-            choice.on_event(event)
             steps = blocks.feed(choice.take_deltas())
-            if isinstance(event, FinishEvent):
+            if ev[3]:  # finished
                 if choice.finish_reason == "error":
                     raise ApiError(500, choice.error or "generation failed", None, "engine_error")
-                yield steps + blocks.finish()
-                return
+                steps += blocks.finish()
             if steps:
                 yield steps
     finally:

@@ -14,12 +14,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import falcon
-import structlog
 
 from deltafind.server.errors import ApiError, bad_request
 from deltafind.server.items import Block, Blocks, drive
-from deltafind.server.openai import KEEPALIVE_S, Generate, read_body
-from deltafind.server.schemas import load_json, parse_body
+from deltafind.server.openai import KEEPALIVE_S, Generate, for_model, read_json, stream_sse
+from deltafind.server.schemas import parse_body
 
 KNOWN = {"model", "messages", "system", "max_tokens", "tools", "tool_choice", "temperature", "top_p", "top_k", "stop_sequences",
          "stream", "metadata", "thinking", "service_tier", "container", "mcp_servers", "context_management"}
@@ -133,10 +132,7 @@ class Messages:
 
     def _post(self, req: falcon.Request, resp: falcon.Response) -> None:
         engine = self.state.require_ready()
-        body = load_json(read_body(req, self.state.config.max_body_bytes))
-        chat = parse_body(json.dumps(to_chat(body)).encode(), chat=True)
-        if chat.model != engine.model_name:
-            raise ApiError(404, f"model: {chat.model} (this server serves {engine.model_name})", "model")
+        chat = for_model(parse_body(to_chat(read_json(req, self.state.config.max_body_bytes)), chat=True), engine)
         choices, mux, prompt_tokens, _ = self.chat.submit(engine, chat, always_parse=True)
         c = choices[0]
         blocks = Blocks()
@@ -157,13 +153,11 @@ class Messages:
             resp.media = {**shell, "content": [_content(b) for b in blocks.blocks], "stop_reason": stop_reason(),
                           "usage": usage()}
             return
-        request_id = structlog.contextvars.get_contextvars().get("request_id")
 
         def event(kind: str, **data: Any) -> bytes:
             return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n".encode()
 
         def stream() -> Iterator[bytes]:
-            structlog.contextvars.bind_contextvars(request_id=request_id)
             yield event("message_start", message={**shell, "content": [], "stop_reason": None,
                                                    "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}})
             try:
@@ -190,6 +184,4 @@ class Messages:
             yield event("message_delta", delta={"stop_reason": stop_reason(), "stop_sequence": None}, usage=usage())
             yield event("message_stop")
 
-        resp.content_type = "text/event-stream"
-        resp.set_header("Cache-Control", "no-cache")
-        resp.stream = stream()
+        stream_sse(resp, stream())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
+from itertools import accumulate
 from typing import Any
 
 from prometheus_client.core import (
@@ -98,10 +99,8 @@ class SnapshotCollector(Collector):
             yield family("counter", "deltafind_sequences_finished", "Sequences ended, by reason.",
                          [([r], n) for r, n in sorted(e["finished"].items())], ["reason"])
             for key, (_, help_) in HISTOGRAMS.items():
-                h, total, buckets = e["histograms"][key], 0, []
-                for le, n in zip([*h["buckets"], "+Inf"], h["counts"], strict=True):
-                    total += n
-                    buckets.append((le if le == "+Inf" else repr(le), total))
+                h = e["histograms"][key]  # counts per bucket; the exposition's are cumulative
+                buckets = list(zip([*map(repr, h["buckets"]), "+Inf"], accumulate(h["counts"]), strict=True))
                 yield HistogramMetricFamily(f"deltafind_{key}", help_, buckets=buckets, sum_value=h["sum"])
             d, src = e["draft"], [e.get("draft_source") or e["draft"]["source"] or "none"]
             yield family("counter", "deltafind_draft_tokens", "Draft tokens, proposed and accepted by the target.",

@@ -2,8 +2,10 @@
 
 Request threads never touch tensors: they build GenRequests, submit them to the
 engine client and turn the events on one shared queue into OpenAI JSON or SSE
-chunks. A client that goes away closes the SSE generator; `finally` cancels its
-sequences, which frees their slots at the next step.
+chunks (request messages become template dicts; parsed output becomes `message`
+and stream `delta`s with reasoning and tool calls). A client that goes away
+closes the SSE generator; `finally` cancels its sequences, which frees their
+slots at the next step.
 """
 
 from __future__ import annotations
@@ -20,20 +22,24 @@ from typing import Any
 import falcon
 import structlog
 
+from deltafind.engine.constraint import ConstraintFactory
 from deltafind.engine.sampler import SamplingParams
-from deltafind.engine.sequence import FinishEvent, GenRequest
+from deltafind.engine.sequence import GenRequest
 from deltafind.errors import RequestError
 from deltafind.log import get_logger
 from deltafind.server.chat_plan import plan_chat
-from deltafind.server.choices import Choice, chat_logprobs, completion_logprobs, submit_all, usage
-from deltafind.server.errors import ApiError, bad_request
-from deltafind.server.replies import (
-    chat_message,
-    chat_messages,
-    chunk_deltas,
-    completion_constraint,
+from deltafind.server.choices import (
+    Choice,
+    chat_logprobs,
+    completion_logprobs,
+    events,
+    submit_all,
+    usage,
 )
-from deltafind.server.schemas import ChatRequest, CompletionRequest, parse_body
+from deltafind.server.errors import ApiError, bad_request
+from deltafind.server.output import Delta
+from deltafind.server.schemas import ChatRequest, CompletionRequest, load_json, parse_body
+from deltafind.server.structured import Grammar, json_schema_grammar, response_format_schema
 
 log = get_logger(__name__)
 KEEPALIVE_S = 5.0
@@ -55,8 +61,8 @@ def client_gone(req: falcon.Request) -> bool:
         return True
 
 
-def read_body(req: falcon.Request, limit: int) -> bytes:
-    """The request body, at most `limit` bytes: a Content-Length body or a chunked one.
+def read_json(req: falcon.Request, limit: int) -> dict[str, Any]:
+    """The request body as a JSON object, at most `limit` bytes: a Content-Length body or a chunked one.
 
     A body that stops arriving raises the socket timeout the daemon's worker sets
     (server.body_timeout_s), answered 408; a client that hangs up mid-body, 400.
@@ -75,7 +81,87 @@ def read_body(req: falcon.Request, limit: int) -> bytes:
         raise ApiError(400, f"the request body could not be read: {type(e).__name__}: {e}", None, "invalid_body") from None
     if len(raw) > limit:
         raise ApiError(413, f"the request body is over the limit of {limit} bytes (server.max_body_bytes)", None, "body_too_large")
-    return raw
+    return load_json(raw)
+
+
+def for_model(body: Any, engine: Any) -> Any:
+    """`body` when it asks for the model served here, else a 404 naming the one that is."""
+    if body.model != engine.model_name:
+        raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{engine.model_name}` (GET /v1/models)",
+                       "model", "model_not_found")
+    return body
+
+
+def stream_sse(resp: falcon.Response, events: Iterator[bytes]) -> None:
+    """Answer with `events`, a not yet started generator, as a Server-Sent Events stream.
+
+    It runs after the request's middleware is done, so it binds this request's id again for its log lines.
+    """
+    request_id = structlog.contextvars.get_contextvars().get("request_id")
+
+    def run() -> Iterator[bytes]:
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        yield from events
+
+    resp.content_type = "text/event-stream"
+    resp.set_header("Cache-Control", "no-cache")
+    resp.set_header("X-Accel-Buffering", "no")
+    resp.stream = run()
+
+
+def chat_messages(body: Any) -> list[dict[str, Any]]:
+    """The request's messages as template dicts (`developer` is `system`; text parts joined)."""
+    out = []
+    for m in body.messages:
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.name:
+            d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None:
+            d["reasoning_content"] = reasoning
+        out.append(d)
+    return out
+
+
+def chat_message(choice: Any, text: str) -> dict[str, Any]:
+    """`choices[i].message` of a finished choice."""
+    p = choice.parser
+    if p is None:
+        return {"role": "assistant", "content": text, "refusal": None}
+    calls = [c.openai() for c in p.tool_calls]
+    content = "".join(p.content)
+    msg: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None, "refusal": None}
+    if p.reasoning:
+        msg["reasoning_content"] = msg["reasoning"] = "".join(p.reasoning)
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def chunk_deltas(deltas: list[Delta]) -> list[dict[str, Any]]:
+    """Stream `delta` objects for parser output: content, reasoning, a call's start, argument fragments."""
+    out: list[dict[str, Any]] = []
+    for d in deltas:
+        if d.kind == "content":
+            out.append({"content": d.text})
+        elif d.kind == "reasoning":
+            out.append({"reasoning_content": d.text, "reasoning": d.text})
+        elif d.kind == "call":
+            out.append({"tool_calls": [{"index": d.index, "id": d.call_id, "type": "function",
+                                        "function": {"name": d.text, "arguments": ""}}]})
+        else:
+            out.append({"tool_calls": [{"index": d.index, "function": {"arguments": d.text}}]})
+    return out
+
+
+def completion_constraint(tokenizer: Any, body: Any) -> ConstraintFactory | None:
+    """/v1/completions with `response_format`: the same enforced JSON as chat."""
+    schema, field = response_format_schema(body.response_format or {})
+    return None if schema is None else Grammar(tokenizer, json_schema_grammar(schema, field), field).factory()
 
 
 class Generate:
@@ -83,29 +169,21 @@ class Generate:
 
     def __init__(self, state: Any, chat: bool) -> None:
         self.state, self.chat = state, chat
-        self.kind = "chat" if chat else "completions"
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         engine = self.state.require_ready()
-        cfg = self.state.config
-        body = parse_body(read_body(req, cfg.max_body_bytes), self.chat)
-        if body.model != engine.model_name:
-            raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{engine.model_name}` (GET /v1/models)",
-                           "model", "model_not_found")
+        body = for_model(parse_body(read_json(req, self.state.config.max_body_bytes), self.chat), engine)
         choices, mux, prompt_tokens, want_lp = self.submit(engine, body)
         meta = {"id": ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
                 "model": engine.model_name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            resp.content_type = "text/event-stream"
-            resp.set_header("Cache-Control", "no-cache")
-            resp.set_header("X-Accel-Buffering", "no")
-            resp.stream = self._sse(choices, mux, meta, prompt_tokens, include_usage, want_lp is not None, engine)
+            stream_sse(resp, self._sse(choices, mux, meta, prompt_tokens, include_usage, want_lp is not None, engine))
             return
         started = time.monotonic()
         next_check = started + DISCONNECT_POLL_S
         try:
-            for _ in self._events(choices, mux, keepalive=DISCONNECT_POLL_S):
+            for _ in events(choices, mux, keepalive=DISCONNECT_POLL_S):
                 now = time.monotonic()  # checked by the clock: a fast model never leaves the queue quiet
                 if now < next_check:
                     continue
@@ -136,7 +214,6 @@ class Generate:
         constraint = plan.constraint if plan is not None else completion_constraint(engine.tokenizer, body)
         max_context = min(cfg.max_context or engine.context_length, engine.context_length)
         gen = []
-        n = body.n or 1
         want_lp: int | None = None
         if isinstance(body, ChatRequest) and body.logprobs:
             want_lp = body.top_logprobs or 0
@@ -144,7 +221,7 @@ class Generate:
             want_lp = body.logprobs
         for ids in prompts:
             max_new = self._max_new(body, len(ids), max_context, cfg.max_tokens_default)
-            for i in range(n):
+            for i in range(body.n or 1):
                 seed = None if body.seed is None else body.seed + i
                 try:
                     params = SamplingParams(max_new, 1.0 if body.temperature is None else body.temperature,
@@ -194,22 +271,6 @@ class Generate:
                 "or the completion.", param, "context_length_exceeded")
         return min(default, room) if asked is None else asked
 
-    def _events(self, choices: list[Choice], mux: queue.Queue, keepalive: float | None) -> Iterator[tuple[Choice, str, list, bool] | None]:
-        """(choice, text, logprob entries, finished) per engine event; None when `keepalive` passed quietly."""
-        by_seq = {c.handle.seq_id: c for c in choices}
-        open_ = len(choices)
-        while open_:
-            try:
-                seq_id, event = mux.get(timeout=keepalive)
-            except queue.Empty:
-                yield None
-                continue
-            c = by_seq[seq_id]
-            text, entries = c.on_event(event)
-            done = isinstance(event, FinishEvent)
-            open_ -= done
-            yield c, text, entries, done
-
     def _response(self, choices: list[Choice], meta: dict, prompt_tokens: int, want_lp: bool, engine: Any) -> dict:
         tok = engine.tokenizer
         out = []
@@ -227,7 +288,6 @@ class Generate:
 
     def _sse(self, choices: list[Choice], mux: queue.Queue, meta: dict, prompt_tokens: int, include_usage: bool,
              want_lp: bool, engine: Any) -> Iterator[bytes]:
-        request_id = structlog.contextvars.get_contextvars().get("request_id")
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         tok = engine.tokenizer
         offsets = {c.index: 0 for c in choices}
@@ -245,38 +305,34 @@ class Generate:
             offsets[c.index] += len(text or "")
             return {"index": c.index, "text": text or "", "logprobs": lp, "finish_reason": finish}
 
-        def stream() -> Iterator[bytes]:
-            structlog.contextvars.bind_contextvars(request_id=request_id)  # runs after process_response
-            started = time.monotonic()
-            try:
-                if self.chat:
-                    for c in choices:
-                        yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                      "finish_reason": None}])
-                for ev in self._events(choices, mux, keepalive=KEEPALIVE_S):
-                    if ev is None:
-                        yield b": keep-alive\n\n"  # also finds out early that a client has gone
-                        continue
-                    c, text, entries, done = ev
-                    if c.parser is not None:
-                        for k, delta in enumerate(chunk_deltas(c.take_deltas()) or ([{}] if entries else [])):
-                            yield chunk([item(c, None, entries if k == 0 else [], None, delta)])
-                    elif text or entries:
-                        yield chunk([item(c, text, entries, None)])
-                    if done:
-                        if c.finish_reason == "error":
-                            err = ApiError(500, c.error or "generation failed", None, "engine_error")
-                            yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
-                            break
-                        yield chunk([item(c, None, [], c.finish_reason)])
-                if include_usage:
-                    data = {**meta, "object": obj, "choices": [], "usage": usage(choices, prompt_tokens)}
-                    yield b"data: " + json.dumps(data).encode() + b"\n\n"
-                yield b"data: [DONE]\n\n"
-                self.state.metrics.count_completion(sum(c.completion_tokens for c in choices))
-                self.state.pace.observe(time.monotonic() - started)
-            finally:
+        started = time.monotonic()
+        try:
+            if self.chat:
                 for c in choices:
-                    c.handle.cancel()  # a no-op for finished ones; frees the slot of a client that left
-
-        return stream()
+                    yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
+            for ev in events(choices, mux, keepalive=KEEPALIVE_S):
+                if ev is None:
+                    yield b": keep-alive\n\n"  # also finds out early that a client has gone
+                    continue
+                c, text, entries, done = ev
+                if c.parser is not None:
+                    for k, delta in enumerate(chunk_deltas(c.take_deltas()) or ([{}] if entries else [])):
+                        yield chunk([item(c, None, entries if k == 0 else [], None, delta)])
+                elif text or entries:
+                    yield chunk([item(c, text, entries, None)])
+                if done:
+                    if c.finish_reason == "error":
+                        err = ApiError(500, c.error or "generation failed", None, "engine_error")
+                        yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+                        break
+                    yield chunk([item(c, None, [], c.finish_reason)])
+            if include_usage:
+                data = {**meta, "object": obj, "choices": [], "usage": usage(choices, prompt_tokens)}
+                yield b"data: " + json.dumps(data).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+            self.state.metrics.count_completion(sum(c.completion_tokens for c in choices))
+            self.state.pace.observe(time.monotonic() - started)
+        finally:
+            for c in choices:
+                c.handle.cancel()  # a no-op for finished ones; frees the slot of a client that left

@@ -98,15 +98,13 @@ class OutputParser:
 
     # -- public --------------------------------------------------------------
 
-    def feed(self, text: str) -> list[Delta]:
+    def feed(self, text: str, final: bool = False) -> list[Delta]:
         out: list[Delta] = []
-        self._reason(text, out, final=False)
+        self._reason(text, out, final)
         return out
 
     def finish(self) -> list[Delta]:
-        out: list[Delta] = []
-        self._reason("", out, final=True)
-        return out
+        return self.feed("", final=True)
 
     @property
     def tool_calls(self) -> list[ToolCall]:

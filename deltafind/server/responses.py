@@ -18,12 +18,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import falcon
-import structlog
 
 from deltafind.server.errors import ApiError, bad_request
 from deltafind.server.items import Block, Blocks, Step, drive
-from deltafind.server.openai import KEEPALIVE_S, Generate, read_body
-from deltafind.server.schemas import load_json, parse_body
+from deltafind.server.openai import KEEPALIVE_S, Generate, for_model, read_json, stream_sse
+from deltafind.server.schemas import parse_body
 
 PASSED = {"model", "temperature", "top_p", "stream", "parallel_tool_calls", "user", "metadata", "tool_choice"}
 # Accepted and without effect here (storage, tracing, caching hints).
@@ -149,7 +148,7 @@ class Responses:
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         engine = self.state.require_ready()
-        body = load_json(read_body(req, self.state.config.max_body_bytes))
+        body = read_json(req, self.state.config.max_body_bytes)
         history: list[dict[str, Any]] = []
         prev = body.get("previous_response_id")
         if prev is not None:
@@ -158,10 +157,7 @@ class Responses:
             if not history:
                 raise ApiError(404, f"previous_response_id: no response {prev!r} is kept by this server (send the whole input)",
                                "previous_response_id", "previous_response_not_found")
-        chat = parse_body(json.dumps(to_chat(body, history)).encode(), chat=True)
-        if chat.model != engine.model_name:
-            raise ApiError(404, f"The model `{chat.model}` does not exist; this server serves `{engine.model_name}`", "model",
-                           "model_not_found")
+        chat = for_model(parse_body(to_chat(body, history), chat=True), engine)
         choices, mux, prompt_tokens, _ = self.chat.submit(engine, chat, always_parse=True)
         c = choices[0]
         shell = {"id": "resp_" + uuid.uuid4().hex[:24], "object": "response", "created_at": int(time.time()),
@@ -190,7 +186,6 @@ class Responses:
                 pass
             resp.media = final()
             return
-        request_id = structlog.contextvars.get_contextvars().get("request_id")
         seq = iter(range(1 << 62))
 
         def event(kind: str, **data: Any) -> bytes:
@@ -227,7 +222,6 @@ class Responses:
                     yield event("response.output_item.done", **ids, item=_item(b, True))
 
         def stream() -> Iterator[bytes]:
-            structlog.contextvars.bind_contextvars(request_id=request_id)
             start = {**shell, "status": "in_progress", "output": [], "usage": None}
             yield event("response.created", response=start)
             yield event("response.in_progress", response=start)
@@ -243,9 +237,7 @@ class Responses:
             done = final()
             yield event("response.completed" if done["status"] == "completed" else "response.incomplete", response=done)
 
-        resp.content_type = "text/event-stream"
-        resp.set_header("Cache-Control", "no-cache")
-        resp.stream = stream()
+        stream_sse(resp, stream())
 
     def _keep(self, rid: str, history: list[dict[str, Any]], blocks: list[Block]) -> None:
         answer: dict[str, Any] = {"role": "assistant", "content": "".join(b.text for b in blocks if b.kind == "text")}

@@ -2,7 +2,7 @@
 
 Unknown fields, wrong types, out-of-range values and features we cannot honour
 (tools, images, audio, logit_bias, ...) are a 400 naming the field — never
-silently ignored. `parse_body` turns raw bytes into a validated model.
+silently ignored. `parse_body` turns a JSON object (`load_json`) into a validated model.
 """
 
 from __future__ import annotations
@@ -233,8 +233,7 @@ def _describe(err: dict[str, Any]) -> tuple[str, str | None]:
     return (f"{param}: {msg}" if param else msg), param
 
 
-def parse_body(raw: bytes, chat: bool) -> ChatRequest | CompletionRequest:
-    body = load_json(raw)
+def parse_body(body: dict[str, Any], chat: bool) -> ChatRequest | CompletionRequest:
     _precheck(body, chat)
     model = ChatRequest if chat else CompletionRequest
     try:

@@ -41,7 +41,6 @@ class ToolFormat:
     section_open: str | None = None
     section_close: str | None = None
     args_key: str = "arguments"
-    at_start_only: bool = False  # Llama 3: a call is the whole answer, or it is text
 
     @property
     def start(self) -> str:
@@ -51,7 +50,7 @@ class ToolFormat:
 HERMES = ToolFormat("hermes", "<tool_call>", re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"(?P<name>[^"]+)"\s*,\s*"arguments"\s*:\s*(?=\{)'),
                     "</tool_call>")
 LLAMA3 = ToolFormat("llama3", "{", re.compile(r'(?:<\|python_tag\|>)?\{\s*"name"\s*:\s*"(?P<name>[^"]+)"\s*,\s*"(?:parameters|arguments)"\s*:\s*(?=\{)'),
-                    "}", args_key="parameters", at_start_only=True)
+                    "}", args_key="parameters")
 DEEPSEEK_V3 = ToolFormat("deepseek_v3", "<｜tool▁call▁begin｜>",
                          re.compile(r"<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>)?(?P<name>[^\n<｜]+?)(?:\n```json\n|<｜tool▁sep｜>)(?=\{)"),
                          "<｜tool▁call▁end｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
@@ -127,11 +126,8 @@ def closed_objects(schema: Any) -> Any:
         return [closed_objects(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: closed_objects(v) if k in ("properties", "items", "anyOf", "oneOf", "allOf", "$defs", "definitions",
-                                         "prefixItems") else v for k, v in schema.items()}
-    if "properties" in out and isinstance(out["properties"], dict):
-        out["properties"] = {k: closed_objects(v) for k, v in schema["properties"].items()}
-    for key in ("$defs", "definitions"):
+    out = {k: closed_objects(v) if k in ("items", "anyOf", "oneOf", "allOf", "prefixItems") else v for k, v in schema.items()}
+    for key in ("properties", "$defs", "definitions"):  # maps of name -> schema
         if isinstance(schema.get(key), dict):
             out[key] = {k: closed_objects(v) for k, v in schema[key].items()}
     if "properties" in out and "additionalProperties" not in out:
