@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import sys
 import threading
 from concurrent.futures import Future
@@ -144,6 +145,13 @@ def _file_digest(path: Path, h: Any) -> str:
     return h.hexdigest()
 
 
+def read_local_header(path: Path, filename: str) -> tuple[int, dict[str, RemoteTensor]]:
+    """The safetensors header of a local copy of `filename`, as `read_shard_header` reads a remote one."""
+    with open(path, "rb") as f:
+        hlen = int.from_bytes(f.read(8), "little")
+        return parse_header(filename, hlen, f.read(hlen))
+
+
 def _cache_folder(repo_id: str) -> Path:
     """The repository's folder in the HF cache (blobs/, snapshots/, refs/)."""
     from huggingface_hub import constants
@@ -265,11 +273,7 @@ class HubSource(Source):
 
     def _header(self, filename: str) -> tuple[int, dict[str, RemoteTensor]]:
         local = self.repo.cached(filename)
-        if local is None:
-            return read_shard_header(self.client, filename)
-        with open(local, "rb") as f:
-            hlen = int.from_bytes(f.read(8), "little")
-            return parse_header(filename, hlen, f.read(hlen))
+        return read_shard_header(self.client, filename) if local is None else read_local_header(local, filename)
 
     def fingerprint(self) -> str:
         return hashlib.sha256(f"{self.repo.label}\n".encode() + json.dumps(self.config, sort_keys=True).encode()).hexdigest()
@@ -359,9 +363,7 @@ class HubSource(Source):
             for f in self.shards:
                 self.repo.drop(f)
         if self.staging.is_dir():
-            for f in self.staging.iterdir():
-                f.unlink()
-            self.staging.rmdir()
+            shutil.rmtree(self.staging)
 
     def write_tokenizer(self, dest: Path) -> list[str]:
         from deltafind.tokenizer import copy_tokenizer_files

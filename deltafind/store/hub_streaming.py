@@ -11,24 +11,20 @@ turns the store into an ordinary one.
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any
 
-import torch
 import xxhash
 from tqdm import tqdm
 
 from deltafind.errors import StoreError
-from deltafind.store.hub import HubSource
+from deltafind.store.hub import HubSource, read_local_header
 from deltafind.store.manifest import (
     SPINE_NAME,
     ExpertRecord,
     Manifest,
-    TensorEntry,
     align_up,
     pack_name,
     write_json_atomic,
@@ -36,7 +32,6 @@ from deltafind.store.manifest import (
 from deltafind.store.reader import record_tensors
 from deltafind.store.remote_experts import PRESENT_NAME, REMOTE_NAME, RemoteExperts
 from deltafind.store.setup import (
-    TENSOR_ALIGN,
     _iter_expert_groups,
     _open_packs,
     drive_folders,
@@ -45,29 +40,11 @@ from deltafind.store.setup import (
     finish_store,
     open_journal,
     plan_tensors,
+    record_layout,
 )
-from deltafind.store.sources import TensorInfo
 from deltafind.store.spine_writer import write_safetensors
 
 READ_CHUNK = 16 << 20
-
-
-def record_layout(infos: dict[str, TensorInfo]) -> tuple[int, list[TensorEntry]]:
-    """Where `expert_record_bytes` puts each tensor, from metadata alone (its order, TENSOR_ALIGN gaps)."""
-    entries, offset = [], 0
-    for name in _record_order(tuple(infos)):
-        info = infos[name]
-        offset = align_up(offset, TENSOR_ALIGN)
-        entries.append(TensorEntry(name, str(info.dtype).removeprefix("torch."), info.shape, offset, info.nbytes))
-        offset += info.nbytes
-    return offset, entries
-
-
-@functools.cache
-def _record_order(parts: tuple[str, ...]) -> tuple[str, ...]:
-    """The order `expert_record_bytes` lays these parts out in, asked of it with one-byte stand-ins."""
-    _, entries = expert_record_bytes({p: torch.zeros(1, dtype=torch.uint8) for p in parts})
-    return tuple(e.name for e in entries)
 
 
 def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | None = None, dense_slices: int = 8, progress: bool = True,
@@ -196,11 +173,10 @@ def _shard_sha256(store_dir: Path, manifest: Manifest, fetcher: RemoteExperts, f
             if p.file == file:
                 pieces.append((p.start, p.end, lambda rec=rec, entry=entry: _pread(packs[rec.drive], rec.offset + entry.offset, entry.nbytes)))
     spine = store_dir / SPINE_NAME
-    base, local = read_local_header(spine)
+    _, local = read_local_header(spine, SPINE_NAME)
     for f, start, end, name in fetcher.meta["spine"]:
-        if f == file and name in local and local[name][1] - local[name][0] == end - start:
-            a, b = local[name]
-            pieces.append((start, end, lambda a=a, b=b: _pread(spine, base + a, b - a)))
+        if f == file and (t := local.get(name)) is not None and t.end - t.start == end - start:
+            pieces.append((start, end, lambda t=t: _pread(spine, t.start, t.end - t.start)))
     pieces.sort(key=lambda x: x[0])
     h, pos = hashlib.sha256(), 0
     for start, end, read in [*pieces, (size, size, lambda: b"")]:
@@ -211,13 +187,6 @@ def _shard_sha256(store_dir: Path, manifest: Manifest, fetcher: RemoteExperts, f
         h.update(read())
         pos = max(pos, end)
     return h.hexdigest()
-
-
-def read_local_header(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:
-    with open(path, "rb") as f:
-        hlen = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(hlen))
-    return 8 + hlen, {n: tuple(m["data_offsets"]) for n, m in header.items() if n != "__metadata__"}
 
 
 def _pread(path: Path, offset: int, n: int) -> bytes:

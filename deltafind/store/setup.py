@@ -107,23 +107,27 @@ def _check_scales(layer: int, expert: int, parts: dict[str, torch.Tensor]) -> No
             raise StoreError(f"layer {layer} expert {expert} {name}: E8M0 scale byte 0 or 255, outside what the checkpoint uses; re-download it")
 
 
+def record_layout(infos: dict[str, TensorInfo], quants: dict[str, str] | None = None) -> tuple[int, list[TensorEntry]]:
+    """An expert record's length and where each tensor goes: back to back in `infos` order, TENSOR_ALIGN-aligned."""
+    entries, offset = [], 0
+    for name, info in infos.items():
+        offset = align_up(offset, TENSOR_ALIGN)
+        entries.append(TensorEntry(name, str(info.dtype).removeprefix("torch."), info.shape, offset, info.nbytes, (quants or {}).get(name, "")))
+        offset += info.nbytes
+    return offset, entries
+
+
 def expert_record_bytes(parts: dict[str, torch.Tensor], quants: dict[str, str] | None = None) -> tuple[bytes, list[TensorEntry]]:
-    """Lay out one expert's tensors back to back (64-byte aligned, in `parts` order) as one record payload.
+    """One expert's tensors as one record payload, laid out by `record_layout` (zeros in the gaps).
 
     Any dtype goes in byte for byte; K3's six MXFP4 tensors (all multiples of 64
     bytes) come out as exactly the released 17,547,264-byte blob.
     """
-    chunks, entries, offset = [], [], 0
-    for name, t in parts.items():
-        t = t.contiguous()
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        pad = align_up(offset, TENSOR_ALIGN) - offset
-        chunks.append(b"\0" * pad)
-        offset += pad
-        entries.append(TensorEntry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, len(raw), (quants or {}).get(name, "")))
-        chunks.append(raw)
-        offset += len(raw)
-    return b"".join(chunks), entries
+    length, entries = record_layout({n: TensorInfo(t.dtype, tuple(t.shape)) for n, t in parts.items()}, quants)
+    payload = bytearray(length)
+    for e, t in zip(entries, parts.values(), strict=True):
+        payload[e.offset : e.offset + e.nbytes] = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return bytes(payload), entries
 
 
 def _iter_expert_groups(source: Source, plan: Plan, dense_slices: int) -> Iterator[tuple[int, int, Callable[[], Parts]]]:
