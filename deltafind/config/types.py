@@ -68,13 +68,36 @@ def parse_byte_size(value: object) -> int:
     return n
 
 
-class ByteSize(int):
+class _ParsedInt(int):
+    """An `int` that pydantic fields build with the subclass's `_parse` and serialize to a plain integer in JSON."""
+
+    @staticmethod
+    def _parse(value: object) -> int:
+        raise NotImplementedError
+
+    @classmethod
+    def _validate(cls, value: object) -> _ParsedInt:
+        return value if type(value) is cls else int.__new__(cls, cls._parse(value))
+
+    @classmethod
+    def __get_pydantic_core_schema__(
+        cls, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        return core_schema.no_info_plain_validator_function(
+            cls._validate,
+            serialization=core_schema.plain_serializer_function_ser_schema(int, when_used="json"),
+        )
+
+
+class ByteSize(_ParsedInt):
     """A number of bytes that parses and renders human units.
 
     `ByteSize("8GiB") == 8 * 2**30`; `ByteSize(2**30).human() == "1GiB"`.
     As a pydantic field it accepts whatever `parse_byte_size` does and
     serializes to a plain integer in JSON.
     """
+
+    _parse = staticmethod(parse_byte_size)
 
     def __new__(cls, value: object = 0) -> ByteSize:
         try:
@@ -93,19 +116,6 @@ class ByteSize(int):
         return f"ByteSize({self.human()!r})"
 
     @classmethod
-    def _validate(cls, value: object) -> ByteSize:
-        return value if type(value) is cls else int.__new__(cls, parse_byte_size(value))
-
-    @classmethod
-    def __get_pydantic_core_schema__(
-        cls, source: Any, handler: GetCoreSchemaHandler
-    ) -> core_schema.CoreSchema:
-        return core_schema.no_info_plain_validator_function(
-            cls._validate,
-            serialization=core_schema.plain_serializer_function_ser_schema(int, when_used="json"),
-        )
-
-    @classmethod
     def __get_pydantic_json_schema__(
         cls, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
     ) -> JsonSchemaValue:
@@ -120,7 +130,7 @@ class ByteSize(int):
 FILE_MODE_HELP = 'expected a file mode from 0 to 0o777, written as a string like "0600" or as 0o600'
 
 
-class FileMode(int):
+class FileMode(_ParsedInt):
     """Unix permission bits (0..0o777); strings are read as octal ("0600")."""
 
     def __new__(cls, value: object = 0o600) -> FileMode:
@@ -136,19 +146,6 @@ class FileMode(int):
 
     def __repr__(self) -> str:
         return f"FileMode('{self:04o}')"
-
-    @classmethod
-    def _validate(cls, value: object) -> FileMode:
-        return value if type(value) is cls else int.__new__(cls, cls._parse(value))
-
-    @classmethod
-    def __get_pydantic_core_schema__(
-        cls, source: Any, handler: GetCoreSchemaHandler
-    ) -> core_schema.CoreSchema:
-        return core_schema.no_info_plain_validator_function(
-            cls._validate,
-            serialization=core_schema.plain_serializer_function_ser_schema(int, when_used="json"),
-        )
 
     @classmethod
     def __get_pydantic_json_schema__(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -20,34 +20,15 @@ from torch import nn
 
 from deltafind.errors import UnsupportedModelError
 from deltafind.models.ops.mla import MLAttention
-from deltafind.models.ops.moe import (
-    DenseMLP,
-    SlicedMLP,
-    activation,
-    dispatch,
-    predict_routed,
-    swiglu,
-)
-from deltafind.models.transformer import (
-    CausalLM,
-    DecoderLayer,
-    args_from_config,
-    make_rope,
-    rope_from,
-)
+from deltafind.models.ops.moe import DenseMLP, SlicedMLP, activation, swiglu
+from deltafind.models.transformer import CausalLM, DecoderLayer, FromConfig, RoutedMoE, make_rope
 from deltafind.store.provider import HF_WEIGHTS, ExpertProvider, WeightNames
 
 T = TypeVar("T")
 
-# transformers 5 spellings (its attribute_map) -> the names DeepSeek's config.json uses.
-CONFIG_ALIASES = {
-    "num_local_experts": "n_routed_experts",
-    "num_mtp_layers": "num_nextn_predict_layers",
-}
-
 
 @dataclass
-class ModelArgs:
+class ModelArgs(FromConfig):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -80,33 +61,28 @@ class ModelArgs:
     attention_bias: bool = False
     hidden_act: str = "silu"
     rope: dict[str, Any] = field(default_factory=dict)
+    # transformers 5 spellings (its attribute_map) -> the names DeepSeek's config.json uses.
+    ALIASES: ClassVar[dict[str, str]] = {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}
 
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
-        config = dict(config)
-        for new, old in CONFIG_ALIASES.items():
-            if old not in config and new in config:
-                config[old] = config[new]
-        args = args_from_config(cls, config, rope=rope_from(config))
-        if args.scoring_func != "sigmoid" or args.topk_method != "noaux_tc":
+    def __post_init__(self) -> None:
+        if self.scoring_func != "sigmoid" or self.topk_method != "noaux_tc":
             raise UnsupportedModelError(
-                f"deepseek_v3 routing scoring_func={args.scoring_func!r} topk_method={args.topk_method!r} "
+                f"deepseek_v3 routing scoring_func={self.scoring_func!r} topk_method={self.topk_method!r} "
                 "is not supported (supported: sigmoid with noaux_tc)"
             )
-        args.n_group = args.n_group or 1
-        args.topk_group = args.topk_group or args.n_group
-        args.first_k_dense_replace = args.first_k_dense_replace or 0
-        if args.n_routed_experts % args.n_group:
+        self.n_group = self.n_group or 1
+        self.topk_group = self.topk_group or self.n_group
+        self.first_k_dense_replace = self.first_k_dense_replace or 0
+        if self.n_routed_experts % self.n_group:
             raise UnsupportedModelError(
-                f"n_routed_experts={args.n_routed_experts} is not a multiple of n_group={args.n_group}; "
+                f"n_routed_experts={self.n_routed_experts} is not a multiple of n_group={self.n_group}; "
                 "fix config.json"
             )
-        return args
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (
             self.n_routed_experts > 0
-            and layer_idx >= (self.first_k_dense_replace or 0)
+            and layer_idx >= self.first_k_dense_replace
             and layer_idx % self.moe_layer_freq == 0
         )
 
@@ -144,25 +120,18 @@ class NoAuxRouter(nn.Module):
         return idx, weight * self.routed_scaling_factor
 
 
-class MoE(nn.Module):
+class MoE(RoutedMoE):
     """Routed experts from the provider plus resident shared experts."""
 
     def __init__(self, args: ModelArgs, layer_idx: int, experts: ExpertProvider) -> None:
-        super().__init__()
-        self.layer_idx, self.provider, self.act = layer_idx, experts, activation(args.hidden_act)
-        self.run = swiglu(args.hidden_act)
-        self.gate = NoAuxRouter(args)
+        super().__init__(NoAuxRouter(args), layer_idx, experts, args.hidden_act)
         self.shared_experts = None
         if args.n_shared_experts:
             width = args.moe_intermediate_size * args.n_shared_experts
-            self.shared_experts = DenseMLP(args.hidden_size, width, self.act)
-
-    def predict(self, x: torch.Tensor) -> list[int]:
-        return predict_routed(self.gate, x)
+            self.shared_experts = DenseMLP(args.hidden_size, width, activation(args.hidden_act))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        idx, weight = self.gate(x)
-        out = dispatch(x, idx, weight, self.provider, self.layer_idx, self.run)
+        out = super().forward(x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -19,6 +19,7 @@ from torch import nn
 
 from deltafind.errors import UnsupportedModelError
 from deltafind.models.ops.batch import LayerCache
+from deltafind.models.ops.moe import DenseMLP
 from deltafind.models.ops.rope import inv_freq_and_scale, rope_parameters, yarn_get_mscale
 
 BF16 = torch.bfloat16
@@ -164,26 +165,13 @@ class MLA(nn.Module):
         return self.o_proj(out.reshape(r, nh * dv))
 
 
-class MLP(nn.Module):
-    """down(silu(gate(x)) * up(x)): SiLU, not SiTU."""
-
-    def __init__(self, hidden: int, inter: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.input_layernorm = _norm(args.hidden_size)
         self.post_attention_layernorm = _norm(args.hidden_size)
         self.self_attn = MLA(args)
-        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.mlp = DenseMLP(args.hidden_size, args.intermediate_size, F.silu)  # down(silu(gate x) * up x): SiLU, not SiTU
 
 
 class MarkovHead(nn.Module):

@@ -14,16 +14,15 @@ from deltafind.models.transformer import (
     Attention,
     CausalLM,
     DecoderLayer,
-    args_from_config,
+    FromConfig,
     common_post_init,
     make_rope,
-    rope_from,
 )
 from deltafind.store.provider import HF_WEIGHTS, ExpertProvider, WeightNames
 
 
 @dataclass
-class ModelArgs:
+class ModelArgs(FromConfig):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -39,13 +38,10 @@ class ModelArgs:
     hidden_act: str = "silu"
     rope: dict[str, Any] = field(default_factory=dict)
 
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
-        args = args_from_config(cls, config, rope=rope_from(config))
-        common_post_init(args)
-        if args.mlp_bias:
+    def __post_init__(self) -> None:
+        common_post_init(self)
+        if self.mlp_bias:
             raise UnsupportedModelError("llama configs with mlp_bias=true are not supported yet")
-        return args
 
 
 class Model(CausalLM):

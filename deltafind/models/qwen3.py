@@ -5,8 +5,7 @@ from __future__ import annotations
 from deltafind.models import llama
 
 
-class ModelArgs(llama.ModelArgs):
-    pass
+ModelArgs = llama.ModelArgs
 
 
 class Model(llama.Model):

@@ -8,27 +8,27 @@ the `decoder_sparse_step` grid are dense MLPs, run as expert slices.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltafind.models.ops.moe import SlicedMLP, dispatch, predict_routed, swiglu
+from deltafind.models.ops.moe import SlicedMLP, swiglu
 from deltafind.models.transformer import (
     Attention,
     CausalLM,
     DecoderLayer,
-    args_from_config,
+    FromConfig,
+    RoutedMoE,
     common_post_init,
     make_rope,
-    rope_from,
 )
 from deltafind.store.provider import HF_WEIGHTS, ExpertProvider, WeightNames
 
 
 @dataclass
-class ModelArgs:
+class ModelArgs(FromConfig):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -48,15 +48,10 @@ class ModelArgs:
     attention_bias: bool = False
     hidden_act: str = "silu"
     rope: dict[str, Any] = field(default_factory=dict)
+    ALIASES: ClassVar[dict[str, str]] = {"num_local_experts": "num_experts"}  # transformers 5's name
 
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
-        config = dict(config)
-        if "num_experts" not in config and "num_local_experts" in config:  # transformers 5 name
-            config["num_experts"] = config["num_local_experts"]
-        args = args_from_config(cls, config, rope=rope_from(config))
-        common_post_init(args)
-        return args
+    def __post_init__(self) -> None:
+        common_post_init(self)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (
@@ -82,25 +77,11 @@ class Router(nn.Module):
         return idx, weight.to(x.dtype)
 
 
-class SparseMoe(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int, experts: ExpertProvider) -> None:
-        super().__init__()
-        self.gate = Router(args)
-        self.layer_idx, self.provider = layer_idx, experts
-        self.run = swiglu(args.hidden_act)
-
-    def predict(self, x: torch.Tensor) -> list[int]:
-        return predict_routed(self.gate, x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        idx, weight = self.gate(x)
-        return dispatch(x, idx, weight, self.provider, self.layer_idx, self.run)
-
-
 class Model(CausalLM):
     def __init__(self, args: ModelArgs, experts: ExpertProvider) -> None:
         def make_layer(i: int) -> DecoderLayer:
-            mlp = SparseMoe(args, i, experts) if args.is_moe_layer(i) else SlicedMLP(i, experts, swiglu(args.hidden_act))
+            mlp = (RoutedMoE(Router(args), i, experts, args.hidden_act) if args.is_moe_layer(i)
+                   else SlicedMLP(i, experts, swiglu(args.hidden_act)))
             return DecoderLayer(args, Attention(args, i, qk_norm=True), mlp)
 
         super().__init__(args, make_layer, make_rope(args), experts)

@@ -1,21 +1,22 @@
-"""The decoder skeleton shared by the Llama-style families (llama, qwen3, qwen3_moe).
+"""The decoder skeleton shared by the Llama-style families (llama, qwen3, qwen3_moe) and DeepSeek-V3.
 
 A family module picks its attention options and MLP per layer; this owns the
-embedding -> layers -> norm -> head flow and HF parameter names.
+embedding -> layers -> norm -> head flow, HF parameter names, reading ModelArgs
+from config.json and the routed-expert layer around a family's router.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
 
 from deltafind.models.ops.attention import attend
 from deltafind.models.ops.batch import Batch
-from deltafind.models.ops.moe import SlicedMLP
+from deltafind.models.ops.moe import SlicedMLP, dispatch, predict_routed, swiglu
 from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.rope import Rope, apply_rope, rope_parameters, rope_tables
 from deltafind.models.ops.step import run_layers
@@ -25,12 +26,21 @@ from deltafind.store.provider import ExpertProvider
 A = TypeVar("A")
 
 
-def args_from_config(cls: type[A], config: dict[str, Any], **extra: Any) -> A:
-    """Build a ModelArgs dataclass from config.json, dropping keys it does not know."""
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    values = {k: v for k, v in config.items() if k in names}
-    values.update(extra)
-    return cls(**values)
+class FromConfig:
+    """`from_config` for a family's ModelArgs dataclass (which checks and derives in `__post_init__`).
+
+    Keeps the config.json keys the dataclass has, takes `rope` in transformers 5's
+    normalised form, and fills a field the config leaves out from its `ALIASES`
+    spelling (another spelling -> the field's name).
+    """
+
+    ALIASES: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def from_config(cls: type[A], config: dict[str, Any]) -> A:
+        config = {**{name: config[alias] for alias, name in cls.ALIASES.items() if alias in config}, **config}  # type: ignore[attr-defined]
+        names = {f.name for f in dataclasses.fields(cls)} - {"rope"}  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in config.items() if k in names}, rope=rope_parameters(config))
 
 
 class Attention(nn.Module):
@@ -70,6 +80,23 @@ class Attention(nn.Module):
             q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
         o = attend(q, k, v, batch, self.layer_idx, scale=d**-0.5)
         return self.o_proj(o.reshape(t, hq * d))
+
+
+class RoutedMoE(nn.Module):
+    """Routed experts from the provider, chosen per token by `gate` (HF `mlp.gate`: ids [T, k], weights [T, k])."""
+
+    def __init__(self, gate: nn.Module, layer_idx: int, experts: ExpertProvider, hidden_act: str) -> None:
+        super().__init__()
+        self.gate = gate
+        self.layer_idx, self.provider = layer_idx, experts
+        self.run = swiglu(hidden_act)
+
+    def predict(self, x: torch.Tensor) -> list[int]:
+        return predict_routed(self.gate, x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx, weight = self.gate(x)
+        return dispatch(x, idx, weight, self.provider, self.layer_idx, self.run)
 
 
 class DecoderLayer(nn.Module):
@@ -150,7 +177,3 @@ def common_post_init(args: Any) -> None:
         args.num_key_value_heads = args.num_attention_heads
     if args.head_dim is None:
         args.head_dim = args.hidden_size // args.num_attention_heads
-
-
-def rope_from(config: dict[str, Any]) -> dict[str, Any]:
-    return rope_parameters(config)

@@ -10,7 +10,6 @@ temporary folder first and replace the old draft in one rename.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import shutil
@@ -244,11 +243,8 @@ def write_synthetic_dspark(store: str | Path, seed: int = 0) -> Path:
     cfg = synthetic_config(_target_config(store))
     specs = synthetic_specs(cfg)
 
-    def load(name: str) -> torch.Tensor:
-        digest = hashlib.sha256(f"dspark:{seed}:{name}".encode()).digest()
-        return draw(specs[name], int.from_bytes(digest[:8], "little") & (2**63 - 1))
-
-    return _write(store, cfg, {n: TensorInfo(s.dtype, s.shape) for n, s in specs.items()}, load)
+    infos = {n: TensorInfo(s.dtype, s.shape) for n, s in specs.items()}
+    return _write(store, cfg, infos, lambda name: draw(specs[name], f"dspark:{seed}:{name}"))
 
 
 def load_dspark(store: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import sys
 import threading
 from concurrent.futures import Future
@@ -23,15 +24,9 @@ from typing import Any
 
 import torch
 
-from deltafind.errors import StoreError, UnsupportedModelError
+from deltafind.errors import StoreError
 from deltafind.store.remote import RangeClient, RemoteTensor, parse_header, read_shard_header
-from deltafind.store.sources import (
-    LANGUAGE_PREFIX,
-    SAFETENSORS_DTYPES,
-    Source,
-    TensorInfo,
-    open_source,
-)
+from deltafind.store.sources import Source, import_names, open_source, tensor_info
 from deltafind.store.spine_writer import write_safetensors
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(?:@[\w./-]+)?$")
@@ -102,12 +97,9 @@ class HubRepo:
     def _download_lfs(self, filename: str) -> Path:
         """A weight shard into the HF cache's layout (blobs/<sha256>, snapshots/<commit>/<file>), through a
         partial file that survives a killed setup: huggingface_hub restarts such a file from byte 0."""
-        from huggingface_hub import constants
-        from huggingface_hub.file_download import repo_folder_name
-
         meta = self.files[filename]
         assert meta.sha256 and meta.size is not None
-        repo_dir = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=self.repo_id, repo_type="model")
+        repo_dir = _cache_folder(self.repo_id)
         blob, link = repo_dir / "blobs" / meta.sha256, repo_dir / "snapshots" / self.commit / filename
         if not blob.exists():
             blob.parent.mkdir(parents=True, exist_ok=True)
@@ -136,11 +128,8 @@ class HubRepo:
 
     def drop(self, filename: str) -> None:
         """Free a downloaded file (--delete-source) from the cache."""
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(self.repo_id, filename, revision=self.commit)
-        if isinstance(cached, str):
-            _drop_cached(Path(cached))
+        if (path := self.cached(filename)) is not None:
+            _drop_cached(path)
 
     def cached(self, filename: str) -> Path | None:
         from huggingface_hub import try_to_load_from_cache
@@ -154,6 +143,21 @@ def _file_digest(path: Path, h: Any) -> str:
         while chunk := f.read(HASH_CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+def read_local_header(path: Path, filename: str) -> tuple[int, dict[str, RemoteTensor]]:
+    """The safetensors header of a local copy of `filename`, as `read_shard_header` reads a remote one."""
+    with open(path, "rb") as f:
+        hlen = int.from_bytes(f.read(8), "little")
+        return parse_header(filename, hlen, f.read(hlen))
+
+
+def _cache_folder(repo_id: str) -> Path:
+    """The repository's folder in the HF cache (blobs/, snapshots/, refs/)."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    return Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
 
 
 def _drop_cached(path: Path) -> None:
@@ -202,12 +206,9 @@ def resolve_repo(repo_id: str, revision: str | None) -> HubRepo:
 def _remember_ref(repo_id: str, revision: str, commit: str) -> None:
     """Record revision -> commit in the HF cache, as huggingface_hub does, so HF_HUB_OFFLINE finds the
     files we download by commit (pinned, so a branch moving mid-download cannot mix two commits)."""
-    from huggingface_hub import constants
-    from huggingface_hub.file_download import repo_folder_name
-
     if revision == commit:
         return
-    ref = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "refs" / revision
+    ref = _cache_folder(repo_id) / "refs" / revision
     ref.parent.mkdir(parents=True, exist_ok=True)
     ref.write_text(commit)
 
@@ -261,19 +262,8 @@ class HubSource(Source):
         for f in self.shards:
             self.data_start[f], tensors = self._header(f)
             raw.update(tensors)
-        prefixed = "text_config" in self.config and any(n.startswith(LANGUAGE_PREFIX) for n in raw)
-        self.remote: dict[str, RemoteTensor] = {}
-        self.tensors = {}
-        for orig, t in raw.items():
-            if prefixed and not orig.startswith(LANGUAGE_PREFIX):
-                continue
-            name = orig[len(LANGUAGE_PREFIX):] if prefixed else orig
-            dtype = SAFETENSORS_DTYPES.get(t.dtype)
-            if dtype is None:
-                raise UnsupportedModelError(f"{repo.label} {t.file}: tensor {orig} has dtype {t.dtype}, which setup cannot import yet")
-            self.tensors[name] = TensorInfo(dtype, t.shape)
-            self.remote[name] = t
-        self.skipped = len(raw) - len(self.remote)
+        self.remote = {name: raw[orig] for orig, name in import_names(self.config, raw).items()}
+        self.tensors = {name: tensor_info(f"{repo.label} {t.file}", t.name, t.dtype, t.shape) for name, t in self.remote.items()}
         self.staging = Path(store_dir) / STAGING_DIR
         self._handles: dict[str, Any] = {}
         self._staged: dict[str, Any] = {}  # spine tensor -> handle of its staging file
@@ -283,11 +273,7 @@ class HubSource(Source):
 
     def _header(self, filename: str) -> tuple[int, dict[str, RemoteTensor]]:
         local = self.repo.cached(filename)
-        if local is None:
-            return read_shard_header(self.client, filename)
-        with open(local, "rb") as f:
-            hlen = int.from_bytes(f.read(8), "little")
-            return parse_header(filename, hlen, f.read(hlen))
+        return read_shard_header(self.client, filename) if local is None else read_local_header(local, filename)
 
     def fingerprint(self) -> str:
         return hashlib.sha256(f"{self.repo.label}\n".encode() + json.dumps(self.config, sort_keys=True).encode()).hexdigest()
@@ -377,9 +363,7 @@ class HubSource(Source):
             for f in self.shards:
                 self.repo.drop(f)
         if self.staging.is_dir():
-            for f in self.staging.iterdir():
-                f.unlink()
-            self.staging.rmdir()
+            shutil.rmtree(self.staging)
 
     def write_tokenizer(self, dest: Path) -> list[str]:
         from deltafind.tokenizer import copy_tokenizer_files

@@ -11,26 +11,20 @@ turns the store into an ordinary one.
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import json
 import os
-import uuid
 from pathlib import Path
 from typing import Any
 
-import torch
+import xxhash
 from tqdm import tqdm
 
 from deltafind.errors import StoreError
-from deltafind.store.hub import HubSource
+from deltafind.store.hub import HubSource, read_local_header
 from deltafind.store.manifest import (
-    MANIFEST_NAME,
     SPINE_NAME,
-    TOKENIZER_DIR,
     ExpertRecord,
     Manifest,
-    TensorEntry,
     align_up,
     pack_name,
     write_json_atomic,
@@ -38,37 +32,19 @@ from deltafind.store.manifest import (
 from deltafind.store.reader import record_tensors
 from deltafind.store.remote_experts import PRESENT_NAME, REMOTE_NAME, RemoteExperts
 from deltafind.store.setup import (
-    JOURNAL_NAME,
-    TENSOR_ALIGN,
-    _inside,
     _iter_expert_groups,
-    _Journal,
     _open_packs,
+    drive_folders,
+    existing_store,
     expert_record_bytes,
+    finish_store,
+    open_journal,
     plan_tensors,
+    record_layout,
 )
-from deltafind.store.sources import TensorInfo
 from deltafind.store.spine_writer import write_safetensors
 
 READ_CHUNK = 16 << 20
-
-
-def record_layout(infos: dict[str, TensorInfo]) -> tuple[int, list[TensorEntry]]:
-    """Where `expert_record_bytes` puts each tensor, from metadata alone (its order, TENSOR_ALIGN gaps)."""
-    entries, offset = [], 0
-    for name in _record_order(tuple(infos)):
-        info = infos[name]
-        offset = align_up(offset, TENSOR_ALIGN)
-        entries.append(TensorEntry(name, str(info.dtype).removeprefix("torch."), info.shape, offset, info.nbytes))
-        offset += info.nbytes
-    return offset, entries
-
-
-@functools.cache
-def _record_order(parts: tuple[str, ...]) -> tuple[str, ...]:
-    """The order `expert_record_bytes` lays these parts out in, asked of it with one-byte stand-ins."""
-    _, entries = expert_record_bytes({p: torch.zeros(1, dtype=torch.uint8) for p in parts})
-    return tuple(e.name for e in entries)
 
 
 def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | None = None, dense_slices: int = 8, progress: bool = True,
@@ -78,25 +54,12 @@ def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | Non
     if not isinstance(source, HubSource) or not source.streaming:
         raise StoreError("--streaming installs from a hub: give --from ORG/NAME[@REVISION] (not --demo, --synthetic or a local path)")
     store_dir = Path(store_dir)
-    drive_dirs = [Path(d) for d in drives] if drives else [store_dir / "drive0"]
-    drive_strs = [os.path.relpath(d.resolve(), store_dir.resolve()) if _inside(d, store_dir) else str(d.resolve()) for d in drive_dirs]
+    drive_dirs, drive_strs = drive_folders(store_dir, drives)
     params = {"fingerprint": source.fingerprint(), "source": str(source.path), "drives": drive_strs, "dense_slices": dense_slices, "streaming": True}
-    if (store_dir / MANIFEST_NAME).exists():
-        existing = Manifest.load(store_dir)
-        if {k: existing.source.get(k) for k in params} == params:
-            return existing
-        raise StoreError(f"{store_dir}: already holds a different store (from {existing.source.get('source')}); choose another --store or delete that folder first")
-    store_dir.mkdir(parents=True, exist_ok=True)
+    if (existing := existing_store(store_dir, params)) is not None:
+        return existing
     plan = plan_tensors(source.tensors, **plan_options)
-    journal = _Journal(store_dir / JOURNAL_NAME)  # a rerun after an interruption keeps the store id and the spine so far
-    header, _ = journal.read()
-    if header is not None and header.get("params") != params:
-        raise StoreError(f"{store_dir}: holds an interrupted setup of a different source ({header.get('params', {}).get('source')}); "
-                         "resume it with the same --from/--drive/--dense-slices, or delete the folder")
-    if header is None:
-        header = {"params": params, "store_id": uuid.uuid4().hex}
-        journal.start(header)
-    store_id = header["store_id"]
+    journal, store_id, _ = open_journal(store_dir, params)  # a rerun after an interruption keeps the store id and the spine so far
     tmp = store_dir / (SPINE_NAME + ".tmp")
     spine = {n: source.tensors[n] for n in plan.spine}
     with tqdm(total=sum(i.nbytes for i in spine.values()), unit="B", unit_scale=True, unit_divisor=1024, desc="spine",
@@ -128,7 +91,7 @@ def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | Non
                 f.seek(end)
                 f.write(payload)
                 rec = ExpertRecord(layer, expert, drive, end, length, hashlib.sha256(payload).hexdigest(), tuple(entries),
-                                   _xxh3(payload))
+                                   xxhash.xxh3_64_hexdigest(payload))
             records.append(rec)
             packs[drive] = (f, end + align_up(length))
         for f, end in packs:
@@ -139,8 +102,6 @@ def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | Non
         for f, _ in packs:
             f.close()
 
-    tokenizer_files = source.write_tokenizer(store_dir / TOKENIZER_DIR)
-    (store_dir / "config.json").write_text(json.dumps(source.config, indent=1))
     spine_remote = [[source.remote[n].file, source.remote[n].start, source.remote[n].end, n] for n in plan.spine]
     files = {f: {"size": source.repo.files[f].size, "sha256": source.repo.files[f].sha256} for f in source.shards}
     write_json_atomic(store_dir / REMOTE_NAME, {
@@ -148,20 +109,8 @@ def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | Non
         "files": files, "spine": spine_remote, "experts": remote,
     })
     (store_dir / PRESENT_NAME).touch()
-    manifest = Manifest(
-        store_id=store_id, family=str(source.config.get("model_type")), model_config=source.config, drives=drive_strs,
-        dense_slices=dense_slices, source={**params, "remote": REMOTE_NAME}, spine_sha256=spine_sha,
-        tokenizer_files=tokenizer_files, experts=sorted(records, key=lambda r: r.key),
-    )
-    manifest.save(store_dir)
-    journal.path.unlink(missing_ok=True)
-    return manifest
-
-
-def _xxh3(data: bytes) -> str:
-    import xxhash
-
-    return xxhash.xxh3_64_hexdigest(data)
+    return finish_store(store_dir, source, journal, records, store_id=store_id, drives=drive_strs, dense_slices=dense_slices,
+                        source={**params, "remote": REMOTE_NAME}, spine_sha256=spine_sha)
 
 
 def open_fetcher(store_dir: Path, manifest: Manifest) -> RemoteExperts:
@@ -224,11 +173,10 @@ def _shard_sha256(store_dir: Path, manifest: Manifest, fetcher: RemoteExperts, f
             if p.file == file:
                 pieces.append((p.start, p.end, lambda rec=rec, entry=entry: _pread(packs[rec.drive], rec.offset + entry.offset, entry.nbytes)))
     spine = store_dir / SPINE_NAME
-    base, local = read_local_header(spine)
+    _, local = read_local_header(spine, SPINE_NAME)
     for f, start, end, name in fetcher.meta["spine"]:
-        if f == file and name in local and local[name][1] - local[name][0] == end - start:
-            a, b = local[name]
-            pieces.append((start, end, lambda a=a, b=b: _pread(spine, base + a, b - a)))
+        if f == file and (t := local.get(name)) is not None and t.end - t.start == end - start:
+            pieces.append((start, end, lambda t=t: _pread(spine, t.start, t.end - t.start)))
     pieces.sort(key=lambda x: x[0])
     h, pos = hashlib.sha256(), 0
     for start, end, read in [*pieces, (size, size, lambda: b"")]:
@@ -239,13 +187,6 @@ def _shard_sha256(store_dir: Path, manifest: Manifest, fetcher: RemoteExperts, f
         h.update(read())
         pos = max(pos, end)
     return h.hexdigest()
-
-
-def read_local_header(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:
-    with open(path, "rb") as f:
-        hlen = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(hlen))
-    return 8 + hlen, {n: tuple(m["data_offsets"]) for n, m in header.items() if n != "__metadata__"}
 
 
 def _pread(path: Path, offset: int, n: int) -> bytes:

@@ -107,23 +107,27 @@ def _check_scales(layer: int, expert: int, parts: dict[str, torch.Tensor]) -> No
             raise StoreError(f"layer {layer} expert {expert} {name}: E8M0 scale byte 0 or 255, outside what the checkpoint uses; re-download it")
 
 
+def record_layout(infos: dict[str, TensorInfo], quants: dict[str, str] | None = None) -> tuple[int, list[TensorEntry]]:
+    """An expert record's length and where each tensor goes: back to back in `infos` order, TENSOR_ALIGN-aligned."""
+    entries, offset = [], 0
+    for name, info in infos.items():
+        offset = align_up(offset, TENSOR_ALIGN)
+        entries.append(TensorEntry(name, str(info.dtype).removeprefix("torch."), info.shape, offset, info.nbytes, (quants or {}).get(name, "")))
+        offset += info.nbytes
+    return offset, entries
+
+
 def expert_record_bytes(parts: dict[str, torch.Tensor], quants: dict[str, str] | None = None) -> tuple[bytes, list[TensorEntry]]:
-    """Lay out one expert's tensors back to back (64-byte aligned, in `parts` order) as one record payload.
+    """One expert's tensors as one record payload, laid out by `record_layout` (zeros in the gaps).
 
     Any dtype goes in byte for byte; K3's six MXFP4 tensors (all multiples of 64
     bytes) come out as exactly the released 17,547,264-byte blob.
     """
-    chunks, entries, offset = [], [], 0
-    for name, t in parts.items():
-        t = t.contiguous()
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        pad = align_up(offset, TENSOR_ALIGN) - offset
-        chunks.append(b"\0" * pad)
-        offset += pad
-        entries.append(TensorEntry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, len(raw), (quants or {}).get(name, "")))
-        chunks.append(raw)
-        offset += len(raw)
-    return b"".join(chunks), entries
+    length, entries = record_layout({n: TensorInfo(t.dtype, tuple(t.shape)) for n, t in parts.items()}, quants)
+    payload = bytearray(length)
+    for e, t in zip(entries, parts.values(), strict=True):
+        payload[e.offset : e.offset + e.nbytes] = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return bytes(payload), entries
 
 
 def _iter_expert_groups(source: Source, plan: Plan, dense_slices: int) -> Iterator[tuple[int, int, Callable[[], Parts]]]:
@@ -222,34 +226,14 @@ def setup_store(
     source_str = str(source.path) if isinstance(source_path, Source) else str(Path(source_path).resolve())
     if dense_slices < 1:
         raise StoreError(f"dense slices must be >= 1 (got {dense_slices})")
-    drive_dirs = [Path(d) for d in drives] if drives else [store_dir / "drive0"]
-    drive_strs = [os.path.relpath(d.resolve(), store_dir.resolve()) if _inside(d, store_dir) else str(d.resolve()) for d in drive_dirs]
+    drive_dirs, drive_strs = drive_folders(store_dir, drives)
     params = {"fingerprint": source.fingerprint(), "source": source_str, "drives": drive_strs, "dense_slices": dense_slices}
 
     if (store_dir / MANIFEST_NAME).exists():
         _replace_older_format(store_dir, params)
-    if (store_dir / MANIFEST_NAME).exists():
-        existing = Manifest.load(store_dir)
-        same = {k: existing.source.get(k) for k in params} == params
-        if same:
-            return existing
-        raise StoreError(
-            f"{store_dir}: already holds a different store (from {existing.source.get('source')}); "
-            "choose another --store or delete that folder first"
-        )
-    store_dir.mkdir(parents=True, exist_ok=True)
-    journal = _Journal(store_dir / JOURNAL_NAME)
-    header, done = journal.read()
-    if header is not None and header.get("params") != params:
-        raise StoreError(
-            f"{store_dir}: holds an interrupted setup of a different source ({header.get('params', {}).get('source')}); "
-            "resume it with the same --from/--drive/--dense-slices, or delete the folder"
-        )
-    if header is None:
-        header = {"params": params, "store_id": uuid.uuid4().hex}
-        journal.start(header)
-    store_id = header["store_id"]
-
+    if (existing := existing_store(store_dir, params)) is not None:
+        return existing
+    journal, store_id, done = open_journal(store_dir, params)
     plan = plan_tensors(source.tensors, names)
     source.begin_import(plan.spine)
     records = [ExpertRecord.from_json(d["record"]) for d in done if d.get("kind") == "expert"]
@@ -301,25 +285,58 @@ def setup_store(
     else:
         spine_sha = spine_entry["sha256"]
 
-    tok_dir = store_dir / TOKENIZER_DIR
-    tok_dir.mkdir(exist_ok=True)
-    tokenizer_files = source.write_tokenizer(tok_dir)
-    (store_dir / "config.json").write_text(json.dumps(source.config, indent=1))
-    manifest = Manifest(
-        store_id=store_id,
-        family=str(source.config.get("model_type")),
-        model_config=source.config,
-        drives=drive_strs,
-        dense_slices=dense_slices,
-        source=params,
-        spine_sha256=spine_sha,
-        tokenizer_files=tokenizer_files,
-        experts=sorted(records, key=lambda r: r.key),
-        placement="stripe" if any(r.stripes for r in records) else "whole",
-    )
+    manifest = finish_store(store_dir, source, journal, records, store_id=store_id, drives=drive_strs, dense_slices=dense_slices,
+                            source=params, spine_sha256=spine_sha, placement="stripe" if any(r.stripes for r in records) else "whole")
+    source.end_import()
+    return manifest
+
+
+def drive_folders(store_dir: Path, drives: list[Path] | None) -> tuple[list[Path], list[str]]:
+    """The drive folders (default `store_dir/drive0`) and how the manifest names them (relative when inside the store)."""
+    dirs = [Path(d) for d in drives] if drives else [store_dir / "drive0"]
+    root = store_dir.resolve()
+    return dirs, [os.path.relpath(d.resolve(), root) if d.resolve().is_relative_to(root) else str(d.resolve()) for d in dirs]
+
+
+def existing_store(store_dir: Path, params: dict[str, Any]) -> Manifest | None:
+    """The store `store_dir` already holds from the same `params` (None if none); StoreError if it holds another."""
+    if not (store_dir / MANIFEST_NAME).exists():
+        return None
+    existing = Manifest.load(store_dir)
+    if {k: existing.source.get(k) for k in params} != params:
+        raise StoreError(
+            f"{store_dir}: already holds a different store (from {existing.source.get('source')}); "
+            "choose another --store or delete that folder first"
+        )
+    return existing
+
+
+def open_journal(store_dir: Path, params: dict[str, Any]) -> tuple[_Journal, str, list[dict[str, Any]]]:
+    """This import's journal, the store id and the steps already done (a rerun after an interruption resumes)."""
+    store_dir.mkdir(parents=True, exist_ok=True)
+    journal = _Journal(store_dir / JOURNAL_NAME)
+    header, done = journal.read()
+    if header is not None and header.get("params") != params:
+        raise StoreError(
+            f"{store_dir}: holds an interrupted setup of a different source ({header.get('params', {}).get('source')}); "
+            "resume it with the same --from/--drive/--dense-slices, or delete the folder"
+        )
+    if header is None:
+        header = {"params": params, "store_id": uuid.uuid4().hex}
+        journal.start(header)
+    return journal, header["store_id"], done
+
+
+def finish_store(store_dir: Path, checkpoint: Source, journal: _Journal, records: list[ExpertRecord], **fields: Any) -> Manifest:
+    """Write the tokenizer, config.json and last the manifest (`fields` and what `checkpoint` says),
+    which makes the store whole; drop the journal."""
+    config = checkpoint.config
+    tokenizer_files = checkpoint.write_tokenizer(store_dir / TOKENIZER_DIR)
+    (store_dir / "config.json").write_text(json.dumps(config, indent=1))
+    manifest = Manifest(family=str(config.get("model_type")), model_config=config, tokenizer_files=tokenizer_files,
+                        experts=sorted(records, key=lambda r: r.key), **fields)
     manifest.save(store_dir)
     journal.path.unlink(missing_ok=True)
-    source.end_import()
     return manifest
 
 
@@ -339,14 +356,6 @@ def _replace_older_format(store_dir: Path, params: dict[str, Any]) -> None:
             pack.unlink(missing_ok=True)
     for name in (MANIFEST_NAME, SPINE_NAME, JOURNAL_NAME):
         (store_dir / name).unlink(missing_ok=True)
-
-
-def _inside(path: Path, parent: Path) -> bool:
-    try:
-        Path(path).resolve().relative_to(Path(parent).resolve())
-        return True
-    except ValueError:
-        return False
 
 
 def _open_packs(drive_dirs: list[Path], store_id: str, records: list[ExpertRecord]) -> list[tuple[Any, int]]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,12 +20,7 @@ import torch
 
 from deltafind.errors import StoreError, UnsupportedModelError
 from deltafind.store.quant import BLOCKS, quant_tag, row_bytes
-
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+from deltafind.store.spine import SAFETENSORS_DTYPES
 
 
 @dataclass(frozen=True)
@@ -34,10 +31,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * torch.empty(0, dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class Source:
@@ -75,13 +69,27 @@ def _stat_fingerprint(paths: list[Path], extra: bytes = b"") -> str:
 LANGUAGE_PREFIX = "language_model."
 
 
-class HFSource(Source):
-    """A HuggingFace model folder: config.json + *.safetensors (indexed or not) + tokenizer files.
+def import_names(config: dict[str, Any], names: Iterable[str]) -> dict[str, str]:
+    """Checkpoint tensor name -> the name setup imports it under. When config.json has a
+    `text_config` and the tensors carry `language_model.`, only those, without the prefix
+    (the vision tower and projector are left out)."""
+    names = list(names)
+    if "text_config" in config and any(n.startswith(LANGUAGE_PREFIX) for n in names):
+        return {n: n[len(LANGUAGE_PREFIX) :] for n in names if n.startswith(LANGUAGE_PREFIX)}
+    return {n: n for n in names}
 
-    When config.json has a `text_config` and the tensors carry `language_model.`,
-    only those are imported, under their names without the prefix (the vision
-    tower and projector are left out; `skipped` counts them).
-    """
+
+def tensor_info(where: str, name: str, dtype_code: str, shape: tuple[int, ...]) -> TensorInfo:
+    """A safetensors header entry as setup imports it."""
+    dtype = SAFETENSORS_DTYPES.get(dtype_code)
+    if dtype is None:
+        raise UnsupportedModelError(f"{where}: tensor {name} has dtype {dtype_code}, which setup cannot import yet")
+    return TensorInfo(dtype, shape)
+
+
+class HFSource(Source):
+    """A HuggingFace model folder: config.json + *.safetensors (indexed or not) + tokenizer files,
+    named as `import_names` says."""
 
     def __init__(self, path: Path) -> None:
         from safetensors import safe_open
@@ -102,26 +110,17 @@ class HFSource(Source):
         self._handles: dict[Path, Any] = {}
         self._where: dict[str, tuple[Path, str]] = {}
         self.tensors = {}
-        self.skipped = 0
-        raw: dict[str, tuple[Path, str, str, tuple[int, ...]]] = {}
+        raw: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
         for f in self.files:
             if not f.exists():
                 raise StoreError(f"{f}: listed in model.safetensors.index.json but missing")
             h = self._handles[f] = safe_open(str(f), "pt")
             for name in h.keys():
                 sl = h.get_slice(name)
-                raw[name] = (f, name, sl.get_dtype(), tuple(sl.get_shape()))
-        prefixed = "text_config" in self.config and any(n.startswith(LANGUAGE_PREFIX) for n in raw)
-        for name, (f, orig, dtype_code, shape) in raw.items():
-            if prefixed:
-                if not name.startswith(LANGUAGE_PREFIX):
-                    self.skipped += 1
-                    continue
-                name = name[len(LANGUAGE_PREFIX) :]
-            dtype = SAFETENSORS_DTYPES.get(dtype_code)
-            if dtype is None:
-                raise UnsupportedModelError(f"{f}: tensor {orig} has dtype {dtype_code}, which setup cannot import yet")
-            self.tensors[name] = TensorInfo(dtype, shape)
+                raw[name] = (f, sl.get_dtype(), tuple(sl.get_shape()))
+        for orig, name in import_names(self.config, raw).items():
+            f, dtype_code, shape = raw[orig]
+            self.tensors[name] = tensor_info(str(f), orig, dtype_code, shape)
             self._where[name] = (f, orig)
 
     def load(self, name: str) -> torch.Tensor:

@@ -44,15 +44,11 @@ class SyntheticSource(Source):
         self.tensors = {n: TensorInfo(s.dtype, s.shape) for n, s in self.specs.items()}
         self._write_tokenizer = fam.write_tokenizer
 
-    def describe(self) -> str:
-        return str(self.path)
-
     def load(self, name: str) -> torch.Tensor:
-        digest = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()
-        return draw(self.specs[name], int.from_bytes(digest[:8], "little") & (2**63 - 1))
+        return draw(self.specs[name], f"{self.seed}:{name}")
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(f"{self.describe()}:v{SYNTHETIC_VERSION}:{json.dumps(self.config, sort_keys=True)}".encode()).hexdigest()
+        return hashlib.sha256(f"{self.path}:v{SYNTHETIC_VERSION}:{json.dumps(self.config, sort_keys=True)}".encode()).hexdigest()
 
     def write_tokenizer(self, dest: Path) -> list[str]:
         return self._write_tokenizer(Path(dest), self.dims)

@@ -8,6 +8,7 @@ template, enough to run the model. Add a family to `FAMILIES`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Callable
@@ -48,7 +49,10 @@ class Family:
     write_tokenizer: Callable[[Path, dict[str, Any]], list[str]]
 
 
-def draw(spec: Spec, seed: int) -> torch.Tensor:
+def draw(spec: Spec, seed: int | str) -> torch.Tensor:
+    """A tensor as `spec` says, from `seed` (a string is hashed to one: the same string, the same tensor)."""
+    if isinstance(seed, str):
+        seed = int.from_bytes(hashlib.sha256(seed.encode()).digest()[:8], "little") & (2**63 - 1)
     g = torch.Generator().manual_seed(seed)
     if spec.kind == "bytes":
         return torch.randint(int(spec.lo), int(spec.hi) + 1, spec.shape, dtype=torch.uint8, generator=g)
@@ -62,7 +66,6 @@ def draw(spec: Spec, seed: int) -> torch.Tensor:
     else:
         raise ValueError(f"unknown synthetic tensor kind {spec.kind!r}")
     return t.to(spec.dtype)
-
 
 
 def write_byte_tokenizer(dest: Path, dims: dict[str, Any]) -> list[str]:

@@ -131,6 +131,16 @@ def make_pre_tokenizer(patterns: tuple[str, ...] | list[str]) -> pre_tokenizers.
     )
 
 
+def byte_level_bpe(
+    vocab: dict[str, int], merges: list[tuple[str, str]], patterns: tuple[str, ...], ignore_merges: bool
+) -> Backend:
+    """A byte-level BPE `tokenizers` backend: split by `patterns` (make_pre_tokenizer), byte-level decode."""
+    backend = Backend(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+    backend.pre_tokenizer = make_pre_tokenizer(patterns)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
 def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
     """Parse a tiktoken ranks file: one `<base64 token> <rank>` per line."""
     ranks: dict[bytes, int] = {}
@@ -183,9 +193,7 @@ def make_tiktoken_backend(
                 f"special token {content!r} (id {token_id}) collides with BPE rank {vocab[content]}"
             )
         vocab[content] = token_id  # so the added token below keeps this exact id
-    backend = Backend(models.BPE(vocab=vocab, merges=_derive_merges(ranks), ignore_merges=True))
-    backend.pre_tokenizer = make_pre_tokenizer((pattern,))
-    backend.decoder = decoders.ByteLevel()
+    backend = byte_level_bpe(vocab, _derive_merges(ranks), (pattern,), ignore_merges=True)
     backend.add_special_tokens(
         [AddedToken(c, special=True, normalized=False) for c in special_tokens]
     )

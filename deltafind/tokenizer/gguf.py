@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
-from tokenizers import AddedToken, decoders, models
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
 
 from deltafind.errors import StoreError, UnsupportedModelError
 
-from .bpe import LLAMA3_FAMILY, PRE_SPLITS, is_byte_spelled, make_pre_tokenizer, spell_bytes
+from .bpe import LLAMA3_FAMILY, PRE_SPLITS, byte_level_bpe, is_byte_spelled, spell_bytes
 
 # llama.cpp's llama_token_type codes.
 _CONTROL = 3
@@ -77,21 +77,11 @@ def _build_backend(meta: dict[str, Any], source: Path) -> Backend:
     for merge in meta.get("tokenizer.ggml.merges", []):
         cut = merge.find(" ", 1)  # llama.cpp splits at the first space after position 0
         merges.append((merge[:cut], merge[cut + 1 :]))
-    backend = Backend(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in LLAMA3_FAMILY))
-    backend.pre_tokenizer = make_pre_tokenizer(PRE_SPLITS[pre])
-    backend.decoder = decoders.ByteLevel()
-    specials = [
-        AddedToken(tokens[i], special=True, normalized=False)
-        for i in sorted(added)
-        if types[i] == _CONTROL
-    ]
-    plain = [
-        AddedToken(tokens[i], special=False, normalized=False)
-        for i in sorted(added)
-        if types[i] != _CONTROL
-    ]
-    backend.add_special_tokens(specials)
-    backend.add_tokens(plain)
+    backend = byte_level_bpe(vocab, merges, PRE_SPLITS[pre], ignore_merges=pre in LLAMA3_FAMILY)
+    # Control tokens are special (skipped by skip_special_tokens); user-defined ones are not.
+    backend.add_tokens(
+        [AddedToken(tokens[i], special=types[i] == _CONTROL, normalized=False) for i in sorted(added)]
+    )
     moved = [(tokens[i], i) for i in added if backend.token_to_id(tokens[i]) != i]
     if moved:
         raise StoreError(
@@ -121,17 +111,9 @@ def _config(meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     }
     if "tokenizer.chat_template" in meta:
         config["chat_template"] = meta["tokenizer.chat_template"]
-    eog: list[int] = []
-    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        i = meta.get(f"tokenizer.ggml.{key}")
-        if i is not None and 0 <= i < len(tokens) and i not in eog:
-            eog.append(i)
-    eog += [
-        i
-        for i, t in enumerate(tokens)
-        if types[i] == _CONTROL and t in _EOG_SPELLINGS and i not in eog
-    ]
-    generation = {"eos_token_id": eog}
+    ids = [meta.get(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    ids += [i for i, t in enumerate(tokens) if types[i] == _CONTROL and t in _EOG_SPELLINGS]
+    generation = {"eos_token_id": list(dict.fromkeys(i for i in ids if i is not None and 0 <= i < len(tokens)))}
     if meta.get("tokenizer.ggml.bos_token_id") is not None:
         generation["bos_token_id"] = meta["tokenizer.ggml.bos_token_id"]
     return {k: v for k, v in config.items() if v is not None}, generation
