@@ -13,6 +13,7 @@ per-request tail (that message and the generation prompt). Those are printed as 
 prefilled == new + answer + tail.
 
     python tests/bench/bench_agent_turns.py [--store ~/.cache/deltafind/demo] [--no-thinking] [--max-tokens N]
+    python tests/bench/bench_agent_turns.py --store K3_STORE --split-cost   # expert reads a checkpoint's split costs
 
 A synthetic K3 store (`deltafind setup --synthetic kimi_k3`) has random weights: it never closes its think
 channel by itself, so replay it with --no-thinking (the call then starts at once, forced by the grammar).
@@ -41,6 +42,34 @@ SCRIPT = ["Find out why test_parse fails.", None, None, "Now fix it.", None, "Su
 RESULTS = {"read_file": "def parse(s):\n    return int(s)\n", "run_tests": "1 failed: test_parse (ValueError)"}
 
 
+def split_cost(store: Path) -> None:
+    """Expert reads of turn 1's prefill in one chunk vs split at the history end (what a checkpoint costs;
+    the copy itself reads nothing), the expert cache off so every use is a read."""
+    import torch
+
+    from deltafind import Model
+    from deltafind.engine.generate import forward_step
+    from deltafind.models.ops.batch import SequenceCache
+
+    m = Model.open(store, expert_cache_bytes=0, prefetch=False)
+    body = ChatRequest(model="x", messages=[{"role": "system", "content": "You are a coding agent. Use the tools."},
+                                            {"role": "user", "content": SCRIPT[0]}], tools=TOOLS, tool_choice="required",
+                       parallel_tool_calls=False, chat_template_kwargs={"thinking": False})
+    plan = plan_chat(m.tokenizer, body, chat_messages(body))
+    ids, h = plan.prompt_ids, plan.history_end
+
+    def reads(chunks: list[list[int]]) -> int:
+        r0, cache = m.experts.stats.requested, SequenceCache(m.net.num_layers)
+        with torch.inference_mode():
+            for chunk in chunks:
+                forward_step(m.net, cache, chunk)
+        return m.experts.stats.requested - r0
+
+    one, split = reads([ids]), reads([ids[:h], ids[h:]])
+    print(json.dumps({"prompt": len(ids), "history_end": h, "expert_reads_one_chunk": one, "expert_reads_split": split}))
+    m.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", type=Path, default=Path.home() / ".cache/deltafind/demo")
@@ -48,7 +77,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--tool-choice", default="required", choices=["required", "auto"],
                     help="turns 1-5 (turn 6 is none); K3 renders required/none as a system message after the history")
+    ap.add_argument("--split-cost", action="store_true", help="only the expert reads a checkpoint's split chunk costs (K3)")
     args = ap.parse_args()
+    if args.split_cost:
+        split_cost(args.store)
+        return
     extra = {"extra_body": {"chat_template_kwargs": {"thinking": False}}} if args.no_thinking else {}
     d = Daemon(args.store, "[server]\nmax_running = 1\n").start()
     try:
