@@ -348,8 +348,10 @@ class EngineCore:
         return [self._finish(it.seq, "error", f"the engine failed on this step: {type(e).__name__}: {e}") for it in plan.items]
 
     def _finish(self, s: Sequence, reason: str, error: str | None = None) -> tuple[int, FinishEvent]:
-        if reason != "error" and s.cache is not None and s.num_computed:
-            # the cache holds exactly the tokens run so far: a later prompt may extend them
+        if reason != "error" and s.cache is not None and s.num_computed and not self._checkpoint(s):
+            # the cache holds exactly the tokens run so far: a later prompt may extend them (with a
+            # checkpoint none will: the next turn leaves this prompt where the checkpoint is, and this
+            # entry would only push the checkpoint out)
             self.prefix.put(s.tokens[: s.num_computed], s.cache)
         s.cache = None
         if s.drafter is not None:

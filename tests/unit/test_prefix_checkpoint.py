@@ -7,7 +7,8 @@ and stores a copy of the cache. Checked on a synthetic K3 store (KDA + MLA) and 
 non-recurrent family (qwen3_moe): the next turn resumes from the checkpoint and its logits
 equal, bit for bit, the model run directly with the same chunk boundaries and no cache
 reuse (a run in one chunk rounds differently, so against that the tokens agree); the
-checkpoint costs no expert read beyond the split chunk's; it is bounded in bytes.
+checkpoint costs no expert read beyond the split chunk's; it is bounded in bytes and, where
+one is kept, the finished sequence is not (no next turn extends it; it would push the checkpoint out).
 """
 
 from __future__ import annotations
@@ -126,11 +127,12 @@ def test_checkpoints_are_bounded_and_off_without_a_prefix_cache(model: Model) ->
     assert steps[0] == len(turn1)  # no cache to keep it in: the prompt is not split
     core = EngineCore(model.net, model.eos_token_ids, SchedulerLimits(prefix_cache_bytes=1 << 26))
     _run(core, _request(turn1, len(HISTORY)))
+    # the checkpoint alone: the finished sequence (prompt + answer) is no prefix of a next turn
     sizes = {len(k): n for k, (_, n) in core.prefix._entries.items()}
-    assert set(sizes) == {len(HISTORY), len(turn1) + MAX_NEW - 1}  # the checkpoint and the finished sequence
-    tight = EngineCore(model.net, model.eos_token_ids, SchedulerLimits(prefix_cache_bytes=sizes[len(HISTORY)]))
+    assert list(sizes) == [len(HISTORY)]
+    tight = EngineCore(model.net, model.eos_token_ids, SchedulerLimits(prefix_cache_bytes=sizes[len(HISTORY)] - 1))
     _run(tight, _request(turn1, len(HISTORY)))
-    assert tight.prefix.used_bytes <= sizes[len(HISTORY)] and len(tight.prefix) <= 1
+    assert tight.prefix.used_bytes == 0 and len(tight.prefix) == 0  # over the budget: not kept
 
 
 def test_a_checkpoint_outside_the_prompt_is_refused() -> None:
