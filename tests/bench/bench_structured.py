@@ -4,6 +4,7 @@ the next mask built inline vs overlapped with a (stand-in) forward pass, and the
 json_schema on vs off, measured side by side in one run.
 
     python tests/bench/bench_structured.py [--store ~/.cache/deltafind/demo] [--xgrammar-path DIR]
+    python tests/bench/bench_structured.py --only-decode --no-daemon --pairs 24 --tokens 16   # the firm slowdown figure
 
 xgrammar pulls triton into an environment, so it is not a project dependency: install it with
 `pip install --no-deps --target DIR xgrammar apache-tvm-ffi` and pass DIR to include it.
