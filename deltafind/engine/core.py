@@ -163,6 +163,8 @@ class EngineCore:
             if s.pending > 1 and budget > 0:
                 fits = self.limits.prefill.tokens(s.num_computed) if self.limits.prefill is not None else budget
                 n = min(s.pending, budget, fits)
+                if s.num_computed < self._checkpoint(s):  # a chunk ends where the checkpoint is taken
+                    n = min(n, self._checkpoint(s) - s.num_computed)
                 items.append(PlanItem(s, n, s.num_computed))
                 budget -= n
         for it in items:
@@ -204,6 +206,20 @@ class EngineCore:
             self._start_draft(s, found is not None)
             self.running.append(s)
         return ended
+
+    def _checkpoint(self, s: Sequence) -> int:
+        """Where `s` leaves a copy of its cache in the prefix cache (0: nowhere, or the cache is off)."""
+        return s.req.checkpoint if self.prefix.max_bytes > 0 else 0
+
+    def _keep_checkpoint(self, s: Sequence) -> None:
+        """The cache holds exactly the prompt's first `checkpoint` tokens: a copy goes to the prefix cache.
+
+        Attention K/V up to there and KDA's recurrent and conv state as of that token; the
+        copy reads no expert (the split chunk is the only cost: experts both halves use are
+        read once per half)."""
+        n = self._checkpoint(s)
+        if n and s.num_computed == n and s.cached_tokens < n:  # bounded by put, like any entry
+            self.prefix.put(s.tokens[:n], s.cache.copy())
 
     def _start_draft(self, s: Sequence, reused: bool) -> None:
         if self.draft is None or not self.draft_enabled:
@@ -273,6 +289,7 @@ class EngineCore:
         if it.proposal is not None:
             return self._verify(it, logits, out, start)
         s.num_computed += it.num_tokens
+        self._keep_checkpoint(s)
         flat = slice(start, start + it.num_tokens)
         it.emitted = 0
         if s.pending == 0:  # the chunk reached the end: this step's logits pick the next token
@@ -331,8 +348,10 @@ class EngineCore:
         return [self._finish(it.seq, "error", f"the engine failed on this step: {type(e).__name__}: {e}") for it in plan.items]
 
     def _finish(self, s: Sequence, reason: str, error: str | None = None) -> tuple[int, FinishEvent]:
-        if reason != "error" and s.cache is not None and s.num_computed:
-            # the cache holds exactly the tokens run so far: a later prompt may extend them
+        if reason != "error" and s.cache is not None and s.num_computed and not self._checkpoint(s):
+            # the cache holds exactly the tokens run so far: a later prompt may extend them (with a
+            # checkpoint none will: the next turn leaves this prompt where the checkpoint is, and this
+            # entry would only push the checkpoint out)
             self.prefix.put(s.tokens[: s.num_computed], s.cache)
         s.cache = None
         if s.drafter is not None:

@@ -32,6 +32,8 @@ class GenRequest:
             the N most likely alternatives at each step.
         presence_penalty, frequency_penalty: OpenAI's, subtracted from the logits
             of tokens already generated (once, and once per occurrence).
+        checkpoint: prompt tokens after which the prefill ends a chunk and the prefix
+            cache keeps a copy of the cache (where a chat's history ends); 0: none.
     """
 
     prompt_ids: tuple[int, ...]
@@ -42,6 +44,7 @@ class GenRequest:
     request_id: str = ""
     chat: bool = False  # a chat turn: raw-only drafts (cross-tokenizer, spec 7.7) stay off
     constraint: ConstraintFactory | None = field(default=None, compare=False)  # structured output, one per sequence
+    checkpoint: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -51,6 +54,8 @@ class GenRequest:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise RequestError(f"{name} must be in [-2, 2] (got {getattr(self, name)})", name)
+        if not 0 <= self.checkpoint < len(self.prompt_ids):
+            raise RequestError(f"checkpoint must be in [0, {len(self.prompt_ids)}) (got {self.checkpoint})", "checkpoint")
 
 
 @dataclass(frozen=True)

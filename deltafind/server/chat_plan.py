@@ -47,6 +47,13 @@ class ChatPlan:
     constraint: ConstraintFactory | None
     make_parser: Callable[[], OutputParser] | None
     tool_choice: str
+    history_end: int = 0  # prompt tokens up to the end of the history, when per-request messages follow it (K3)
+
+    def respell(self, ids: list[int]) -> None:
+        """Take `ids` (server/turns.py's re-spelling of the prompt's start) as the prompt; history_end follows."""
+        tail = len(self.prompt_ids) - self.history_end
+        keep = self.history_end and len(ids) >= tail and ids[len(ids) - tail :] == self.prompt_ids[self.history_end :]
+        self.prompt_ids, self.history_end = ids, len(ids) - tail if keep else 0
 
 
 def _thinking(body: Any, kwargs: dict[str, Any], k3: bool) -> tuple[bool, str | None]:
@@ -89,9 +96,9 @@ def plan_chat(tokenizer: Any, body: Any, messages: list[dict[str, Any]], always_
     try:
         if k3:
             tc = {"required": "required", "none": "none"}.get(mode) if tools else None
-            ids = tokenizer.apply_chat_template(
-                messages, tools=[t.raw for t in tools] or None, tool_choice=tc, response_format=body.response_format,
-                thinking=thinking, thinking_effort=effort if thinking else None)
+            args = dict(tools=[t.raw for t in tools] or None, thinking=thinking, thinking_effort=effort if thinking else None)
+            ids = tokenizer.apply_chat_template(messages, tool_choice=tc, response_format=body.response_format, **args)
+            history_end = _history_end(tokenizer, messages, ids, args) if tc or schema is not None else 0
             prompt_text = ""
         else:
             msgs = template_messages(messages, fmt, native, tools)
@@ -100,6 +107,7 @@ def plan_chat(tokenizer: Any, body: Any, messages: list[dict[str, Any]], always_
             tpl_tools = [t.raw for t in tools] if native and tools else None
             prompt_text = tokenizer.render_chat(msgs, tools=tpl_tools, **extra)
             ids = tokenizer.apply_chat_template(msgs, tools=tpl_tools, **extra)
+            history_end = 0  # HF templates put nothing per-request after the history: prompt + answer is the prefix
     except RequestError as e:  # the template refused this conversation (raise_exception)
         raise bad_request(str(e), "messages", "invalid_messages") from None
     except StoreError as e:  # the store's template is broken, too slow or too big: not the client's fault
@@ -136,4 +144,13 @@ def plan_chat(tokenizer: Any, body: Any, messages: list[dict[str, Any]], always_
     if parse_tools is not None or think is not None or k3 or always_parse:
         def make_parser() -> OutputParser:
             return OutputParser(parse_tools, think, in_think, strip)
-    return ChatPlan(ids, constraint, make_parser, mode)
+    return ChatPlan(ids, constraint, make_parser, mode, history_end)
+
+
+def _history_end(tokenizer: Any, messages: list[dict[str, Any]], ids: list[int], args: dict[str, Any]) -> int:
+    """Where K3's history ends in `ids`: the tool-choice and response-format messages (spec 6.6) come after it.
+
+    The next turn's prompt repeats the history but not those messages, so the engine keeps a
+    prefix-cache checkpoint here (KDA state resumes only where it was stored)."""
+    head = tokenizer.apply_chat_template(messages, add_generation_prompt=False, **args)
+    return len(head) if 0 < len(head) < len(ids) and ids[: len(head)] == head else 0

@@ -209,7 +209,7 @@ class Generate:
         plan = plan_chat(engine.tokenizer, body, chat_messages(body), always_parse) if isinstance(body, ChatRequest) else None
         turns = engine.turns if plan is not None else None
         if plan is not None:  # an answer sent back in the history keeps the ids the model generated for it
-            plan.prompt_ids = engine.turns.splice(engine.tokenizer, plan.prompt_ids)
+            plan.respell(engine.turns.splice(engine.tokenizer, plan.prompt_ids))
         prompts = [plan.prompt_ids] if plan is not None else self._prompts(engine, body)
         constraint = plan.constraint if plan is not None else completion_constraint(engine.tokenizer, body)
         max_context = min(cfg.max_context or engine.context_length, engine.context_length)
@@ -228,7 +228,7 @@ class Generate:
                                             1.0 if body.top_p is None else body.top_p, 0, seed)
                     gen.append(GenRequest(tuple(ids), params, want_lp, body.presence_penalty or 0.0,
                                           body.frequency_penalty or 0.0, self.state.request_id(), chat=self.chat,
-                                          constraint=constraint))
+                                          constraint=constraint, checkpoint=plan.history_end if plan else 0))
                 except RequestError as e:
                     raise bad_request(str(e), e.param, "invalid_value") from None
         mux: queue.Queue = queue.Queue()

@@ -4,6 +4,7 @@ the next mask built inline vs overlapped with a (stand-in) forward pass, and the
 json_schema on vs off, measured side by side in one run.
 
     python tests/bench/bench_structured.py [--store ~/.cache/deltafind/demo] [--xgrammar-path DIR]
+    python tests/bench/bench_structured.py --only-decode --no-daemon --pairs 24 --tokens 16   # the firm slowdown figure
 
 xgrammar pulls triton into an environment, so it is not a project dependency: install it with
 `pip install --no-deps --target DIR xgrammar apache-tvm-ffi` and pass DIR to include it.
@@ -156,63 +157,113 @@ def mask_cost(tokenizer, label: str, xgrammar_path: str | None) -> None:
               f"{us[int(len(us) * 0.9)]:8.1f} {us[-1]:8.1f}")
 
 
-def engine_slowdown(store: Path, tokens: int = 96, reps: int = 5) -> None:
-    """The engine core in-process on the demo, batch 1, greedy: decode seconds per token without a constraint,
-    with a grammar that admits exactly that answer (the same tokens, so the same forward passes: only the
-    constraint's cost differs), and with json_schema (other tokens), alternated in one run."""
+def engine_slowdown(store: Path, tokens: int = 16, pairs: int = 24) -> None:
+    """The engine core in-process on the demo, batch 1, greedy, one engine for every run: decode per token
+    without a constraint, with a grammar that admits exactly the free answer ("same tokens": the same
+    forward passes, only the constraint's cost differs) and with json_schema, in rounds of short
+    generations whose order rotates and reverses, so drift on a shared machine falls on every config
+    alike. Per round each config's cost against that round's "off" run; the median of those ratios with
+    its spread (p25..p75, min..max), on the wall clock and on this thread's CPU clock (the engine thread:
+    forward, sampler and what the constraint does here; masks built on worker threads do not count).
+    Beside it the constraint's own engine-thread time per token, timed around `apply` (waiting for the
+    mask, masking the logits) and `advance`: the work not overlapped with the forward, the upper bound
+    it puts on the slowdown."""
     import os
 
     import torch
 
     from deltafind.api import Model
-    from deltafind.engine.generate import generate
+    from deltafind.engine import sequence
+    from deltafind.engine.core import EngineCore
+    from deltafind.engine.generate import ONE_AT_A_TIME
     from deltafind.engine.sampler import SamplingParams
-    from deltafind.engine.sequence import GenRequest
-    from deltafind.engine.stats import GenerationStats
+    from deltafind.engine.sequence import FinishEvent, GenRequest
     from deltafind.server.structured import Grammar, json_schema_grammar, lark_literal
 
     model = Model.open(store)
     tok = model.tokenizer
+    core = EngineCore(model.net, model.eos_token_ids, ONE_AT_A_TIME)  # one engine, no prefix reuse
     # a prompt the demo answers at length (the JSON one it ends after 25 tokens)
     prompt = tuple(tok.apply_chat_template([{"role": "user", "content": "Write a long story about a lighthouse keeper."}]))
-    params = SamplingParams(max_new_tokens=tokens, temperature=0.0)
+    params = SamplingParams(max_new_tokens=tokens + 1, temperature=0.0)
+    spent = [0.0, 0.0]  # the constraint's engine-thread (wall, CPU) seconds in the current run
 
-    def run(factory) -> tuple[tuple[float, float], list[int]]:
-        """((wall s per decoded token, engine-thread CPU s per token), tokens). The CPU clock counts this
-        thread only (the forward runs here with torch at one thread; masks built elsewhere do not count):
-        what the critical path costs, less the waiting for a CPU on a loaded machine."""
-        st = GenerationStats()
-        c0 = time.thread_time()
-        out = list(generate(model.net, prompt, params, model.eos_token_ids, st, request=GenRequest(prompt, params, constraint=factory)))
-        return (st.decode_s / max(st.new_tokens - 1, 1), (time.thread_time() - c0) / len(out)), out
+    def timed(fn):
+        def call(*a, **kw):
+            w, c = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[0] += time.perf_counter() - w
+                spent[1] += time.thread_time() - c
+        return call
 
-    _, free = run(None)
-    assert len(free) == tokens and not set(free) & set(model.eos_token_ids), "the free answer ended early"
-    same = Grammar(tok, f"start: {lark_literal(tok.decode([t for t in free if t not in model.eos_token_ids]))}", "bench").factory()
+    class Timed:  # the constraint as the engine sees it, its engine-thread calls timed
+        def __init__(self, inner) -> None:
+            self.inner, self.allowed, self.advance, self.rollback = inner, inner.allowed, timed(inner.advance), inner.rollback
+
+        @property
+        def done(self) -> bool:
+            return self.inner.done
+
+    apply = sequence.apply_constraint
+    sequence.apply_constraint = lambda logits, c: timed(apply)(logits, c) if c is not None else logits
+
+    def run(factory) -> tuple[float, float, float, float, list[int]]:
+        """(wall, CPU, constraint wall, constraint CPU) seconds per decoded token, and the tokens."""
+        core.add(GenRequest(prompt, params, constraint=(lambda: Timed(factory())) if factory else None), 0)
+        out, wall, cpu, first = [], 0.0, 0.0, True
+        while core.has_work:
+            w, c = time.perf_counter(), time.thread_time()
+            events = core.step()
+            if not first:  # decode steps only; the prompt's prefill is not what a mask slows
+                wall += time.perf_counter() - w
+                cpu += time.thread_time() - c
+            first = False
+            for _, e in events:
+                if isinstance(e, FinishEvent):
+                    assert e.reason in ("length", "stop"), e  # the literal grammar ends with the answer
+                else:
+                    out.append(e.token_id)
+                    if len(out) == 1:
+                        spent[0] = spent[1] = 0.0  # the first token's mask came from the prefill step
+        n = len(out) - 1
+        return wall / n, cpu / n, spent[0] / n, spent[1] / n, out
+
+    free = run(None)[4]
+    assert not set(free) & set(model.eos_token_ids), "the free answer ended early"
+    same = Grammar(tok, f"start: {lark_literal(tok.decode(free))}", "bench").factory()
     long_text = {"type": "object", "properties": {"text": {"type": "string", "minLength": 2000}}, "required": ["text"]}
     schema = Grammar(tok, json_schema_grammar(long_text, "bench"), "bench").factory()
     configs = {"off": None, "same tokens": same, "json_schema": schema}
-    run(same)
-    run(schema)
+    for f in configs.values():  # warm-up
+        run(f)
     load0 = os.getloadavg()
-    times: dict[str, list[tuple[float, float]]] = {k: [] for k in configs}
-    for i in range(reps):
-        names = list(configs) if i % 2 == 0 else list(reversed(configs))
-        for name in names:
-            t, out = run(configs[name])
+    res: dict[str, list[tuple[float, float, float, float]]] = {k: [] for k in configs}
+    names = list(configs)
+    for i in range(pairs):
+        order = names[i % 3 :] + names[: i % 3]
+        for name in order if i % 2 == 0 else reversed(order):
+            *t, out = run(configs[name])
             if name == "same tokens":
                 assert out == free, "the literal grammar changed the greedy answer"
-            times[name].append(t)
+            res[name].append(tuple(t))
     load1 = os.getloadavg()
-    print(f"\nengine in-process, demo, batch 1, {tokens} tokens, {reps} alternated rounds, torch threads {torch.get_num_threads()} "
-          f"(load average {load0[0]:.1f} -> {load1[0]:.1f}); medians, and each round vs its own off run:")
-    for k, clock in enumerate(("wall", "engine-thread CPU")):
-        base = statistics.median(t[k] for t in times["off"])
-        for name, ts in times.items():
-            mine = [t[k] for t in ts]
-            rounds = [100 * (t[k] / o[k] - 1) for t, o in zip(ts, times["off"], strict=True)]
-            print(f"  {clock:<17} {name:<12} {1e3 * statistics.median(mine):7.2f} ms/token  {100 * (statistics.median(mine) / base - 1):+6.1f} %"
-                  f"   rounds {', '.join(f'{p:+.1f}' for p in rounds)} %")
+    sequence.apply_constraint = apply
+    print(f"\nengine in-process, demo, batch 1, greedy, {tokens} decoded tokens a run, {pairs} rounds "
+          f"(order rotated and reversed), torch threads {torch.get_num_threads()}, load average "
+          f"{load0[0]:.1f} -> {load1[0]:.1f}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"  {'config':<12} {'clock':<5} {'ms/token':>9} {'per-round ratio - 1: median':>28} {'p25..p75':>16} {'min..max':>16}"
+          f" {'constraint on engine thread':>28}")
+    for name, rows in res.items():
+        for k, clock in enumerate(("wall", "CPU")):
+            ratios = sorted(100 * (r[k] / o[k] - 1) for r, o in zip(rows, res["off"], strict=True))
+            q = statistics.quantiles(ratios, n=4)
+            own = statistics.median(r[2 + k] for r in rows)
+            share = 100 * statistics.median(r[2 + k] / r[k] for r in rows)
+            print(f"  {name:<12} {clock:<5} {1e3 * statistics.median(r[k] for r in rows):9.2f} {statistics.median(ratios):+27.1f} %"
+                  f" {q[0]:+7.1f}..{q[2]:+6.1f} % {ratios[0]:+7.1f}..{ratios[-1]:+6.1f} %"
+                  f" {1e6 * own:10.0f} us = {share:5.2f} % of a step")
     model.close()
 
 
@@ -304,7 +355,10 @@ def main() -> None:
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--first-request", action="store_true", help="only the first-request latency on fresh daemons")
     ap.add_argument("--only-decode", action="store_true", help="skip the mask-cost tables")
-    ap.add_argument("--reps", type=int, default=5, help="alternated off/on pairs for the decode slowdown")
+    ap.add_argument("--reps", type=int, default=5, help="alternated off/on pairs for the daemon's decode slowdown")
+    ap.add_argument("--pairs", type=int, default=24, help="rounds of the in-process slowdown (each runs off, same tokens, json_schema)")
+    ap.add_argument("--tokens", type=int, default=16, help="decoded tokens per run of the in-process slowdown")
+    ap.add_argument("--no-daemon", action="store_true", help="skip the daemon's decode slowdown")
     args = ap.parse_args()
     from deltafind.tokenizer import Tokenizer
 
@@ -315,8 +369,9 @@ def main() -> None:
         first_request(args.store)
         return
     if not args.skip_decode:
-        engine_slowdown(args.store, reps=args.reps)
-        decode_slowdown(args.store, reps=args.reps)
+        engine_slowdown(args.store, tokens=args.tokens, pairs=args.pairs)
+        if not args.no_daemon:
+            decode_slowdown(args.store, reps=args.reps)
 
 
 if __name__ == "__main__":

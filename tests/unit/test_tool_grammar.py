@@ -197,3 +197,34 @@ def test_a_sent_back_call_renders_as_the_constrained_tokens(name: str, tmp_path:
     parser.feed(tok.decode(generated))
     parser.finish()
     assert [json.loads("".join(c.arguments)) for c in parser.tool_calls] == [args]
+
+
+@pytest.mark.parametrize("kw", [dict(tool_choice="required"), dict(tool_choice="none"),
+                                dict(tools=None, tool_choice=None, response_format={"type": "json_object"})])
+def test_k3_history_end_is_where_the_next_turn_leaves_this_prompt(kw: dict, tmp_path: Path) -> None:
+    """K3 renders tool_choice required/none and response_format after the history (spec 6.6): the
+    plan says where the history ends, the next turn's prompt repeats exactly those ids, and the
+    engine keeps a prefix-cache checkpoint there."""
+    write_k3_tokenizer(tmp_path)
+    tok = Tokenizer.load(tmp_path)
+    ask = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+    turn1 = plan_chat(tok, body(**kw), ask)
+    h = turn1.history_end
+    assert 0 < h < len(turn1.prompt_ids)
+    assert tok.decode(turn1.prompt_ids[h:]).startswith('<|open|>message role="system" type="')
+    turn2 = plan_chat(tok, body(**kw), [*ask, {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And Rome?"}])
+    assert turn2.prompt_ids[:h] == turn1.prompt_ids[:h]
+    assert turn2.history_end > h and turn2.prompt_ids[h:] != turn1.prompt_ids[h:]
+    assert plan_chat(tok, body(tool_choice="auto"), ask).history_end == 0  # nothing after the history: no checkpoint
+    # a re-spelled start (server/turns.py) moves the history end with it; a changed tail drops it
+    ids = turn1.prompt_ids
+    turn1.respell([*ids[:2], 7, *ids[2:]])
+    assert turn1.history_end == h + 1 and turn1.prompt_ids[h + 1 :] == ids[h:]
+    turn1.respell([*turn1.prompt_ids[:-1], 5])
+    assert turn1.history_end == 0
+
+
+def test_hf_templates_need_no_checkpoint(family: tuple[str, Tokenizer]) -> None:
+    name, tok = family
+    plan = plan_chat(tok, body(), [{"role": "user", "content": "weather?"}])
+    assert (plan.history_end > 0) == (name == "kimi_k3")

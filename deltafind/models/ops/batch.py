@@ -48,6 +48,13 @@ class LayerCache:
         assert 0 <= length <= self.length
         self.length = length
 
+    def copy(self) -> LayerCache:
+        """An independent copy of the positions held (a prefix-cache checkpoint)."""
+        new = LayerCache()
+        new._bufs = [buf[: self.length].clone() for buf in self._bufs]
+        new.length = self.length
+        return new
+
 
 class SequenceCache:
     """All layers' caches of one sequence; `length` is the number of positions seen."""
@@ -69,6 +76,13 @@ class SequenceCache:
         for layer in self.layers:
             layer.truncate(min(layer.length, length))
         self.length = length
+
+    def copy(self) -> SequenceCache:
+        """An independent copy of every layer as of now (each layer's `copy`); a new seq_id."""
+        new = SequenceCache(0)
+        new.layers = [layer.copy() for layer in self.layers]
+        new.length = self.length
+        return new
 
 
 @dataclass

@@ -77,6 +77,14 @@ class KDAState:
         self.conv_rows: list[torch.Tensor] = []  # per stream [n, D]: the pass's raw (pre-conv) inputs
         self.rerun: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # rows -> (o, S), as the layer runs them
 
+    def copy(self) -> KDAState:
+        """The state as of now (conv windows and S cloned); it keeps no pass, so it rolls back nowhere."""
+        new = KDAState()
+        new.conv = [None if c is None else c.clone() for c in self.conv]
+        new.recurrent = None if self.recurrent is None else self.recurrent.clone()
+        new.length = new.window_start = self.length
+        return new
+
     def keeps_rows(self, num_rows: int) -> bool:
         """Whether a pass of `num_rows` on this state keeps what `truncate` needs."""
         return self.recurrent is not None and 1 < num_rows <= MAX_ROLLBACK_ROWS

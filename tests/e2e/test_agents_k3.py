@@ -1,0 +1,62 @@
+"""Kimi K3 agent turns against the real daemon (synthetic K3 store, openai client): a turn with
+tool_choice "required" renders a system message after the history (spec 6.6), and the next turn
+resumes from the prefix-cache checkpoint the engine kept where that history ended (KDA state
+included), instead of prefilling the whole prompt again."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from deltafind.server.chat_plan import plan_chat
+from deltafind.server.replies import chat_messages
+from deltafind.server.schemas import ChatRequest
+from deltafind.tokenizer import Tokenizer
+from tests.conftest import deltafind_cmd
+from tests.e2e.daemon_fixtures import Daemon
+
+TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file of the project",
+                                           "parameters": {"type": "object", "properties": {"path": {"type": "string", "maxLength": 20}},
+                                                          "required": ["path"]}}}]
+
+
+@pytest.fixture(scope="module")
+def k3_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    store = tmp_path_factory.mktemp("k3") / "store"
+    proc = deltafind_cmd("setup", "--synthetic", "kimi_k3", "--shape", "tiny", "--store", str(store), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    return store
+
+
+@pytest.fixture(scope="module")
+def k3_daemon(k3_store: Path) -> Iterator[Daemon]:
+    d = Daemon(k3_store, "[server]\nmax_running = 1\n").start()
+    yield d
+    d.stop()
+    d.cleanup()
+
+
+def test_required_turns_resume_where_the_history_ended(k3_daemon: Daemon, k3_store: Path) -> None:
+    tok = Tokenizer.load(k3_store / "tokenizer")
+    c = openai.OpenAI(base_url=k3_daemon.url + "/v1", api_key="x", max_retries=0, timeout=600)
+    msgs: list[dict] = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "Why does test_parse fail?"}]
+    prev = None
+    for turn in range(3):
+        req = dict(model="test-model", messages=msgs, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=12,
+                   extra_body={"chat_template_kwargs": {"thinking": False}})  # random weights never close a thought
+        r = c.chat.completions.create(**req)
+        body = ChatRequest(**{k: v for k, v in req.items() if k != "extra_body"}, **req["extra_body"])
+        plan = plan_chat(tok, body, chat_messages(body))
+        assert len(plan.prompt_ids) == r.usage.prompt_tokens and 0 < plan.history_end < r.usage.prompt_tokens
+        details = r.usage.prompt_tokens_details
+        cached = details.cached_tokens if details else 0
+        if prev is None:
+            assert cached == 0
+        else:  # the previous history, served from the checkpoint; its answer and tail are run again
+            assert cached == prev
+        prev = plan.history_end
+        m = r.choices[0].message
+        msgs += [{"role": "assistant", "content": m.content or ""}, {"role": "user", "content": f"Go on ({turn})."}]

@@ -1,0 +1,151 @@
+"""Prefix-cache checkpoints where a chat's history ends (issue 13.4).
+
+K3 renders tool_choice / response_format as a system message after the history, so the
+next turn's prompt leaves the cached prompt + answer right where the history ended; KDA
+state resumes only at a stored point. A request's `checkpoint` ends a prefill chunk there
+and stores a copy of the cache. Checked on a synthetic K3 store (KDA + MLA) and on a
+non-recurrent family (qwen3_moe): the next turn resumes from the checkpoint and its logits
+equal, bit for bit, the model run directly with the same chunk boundaries and no cache
+reuse (a run in one chunk rounds differently, so against that the tokens agree); the
+checkpoint costs no expert read beyond the split chunk's; it is bounded in bytes and, where
+one is kept, the finished sequence is not (no next turn extends it; it would push the checkpoint out).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltafind import Model
+from deltafind.engine.core import EngineCore, SchedulerLimits
+from deltafind.engine.generate import forward_step
+from deltafind.engine.sampler import SamplingParams
+from deltafind.engine.sequence import FinishEvent, GenRequest, TokenEvent
+from deltafind.errors import RequestError
+from deltafind.models import kimi_k3
+from deltafind.models.ops.batch import SequenceCache
+from deltafind.store.setup import setup_store
+from deltafind.store.synthetic import open_synthetic
+from tests.conftest import make_hf_checkpoint
+
+HISTORY = [(i * 37 + 5) % 240 + 3 for i in range(23)]  # system + user turns
+TAIL = [201, 17, 99, 4, 150, 8]  # the per-request system message and the generation prompt
+NEW = [61, 7, 230, 45, 12]  # the next turn's tool result / user message
+MAX_NEW, TOP = 5, 8
+
+
+@pytest.fixture(scope="module", params=["kimi_k3", "qwen3_moe"])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp(request.param)
+    if request.param == "kimi_k3":
+        setup_store(open_synthetic("kimi_k3", "tiny", seed=3), root / "store", [root / "d0"], dense_slices=2,
+                    progress=False, names=kimi_k3.WEIGHTS)
+    else:
+        ckpt = make_hf_checkpoint("qwen3_moe", Path(root) / "hf", num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
+        setup_store(ckpt, root / "store", [root / "d0"], dense_slices=2, progress=False)
+    m = Model.open(root / "store", expert_cache_bytes=0, prefetch=False)  # every expert use is a read
+    yield m
+    m.close()
+
+
+def _run(core: EngineCore, req: GenRequest) -> tuple[list[TokenEvent], FinishEvent]:
+    core.add(req, 0)
+    events: list[TokenEvent] = []
+    while core.has_work:
+        for _, e in core.step():
+            if isinstance(e, FinishEvent):
+                assert e.reason == "length", e.error
+                return events, e
+            events.append(e)
+    raise AssertionError("no finish event")
+
+
+def _request(prompt: list[int], checkpoint: int) -> GenRequest:
+    return GenRequest(tuple(prompt), SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True), logprobs=TOP,
+                      checkpoint=checkpoint)
+
+
+def _reference(net: torch.nn.Module, chunks: list[list[int]]) -> list[TokenEvent]:
+    """Greedy decode run straight on the model: the prompt fed in `chunks`, a fresh cache, no engine."""
+    cache = SequenceCache(net.num_layers)
+    with torch.inference_mode():
+        for ids in chunks:
+            logits = forward_step(net, cache, ids)[-1]
+        out = []
+        for i in range(MAX_NEW):
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            vals, idx = torch.topk(lp, TOP)
+            token = int(torch.argmax(logits.float()))
+            out.append(TokenEvent(token, float(lp[token]), tuple(zip(idx.tolist(), vals.tolist(), strict=True))))
+            if i + 1 < MAX_NEW:  # the last token is sampled, never run
+                logits = forward_step(net, cache, [token])[-1]
+    return out
+
+
+def test_next_turn_resumes_at_the_checkpoint_bit_for_bit(model: Model) -> None:
+    net, reads = model.net, model.experts.stats
+    core = EngineCore(net, model.eos_token_ids, SchedulerLimits(max_step_tokens=1 << 20, prefix_cache_bytes=1 << 26))
+    h1 = len(HISTORY)
+    turn1 = [*HISTORY, *TAIL]
+    r0 = reads.requested
+    events1, fin1 = _run(core, _request(turn1, h1))
+    with_checkpoint = reads.requested - r0
+    assert fin1.cached_tokens == 0
+    r0 = reads.requested
+    assert _reference(net, [HISTORY, TAIL]) == events1  # the split chunk, and nothing else, changed the prefill
+    # The copy reads no expert: the turn costs what its two chunks cost run straight on the model.
+    assert with_checkpoint == reads.requested - r0
+    answer = [e.token_id for e in events1]
+
+    # Turn 2 repeats the history, then turn 1's answer (generated after TAIL, so it is prefilled
+    # again), the new message and the per-request message again.
+    h2 = h1 + len(answer) + len(NEW)
+    turn2 = [*HISTORY, *answer, *NEW, *TAIL]
+    events2, fin2 = _run(core, _request(turn2, h2))
+    assert fin2.cached_tokens == h1
+    assert events2 == _reference(net, [HISTORY, turn2[h1:h2], TAIL])
+    cold = _reference(net, [turn2])  # one chunk: other rounding, same greedy tokens
+    assert [e.token_id for e in events2] == [e.token_id for e in cold]
+    torch.testing.assert_close(torch.tensor([e.logprob for e in events2]), torch.tensor([e.logprob for e in cold]),
+                               atol=1e-4, rtol=0)
+
+    # Turn 3 resumes at turn 2's checkpoint.
+    turn3 = [*turn2[:h2], *[e.token_id for e in events2], 9, 9, *TAIL]
+    _, fin3 = _run(core, _request(turn3, len(turn3) - len(TAIL)))
+    assert fin3.cached_tokens == h2
+
+
+def test_checkpoints_are_bounded_and_off_without_a_prefix_cache(model: Model) -> None:
+    turn1 = [*HISTORY, *TAIL]
+    off = EngineCore(model.net, model.eos_token_ids, SchedulerLimits(prefix_cache_bytes=0))
+    steps: list[int] = []
+    execute = off.execute
+    off.execute = lambda plan: (steps.append(plan.items[0].num_tokens), execute(plan))[1]  # type: ignore[method-assign]
+    _run(off, _request(turn1, len(HISTORY)))
+    assert steps[0] == len(turn1)  # no cache to keep it in: the prompt is not split
+    core = EngineCore(model.net, model.eos_token_ids, SchedulerLimits(prefix_cache_bytes=1 << 26))
+    _run(core, _request(turn1, len(HISTORY)))
+    # the checkpoint alone: the finished sequence (prompt + answer) is no prefix of a next turn
+    sizes = {len(k): n for k, (_, n) in core.prefix._entries.items()}
+    assert list(sizes) == [len(HISTORY)]
+    tight = EngineCore(model.net, model.eos_token_ids, SchedulerLimits(prefix_cache_bytes=sizes[len(HISTORY)] - 1))
+    _run(tight, _request(turn1, len(HISTORY)))
+    assert tight.prefix.used_bytes == 0 and len(tight.prefix) == 0  # over the budget: not kept
+
+
+def test_a_checkpoint_outside_the_prompt_is_refused() -> None:
+    with pytest.raises(RequestError, match="checkpoint must be in"):
+        GenRequest((1, 2, 3), checkpoint=3)
+
+
+def test_a_copy_is_independent_of_the_cache_it_came_from(model: Model) -> None:
+    cache, fresh = SequenceCache(model.net.num_layers), SequenceCache(model.net.num_layers)
+    with torch.inference_mode():
+        forward_step(model.net, cache, HISTORY)
+        snap = cache.copy()
+        forward_step(model.net, cache, [1, 2, 3])  # the original goes on: the copy must not see it
+        forward_step(model.net, fresh, HISTORY)
+        assert torch.equal(forward_step(model.net, snap, TAIL), forward_step(model.net, fresh, TAIL))
+    assert snap.length == fresh.length == len(HISTORY) + len(TAIL)
