@@ -51,6 +51,7 @@ from deltafind.store.manifest import (
 log = get_logger(__name__)
 VERIFY_MODES = ("full", "fast", "off")
 READ_MODES = ("direct", "buffered")  # [cache] read_mode: O_DIRECT, or through the OS page cache
+RECORDS_AHEAD = 2  # demand records queued per drive: one being read (1 MiB chunks fill the queue), the next behind it
 
 
 @dataclass(frozen=True)
@@ -143,11 +144,13 @@ class PackReader:
             raise StoreError(f"{store_dir}: the config lists {len(opts)} drive(s) but the store was striped over {len(recorded)}: list all {len(recorded)} in [[drives]], in the store's order ({', '.join(map(str, recorded))})")
         self.options = [opts[i] if i < len(opts) else DriveOptions() for i in range(len(recorded))]
         self.paths = [(o.path or d) / pack_name(i, manifest.pack_generation) for i, (o, d) in enumerate(zip(self.options, recorded, strict=True))]
-        # One buffer per record a drive can have in flight, reused: fresh mmaps cost their page
-        # faults on every read (measured: twice the CPU per token with two spares per drive). The
-        # expert cache counts these bytes against its budget (StoreExperts).
+        # Buffers of the records a drive has queued (RECORDS_AHEAD: StoreExperts keeps no more in
+        # flight), reused: fresh mmaps cost their page faults on every read (measured: twice the
+        # CPU per token with two spares per drive). The expert cache counts these bytes against its
+        # budget (StoreExperts). One per queue slot kept 8 records per drive, more than the whole
+        # cache budget of a K3-width store, so its cache held nothing (RESULTS.md, issue 14).
         max_record = max((align_up(r.length) for r in manifest.experts), default=0)
-        self.buffers = (buffer_pool or BufferPool)(max_record * sum(o.queue_depth for o in self.options))
+        self.buffers = (buffer_pool or BufferPool)(max_record * RECORDS_AHEAD * len(self.options))
         self.widened = TensorPool(max_record * 4 * len(self.options))  # about two bf16 -> fp32 experts per drive
         self._fds: list[int] = []
         self.direct: list[bool] = []
@@ -257,21 +260,23 @@ class PackReader:
         thread, once it lands; no decode thread waits on a read meanwhile."""
         out: Future[Decoded] = Future()
 
-        def convert() -> None:
+        # `read` reaches these as an argument, never from the closure: a closure over it, held by
+        # its own callbacks, was a cycle that kept its buffer mapped until the cyclic GC ran.
+        def convert(done: Future[Any]) -> None:
             if not out.set_running_or_notify_cancel():  # the caller gave up on it
-                if not read.cancelled() and read.exception() is None:
-                    self.buffers.put(read.result())
+                if not done.cancelled() and done.exception() is None:
+                    self.buffers.put(done.result())
                 return
             try:
-                out.set_result(self._convert(rec, read.result(), dtype))
+                out.set_result(self._convert(rec, done.result(), dtype))
             except BaseException as e:  # a read error or a cancelled read reaches the caller
                 out.set_exception(e)
 
-        def landed(_read: Future[Any]) -> None:
+        def landed(done: Future[Any]) -> None:
             try:
-                self._decoder.submit(convert)
+                self._decoder.submit(convert, done)
             except RuntimeError:  # closing: convert here rather than leave the caller waiting
-                convert()
+                convert(done)
 
         self.promote(read)
         read.add_done_callback(landed)
@@ -423,8 +428,13 @@ class _RecordRead:
             self._left -= 1
             if self._left:
                 return
-        buf, reader = self.buf, self.reader
-        if not self.fut.set_running_or_notify_cancel():  # cancelled: nobody wants the bytes
+        buf, reader, fut = self.buf, self.reader, self.fut
+        # Let go of the buffer and the future holding it: a promoted prefetch's stale chunks stay in
+        # the speculative deque (and future <-> read <-> chunks was a cycle), which kept landed
+        # buffers mapped after their experts were gone (RESULTS.md, issue 14).
+        self.buf, self.chunks, self.fut = None, [], None
+        fut._record_read = None  # type: ignore[attr-defined]
+        if not fut.set_running_or_notify_cancel():  # cancelled: nobody wants the bytes
             if buf is not None:
                 reader.buffers.put(buf)
             return
@@ -436,9 +446,9 @@ class _RecordRead:
         except BaseException as e:
             if buf is not None:
                 reader.buffers.put(buf)
-            self.fut.set_exception(e)
+            fut.set_exception(e)
             return
-        self.fut.set_result(result)
+        fut.set_result(result)
 
 
 class _Short(Exception):
