@@ -29,11 +29,12 @@ from deltafind.store.cache import ByteLRU
 from deltafind.store.manifest import ExpertRecord, Manifest, align_up
 from deltafind.store.prefetch_gate import LayerRecall, PrefetchGate, PrefetchOptions
 from deltafind.store.provider import Expert
-from deltafind.store.reader import RECORDS_AHEAD, DriveOptions, PackReader, record_tensors
+from deltafind.store.reader import DriveOptions, PackReader, record_tensors
 from deltafind.store.spine import SpineStreamer
 from deltafind.store.trace import TraceWriter
 
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+RECORDS_AHEAD = 2  # demand reads a fetch keeps unconsumed per drive under a budget: one being read (its 1 MiB chunks fill the queue), the next behind it
 
 
 class Stager(Protocol):
@@ -114,7 +115,10 @@ class StoreExperts:
         stored = {getattr(torch, t.dtype) for r in manifest.experts for t in r.tensors}
         if not any(d.is_floating_point and d != dtype for d in stored):
             self.reader.widened.max_free_bytes = 0  # nothing to widen (MXFP4 packs, or stored as computed)
-        if self._reserving:  # the reader's free buffers (its read window) are host memory the budget must cover too
+        if self._bounded:  # the pool's free buffers count against the budget, so never more than it (at 8 records
+            # per drive they were 352 MB against a K3-width store's 256 MB: RSS past the budget, RESULTS.md)
+            self.reader.buffers.max_free_bytes = min(self.reader.buffers.max_free_bytes, self.cache.budget_bytes)
+        if self._reserving:  # the reader's buffer pools are host memory the budget must cover too
             self.cache.reserve(self.reader.buffers.max_free_bytes + self.reader.widened.max_free_bytes)
         self.gate = PrefetchGate(prefetch or PrefetchOptions(enabled=False), len(self.reader.paths))
         self._records: dict[tuple[int, int], ExpertRecord] = {r.key: r for r in manifest.experts}

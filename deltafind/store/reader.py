@@ -51,7 +51,6 @@ from deltafind.store.manifest import (
 log = get_logger(__name__)
 VERIFY_MODES = ("full", "fast", "off")
 READ_MODES = ("direct", "buffered")  # [cache] read_mode: O_DIRECT, or through the OS page cache
-RECORDS_AHEAD = 2  # demand records queued per drive: one being read (1 MiB chunks fill the queue), the next behind it
 
 
 @dataclass(frozen=True)
@@ -144,13 +143,11 @@ class PackReader:
             raise StoreError(f"{store_dir}: the config lists {len(opts)} drive(s) but the store was striped over {len(recorded)}: list all {len(recorded)} in [[drives]], in the store's order ({', '.join(map(str, recorded))})")
         self.options = [opts[i] if i < len(opts) else DriveOptions() for i in range(len(recorded))]
         self.paths = [(o.path or d) / pack_name(i, manifest.pack_generation) for i, (o, d) in enumerate(zip(self.options, recorded, strict=True))]
-        # Buffers of the records a drive has queued (RECORDS_AHEAD: StoreExperts keeps no more in
-        # flight), reused: fresh mmaps cost their page faults on every read (measured: twice the
-        # CPU per token with two spares per drive). The expert cache counts these bytes against its
-        # budget (StoreExperts). One per queue slot kept 8 records per drive, more than the whole
-        # cache budget of a K3-width store, so its cache held nothing (RESULTS.md, issue 14).
+        # One buffer per record a drive can have in flight, reused: fresh mmaps cost their page
+        # faults on every read (measured: twice the CPU per token with two spares per drive). The
+        # expert cache counts these bytes against its budget (StoreExperts).
         max_record = max((align_up(r.length) for r in manifest.experts), default=0)
-        self.buffers = (buffer_pool or BufferPool)(max_record * RECORDS_AHEAD * len(self.options))
+        self.buffers = (buffer_pool or BufferPool)(max_record * sum(o.queue_depth for o in self.options))
         self.widened = TensorPool(max_record * 4 * len(self.options))  # about two bf16 -> fp32 experts per drive
         self._fds: list[int] = []
         self.direct: list[bool] = []
