@@ -98,7 +98,7 @@ class Backbone(nn.Module):
     def __init__(self, args: ModelArgs, experts: ExpertProvider) -> None:
         super().__init__()
         h = args.hidden_size
-        self.embed_tokens = nn.Embedding(args.vocab_size, h)
+        self.embed_tokens = nn.Embedding(args.vocab_size, h, _weight=torch.empty(args.vocab_size, h))  # no init: see transformer.py
         self.layers = nn.ModuleList(DecoderLayer(args, i, experts) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(h, args.rms_norm_eps)
         self.output_attn_res_norm = RMSNorm(h, args.rms_norm_eps)

@@ -15,7 +15,7 @@ import functools
 import sys
 import time
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
@@ -26,7 +26,7 @@ import torch
 
 from deltafind.errors import CorruptExpertError
 from deltafind.store.cache import ByteLRU
-from deltafind.store.manifest import ExpertRecord, Manifest
+from deltafind.store.manifest import ExpertRecord, Manifest, align_up
 from deltafind.store.prefetch_gate import LayerRecall, PrefetchGate, PrefetchOptions
 from deltafind.store.provider import Expert
 from deltafind.store.reader import DriveOptions, PackReader, record_tensors
@@ -34,6 +34,7 @@ from deltafind.store.spine import SpineStreamer
 from deltafind.store.trace import TraceWriter
 
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+RECORDS_AHEAD = 2  # demand reads a fetch keeps unconsumed per drive under a budget: one being read (its 1 MiB chunks fill the queue), the next behind it
 
 
 class Stager(Protocol):
@@ -114,6 +115,9 @@ class StoreExperts:
         stored = {getattr(torch, t.dtype) for r in manifest.experts for t in r.tensors}
         if not any(d.is_floating_point and d != dtype for d in stored):
             self.reader.widened.max_free_bytes = 0  # nothing to widen (MXFP4 packs, or stored as computed)
+        if self._bounded:  # the pool's free buffers count against the budget, so never more than it (at 8 records
+            # per drive they were 352 MB against a K3-width store's 256 MB: RSS past the budget, RESULTS.md)
+            self.reader.buffers.max_free_bytes = min(self.reader.buffers.max_free_bytes, self.cache.budget_bytes)
         if self._reserving:  # the reader's buffer pools are host memory the budget must cover too
             self.cache.reserve(self.reader.buffers.max_free_bytes + self.reader.widened.max_free_bytes)
         self.gate = PrefetchGate(prefetch or PrefetchOptions(enabled=False), len(self.reader.paths))
@@ -127,6 +131,11 @@ class StoreExperts:
         self.trace = trace
         self._step: tuple[Sequence[int], Sequence[int]] = ([], [])
         self.spine: SpineStreamer | None = None  # the spine's streamed layers, when they do not all fit
+
+    @property
+    def _bounded(self) -> bool:
+        """Reads in flight are kept within a cache budget (one is set, nonzero, on the host)."""
+        return self._reserving and bool(self.cache.budget_bytes)
 
     @property
     def prefetch_options(self) -> PrefetchOptions:
@@ -153,6 +162,7 @@ class StoreExperts:
         pending: dict[Future, int] = {}
         speculative: set[Future] = set()  # prefetched reads: started earlier, maybe for another request
         held: dict[int, int] = {}  # expert -> bytes reserved in the cache for its read
+        waiting: dict[int, deque[int]] = defaultdict(deque)  # drive -> demand reads not started yet
         ready: list[tuple[int, Expert]] = []
         for e in wanted:
             key = (layer_idx, e)
@@ -174,9 +184,9 @@ class StoreExperts:
                 pending[fut] = e
                 speculative.add(fut)
             else:
-                if self._decode_on_reader:
-                    held[e] = self._reserve(self.record(layer_idx, e))
-                pending[self._demand_read(layer_idx, e)] = e
+                waiting[self.record(layer_idx, e).drive].append(e)
+        for drive in waiting:
+            self._start_demand(layer_idx, waiting[drive], pending, held)
         self._drop_inflight(layer_idx)  # predictions for this layer that the router did not pick
         self._deferred.pop(layer_idx, None)  # a prediction that never got its turn
         if (nxt := self._deferred.pop(layer_idx + 1, None)) is not None:
@@ -189,6 +199,7 @@ class StoreExperts:
                 self.stats.wait_s += time.perf_counter() - t0
                 for fut in done:
                     e = pending.pop(fut)
+                    self._start_demand(layer_idx, waiting[self.record(layer_idx, e).drive], pending, held)
                     if fut in speculative and fut.exception() is not None:
                         # A prefetch may have been read for an earlier, failed request (a record
                         # since repaired, a transient error): only a read made now decides.
@@ -206,6 +217,23 @@ class StoreExperts:
                 fut.cancel()
             for n in held.values():
                 self._unreserve(n)
+
+    def _start_demand(self, layer_idx: int, waiting: deque[int], pending: dict[Future, int], held: dict[int, int]) -> None:
+        """Start `waiting` reads (all on one drive); under a cache budget only while that drive has
+        fewer than RECORDS_AHEAD of this fetch's reads unconsumed: its queue stays full, and a layer's
+        reads landing faster than its experts run no longer pile up in buffers outside the budget
+        (RESULTS.md, issue 14). With no cache (0) or no limit, all start at once."""
+        if not waiting:
+            return
+        drive = self.record(layer_idx, waiting[0]).drive
+        busy = sum(self.record(layer_idx, e).drive == drive for e in pending.values()) if self._bounded else 0
+        limit = RECORDS_AHEAD if self._bounded else len(waiting)
+        while waiting and busy < limit:
+            e = waiting.popleft()
+            if self._decode_on_reader:
+                held[e] = self._reserve(self.record(layer_idx, e))
+            pending[self._demand_read(layer_idx, e)] = e
+            busy += 1
 
     def prefetch(self, layer_idx: int, expert_ids: Sequence[int] | None) -> None:
         """Start reads for experts predicted at `layer_idx` (None: the previous token's route there)."""
@@ -237,6 +265,7 @@ class StoreExperts:
         # a striped record loads each of its drives by its share: the gate weighs that share on its first drive
         todo = [(k, self._records[k].drive, self._records[k].length // len(self._records[k].extents())) for k in keys
                 if k not in self._inflight and k not in self.pinned and k not in self.cache and k in self._records]
+        todo = todo[: self._fitting([self._records[k] for k, _, _ in todo])]
         gated = self.gate.gated
         for key in self.gate.admit(layer_idx, todo, self.prefetch_options.max_in_flight - len(self._inflight)):
             self._reserved[key] = self._reserve(self._records[key])
@@ -292,18 +321,37 @@ class StoreExperts:
                 # that the real reads need (measured: it halved decode speed).
                 fut.add_done_callback(self._recycle)
 
-    def _reserve(self, rec: ExpertRecord) -> int:
-        """Reserve the widened tensors a read will produce (its buffer is in the standing reservation)."""
-        if not self._reserving or self.cache.budget_bytes is None:
-            return 0
-        widened = 0
+    def _read_bytes(self, rec: ExpertRecord) -> int:
+        """Host bytes a read of `rec` holds until it lands in the cache: its buffer and widened tensors."""
+        n = align_up(rec.length)
         for t in rec.tensors:
             stored = getattr(torch, t.dtype)
             if stored.is_floating_point and stored != self.dtype:
-                widened += t.nbytes // stored.itemsize * self._itemsize
-        if widened:
-            self.cache.reserve(widened)
-        return widened
+                n += t.nbytes // stored.itemsize * self._itemsize
+        return n
+
+    def _fitting(self, recs: list[ExpertRecord]) -> int:
+        """How many of `recs` (in order) can be prefetched with the reads in flight within the cache
+        budget (with no cache, 0, or no limit: all). Demand reads are never refused; a speculative one
+        that would overrun is not started (all 16 of a K3 layer's experts prefetched at once held
+        280 MB against a 256 MB budget: RESULTS.md)."""
+        if not self._bounded:
+            return len(recs)
+        room = self.cache.budget_bytes - self.cache.reserved_bytes
+        for i, rec in enumerate(recs):
+            room -= self._read_bytes(rec)
+            if room < 0:
+                return i
+        return len(recs)
+
+    def _reserve(self, rec: ExpertRecord) -> int:
+        """Reserve a read's buffer and the widened tensors it will produce (the free buffers the
+        reader keeps are in the standing reservation): held experts plus reads stay in the budget."""
+        if not self._reserving or self.cache.budget_bytes is None:
+            return 0
+        n = self._read_bytes(rec)
+        self.cache.reserve(n)
+        return n
 
     def _unreserve(self, n: int) -> None:
         if n:

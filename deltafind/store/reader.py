@@ -257,21 +257,23 @@ class PackReader:
         thread, once it lands; no decode thread waits on a read meanwhile."""
         out: Future[Decoded] = Future()
 
-        def convert() -> None:
+        # `read` reaches these as an argument, never from the closure: a closure over it, held by
+        # its own callbacks, was a cycle that kept its buffer mapped until the cyclic GC ran.
+        def convert(done: Future[Any]) -> None:
             if not out.set_running_or_notify_cancel():  # the caller gave up on it
-                if not read.cancelled() and read.exception() is None:
-                    self.buffers.put(read.result())
+                if not done.cancelled() and done.exception() is None:
+                    self.buffers.put(done.result())
                 return
             try:
-                out.set_result(self._convert(rec, read.result(), dtype))
+                out.set_result(self._convert(rec, done.result(), dtype))
             except BaseException as e:  # a read error or a cancelled read reaches the caller
                 out.set_exception(e)
 
-        def landed(_read: Future[Any]) -> None:
+        def landed(done: Future[Any]) -> None:
             try:
-                self._decoder.submit(convert)
+                self._decoder.submit(convert, done)
             except RuntimeError:  # closing: convert here rather than leave the caller waiting
-                convert()
+                convert(done)
 
         self.promote(read)
         read.add_done_callback(landed)
@@ -423,8 +425,13 @@ class _RecordRead:
             self._left -= 1
             if self._left:
                 return
-        buf, reader = self.buf, self.reader
-        if not self.fut.set_running_or_notify_cancel():  # cancelled: nobody wants the bytes
+        buf, reader, fut = self.buf, self.reader, self.fut
+        # Let go of the buffer and the future holding it: a promoted prefetch's stale chunks stay in
+        # the speculative deque (and future <-> read <-> chunks was a cycle), which kept landed
+        # buffers mapped after their experts were gone (RESULTS.md, issue 14).
+        self.buf, self.chunks, self.fut = None, [], None
+        fut._record_read = None  # type: ignore[attr-defined]
+        if not fut.set_running_or_notify_cancel():  # cancelled: nobody wants the bytes
             if buf is not None:
                 reader.buffers.put(buf)
             return
@@ -436,9 +443,9 @@ class _RecordRead:
         except BaseException as e:
             if buf is not None:
                 reader.buffers.put(buf)
-            self.fut.set_exception(e)
+            fut.set_exception(e)
             return
-        self.fut.set_result(result)
+        fut.set_result(result)
 
 
 class _Short(Exception):

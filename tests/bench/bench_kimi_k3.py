@@ -7,6 +7,10 @@
 3. Full-K3 decode projection for 1-4 drives at 7 GB/s from those per-expert costs.
 4. DSpark (issue 6): a 7-wide proposal and its commit vs the target's 1-row decode and
    8-row verify pass, warm and cold, measured alternately (`--dspark-only` for this alone).
+5. Per core count (issue 14 point 4; `--per-core-only` for this alone, no store needed): one
+   expert of the real-width synthetic K3 (`full-layer`, hidden 7168) through the engine's expert
+   path for 1 token and a decode batch, at 1..N threads alternately: compute / (read at 7 GB/s),
+   and the cores that would keep up with 1 and 4 such drives (extrapolated from CPU time).
 
 Prints one JSON line on stdout; progress on stderr. Creates the store if missing:
     python tests/bench/bench_kimi_k3.py --store /tmp/k3-bench [--threads 2] [--tokens 4]
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -126,6 +131,58 @@ def expert_costs(store: Path, reads: int) -> dict:
     }
 
 
+def expert_per_core(threads: list[int], batch: int, reps: int, block: int = 6) -> dict:
+    """One real-width K3 expert through `mxfp4_expert_forward` (what `LatentMoE.run` calls), at each
+    thread count in turn (alternating, so all see the same moments of a shared machine). Wall time
+    gives compute / read; process CPU time per expert is the per-core cost the extrapolation uses."""
+    from deltafind.store.synthetic import open_synthetic
+
+    source = open_synthetic("kimi_k3", "full-layer")  # real widths: hidden 7168, latent 3584, moe_inter 3072
+    prefix = "model.layers.1.block_sparse_moe.experts.0."
+    names = [f"{w}.weight_{k}" for w in ("w1", "w2", "w3") for k in ("packed", "scale")]
+    tensors = {n: source.load(prefix + n) for n in names}
+    nbytes = sum(t.nbytes for t in tensors.values())
+    expert = Expert(tensors, nbytes)
+    latent = source.config["text_config"]["routed_expert_hidden_size"]
+    rows = {n: torch.randn(n, latent, generator=torch.Generator().manual_seed(n)) for n in (1, batch)}
+    wall: dict[tuple[int, int], list[float]] = {(t, n): [] for t in threads for n in rows}
+    cpu: dict[tuple[int, int], list[float]] = {(t, n): [] for t in threads for n in rows}
+    with torch.inference_mode():
+        for t in threads:  # warm: the kernel's pool grows to each count once
+            torch.set_num_threads(t)
+            for x in rows.values():
+                mxfp4_expert_forward(x, expert)
+        for _ in range(reps):
+            for t in threads:
+                torch.set_num_threads(t)
+                for n, x in rows.items():
+                    # Blocks of back-to-back calls, as a decode layer makes them: a lone call after a
+                    # pause pays the VM's wake-up of an idle vCPU (measured here: 2 threads no faster).
+                    mxfp4_expert_forward(x, expert)
+                    c0, w0 = time.process_time(), time.perf_counter()
+                    for _ in range(block):
+                        mxfp4_expert_forward(x, expert)
+                    wall[(t, n)].append((time.perf_counter() - w0) * 1e3 / block)
+                    cpu[(t, n)].append((time.process_time() - c0) * 1e3 / block)
+    read_ms = nbytes / (DRIVE_GB_S * 1e9) * 1e3
+    out: dict = {"expert_bytes": nbytes, "hidden": source.config["text_config"]["hidden_size"], "latent": latent,
+                 "read_ms_at_7gb_s": round(read_ms, 3), "usable_cpus": len(os.sched_getaffinity(0)),
+                 "os_cpu_count": os.cpu_count(), "threads_timed": threads, "loadavg": [round(v, 2) for v in os.getloadavg()]}
+    for n in rows:
+        per: dict = {}
+        for t in threads:
+            w, c = statistics.median(wall[(t, n)]), statistics.median(cpu[(t, n)])
+            per[f"threads_{t}"] = {"wall_ms": round(w, 3), "cpu_ms": round(c, 3), "compute_over_read_7gb_s": round(w / read_ms, 3),
+                                   "speedup_over_1_thread": round(statistics.median(wall[(threads[0], n)]) / w, 2)}
+        core_ms = statistics.median(cpu[(threads[0], n)])  # one thread's CPU time: one core's cost per expert read
+        per["cpu_ms_per_core_1_thread"] = round(core_ms, 3)
+        per["extrapolated_cores_to_keep_up"] = {f"drives_{d}": round(core_ms / (read_ms / d), 1) for d in (1, 4)}
+        out[f"tokens_{n}"] = per
+    out["note"] = ("cores_to_keep_up = one core's CPU ms per expert / (read ms at 7 GB/s / drives): extrapolated, "
+                   "assuming linear scaling with cores; a batch reads the expert once for all its tokens")
+    return out
+
+
 def dspark_costs(store: Path, context: int, reps: int) -> dict:
     """DSpark (spec 7) on this store's shape: one 7-wide proposal and one commit of 8 context rows,
     timed against the target's warm 1-row decode and 8-row verify pass, side by side."""
@@ -233,10 +290,18 @@ def main() -> None:
     p.add_argument("--reads", type=int, default=32)
     p.add_argument("--dspark-context", type=int, default=256, help="committed positions DSpark drafts over")
     p.add_argument("--dspark-only", action="store_true", help="time only the DSpark section")
+    p.add_argument("--per-core-only", action="store_true", help="time only one real-width expert per thread count")
+    p.add_argument("--batch", type=int, default=8, help="decode rows routed to one expert in the batch case")
     a = p.parse_args()
-    torch.set_num_threads(a.threads)
     if load_kernel() is None:
         log(f"warning: MXFP4 kernel unavailable ({MXFP4.build_error}); timing the torch fallback")
+    per_core_threads = list(range(1, len(os.sched_getaffinity(0)) + 1))
+    log(f"per-core: one real-width expert at threads {per_core_threads} ...")
+    per_core = expert_per_core(per_core_threads, a.batch, 9)
+    if a.per_core_only:
+        print(json.dumps({"bench": "kimi_k3", "kernel": load_kernel() is not None, "per_core": per_core}))
+        return
+    torch.set_num_threads(a.threads)
     ensure_store(a.store, a.drive)
     log("dspark ...")
     dspark = dspark_costs(a.store, a.dspark_context, 7)
@@ -250,7 +315,8 @@ def main() -> None:
     rate = spine_gb_s()
     result = {"bench": "kimi_k3", "threads": a.threads, "kernel": load_kernel() is not None,
               "batched_min_tokens": BATCHED_MIN_TOKENS, "cold_decode": decode, "expert": costs,
-              "spine_matvec_gb_s": round(rate, 2), "projection": project(costs["expert_compute_ms"], rate), "dspark": dspark}
+              "spine_matvec_gb_s": round(rate, 2), "projection": project(costs["expert_compute_ms"], rate), "dspark": dspark,
+              "per_core": per_core}
     print(json.dumps(result))
 
 
