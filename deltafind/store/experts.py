@@ -2,7 +2,8 @@
 
 `fetch` yields cached and pinned experts first, then the rest in completion
 order as the drive pools deliver them. `prefetch` starts reads for a predicted
-next layer, those the gate admits (store/prefetch_gate.py); a prediction only
+next layer, those the gate admits (store/prefetch_gate.py: whole records, or only
+their first pieces until the router confirms them); a prediction only
 starts reads — what `fetch` returns never depends on it, so output is identical
 with prefetch on or off.
 """

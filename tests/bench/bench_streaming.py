@@ -224,10 +224,10 @@ def _io(rows: list[dict]) -> dict | None:
 def summarize(res: dict[str, list[dict]], t: int, cap_mb_s: float) -> list[dict]:
     """One line per bench from one tree's runs (an older tree ran only the whole-record configurations)."""
     out = []
-    raw = max(median(res["raw"], "raw_gb_s"), median(res["raw_rec"], "raw_gb_s")) if res.get("raw") else None
+    raw = max((median(res[k], "raw_gb_s") for k in ("raw", "raw_rec") if k in res), default=None)
     eff = {"bench": "streaming_efficiency", "raw_odirect_gb_s": raw and round(raw, 3),
            "raw_by_read_size": {str(r[0]["raw_read_bytes"]): round(median(r, "raw_gb_s"), 3) for r in (res.get("raw"), res.get("raw_rec")) if r}}
-    for key in ("whole", "stripe", "stream"):
+    for key in EFF_KEYS:
         rows = res.get(key)
         if not rows:
             continue
@@ -237,7 +237,7 @@ def summarize(res: dict[str, list[dict]], t: int, cap_mb_s: float) -> list[dict]
                     "busy_ratio": raw and _io(rows) and round(_io(rows)["busy_gb_s"] / raw, 3),
                     "bytes_per_token": int(median(rows, "bytes_read") / (t + 3)), "cpu_ms_per_token": round(1e3 * median(rows, "cpu_s") / (t + 3), 1),
                     "io": _io(rows)}
-        if key == "stream":  # prefetch on: how well the next layer was predicted, and what its early pieces became
+        if key.startswith("stream"):  # prefetch on: how well the next layer was predicted, and what its early pieces became
             last = rows[-1]
             eff[key] |= {"recall_by_layer": last["recall_by_layer"], "precision_by_layer": last["precision_by_layer"],
                          "prefetch_used_wasted": [last["prefetch_used"], last["prefetch_wasted"]],
@@ -245,7 +245,7 @@ def summarize(res: dict[str, list[dict]], t: int, cap_mb_s: float) -> list[dict]
     out.append(eff)
     scaling: dict = {"bench": "drive_scaling", "cap_mb_s_per_drive": cap_mb_s, "prefetch": False}
     for name, prefix in (("whole", "cap"), ("stripe", "caps")):
-        if f"{prefix}2" not in res:
+        if f"{prefix}2" not in res or "cap1" not in res:
             continue
         tok = {n: median(res[f"{prefix}{n}" if n > 1 else "cap1"], "decode_tok_s") for n in (1, 2, 3, 4)}
         scaling[name] = {"tok_s": {n: round(v, 3) for n, v in tok.items()}, "speedup": {n: round(v / tok[1], 3) for n, v in tok.items()},
@@ -255,6 +255,8 @@ def summarize(res: dict[str, list[dict]], t: int, cap_mb_s: float) -> list[dict]
         on, off = median(res["stream"], "decode_tok_s"), median(res["stripe"], "decode_tok_s")
         out.append({"bench": "prefetch_value", "ratio_on_off": round(on / off, 3), "tok_s_on_off": [round(on, 3), round(off, 3)],
                     "recall_by_layer": res["stream"][-1]["recall_by_layer"], "precision_by_layer": res["stream"][-1]["precision_by_layer"]})
+    if "mem" not in res:
+        return out
     mem = res["mem"]
     peak = median(mem, "peak_rss_bytes")
     # The denominator is what the budgets allow: the spine as held (compute dtype) plus the cache budget.
@@ -263,6 +265,9 @@ def summarize(res: dict[str, list[dict]], t: int, cap_mb_s: float) -> list[dict]
     out.append({"bench": "memory", "peak_rss_bytes": int(peak), "spine_resident_plus_cache_bytes": budget, "ratio": round(peak / budget, 3),
                 "runtime_rss_bytes": runtime and int(runtime), "ratio_without_runtime": runtime and round((peak - runtime) / budget, 3)})
     return out
+
+
+EFF_KEYS = ("whole", "stripe", "stream", "stripe_cap", "stream_cap")
 
 
 def reads_stripes(tree: Path) -> bool:
@@ -275,9 +280,11 @@ def before_after(before: list[dict], after: list[dict]) -> dict:
     """The headline figures of both trees side by side: [before, after]."""
     b, a = ({line["bench"]: line for line in lines} for lines in (before, after))
     pair = lambda get: [_get(b, get), _get(a, get)]  # noqa: E731
-    return {"efficiency_ratio": {k: pair(("streaming_efficiency", k, "ratio")) for k in ("whole", "stripe", "stream")},
-            "decode_tok_s": {k: pair(("streaming_efficiency", k, "decode_tok_s")) for k in ("whole", "stripe", "stream")},
-            "drive_idle_fraction": {k: pair(("streaming_efficiency", k, "io", "drive_idle_fraction")) for k in ("whole", "stripe", "stream")},
+    raw = _get(a, ("streaming_efficiency", "raw_odirect_gb_s"))  # measured once (plain threads, no deltafind), in the same rounds
+    eff = lambda k: [x and raw and round(x / raw, 3) for x in pair(("streaming_efficiency", k, "needed_gb_s"))]  # noqa: E731
+    return {"efficiency_ratio": {k: eff(k) for k in ("whole", "stripe", "stream")},
+            "decode_tok_s": {k: pair(("streaming_efficiency", k, "decode_tok_s")) for k in EFF_KEYS},
+            "drive_idle_fraction": {k: pair(("streaming_efficiency", k, "io", "drive_idle_fraction")) for k in EFF_KEYS},
             "scaling_at_4": {k: pair(("drive_scaling", k, "speedup", 4)) for k in ("whole", "stripe")},
             "prefetch_on_off": pair(("prefetch_value", "ratio_on_off")), "memory_ratio": pair(("memory", "ratio"))}
 
@@ -303,7 +310,8 @@ def main() -> None:
     ap.add_argument("--prefetch-matrix", action="store_true", help="also: prefetch on/off, cold/warm x 1/4 drives x batch 1/8 (streaming_prefetch.py)")
     ap.add_argument("--prefill", action="store_true", help="also: prefill bytes per prompt token and a 512-token K3 prompt projected (streaming_prefill.py)")
     ap.add_argument("--all", action="store_true", help="every point of issue 15 in one run: --prefetch-matrix and --prefill too")
-    ap.add_argument("--pc-rounds", type=int, default=6, help="direct/buffered rounds of the page-cache bench")
+    ap.add_argument("--pc-rounds", type=int, default=6, help="direct/buffered rounds of the page-cache bench (0: none)")
+    ap.add_argument("--only", help="comma-separated configuration keys (raw,whole,stripe,stream,cap1,...): a focused rerun")
     ap.add_argument("--one")
     args = ap.parse_args()
     if args.one:
@@ -323,9 +331,14 @@ def main() -> None:
                ("whole", {"store": str(whole[2]), "tokens": t, "prefetch": False}, True),
                ("stripe", {"store": str(stripe[2]), "tokens": t, "prefetch": False}, "stripes"),
                ("stream", {"store": str(stripe[2]), "tokens": t}, "stripes"),
+               # the same two drives capped at 2x150 MB/s: drive-bound, so what prefetch puts in the idle window shows
+               ("stripe_cap", {"store": str(stripe[2]), "tokens": t, "prefetch": False, "read_mb_s": cap}, "stripes"),
+               ("stream_cap", {"store": str(stripe[2]), "tokens": t, "read_mb_s": cap}, "stripes"),
                *[(f"cap{n}", {"store": str(whole[n]), "tokens": max(2, t // 2), "read_mb_s": cap, "prefetch": False}, True) for n in (1, 2, 3, 4)],
                *[(f"caps{n}", {"store": str(stripe[n]), "tokens": max(2, t // 2), "read_mb_s": cap, "prefetch": False}, "stripes") for n in (2, 3, 4)],
                ("mem", {"store": str(whole[2]), "tokens": t, "cache": 1 << 30}, True)]
+    if args.only:
+        configs = [c for c in configs if c[0] in args.only.split(",")]
     res: dict[str, dict[str, list[dict]]] = {name: {} for name in trees}
     for _ in range(args.rounds):
         for key, cfg, older_too in configs:
@@ -341,7 +354,7 @@ def main() -> None:
             print(json.dumps({"tree": name, **line, "loadavg": os.getloadavg()}), flush=True)
     if len(out) > 1:
         print(json.dumps({"bench": "before_after", **before_after(out["before"], out["after"]), "loadavg": os.getloadavg()}), flush=True)
-    for line in streaming_pagecache.page_cache(lambda cfg: run(cfg), stripe[2], args.pc_rounds, t, th):
+    for line in streaming_pagecache.page_cache(lambda cfg: run(cfg), stripe[2], args.pc_rounds, t, th) if args.pc_rounds else []:
         print(json.dumps(line), flush=True)
     if args.prefetch_matrix or args.all:
         import streaming_prefetch
