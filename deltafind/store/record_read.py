@@ -23,8 +23,6 @@ from deltafind.store.manifest import ExpertRecord, Extent, align_up
 if TYPE_CHECKING:
     import torch
 
-    from deltafind.store.reader import PackReader
-
 
 @dataclass
 class PieceStats:
@@ -52,7 +50,8 @@ class RecordRead:
     `submit_decoded`) and completes the future; a cancelled read skips the pieces not yet
     started and recycles its buffer."""
 
-    def __init__(self, reader: PackReader, rec: ExpertRecord, fut: Future[Any], dtype: torch.dtype | None) -> None:
+    def __init__(self, reader: Any, rec: ExpertRecord, fut: Future[Any], dtype: torch.dtype | None) -> None:
+        # reader: the PackReader (store/reader.py) that owns the queues, buffers and checks; not imported (it imports this)
         self.reader, self.rec, self.fut, self.dtype = reader, rec, fut, dtype
         self.buf: Any = None
         self.error: BaseException | None = None

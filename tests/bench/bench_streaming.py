@@ -10,7 +10,9 @@ Prints one JSON line per bench and a summary, with the load average.
 runs every configuration under both trees in the same rounds, side by side (the
 older tree on the whole-record stores, which it can read).
 
-    python tests/bench/bench_streaming.py --root /tmp/dfbench [--rounds 2] [--tokens 6] [--before DIR]
+    python tests/bench/bench_streaming.py --root /tmp/dfbench [--rounds 2] [--tokens 6] [--before DIR] [--pc-rounds 6]
+    python tests/bench/bench_streaming.py --all --before DIR          # issue 15's points 1-5 in one run (adds the prefetch matrix and prefill)
+    python tests/bench/bench_streaming.py --only stripe,stream --rounds 6 --pc-rounds 0 --before DIR   # a focused rerun
     python tests/bench/bench_streaming.py --profile /tmp/dfbench/q2 --tokens 8 --no-prefetch   # where a decode spends its time
 """
 
