@@ -2,7 +2,8 @@
 
 `fetch` yields cached and pinned experts first, then the rest in completion
 order as the drive pools deliver them. `prefetch` starts reads for a predicted
-next layer, those the gate admits (store/prefetch_gate.py); a prediction only
+next layer, those the gate admits (store/prefetch_gate.py: whole records, or only
+their first pieces until the router confirms them); a prediction only
 starts reads — what `fetch` returns never depends on it, so output is identical
 with prefetch on or off.
 """
@@ -112,6 +113,7 @@ class StoreExperts:
         self._reserving = self._decode_on_reader and cache_bytes is not None
         self._reserved: dict[tuple[int, int], int] = {}  # reservations of prefetches in flight
         self._deferred: dict[int, list[int]] = {}  # layer -> predicted experts waiting for the previous fetch
+        self._early: list[int] | None = None  # the next step's layer-0 prediction, issued by this step's last fetch
         stored = {getattr(torch, t.dtype) for r in manifest.experts for t in r.tensors}
         if not any(d.is_floating_point and d != dtype for d in stored):
             self.reader.widened.max_free_bytes = 0  # nothing to widen (MXFP4 packs, or stored as computed)
@@ -123,6 +125,7 @@ class StoreExperts:
         self.gate = PrefetchGate(prefetch or PrefetchOptions(enabled=False), len(self.reader.paths))
         self._records: dict[tuple[int, int], ExpertRecord] = {r.key: r for r in manifest.experts}
         self._counts = manifest.expert_counts()
+        self._first_layer, self._last_layer = min(self._counts, default=-1), max(self._counts, default=-1)
         self._inflight: dict[tuple[int, int], Future] = {}
         self._last_route: dict[int, list[int]] = {}
         self._predicted: dict[int, set[int]] = {}
@@ -191,6 +194,11 @@ class StoreExperts:
         self._deferred.pop(layer_idx, None)  # a prediction that never got its turn
         if (nxt := self._deferred.pop(layer_idx + 1, None)) is not None:
             self._issue(layer_idx + 1, nxt)  # behind this layer's demand reads
+        elif layer_idx == self._last_layer and self._first_layer == 0 and self.prefetch_options.enabled:
+            # The next step's layer 0 is predicted by this step's route there: issued now, its
+            # pieces fill the drives' idle time over lm_head, sampling and layer 0's attention.
+            self._early = self._predict(0, self._last_route.get(0, []))
+            self._issue(0, self._early)
         yield from ready
         try:
             while pending:
@@ -240,10 +248,10 @@ class StoreExperts:
         opts = self.prefetch_options
         if not opts.enabled or layer_idx not in self._counts:
             return
-        ids = list(dict.fromkeys(self._last_route.get(layer_idx, []) if expert_ids is None else expert_ids))
-        self._predicted[layer_idx] = set(ids)
-        if self.trace is not None:
-            self.trace.write({"layer": layer_idx, "pred": ids})
+        if expert_ids is None and layer_idx == 0 and self._early is not None:
+            self._early = None  # issued at the end of the previous step (fetch), window and all
+            return
+        ids = self._predict(layer_idx, self._last_route.get(layer_idx, []) if expert_ids is None else expert_ids)
         if layer_idx - 1 in self._counts:
             # The model asks before fetching layer_idx - 1: queued now, these reads would sit ahead
             # of that layer's demand reads in the drive queues (measured: prefetch on was 0.70x of
@@ -251,6 +259,13 @@ class StoreExperts:
             self._deferred[layer_idx] = ids
             return
         self._issue(layer_idx, ids)
+
+    def _predict(self, layer_idx: int, expert_ids: Sequence[int]) -> list[int]:
+        ids = list(dict.fromkeys(expert_ids))
+        self._predicted[layer_idx] = set(ids)
+        if self.trace is not None:
+            self.trace.write({"layer": layer_idx, "pred": ids})
+        return ids
 
     def _fetch_missing(self, layer_idx: int, ids: list[int]) -> None:
         """A streaming install: start fetching the layer's missing experts together, so neighbours
@@ -267,25 +282,27 @@ class StoreExperts:
                 if k not in self._inflight and k not in self.pinned and k not in self.cache and k in self._records]
         todo = todo[: self._fitting([self._records[k] for k, _, _ in todo])]
         gated = self.gate.gated
-        for key in self.gate.admit(layer_idx, todo, self.prefetch_options.max_in_flight - len(self._inflight)):
-            self._reserved[key] = self._reserve(self._records[key])
-            self._inflight[key] = self._submit(self._records[key], speculative=True)
+        share = {k: n for k, _, n in todo}
+        for key, nbytes in self.gate.admit(layer_idx, todo, self.prefetch_options.max_in_flight - len(self._inflight)):
+            rec = self._records[key]
+            # only the pieces that fit the drive's idle window, the rest once the router confirms it
+            pieces = None if nbytes >= share[key] else max(1, nbytes // self.gate.piece_bytes)
+            self._reserved[key] = self._reserve(rec)
+            self._inflight[key] = self._track(rec, self.reader.submit(rec, speculative=True, pieces=pieces), nbytes)
             self.stats.prefetch_issued += 1
         self.stats.prefetch_gated += self.gate.gated - gated
 
-    def _submit(self, rec: ExpertRecord, speculative: bool = False) -> Future:
-        return self._track(rec, self.reader.submit(rec, speculative=speculative))
-
-    def _track(self, rec: ExpertRecord, fut: Future) -> Future:
-        """Count the read on every drive it loads (a striped record: each stripe on its own drive)."""
+    def _track(self, rec: ExpertRecord, fut: Future, share: int | None = None) -> Future:
+        """Count the read on every drive it loads (a striped record: each stripe on its own drive;
+        `share`: the bytes per drive a prefetch of only its first pieces queues)."""
         extents = rec.extents()
         for ex in extents:
-            self.gate.track(ex.drive, rec.length // len(extents), fut)
+            self.gate.track(ex.drive, min(share or rec.length, rec.length // len(extents)), fut)
         return fut
 
     def begin_step(self, seq_ids: Sequence[int], positions: Sequence[int]) -> None:
         self._step = (seq_ids, positions)
-        self.gate.begin_step(len(positions))
+        self.gate.begin_step(len(positions), carried=(0,) if self._early is not None else ())
 
     def enter_layer(self, layer_idx: int) -> None:
         if self.spine is not None:
@@ -308,7 +325,7 @@ class StoreExperts:
     def _demand_read(self, layer_idx: int, e: int) -> Future:
         rec = self.record(layer_idx, e)
         if not self._decode_on_reader:
-            return self._submit(rec)
+            return self._track(rec, self.reader.submit(rec))
         return self._track(rec, self.reader.submit_decoded(rec, self.dtype))
 
     def _drop_inflight(self, layer_idx: int) -> None:

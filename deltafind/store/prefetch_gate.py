@@ -8,8 +8,11 @@ window minus its queue's drain time: a read inside the slack costs nothing if wr
 it delays the demand reads behind it by its own time. So a predicted read is started when
 its expected gain (precision x bytes read in idle time) is at least its expected loss
 ((1 - precision) x bytes past the slack), precision being the lower of the layer's predictions'
-and of the reads it started (in a warm cache the predicted experts not held miss more often);
-a layer whose measured precision is below `recall_threshold` stops. It decides which reads start, never what `fetch` returns (store/experts.py): tokens never change.
+and of the reads it started (in a warm cache the predicted experts not held miss more often).
+Otherwise — or once a layer's measured precision is below `recall_threshold` — only the record's
+first 1 MiB pieces that fit the slack start (piece granularity: the idle window is filled, never
+overrun); the rest waits for the router (store/record_read.py). It decides which reads start,
+never what `fetch` returns (store/experts.py): tokens never change.
 This module knows records only as (key, drive, bytes); no reader, cache or tensor.
 """
 
@@ -22,6 +25,8 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
+
+from deltafind.store.drive_queue import CHUNK_BYTES
 
 PRIOR_PRECISION = 0.5  # a layer's precision before its first observation: a hit as likely as a miss
 EMA = 0.3  # weight of the newest observation (precision, window): a few tokens to adapt
@@ -89,6 +94,7 @@ class PrefetchGate:
     layers: dict[int, LayerRecall] = field(default_factory=lambda: defaultdict(LayerRecall))
     drives: list[DriveLoad] = field(init=False)
     gated: int = 0  # decisions that started none of a non-empty prediction
+    piece_bytes: int = CHUNK_BYTES  # the drives' read size: a prefetch may start only its first pieces
 
     def __post_init__(self) -> None:
         self.drives = [DriveLoad() for _ in range(self.num_drives)]
@@ -99,9 +105,12 @@ class PrefetchGate:
 
     # -- what happens --------------------------------------------------------
 
-    def begin_step(self, num_tokens: int) -> None:
+    def begin_step(self, num_tokens: int, carried: Iterable[int] = ()) -> None:
+        """A forward step of `num_tokens` begins; `carried`: layers decided at the end of the previous one."""
         self._width = num_tokens
+        keep = {layer: t for layer in carried if (t := self._decided_at.get(layer)) is not None}
         self._decided_at.clear()
+        self._decided_at.update(keep)
 
     def fetch_started(self, layer_idx: int) -> None:
         """`fetch(layer_idx)` begins: closes the window opened when the gate decided for this layer."""
@@ -160,8 +169,9 @@ class PrefetchGate:
 
     # -- the decision --------------------------------------------------------
 
-    def admit(self, layer_idx: int, candidates: Iterable[tuple[Any, int, int]], room: int) -> list[Any]:
-        """The candidates (key, drive, bytes), best first, whose reads should start now; at most `room`."""
+    def admit(self, layer_idx: int, candidates: Iterable[tuple[Any, int, int]], room: int) -> list[tuple[Any, int]]:
+        """The candidates (key, drive, bytes), best first, whose reads should start now, each with the
+        bytes to read before the router confirms it (less than its bytes: only its first pieces); at most `room`."""
         now = time.perf_counter()
         self._decided_at[layer_idx] = now
         cands = list(candidates)
@@ -170,20 +180,26 @@ class PrefetchGate:
         r, opts = self._layer(layer_idx), self.options
         seen = self._windows.get((layer_idx, self._width))
         window = None if seen is None else min(seen)  # the shorter of average and last: never an optimistic slack
-        closed = r.observations >= opts.warmup and r.ema < opts.recall_threshold
-        if closed or window is None or room <= 0:  # no window yet: this layer and width were never timed
+        if window is None or room <= 0:  # no window yet: this layer and width were never timed
             return self._hold(r, len(cands))
         with self._lock:
             slack = [window * rate - d.queued_bytes if (rate := d.rate) is not None else 0.0 for d in self.drives]
         p, out = r.ema if r.read_ema is None else min(r.ema, r.read_ema), []
+        # A layer whose predictions miss too often reads no whole records, only pieces inside the slack:
+        # a wrong piece there costs the drive nothing it needed.
+        closed = r.observations >= opts.warmup and r.ema < opts.recall_threshold
         for key, drive, nbytes in cands:
-            if len(out) >= room:
+            if len(out) >= room or p <= 0:
                 break
             free = max(0.0, slack[drive]) if 0 <= drive < len(slack) else 0.0
             gain, loss = p * min(nbytes, free), (1 - p) * max(0.0, nbytes - free)
-            if p > 0 and gain >= loss:  # a sure hit past the slack is read anyway: it may start now
-                out.append(key)
-                slack[drive] -= nbytes
+            if not closed and gain >= loss:  # a sure hit past the slack is read anyway: it may start now
+                take = nbytes
+            else:
+                take = min(nbytes, int(free // self.piece_bytes) * self.piece_bytes)
+            if take > 0:
+                out.append((key, take))
+                slack[drive] -= take
         r.issued += len(out)
         r.held += len(cands) - len(out)
         if not out:

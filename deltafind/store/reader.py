@@ -37,16 +37,16 @@ import xxhash
 
 from deltafind.errors import CorruptExpertError, StoreError
 from deltafind.log import get_logger
-from deltafind.store.drive_queue import Chunk, DriveQueue, DriveStats, split
+from deltafind.store.drive_queue import DriveQueue, DriveStats
 from deltafind.store.manifest import (
     PACK_HEADER_BYTES,
     PACK_MAGIC,
     ExpertRecord,
-    Extent,
     Manifest,
     align_up,
     pack_name,
 )
+from deltafind.store.record_read import PieceStats, RecordRead
 
 log = get_logger(__name__)
 VERIFY_MODES = ("full", "fast", "off")
@@ -152,6 +152,7 @@ class PackReader:
         self._fds: list[int] = []
         self.direct: list[bool] = []
         self.queues: list[DriveQueue] = []
+        self.pieces = PieceStats()  # a prefetch's pieces read before the router chose: kept or dropped
         for idx, path in enumerate(self.paths):
             try:
                 self._open(idx, path, manifest.store_id, read_mode)
@@ -204,9 +205,11 @@ class PackReader:
     def stats(self) -> list[DriveStats]:
         return [q.stats for q in self.queues]
 
-    def submit(self, rec: ExpertRecord, speculative: bool = False) -> Future[Any]:
-        """Read `rec` (a buffer holding it at offset 0). `speculative`: a prefetch, queued behind demand reads."""
-        return self._start(rec, speculative, None)
+    def submit(self, rec: ExpertRecord, speculative: bool = False, pieces: int | None = None) -> Future[Any]:
+        """Read `rec` (a buffer holding it at offset 0). `speculative`: a prefetch, queued behind demand
+        reads; `pieces`: of a prefetch, only the first that many pieces per drive go to the drives
+        until `promote` (store/record_read.py)."""
+        return self._start(rec, speculative, None, pieces)
 
     def submit_decoded(self, rec: ExpertRecord, dtype: torch.dtype) -> Future[Decoded]:
         """Read, check and convert float tensors to `dtype` on the drive's thread (host compute).
@@ -222,11 +225,11 @@ class PackReader:
         if owner is not None:
             owner.promote()
 
-    def _start(self, rec: ExpertRecord, speculative: bool, dtype: torch.dtype | None) -> Future[Any]:
+    def _start(self, rec: ExpertRecord, speculative: bool, dtype: torch.dtype | None, pieces: int | None = None) -> Future[Any]:
         fut: Future[Any] = Future()
         remote = self.remote
         if remote is None or rec.key in remote.present:
-            self._queue(remote.present[rec.key] if remote is not None else rec, fut, speculative, dtype)
+            self._queue(remote.present[rec.key] if remote is not None else rec, fut, speculative, dtype, pieces)
             return fut
         fetched = remote.submit([rec.key])[rec.key]  # fetched and written into its place first
 
@@ -236,7 +239,7 @@ class PackReader:
                     fut.set_exception(f.exception())  # type: ignore[arg-type]
                 return
             try:
-                self._queue(f.result(), fut, speculative, dtype)
+                self._queue(f.result(), fut, speculative, dtype, pieces)
             except BaseException as e:
                 if fut.set_running_or_notify_cancel():
                     fut.set_exception(e)
@@ -244,13 +247,13 @@ class PackReader:
         fetched.add_done_callback(landed)
         return fut
 
-    def _queue(self, rec: ExpertRecord, fut: Future[Any], speculative: bool, dtype: torch.dtype | None) -> None:
+    def _queue(self, rec: ExpertRecord, fut: Future[Any], speculative: bool, dtype: torch.dtype | None, pieces: int | None) -> None:
         extents = rec.extents()
         if any(e.drive >= len(self.queues) for e in extents):
             raise CorruptExpertError(f"expert {rec.expert} of layer {rec.layer}: drive {max(e.drive for e in extents)} is closed or unknown")
-        read = _RecordRead(self, rec, fut, dtype)
+        read = RecordRead(self, rec, fut, dtype)
         fut._record_read = read  # type: ignore[attr-defined]  # for promote()
-        read.queue(extents, speculative)
+        read.queue(extents, speculative, pieces)
 
     def decode_when_read(self, rec: ExpertRecord, read: Future[Any], dtype: torch.dtype) -> Future[Decoded]:
         """Convert an already-submitted read (a prefetch the router confirmed) off the caller's
@@ -335,7 +338,8 @@ class PackReader:
         """Per drive: reads (chunks), sizes, queue depth, idle gaps; buffer reuse; the read mode."""
         pool = self.buffers
         return {"read_mode": self.read_mode, "o_direct": self.direct, "drives": [s.as_dict() for s in self.stats],
-                "buffers_reused": getattr(pool, "reused", None), "buffers_allocated": getattr(pool, "allocated", None)}
+                "buffers_reused": getattr(pool, "reused", None), "buffers_allocated": getattr(pool, "allocated", None),
+                "prefetch_pieces": self.pieces.as_dict()}
 
     def close(self) -> None:
         for q in getattr(self, "queues", []):
@@ -357,96 +361,3 @@ def record_tensors(rec: ExpertRecord, buf: object) -> dict[str, torch.Tensor]:
         count = t.nbytes // torch.empty(0, dtype=dtype).element_size()
         out[t.name] = torch.frombuffer(buf, dtype=dtype, count=count, offset=t.offset).view(t.shape) if count else torch.empty(t.shape, dtype=dtype)
     return out
-
-
-class _RecordRead:
-    """One record in flight: its chunks on their drives, the buffer they fill, a countdown.
-
-    The thread that lands the last chunk checks the bytes (and converts them, for
-    `submit_decoded`) and completes the future; a cancelled read skips the chunks
-    not yet started and recycles its buffer.
-    """
-
-    def __init__(self, reader: PackReader, rec: ExpertRecord, fut: Future[Any], dtype: torch.dtype | None) -> None:
-        self.reader, self.rec, self.fut, self.dtype = reader, rec, fut, dtype
-        self.buf: Any = None
-        self.error: BaseException | None = None
-        self.chunks: list[Chunk] = []
-        self._left = 0
-        self._lock = threading.Lock()
-
-    def queue(self, extents: tuple[Extent, ...], speculative: bool) -> None:
-        pos, by_drive = 0, {}
-        for e in extents:
-            q = self.reader.queues[e.drive]
-            for off, n in split(e.offset, e.nbytes):
-                c = Chunk(q, off, n, pos + off - e.offset, self)
-                self.chunks.append(c)
-                by_drive.setdefault(e.drive, []).append(c)
-            pos += e.nbytes
-        self._left = len(self.chunks)
-        for d, chunks in by_drive.items():
-            self.reader.queues[d].put(chunks, speculative)
-
-    def promote(self) -> None:
-        by_queue: dict[int, list[Chunk]] = {}
-        for c in self.chunks:
-            by_queue.setdefault(c.queue.idx, []).append(c)
-        for idx, chunks in by_queue.items():
-            self.reader.queues[idx].promote(chunks)
-
-    def run(self, chunk: Chunk) -> None:
-        if not self.fut.cancelled() and self.error is None:
-            try:
-                with self._lock:
-                    if self.buf is None:
-                        self.buf = self.reader.buffers.get(align_up(self.rec.length))
-                n = chunk.queue.read_into(chunk, memoryview(self.buf)[chunk.pos : chunk.pos + chunk.size])
-                if n < min(chunk.size, self.rec.length - chunk.pos):
-                    raise _Short(n)
-            except _Short as e:
-                self.error = CorruptExpertError(
-                    f"expert {self.rec.expert} of layer {self.rec.layer}: short read on drive {chunk.queue.idx} ({e.args[0]} of {chunk.size} bytes "
-                    f"at offset {chunk.offset}); the pack {self.reader.paths[chunk.queue.idx]} is truncated — re-run setup")
-            except OSError as e:
-                self.error = CorruptExpertError(
-                    f"expert {self.rec.expert} of layer {self.rec.layer}: read failed on drive {chunk.queue.idx} "
-                    f"({self.reader.paths[chunk.queue.idx]}: {e.strerror})")
-            except BaseException as e:
-                self.error = e
-        self._landed()
-
-    def abandon(self, chunk: Chunk) -> None:
-        self.error = self.error or CorruptExpertError(f"expert {self.rec.expert} of layer {self.rec.layer}: the reader closed before it was read")
-        self._landed()
-
-    def _landed(self) -> None:
-        with self._lock:
-            self._left -= 1
-            if self._left:
-                return
-        buf, reader, fut = self.buf, self.reader, self.fut
-        # Let go of the buffer and the future holding it: a promoted prefetch's stale chunks stay in
-        # the speculative deque (and future <-> read <-> chunks was a cycle), which kept landed
-        # buffers mapped after their experts were gone (RESULTS.md, issue 14).
-        self.buf, self.chunks, self.fut = None, [], None
-        fut._record_read = None  # type: ignore[attr-defined]
-        if not fut.set_running_or_notify_cancel():  # cancelled: nobody wants the bytes
-            if buf is not None:
-                reader.buffers.put(buf)
-            return
-        try:
-            if self.error is not None:
-                raise self.error
-            reader.check(self.rec, buf)
-            result = reader._convert(self.rec, buf, self.dtype) if self.dtype is not None else buf
-        except BaseException as e:
-            if buf is not None:
-                reader.buffers.put(buf)
-            fut.set_exception(e)
-            return
-        fut.set_result(result)
-
-
-class _Short(Exception):
-    pass

@@ -10,7 +10,9 @@ Prints one JSON line per bench and a summary, with the load average.
 runs every configuration under both trees in the same rounds, side by side (the
 older tree on the whole-record stores, which it can read).
 
-    python tests/bench/bench_streaming.py --root /tmp/dfbench [--rounds 2] [--tokens 6] [--before DIR]
+    python tests/bench/bench_streaming.py --root /tmp/dfbench [--rounds 2] [--tokens 6] [--before DIR] [--pc-rounds 6]
+    python tests/bench/bench_streaming.py --all --before DIR          # issue 15's points 1-5 in one run (adds the prefetch matrix and prefill)
+    python tests/bench/bench_streaming.py --only stripe,stream --rounds 6 --pc-rounds 0 --before DIR   # a focused rerun
     python tests/bench/bench_streaming.py --profile /tmp/dfbench/q2 --tokens 8 --no-prefetch   # where a decode spends its time
 """
 
@@ -28,8 +30,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import streaming_pagecache
 from streaming_drives import (
     barrier_bounds,
+    device_read_bytes,
     drop_store_from_page_cache,
     page_cache_bytes,
     raw_odirect,
@@ -88,11 +92,13 @@ def one(cfg: dict) -> dict:
     params = SamplingParams(max_new_tokens=cfg["tokens"], ignore_eos=True)
     fetches = time_fetches(model.experts)
     passes = []
-    for _ in range(cfg.get("passes", 1)):  # a second pass: what a warm page cache gives a buffered reader
-        t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+    for _ in range(cfg.get("passes", 1)):  # later passes: what a warm page cache gives a buffered reader
+        t0, r0, io0, d0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF), device_read_bytes(), getattr(model.experts.reader, "bytes_read", 0)
         list(model.stream(ids, params))
         wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
-        passes.append(model.last_stats.decode_tok_s)
+        passes.append({"decode_tok_s": model.last_stats.decode_tok_s, "wall_s": wall, "tokens": cfg["tokens"],
+                       "cpu_s": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime),
+                       "device_read_bytes": device_read_bytes() - io0, "reader_bytes": getattr(model.experts.reader, "bytes_read", 0) - d0})
     s, e = model.last_stats, model.experts.stats
     reader = model.experts.reader
     out = {
@@ -112,7 +118,7 @@ def one(cfg: dict) -> dict:
         "runtime_rss_bytes": runtime_rss,
         "cache_used_bytes": model.experts.cache.used_bytes,
         "free_read_buffers_bytes": reader.buffers._free_bytes,
-        "decode_tok_s_by_pass": passes,
+        "passes": passes,
         "page_cache_growth_bytes": page_cache_bytes() - cached0,
         "drive_bytes": getattr(reader, "bytes_read", e.bytes_read),  # wasted prefetches included
         "io": reader.io_stats() if hasattr(reader, "io_stats") else None,
@@ -220,10 +226,10 @@ def _io(rows: list[dict]) -> dict | None:
 def summarize(res: dict[str, list[dict]], t: int, cap_mb_s: float) -> list[dict]:
     """One line per bench from one tree's runs (an older tree ran only the whole-record configurations)."""
     out = []
-    raw = max(median(res["raw"], "raw_gb_s"), median(res["raw_rec"], "raw_gb_s")) if res.get("raw") else None
+    raw = max((median(res[k], "raw_gb_s") for k in ("raw", "raw_rec") if k in res), default=None)
     eff = {"bench": "streaming_efficiency", "raw_odirect_gb_s": raw and round(raw, 3),
            "raw_by_read_size": {str(r[0]["raw_read_bytes"]): round(median(r, "raw_gb_s"), 3) for r in (res.get("raw"), res.get("raw_rec")) if r}}
-    for key in ("whole", "stripe", "stream"):
+    for key in EFF_KEYS:
         rows = res.get(key)
         if not rows:
             continue
@@ -233,10 +239,15 @@ def summarize(res: dict[str, list[dict]], t: int, cap_mb_s: float) -> list[dict]
                     "busy_ratio": raw and _io(rows) and round(_io(rows)["busy_gb_s"] / raw, 3),
                     "bytes_per_token": int(median(rows, "bytes_read") / (t + 3)), "cpu_ms_per_token": round(1e3 * median(rows, "cpu_s") / (t + 3), 1),
                     "io": _io(rows)}
+        if key.startswith("stream"):  # prefetch on: how well the next layer was predicted, and what its early pieces became
+            last = rows[-1]
+            eff[key] |= {"recall_by_layer": last["recall_by_layer"], "precision_by_layer": last["precision_by_layer"],
+                         "prefetch_used_wasted": [last["prefetch_used"], last["prefetch_wasted"]],
+                         "prefetch_pieces": (last.get("io") or {}).get("prefetch_pieces")}
     out.append(eff)
     scaling: dict = {"bench": "drive_scaling", "cap_mb_s_per_drive": cap_mb_s, "prefetch": False}
     for name, prefix in (("whole", "cap"), ("stripe", "caps")):
-        if f"{prefix}2" not in res:
+        if f"{prefix}2" not in res or "cap1" not in res:
             continue
         tok = {n: median(res[f"{prefix}{n}" if n > 1 else "cap1"], "decode_tok_s") for n in (1, 2, 3, 4)}
         scaling[name] = {"tok_s": {n: round(v, 3) for n, v in tok.items()}, "speedup": {n: round(v / tok[1], 3) for n, v in tok.items()},
@@ -246,16 +257,8 @@ def summarize(res: dict[str, list[dict]], t: int, cap_mb_s: float) -> list[dict]
         on, off = median(res["stream"], "decode_tok_s"), median(res["stripe"], "decode_tok_s")
         out.append({"bench": "prefetch_value", "ratio_on_off": round(on / off, 3), "tok_s_on_off": [round(on, 3), round(off, 3)],
                     "recall_by_layer": res["stream"][-1]["recall_by_layer"], "precision_by_layer": res["stream"][-1]["precision_by_layer"]})
-    if "pc_direct" in res:
-        pc = {"bench": "page_cache", "store_expert_bytes": res["pc_direct"][0]["bytes_read"]}
-        for key in ("pc_direct", "pc_buffered"):
-            rows = res[key]
-            pc[key.removeprefix("pc_")] = {"decode_tok_s_pass1": round(statistics.median(r["decode_tok_s_by_pass"][0] for r in rows), 3),
-                                           "decode_tok_s_pass2": round(statistics.median(r["decode_tok_s_by_pass"][-1] for r in rows), 3),
-                                           "page_cache_growth_bytes": int(median(rows, "page_cache_growth_bytes")),
-                                           "peak_rss_bytes": int(median(rows, "peak_rss_bytes"))}
-        pc["warm_buffered_over_direct"] = round(pc["buffered"]["decode_tok_s_pass2"] / pc["direct"]["decode_tok_s_pass2"], 3)
-        out.append(pc)
+    if "mem" not in res:
+        return out
     mem = res["mem"]
     peak = median(mem, "peak_rss_bytes")
     # The denominator is what the budgets allow: the spine as held (compute dtype) plus the cache budget.
@@ -264,6 +267,36 @@ def summarize(res: dict[str, list[dict]], t: int, cap_mb_s: float) -> list[dict]
     out.append({"bench": "memory", "peak_rss_bytes": int(peak), "spine_resident_plus_cache_bytes": budget, "ratio": round(peak / budget, 3),
                 "runtime_rss_bytes": runtime and int(runtime), "ratio_without_runtime": runtime and round((peak - runtime) / budget, 3)})
     return out
+
+
+EFF_KEYS = ("whole", "stripe", "stream", "stripe_cap", "stream_cap")
+
+
+def reads_stripes(tree: Path) -> bool:
+    """Whether an older checkout's store code knows striped records (manifest `stripes`)."""
+    manifest = tree / "deltafind" / "store" / "manifest.py"
+    return manifest.exists() and "stripes" in manifest.read_text()
+
+
+def before_after(before: list[dict], after: list[dict]) -> dict:
+    """The headline figures of both trees side by side: [before, after]."""
+    b, a = ({line["bench"]: line for line in lines} for lines in (before, after))
+    pair = lambda get: [_get(b, get), _get(a, get)]  # noqa: E731
+    raw = _get(a, ("streaming_efficiency", "raw_odirect_gb_s"))  # measured once (plain threads, no deltafind), in the same rounds
+    eff = lambda k: [x and raw and round(x / raw, 3) for x in pair(("streaming_efficiency", k, "needed_gb_s"))]  # noqa: E731
+    return {"efficiency_ratio": {k: eff(k) for k in ("whole", "stripe", "stream")},
+            "decode_tok_s": {k: pair(("streaming_efficiency", k, "decode_tok_s")) for k in EFF_KEYS},
+            "drive_idle_fraction": {k: pair(("streaming_efficiency", k, "io", "drive_idle_fraction")) for k in EFF_KEYS},
+            "scaling_at_4": {k: pair(("drive_scaling", k, "speedup", 4)) for k in ("whole", "stripe")},
+            "prefetch_on_off": pair(("prefetch_value", "ratio_on_off")), "memory_ratio": pair(("memory", "ratio"))}
+
+
+def _get(d: dict, path: tuple) -> object:
+    for k in path:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
 
 
 def main() -> None:
@@ -278,6 +311,9 @@ def main() -> None:
     ap.add_argument("--no-prefetch", action="store_true", help="with --profile")
     ap.add_argument("--prefetch-matrix", action="store_true", help="also: prefetch on/off, cold/warm x 1/4 drives x batch 1/8 (streaming_prefetch.py)")
     ap.add_argument("--prefill", action="store_true", help="also: prefill bytes per prompt token and a 512-token K3 prompt projected (streaming_prefill.py)")
+    ap.add_argument("--all", action="store_true", help="every point of issue 15 in one run: --prefetch-matrix and --prefill too")
+    ap.add_argument("--pc-rounds", type=int, default=6, help="direct/buffered rounds of the page-cache bench (0: none)")
+    ap.add_argument("--only", help="comma-separated configuration keys (raw,whole,stripe,stream,cap1,...): a focused rerun")
     ap.add_argument("--one")
     args = ap.parse_args()
     if args.one:
@@ -291,22 +327,25 @@ def main() -> None:
     stripe = {n: make_store(args.root, n, "stripe") for n in (2, 3, 4)}
     t, th, cap = args.tokens, args.threads, args.cap_mb_s
     trees: dict[str, Path | None] = {"after": None, **({"before": args.before} if args.before else {})}
-    # (key, config, runs under an older tree too)
+    # (key, config, runs under an older tree too: any older tree, or one that reads striped stores)
     configs = [("raw", {"store": str(stripe[2]), "raw": True}, False),
                ("raw_rec", {"store": str(stripe[2]), "raw": True, "read_bytes": 16 << 20}, False),
                ("whole", {"store": str(whole[2]), "tokens": t, "prefetch": False}, True),
-               ("stripe", {"store": str(stripe[2]), "tokens": t, "prefetch": False}, False),
-               ("stream", {"store": str(stripe[2]), "tokens": t}, False),
+               ("stripe", {"store": str(stripe[2]), "tokens": t, "prefetch": False}, "stripes"),
+               ("stream", {"store": str(stripe[2]), "tokens": t}, "stripes"),
+               # the same two drives capped at 2x150 MB/s: drive-bound, so what prefetch puts in the idle window shows
+               ("stripe_cap", {"store": str(stripe[2]), "tokens": t, "prefetch": False, "read_mb_s": cap}, "stripes"),
+               ("stream_cap", {"store": str(stripe[2]), "tokens": t, "read_mb_s": cap}, "stripes"),
                *[(f"cap{n}", {"store": str(whole[n]), "tokens": max(2, t // 2), "read_mb_s": cap, "prefetch": False}, True) for n in (1, 2, 3, 4)],
-               *[(f"caps{n}", {"store": str(stripe[n]), "tokens": max(2, t // 2), "read_mb_s": cap, "prefetch": False}, False) for n in (2, 3, 4)],
-               ("pc_direct", {"store": str(stripe[2]), "tokens": t, "prefetch": False, "passes": 2, "read_mode": "direct"}, False),
-               ("pc_buffered", {"store": str(stripe[2]), "tokens": t, "prefetch": False, "passes": 2, "read_mode": "buffered"}, False),
+               *[(f"caps{n}", {"store": str(stripe[n]), "tokens": max(2, t // 2), "read_mb_s": cap, "prefetch": False}, "stripes") for n in (2, 3, 4)],
                ("mem", {"store": str(whole[2]), "tokens": t, "cache": 1 << 30}, True)]
+    if args.only:
+        configs = [c for c in configs if c[0] in args.only.split(",")]
     res: dict[str, dict[str, list[dict]]] = {name: {} for name in trees}
     for _ in range(args.rounds):
         for key, cfg, older_too in configs:
             for name, tree in trees.items():  # before and after back to back, so noise hits both
-                if tree is None or older_too:
+                if tree is None or older_too is True or (older_too == "stripes" and reads_stripes(tree)):
                     res[name].setdefault(key, []).append(run({**cfg, "threads": th}, tree))
     out = {name: summarize(r, t, cap) for name, r in res.items()}
     bounds = {"whole_4": barrier_bounds(whole[4]), "stripe_4": barrier_bounds(stripe[4])}
@@ -314,13 +353,17 @@ def main() -> None:
         for line in lines:
             if line["bench"] == "drive_scaling":
                 line["per_layer_barrier_bound_4_drives"] = bounds
-            print(json.dumps({"tree": name, **line, "loadavg": os.getloadavg()}))
-    if args.prefetch_matrix:
+            print(json.dumps({"tree": name, **line, "loadavg": os.getloadavg()}), flush=True)
+    if len(out) > 1:
+        print(json.dumps({"bench": "before_after", **before_after(out["before"], out["after"]), "loadavg": os.getloadavg()}), flush=True)
+    for line in streaming_pagecache.page_cache(lambda cfg: run(cfg), stripe[2], args.pc_rounds, t, th) if args.pc_rounds else []:
+        print(json.dumps(line), flush=True)
+    if args.prefetch_matrix or args.all:
         import streaming_prefetch
 
         for line in streaming_prefetch.matrix({n: whole[n] for n in (1, 4)}, args.rounds, args.tokens, args.cap_mb_s, th, trees, ENV):
             print(json.dumps(line), flush=True)
-    if args.prefill:
+    if args.prefill or args.all:
         import streaming_prefill
 
         for line in streaming_prefill.bench(args.root, ENV, th):

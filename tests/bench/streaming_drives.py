@@ -101,3 +101,10 @@ def drop_store_from_page_cache(store: Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def device_read_bytes() -> int:
+    """Bytes this process made the block layer read (/proc/self/io read_bytes, all threads): O_DIRECT
+    and page-cache misses count, page-cache hits do not."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))

@@ -66,7 +66,7 @@ def test_an_idle_drive_takes_reads_up_to_its_slack_a_busy_one_none() -> None:
         gate.track(0, 10 * MB, fut)  # drive 0: 40 MB queued, ~0.4 s of work: past the window
     cands = [((1, e), e % 2, 2 * MB) for e in range(8)]  # alternate drives, best first
     started = gate.admit(1, cands, 8)
-    assert started == [(1, e) for e in range(1, 8, 2)]  # only drive 1's, all four (8 MB of its ~20 MB slack)
+    assert started == [((1, e), 2 * MB) for e in range(1, 8, 2)]  # only drive 1's, all four (8 MB of its ~20 MB slack)
     gate.begin_step(1)
     many = [((1, 100 + e), 1, 4 * MB) for e in range(20)]  # 80 MB for drive 1 alone: more than its slack
     n = len(gate.admit(1, many, 64))
@@ -79,7 +79,7 @@ def test_an_idle_drive_takes_reads_up_to_its_slack_a_busy_one_none() -> None:
 def test_a_layer_whose_predictions_miss_stops_after_warmup() -> None:
     gate = _measured(window_s=0.2)
     cand = [((1, 5), 1, MB)]
-    assert gate.admit(1, cand, 8) == [(1, 5)]  # idle drive, prior precision: it pays
+    assert gate.admit(1, cand, 8) == [((1, 5), MB)]  # idle drive, prior precision: it pays
     for _ in range(PrefetchOptions().warmup):
         gate.observe(1, {5, 6}, [7, 8])
     assert gate.layers[1].ema == 0.0 and gate.layers[1].precision == 0.0
@@ -105,7 +105,24 @@ def test_precision_weighs_against_bytes_past_the_slack() -> None:
     for _ in range(12):
         gate.observe(1, {1, 2, 3, 4}, [1, 9, 10, 11])  # precision -> ~0.25, under recall_threshold 0.3
     gate.begin_step(1)
-    assert gate.admit(1, [((1, e), 0, 4 * MB) for e in range(8)], 8) == []
+    started = gate.admit(1, [((1, e), 0, 4 * MB) for e in range(8)], 8)
+    # a closed layer reads only what fits the idle drive's ~10 MB slack, the last record in whole pieces
+    assert 4 * MB <= sum(n for _, n in started) <= 11 * MB and len(started) <= 3
+    assert all(n == 4 * MB or n % gate.piece_bytes == 0 for _, n in started)
+
+
+def test_pieces_fill_the_slack_that_a_whole_record_would_overrun() -> None:
+    gate = _measured(window_s=0.03)  # ~3 MB of slack per idle drive (more if the machine runs late)
+    for _ in range(4):
+        gate.observe(1, {1, 2}, [1, 9])  # precision 0.5: a 16 MB record past a 5 MB slack loses as a whole
+    gate.begin_step(1)
+    [(key, n)] = gate.admit(1, [((1, 1), 0, 16 * MB)], 8)
+    assert key == (1, 1) and n % gate.piece_bytes == 0 and gate.piece_bytes <= n < 16 * MB  # its first pieces only
+    busy = _landing(1.0)
+    gate.track(0, 40 * MB, busy)  # drive 0 now has ~0.4 s of work queued: no slack, no piece
+    gate.begin_step(1)
+    assert gate.admit(1, [((1, 2), 0, 16 * MB)], 8) == []
+    busy.result()
 
 
 def test_the_reads_started_weigh_when_they_miss_more_than_the_predictions() -> None:

@@ -7,6 +7,7 @@ per (forward step, layer, expert), with the routes each step took beside them.
 from __future__ import annotations
 
 from collections import Counter
+from concurrent.futures import wait
 from pathlib import Path
 
 import pytest
@@ -31,25 +32,32 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _counted(m: Model) -> tuple[Counter, dict[tuple[int, int], set[int]]]:
-    """Count every read of the model's store per (step, layer, expert); note each step's routed experts per layer."""
+    """Count every read of the model's store per (step, layer, expert); note each step's routed experts per layer.
+
+    A read queued while a later layer is fetched is the next step's (the last fetch of a step
+    starts the next step's layer-0 prediction), so it counts there."""
     reads: Counter = Counter()
     routes: dict[tuple[int, int], set[int]] = {}
-    ex, step = m.experts, [0]
-    queue, begin, observe = ex.reader._queue, ex.begin_step, ex.observe_routes
+    ex, step, fetching = m.experts, [0], [-1]
+    queue, begin, observe, fetch = ex.reader._queue, ex.begin_step, ex.observe_routes, ex.fetch
 
     def counting_queue(rec, *args):  # every record read (demand, decoded or prefetch) is queued here once
-        reads[(step[0], rec.layer, rec.expert)] += 1
+        reads[(step[0] + (rec.layer < fetching[0]), rec.layer, rec.expert)] += 1
         return queue(rec, *args)
 
     def next_step(seq_ids, positions):
-        step[0] += 1
+        step[0], fetching[0] = step[0] + 1, -1
         begin(seq_ids, positions)
+
+    def fetch_layer(layer_idx, expert_ids):
+        fetching[0] = layer_idx
+        yield from fetch(layer_idx, expert_ids)
 
     def seen(layer_idx, topk_idx, topk_weight):
         routes.setdefault((step[0], layer_idx), set()).update(topk_idx.flatten().tolist())
         observe(layer_idx, topk_idx, topk_weight)
 
-    ex.reader._queue, ex.begin_step, ex.observe_routes = counting_queue, next_step, seen
+    ex.reader._queue, ex.begin_step, ex.observe_routes, ex.fetch = counting_queue, next_step, seen, fetch_layer
     return reads, routes
 
 
@@ -72,6 +80,7 @@ def test_each_prefill_chunk_reads_each_expert_once_per_layer(store, prefetch) ->
             assert routed <= got  # every routed expert read in its step (cache 0: nothing kept)
             if not prefetch:
                 assert got == routed  # and, without prediction, nothing else
+        wait(list(m.experts._inflight.values()))  # the next step's predicted reads, started by the last one, land
         # the drives read whole aligned extents (O_DIRECT): each record's align_up(length), once per read counted
         aligned = {(lay, e): sum(x.nbytes for x in m.experts.record(lay, e).extents()) for _, lay, e in reads}
         assert m.experts.reader.bytes_read == sum(aligned[(lay, e)] * n for (_, lay, e), n in reads.items())
