@@ -12,6 +12,7 @@ Knows tensors and ranks, never models or stores.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -67,16 +68,18 @@ def group_spec(cluster: ClusterSettings, device: torch.device) -> GroupSpec:
 
 
 def meet(spec: GroupSpec) -> dist.Store:
-    """The store where the cluster meets: served by the coordinator (rank 0), or by torchrun's agent."""
-    where = f"tcp://{spec.address}:{spec.port}"
-    try:  # rendezvous picks torchrun's agent store when torchrun runs us (TORCHELASTIC_USE_AGENT_STORE)
-        store, _, _ = next(dist.rendezvous(f"{where}?rank={spec.rank}&world_size={spec.world_size}",
-                                           timeout=timedelta(seconds=spec.join_timeout_s)))
+    """The store where the cluster meets: the coordinator serves it, unless torchrun started the coordinator
+    (its agent already serves one at MASTER_ADDR:MASTER_PORT). Keys are our own, unprefixed, so a node
+    restarted without torchrun (systemd, by hand) finds the same store and rejoins."""
+    where = f"{spec.address}:{spec.port}"
+    serve = spec.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    try:
+        return dist.TCPStore(spec.address, spec.port, None, serve, timedelta(seconds=spec.join_timeout_s), wait_for_workers=False)
     except (RuntimeError, ValueError, OSError) as e:
-        raise ClusterError(f"rank {spec.rank} of {spec.world_size}: the cluster did not meet at {where} within "
-                           f"[cluster] join_timeout_s ({e}); check [cluster] coordinator/port (or MASTER_ADDR/MASTER_PORT), "
-                           "that the coordinator and every node run, and the firewall") from None
-    return store
+        raise ClusterError(f"rank {spec.rank} of {spec.world_size}: the cluster's store at {where} "
+                           f"{'could not listen' if serve else 'did not answer within [cluster] join_timeout_s'} ({e}); "
+                           "check [cluster] coordinator/port (or MASTER_ADDR/MASTER_PORT), that the coordinator runs, "
+                           "and the firewall") from None
 
 
 def announce(store: dist.Store, rank: int) -> int:
