@@ -5,12 +5,15 @@ expert (the next layer's predicted experts ride along, so the node starts readin
 each node returns one output per expert, which dispatch sums in expert order exactly as one
 machine does. Dense slices, router traces and heat stay with the local store. A node that dies,
 stalls past `[cluster] timeout_s` or fails a layer fails the requests in flight (ClusterError);
-a node that died or stalled is marked down and its experts' other copies serve from then on.
+a node that died or stalled is marked down and its experts' other copies serve from then on, until
+it is restarted: a watcher thread sees its new generation in the group's store, forms a group with
+it, hands it the placement and serves from it again (the coordinator keeps running).
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -50,6 +53,7 @@ class NodeState:
     bytes_sent: int = 0
     bytes_received: int = 0
     exchange_s: float = 0.0  # time from the first send of a layer to this node's reply
+    joins: int = 0  # 1 once it joined; each restart that the coordinator took back adds one
 
 
 class ClusterExperts:
@@ -62,7 +66,12 @@ class ClusterExperts:
         self.placement = Placement(spec.world_size - 1, {})
         self.nodes: dict[int, NodeState] = {}
         self._ride: dict[int, Sequence[int] | None] = {}  # layer -> prediction to send with the previous layer's rows
-        self._joined = False
+        self._store: Any = None  # where the nodes announce themselves (wire.meet)
+        self._links: dict[int, wire.Pair] = {}  # node -> its group with us, this generation
+        self._gen: dict[int, int] = {}  # node -> the generation we serve from
+        self._lock = threading.Lock()  # a node's link and liveness change only between exchanges
+        self._closing = threading.Event()
+        self._watcher: threading.Thread | None = None
         self._outbox: dict[int, list[Any]] = {}  # node -> sends that may still be running
         self._hinted: dict[int, dict[int, int]] = {}  # layer -> predicted expert -> the node reading it
 
@@ -83,20 +92,18 @@ class ClusterExperts:
         self.nodes = {r: NodeState(r, len(placement.experts_of(r))) for r in range(1, num_nodes + 1)}
         log.info("cluster_joining", rank=0, world_size=self.spec.world_size, address=self.spec.address, port=self.spec.port,
                  backend=self.spec.backend)
-        wire.join(self.spec)
-        self._joined = True
-        blob = wire.text(json.dumps(placement.to_json()))
-        for r in self.nodes:
-            self._send(r, [wire.OP_PLACEMENT, 0, 0, blob.numel(), 0, 0, -1, 0], blob)
+        self._store = wire.meet(self.spec)
         deadline = time.monotonic() + self.spec.join_timeout_s
         problems = []
         for r in self.nodes:
             try:
-                self._reply(r, deadline)
+                self._welcome(r, wire.generation(self._store, r, deadline), deadline)
             except ClusterError as e:
                 problems.append(str(e))
         if problems:
-            raise ClusterError("the expert nodes refused the placement: " + "; ".join(problems))
+            raise ClusterError("the expert nodes did not join: " + "; ".join(problems))
+        self._watcher = threading.Thread(target=self._watch, name="deltafind-cluster-watch", daemon=True)
+        self._watcher.start()
         log.info("cluster_ready", nodes=num_nodes, routed_layers=len(self.routed), experts=len(placement.owners))
 
     # -- the provider contract -----------------------------------------------------------------
@@ -122,14 +129,23 @@ class ClusterExperts:
         elif layer_idx - 1 in self.routed:
             self._ride[layer_idx] = expert_ids  # rides with the previous layer's rows
         else:
-            for r, ids in self._hints(layer_idx, expert_ids).items():
-                self._send(r, [wire.OP_PREFETCH, -1, 0, 0, 0, 0, layer_idx, -1 if ids is None else len(ids)],
-                           torch.tensor(ids or [], dtype=torch.int64))
+            with self._lock:
+                self._send_hints(layer_idx, expert_ids)
+
+    def _send_hints(self, layer_idx: int, expert_ids: Sequence[int] | None) -> None:
+        for r, ids in self._hints(layer_idx, expert_ids).items():
+            self._send(r, [wire.OP_PREFETCH, -1, 0, 0, 0, 0, layer_idx, -1 if ids is None else len(ids)],
+                       torch.tensor(ids or [], dtype=torch.int64))
 
     def run_experts(self, layer_idx: int, x: torch.Tensor, tokens: Mapping[int, torch.Tensor],
                     run: Run) -> Iterator[tuple[int, torch.Tensor]]:
         """(expert, its output on x[tokens[expert]]), each computed by a node holding it. A node gets
         each token's row once, with each expert's indices into them (a gather there is exact)."""
+        with self._lock:
+            out = self._exchange(layer_idx, x, tokens)
+        yield from out.items()
+
+    def _exchange(self, layer_idx: int, x: torch.Tensor, tokens: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         hint = self._ride.pop(layer_idx + 1, _NO_HINT)
         hints = self._hints(layer_idx + 1, hint) if hint is not _NO_HINT else {}  # type: ignore[arg-type]
         by_node: dict[int, list[int]] = {}
@@ -166,7 +182,7 @@ class ClusterExperts:
         if errors:
             raise ClusterError(f"layer {layer_idx}'s experts failed on the expert nodes ({'; '.join(errors)}); "
                                "this request fails, the daemon keeps serving (deltafinctl status shows the nodes)")
-        yield from out.items()
+        return out
 
     # -- nodes ---------------------------------------------------------------------------------
 
@@ -177,7 +193,7 @@ class ClusterExperts:
             owners = self.placement.owners.get((layer_idx, e), ())
             why = "; ".join(f"node {r}: {self.nodes[r].last_error}" for r in owners) or "no node holds it"
             raise ClusterError(f"expert {e} of layer {layer_idx} has no live copy ({why}); restart its nodes "
-                               "(`deltafind node`), then the coordinator")
+                               "(`deltafind node`): the coordinator takes them back")
         return min(live, key=lambda r: ((len(queued.get(r, ())) + 1) / max(self.nodes[r].read_mb_s, 1.0), live.index(r)))
 
     def _hints(self, layer_idx: int, ids: Sequence[int] | None) -> dict[int, list[int] | None]:
@@ -205,7 +221,7 @@ class ClusterExperts:
         if not node.alive:
             return
         try:
-            self._outbox.setdefault(r, []).extend(wire.send(r, header, *tensors))
+            self._outbox.setdefault(r, []).extend(wire.send(self._links[r], header, *tensors))
         except RuntimeError as e:
             self._down(r, f"send failed: {e}")
             return
@@ -215,13 +231,13 @@ class ClusterExperts:
         """Node r's answer: its output [rows, dim] (or nothing for `shape` None); ClusterError on failure."""
         node = self.nodes[r]
         try:
-            status, err_len, dtype, *stats = wire.recv_header(r, wire.REPLY, deadline)
+            status, err_len, dtype, *stats = wire.recv_header(self._links[r], wire.REPLY, deadline)
             node.bytes_read, node.experts_read, node.cache_hits = stats[0], stats[1], stats[2]
             node.read_wait_s, node.read_mb_s = stats[3] / 1e6, stats[4] / 1e3
             if status != 0:
-                node.last_error = bytes(wire.recv(r, (err_len,), torch.uint8, deadline).tolist()).decode(errors="replace")
+                node.last_error = bytes(wire.recv(self._links[r], (err_len,), torch.uint8, deadline).tolist()).decode(errors="replace")
                 raise ClusterError(node.last_error)
-            y = wire.recv(r, shape, wire.DTYPES[dtype], deadline) if shape else torch.empty(0)
+            y = wire.recv(self._links[r], shape, wire.DTYPES[dtype], deadline) if shape else torch.empty(0)
         except RuntimeError as e:  # gloo: the peer closed, or the deadline passed (the pair is closed then too)
             self._down(r, f"no answer within {self.spec.timeout_s:g} s or connection lost ({e})")
             raise ClusterError(node.last_error) from None
@@ -244,17 +260,58 @@ class ClusterExperts:
         return any(not n.alive for n in self.nodes.values())
 
     def close(self) -> None:
-        """Stop the nodes (they exit 0) and leave the group; the local store is its owner's to close."""
-        if self._joined:
-            for r in self.nodes:
+        """Stop the nodes (they exit 0) and leave; the local store is its owner's to close."""
+        self._closing.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+        with self._lock:
+            for r in self._links:
                 self._send(r, [wire.OP_STOP, 0, 0, 0, 0, 0, -1, 0])
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline and any(not w.is_completed() for ws in self._outbox.values() for w in ws):
                 time.sleep(0.01)
             self._outbox.clear()
-            wire.leave()
-            self._joined = False
+            self._links.clear()
+            self._store = None
 
+    # -- nodes joining and coming back ---------------------------------------------------------
+
+    def _welcome(self, r: int, gen: int, deadline: float) -> None:
+        """Form node r's group of generation `gen`, hand it the placement, then serve from it."""
+        link = wire.pair(self._store, self.spec, r, gen)
+        blob = wire.text(json.dumps(self.placement.to_json()))
+        try:
+            works = wire.send(link, [wire.OP_PLACEMENT, 0, 0, blob.numel(), 0, 0, -1, 0], blob)
+            status, err_len, *_ = wire.recv_header(link, wire.REPLY, deadline)
+            refusal = bytes(wire.recv(link, (err_len,), torch.uint8, deadline).tolist()).decode(errors="replace") if status else ""
+        except RuntimeError as e:
+            raise ClusterError(f"node {r} joined and was lost ({e})") from None
+        if refusal:
+            raise ClusterError(f"node {r} refused the placement: {refusal}")
+        with self._lock:
+            self._links[r], self._outbox[r], self._gen[r] = link, works, gen
+            node = self.nodes[r]
+            node.alive, node.joins = True, node.joins + 1
+        log.info("cluster_node_joined", rank=r, generation=gen, experts=node.experts)
+
+    def _watch(self) -> None:
+        """Until close: take back every node that restarted (a generation newer than the one we serve from)."""
+        while not self._closing.wait(0.5):
+            for r in self.nodes:
+                try:
+                    gen = wire.generation(self._store, r)
+                    if gen <= self._gen[r]:
+                        continue
+                    self._gen[r] = gen  # this generation is tried once; the node's next restart is another
+                    with self._lock:
+                        if self.nodes[r].alive:  # restarted before an exchange noticed: the old link is gone
+                            self._down(r, f"restarted (generation {gen})")
+                    self._welcome(r, gen, time.monotonic() + self.spec.join_timeout_s)
+                except (ClusterError, RuntimeError) as e:
+                    if self._closing.is_set():
+                        return
+                    self.nodes[r].last_error = str(e)
+                    log.error("cluster_node_rejoin_failed", rank=r, error=str(e)[:500])
 
 
 def _rows_once(tokens: list[torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,40 +57,39 @@ class ExpertNode:
             net = family.Model(family.ModelArgs.from_config(manifest.model_config), self.experts)
         self.runs: dict[int, Run] = routed_runs(net)
         self.mine: list[tuple[int, int]] = []
+        self.link: wire.Pair = None  # this generation's group with the coordinator
 
     def serve(self) -> int:
-        """Join, then answer requests; 0 when the coordinator stops us, 1 when it is lost."""
+        """Join, then answer requests; 0 when the coordinator stops us, 1 when it is lost (a restart joins again)."""
         log.info("cluster_joining", rank=self.spec.rank, world_size=self.spec.world_size, address=self.spec.address,
                  port=self.spec.port, backend=self.spec.backend)
-        wire.join(self.spec)
+        store = wire.meet(self.spec)
+        gen = wire.announce(store, self.spec.rank)
+        self.link = wire.pair(store, self.spec, self.spec.rank, gen)
         try:
             while True:
                 try:
-                    op, layer, n_ids, n_rows, dim, dtype, pred_layer, n_pred = wire.recv_header(0, wire.REQUEST, None)
-                except RuntimeError as e:
-                    log.error("cluster_coordinator_lost", rank=self.spec.rank, error=str(e)[:300])
-                    return 1
-                if op == wire.OP_STOP:
-                    log.info("cluster_node_stopped", rank=self.spec.rank)
-                    return 0
-                try:
+                    op, layer, n_ids, n_rows, dim, dtype, pred_layer, n_pred = wire.recv_header(self.link, wire.REQUEST, None)
+                    if op == wire.OP_STOP:
+                        log.info("cluster_node_stopped", rank=self.spec.rank)
+                        return 0
                     self._handle(op, layer, n_ids, n_rows, dim, dtype, pred_layer, n_pred)
-                except RuntimeError as e:  # torch.distributed: the coordinator went away mid-message
-                    log.error("cluster_coordinator_lost", rank=self.spec.rank, error=str(e)[:300])
+                except RuntimeError as e:  # gloo: the coordinator went away, or gave up on us (timed out)
+                    log.error("cluster_coordinator_lost", rank=self.spec.rank, generation=gen, error=str(e)[:300])
                     return 1
         finally:
             self.experts.close()
-            wire.leave()
+            self.link = None
 
     def _handle(self, op: int, layer: int, n_ids: int, n_rows: int, dim: int, dtype: int, pred_layer: int, n_pred: int) -> None:
         if op == wire.OP_PLACEMENT:
-            blob = wire.recv(0, (n_rows,), torch.uint8, None)
+            blob = wire.recv(self.link, (n_rows,), torch.uint8, None)
             self._answer(partial(self._take_placement, bytes(blob.tolist())))
             return
-        head = wire.recv(0, (2 * n_ids + max(n_pred, 0),), torch.int64, None).tolist()
+        head = wire.recv(self.link, (2 * n_ids + max(n_pred, 0),), torch.int64, None).tolist()
         ids, counts, pred = head[:n_ids], head[n_ids:2 * n_ids], head[2 * n_ids:]
-        index = wire.recv(0, (sum(counts),), torch.int64, None) if n_ids else None
-        x = wire.recv(0, (n_rows, dim), wire.DTYPES[dtype], None) if n_rows else None
+        index = wire.recv(self.link, (sum(counts),), torch.int64, None) if n_ids else None
+        x = wire.recv(self.link, (n_rows, dim), wire.DTYPES[dtype], None) if n_rows else None
         if pred_layer >= 0:  # before this layer's reads are queued, as on one machine (models/ops/step.py)
             self.experts.prefetch(pred_layer, None if n_pred < 0 else pred)
         if op == wire.OP_RUN:
@@ -130,10 +129,10 @@ class ExpertNode:
             log.error("cluster_node_request_failed", rank=self.spec.rank, error=f"{type(e).__name__}: {e}")
             msg = wire.text(f"{type(e).__name__}: {e}")
             stats = [s.bytes_read, s.read, s.cache_hits + s.pinned_hits, int(s.wait_s * 1e6), rate_kb_s]
-            works = wire.send(0, [1, msg.numel(), 0, *stats], msg)
+            works = wire.send(self.link, [1, msg.numel(), 0, *stats], msg)
         else:
             stats = [s.bytes_read, s.read, s.cache_hits + s.pinned_hits, int(s.wait_s * 1e6), rate_kb_s]
-            works = wire.send(0, [0, 0, wire.dtype_code(y.dtype), *stats], y)
+            works = wire.send(self.link, [0, 0, wire.dtype_code(y.dtype), *stats], y)
         for w in works:
             w.wait(wire.FOREVER)
 

@@ -1,12 +1,18 @@
-"""The process group of a cluster and the per-layer messages over it (torch.distributed point-to-point).
+"""The process groups of a cluster and the per-layer messages over them (torch.distributed point-to-point).
 
-Rank 0 is the coordinator, ranks 1..N the expert nodes. A message is a fixed int64 header, then
-the tensors whose sizes it gives; gloo (or NCCL) carries them, in order per pair of ranks, so no
-socket protocol of our own sits on the hot path. Knows tensors and ranks, never models or stores.
+Rank 0 is the coordinator, ranks 1..N the expert nodes. They meet at a torch.distributed store on
+the coordinator (its own TCPStore, or torchrun's agent store when torchrun started it); each node
+announces itself there (a counter per rank: its generation) and forms a gloo group of two with the
+coordinator for that generation. A group per pair means a stalled node cannot close the others'
+connections (a timed-out gloo wait closes its group), and a restarted node joins with a new
+generation while the others keep serving. A message is a fixed int64 header, then the tensors whose
+sizes it gives; gloo carries them in order, so no socket protocol of our own sits on the hot path.
+Knows tensors and ranks, never models or stores.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,7 +32,7 @@ REPLY = 8
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8)
 FOREVER = timedelta(days=365)  # a node waits this long for the next request (a wait without one would use the group's)
 DEFAULT_PORT = 29500
-_PAIRS: dict[int, Any] = {}  # node rank -> the group of the coordinator and that node
+Pair = Any  # a gloo group of the coordinator (its rank 0) and one node (its rank 1)
 
 
 class ClusterError(DeltafindError):
@@ -53,65 +59,79 @@ def group_spec(cluster: ClusterSettings, device: torch.device) -> GroupSpec:
         raise ConfigError(f"[cluster] role = \"coordinator\" needs rank 0, not {rank}: the expert nodes are ranks 1..{cluster.world_size - 1}")
     if cluster.role == "expert" and not 1 <= rank < cluster.world_size:
         raise ConfigError(f"[cluster] role = \"expert\" needs a rank from 1 to {cluster.world_size - 1} (world_size - 1), not {rank}")
-    if cluster.backend == "nccl":  # TODO(cluster): device tensors on the wire; untested here (one GPU cannot host two NCCL ranks)
-        raise ConfigError("[cluster] backend = \"nccl\" is not supported yet (the exchange moves CPU tensors): "
-                          "set backend = \"gloo\" (or auto)")
+    if cluster.backend == "nccl":  # device tensors on the wire need a machine with a GPU per rank to test them
+        raise ConfigError("[cluster] backend = \"nccl\" is refused: the exchange moves CPU tensors over gloo, and NCCL "
+                          "has never run on GPUs here, so it is not offered until it has; set backend = \"gloo\" (or auto)")
     backend = "gloo"
     return GroupSpec(rank, cluster.world_size, cluster.coordinator or "127.0.0.1", cluster.port or DEFAULT_PORT,
                      backend, cluster.join_timeout_s, cluster.timeout_s)
 
 
-def join(spec: GroupSpec) -> None:
-    """Form the process group (blocks until every rank has joined, up to `join_timeout_s`)."""
-    where = f"tcp://{spec.address}:{spec.port}"
+def meet(spec: GroupSpec) -> dist.Store:
+    """The store where the cluster meets: the coordinator serves it, unless torchrun started the coordinator
+    (its agent already serves one at MASTER_ADDR:MASTER_PORT). Keys are our own, unprefixed, so a node
+    restarted without torchrun (systemd, by hand) finds the same store and rejoins."""
+    where = f"{spec.address}:{spec.port}"
+    serve = spec.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     try:
-        dist.init_process_group(spec.backend, init_method=where, rank=spec.rank, world_size=spec.world_size,
-                                timeout=timedelta(seconds=spec.join_timeout_s))
-        # One group per (coordinator, node) pair: a timed-out wait closes every pair of its group (gloo),
-        # so each node gets its own and a stalled node cannot take the others down with it.
-        _PAIRS.clear()
-        _PAIRS.update({r: dist.new_group([0, r]) for r in range(1, spec.world_size)})
+        return dist.TCPStore(spec.address, spec.port, None, serve, timedelta(seconds=spec.join_timeout_s), wait_for_workers=False)
     except (RuntimeError, ValueError, OSError) as e:
-        raise ClusterError(f"rank {spec.rank} of {spec.world_size} could not join the cluster at {where} ({spec.backend}): {e}; "
-                           "check [cluster] coordinator/port (or MASTER_ADDR/MASTER_PORT), that every node runs, "
+        raise ClusterError(f"rank {spec.rank} of {spec.world_size}: the cluster's store at {where} "
+                           f"{'could not listen' if serve else 'did not answer within [cluster] join_timeout_s'} ({e}); "
+                           "check [cluster] coordinator/port (or MASTER_ADDR/MASTER_PORT), that the coordinator runs, "
                            "and the firewall") from None
 
 
-def leave() -> None:
-    _PAIRS.clear()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def announce(store: dist.Store, rank: int) -> int:
+    """A node says it is (re)starting; returns its generation (1 for its first start)."""
+    return int(store.add(f"deltafind/node{rank}", 1))
 
 
-def _pair(peer: int) -> Any:
-    """The group of this rank and `peer` (one side is always the coordinator, rank 0)."""
-    return _PAIRS[peer if peer else dist.get_rank()]
+def generation(store: dist.Store, rank: int, deadline: float | None = None) -> int:
+    """Node `rank`'s latest generation (0: never announced), waiting until `deadline` for its first."""
+    key = f"deltafind/node{rank}"
+    if deadline is not None:
+        try:
+            store.wait([key], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except RuntimeError:
+            raise ClusterError(f"expert node {rank} did not join within [cluster] join_timeout_s; start it "
+                               "(`deltafind node`) with the coordinator's address and port") from None
+    return int(store.add(key, 0))
+
+
+def pair(store: dist.Store, spec: GroupSpec, node: int, gen: int) -> Pair:
+    """The gloo group of the coordinator and node `node`'s generation `gen` (blocks until both sides form it)."""
+    try:
+        return dist.ProcessGroupGloo(dist.PrefixStore(f"deltafind/pair{node}/{gen}", store), 1 if spec.rank else 0, 2,
+                                     timedelta(seconds=spec.join_timeout_s))
+    except (RuntimeError, ValueError, OSError) as e:
+        raise ClusterError(f"rank {spec.rank}: no connection with {'the coordinator' if spec.rank else f'node {node}'} "
+                           f"({e}); check the firewall between the machines") from None
 
 
 def dtype_code(dtype: torch.dtype) -> int:
     return DTYPES.index(dtype)
 
 
-def send(peer: int, header: list[int], *tensors: torch.Tensor) -> list[dist.Work]:
-    """Start sending a header and its tensors to `peer`; the caller waits the works."""
-    group = _pair(peer)
-    works = [dist.isend(torch.tensor(header, dtype=torch.int64), peer, group=group)]
-    works += [dist.isend(t.contiguous(), peer, group=group) for t in tensors if t.numel()]
+def send(link: Pair, header: list[int], *tensors: torch.Tensor) -> list[Any]:
+    """Start sending a header and its tensors to the other side of `link`; the caller waits the works."""
+    peer = 1 - link.rank()
+    works = [link.send([torch.tensor(header, dtype=torch.int64)], peer, 0)]
+    works += [link.send([t.contiguous()], peer, 0) for t in tensors if t.numel()]
     return works
 
 
-def recv(peer: int, shape: tuple[int, ...], dtype: torch.dtype, deadline: float | None) -> torch.Tensor:
-    """A tensor from `peer`, waiting until `deadline` (time.monotonic; None: as long as it takes)."""
+def recv(link: Pair, shape: tuple[int, ...], dtype: torch.dtype, deadline: float | None) -> torch.Tensor:
+    """A tensor from the other side of `link`, waiting until `deadline` (time.monotonic; None: as long as it takes)."""
     out = torch.empty(shape, dtype=dtype)
     if out.numel():
-        work = dist.irecv(out, peer, group=_pair(peer))
-        wait = FOREVER if deadline is None else timedelta(seconds=max(deadline - time.monotonic(), 0.001))
-        work.wait(wait)
+        work = link.recv([out], 1 - link.rank(), 0)
+        work.wait(FOREVER if deadline is None else timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
     return out
 
 
-def recv_header(peer: int, size: int, deadline: float | None) -> list[int]:
-    return recv(peer, (size,), torch.int64, deadline).tolist()
+def recv_header(link: Pair, size: int, deadline: float | None) -> list[int]:
+    return recv(link, (size,), torch.int64, deadline).tolist()
 
 
 def text(message: str) -> torch.Tensor:

@@ -28,7 +28,7 @@ def test_torchrun_variables_fill_unset_keys_and_the_file_wins(tmp_path: Path, mo
     ('role = "expert"\nrank = 3\nworld_size = 3', r"rank from 1 to 2"),
     ('role = "coordinator"\nrank = 1\nworld_size = 3', r"needs rank 0"),
     ('role = "expert"\nrank = 1', r"world_size is unset"),
-    ('role = "expert"\nrank = 1\nworld_size = 2\nbackend = "nccl"', r"backend = \"gloo\""),
+    ('role = "expert"\nrank = 1\nworld_size = 2\nbackend = "nccl"', r"nccl\" is refused: .*never run on GPUs.*backend = \"gloo\""),
 ])
 def test_bad_group_names_the_key(toml: str, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
