@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from deltafind.models import llama
 
-
 ModelArgs = llama.ModelArgs
 
 
