@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from deltafind.engine.stats import HISTOGRAMS
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/models", "/health", "/metrics")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 SCALARS = [  # (snapshot, key, metric, kind, help): one unlabelled sample each
     ("server", "prompt_tokens", "deltafind_request_prompt_tokens", "counter", "Prompt tokens of accepted requests."),

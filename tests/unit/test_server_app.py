@@ -168,8 +168,11 @@ def test_request_id_is_echoed_and_bound_in_logs(tokenizer: Tokenizer) -> None:
 def test_metrics_are_prometheus_text(tokenizer: Tokenizer) -> None:
     c, _ = make(tokenizer, ScriptedEngine(tokenizer, "ok"))
     c.simulate_post("/v1/chat/completions", json=chat())
+    assert c.simulate_post("/v1/responses", json={"model": "m", "input": "hi"}).status_code == 200
+    assert c.simulate_post("/v1/messages", json={"model": "m", "max_tokens": 8, **chat()}).status_code == 200
     text = c.simulate_get("/metrics").text
     assert "# TYPE deltafind_step_seconds histogram" in text and 'deltafind_step_seconds_bucket{le="+Inf"} 0' in text
-    assert 'deltafind_http_requests_total{endpoint="/v1/chat/completions",status="200"} 1' in text
+    for endpoint in ("/v1/chat/completions", "/v1/responses", "/v1/messages"):  # each route counted under its own name
+        assert f'deltafind_http_requests_total{{endpoint="{endpoint}",status="200"}} 1' in text
 
 
