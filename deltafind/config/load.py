@@ -194,9 +194,9 @@ def _source(loc: tuple, path: Path | str | None, data: dict, overrides: dict) ->
 
 def _has(tree: Any, loc: Sequence[str | int]) -> bool:
     for part in loc:
-        if isinstance(tree, Mapping) and isinstance(part, str) and part in tree:
-            tree = tree[part]
-        elif isinstance(tree, list) and isinstance(part, int) and 0 <= part < len(tree):
+        in_table = isinstance(tree, Mapping) and isinstance(part, str) and part in tree
+        in_list = isinstance(tree, list) and isinstance(part, int) and 0 <= part < len(tree)
+        if in_table or in_list:
             tree = tree[part]
         else:
             return False

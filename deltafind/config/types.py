@@ -21,8 +21,8 @@ for _exp, _letter in enumerate("kmgtp", start=1):
     _UNITS[_letter] = _UNITS[f"{_letter}b"] = 1000**_exp
     _UNITS[f"{_letter}i"] = _UNITS[f"{_letter}ib"] = 1024**_exp
 _BYTES_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
-_RENDER = [(1024**e, f"{u}iB") for e, u in zip(range(5, 0, -1), "PTGMK")] + [
-    (1000**e, f"{u}B") for e, u in zip(range(5, 0, -1), "PTGMK")
+_RENDER = [(1024**e, f"{u}iB") for e, u in zip(range(5, 0, -1), "PTGMK", strict=True)] + [
+    (1000**e, f"{u}B") for e, u in zip(range(5, 0, -1), "PTGMK", strict=True)
 ]
 _MAX_BYTES = 2**63 - 1
 BYTE_SIZE_HELP = "expected a byte size like 8GiB or an integer"

@@ -115,7 +115,7 @@ class HFSource(Source):
             if not f.exists():
                 raise StoreError(f"{f}: listed in model.safetensors.index.json but missing")
             h = self._handles[f] = safe_open(str(f), "pt")
-            for name in h.keys():
+            for name in h.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 sl = h.get_slice(name)
                 raw[name] = (f, sl.get_dtype(), tuple(sl.get_shape()))
         for orig, name in import_names(self.config, raw).items():

@@ -28,7 +28,7 @@ from pathlib import Path
 import openai
 
 from deltafind.server.chat_plan import plan_chat
-from deltafind.server.replies import chat_messages
+from deltafind.server.openai import chat_messages
 from deltafind.server.schemas import ChatRequest
 from deltafind.tokenizer import Tokenizer
 from tests.e2e.daemon_fixtures import Daemon

@@ -22,6 +22,7 @@ on stdout (progress goes to stderr).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -153,10 +154,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    try:
+    with contextlib.suppress(RuntimeError):  # already set in this process
         torch.set_num_interop_threads(1)
-    except RuntimeError:
-        pass
 
     load_start = os.getloadavg()
     engines = []
@@ -214,7 +213,7 @@ def main() -> None:
     same_prefix = None
     if "llamacpp" in outputs and "deltafind" in outputs:
         a, b = outputs["llamacpp"], outputs["deltafind"]
-        same_prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        same_prefix = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
     engine_versions = {e.name: e.version for e in engines}
     print(json.dumps({
         "bench": "demo_vs_llamacpp",

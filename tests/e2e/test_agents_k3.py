@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from deltafind.server.chat_plan import plan_chat
-from deltafind.server.replies import chat_messages
+from deltafind.server.openai import chat_messages
 from deltafind.server.schemas import ChatRequest
 from deltafind.tokenizer import Tokenizer
 from tests.conftest import deltafind_cmd
