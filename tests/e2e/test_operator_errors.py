@@ -6,6 +6,7 @@ import os
 import pty
 import select
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -103,6 +104,10 @@ def test_run_chat_has_history_and_ctrl_c_stops_only_the_reply(demo_store: Path, 
     pid, fd = pty.fork()
     if pid == 0:  # the child: a user at a terminal
         os.environ.update(DELTAFIND_HOME=str(tmp_path), OMP_NUM_THREADS="1", TERM="xterm")
+        # A shell starts a command with SIGINT at its default and unblocked; a fork of this test process
+        # inherits whatever an earlier test's libraries left (an exec keeps ignored and blocked signals).
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.execv(str(BIN / "deltafind"), [str(BIN / "deltafind"), "run", "--chat", "--store", str(demo_store), "--max-new", "400"])
     out = bytearray()
     try:
