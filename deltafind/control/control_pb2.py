@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x64\x65ltafind/control/control.proto\x12\x14\x64\x65ltafind.control.v1\"\x0f\n\rStatusRequest\"k\n\x05\x44rive\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\r\n\x05reads\x18\x04 \x01(\x04\x12\x12\n\nbytes_read\x18\x05 \x01(\x04\x12\x11\n\tread_gb_s\x18\x06 \x01(\x01\"\xe7\x07\n\x0bStatusReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x10\n\x08uptime_s\x18\x04 \x01(\x01\x12\r\n\x05ready\x18\x05 \x01(\x08\x12\x13\n\x0bload_status\x18\x06 \x01(\t\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x0f\n\x07running\x18\x08 \x01(\r\x12\x0f\n\x07waiting\x18\t \x01(\r\x12\x13\n\x0bmax_running\x18\n \x01(\r\x12\x11\n\tmax_queue\x18\x0b \x01(\r\x12\r\n\x05tok_s\x18\x0c \x01(\x01\x12\r\n\x05steps\x18\r \x01(\x04\x12\x18\n\x10generated_tokens\x18\x0e \x01(\x04\x12\x13\n\x0bprefix_hits\x18\x0f \x01(\x04\x12\x17\n\x0f\x63\x61\x63he_requested\x18\x14 \x01(\x04\x12\x12\n\ncache_hits\x18\x15 \x01(\x04\x12\x13\n\x0bpinned_hits\x18\x16 \x01(\x04\x12\x16\n\x0e\x63\x61\x63he_hit_rate\x18\x17 \x01(\x01\x12\x18\n\x10\x63\x61\x63he_used_bytes\x18\x18 \x01(\x04\x12\x1a\n\x12\x63\x61\x63he_budget_bytes\x18\x19 \x01(\x04\x12\x14\n\x0cpinned_bytes\x18\x1a \x01(\x04\x12\x14\n\x0c\x65xperts_read\x18\x1b \x01(\x04\x12\x12\n\nbytes_read\x18\x1c \x01(\x04\x12\x17\n\x0fprefetch_issued\x18\x1d \x01(\x04\x12\x15\n\rprefetch_used\x18\x1e \x01(\x04\x12\x17\n\x0fprefetch_wasted\x18\x1f \x01(\x04\x12\x17\n\x0fprefetch_recall\x18  \x01(\x01\x12+\n\x06\x64rives\x18( \x03(\x0b\x32\x1b.deltafind.control.v1.Drive\x12\x13\n\x0b\x63onfig_path\x18\x32 \x01(\t\x12\x18\n\x10\x63onfig_loaded_at\x18\x33 \x01(\x01\x12\x16\n\x0erestart_needed\x18\x34 \x03(\t\x12\x12\n\ntrace_path\x18\x35 \x01(\t\x12\x14\n\x0c\x64raft_source\x18< \x01(\t\x12\x12\n\ndraft_mode\x18= \x01(\t\x12\x16\n\x0e\x64raft_proposed\x18> \x01(\x04\x12\x16\n\x0e\x64raft_accepted\x18? \x01(\x04\x12\x1d\n\x15\x64raft_acceptance_rate\x18@ \x01(\x01\x12\x1b\n\x13\x64raft_verify_passes\x18\x41 \x01(\x04\x12\x15\n\rdraft_saved_s\x18\x42 \x01(\x01\x12\x16\n\x0e\x64raft_failures\x18\x43 \x01(\x04\x12\x15\n\rsnapshot_json\x18\x46 \x01(\t\x12\x1b\n\x13store_bytes_present\x18P \x01(\x04\x12\x19\n\x11store_bytes_total\x18Q \x01(\x04\"\x0f\n\rReloadRequest\"S\n\x0bReloadReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0f\n\x07\x61pplied\x18\x03 \x03(\t\x12\x16\n\x0erestart_needed\x18\x04 \x03(\t\"\x1f\n\x0c\x44rainRequest\x12\x0f\n\x07grace_s\x18\x01 \x01(\x01\"\x0f\n\rResumeRequest\"v\n\x0cTraceRequest\x12\x39\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32).deltafind.control.v1.TraceRequest.Action\x12\x0c\n\x04path\x18\x02 \x01(\t\"\x1d\n\x06\x41\x63tion\x12\t\n\x05START\x10\x00\x12\x08\n\x04STOP\x10\x01\"*\n\nTraceReply\x12\x0e\n\x06\x61\x63tive\x18\x01 \x01(\x08\x12\x0c\n\x04path\x18\x02 \x01(\t2\x9e\x03\n\x07\x43ontrol\x12P\n\x06Status\x12#.deltafind.control.v1.StatusRequest\x1a!.deltafind.control.v1.StatusReply\x12P\n\x06Reload\x12#.deltafind.control.v1.ReloadRequest\x1a!.deltafind.control.v1.ReloadReply\x12N\n\x05\x44rain\x12\".deltafind.control.v1.DrainRequest\x1a!.deltafind.control.v1.StatusReply\x12P\n\x06Resume\x12#.deltafind.control.v1.ResumeRequest\x1a!.deltafind.control.v1.StatusReply\x12M\n\x05Trace\x12\".deltafind.control.v1.TraceRequest\x1a .deltafind.control.v1.TraceReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x64\x65ltafind/control/control.proto\x12\x14\x64\x65ltafind.control.v1\"\x0f\n\rStatusRequest\"\xd6\x02\n\x0bStatusReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x10\n\x08uptime_s\x18\x04 \x01(\x01\x12\r\n\x05ready\x18\x05 \x01(\x08\x12\x13\n\x0bload_status\x18\x06 \x01(\t\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x0f\n\x07running\x18\x08 \x01(\r\x12\x0f\n\x07waiting\x18\t \x01(\r\x12\x13\n\x0bmax_running\x18\n \x01(\r\x12\x11\n\tmax_queue\x18\x0b \x01(\r\x12\x13\n\x0b\x63onfig_path\x18\x32 \x01(\t\x12\x18\n\x10\x63onfig_loaded_at\x18\x33 \x01(\x01\x12\x16\n\x0erestart_needed\x18\x34 \x03(\t\x12\x12\n\ntrace_path\x18\x35 \x01(\t\x12\x15\n\rsnapshot_json\x18\x46 \x01(\tJ\x04\x08\x0c\x10)J\x04\x08<\x10\x44J\x04\x08P\x10QJ\x04\x08Q\x10R\"\x0f\n\rReloadRequest\"S\n\x0bReloadReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0f\n\x07\x61pplied\x18\x03 \x03(\t\x12\x16\n\x0erestart_needed\x18\x04 \x03(\t\"\x1f\n\x0c\x44rainRequest\x12\x0f\n\x07grace_s\x18\x01 \x01(\x01\"\x0f\n\rResumeRequest\"v\n\x0cTraceRequest\x12\x39\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32).deltafind.control.v1.TraceRequest.Action\x12\x0c\n\x04path\x18\x02 \x01(\t\"\x1d\n\x06\x41\x63tion\x12\t\n\x05START\x10\x00\x12\x08\n\x04STOP\x10\x01\"*\n\nTraceReply\x12\x0e\n\x06\x61\x63tive\x18\x01 \x01(\x08\x12\x0c\n\x04path\x18\x02 \x01(\t2\x9e\x03\n\x07\x43ontrol\x12P\n\x06Status\x12#.deltafind.control.v1.StatusRequest\x1a!.deltafind.control.v1.StatusReply\x12P\n\x06Reload\x12#.deltafind.control.v1.ReloadRequest\x1a!.deltafind.control.v1.ReloadReply\x12N\n\x05\x44rain\x12\".deltafind.control.v1.DrainRequest\x1a!.deltafind.control.v1.StatusReply\x12P\n\x06Resume\x12#.deltafind.control.v1.ResumeRequest\x1a!.deltafind.control.v1.StatusReply\x12M\n\x05Trace\x12\".deltafind.control.v1.TraceRequest\x1a .deltafind.control.v1.TraceReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,24 +33,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATUSREQUEST']._serialized_start=57
   _globals['_STATUSREQUEST']._serialized_end=72
-  _globals['_DRIVE']._serialized_start=74
-  _globals['_DRIVE']._serialized_end=181
-  _globals['_STATUSREPLY']._serialized_start=184
-  _globals['_STATUSREPLY']._serialized_end=1183
-  _globals['_RELOADREQUEST']._serialized_start=1185
-  _globals['_RELOADREQUEST']._serialized_end=1200
-  _globals['_RELOADREPLY']._serialized_start=1202
-  _globals['_RELOADREPLY']._serialized_end=1285
-  _globals['_DRAINREQUEST']._serialized_start=1287
-  _globals['_DRAINREQUEST']._serialized_end=1318
-  _globals['_RESUMEREQUEST']._serialized_start=1320
-  _globals['_RESUMEREQUEST']._serialized_end=1335
-  _globals['_TRACEREQUEST']._serialized_start=1337
-  _globals['_TRACEREQUEST']._serialized_end=1455
-  _globals['_TRACEREQUEST_ACTION']._serialized_start=1426
-  _globals['_TRACEREQUEST_ACTION']._serialized_end=1455
-  _globals['_TRACEREPLY']._serialized_start=1457
-  _globals['_TRACEREPLY']._serialized_end=1499
-  _globals['_CONTROL']._serialized_start=1502
-  _globals['_CONTROL']._serialized_end=1916
+  _globals['_STATUSREPLY']._serialized_start=75
+  _globals['_STATUSREPLY']._serialized_end=417
+  _globals['_RELOADREQUEST']._serialized_start=419
+  _globals['_RELOADREQUEST']._serialized_end=434
+  _globals['_RELOADREPLY']._serialized_start=436
+  _globals['_RELOADREPLY']._serialized_end=519
+  _globals['_DRAINREQUEST']._serialized_start=521
+  _globals['_DRAINREQUEST']._serialized_end=552
+  _globals['_RESUMEREQUEST']._serialized_start=554
+  _globals['_RESUMEREQUEST']._serialized_end=569
+  _globals['_TRACEREQUEST']._serialized_start=571
+  _globals['_TRACEREQUEST']._serialized_end=689
+  _globals['_TRACEREQUEST_ACTION']._serialized_start=660
+  _globals['_TRACEREQUEST_ACTION']._serialized_end=689
+  _globals['_TRACEREPLY']._serialized_start=691
+  _globals['_TRACEREPLY']._serialized_end=733
+  _globals['_CONTROL']._serialized_start=736
+  _globals['_CONTROL']._serialized_end=1150
 # @@protoc_insertion_point(module_scope)

@@ -106,15 +106,15 @@ def draft_line(source: str, mode: str, d: dict[str, Any]) -> str:
 def summary(s: dict[str, Any]) -> str:
     state = "draining" if s["draining"] else s["load_status"]
     loaded = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s["config_loaded_at"])) if s["config_loaded_at"] else "-"
-    lines = [
-        f"model      {s['model']} ({state}), pid {s['pid']}, up {s['uptime_s']:.0f} s, deltafind {s['version']}",
-        f"requests   {s['running']}/{s['max_running']} running, {s['waiting']} waiting (queue {s['max_queue']}), "
-        f"{s['tok_s']:.1f} tok/s, {s['generated_tokens']} tokens in {s['steps']} steps",
-    ]
+    lines = [f"model      {s['model']} ({state}), pid {s['pid']}, up {s['uptime_s']:.0f} s, deltafind {s['version']}"]
     snap = s.get("snapshot") or {}
-    lines += store_lines({**s, **snap.get("store", {})})
-    if s.get("draft_source") and "engine" in snap:
-        lines.append(draft_line(s["draft_source"], s["draft_mode"], snap["engine"]["draft"]))
+    if e := snap.get("engine"):  # none while the model loads
+        lines.append(f"requests   {s['running']}/{s['max_running']} running, {s['waiting']} waiting (queue {s['max_queue']}), "
+                     f"{e['tok_s']:.1f} tok/s, {e['generated_tokens']} tokens in {e['steps']} steps")
+    if store := snap.get("store"):
+        lines += store_lines(store)
+    if e and e["draft_source"]:
+        lines.append(draft_line(e["draft_source"], e["draft_mode"], e["draft"]))
     lines.append(f"config     {s['config_path'] or '(defaults)'}, loaded {loaded}")
     if s["restart_needed"]:
         lines.append(f"restart    needed for {', '.join(s['restart_needed'])}")

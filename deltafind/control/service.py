@@ -42,11 +42,7 @@ def grpc_status(e: Exception) -> GRPCError:
 
 
 def status_reply(d: dict[str, Any]) -> pb.StatusReply:
-    fields = {f.name for f in pb.StatusReply.DESCRIPTOR.fields}
-    reply = pb.StatusReply(**{k: v for k, v in d.items() if k in fields and k != "drives" and v is not None})
-    for drive in d.get("drives", []):
-        reply.drives.add(**drive)
-    return reply
+    return pb.StatusReply(**{k: v for k, v in d.items() if v is not None})
 
 
 class ControlService(ControlBase):

@@ -260,8 +260,8 @@ class Runtime:
             raise RequestError(f"{path}: refusing to write a trace over the daemon's config; pick another path", "path")
 
     def status(self) -> dict[str, Any]:
-        """The daemon's own figures, then the engine's and the store's snapshots (flat, as StatusReply names them;
-        a figure not known yet, while loading, is left to the reply's zero)."""
+        """The daemon's own figures and the engine's queue (a figure not known yet, while loading, is left to the
+        reply's zero), then the engine's and the store's whole snapshots."""
         s = self.settings
         out: dict[str, Any] = {
             "model": model_name(s), "version": __version__, "pid": os.getpid(), "uptime_s": time.time() - self.started_at,
@@ -272,12 +272,8 @@ class Runtime:
         engine: dict[str, Any] = {}
         if self.scheduler is not None:
             engine = self.scheduler.snapshot()
-            d = engine["draft"]
-            out.update(engine, draft_proposed=d["proposed"], draft_accepted=d["accepted"],
-                       draft_acceptance_rate=d["acceptance_rate"], draft_verify_passes=d["steps"],
-                       draft_saved_s=d["saved_s"], draft_failures=d["failures"])
-        store = self.store_snapshot()
-        out.update(store, snapshot_json=json.dumps({"engine": engine, "store": store}))
+            out.update({k: engine[k] for k in ("running", "waiting", "draining", "max_running", "max_queue")})
+        out["snapshot_json"] = json.dumps({"engine": engine, "store": self.store_snapshot()})
         return out
 
     def store_snapshot(self) -> dict[str, Any]:

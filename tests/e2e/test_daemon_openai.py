@@ -170,8 +170,9 @@ def test_deltafinctl_status_json_and_summary(daemon: Daemon) -> None:
     proc = daemon.ctl("--json", "status")
     s = json.loads(proc.stdout)
     assert s["model"] == "test-model" and s["ready"] and not s["draining"] and s["config_path"] == str(daemon.config)
-    assert len(s["drives"]) == 2 and all(d["healthy"] for d in s["drives"]) and s["cache_requested"] > 0
-    gate = s["snapshot"]["store"]["prefetch_gate"]  # per-layer prefetch recall and precision
+    store = s["snapshot"]["store"]
+    assert len(store["drives"]) == 2 and all(d["healthy"] for d in store["drives"]) and store["cache_requested"] > 0
+    gate = store["prefetch_gate"]  # per-layer prefetch recall and precision
     assert gate["layers"] and all(0 <= r["recall"] <= 1 and 0 <= r["precision"] <= 1 for r in gate["layers"])
     assert any(r["needed"] for r in gate["layers"]) and len(gate["drives"]) == 2
     text = daemon.ctl("status").stdout

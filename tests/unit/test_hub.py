@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from deltafind.control.service import status_reply
 from deltafind.store.doctor import check_store
 from deltafind.store.manifest import Manifest
 from deltafind.store.setup import setup_store
@@ -30,6 +29,8 @@ REPO = "org/tiny"
 SHARDS = [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
 PROMPT_IDS = [104, 101, 108, 108, 111, 32]
 GENERATE = "import sys; from deltafind import Model; m = Model.open(sys.argv[1]); print(m.generate({ids}, max_new_tokens=8))"
+STATUS = ("import json, sys; from deltafind import Model; from deltafind.control.ctl import store_lines; "
+          "s = Model.open(sys.argv[1]).snapshot(); print(json.dumps([s['store_bytes_present'], s['store_bytes_total'], store_lines(s)]))")
 
 
 def _shard(folder: Path) -> None:
@@ -80,6 +81,13 @@ def env(hub: FakeHub, tmp_path: Path) -> dict[str, str]:
 def _generate(store: Path, env: dict[str, str]) -> list[int]:
     proc = subprocess.run([sys.executable, "-c", GENERATE.format(ids=PROMPT_IDS), str(store)], capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _status(store: Path, env: dict[str, str]) -> list:
+    proc = subprocess.run([sys.executable, "-c", STATUS, str(store)], capture_output=True, text=True, env={**os.environ, **env},
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -183,8 +191,9 @@ def test_streaming_install_answers_with_the_same_tokens(hub: FakeHub, env: dict[
     dense = sum(r.length for r in manifest.experts if r.layer == 0)  # layer 0's dense slices come with the install
     assert fetcher.present_bytes() == dense < fetcher.total_bytes()
     fetcher.close()
-    reply = status_reply({"store_bytes_present": dense, "store_bytes_total": manifest.expert_bytes()})  # `deltafinctl status`
-    assert (reply.store_bytes_present, reply.store_bytes_total) == (dense, manifest.expert_bytes())
+    present, total, lines = _status(store, env)  # the store snapshot `deltafinctl status` renders
+    assert (present, total) == (dense, manifest.expert_bytes())
+    assert any(line.startswith("store      streaming install:") for line in lines), lines
     assert not _blobs(env)  # nothing was downloaded whole
     hub.faults.drop_after[SHARDS[1]] = 3000  # the first range of that shard is cut short, then retried
     assert _generate(store, env) == reference[1]
