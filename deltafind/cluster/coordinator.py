@@ -255,10 +255,6 @@ class ClusterExperts:
         """Every node: alive, experts owned, read rate, last error, traffic."""
         return [asdict(n) for n in self.nodes.values()]
 
-    @property
-    def degraded(self) -> bool:
-        return any(not n.alive for n in self.nodes.values())
-
     def close(self) -> None:
         """Stop the nodes (they exit 0) and leave; the local store is its owner's to close."""
         self._closing.set()

@@ -129,10 +129,3 @@ class WidthController:
         self.width = min(self.opts.probe_width, self.opts.max_width)
         self.spec_steps = 0
         self.qualified = False
-
-    @property
-    def expected_saving(self) -> float:
-        """Seconds saved per drafting step, by the running means (0 before both are known)."""
-        if self.target_s is None or not self.spec_steps:
-            return 0.0
-        return self.spec_tokens * self.target_s - self.spec_s
