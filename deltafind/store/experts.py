@@ -188,6 +188,7 @@ class StoreExperts:
                 speculative.add(fut)
             else:
                 waiting[self.record(layer_idx, e).drive].append(e)
+                self._hold_back(self.record(layer_idx, e), 1)
         for drive in waiting:
             self._start_demand(layer_idx, waiting[drive], pending, held)
         self._drop_inflight(layer_idx)  # predictions for this layer that the router did not pick
@@ -223,6 +224,8 @@ class StoreExperts:
         finally:
             for fut in pending:  # an error or an abandoned generator: reads still running are waste
                 fut.cancel()
+            for e in (e for queue in waiting.values() for e in queue):
+                self._hold_back(self.record(layer_idx, e), -1)
             for n in held.values():
                 self._unreserve(n)
 
@@ -238,6 +241,7 @@ class StoreExperts:
         limit = RECORDS_AHEAD if self._bounded else len(waiting)
         while waiting and busy < limit:
             e = waiting.popleft()
+            self._hold_back(self.record(layer_idx, e), -1)
             if self._decode_on_reader:
                 held[e] = self._reserve(self.record(layer_idx, e))
             pending[self._demand_read(layer_idx, e)] = e
@@ -299,6 +303,12 @@ class StoreExperts:
         for ex in extents:
             self.gate.track(ex.drive, min(share or rec.length, rec.length // len(extents)), fut)
         return fut
+
+    def _hold_back(self, rec: ExpertRecord, sign: int) -> None:
+        """Tell the gate of a demand read held back (1) or started (-1), on every drive it loads."""
+        extents = rec.extents()
+        for ex in extents:
+            self.gate.hold_back(ex.drive, sign * (rec.length // len(extents)))
 
     def begin_step(self, seq_ids: Sequence[int], positions: Sequence[int]) -> None:
         self._step = (seq_ids, positions)
