@@ -224,8 +224,6 @@ class StoreExperts:
         finally:
             for fut in pending:  # an error or an abandoned generator: reads still running are waste
                 fut.cancel()
-            for e in (e for queue in waiting.values() for e in queue):
-                self._hold_back(self.record(layer_idx, e), -1)
             for n in held.values():
                 self._unreserve(n)
 
@@ -299,16 +297,21 @@ class StoreExperts:
     def _track(self, rec: ExpertRecord, fut: Future, share: int | None = None) -> Future:
         """Count the read on every drive it loads (a striped record: each stripe on its own drive;
         `share`: the bytes per drive a prefetch of only its first pieces queues)."""
-        extents = rec.extents()
-        for ex in extents:
-            self.gate.track(ex.drive, min(share or rec.length, rec.length // len(extents)), fut)
+        for drive, nbytes in self._loads(rec):
+            self.gate.track(drive, min(share or rec.length, nbytes), fut)
         return fut
 
     def _hold_back(self, rec: ExpertRecord, sign: int) -> None:
-        """Tell the gate of a demand read held back (1) or started (-1), on every drive it loads."""
+        """Tell the gate of a demand read held back (1) or started (-1) on every drive it loads; the
+        gate forgets what a fetch held back when the next one starts (an error or an abandoned fetch)."""
+        for drive, nbytes in self._loads(rec):
+            self.gate.hold_back(drive, sign * nbytes)
+
+    @staticmethod
+    def _loads(rec: ExpertRecord) -> list[tuple[int, int]]:
+        """(drive, bytes) a read of `rec` puts on each drive it loads: a striped record, its share on each."""
         extents = rec.extents()
-        for ex in extents:
-            self.gate.hold_back(ex.drive, sign * (rec.length // len(extents)))
+        return [(ex.drive, rec.length // len(extents)) for ex in extents]
 
     def begin_step(self, seq_ids: Sequence[int], positions: Sequence[int]) -> None:
         self._step = (seq_ids, positions)

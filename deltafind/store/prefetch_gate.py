@@ -4,8 +4,8 @@ A prediction is only worth a read when the drive it lands on would otherwise sit
 the next layer's demand reads arrive. Per drive the gate knows the bytes queued (demand and
 prefetch reads not yet landed, and the demand reads a fetch holds back until its earlier ones land)
 and its measured rate while busy; per layer and step width it knows the window from the moment it
-decides to the next `fetch`. The drive's slack is the window minus its queue's drain time: a read inside the slack costs nothing if wrong, a read past
-it delays the demand reads behind it by its own time. So a predicted read is started when
+decides to the next `fetch`. The drive's slack is the window minus its queue's drain time: a read
+inside the slack costs nothing if wrong, a read past it delays the demand reads behind it by its own time. So a predicted read is started when
 its expected gain (precision x bytes read in idle time) is at least its expected loss
 ((1 - precision) x bytes past the slack), precision being the lower of the layer's predictions'
 and of the reads it started (in a warm cache the predicted experts not held miss more often).
@@ -115,6 +115,9 @@ class PrefetchGate:
 
     def fetch_started(self, layer_idx: int) -> None:
         """`fetch(layer_idx)` begins: closes the window opened when the gate decided for this layer."""
+        with self._lock:  # what the previous fetch held back is its own: done or abandoned, it is no one's now
+            for d in self.drives:
+                d.held_back_bytes = 0
         t = self._decided_at.pop(layer_idx, None)
         if t is None:
             return
@@ -156,7 +159,7 @@ class PrefetchGate:
         fut.add_done_callback(lambda f: self._landed(drive, nbytes, f))
 
     def hold_back(self, drive: int, nbytes: int) -> None:
-        """`nbytes` of demand reads on `drive` wait behind the ones queued (negative: they were queued or dropped).
+        """`nbytes` of this fetch's demand reads on `drive` wait behind the ones queued (negative: they were queued).
         Not counting them made a warm cache's slack look free while the drive still had the layer to read
         (RESULTS.md, issue 15: prefetch on was 0.89x of off, warm, 1 drive, batch 8)."""
         if 0 <= drive < self.num_drives:

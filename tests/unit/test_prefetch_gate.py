@@ -87,6 +87,9 @@ def test_demand_reads_a_fetch_holds_back_count_as_the_drives_work() -> None:
     gate.hold_back(0, -40 * MB)  # queued (then counted as queued) or dropped
     gate.begin_step(1)
     assert [k for k, _ in gate.admit(1, [((1, 4), 0, 2 * MB)], 8)] == [(1, 4)]
+    gate.hold_back(0, 40 * MB)  # a fetch that errs or is abandoned leaves its held-back reads behind:
+    gate.fetch_started(1)  # the next fetch starts from none
+    assert gate.snapshot()["drives"][0]["held_back_bytes"] == 0
 
 
 def test_a_layer_whose_predictions_miss_stops_after_warmup() -> None:
