@@ -36,6 +36,13 @@ class ByteLRU(Generic[K, V]):
             self.hits += 1
             return item[0]
 
+    def touch(self, keys: list[K]) -> None:
+        """Mark `keys` (those held) as just used, without counting hits: experts predicted for the next layer."""
+        with self._lock:
+            for key in keys:
+                if key in self._items:
+                    self._items.move_to_end(key)
+
     def put(self, key: K, value: V, nbytes: int) -> None:
         with self._lock:
             if key in self._items:

@@ -279,6 +279,9 @@ class StoreExperts:
         """Start the reads the gate admits among `ids` (best first) that are not held or read already."""
         self._fetch_missing(layer_idx, ids)
         keys = [(layer_idx, e) for e in ids]
+        # The predicted experts held are the least recently used (the layer last ran a step ago): a read
+        # reserved now evicted exactly them, just before the router asked for them again (RESULTS.md, issue 15).
+        self.cache.touch(keys)
         # a striped record loads each of its drives by its share: the gate weighs that share on its first drive
         todo = [(k, self._records[k].drive, self._records[k].length // len(self._records[k].extents())) for k in keys
                 if k not in self._inflight and k not in self.pinned and k not in self.cache and k in self._records]

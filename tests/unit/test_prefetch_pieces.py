@@ -83,3 +83,22 @@ def test_tokens_are_the_same_with_piece_prefetch_on_a_drive_with_idle_time(store
     finally:
         m.experts.uses.clear()
         m.close()
+
+
+def test_a_prediction_keeps_the_predicted_experts_it_holds_from_eviction(store) -> None:
+    """The experts a layer will want were used a step ago, so they lead the LRU order: a read reserved for
+    the prediction evicted exactly them before the router asked (warm cache, prefetch on lost 4-5 %).
+    Predicting marks them used."""
+    m = Model.open(store, expert_cache_bytes=1 << 30)
+    try:
+        ex = m.experts
+        list(ex.fetch(0, [0, 1]))
+        list(ex.fetch(1, [2, 3]))
+        assert list(ex.cache._items)[:2] == [(0, 0), (0, 1)]  # layer 0's experts are the oldest
+        hits = ex.cache.hits
+        ex.prefetch(0, [1, 0, 5])  # layer 0 has no layer before it: issued at once
+        assert list(ex.cache._items)[-2:] == [(0, 1), (0, 0)] and ex.cache.hits == hits  # now the newest; no hit counted
+        assert next(iter(ex.cache._items)) == (1, 2)  # the next eviction takes one the prediction did not name
+    finally:
+        m.experts.uses.clear()
+        m.close()
