@@ -94,11 +94,11 @@ def test_a_prediction_keeps_the_predicted_experts_it_holds_from_eviction(store) 
         ex = m.experts
         list(ex.fetch(0, [0, 1]))
         list(ex.fetch(1, [2, 3]))
-        assert list(ex.cache._items)[:2] == [(0, 0), (0, 1)]  # layer 0's experts are the oldest
+        assert set(list(ex.cache._items)[:2]) == {(0, 0), (0, 1)}  # layer 0's experts are the oldest (reads finish in any order)
         hits = ex.cache.hits
         ex.prefetch(0, [1, 0, 5])  # layer 0 has no layer before it: issued at once
-        assert list(ex.cache._items)[-2:] == [(0, 1), (0, 0)] and ex.cache.hits == hits  # now the newest; no hit counted
-        assert next(iter(ex.cache._items)) == (1, 2)  # the next eviction takes one the prediction did not name
+        assert list(ex.cache._items)[-2:] == [(0, 1), (0, 0)] and ex.cache.hits == hits  # now the newest, in the order named; no hit counted
+        assert next(iter(ex.cache._items)) in {(1, 2), (1, 3)}  # the next eviction takes one the prediction did not name
     finally:
         m.experts.uses.clear()
         m.close()
