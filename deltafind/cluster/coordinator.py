@@ -225,24 +225,24 @@ class ClusterExperts:
         except RuntimeError as e:
             self._down(r, f"send failed: {e}")
             return
-        node.bytes_sent += 8 * len(header) + sum(t.numel() * t.element_size() for t in tensors)
+        node.bytes_sent += wire.sent_bytes(header, *tensors)
 
     def _reply(self, r: int, deadline: float, shape: tuple[int, int] | None = None) -> torch.Tensor:
         """Node r's answer: its output [rows, dim] (or nothing for `shape` None); ClusterError on failure."""
         node = self.nodes[r]
         try:
-            status, err_len, dtype, *stats = wire.recv_header(self._links[r], wire.REPLY, deadline)
+            (status, err_len, dtype, *stats), body = wire.recv_message(self._links[r], wire.REPLY, deadline)
             node.bytes_read, node.experts_read, node.cache_hits = stats[0], stats[1], stats[2]
             node.read_wait_s, node.read_mb_s = stats[3] / 1e6, stats[4] / 1e3
             if status != 0:
-                node.last_error = bytes(wire.recv(self._links[r], (err_len,), torch.uint8, deadline).tolist()).decode(errors="replace")
+                node.last_error = body.text(err_len)
                 raise ClusterError(node.last_error)
-            y = wire.recv(self._links[r], shape, wire.DTYPES[dtype], deadline) if shape else torch.empty(0)
+            y = body.take(shape, wire.DTYPES[dtype]) if shape else torch.empty(0)
         except RuntimeError as e:  # gloo: the peer closed, or the deadline passed (the pair is closed then too)
             self._down(r, f"no answer within {self.spec.timeout_s:g} s or connection lost ({e})")
             raise ClusterError(node.last_error) from None
         self._outbox[r] = [w for w in self._outbox.get(r, []) if not w.is_completed()]
-        node.bytes_received += 8 * wire.REPLY + y.numel() * y.element_size() + (err_len if status else 0)
+        node.bytes_received += 8 * (wire.REPLY + 1) + body.data.numel()
         return y
 
     def _down(self, r: int, error: str) -> None:
@@ -278,8 +278,8 @@ class ClusterExperts:
         blob = wire.text(json.dumps(self.placement.to_json()))
         try:
             works = wire.send(link, [wire.OP_PLACEMENT, 0, 0, blob.numel(), 0, 0, -1, 0], blob)
-            status, err_len, *_ = wire.recv_header(link, wire.REPLY, deadline)
-            refusal = bytes(wire.recv(link, (err_len,), torch.uint8, deadline).tolist()).decode(errors="replace") if status else ""
+            (status, err_len, *_), body = wire.recv_message(link, wire.REPLY, deadline)
+            refusal = body.text(err_len) if status else ""
         except RuntimeError as e:
             raise ClusterError(f"node {r} joined and was lost ({e})") from None
         if refusal:

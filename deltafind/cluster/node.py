@@ -69,11 +69,11 @@ class ExpertNode:
         try:
             while True:
                 try:
-                    op, layer, n_ids, n_rows, dim, dtype, pred_layer, n_pred = wire.recv_header(self.link, wire.REQUEST, None)
-                    if op == wire.OP_STOP:
+                    header, body = wire.recv_message(self.link, wire.REQUEST, None)
+                    if header[0] == wire.OP_STOP:
                         log.info("cluster_node_stopped", rank=self.spec.rank)
                         return 0
-                    self._handle(op, layer, n_ids, n_rows, dim, dtype, pred_layer, n_pred)
+                    self._handle(body, *header)
                 except RuntimeError as e:  # gloo: the coordinator went away, or gave up on us (timed out)
                     log.error("cluster_coordinator_lost", rank=self.spec.rank, generation=gen, error=str(e)[:300])
                     return 1
@@ -81,21 +81,21 @@ class ExpertNode:
             self.experts.close()
             self.link = None
 
-    def _handle(self, op: int, layer: int, n_ids: int, n_rows: int, dim: int, dtype: int, pred_layer: int, n_pred: int) -> None:
+    def _handle(self, body: wire.Body, op: int, layer: int, n_ids: int, n_rows: int, dim: int, dtype: int, pred_layer: int,
+                n_pred: int) -> None:
         if op == wire.OP_PLACEMENT:
-            blob = wire.recv(self.link, (n_rows,), torch.uint8, None)
-            self._answer(partial(self._take_placement, bytes(blob.tolist())))
+            self._answer(partial(self._take_placement, body.text(n_rows)))
             return
-        head = wire.recv(self.link, (2 * n_ids + max(n_pred, 0),), torch.int64, None).tolist()
+        head = body.take((2 * n_ids + max(n_pred, 0),), torch.int64).tolist()
         ids, counts, pred = head[:n_ids], head[n_ids:2 * n_ids], head[2 * n_ids:]
-        index = wire.recv(self.link, (sum(counts),), torch.int64, None) if n_ids else None
-        x = wire.recv(self.link, (n_rows, dim), wire.DTYPES[dtype], None) if n_rows else None
+        index = body.take((sum(counts),), torch.int64) if n_ids else None
+        x = body.take((n_rows, dim), wire.DTYPES[dtype]) if n_rows else None
         if pred_layer >= 0:  # before this layer's reads are queued, as on one machine (models/ops/step.py)
             self.experts.prefetch(pred_layer, None if n_pred < 0 else pred)
         if op == wire.OP_RUN:
             self._answer(partial(self._run, layer, ids, counts, index, x))
 
-    def _take_placement(self, blob: bytes) -> torch.Tensor:
+    def _take_placement(self, blob: str) -> torch.Tensor:
         placement = Placement.from_json(json.loads(blob))
         self.mine = placement.experts_of(self.spec.rank)
         for layer, e in self.mine:

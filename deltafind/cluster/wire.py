@@ -5,8 +5,10 @@ the coordinator (its own TCPStore, or torchrun's agent store when torchrun start
 announces itself there (a counter per rank: its generation) and forms a gloo group of two with the
 coordinator for that generation. A group per pair means a stalled node cannot close the others'
 connections (a timed-out gloo wait closes its group), and a restarted node joins with a new
-generation while the others keep serving. A message is a fixed int64 header, then the tensors whose
-sizes it gives; gloo carries them in order, so no socket protocol of our own sits on the hot path.
+generation while the others keep serving. A message is two gloo sends: a fixed int64 header ending in
+the byte count of its body, then the body, every tensor of the message packed into one byte tensor
+(each on an 8-byte boundary). Two sends, not one per tensor: the coordinator makes them for every
+node and layer, one after another. No socket protocol of our own sits on the hot path.
 Knows tensors and ranks, never models or stores.
 """
 
@@ -25,9 +27,11 @@ from deltafind.config import ClusterSettings
 from deltafind.errors import ConfigError, DeltafindError
 
 OP_RUN, OP_PREFETCH, OP_STOP, OP_PLACEMENT = 1, 2, 3, 4
-# request: op, layer, experts, rows, dim, dtype, predicted layer, predicted experts (-1: the previous route)
+# request: op, layer, experts, rows, dim, dtype, predicted layer, predicted experts (-1: the previous route);
+# body: the expert ids, their row counts and the predicted ids (int64), the row indices (int64), the rows
 REQUEST = 8
-# reply: status (0 ok, 1 error), error bytes, out dtype, bytes read, experts read, cache hits, read wait us, read kB/s
+# reply: status (0 ok, 1 error), error bytes, out dtype, bytes read, experts read, cache hits, read wait us, read kB/s;
+# body: the outputs, one expert's rows after another (or the error's text)
 REPLY = 8
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8)
 FOREVER = timedelta(days=365)  # a node waits this long for the next request (a wait without one would use the group's)
@@ -114,15 +118,57 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 
 def send(link: Pair, header: list[int], *tensors: torch.Tensor) -> list[Any]:
-    """Start sending a header and its tensors to the other side of `link`; the caller waits the works."""
+    """Start sending a header and its tensors (as one body) to the other side of `link`; the caller waits the works."""
     peer = 1 - link.rank()
-    works = [link.send([torch.tensor(header, dtype=torch.int64)], peer, 0)]
-    works += [link.send([t.contiguous()], peer, 0) for t in tensors if t.numel()]
+    body = pack(tensors)
+    works = [link.send([torch.tensor([*header, body.numel()], dtype=torch.int64)], peer, 0)]
+    if body.numel():
+        works.append(link.send([body], peer, 0))
     return works
 
 
+def sent_bytes(header: list[int], *tensors: torch.Tensor) -> int:
+    """What `send` puts on the wire for this message (header with its byte count, the padded body)."""
+    return 8 * (len(header) + 1) + sum(_padded(t.numel() * t.element_size()) for t in tensors)
+
+
+def pack(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The tensors' bytes in order, each starting on an 8-byte boundary (so `Body.take` views them in place)."""
+    parts: list[torch.Tensor] = []
+    for t in tensors:
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        parts.append(raw)
+        if pad := _padded(raw.numel()) - raw.numel():
+            parts.append(torch.zeros(pad, dtype=torch.uint8))
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+class Body:
+    """A received body, read front to back in the order its tensors were packed."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data, self.at = data, 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        if self.at + n > self.data.numel():
+            raise RuntimeError(f"a message body of {self.data.numel()} bytes is too short for {shape} {dtype} at byte {self.at}: "
+                               "the two sides run different deltafind versions; run the same one on every machine")
+        out = self.data[self.at:self.at + n].view(dtype).reshape(shape)
+        self.at += _padded(n)
+        return out
+
+    def text(self, n: int) -> str:
+        return bytes(self.take((n,), torch.uint8).tolist()).decode(errors="replace")
+
+
+def recv_message(link: Pair, size: int, deadline: float | None) -> tuple[list[int], Body]:
+    """A header of `size` fields and its body, waiting until `deadline` (time.monotonic; None: as long as it takes)."""
+    *header, nbytes = recv(link, (size + 1,), torch.int64, deadline).tolist()
+    return header, Body(recv(link, (nbytes,), torch.uint8, deadline))
+
+
 def recv(link: Pair, shape: tuple[int, ...], dtype: torch.dtype, deadline: float | None) -> torch.Tensor:
-    """A tensor from the other side of `link`, waiting until `deadline` (time.monotonic; None: as long as it takes)."""
     out = torch.empty(shape, dtype=dtype)
     if out.numel():
         work = link.recv([out], 1 - link.rank(), 0)
@@ -130,8 +176,8 @@ def recv(link: Pair, shape: tuple[int, ...], dtype: torch.dtype, deadline: float
     return out
 
 
-def recv_header(link: Pair, size: int, deadline: float | None) -> list[int]:
-    return recv(link, (size,), torch.int64, deadline).tolist()
+def _padded(n: int) -> int:
+    return -(-n // 8) * 8
 
 
 def text(message: str) -> torch.Tensor:

@@ -37,3 +37,20 @@ def test_bad_group_names_the_key(toml: str, message: str, tmp_path: Path, monkey
     cfg.write_text(f"[cluster]\n{toml}\n")
     with pytest.raises(ConfigError, match=message):
         group_spec(load_settings(cfg).cluster, torch.device("cpu"))
+
+
+def test_a_message_body_gives_back_each_tensor_bit_for_bit_and_a_short_one_names_the_version_skew() -> None:
+    """A request's tensors travel as one byte body; odd sizes (a 6-byte text, 3 bf16) keep the next tensor aligned."""
+    from deltafind.cluster import wire
+
+    ids, note = torch.tensor([7, -1, 2**40]), wire.text("héllo")
+    half, rows = torch.randn(3, dtype=torch.bfloat16), torch.randn(2, 3).t()  # not contiguous: packed as its values
+    body = wire.Body(wire.pack((ids, note, half, rows)))
+    assert torch.equal(body.take((3,), torch.int64), ids)
+    assert body.text(note.numel()) == "héllo"
+    assert torch.equal(body.take((3,), torch.bfloat16), half)
+    got = body.take((3, 2), torch.float32)
+    assert torch.equal(got, rows) and got.data_ptr() % 4 == 0
+    assert wire.sent_bytes([1, 2], ids, note, half, rows) == 8 * 3 + 24 + 8 + 8 + 24 == 8 * 3 + body.data.numel()  # header + its byte count
+    with pytest.raises(RuntimeError, match=r"too short .* run the same one on every machine"):
+        body.take((1,), torch.int64)
