@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -74,6 +75,7 @@ class ClusterExperts:
         self._watcher: threading.Thread | None = None
         self._outbox: dict[int, list[Any]] = {}  # node -> sends that may still be running
         self._hinted: dict[int, dict[int, int]] = {}  # layer -> predicted expert -> the node reading it
+        self._served: Counter[int] = Counter()  # node -> experts it ran: where a tie between copies goes
 
     # -- forming the cluster -------------------------------------------------------------------
 
@@ -148,15 +150,19 @@ class ClusterExperts:
     def _exchange(self, layer_idx: int, x: torch.Tensor, tokens: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         hint = self._ride.pop(layer_idx + 1, _NO_HINT)
         hints = self._hints(layer_idx + 1, hint) if hint is not _NO_HINT else {}  # type: ignore[arg-type]
-        by_node: dict[int, list[int]] = {}
-        hinted = self._hinted.pop(layer_idx, {})
-        for e in sorted(tokens, key=lambda e: (e not in hinted, e)):
-            # A predicted expert goes where its read was started (the prediction was balanced); the rest balance around them.
-            node = hinted.get(e)
-            if node is None or not self.nodes[node].alive:
-                node = self._pick(layer_idx, e, by_node)
-            by_node.setdefault(node, []).append(e)
+        # A predicted expert goes where its read was started (the prediction was balanced); the rest balance around them.
+        fixed = {e: r for e, r in self._hinted.pop(layer_idx, {}).items() if self.nodes[r].alive}
+        by_node, orphans = self.placement.assign(layer_idx, tokens, self._rates(), fixed, self._served)
+        if orphans:
+            e = orphans[0]
+            owners = self.placement.owners.get((layer_idx, e), ())
+            why = "; ".join(f"node {r}: {self.nodes[r].last_error}" for r in owners) or "no node holds it"
+            raise ClusterError(f"expert {e} of layer {layer_idx} has no live copy ({why}); restart its nodes "
+                               "(`deltafind node`): the coordinator takes them back")
+        for e in tokens:
             self.local.uses[(layer_idx, e)] += 1  # heat is the coordinator's: it sees every route
+        for r, es in by_node.items():
+            self._served[r] += len(es)
         t0 = time.perf_counter()
         for r in sorted(set(by_node) | set(hints)):
             ids, pred = by_node.get(r, []), hints.get(r, [])
@@ -186,15 +192,9 @@ class ClusterExperts:
 
     # -- nodes ---------------------------------------------------------------------------------
 
-    def _pick(self, layer_idx: int, e: int, queued: Mapping[int, list[int]]) -> int:
-        """The live copy expected to finish first: the fewest of this layer's experts queued per unit of read rate."""
-        live = [r for r in self.placement.owners.get((layer_idx, e), ()) if self.nodes[r].alive]
-        if not live:
-            owners = self.placement.owners.get((layer_idx, e), ())
-            why = "; ".join(f"node {r}: {self.nodes[r].last_error}" for r in owners) or "no node holds it"
-            raise ClusterError(f"expert {e} of layer {layer_idx} has no live copy ({why}); restart its nodes "
-                               "(`deltafind node`): the coordinator takes them back")
-        return min(live, key=lambda r: ((len(queued.get(r, ())) + 1) / max(self.nodes[r].read_mb_s, 1.0), live.index(r)))
+    def _rates(self) -> dict[int, float]:
+        """The live nodes and their read rates (MB/s, at least 1: below that a node's rate is not yet measured)."""
+        return {r: max(n.read_mb_s, 1.0) for r, n in self.nodes.items() if n.alive}
 
     def _hints(self, layer_idx: int, ids: Sequence[int] | None) -> dict[int, list[int] | None]:
         """Each live node's share of a prediction (None: every holder reads as its previous route)."""
@@ -207,10 +207,7 @@ class ClusterExperts:
                     if layer == layer_idx and self.nodes[r].alive:
                         out[r] = None
             return out
-        queued: dict[int, list[int]] = {}
-        for e in sorted(ids):  # balanced over the live copies; run_experts sends each to the copy that reads it
-            if any(self.nodes[r].alive for r in self.placement.owners.get((layer_idx, e), ())):
-                queued.setdefault(self._pick(layer_idx, e, queued), []).append(e)
+        queued, _ = self.placement.assign(layer_idx, ids, self._rates(), served=self._served)  # run_experts sends each to the copy that reads it
         self._hinted[layer_idx] = {e: r for r, es in queued.items() for e in es}
         return dict(queued)
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from deltafind.cluster.placement import (
     SIDECAR,
+    Placement,
     check_placement,
     make_placement,
     read_placement,
@@ -41,6 +42,34 @@ def test_every_expert_placed_and_heat_balanced(num_nodes: int, experts: int, hot
     share = [sum(heat[k] / len(r) for k, r in p.owners.items() if n in r) for n in range(1, num_nodes + 1)]
     # Greedy by heat: no node carries more than the mean plus the hottest single expert.
     assert max(share) <= sum(share) / num_nodes + max(heat.values()) + 1e-9
+
+
+def test_a_layers_reads_go_to_single_copies_first_and_replicas_balance_around_them() -> None:
+    """Expert 0 has copies on nodes 1 and 2, experts 1 and 2 live only on node 1, expert 3 only on node 2.
+    Taken in expert order, 0 went to node 1 (a tie, its preferred copy) and then 1 and 2 piled on: 3 reads
+    against 1. Single copies first, the replica fills the lighter node: 2 and 2."""
+    p = Placement(2, {(5, 0): (1, 2), (5, 1): (1,), (5, 2): (1,), (5, 3): (2,), (5, 4): (2,)})
+    assert p.assign(5, [0, 1, 2, 3], {1: 1.0, 2: 1.0}) == ({1: [1, 2], 2: [3, 0]}, [])
+    assert p.assign(5, [0, 1, 2, 3], {1: 1.0, 2: 1.0}, fixed={0: 1}) == ({1: [0, 1, 2], 2: [3]}, [])  # its read started on 1
+    assert p.assign(5, [0, 3, 4], {1: 1.0}) == ({1: [0]}, [3, 4])  # node 2 is down: its single copies have nowhere to go
+    assert p.assign(5, [0, 1, 3], {1: 1.0, 2: 4.0})[0] == {1: [1], 2: [3, 0]}  # a 4x faster node takes more per layer
+    # A tie within the layer goes to the copy that has run fewer experts so far, not always to the preferred one.
+    assert p.assign(5, [0], {1: 1.0, 2: 1.0})[0] == {1: [0]}
+    assert p.assign(5, [0], {1: 1.0, 2: 1.0}, served={1: 7, 2: 5})[0] == {2: [0]}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 30), st.floats(0, 1), st.integers(0, 2**16))
+def test_every_routed_expert_goes_once_to_a_live_copy(num_nodes: int, experts: int, hot: float, seed: int) -> None:
+    rng = random.Random(seed)
+    p = make_placement({0: experts}, num_nodes, None, None, hot)
+    alive = {r: 1.0 for r in range(1, num_nodes + 1) if rng.random() < 0.8}
+    routed = rng.sample(range(experts), rng.randint(0, experts))
+    by_node, orphans = p.assign(0, routed, alive)
+    placed = [e for es in by_node.values() for e in es]
+    assert sorted(placed + orphans) == sorted(routed)
+    assert all(r in alive and r in p.owners[(0, e)] for r, es in by_node.items() for e in es)
+    assert all(not set(p.owners[(0, e)]) & set(alive) for e in orphans)
 
 
 def test_read_rate_weighs_the_share() -> None:
