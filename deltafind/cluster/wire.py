@@ -169,6 +169,7 @@ def recv_message(link: Pair, size: int, deadline: float | None) -> tuple[list[in
 
 
 def recv(link: Pair, shape: tuple[int, ...], dtype: torch.dtype, deadline: float | None) -> torch.Tensor:
+    """One tensor of exactly this shape and dtype from the other side of `link` (gloo checks the size)."""
     out = torch.empty(shape, dtype=dtype)
     if out.numel():
         work = link.recv([out], 1 - link.rank(), 0)

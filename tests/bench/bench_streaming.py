@@ -241,13 +241,15 @@ def summarize(res: dict[str, list[dict]], t: int, cap_mb_s: float) -> list[dict]
             continue
         needed, drive = median(rows, "read_gb_s"), statistics.median(_drive_gb_s(r) for r in rows)
         paired = all("paired_raw_gb_s" in r for r in rows)  # uncapped: each run's own raw, read just before it
+        ref = _io(rows)  # the median-speed run's read path
+        ref_raw = ref and (ref["paired_raw_gb_s"] or raw)
         eff[key] = {"decode_tok_s": round(median(rows, "decode_tok_s"), 3), "needed_gb_s": round(needed, 3), "drive_gb_s": round(drive, 3),
                     "ratio": round(statistics.median(r["read_gb_s"] / r["paired_raw_gb_s"] for r in rows), 3) if paired else raw and round(needed / raw, 3),
                     "drive_ratio": round(statistics.median(_drive_gb_s(r) / r["paired_raw_gb_s"] for r in rows), 3) if paired else raw and round(drive / raw, 3),
                     "paired_raw_gb_s": [round(r["paired_raw_gb_s"], 3) for r in rows] if paired else None,
-                    "busy_ratio": (ref := _io(rows)) and (r0 := ref["paired_raw_gb_s"] or raw) and round(ref["busy_gb_s"] / r0, 3),
+                    "busy_ratio": ref_raw and round(ref["busy_gb_s"] / ref_raw, 3),
                     "bytes_per_token": int(median(rows, "bytes_read") / (t + 3)), "cpu_ms_per_token": round(1e3 * median(rows, "cpu_s") / (t + 3), 1),
-                    "io": _io(rows)}
+                    "io": ref}
         if key.startswith("stream"):  # prefetch on: how well the next layer was predicted, and what its early pieces became
             last = rows[-1]
             eff[key] |= {"recall_by_layer": last["recall_by_layer"], "precision_by_layer": last["precision_by_layer"],
