@@ -200,8 +200,8 @@ class StoreExperts:
             # pieces fill the drives' idle time over lm_head, sampling and layer 0's attention.
             self._early = self._predict(0, self._last_route.get(0, []))
             self._issue(0, self._early)
-        yield from ready
         try:
+            yield from ready  # inside: a consumer that stops at a held expert still cancels the reads below
             while pending:
                 t0 = time.perf_counter()
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)

@@ -102,3 +102,23 @@ def test_a_prediction_keeps_the_predicted_experts_it_holds_from_eviction(store) 
     finally:
         m.experts.uses.clear()
         m.close()
+
+
+def test_a_fetch_abandoned_on_a_cached_expert_gives_back_its_reads_reservations(store) -> None:
+    """A consumer that fails on the first (cached) expert closes the fetch there: the reads it had
+    started are cancelled or recycled and their reservations return to the budget, or the cache
+    would shrink by them for good."""
+    m = Model.open(store, expert_cache_bytes=1 << 30, prefetch=False)
+    try:
+        ex = m.experts
+        list(ex.fetch(0, [0, 1]))
+        standing = ex.cache.reserved_bytes
+        gen = ex.fetch(0, [0, 1, 2, 3])  # 0 and 1 held: yielded first, while 2 and 3 are read
+        assert next(gen)[0] in (0, 1)
+        assert ex.cache.reserved_bytes > standing  # the two reads in flight count against the budget
+        gen.close()  # the consumer raised on that expert
+        assert ex.cache.reserved_bytes == standing
+        assert list(ex.fetch(0, [2, 3])) and ex.cache.reserved_bytes == standing  # the next fetch reads them whole
+    finally:
+        m.experts.uses.clear()
+        m.close()
