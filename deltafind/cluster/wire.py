@@ -150,7 +150,7 @@ class Body:
         self.data, self.at = data, 0
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        n = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        n = torch.Size(shape).numel() * dtype.itemsize
         if self.at + n > self.data.numel():
             raise RuntimeError(f"a message body of {self.data.numel()} bytes is too short for {shape} {dtype} at byte {self.at}: "
                                "the two sides run different deltafind versions; run the same one on every machine")
