@@ -173,3 +173,42 @@ def test_fused_linear_replans_on_new_weights_and_declines_float_ones() -> None:
     assert second is not None and torch.equal(second, stored_linear(x, StoredWeight.tagged(b, qb)))
     assert fused(x, [torch.randn(16, 64)], [""]) is None  # fp32 weights: not for the stored kernel
     assert fused(x.double(), [b], [qb]) is None
+
+
+@needs_kernel
+def test_results_do_not_depend_on_threads_and_calls_from_many_threads_stay_separate() -> None:
+    """The thread pool (cpu_pool.h): any thread count gives bit-identical rows, and back-to-back
+    calls from several Python threads at once (ctypes drops the GIL) each get their own result,
+    however the pool's workers, spinning or asleep, pick up each call's tasks."""
+    import threading
+
+    kinds = ["Q4_1", "Q8_0", "BF16", "Q6_K"]
+    mats = [_weight(k, 200 + 16 * i, 512, seed=20 + i) for i, k in enumerate(kinds)]
+    x = torch.randn(3, 512)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        ref = FusedLinear()(x, [w for w, _ in mats], [q for _, q in mats])
+        assert ref is not None
+        for threads in (2, 3, 5):
+            torch.set_num_threads(threads)
+            assert torch.equal(FusedLinear()(x, [w for w, _ in mats], [q for _, q in mats]), ref)
+
+        torch.set_num_threads(3)
+        wrong: list[int] = []
+
+        def hammer(seed: int) -> None:
+            fused, xi = FusedLinear(), x[seed % 3 : seed % 3 + 1]
+            want = ref[seed % 3 : seed % 3 + 1]
+            for _ in range(150):
+                if not torch.equal(fused(xi, [w for w, _ in mats], [q for _, q in mats]), want):
+                    wrong.append(seed)
+
+        workers = [threading.Thread(target=hammer, args=(i,)) for i in range(4)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=120)
+        assert not any(w.is_alive() for w in workers) and wrong == []
+    finally:
+        torch.set_num_threads(before)

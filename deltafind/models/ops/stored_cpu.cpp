@@ -362,14 +362,20 @@ int df_stored_dequant(int kind, const uint8_t* w, int64_t R, int64_t C, float* o
 // x [T, *] and y [T, *] have row strides ldx, ldy. Returns 1 if a part's shape does not fit its kind.
 int df_stored_parts(const Part* parts, int n, int stack_cols, const float* x, int64_t T, int64_t ldx, float* y,
                     int64_t ldy, int threads) {
-  constexpr int64_t rows_per_task = 16;
-  int64_t tasks = 0;
+  int64_t all_rows = 0;
   for (int p = 0; p < n; ++p) {
     if (parts[p].row_bytes != df_stored_row_bytes(static_cast<int>(parts[p].kind), parts[p].cols)) return 1;
-    if (!stack_cols) tasks += (parts[p].rows + rows_per_task - 1) / rows_per_task;
-    else if (parts[p].rows != parts[0].rows) return 1;
+    if (stack_cols && parts[p].rows != parts[0].rows) return 1;
+    all_rows += stack_cols ? 0 : parts[p].rows;
   }
-  if (stack_cols) tasks = (parts[0].rows + rows_per_task - 1) / rows_per_task;
+  // About four runs of consecutive rows per thread, at least 16 rows: each thread streams long runs
+  // of weights. 16-row tasks taken in turn cut both threads' streams into ~6 KB pieces, and two
+  // threads read the demo's 30 MB head at 13.7 GB/s where runs of its rows give 22 (RESULTS.md).
+  if (stack_cols) all_rows = parts[0].rows;
+  const int64_t per = std::max<int64_t>(1, 4 * static_cast<int64_t>(threads));
+  const int64_t rows_per_task = std::max<int64_t>(16, (all_rows + per - 1) / per + 15) / 16 * 16;
+  int64_t tasks = 0;
+  for (int p = 0; p < (stack_cols ? 1 : n); ++p) tasks += (parts[p].rows + rows_per_task - 1) / rows_per_task;
   auto rows_of = [&](int64_t r0, int64_t r1, const Part* first, int count, int64_t y_col) {
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t t0 = 0; t0 < T; t0 += kTile) {
