@@ -1,14 +1,17 @@
 """Decode speed of the demo model: deltafind (all experts resident) vs llama.cpp, same GGUF.
 
-Not run in CI. Both engines run in this one process, alternately, round by round, with
-the same thread count, greedy, from the same prompt; each is warmed once first (for
-deltafind that makes every expert resident, since the cache is unlimited). Decode speed
-excludes prefill the same way for both engines:
+Not run in CI. Each engine runs in its own worker process (as each would in use: deltafind sets
+its OpenMP wait policy before torch loads, llama.cpp keeps its own), and the runs alternate,
+round by round, with the same thread count, greedy, from the same prompt; each is warmed once
+first (for deltafind that makes every expert resident, since the cache is unlimited). An idle
+worker blocks on its pipe. (In one shared process the two engines' OpenMP and kernel threads
+spun against each other, and deltafind at 2 threads measured 24 tok/s where it decodes 37-54
+alone.) Decode speed excludes prefill the same way for both engines:
 
     decode tok/s = (n_new - 1) / (t[generate n_new tokens] - t[generate 1 token])
 
 i.e. the time of a one-token generation (prefill + first token) is measured in the same
-round and subtracted. The same is computed from the process's CPU time (`decode_cpu_tok_s`):
+round and subtracted, both timed inside the worker. The same is computed from the worker's CPU time (`decode_cpu_tok_s`):
 on a shared machine whose other tenants take the cores, wall time measures them too, while CPU
 time at --threads 1 still measures each engine's own work (with more threads it counts
 llama.cpp's spin-waits too). `os.getloadavg()` is printed at the start and the end. Per-engine medians over the rounds are reported on ONE JSON line
@@ -132,6 +135,84 @@ def timed(engine, ids: list[int], n: int) -> tuple[float, float, list[int]]:
     return time.perf_counter() - t0, time.process_time() - c0, out
 
 
+def make_engine(name: str, store: Path, gguf: Path | None, threads: int):
+    """One engine, in this process (the worker's side)."""
+    if name == "llamacpp":
+        return LlamaCppEngine(gguf or demo_gguf_path(), threads)
+    import deltafind  # noqa: F401, I001  first, as the daemon does: it sets OMP_WAIT_POLICY before torch loads
+    import torch
+
+    torch.set_num_threads(threads)
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+    return DeltafindEngine(store, widened=name == "deltafind_widened",
+                           dtype="bfloat16" if name == "deltafind_bfloat16" else "float32")
+
+
+def serve_engine(name: str, store: Path, gguf: Path | None, threads: int) -> None:
+    """Worker: JSON requests on stdin, one JSON reply per line on stdout."""
+    reply = sys.stdout
+    sys.stdout = sys.stderr  # engines' prints must not corrupt the replies
+    engine = make_engine(name, store, gguf, threads)
+    extra = {"version": engine.version}
+    if name != "llamacpp":
+        import torch
+
+        extra["torch"] = torch.__version__
+    reply.write(json.dumps(extra) + "\n")
+    reply.flush()
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req["op"] == "encode":
+            out = {"ids": engine.encode(req["text"])}
+        else:
+            wall, cpu, ids = timed(engine, req["ids"], req["n"])
+            own = getattr(engine, "self_reported_decode_s", lambda: None)()
+            out = {"wall": wall, "cpu": cpu, "ids": ids, "own": own}
+        reply.write(json.dumps(out) + "\n")
+        reply.flush()
+
+
+class Worker:
+    """The bench's side of one engine's worker process."""
+
+    def __init__(self, name: str, args: argparse.Namespace) -> None:
+        import subprocess
+
+        cmd = [sys.executable, __file__, "--serve-engine", name, "--store", str(args.store),
+               "--threads", str(args.threads)] + (["--gguf", str(args.gguf)] if args.gguf else [])
+        self.name, self.proc = name, subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        hello = self.proc.stdout.readline()
+        if not hello:
+            sys.exit(f"the {name} worker failed to start (its error is above)")
+        info = json.loads(hello)
+        self.version, self.torch = info["version"], info.get("torch")
+        self.own: float | None = None
+
+    def _ask(self, **req) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def encode(self, text: str) -> list[int]:
+        return self._ask(op="encode", text=text)["ids"]
+
+    def generate(self, ids: list[int], n: int) -> list[int]:
+        return self.timed(ids, n)[2]
+
+    def timed(self, ids: list[int], n: int) -> tuple[float, float, list[int]]:
+        r = self._ask(op="gen", ids=ids, n=n)
+        self.own = r["own"]
+        return r["wall"], r["cpu"], r["ids"]
+
+    def self_reported_decode_s(self) -> float | None:
+        return self.own
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", type=Path, default=default_store(),
@@ -145,36 +226,31 @@ def main() -> None:
                     help="run one side only (its fields in the JSON line are then null)")
     ap.add_argument("--widened", action="store_true",
                     help="also run deltafind with every weight widened to fp32 (the pre-issue-14 path), same rounds")
+    ap.add_argument("--serve-engine", default=None, help=argparse.SUPPRESS)  # a worker process (internal)
     ap.add_argument("--bf16", action="store_true",
                     help="also run deltafind with bf16 activations ([device] dtype = \"bfloat16\"), same rounds")
     args = ap.parse_args()
     if args.new_tokens < 2:
         ap.error("--new-tokens must be >= 2 (decode speed needs a token after the first)")
 
-    import torch
-
-    torch.set_num_threads(args.threads)
-    with contextlib.suppress(RuntimeError):  # already set in this process
-        torch.set_num_interop_threads(1)
+    if args.serve_engine:
+        serve_engine(args.serve_engine, args.store, args.gguf, args.threads)
+        return
 
     load_start = os.getloadavg()
-    engines = []
+    names = []
     if args.engines in ("both", "llamacpp"):
         gguf = args.gguf or demo_gguf_path()
         if not gguf.is_file():
             sys.exit(f"{gguf} is missing")
-        try:
-            engines.append(LlamaCppEngine(gguf, args.threads))
-        except ImportError:
+        if importlib.util.find_spec("llama_cpp") is None:
             sys.exit("llama-cpp-python is missing: pip install --no-deps llama-cpp-python diskcache")
+        names.append("llamacpp")
     if args.engines in ("both", "deltafind"):
         if not args.store.exists():
             sys.exit(f"no deltafind store at {args.store}: run `deltafind setup --demo` or pass --store")
-        engines.append(DeltafindEngine(args.store))
-        if args.widened:
-            engines.append(DeltafindEngine(args.store, widened=True))
-        if args.bf16:
-            engines.append(DeltafindEngine(args.store, dtype="bfloat16"))
+        names += ["deltafind"] + ["deltafind_widened"] * args.widened + ["deltafind_bfloat16"] * args.bf16
+    engines = [Worker(name, args) for name in names]
 
     prompts = {e.name: e.encode(args.prompt) for e in engines}
     samples: dict[str, dict[str, list]] = {e.name: {"decode_tok_s": [], "decode_cpu_tok_s": [], "prefill_s": [], "n_new": []}
@@ -187,8 +263,8 @@ def main() -> None:
 
     for r in range(args.rounds):
         for e in engines:  # llama.cpp first, then deltafind, every round
-            t1, c1, _ = timed(e, prompts[e.name], 1)
-            tn, cn, out = timed(e, prompts[e.name], args.new_tokens)
+            t1, c1, _ = e.timed(prompts[e.name], 1)
+            tn, cn, out = e.timed(prompts[e.name], args.new_tokens)
             if out != outputs[e.name]:
                 log(f"warning: {e.name} greedy output changed between runs")
             decode_s = tn - t1
@@ -199,7 +275,7 @@ def main() -> None:
             s["decode_cpu_tok_s"].append(round(cpu_tok_s, 3))
             s["prefill_s"].append(round(t1, 5))
             s["n_new"].append(len(out))
-            own = getattr(e, "self_reported_decode_s", lambda: None)()
+            own = e.self_reported_decode_s()
             if own is not None:
                 s.setdefault("self_reported_decode_s", []).append(round(own, 5))
             log(f"round {r + 1}/{args.rounds} {e.name}: {tok_s:.1f} decode tok/s, {cpu_tok_s:.1f} per CPU-s ({len(out)} tokens, 1-token call {t1 * 1e3:.1f} ms)")
@@ -215,6 +291,9 @@ def main() -> None:
         a, b = outputs["llamacpp"], outputs["deltafind"]
         same_prefix = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
     engine_versions = {e.name: e.version for e in engines}
+    torch_version = next((e.torch for e in engines if e.torch), None)
+    for e in engines:
+        e.close()
     print(json.dumps({
         "bench": "demo_vs_llamacpp",
         "threads": args.threads,
@@ -241,7 +320,7 @@ def main() -> None:
         "greedy_same_prefix_tokens": same_prefix,
         "llama_cpp_python": engine_versions.get("llamacpp"),
         "deltafind": engine_versions.get("deltafind"),
-        "torch": torch.__version__,
+        "torch": torch_version,
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
     }, separators=(",", ":")))
