@@ -24,6 +24,8 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define DF_PAUSE() _mm_pause()
+#elif defined(__aarch64__)
+#define DF_PAUSE() asm volatile("yield" ::: "memory")
 #else
 #define DF_PAUSE() std::this_thread::yield()
 #endif

@@ -1,18 +1,20 @@
 // Matmul on weights in their stored format: bf16, fp16 and llama.cpp's GGUF block formats
 // (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), with fp32 activations and fp32 accumulation.
 //
-// y[t, r] = sum_c w(r, c) * x[t, c], where w(r, c) is decoded exactly as gguf-py's numpy
-// dequantize decodes it (the same fp32 operations in the same order: built with
-// -ffp-contract=off so d*q + m is never fused). A row is walked in chunks of 256 weights, decoded
-// into an L1 buffer once per tile of tokens, and dotted with 16 lanes per (token, row) combined
-// by one fixed tree at the end; that order does not depend on the number of tokens or threads,
-// so one token and a batch give bit-identical rows. Built by deltafind/models/ops/cpu_kernels.py.
+// y[t, r] = sum_c w(r, c) * x[t, c], every w(r, c) its exact stored value. The decode (df_stored_dequant,
+// and the K-quants' path) is gguf-py's numpy dequantize, the same fp32 operations in the same order
+// (built with -ffp-contract=off so d*q + m is never fused). The 32-weight block formats are dotted
+// factored, d * (q . x) + m * sum(x) (stored_q32.h); bf16/f16/row-int8 are widened in registers;
+// K-quants are decoded chunk by chunk into an L1 buffer. Each (token, row) sums in fixed lanes
+// combined by one fixed tree at the end; that order does not depend on the number of tokens or
+// threads, so one token and a batch give bit-identical rows. Built by deltafind/models/ops/cpu_kernels.py.
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
 
 #include "cpu_pool.h"
+#include "stored_q32.h"
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -73,9 +75,9 @@ inline void scale_min(const uint8_t* s, int i, int* sc, int* mn) {
 }
 
 #ifdef __AVX2__
-// The 32 weights of one block (or 32 consecutive bf16/f16/int8 weights) as four vectors, weights
-// 0-7, 8-15, 16-23, 24-31, decoded with exactly decode()'s fp32 operations: the fused path below
-// never writes them to memory. `scale` is the row's scale (I8R only).
+// 32 consecutive bf16/f16/row-int8 weights as four vectors, weights 0-7, 8-15, 16-23, 24-31, decoded
+// with exactly decode()'s fp32 operations: the fused path below never writes them to memory.
+// `scale` is the row's scale (I8R only).
 template <int K>
 inline void decode_vec(const uint8_t* b, float scale, __m256 w[4]) {
   if constexpr (K == BF16) {
@@ -85,35 +87,11 @@ inline void decode_vec(const uint8_t* b, float scale, __m256 w[4]) {
     }
   } else if constexpr (K == F16) {
     for (int g = 0; g < 4; ++g) w[g] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * g)));
-  } else if constexpr (K == I8R || K == Q8_0) {
-    const float d = K == Q8_0 ? h2f(rd16(b)) : scale;
-    const uint8_t* q = K == Q8_0 ? b + 2 : b;
-    const __m256 dv = _mm256_set1_ps(d);
+  } else {  // I8R: the row's scale times the int8 weight
+    const __m256 dv = _mm256_set1_ps(scale);
     for (int g = 0; g < 4; ++g) {
-      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * g));
-      w[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), dv);  // q * d, as decode_q8_0
-    }
-  } else {
-    constexpr bool has_min = K == Q4_1 || K == Q5_1, five = K == Q5_0 || K == Q5_1;
-    constexpr int offset = five ? 16 : 8;
-    const __m256 dv = _mm256_set1_ps(h2f(rd16(b))), mv = _mm256_set1_ps(has_min ? h2f(rd16(b + 2)) : 0.0f);
-    uint32_t qh = 0;
-    if (five) std::memcpy(&qh, b + (has_min ? 4 : 2), 4);
-    const uint8_t* qs = b + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i low4 = _mm_set1_epi8(15);
-    const __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
-    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int g = 0; g < 4; ++g) {
-      __m256i q = _mm256_cvtepu8_epi32(parts[g]);
-      if (five) {
-        const __m256i bits = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(qh >> (8 * g))), lanes),
-                                              _mm256_set1_epi32(1));
-        q = _mm256_or_si256(q, _mm256_slli_epi32(bits, 4));
-      }
-      w[g] = has_min ? _mm256_add_ps(_mm256_mul_ps(dv, _mm256_cvtepi32_ps(q)), mv)
-                     : _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(offset))));
+      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * g));
+      w[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), dv);
     }
   }
 }
@@ -124,11 +102,6 @@ inline void decode_vec(const uint8_t* b, float scale, __m256 w[4]) {
 // have no branches and the compiler vectorizes them; the arithmetic is gguf-py's, in its order.
 template <int K>
 inline void decode32(const uint8_t* b, float* o) {
-#ifdef __AVX2__
-  __m256 w[4];
-  decode_vec<K>(b, 0.0f, w);
-  for (int g = 0; g < 4; ++g) _mm256_storeu_ps(o + 8 * g, w[g]);
-#else
   constexpr bool has_min = K == Q4_1 || K == Q5_1, five = K == Q5_0 || K == Q5_1;
   constexpr int offset = five ? 16 : 8;
   const float d = h2f(rd16(b));
@@ -147,7 +120,6 @@ inline void decode32(const uint8_t* b, float* o) {
     for (int j = 0; j < 32; ++j) o[j] = d * static_cast<float>(v[j]) + m;  // (d * q) + m
   else
     for (int j = 0; j < 32; ++j) o[j] = d * static_cast<float>(v[j] - offset);  // d * (q - offset)
-#endif
 }
 
 inline void decode_q8_0(const uint8_t* b, float* o) {
@@ -267,13 +239,10 @@ inline float reduce32(const float* a) {
 // in dot_chunk's order, so results are bit-identical to the decode-to-buffer path.
 template <int K, int NT>
 void fused_row(const uint8_t* row, int64_t cols, const float* x, int64_t ldx, float (*acc)[32]) {
-  constexpr int64_t bytes = K == BF16 || K == F16 ? 64 : K == I8R ? 32 : K == Q8_0 ? 34 : K == Q4_0 ? 18
-                          : K == Q4_1 ? 20 : K == Q5_0 ? 22 : 24;
-  float scale = 0.0f;
-  if (K == I8R) {
-    scale = h2f(rd16(row));
-    row += 2;
-  }
+  static_assert(K == BF16 || K == F16 || K == I8R, "the block formats take stored_q32.h");
+  constexpr int64_t bytes = K == I8R ? 32 : 64;
+  const float scale = K == I8R ? h2f(rd16(row)) : 0.0f;
+  row += K == I8R ? 2 : 0;
   __m256 a[NT][4];
   for (int t = 0; t < NT; ++t)
     for (int c = 0; c < 4; ++c) a[t][c] = _mm256_loadu_ps(acc[t] + 8 * c);
@@ -300,21 +269,25 @@ bool fused_tile(const uint8_t* row, int64_t cols, const float* x, int64_t ldx, i
 }
 #endif
 
-// acc[t] += row . x[t] for t < nt (<= kTile), `cols` weights of `kind`: fused where a format has a
-// register decoder, else decoded chunk by chunk into an L1 buffer. Both take the same lane order.
-void accumulate(int kind, const uint8_t* row, int64_t cols, const float* x, int64_t ldx, int nt, float (*acc)[32]) {
+// acc[t] += row . x[t] for t < nt (<= kTile), `cols` weights of `kind`: the 32-weight block formats
+// factored (stored_q32.h; xs: x's block sums), bf16/f16/row-int8 decoded in registers, K-quants
+// decoded chunk by chunk into an L1 buffer (both of those in dot_chunk's lane order).
+void accumulate(int kind, const uint8_t* row, int64_t cols, const float* x, int64_t ldx, const float* xs, int64_t ldxs,
+                int nt, float (*acc)[32]) {
 #ifdef __AVX2__
   switch (kind) {
     case BF16: if (fused_tile<BF16>(row, cols, x, ldx, nt, acc)) return; break;
     case F16: if (fused_tile<F16>(row, cols, x, ldx, nt, acc)) return; break;
     case I8R: if (fused_tile<I8R>(row, cols, x, ldx, nt, acc)) return; break;
-    case Q8_0: if (fused_tile<Q8_0>(row, cols, x, ldx, nt, acc)) return; break;
-    case Q4_0: if (fused_tile<Q4_0>(row, cols, x, ldx, nt, acc)) return; break;
-    case Q4_1: if (fused_tile<Q4_1>(row, cols, x, ldx, nt, acc)) return; break;
-    case Q5_0: if (fused_tile<Q5_0>(row, cols, x, ldx, nt, acc)) return; break;
-    case Q5_1: if (fused_tile<Q5_1>(row, cols, x, ldx, nt, acc)) return; break;
+    case Q8_0: if (dfq::tile<Q8_0>(row, cols, x, ldx, xs, ldxs, nt, acc)) return; break;
+    case Q4_0: if (dfq::tile<Q4_0>(row, cols, x, ldx, xs, ldxs, nt, acc)) return; break;
+    case Q4_1: if (dfq::tile<Q4_1>(row, cols, x, ldx, xs, ldxs, nt, acc)) return; break;
+    case Q5_0: if (dfq::tile<Q5_0>(row, cols, x, ldx, xs, ldxs, nt, acc)) return; break;
+    case Q5_1: if (dfq::tile<Q5_1>(row, cols, x, ldx, xs, ldxs, nt, acc)) return; break;
     default: break;
   }
+#else
+  (void)xs, (void)ldxs;
 #endif
   alignas(64) float buf[kChunk];
   for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
@@ -376,15 +349,20 @@ int df_stored_parts(const Part* parts, int n, int stack_cols, const float* x, in
   const int64_t rows_per_task = std::max<int64_t>(16, (all_rows + per - 1) / per + 15) / 16 * 16;
   int64_t tasks = 0;
   for (int p = 0; p < (stack_cols ? 1 : n); ++p) tasks += (parts[p].rows + rows_per_task - 1) / rows_per_task;
+  int64_t x_cols = 0;  // x's columns: one part's width, or all the parts' side by side
+  for (int p = 0; p < (stack_cols ? n : 1); ++p) x_cols += parts[p].cols;
+  const std::vector<float> xs = dfq::block_sums(x, T, ldx, x_cols);
+  const int64_t ldxs = x_cols / 32;
   auto rows_of = [&](int64_t r0, int64_t r1, const Part* first, int count, int64_t y_col) {
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t t0 = 0; t0 < T; t0 += kTile) {
         const int nt = static_cast<int>(std::min<int64_t>(kTile, T - t0));
-        float acc[kTile][32] = {};
+        float acc[kTile][32];
+        std::memset(acc, 0, sizeof(float) * 32 * nt);
         int64_t x_col = 0;
         for (int p = 0; p < count; ++p) {
           accumulate(static_cast<int>(first[p].kind), first[p].data + r * first[p].row_bytes, first[p].cols,
-                     x + t0 * ldx + x_col, ldx, nt, acc);
+                     x + t0 * ldx + x_col, ldx, xs.data() + t0 * ldxs + x_col / 32, ldxs, nt, acc);
           x_col += first[p].cols;
         }
         for (int t = 0; t < nt; ++t) y[(t0 + t) * ldy + y_col + r] = reduce32(acc[t]);
