@@ -1,4 +1,4 @@
-"""Build and load deltafind's CPU kernels (mxfp4_cpu.cpp, stored_cpu.cpp) as plain shared libraries.
+"""Build and load deltafind's CPU kernels (mxfp4_cpu.cpp, stored_cpu.cpp, layer_cpu.cpp) as plain shared libraries.
 
 Each is compiled once per source, compiler and CPU with the system C++ compiler, cached
 under ~/.cache/deltafind/kernels, called through ctypes (which drops the GIL).
@@ -122,8 +122,18 @@ def _bind_stored(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def _bind_layer(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.df_rms_norm.argtypes = [P, I64, I64, I64, P, ctypes.c_float, P]
+    lib.df_rms_norm.restype = None
+    lib.df_rope.argtypes = [P, I64, I64, I64, I64, P, P, P]
+    lib.df_rope.restype = None
+    lib.df_layer_abi.restype = I32
+    return lib
+
+
 MXFP4 = KernelLibrary("mxfp4_cpu.cpp", _bind_mxfp4)
 STORED = KernelLibrary("stored_cpu.cpp", _bind_stored)
+LAYER = KernelLibrary("layer_cpu.cpp", _bind_layer)
 
 
 def load_kernel() -> ctypes.CDLL | None:
