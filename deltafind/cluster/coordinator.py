@@ -95,6 +95,7 @@ class ClusterExperts:
         log.info("cluster_joining", rank=0, world_size=self.spec.world_size, address=self.spec.address, port=self.spec.port,
                  backend=self.spec.backend)
         self._store = wire.meet(self.spec)
+        self._store.set("deltafind/protocol0", str(wire.PROTOCOL))
         deadline = time.monotonic() + self.spec.join_timeout_s
         problems = []
         for r in self.nodes:
@@ -271,6 +272,7 @@ class ClusterExperts:
 
     def _welcome(self, r: int, gen: int, deadline: float) -> None:
         """Form node r's group of generation `gen`, hand it the placement, then serve from it."""
+        wire.check_protocol(self._store, r, 0)
         link = wire.pair(self._store, self.spec, r, gen)
         blob = wire.text(json.dumps(self.placement.to_json()))
         try:

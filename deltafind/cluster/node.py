@@ -64,7 +64,7 @@ class ExpertNode:
         log.info("cluster_joining", rank=self.spec.rank, world_size=self.spec.world_size, address=self.spec.address,
                  port=self.spec.port, backend=self.spec.backend)
         store = wire.meet(self.spec)
-        gen = wire.announce(store, self.spec.rank)
+        gen = wire.announce(store, self.spec.rank, self.spec.join_timeout_s)
         self.link = wire.pair(store, self.spec, self.spec.rank, gen)
         try:
             while True:

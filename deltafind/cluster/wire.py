@@ -26,6 +26,10 @@ import torch.distributed as dist
 from deltafind.config import ClusterSettings
 from deltafind.errors import ConfigError, DeltafindError
 
+# The message layout below. Every side writes its own into the store when it meets the others, and a
+# node and coordinator of different layouts refuse each other with a message (gloo would only see a
+# size mismatch, which read as a lost connection). An older node writes none: layout 1.
+PROTOCOL = 2
 OP_RUN, OP_PREFETCH, OP_STOP, OP_PLACEMENT = 1, 2, 3, 4
 # request: op, layer, experts, rows, dim, dtype, predicted layer, predicted experts (-1: the previous route);
 # body: the expert ids, their row counts and the predicted ids (int64), the row indices (int64), the rows
@@ -86,9 +90,30 @@ def meet(spec: GroupSpec) -> dist.Store:
                            "and the firewall") from None
 
 
-def announce(store: dist.Store, rank: int) -> int:
-    """A node says it is (re)starting; returns its generation (1 for its first start)."""
+def announce(store: dist.Store, rank: int, wait_s: float) -> int:
+    """A node says it is (re)starting, with its message layout; returns its generation (1 for its first
+    start). Refused, with a message, when the coordinator (awaited up to wait_s) speaks another layout."""
+    store.set(f"deltafind/protocol{rank}", str(PROTOCOL))
+    check_protocol(store, 0, rank, wait_s)
     return int(store.add(f"deltafind/node{rank}", 1))
+
+
+def check_protocol(store: dist.Store, peer: int, me: int, wait_s: float = 0.0) -> None:
+    """Raise ClusterError unless rank `peer` announced this deltafind's message layout (0: the coordinator),
+    waiting up to wait_s for it to announce one."""
+    key = f"deltafind/protocol{peer}"
+    if wait_s > 0:
+        try:
+            store.wait([key], timedelta(seconds=wait_s))
+        except RuntimeError:
+            raise ClusterError(f"rank {me}: the coordinator did not announce its message layout within [cluster] "
+                               "join_timeout_s: it is not running, or runs an older deltafind (run the same version "
+                               "on every machine)") from None
+    theirs = int(store.get(key)) if store.check([key]) else 1
+    if theirs != PROTOCOL:
+        who = "the coordinator" if peer == 0 else f"expert node {peer}"
+        raise ClusterError(f"rank {me}: {who} speaks cluster message layout {theirs} and this deltafind speaks {PROTOCOL}; "
+                           "run the same deltafind version on every machine")
 
 
 def generation(store: dist.Store, rank: int, deadline: float | None = None) -> int:

@@ -54,3 +54,32 @@ def test_a_message_body_gives_back_each_tensor_bit_for_bit_and_a_short_one_names
     assert wire.sent_bytes([1, 2], ids, note, half, rows) == 8 * 3 + 24 + 8 + 8 + 24 == 8 * 3 + body.data.numel()  # header + its byte count
     with pytest.raises(RuntimeError, match=r"too short .* run the same one on every machine"):
         body.take((1,), torch.int64)
+
+
+def test_sides_of_different_message_layouts_refuse_each_other_with_the_fix() -> None:
+    """A node and a coordinator of different deltafind versions name the skew at join (gloo alone
+    saw a size mismatch, which read as a lost connection). A real TCPStore on loopback."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from deltafind.cluster import wire
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=10), wait_for_workers=False)
+
+    with pytest.raises(wire.ClusterError, match="did not announce its message layout"):
+        wire.announce(store, 1, 0.2)  # no coordinator yet: it names the wait and the version advice
+    store.set("deltafind/protocol0", "1")  # an older coordinator's layout
+    with pytest.raises(wire.ClusterError, match=r"the coordinator speaks cluster message layout 1 and this deltafind "
+                                                r"speaks \d+; run the same deltafind version on every machine"):
+        wire.announce(store, 1, 0.2)
+    store.set("deltafind/protocol0", str(wire.PROTOCOL))
+    assert wire.announce(store, 1, 0.2) == 1  # same layout: the node joins (its first generation)
+    wire.check_protocol(store, 1, 0)  # and the coordinator accepts it
+
+    with pytest.raises(wire.ClusterError, match="expert node 2 speaks cluster message layout 1"):
+        wire.check_protocol(store, 2, 0)  # a node that never wrote one: an older deltafind
