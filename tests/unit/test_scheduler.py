@@ -195,6 +195,8 @@ def test_batched_chunked_and_reused_match_one_at_a_time_on_a_real_moe(tiny_model
         tokens, fin = collect(h, timeout=60)
         assert fin.cached_tokens == len(prompts[0]) + len(want[0]) - 1
         assert tokens == tiny_model.generate(grown, max_new_tokens=6)
+        snap = sched.snapshot()  # what status --json and /metrics show
+        assert snap["prefix_hits"] == 1 and snap["prefix_reused_tokens"] == fin.cached_tokens
     finally:
         sched.close()
 

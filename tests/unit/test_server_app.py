@@ -60,7 +60,7 @@ class ScriptedEngine:
         from deltafind.engine.stats import EngineStats
 
         return {"running": 0, "waiting": 0, "draining": self.draining, "tok_s": 0.0, "max_running": 8, "max_queue": 64,
-                "prefix_hits": 0, "prefix_misses": 0, "prefix_bytes": 0, "draft_source": "", "draft_mode": "off",
+                "prefix_hits": 0, "prefix_misses": 0, "prefix_bytes": 0, "prefix_reused_tokens": 0, "draft_source": "", "draft_mode": "off",
                 **EngineStats().snapshot()}
 
 
