@@ -10,10 +10,7 @@ with prefetch on or off.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
-import sys
 import time
 import weakref
 from collections import defaultdict, deque
@@ -26,15 +23,15 @@ from typing import Any, Protocol
 import torch
 
 from deltafind.errors import CorruptExpertError
-from deltafind.store.cache import ByteLRU
-from deltafind.store.manifest import ExpertRecord, Manifest, align_up
+from deltafind.store.cache import ByteLRU, return_freed_memory
+from deltafind.store.manifest import ExpertRecord, Manifest
 from deltafind.store.prefetch_gate import LayerRecall, PrefetchGate, PrefetchOptions
 from deltafind.store.provider import Expert
+from deltafind.store.read_budget import ReadBudget
 from deltafind.store.reader import DriveOptions, PackReader, record_tensors
 from deltafind.store.spine import SpineStreamer
 from deltafind.store.trace import TraceWriter
 
-M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 RECORDS_AHEAD = 2  # demand reads a fetch keeps unconsumed per drive under a budget: one being read (its 1 MiB chunks fill the queue), the next behind it
 
 
@@ -107,20 +104,19 @@ class StoreExperts:
         # CPU compute: demand reads are widened to the compute dtype on the drive threads, so it
         # overlaps the matmuls (measured in tests/bench/RESULTS.md); a device copies as stored.
         self._decode_on_reader = self.device.type == "cpu"
-        self._itemsize = torch.empty(0, dtype=dtype).element_size()
         # Host reads in flight (buffer + widened copy) count against the expert budget, so experts
         # held plus reads on their way stay within `cache_bytes` (measured peak RSS: RESULTS.md).
-        self._reserving = self._decode_on_reader and cache_bytes is not None
+        self.budget = ReadBudget(self.cache, dtype, self._decode_on_reader and cache_bytes is not None)
         self._reserved: dict[tuple[int, int], int] = {}  # reservations of prefetches in flight
         self._deferred: dict[int, list[int]] = {}  # layer -> predicted experts waiting for the previous fetch
         self._early: list[int] | None = None  # the next step's layer-0 prediction, issued by this step's last fetch
         stored = {getattr(torch, t.dtype) for r in manifest.experts for t in r.tensors}
         if not any(d.is_floating_point and d != dtype for d in stored):
             self.reader.widened.max_free_bytes = 0  # nothing to widen (MXFP4 packs, or stored as computed)
-        if self._bounded:  # the pool's free buffers count against the budget, so never more than it (at 8 records
+        if self.budget.bounded:  # the pool's free buffers count against the budget, so never more than it (at 8 records
             # per drive they were 352 MB against a K3-width store's 256 MB: RSS past the budget, RESULTS.md)
             self.reader.buffers.max_free_bytes = min(self.reader.buffers.max_free_bytes, self.cache.budget_bytes)
-        if self._reserving:  # the reader's buffer pools are host memory the budget must cover too
+        if self.budget.reserving:  # the reader's buffer pools are host memory the budget must cover too
             self.cache.reserve(self.reader.buffers.max_free_bytes + self.reader.widened.max_free_bytes)
         self.gate = PrefetchGate(prefetch or PrefetchOptions(enabled=False), len(self.reader.paths))
         self._records: dict[tuple[int, int], ExpertRecord] = {r.key: r for r in manifest.experts}
@@ -134,11 +130,6 @@ class StoreExperts:
         self.trace = trace
         self._step: tuple[Sequence[int], Sequence[int]] = ([], [])
         self.spine: SpineStreamer | None = None  # the spine's streamed layers, when they do not all fit
-
-    @property
-    def _bounded(self) -> bool:
-        """Reads in flight are kept within a cache budget (one is set, nonzero, on the host)."""
-        return self._reserving and bool(self.cache.budget_bytes)
 
     @property
     def prefetch_options(self) -> PrefetchOptions:
@@ -215,7 +206,7 @@ class StoreExperts:
                         speculative.discard(fut)
                         pending[self._demand_read(layer_idx, e)] = e
                         continue
-                    self._unreserve(held.pop(e, 0))  # it lands now: the cache counts it as an entry
+                    self.budget.unreserve(held.pop(e, 0))  # it lands now: the cache counts it as an entry
                     got = fut.result()
                     if isinstance(got, tuple):  # decoded on the drive thread
                         yield e, self._decode(self.record(layer_idx, e), got[1], got[0], got[2])
@@ -225,7 +216,7 @@ class StoreExperts:
             for fut in pending:  # an error or an abandoned generator: reads still running are waste
                 fut.cancel()
             for n in held.values():
-                self._unreserve(n)
+                self.budget.unreserve(n)
 
     def _start_demand(self, layer_idx: int, waiting: deque[int], pending: dict[Future, int], held: dict[int, int]) -> None:
         """Start `waiting` reads (all on one drive); under a cache budget only while that drive has
@@ -235,13 +226,13 @@ class StoreExperts:
         if not waiting:
             return
         drive = self.record(layer_idx, waiting[0]).drive
-        busy = sum(self.record(layer_idx, e).drive == drive for e in pending.values()) if self._bounded else 0
-        limit = RECORDS_AHEAD if self._bounded else len(waiting)
+        busy = sum(self.record(layer_idx, e).drive == drive for e in pending.values()) if self.budget.bounded else 0
+        limit = RECORDS_AHEAD if self.budget.bounded else len(waiting)
         while waiting and busy < limit:
             e = waiting.popleft()
             self._hold_back(self.record(layer_idx, e), -1)
             if self._decode_on_reader:
-                held[e] = self._reserve(self.record(layer_idx, e))
+                held[e] = self.budget.reserve(self.record(layer_idx, e))
             pending[self._demand_read(layer_idx, e)] = e
             busy += 1
 
@@ -285,14 +276,14 @@ class StoreExperts:
         # a striped record loads each of its drives by its share: the gate weighs that share on its first drive
         todo = [(k, self._records[k].drive, self._records[k].length // len(self._records[k].extents())) for k in keys
                 if k not in self._inflight and k not in self.pinned and k not in self.cache and k in self._records]
-        todo = todo[: self._fitting([self._records[k] for k, _, _ in todo])]
+        todo = todo[: self.budget.fitting([self._records[k] for k, _, _ in todo])]
         gated = self.gate.gated
         share = {k: n for k, _, n in todo}
         for key, nbytes in self.gate.admit(layer_idx, todo, self.prefetch_options.max_in_flight - len(self._inflight)):
             rec = self._records[key]
             # only the pieces that fit the drive's idle window, the rest once the router confirms it
             pieces = None if nbytes >= share[key] else max(1, nbytes // self.gate.piece_bytes)
-            self._reserved[key] = self._reserve(rec)
+            self._reserved[key] = self.budget.reserve(rec)
             self._inflight[key] = self._track(rec, self.reader.submit(rec, speculative=True, pieces=pieces), nbytes)
             self.stats.prefetch_issued += 1
         self.stats.prefetch_gated += self.gate.gated - gated
@@ -347,48 +338,12 @@ class StoreExperts:
     def _drop_inflight(self, layer_idx: int) -> None:
         for key in [k for k in self._inflight if k[0] == layer_idx]:
             fut = self._inflight.pop(key)
-            self._unreserve(self._reserved.pop(key, 0))
+            self.budget.unreserve(self._reserved.pop(key, 0))
             self.stats.prefetch_wasted += 1
             if not fut.cancel():
                 # Already being read: recycle its buffer. Decoding it "in case" costs CPU
                 # that the real reads need (measured: it halved decode speed).
                 fut.add_done_callback(self._recycle)
-
-    def _read_bytes(self, rec: ExpertRecord) -> int:
-        """Host bytes a read of `rec` holds until it lands in the cache: its buffer and widened tensors."""
-        n = align_up(rec.length)
-        for t in rec.tensors:
-            stored = getattr(torch, t.dtype)
-            if stored.is_floating_point and stored != self.dtype:
-                n += t.nbytes // stored.itemsize * self._itemsize
-        return n
-
-    def _fitting(self, recs: list[ExpertRecord]) -> int:
-        """How many of `recs` (in order) can be prefetched with the reads in flight within the cache
-        budget (with no cache, 0, or no limit: all). Demand reads are never refused; a speculative one
-        that would overrun is not started (all 16 of a K3 layer's experts prefetched at once held
-        280 MB against a 256 MB budget: RESULTS.md)."""
-        if not self._bounded:
-            return len(recs)
-        room = self.cache.budget_bytes - self.cache.reserved_bytes
-        for i, rec in enumerate(recs):
-            room -= self._read_bytes(rec)
-            if room < 0:
-                return i
-        return len(recs)
-
-    def _reserve(self, rec: ExpertRecord) -> int:
-        """Reserve a read's buffer and the widened tensors it will produce (the free buffers the
-        reader keeps are in the standing reservation): held experts plus reads stay in the budget."""
-        if not self._reserving or self.cache.budget_bytes is None:
-            return 0
-        n = self._read_bytes(rec)
-        self.cache.reserve(n)
-        return n
-
-    def _unreserve(self, n: int) -> None:
-        if n:
-            self.cache.unreserve(n)
 
     def _recycle(self, fut: Future) -> None:
         if not fut.cancelled() and fut.exception() is None:
@@ -404,7 +359,7 @@ class StoreExperts:
             views = record_tensors(rec, buf)
         # Packed formats (MXFP4 codes and scales) stay as stored; float weights take the compute dtype.
         # The stager moves them to the device and releases `buf` once no copy needs it.
-        release = functools.partial(self.reader.release, buf) if buf is not None else _nothing
+        release = functools.partial(self.reader.release, buf) if buf is not None else lambda: None
         tensors, aliased = self.stager.stage(views, self.dtype, release)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         expert = Expert(tensors, nbytes, {t.name: t.quant for t in rec.tensors if t.quant})
@@ -443,25 +398,3 @@ class StoreExperts:
         self._inflight.clear()
         self.stager.drain()  # copies in flight still read their host buffers
         self.reader.close()
-
-
-def _nothing() -> None:
-    pass
-
-
-def return_freed_memory() -> None:
-    """Fix glibc's mmap threshold at 1 MiB, so freed experts go back to the OS.
-
-    By default the threshold grows to the size of the largest block freed (up to 32 MiB),
-    after which evicted experts are carved from arenas that glibc keeps: measured 210 MB
-    of resident memory nobody used after a 1 GiB-cache run (tests/bench/RESULTS.md).
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(libc).mallopt if libc else None
-    except (OSError, AttributeError):
-        mallopt = None
-    if mallopt is not None:
-        mallopt(M_MMAP_THRESHOLD, 1 << 20)
