@@ -61,7 +61,7 @@ def store_arg(args: argparse.Namespace, settings: Any) -> Path:
 
 def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """`run`/`bench` flags as settings overrides, as `serve`'s are (None: flag not given)."""
-    from deltafind.api import draft_settings
+    from deltafind.api_settings import draft_settings
 
     spec = getattr(args, "draft", None)
     return {
