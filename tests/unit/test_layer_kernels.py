@@ -51,3 +51,25 @@ def test_the_torch_ops_run_where_the_kernel_does_not_apply() -> None:
     xd = torch.randn(2, 3, 16, dtype=torch.float64)
     cos, sin = torch.randn(2, 1, 16, dtype=torch.float64), torch.randn(2, 1, 16, dtype=torch.float64)
     assert torch.equal(apply_rope(xd, cos, sin), xd * cos + rotate_half(xd) * sin)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("hq", "hkv", "length", "d", "dv"), [(9, 3, 1, 64, 64), (9, 3, 37, 64, 64), (8, 2, 100, 72, 40),
+                                                             (16, 16, 5, 128, 128)])
+def test_one_row_attention_is_torchs_within_summation_order(hq: int, hkv: int, length: int, d: int, dv: int) -> None:
+    """Grouped-query attention of one query row over a cache ([L, Hkv, D] buffers, as LayerCache holds
+    them), against the batched-matmul-and-softmax path it replaces: q head h reads kv head h // (Hq / Hkv)."""
+    from deltafind.models.ops.attention import _decode_one_cpu
+
+    g = torch.Generator().manual_seed(length)
+    q = torch.randn(hq, 1, d, generator=g)
+    kb, vb = torch.randn(length, hkv, d, generator=g), torch.randn(length, hkv, dv, generator=g)
+    k, v = kb.transpose(0, 1), vb.transpose(0, 1)  # [Hkv, L, D] views, as attend passes them
+    ours = _decode_one_cpu(q, k, v, d**-0.5)
+    group = hq // hkv
+    scores = torch.bmm(q.reshape(hkv, group, d), k.transpose(1, 2)) * d**-0.5
+    ref = torch.bmm(torch.softmax(scores, dim=-1), v).reshape(hq, 1, dv)
+    assert ours is not None
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=2e-6)
+    if length > 1:  # a cache not in its buffer layout: torch's ops
+        assert _decode_one_cpu(q, k.contiguous(), v, d**-0.5) is None

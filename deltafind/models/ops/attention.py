@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from deltafind.models.ops.batch import Batch
+from deltafind.models.ops.cpu_kernels import LAYER
 
 
 def _decode_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -13,9 +14,25 @@ def _decode_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
 
     PERF: SDPA's fused CPU kernel costs 2-3x this for one row (and much more when its threads
     wait on a shared machine); the arithmetic is the same up to summation order."""
+    if (o := _decode_one_cpu(q, k, v, scale)) is not None:
+        return o
     hkv, group = k.shape[0], q.shape[0] // k.shape[0]
     scores = torch.bmm(q.reshape(hkv, group, q.shape[-1]), k.transpose(1, 2)) * scale  # [Hkv, G, L]
     return torch.bmm(torch.softmax(scores, dim=-1), v).reshape(q.shape[0], 1, v.shape[-1])  # [Hq, 1, Dv]
+
+
+def _decode_one_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """`_decode_one` in one kernel call (layer_cpu.cpp) for fp32 on the CPU with the cache contiguous in
+    its [L, Hkv, D] buffer (k, v here are its [Hkv, L, D] transposed views); else None."""
+    kb, vb = k.transpose(0, 1), v.transpose(0, 1)
+    if (q.dtype != torch.float32 or q.device.type != "cpu" or not (kb.is_contiguous() and vb.is_contiguous())
+            or k.dtype != torch.float32 or v.dtype != torch.float32 or (lib := LAYER.load()) is None):
+        return None
+    qc = q.reshape(q.shape[0], q.shape[-1]).contiguous()  # [Hq, D]
+    out = torch.empty(q.shape[0], 1, v.shape[-1])
+    lib.df_attend_one(qc.data_ptr(), kb.data_ptr(), vb.data_ptr(), kb.shape[0], q.shape[0], kb.shape[1], q.shape[-1],
+                      v.shape[-1], scale, out.data_ptr())
+    return out
 
 
 def attend(

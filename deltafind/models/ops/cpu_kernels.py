@@ -127,6 +127,8 @@ def _bind_layer(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.df_rms_norm.restype = None
     lib.df_rope.argtypes = [P, I64, I64, I64, I64, P, P, P]
     lib.df_rope.restype = None
+    lib.df_attend_one.argtypes = [P, P, P, I64, I64, I64, I64, I64, ctypes.c_float, P]
+    lib.df_attend_one.restype = None
     lib.df_layer_abi.restype = I32
     return lib
 

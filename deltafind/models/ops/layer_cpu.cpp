@@ -1,13 +1,16 @@
-// The small per-layer ops of a CPU decode step, fp32: RMSNorm and rotary embeddings.
+// The small per-layer ops of a CPU decode step, fp32: RMSNorm, rotary embeddings, one-row attention.
 //
 // Each was a handful of torch ops costing 10-30 us a call on one token, against ~3 us for one ctypes
 // call here; a demo token runs 61 norms and 30 ropes (tests/bench/RESULTS.md). Single-threaded (a
 // row is 0.5-30 KB of work). Built by deltafind/models/ops/cpu_kernels.py with -ffp-contract=off:
 // the rope is torch's arithmetic op for op (x*cos + rotate_half(x)*sin, every product and the sum
 // rounded), so bit-identical; the norm sums its squares in 8 fixed lanes, one fixed tree, which
-// differs from torch's reduction only in summation order.
+// differs from torch's reduction only in summation order; the attention's dot products, softmax and
+// weighted sum differ from torch's bmm/softmax only in summation order and exp's last bit.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 extern "C" {
 
@@ -39,6 +42,39 @@ void df_rope(const float* x, int64_t T, int64_t H, int64_t D, int64_t ldx, const
       float* o = y + (t * H + h) * D;
       for (int64_t j = 0; j < half; ++j) o[j] = v[j] * c[j] + (-v[j + half]) * s[j];
       for (int64_t j = half; j < D; ++j) o[j] = v[j] * c[j] + v[j - half] * s[j];
+    }
+  }
+}
+
+// One query row per head over a sequence's cache: o[h] = softmax(scale * K_g q[h]) V_g with g = h / (Hq / Hkv)
+// (grouped-query attention). q [Hq, D] contiguous; k [L, Hkv, D] and v [L, Hkv, Dv] contiguous; o [Hq, Dv].
+void df_attend_one(const float* q, const float* k, const float* v, int64_t L, int64_t Hq, int64_t Hkv, int64_t D,
+                   int64_t Dv, float scale, float* o) {
+  const int64_t group = Hq / Hkv;
+  std::vector<float> p(static_cast<size_t>(L));
+  for (int64_t h = 0; h < Hq; ++h) {
+    const int64_t g = h / group;
+    const float* qh = q + h * D;
+    float top = -INFINITY;
+    for (int64_t l = 0; l < L; ++l) {
+      const float* kl = k + (l * Hkv + g) * D;
+      float s[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+      int64_t d = 0;
+      for (; d + 8 <= D; d += 8)
+        for (int j = 0; j < 8; ++j) s[j] += qh[d + j] * kl[d + j];
+      float dot = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+      for (; d < D; ++d) dot += qh[d] * kl[d];
+      p[l] = dot * scale;
+      top = std::max(top, p[l]);
+    }
+    float total = 0.0f;
+    for (int64_t l = 0; l < L; ++l) total += (p[l] = std::exp(p[l] - top));
+    float* oh = o + h * Dv;
+    std::fill(oh, oh + Dv, 0.0f);
+    for (int64_t l = 0; l < L; ++l) {
+      const float w = p[l] / total;
+      const float* vl = v + (l * Hkv + g) * Dv;
+      for (int64_t d = 0; d < Dv; ++d) oh[d] += w * vl[d];
     }
   }
 }
