@@ -26,7 +26,8 @@ def _decode_one_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     its [L, Hkv, D] buffer (k, v here are its [Hkv, L, D] transposed views); else None."""
     kb, vb = k.transpose(0, 1), v.transpose(0, 1)
     if (q.dtype != torch.float32 or q.device.type != "cpu" or not (kb.is_contiguous() and vb.is_contiguous())
-            or k.dtype != torch.float32 or v.dtype != torch.float32 or (lib := LAYER.load()) is None):
+            or k.dtype != torch.float32 or v.dtype != torch.float32 or q.shape[0] % kb.shape[1]
+            or q.shape[-1] != kb.shape[2] or kb.shape[:2] != vb.shape[:2] or (lib := LAYER.load()) is None):
         return None
     qc = q.reshape(q.shape[0], q.shape[-1]).contiguous()  # [Hq, D]
     out = torch.empty(q.shape[0], 1, v.shape[-1])

@@ -30,7 +30,8 @@ class RMSNorm(nn.Module):
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """fp32 RMSNorm of x [T, C] on the CPU in one kernel call (layer_cpu.cpp; F.rms_norm cost 10-30 us
     a row), or None where it does not apply (another device or layout, no compiler)."""
-    if (x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] % 8 or not weight.is_contiguous()
+    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2
+            or x.stride(1) != 1 or x.shape[1] % 8 or weight.shape != (x.shape[1],) or not weight.is_contiguous()
             or weight.device.type != "cpu" or (lib := LAYER.load()) is None):
         return None
     y = torch.empty(x.shape)
