@@ -76,10 +76,10 @@ def test_matmul_matches_widened_path(kind: str, tokens: int) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q6_K", "BF16"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "BF16"])
 def test_rows_do_not_depend_on_batch(kind: str) -> None:
     """One token and the same token inside a batch give bit-identical rows (drafts verify in batches)."""
-    cols = 768 if kind != "Q6_K" else 512
+    cols = 512 if kind.endswith("_K") else 768
     w = (StoredWeight.of((torch.randn(33, cols) * 0.05).to(torch.bfloat16)) if kind == "BF16"
          else StoredWeight.of(_blocks(kind, 33, cols, seed=3), kind, cols))
     x = torch.randn(11, cols)
@@ -215,12 +215,12 @@ def test_results_do_not_depend_on_threads_and_calls_from_many_threads_stay_separ
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", QUANTIZABLE)
+@pytest.mark.parametrize("kind", QUANTIZABLE + K_QUANTS)
 def test_block_formats_err_like_an_fp32_matmul_against_fp64(kind: str) -> None:
-    """The 32-weight block formats are dotted factored, d * (q . x) + m * sum(x) (stored_q32.h): every
-    weight exact, only the fp32 rounding moves. Against an fp64 matmul of the same weights, its error
-    per output, relative to sum |x w|, stays at the fp32 matmul's level (measured: at most 9.2e-8, the
-    widened fp32 matmul 4.3e-8, for 1536 columns)."""
+    """The block formats are dotted factored per 32 (or 16) weights, d * (q . x) + m * sum(x)
+    (stored_blocks.h): every weight exact, only the fp32 rounding moves. Against an fp64 matmul of the
+    same weights, its error per output, relative to sum |x w|, stays at the fp32 matmul's level
+    (measured: at most 9.2e-8, the widened fp32 matmul 4.3e-8, for 1536 columns)."""
     w = StoredWeight.of(_blocks(kind, 300, 1536, seed=5), kind, 1536)
     x = torch.randn(4, 1536, generator=torch.Generator().manual_seed(5))
     exact_w = gguf_dequantize(w).double()

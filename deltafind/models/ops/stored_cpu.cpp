@@ -2,10 +2,10 @@
 // (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), with fp32 activations and fp32 accumulation.
 //
 // y[t, r] = sum_c w(r, c) * x[t, c], every w(r, c) its exact stored value. The decode (df_stored_dequant,
-// and the K-quants' path) is gguf-py's numpy dequantize, the same fp32 operations in the same order
-// (built with -ffp-contract=off so d*q + m is never fused). The 32-weight block formats are dotted
-// factored, d * (q . x) + m * sum(x) (stored_q32.h); bf16/f16/row-int8 are widened in registers;
-// K-quants are decoded chunk by chunk into an L1 buffer. Each (token, row) sums in fixed lanes
+// and the matmul without AVX2) is gguf-py's numpy dequantize, the same fp32 operations in the same order
+// (built with -ffp-contract=off so d*q + m is never fused). The block formats are dotted factored,
+// d * (q . x) + m * sum(x) per group of weights (stored_blocks.h); bf16/f16/row-int8 are widened in
+// registers; without AVX2 every format is decoded chunk by chunk into an L1 buffer. Each (token, row) sums in fixed lanes
 // combined by one fixed tree at the end; that order does not depend on the number of tokens or
 // threads, so one token and a batch give bit-identical rows. Built by deltafind/models/ops/cpu_kernels.py.
 #include <cmath>
@@ -14,7 +14,7 @@
 #include <cstring>
 
 #include "cpu_pool.h"
-#include "stored_q32.h"
+#include "stored_blocks.h"
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -239,7 +239,7 @@ inline float reduce32(const float* a) {
 // in dot_chunk's order, so results are bit-identical to the decode-to-buffer path.
 template <int K, int NT>
 void fused_row(const uint8_t* row, int64_t cols, const float* x, int64_t ldx, float (*acc)[32]) {
-  static_assert(K == BF16 || K == F16 || K == I8R, "the block formats take stored_q32.h");
+  static_assert(K == BF16 || K == F16 || K == I8R, "the block formats take stored_blocks.h");
   constexpr int64_t bytes = K == I8R ? 32 : 64;
   const float scale = K == I8R ? h2f(rd16(row)) : 0.0f;
   row += K == I8R ? 2 : 0;
@@ -269,9 +269,9 @@ bool fused_tile(const uint8_t* row, int64_t cols, const float* x, int64_t ldx, i
 }
 #endif
 
-// acc[t] += row . x[t] for t < nt (<= kTile), `cols` weights of `kind`: the 32-weight block formats
-// factored (stored_q32.h; xs: x's block sums), bf16/f16/row-int8 decoded in registers, K-quants
-// decoded chunk by chunk into an L1 buffer (both of those in dot_chunk's lane order).
+// acc[t] += row . x[t] for t < nt (<= kTile), `cols` weights of `kind`: the block formats factored
+// (stored_blocks.h; xs: x's sums per 32 columns), bf16/f16/row-int8 decoded in registers, or (no
+// AVX2) decoded chunk by chunk into an L1 buffer (those two in dot_chunk's lane order).
 void accumulate(int kind, const uint8_t* row, int64_t cols, const float* x, int64_t ldx, const float* xs, int64_t ldxs,
                 int nt, float (*acc)[32]) {
 #ifdef __AVX2__
@@ -284,6 +284,9 @@ void accumulate(int kind, const uint8_t* row, int64_t cols, const float* x, int6
     case Q4_1: if (dfq::tile<Q4_1>(row, cols, x, ldx, xs, ldxs, nt, acc)) return; break;
     case Q5_0: if (dfq::tile<Q5_0>(row, cols, x, ldx, xs, ldxs, nt, acc)) return; break;
     case Q5_1: if (dfq::tile<Q5_1>(row, cols, x, ldx, xs, ldxs, nt, acc)) return; break;
+    case Q4_K: if (dfq::tile<Q4_K>(row, cols, x, ldx, xs, ldxs, nt, acc)) return; break;
+    case Q5_K: if (dfq::tile<Q5_K>(row, cols, x, ldx, xs, ldxs, nt, acc)) return; break;
+    case Q6_K: if (dfq::tile<Q6_K>(row, cols, x, ldx, xs, ldxs, nt, acc)) return; break;
     default: break;
   }
 #else

@@ -1,0 +1,203 @@
+// The hot loop of stored_cpu.cpp for llama.cpp's block formats, factored. In every one a group of
+// 32 (Q6_K: 16) weights is w_i = d*q_i + m with integer codes q_i: Q4_0..Q8_0 one d (and m, Q4_1 and
+// Q5_1) per 32 weights; Q4_K/Q5_K d = d*sc and m = -dmin*mn per 32; Q6_K d = d*sc per 16, m = 0; code
+// offsets (Q4_0's 8, Q5_0's 16, Q6_K's 32) are taken in integers. So
+//
+//     sum_i w_i x_i = d * (sum_i q_i x_i) + m * (sum_i x_i).
+//
+// Every weight keeps its exact value (d*sc and dmin*mn are exact in fp32; nothing is approximated)
+// and the activations stay fp32. What changes against decoding each weight to fp32 first (d*q + m,
+// two roundings, then an FMA) is only where fp32 rounding happens: against an fp64 matmul the error
+// stays at an fp32 matmul's level (tests/unit/test_stored_kernels.py). It drops a multiply and an
+// add per weight, which bounded the one-token matmul (RESULTS.md), and the K-quants' decode through
+// an L1 buffer.
+//
+// Lanes per (token, row) in acc[t][32]: [0, 8) take d * (q.x of weights 0-7 and 8-15 of each group
+// of 32), [8, 16) of weights 16-31; lane 16 takes the m terms, m * (sum of the group's x), one group
+// after another. The order depends on neither the number of tokens nor of threads.
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace dfq {
+namespace {  // internal linkage: never called through the PLT
+
+// xs[t * (C / 32) + k] = the sum of x[t, 32k .. 32k + 32), in one fixed order (the m terms below).
+std::vector<float> block_sums(const float* x, int64_t T, int64_t ldx, int64_t C) {
+  const int64_t nb = C / 32;
+  std::vector<float> xs(static_cast<size_t>(T * nb));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < nb; ++k) {
+      const float* v = x + t * ldx + 32 * k;
+      float s[8];
+      for (int l = 0; l < 8; ++l) s[l] = (v[l] + v[8 + l]) + (v[16 + l] + v[24 + l]);
+      xs[t * nb + k] = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+    }
+  return xs;
+}
+
+#ifdef __AVX2__
+
+template <int K>
+constexpr int64_t block_bytes() { return K == 8 ? 34 : K == 2 ? 18 : K == 3 ? 20 : K == 6 ? 22 : 24; }
+template <int K>
+constexpr bool has_min() { return K == 3 || K == 7; }  // Q4_1, Q5_1
+template <int K>
+constexpr int offset() { return K == 2 ? 8 : K == 6 ? 16 : 0; }  // Q4_0, Q5_0: w = d * (code - offset)
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// The integer codes of one block as four float vectors (weights 0-7, 8-15, 16-23, 24-31): exact.
+template <int K>
+inline void codes(const uint8_t* b, __m256 q[4]) {
+  if constexpr (K == 8) {
+    for (int g = 0; g < 4; ++g)
+      q[g] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * g))));
+  } else {
+    constexpr bool five = K == 6 || K == 7;
+    uint32_t qh = 0;
+    if (five) std::memcpy(&qh, b + (has_min<K>() ? 4 : 2), 4);
+    const uint8_t* qs = b + 2 + (has_min<K>() ? 2 : 0) + (five ? 4 : 0);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), low4 = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int g = 0; g < 4; ++g) {
+      __m256i v = _mm256_cvtepu8_epi32(parts[g]);
+      if (five)
+        v = _mm256_or_si256(v, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(
+                                   _mm256_set1_epi32(static_cast<int>(qh >> (8 * g))), lanes), _mm256_set1_epi32(1)), 4));
+      if (offset<K>()) v = _mm256_sub_epi32(v, _mm256_set1_epi32(offset<K>()));
+      q[g] = _mm256_cvtepi32_ps(v);
+    }
+  }
+}
+
+// One 32-weight group for NT tokens: a[t][0] += d_lo * (q . x over weights 0-15), a[t][1] += d_hi * (16-31).
+template <int NT>
+inline void dot32(const __m256 q[4], __m256 d_lo, __m256 d_hi, const float* x, int64_t ldx, __m256 (*a)[2]) {
+  for (int t = 0; t < NT; ++t) {
+    const float* xt = x + t * ldx;
+    __m256 lo = _mm256_mul_ps(q[0], _mm256_loadu_ps(xt)), hi = _mm256_mul_ps(q[2], _mm256_loadu_ps(xt + 16));
+    lo = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xt + 8), lo);
+    hi = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xt + 24), hi);
+    a[t][0] = _mm256_fmadd_ps(lo, d_lo, a[t][0]);
+    a[t][1] = _mm256_fmadd_ps(hi, d_hi, a[t][1]);
+  }
+}
+
+// 32 code bytes (0..63) as four float vectors, weights 0-7, 8-15, 16-23, 24-31, minus `offset`: exact.
+inline void widen32(__m256i bytes, int offset, __m256 q[4]) {
+  const __m128i lo = _mm256_castsi256_si128(bytes), hi = _mm256_extracti128_si256(bytes, 1);
+  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int g = 0; g < 4; ++g)
+    q[g] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(parts[g]), _mm256_set1_epi32(offset)));
+}
+
+// The K-quant sub-block scale and min (Q4_K/Q5_K), as decode_k45 unpacks them.
+inline void k_scale_min(const uint8_t* s, int i, int* sc, int* mn) {
+  if (i < 4) {
+    *sc = s[i] & 63;
+    *mn = s[i + 4] & 63;
+  } else {
+    *sc = (s[i + 4] & 0x0F) | ((s[i - 4] >> 2) & 0x30);
+    *mn = (s[i + 4] >> 4) | ((s[i] >> 2) & 0x30);
+  }
+}
+
+// acc[t] += row . x[t] for NT tokens over `cols` weights; xs[t * ldxs + k] is the sum of x[t]'s
+// 32-column block k (df_stored_parts computes it once per call, in one fixed order).
+// Q4_0..Q8_0: one (d, m) per 32 weights. Q4_K/Q5_K: per 256 weights d and dmin, per 32 a 6-bit scale
+// and min (w = d*sc * q - dmin*mn: both products exact in fp32). Q6_K: per 256 weights d, per 16 an
+// int8 scale (w = d*sc * (q - 32)).
+template <int K, int NT>
+__attribute__((noinline)) void row(const uint8_t* row, int64_t cols, const float* x, int64_t ldx, const float* xs,
+                                   int64_t ldxs, float (*acc)[32]) {
+  __m256 a[NT][2];
+  float am[NT];
+  for (int t = 0; t < NT; ++t) {
+    a[t][0] = _mm256_loadu_ps(acc[t]);
+    a[t][1] = _mm256_loadu_ps(acc[t] + 8);
+    am[t] = acc[t][16];
+  }
+  __m256 q[4];
+  if constexpr (K == 12 || K == 13) {  // Q4_K, Q5_K
+    constexpr int64_t bytes = K == 12 ? 144 : 176;
+    for (int64_t blk = 0; blk < cols / 256; ++blk) {
+      const uint8_t* b = row + blk * bytes;
+      const float d = half(b), dmin = half(b + 2);
+      const uint8_t* qs = b + (K == 12 ? 16 : 48);
+      const __m256i qh = K == 13 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
+      for (int i = 0; i < 8; ++i) {
+        int sc, mn;
+        k_scale_min(b + 4, i, &sc, &mn);
+        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (i / 2) * 32));
+        v = _mm256_and_si256(i % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
+        if (K == 13)  // bit i of qh[c] is the 5th bit of weight c
+          v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(i)),
+                                                                    _mm256_set1_epi8(1)), 4));
+        widen32(v, 0, q);
+        const __m256 ds = _mm256_set1_ps(d * static_cast<float>(sc));
+        const float dm = dmin * static_cast<float>(mn);
+        dot32<NT>(q, ds, ds, x + blk * 256 + i * 32, ldx, a);
+        for (int t = 0; t < NT; ++t) am[t] = std::fma(-dm, xs[t * ldxs + blk * 8 + i], am[t]);
+      }
+    }
+  } else if constexpr (K == 14) {  // Q6_K
+    for (int64_t blk = 0; blk < cols / 256; ++blk) {
+      const uint8_t* b = row + blk * 210;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = half(b + 208);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + h * 32));
+        for (int k = 0; k < 4; ++k) {  // weights h*128 + k*32 + [0, 32), as decode_q6_k
+          const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + h * 64 + (k % 2) * 32));
+          const __m256i l4 = _mm256_and_si256(k / 2 ? _mm256_srli_epi16(lo, 4) : lo, _mm256_set1_epi8(15));
+          const __m256i h2 = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3));
+          widen32(_mm256_or_si256(l4, _mm256_slli_epi16(h2, 4)), 32, q);
+          dot32<NT>(q, _mm256_set1_ps(d * static_cast<float>(sc[h * 8 + k * 2])),
+                    _mm256_set1_ps(d * static_cast<float>(sc[h * 8 + k * 2 + 1])), x + blk * 256 + h * 128 + k * 32, ldx, a);
+        }
+      }
+    }
+  } else {  // the 32-weight block formats
+    constexpr int64_t bytes = block_bytes<K>();
+    for (int64_t k = 0; k < cols / 32; ++k) {
+      const uint8_t* b = row + k * bytes;
+      codes<K>(b, q);
+      const __m256 d = _mm256_set1_ps(half(b));
+      dot32<NT>(q, d, d, x + 32 * k, ldx, a);
+      if (has_min<K>())
+        for (int t = 0; t < NT; ++t) am[t] = std::fma(half(b + 2), xs[t * ldxs + k], am[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    _mm256_storeu_ps(acc[t], a[t][0]);
+    _mm256_storeu_ps(acc[t] + 8, a[t][1]);
+    acc[t][16] = am[t];
+  }
+}
+
+template <int K>
+bool tile(const uint8_t* r, int64_t cols, const float* x, int64_t ldx, const float* xs, int64_t ldxs, int nt,
+          float (*acc)[32]) {
+  switch (nt) {
+    case 1: row<K, 1>(r, cols, x, ldx, xs, ldxs, acc); return true;
+    case 2: row<K, 2>(r, cols, x, ldx, xs, ldxs, acc); return true;
+    case 3: row<K, 3>(r, cols, x, ldx, xs, ldxs, acc); return true;
+    case 4: row<K, 4>(r, cols, x, ldx, xs, ldxs, acc); return true;
+    default: return false;
+  }
+}
+
+#endif
+}  // namespace
+}  // namespace dfq
