@@ -255,7 +255,7 @@ def test_the_whole_device_path_on_cpu_gives_the_cpu_tokens(k3_store: Path, cache
     ex = model.experts
     ex.stager = staging.SyncStager(torch.device("cpu"))
     ex.reader.buffers = staging.PinnedBufferPool(1 << 24, pin=False)
-    ex.cache = device_cache.DeviceExpertCache(torch.device("cpu"), cache_bytes)
+    ex.cache = ex.budget.cache = device_cache.DeviceExpertCache(torch.device("cpu"), cache_bytes)  # reads reserve in it
     try:
         with mxfp4.torch_path():
             got, got_logits = _greedy(model), model.forward_logits(ids)
