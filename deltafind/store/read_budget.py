@@ -23,7 +23,6 @@ class ReadBudget:
 
     def __init__(self, cache: ByteLRU[Any, Any], dtype: torch.dtype, reserving: bool) -> None:
         self.cache, self.dtype, self.reserving = cache, dtype, reserving
-        self._itemsize = torch.empty(0, dtype=dtype).element_size()
 
     @property
     def bounded(self) -> bool:
@@ -35,7 +34,7 @@ class ReadBudget:
         for t in rec.tensors:
             stored = getattr(torch, t.dtype)
             if stored.is_floating_point and stored != self.dtype:
-                n += t.nbytes // stored.itemsize * self._itemsize
+                n += t.nbytes // stored.itemsize * self.dtype.itemsize
         return n
 
     def fitting(self, recs: list[ExpertRecord]) -> int:

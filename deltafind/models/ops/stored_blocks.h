@@ -1,6 +1,7 @@
-// The hot loop of stored_cpu.cpp for llama.cpp's block formats, factored. In every one a group of
-// 32 (Q6_K: 16) weights is w_i = d*q_i + m with integer codes q_i: Q4_0..Q8_0 one d (and m, Q4_1 and
-// Q5_1) per 32 weights; Q4_K/Q5_K d = d*sc and m = -dmin*mn per 32; Q6_K d = d*sc per 16, m = 0; code
+// llama.cpp's block formats for stored_cpu.cpp: their fields (fp16 scales, K-quant scale/min) and
+// the hot loop, factored. In every format a group of 32 (Q6_K: 16) weights is w_i = d*q_i + m with
+// integer codes q_i: Q4_0..Q8_0 one d (and m, Q4_1 and Q5_1) per 32 weights; Q4_K/Q5_K d = d*sc and
+// m = -dmin*mn per 32; Q6_K d = d*sc per 16, m = 0; code
 // offsets (Q4_0's 8, Q5_0's 16, Q6_K's 32) are taken in integers. So
 //
 //     sum_i w_i x_i = d * (sum_i q_i x_i) + m * (sum_i x_i).
@@ -16,15 +17,46 @@
 // of 32), [8, 16) of weights 16-31; lane 16 takes the m terms, m * (sum of the group's x), one group
 // after another. The order depends on neither the number of tokens nor of threads.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 namespace dfq {
 namespace {  // internal linkage: never called through the PLT
+
+// The formats' fields, for this header and stored_cpu.cpp's decode alike.
+inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+
+inline float bits_to_float(uint32_t bits) { float f; std::memcpy(&f, &bits, 4); return f; }
+
+// IEEE half -> float, exact for every value (subnormals, infinities, NaN payloads).
+inline float h2f(uint16_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#endif
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  if (e == 0) {
+    const float f = std::ldexp(static_cast<float>(m), -24);
+    return sign ? -f : f;
+  }
+  if (e == 31) return bits_to_float(sign | 0x7F800000u | (m << 13));
+  return bits_to_float(sign | ((e + 112) << 23) | (m << 13));
+}
+
+// Q4_K/Q5_K: the 6-bit scale and min of sub-block i from the 12 packed bytes.
+inline void scale_min(const uint8_t* s, int i, int* sc, int* mn) {
+  if (i < 4) {
+    *sc = s[i] & 63;
+    *mn = s[i + 4] & 63;
+  } else {
+    *sc = (s[i + 4] & 0x0F) | ((s[i - 4] >> 2) & 0x30);
+    *mn = (s[i + 4] >> 4) | ((s[i] >> 2) & 0x30);
+  }
+}
 
 // xs[t * (C / 32) + k] = the sum of x[t, 32k .. 32k + 32), in one fixed order (the m terms below).
 std::vector<float> block_sums(const float* x, int64_t T, int64_t ldx, int64_t C) {
@@ -48,12 +80,6 @@ template <int K>
 constexpr bool has_min() { return K == 3 || K == 7; }  // Q4_1, Q5_1
 template <int K>
 constexpr int offset() { return K == 2 ? 8 : K == 6 ? 16 : 0; }  // Q4_0, Q5_0: w = d * (code - offset)
-
-inline float half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
 
 // The integer codes of one block as four float vectors (weights 0-7, 8-15, 16-23, 24-31): exact.
 template <int K>
@@ -102,17 +128,6 @@ inline void widen32(__m256i bytes, int offset, __m256 q[4]) {
     q[g] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(parts[g]), _mm256_set1_epi32(offset)));
 }
 
-// The K-quant sub-block scale and min (Q4_K/Q5_K), as decode_k45 unpacks them.
-inline void k_scale_min(const uint8_t* s, int i, int* sc, int* mn) {
-  if (i < 4) {
-    *sc = s[i] & 63;
-    *mn = s[i + 4] & 63;
-  } else {
-    *sc = (s[i + 4] & 0x0F) | ((s[i - 4] >> 2) & 0x30);
-    *mn = (s[i + 4] >> 4) | ((s[i] >> 2) & 0x30);
-  }
-}
-
 // acc[t] += row . x[t] for NT tokens over `cols` weights; xs[t * ldxs + k] is the sum of x[t]'s
 // 32-column block k (df_stored_parts computes it once per call, in one fixed order).
 // Q4_0..Q8_0: one (d, m) per 32 weights. Q4_K/Q5_K: per 256 weights d and dmin, per 32 a 6-bit scale
@@ -133,12 +148,12 @@ __attribute__((noinline)) void row(const uint8_t* row, int64_t cols, const float
     constexpr int64_t bytes = K == 12 ? 144 : 176;
     for (int64_t blk = 0; blk < cols / 256; ++blk) {
       const uint8_t* b = row + blk * bytes;
-      const float d = half(b), dmin = half(b + 2);
+      const float d = h2f(rd16(b)), dmin = h2f(rd16(b + 2));
       const uint8_t* qs = b + (K == 12 ? 16 : 48);
       const __m256i qh = K == 13 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
       for (int i = 0; i < 8; ++i) {
         int sc, mn;
-        k_scale_min(b + 4, i, &sc, &mn);
+        scale_min(b + 4, i, &sc, &mn);
         __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (i / 2) * 32));
         v = _mm256_and_si256(i % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
         if (K == 13)  // bit i of qh[c] is the 5th bit of weight c
@@ -155,7 +170,7 @@ __attribute__((noinline)) void row(const uint8_t* row, int64_t cols, const float
     for (int64_t blk = 0; blk < cols / 256; ++blk) {
       const uint8_t* b = row + blk * 210;
       const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-      const float d = half(b + 208);
+      const float d = h2f(rd16(b + 208));
       for (int h = 0; h < 2; ++h) {
         const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + h * 32));
         for (int k = 0; k < 4; ++k) {  // weights h*128 + k*32 + [0, 32), as decode_q6_k
@@ -173,10 +188,10 @@ __attribute__((noinline)) void row(const uint8_t* row, int64_t cols, const float
     for (int64_t k = 0; k < cols / 32; ++k) {
       const uint8_t* b = row + k * bytes;
       codes<K>(b, q);
-      const __m256 d = _mm256_set1_ps(half(b));
+      const __m256 d = _mm256_set1_ps(h2f(rd16(b)));
       dot32<NT>(q, d, d, x + 32 * k, ldx, a);
       if (has_min<K>())
-        for (int t = 0; t < NT; ++t) am[t] = std::fma(half(b + 2), xs[t * ldxs + k], am[t]);
+        for (int t = 0; t < NT; ++t) am[t] = std::fma(h2f(rd16(b + 2)), xs[t * ldxs + k], am[t]);
     }
   }
   for (int t = 0; t < NT; ++t) {

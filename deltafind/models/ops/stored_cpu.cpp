@@ -45,34 +45,10 @@ bool block_shape(int kind, int64_t* elems, int64_t* bytes) {
   }
 }
 
-inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
-
-inline float bits_to_float(uint32_t bits) { float f; std::memcpy(&f, &bits, 4); return f; }
-
-// IEEE half -> float, exact for every value (subnormals, infinities, NaN payloads).
-inline float h2f(uint16_t h) {
-#ifdef __F16C__
-  return _cvtsh_ss(h);
-#endif
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
-  if (e == 0) {
-    const float f = std::ldexp(static_cast<float>(m), -24);
-    return sign ? -f : f;
-  }
-  if (e == 31) return bits_to_float(sign | 0x7F800000u | (m << 13));
-  return bits_to_float(sign | ((e + 112) << 23) | (m << 13));
-}
-
-// Q4_K/Q5_K: the 6-bit scale and min of sub-block i from the 12 packed bytes.
-inline void scale_min(const uint8_t* s, int i, int* sc, int* mn) {
-  if (i < 4) {
-    *sc = s[i] & 63;
-    *mn = s[i + 4] & 63;
-  } else {
-    *sc = (s[i + 4] & 0x0F) | ((s[i - 4] >> 2) & 0x30);
-    *mn = (s[i + 4] >> 4) | ((s[i] >> 2) & 0x30);
-  }
-}
+using dfq::bits_to_float;
+using dfq::h2f;
+using dfq::rd16;
+using dfq::scale_min;
 
 #ifdef __AVX2__
 // 32 consecutive bf16/f16/row-int8 weights as four vectors, weights 0-7, 8-15, 16-23, 24-31, decoded
