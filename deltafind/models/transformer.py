@@ -14,7 +14,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import nn
 
-from deltafind.models.ops.attention import attend
+from deltafind.models.ops.attention import AttnStep, attend
 from deltafind.models.ops.batch import Batch
 from deltafind.models.ops.moe import SlicedMLP, dispatch, predict_routed, swiglu
 from deltafind.models.ops.norm import RMSNorm
@@ -106,11 +106,17 @@ class DecoderLayer(nn.Module):
         self.self_attn = attn
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = mlp
+        # One decode token's attention half in one kernel call; a plain attribute (not a submodule)
+        self._attn_step = AttnStep(self.input_layernorm, attn) if isinstance(attn, Attention) else None
 
     def attend(self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self._attn_step is not None and (y := self._attn_step(x, batch, cos, sin)) is not None:
+            return y
         return x + self.self_attn(self.input_layernorm(x), batch, cos, sin)
 
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.mlp, SlicedMLP):
+            return self.mlp(h, self.post_attention_layernorm)  # the norm and the sum inside its kernel call
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def predict_experts(self, h: torch.Tensor) -> list[int]:

@@ -33,7 +33,7 @@ from deltafind import Model
 from deltafind.engine.generate import forward_step
 from deltafind.models import kimi_k3
 from deltafind.models.ops.batch import SequenceCache
-from deltafind.models.ops.cpu_kernels import MXFP4, load_kernel
+from deltafind.models.ops.cpu_kernels import CPU, load_kernel
 from deltafind.models.ops.latent_moe import mxfp4_expert_forward
 from deltafind.models.ops.mxfp4 import BATCHED_MIN_TOKENS, dequantize, fused_linear
 from deltafind.store.manifest import Manifest
@@ -294,7 +294,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="decode rows routed to one expert in the batch case")
     a = p.parse_args()
     if load_kernel() is None:
-        log(f"warning: MXFP4 kernel unavailable ({MXFP4.build_error}); timing the torch fallback")
+        log(f"warning: MXFP4 kernel unavailable ({CPU.build_error}); timing the torch fallback")
     per_core_threads = list(range(1, len(os.sched_getaffinity(0)) + 1))
     log(f"per-core: one real-width expert at threads {per_core_threads} ...")
     per_core = expert_per_core(per_core_threads, a.batch, 9)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltafind.models.ops.cpu_kernels import LAYER
+from deltafind.models.ops.cpu_kernels import CPU
 from deltafind.models.ops.norm import RMSNorm, rms_norm_cpu
 from deltafind.models.ops.rope import _rope_cpu, apply_rope, rotate_half
 
-needs_kernel = pytest.mark.skipif(LAYER.load() is None, reason=f"no C++ compiler: {LAYER.build_error}")
+needs_kernel = pytest.mark.skipif(CPU.load() is None, reason=f"no C++ compiler: {CPU.build_error}")
 
 
 def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

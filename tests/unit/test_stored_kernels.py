@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from deltafind.models.ops.cpu_kernels import STORED
+from deltafind.models.ops.cpu_kernels import CPU
 from deltafind.models.ops.stored import (
     BLOCKS,
     FusedLinear,
@@ -21,7 +21,7 @@ from deltafind.models.ops.stored import (
     to_row_int8,
 )
 
-needs_kernel = pytest.mark.skipif(STORED.load() is None, reason=f"no C++ compiler: {STORED.build_error}")
+needs_kernel = pytest.mark.skipif(CPU.load() is None, reason=f"no C++ compiler: {CPU.build_error}")
 # gguf-py can quantize these itself; Q4_K/Q5_K/Q6_K blocks are drawn as random bytes with sane scales below.
 QUANTIZABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
@@ -165,7 +165,7 @@ def test_fused_linear_replans_on_new_weights_and_declines_float_ones() -> None:
     a, qa = _weight("Q4_0", 16, 64, seed=1)
     x = torch.randn(2, 64)
     first = fused(x, [a], [qa])
-    if STORED.load() is None:
+    if CPU.load() is None:
         assert first is None  # no compiler: the caller's per-matrix path runs
         return
     b, qb = _weight("Q4_0", 16, 64, seed=2)

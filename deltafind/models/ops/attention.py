@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
+import weakref
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from deltafind.models.ops.batch import Batch
-from deltafind.models.ops.cpu_kernels import LAYER
+from deltafind.models.ops.batch import Batch, LayerCache
+from deltafind.models.ops.cpu_kernels import CPU, AttnLayer
+from deltafind.models.ops.stored import FusedLinear
 
 
 def _decode_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -27,7 +32,7 @@ def _decode_one_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     kb, vb = k.transpose(0, 1), v.transpose(0, 1)
     if (q.dtype != torch.float32 or q.device.type != "cpu" or not (kb.is_contiguous() and vb.is_contiguous())
             or k.dtype != torch.float32 or v.dtype != torch.float32 or q.shape[0] % kb.shape[1]
-            or q.shape[-1] != kb.shape[2] or kb.shape[:2] != vb.shape[:2] or (lib := LAYER.load()) is None):
+            or q.shape[-1] != kb.shape[2] or kb.shape[:2] != vb.shape[:2] or (lib := CPU.load()) is None):
         return None
     qc = q.reshape(q.shape[0], q.shape[-1]).contiguous()  # [Hq, D]
     out = torch.empty(q.shape[0], 1, v.shape[-1])
@@ -69,3 +74,84 @@ def attend(
         )
         out[sl] = o.transpose(0, 1)
     return out
+
+
+class AttnStep:
+    """The attention half of a decoder layer, `x + attn(norm(x))`, for ONE token of one sequence in one
+    kernel call (layer_cpu.cpp's df_attn_decode): norm, q/k/v, q/k norms, rope, the cache append,
+    attention, o and the residual, the per-op path's ops in its order (tests/unit/test_layer_kernels.py).
+    `attn` is a transformer.Attention, `norm` its RMSNorm. Planned once per set of weight objects (a
+    reloaded spine layer brings new ones); `__call__` returns None where it does not apply (a batch, a
+    prompt, another device or dtype, weights the stored-format kernel does not take, no compiler)."""
+
+    def __init__(self, norm: Any, attn: Any) -> None:
+        self.norm, self.attn = norm, attn
+        mods = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+        # Where each weight lives: checked by identity on every call (a dict lookup each, where a
+        # module attribute costs ~1 us), held weakly in `_key`.
+        self._slots = [*((m._parameters, "weight") for m in mods), (norm._parameters, "weight"),
+                       *((m._parameters, "bias") for m in mods),
+                       *(((attn.q_norm._parameters, "weight"), (attn.k_norm._parameters, "weight")) if attn.qk_norm else ())]
+        self._mods = mods
+        self._qkv, self._o = FusedLinear(), FusedLinear()
+        self._key: list[weakref.ref | _NoRef] = []
+        self._layer: AttnLayer | None = None
+        self._like: torch.Tensor | None = None  # one position of the cache: the shape a new buffer takes
+
+    def __call__(self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        """x [1, H] -> x + attn(norm(x)) [1, H], or None (see the class)."""
+        if (x.shape[0] != 1 or len(batch.segments) != 1 or x.dtype != torch.float32 or x.device.type != "cpu"
+                or not x.is_contiguous() or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous())
+                or (layer := self._plan()) is None or cos.shape[-1] != layer.d):
+            return None
+        cache = batch.segments[0].cache.layers[self.attn.layer_idx]
+        if not isinstance(cache, LayerCache):
+            return None
+        kbuf, vbuf = cache.reserve(1, self._like, self._like)
+        if kbuf.dtype != torch.float32 or not (kbuf.is_contiguous() and vbuf.is_contiguous()):
+            return None
+        out = torch.empty_like(x)
+        if CPU.load().df_attn_decode(ctypes.byref(layer), x.data_ptr(), cos.data_ptr(), sin.data_ptr(), kbuf.data_ptr(),
+                                     vbuf.data_ptr(), cache.length, out.data_ptr(), torch.get_num_threads()):
+            return None  # nothing was appended: row `length` is past the cache's end
+        cache.length += 1
+        return out
+
+    def _plan(self) -> AttnLayer | None:
+        weights = [d[k] for d, k in self._slots]
+        if len(weights) == len(self._key) and all(r() is w for r, w in zip(self._key, weights, strict=True)):
+            return self._layer
+        self._key, self._layer = [_ref(w) for w in weights], None
+        attn, norm = self.attn, self.norm
+        quants = [getattr(m, "quant", "") for m in self._mods]  # GGUF tags arrive after the layer is built
+        qkv = self._qkv.parts(weights[:3], quants[:3])
+        o = self._o.parts(weights[3:4], quants[3:])
+        h, hq, hkv, d = weights[4].shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
+        small = [w for w in weights[4:] if w is not None]
+        if (qkv is None or o is None or h % 8 or d % 8
+                or any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in small)
+                or (self._qkv.in_cols, self._qkv.out_cols, self._o.in_cols, self._o.out_cols) != (h, (hq + 2 * hkv) * d, hq * d, h)):
+            return None
+        qkv_bias = torch.cat(weights[5:8]) if weights[5] is not None else None
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        q_norm, k_norm = weights[9:11] if attn.qk_norm else (None, None)
+        self._held = (small, qkv_bias)  # the pointers below stay valid while the plan lives
+        self._like = torch.empty(1, hkv, d)
+        self._layer = AttnLayer(ctypes.addressof(qkv), ctypes.addressof(o), len(qkv), len(o), ptr(weights[4]), ptr(qkv_bias),
+                                ptr(weights[8]), ptr(q_norm), ptr(k_norm), h, hq, hkv, d, norm.eps,
+                                attn.q_norm.eps if attn.qk_norm else 0.0, d**-0.5)
+        return self._layer
+
+
+class _NoRef:
+    """`weakref.ref` of None: a missing bias compares as None."""
+
+    def __call__(self) -> None:
+        return None
+
+
+def _ref(t: torch.Tensor | None) -> weakref.ref | _NoRef:
+    return _NoRef() if t is None else weakref.ref(t)

@@ -23,9 +23,19 @@ class LayerCache:
     def append(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Append [n, ...] tensors along dim 0 and return views of everything so far."""
         n = tensors[0].shape[0]
+        bufs = self.reserve(n, *tensors)
+        for buf, t in zip(bufs, tensors, strict=True):
+            buf[self.length : self.length + n] = t
+        self.length += n
+        return tuple(buf[: self.length] for buf in bufs)
+
+    def reserve(self, n: int, *like: torch.Tensor) -> list[torch.Tensor]:
+        """The whole buffers, grown so that n more positions fit after `length` (one per tensor of
+        `like`, [*, ...] each: the per-position shape and dtype a new buffer takes). The caller writes
+        rows length..length+n-1 and adds n to `length` (a fused kernel writes them in place)."""
         if not self._bufs:
             cap = max(16, n)
-            self._bufs = [t.new_empty((cap, *t.shape[1:])) for t in tensors]
+            self._bufs = [t.new_empty((cap, *t.shape[1:])) for t in like]
         elif self.length + n > self._bufs[0].shape[0]:
             cap = max(2 * self._bufs[0].shape[0], self.length + n)
             grown = []
@@ -34,10 +44,7 @@ class LayerCache:
                 new[: self.length] = buf[: self.length]
                 grown.append(new)
             self._bufs = grown
-        for buf, t in zip(self._bufs, tensors, strict=True):
-            buf[self.length : self.length + n] = t
-        self.length += n
-        return tuple(buf[: self.length] for buf in self._bufs)
+        return self._bufs
 
     def view(self) -> tuple[torch.Tensor, ...]:
         """Views of everything held, without appending."""

@@ -1,6 +1,8 @@
-"""Build and load deltafind's CPU kernels (mxfp4_cpu.cpp, stored_cpu.cpp, layer_cpu.cpp) as plain shared libraries.
+"""Build and load deltafind's CPU kernels (stored_cpu.cpp, layer_cpu.cpp, mxfp4_cpu.cpp) as ONE shared library.
 
-Each is compiled once per source, compiler and CPU with the system C++ compiler, cached
+One library, so every kernel runs on one thread pool (cpu_pool.h): two pools' idle workers would
+spin against each other's work, and the layer kernels call the stored-format matmul directly.
+It is compiled once per source, compiler and CPU with the system C++ compiler, cached
 under ~/.cache/deltafind/kernels, called through ctypes (which drops the GIL).
 `load()` returns None where no compiler works, so callers fall back to torch; a kernel
 never decides numerics, it only makes them fast.
@@ -45,7 +47,7 @@ def kernel_dir() -> Path:
         return Path(tempfile.gettempdir()) / "deltafind-kernels"
 
 
-def _compile(source: Path, out: Path) -> None:
+def _compile(sources: tuple[Path, ...], out: Path) -> None:
     cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
@@ -53,7 +55,7 @@ def _compile(source: Path, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([cxx, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([cxx, *FLAGS, *map(str, sources), "-o", tmp], capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{cxx} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, out)  # atomic: a concurrent builder sees the old file or the new one
@@ -62,10 +64,10 @@ def _compile(source: Path, out: Path) -> None:
 
 
 class KernelLibrary:
-    """One kernel source: built on first `load()`, then the same ctypes library (or None) every time."""
+    """Kernel sources built into one library on first `load()`, then the same ctypes library (or None) every time."""
 
-    def __init__(self, source: str, bind: Callable[[ctypes.CDLL], ctypes.CDLL]) -> None:
-        self.source, self._bind = HERE / source, bind
+    def __init__(self, sources: tuple[str, ...], bind: Callable[[ctypes.CDLL], ctypes.CDLL]) -> None:
+        self.sources, self._bind = tuple(HERE / s for s in sources), bind
         self._lock = threading.Lock()
         self._lib: ctypes.CDLL | None = None
         self._tried = False
@@ -77,12 +79,12 @@ class KernelLibrary:
         with self._lock:
             if self._tried:
                 return self._lib
-            text = self.source.read_bytes() + b"".join((HERE / h).read_bytes() for h in HEADERS)
+            text = b"".join(p.read_bytes() for p in (*self.sources, *(HERE / h for h in HEADERS)))
             key = hashlib.sha256(text + " ".join(FLAGS).encode() + _cpu_tag().encode()).hexdigest()[:16]
-            path = kernel_dir() / f"{self.source.stem}-{key}.so"
+            path = kernel_dir() / f"deltafind-cpu-{key}.so"
             try:
                 if not path.exists():
-                    _compile(self.source, path)
+                    _compile(self.sources, path)
                 self._lib = self._bind(ctypes.CDLL(str(path)))
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 self.build_error = str(e)
@@ -91,18 +93,7 @@ class KernelLibrary:
             return self._lib
 
 
-P, I64, I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-
-
-def _bind_mxfp4(lib: ctypes.CDLL) -> ctypes.CDLL:
-    lib.df_mxfp4_matmul.argtypes = [P, I64, I64, P, P, I64, I64, P, I64, I32]
-    lib.df_mxfp4_matmul.restype = I32
-    lib.df_mxfp4_dequant.argtypes = [P, P, I64, I64, P, I32]
-    lib.df_mxfp4_dequant.restype = I32
-    lib.df_mxfp4_gate_up_situ.argtypes = [P, I64, P, P, P, P, I64, I64, ctypes.c_float, ctypes.c_float, P, I32]
-    lib.df_mxfp4_gate_up_situ.restype = I32
-    lib.df_mxfp4_abi.restype = I32
-    return lib
+P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
 class StoredPart(ctypes.Structure):
@@ -111,7 +102,23 @@ class StoredPart(ctypes.Structure):
     _fields_ = [("kind", I64), ("rows", I64), ("cols", I64), ("row_bytes", I64), ("data", P)]
 
 
-def _bind_stored(lib: ctypes.CDLL) -> ctypes.CDLL:
+class AttnLayer(ctypes.Structure):
+    """One attention layer's weights and shape for `df_attn_decode` (layer_cpu.cpp's `AttnLayer`);
+    the optional pointers are None (NULL) where the layer has no such weight."""
+
+    _fields_ = [("qkv", P), ("o", P), ("n_qkv", I64), ("n_o", I64), ("norm", P), ("qkv_bias", P), ("o_bias", P),
+                ("q_norm", P), ("k_norm", P), ("hidden", I64), ("hq", I64), ("hkv", I64), ("d", I64),
+                ("eps", F32), ("qk_eps", F32), ("scale", F32)]
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.df_mxfp4_matmul.argtypes = [P, I64, I64, P, P, I64, I64, P, I64, I32]
+    lib.df_mxfp4_matmul.restype = I32
+    lib.df_mxfp4_dequant.argtypes = [P, P, I64, I64, P, I32]
+    lib.df_mxfp4_dequant.restype = I32
+    lib.df_mxfp4_gate_up_situ.argtypes = [P, I64, P, P, P, P, I64, I64, F32, F32, P, I32]
+    lib.df_mxfp4_gate_up_situ.restype = I32
+    lib.df_mxfp4_abi.restype = I32
     lib.df_stored_dequant.argtypes = [I32, P, I64, I64, P, I32]
     lib.df_stored_dequant.restype = I32
     lib.df_stored_parts.argtypes = [P, I32, I32, P, I64, I64, P, I64, I32]
@@ -119,25 +126,23 @@ def _bind_stored(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.df_stored_row_bytes.argtypes = [I32, I64]
     lib.df_stored_row_bytes.restype = I64
     lib.df_stored_abi.restype = I32
-    return lib
-
-
-def _bind_layer(lib: ctypes.CDLL) -> ctypes.CDLL:
-    lib.df_rms_norm.argtypes = [P, I64, I64, I64, P, ctypes.c_float, P]
+    lib.df_rms_norm.argtypes = [P, I64, I64, I64, P, F32, P]
     lib.df_rms_norm.restype = None
     lib.df_rope.argtypes = [P, I64, I64, I64, I64, P, P, P]
     lib.df_rope.restype = None
-    lib.df_attend_one.argtypes = [P, P, P, I64, I64, I64, I64, I64, ctypes.c_float, P]
+    lib.df_attend_one.argtypes = [P, P, P, I64, I64, I64, I64, I64, F32, P]
     lib.df_attend_one.restype = None
+    lib.df_attn_decode.argtypes = [ctypes.POINTER(AttnLayer), P, P, P, P, P, I64, P, I32]
+    lib.df_attn_decode.restype = I32
+    lib.df_gated_mlp.argtypes = [P, I32, P, I32, P, I64, I32, P, F32, I32, P, I32]
+    lib.df_gated_mlp.restype = I32
     lib.df_layer_abi.restype = I32
     return lib
 
 
-MXFP4 = KernelLibrary("mxfp4_cpu.cpp", _bind_mxfp4)
-STORED = KernelLibrary("stored_cpu.cpp", _bind_stored)
-LAYER = KernelLibrary("layer_cpu.cpp", _bind_layer)
+CPU = KernelLibrary(("stored_cpu.cpp", "layer_cpu.cpp", "mxfp4_cpu.cpp"), _bind)
 
 
 def load_kernel() -> ctypes.CDLL | None:
-    """The MXFP4 kernel library, building it on first use; None when it cannot be built."""
-    return MXFP4.load()
+    """The CPU kernel library, building it on first use; None when it cannot be built."""
+    return CPU.load()

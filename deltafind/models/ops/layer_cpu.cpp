@@ -1,8 +1,11 @@
-// The small per-layer ops of a CPU decode step, fp32: RMSNorm, rotary embeddings, one-row attention.
+// The per-layer ops of a CPU decode step, fp32: RMSNorm, rotary embeddings, one-row attention, and two
+// fused steps built from them and stored_cpu.cpp's matmul: a whole attention half of a layer for one
+// token (df_attn_decode) and a gated MLP (df_gated_mlp).
 //
-// Each was a handful of torch ops costing 10-30 us a call on one token, against ~3 us for one ctypes
-// call here; a demo token runs 61 norms and 30 ropes (tests/bench/RESULTS.md). Single-threaded (a
-// row is 0.5-30 KB of work). Built by deltafind/models/ops/cpu_kernels.py with -ffp-contract=off:
+// Each small op was a handful of torch ops costing 10-30 us a call on one token, against ~3 us for one
+// ctypes call here; a demo token runs 61 norms and 30 ropes, and the Python between the calls cost as
+// much as the weights' arithmetic (tests/bench/RESULTS.md). The small ops are single-threaded (a row is
+// 0.5-30 KB of work); the matmuls inside the fused steps run on the shared pool. Built by deltafind/models/ops/cpu_kernels.py with -ffp-contract=off:
 // the rope is torch's arithmetic op for op (x*cos + rotate_half(x)*sin, every product and the sum
 // rounded), so bit-identical; the norm sums its squares in 8 fixed lanes, one fixed tree, which
 // differs from torch's reduction only in summation order; the attention's dot products, softmax and
@@ -10,11 +13,19 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
+
+#include "stored_blocks.h"
+
+using dfq::Part;
 
 extern "C" {
 
-int df_layer_abi() { return 1; }
+int df_stored_parts(const Part* parts, int n, int stack_cols, const float* x, int64_t T, int64_t ldx, float* y,
+                    int64_t ldy, int threads);  // stored_cpu.cpp
+
+int df_layer_abi() { return 2; }
 
 // y[t] = w * (x[t] * (1 / sqrt(mean(x[t]^2) + eps))) for T rows of C (a multiple of 8) at stride ldx; y is
 // [T, C] contiguous. HF's RMSNorm in fp32 (rsqrt is 1 / sqrt, as torch's vectorised rsqrt computes it).
@@ -77,6 +88,83 @@ void df_attend_one(const float* q, const float* k, const float* v, int64_t L, in
       for (int64_t d = 0; d < Dv; ++d) oh[d] += w * vl[d];
     }
   }
+}
+
+// One attention layer as attention.py's AttnStep plans it (cpu_kernels.py's AttnLayer): q/k/v as the
+// stacked rows of n_qkv stored parts, o as n_o parts; the optional pointers are null where absent.
+struct AttnLayer {
+  const Part *qkv, *o;
+  int64_t n_qkv, n_o;
+  const float *norm, *qkv_bias, *o_bias, *q_norm, *k_norm;
+  int64_t hidden, hq, hkv, d;
+  float eps, qk_eps, scale;
+};
+
+// out [hidden] = x + o(attend(rope(q), rope(k), v)) for ONE token x [hidden], with q/k/v = qkv(rms_norm(x))
+// (+ bias; each head of q and k RMS-normed first where q_norm/k_norm are given), the token's k and v
+// written into row `len` of its cache kbuf/vbuf ([>= len + 1, hkv, d], the caller made room) and the
+// attention over rows 0..len. The transformer's Attention step op for op, so the same numbers as its
+// per-op path. Returns 1 if a matmul part does not fit its kind.
+int df_attn_decode(const AttnLayer* a, const float* x, const float* cos, const float* sin, float* kbuf, float* vbuf,
+                   int64_t len, float* out, int threads) {
+  const int64_t H = a->hidden, hq = a->hq, hkv = a->hkv, D = a->d, n_qkv = (hq + 2 * hkv) * D;
+  std::vector<float> scratch(static_cast<size_t>(H + n_qkv + 3 * hq * D + H));
+  float *hn = scratch.data(), *qkv = hn + H, *q = qkv + n_qkv, *qn = q + hq * D, *o = qn + hq * D, *y = o + hq * D;
+  float *k_row = kbuf + len * hkv * D, *v_row = vbuf + len * hkv * D;
+  df_rms_norm(x, 1, H, H, a->norm, a->eps, hn);
+  if (df_stored_parts(a->qkv, static_cast<int>(a->n_qkv), 0, hn, 1, H, qkv, n_qkv, threads)) return 1;
+  if (a->qkv_bias)
+    for (int64_t i = 0; i < n_qkv; ++i) qkv[i] += a->qkv_bias[i];
+  if (a->q_norm) {
+    std::vector<float> kn(static_cast<size_t>(hkv * D));
+    df_rms_norm(qkv, hq, D, D, a->q_norm, a->qk_eps, qn);
+    df_rms_norm(qkv + hq * D, hkv, D, D, a->k_norm, a->qk_eps, kn.data());
+    df_rope(qn, 1, hq, D, hq * D, cos, sin, q);
+    df_rope(kn.data(), 1, hkv, D, hkv * D, cos, sin, k_row);
+  } else {
+    df_rope(qkv, 1, hq, D, n_qkv, cos, sin, q);
+    df_rope(qkv + hq * D, 1, hkv, D, n_qkv, cos, sin, k_row);
+  }
+  std::memcpy(v_row, qkv + (hq + hkv) * D, sizeof(float) * hkv * D);
+  df_attend_one(q, kbuf, vbuf, len + 1, hq, hkv, D, D, a->scale, o);
+  if (df_stored_parts(a->o, static_cast<int>(a->n_o), 0, o, 1, hq * D, y, H, threads)) return 1;
+  if (a->o_bias)
+    for (int64_t i = 0; i < H; ++i) y[i] += a->o_bias[i];
+  for (int64_t i = 0; i < H; ++i) out[i] = x[i] + y[i];
+  return 0;
+}
+
+// y [T, hidden] = down(act(gate n) * up n) for x [T, cols], n = x or, where `norm` is given, rms_norm(x)
+// with it; plus x itself where add_x (a decoder layer's whole MLP half, x + mlp(norm(x))). `gu` stacks
+// the gate rows then the up rows (one expert's gate and up, or every slice's gates then every slice's
+// ups), `down` the down matrices side by side (their columns follow the gates'). act is torch's
+// formula: 0 silu x / (1 + exp(-x)), 1 gelu x * 0.5 * (1 + erf(x / sqrt 2)), 2 gelu's tanh form (libm's
+// exp/erf/tanh may differ from torch's in the last bit). Returns 1 if a part does not fit its kind or
+// the halves do not match.
+int df_gated_mlp(const Part* gu, int n_gu, const Part* down, int n_down, const float* x, int64_t T, int act,
+                 const float* norm, float eps, int add_x, float* y, int threads) {
+  int64_t rows = 0, down_cols = 0;
+  const int64_t C = gu[0].cols, H = down[0].rows;
+  for (int p = 0; p < n_gu; ++p) rows += gu[p].rows;
+  for (int p = 0; p < n_down; ++p) down_cols += down[p].cols;
+  const int64_t I = rows / 2;
+  if (rows % 2 || down_cols != I || act < 0 || act > 2 || (add_x && H != C) || (norm && C % 8)) return 1;
+  std::vector<float> g(static_cast<size_t>(T * rows)), h(static_cast<size_t>(T * I)), xn(norm ? T * C : 0);
+  if (norm) df_rms_norm(x, T, C, C, norm, eps, xn.data());
+  if (df_stored_parts(gu, n_gu, 0, norm ? xn.data() : x, T, C, g.data(), rows, threads)) return 1;
+  constexpr float kSqrtHalf = 0.70710678118654752440f, kBeta = 0.79788456080286535588f, kKappa = 0.044715f;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < I; ++i) {
+      const float v = g[t * rows + i];
+      const float a = act == 0 ? v / (1.0f + std::exp(-v))
+                    : act == 1 ? v * 0.5f * (1.0f + std::erf(v * kSqrtHalf))
+                               : 0.5f * v * (1.0f + std::tanh(kBeta * (v + kKappa * v * v * v)));
+      h[t * I + i] = a * g[t * rows + I + i];
+    }
+  if (df_stored_parts(down, n_down, 1, h.data(), T, I, y, H, threads)) return 1;
+  if (add_x)
+    for (int64_t i = 0; i < T * H; ++i) y[i] = x[i] + y[i];
+  return 0;
 }
 
 }  // extern "C"

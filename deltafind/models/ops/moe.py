@@ -6,12 +6,15 @@ Dense MLPs run through the same path as N slices, all active with weight 1.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltafind.models.ops.cpu_kernels import CPU
+from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.stored import FusedLinear, linear
 from deltafind.store.provider import Expert, ExpertProvider
 
@@ -44,34 +47,85 @@ def expert_forward(x: torch.Tensor, expert: Expert, gated: Callable[[torch.Tenso
     return linear(gated(gate, up), expert["down_proj"], quant=q.get("down_proj", ""))
 
 
+# The activations df_gated_mlp computes itself (layer_cpu.cpp's `act` codes), by config.json name.
+KERNEL_ACTS = {"silu": 0, "swish": 0, "gelu": 1, "gelu_pytorch_tanh": 2}
+
+
+class SlicesPlan:
+    """The stored-format kernel's parts for a list of slices (or one expert): every gate then every up
+    stacked, the downs side by side. Planned again when any slice object changes; holds them weakly."""
+
+    def __init__(self) -> None:
+        self.gate_up, self.down = FusedLinear(), FusedLinear(stack_cols=True)
+        self._refs: tuple[weakref.ref, ...] = ()
+
+    def plan(self, experts: Sequence[Expert]) -> bool:
+        """Whether the kernel takes these slices (their parts are then planned)."""
+        if len(self._refs) == len(experts) and all(r() is e for r, e in zip(self._refs, experts, strict=True)):
+            return True
+        self._refs = ()
+        names = ("gate_proj", "up_proj")
+        gu = self.gate_up.parts([e[n] for n in names for e in experts], [e.quant.get(n, "") for n in names for e in experts])
+        dn = self.down.parts([e["down_proj"] for e in experts], [e.quant.get("down_proj", "") for e in experts])
+        if gu is None or dn is None or 2 * self.down.in_cols != self.gate_up.out_cols:
+            return False
+        self._refs = tuple(weakref.ref(e) for e in experts)
+        return True
+
+
 class GatedExpert:
     """A gated-MLP expert's forward, `expert_forward` with one `gated(gate, up)`: callable per expert
-    (dispatch's `run`), and `slices` runs a dense layer's slices as ONE gate/up and ONE down matmul."""
+    (dispatch's `run`), and `slices` runs a dense layer's slices with ONE gate/up and ONE down matmul.
+    Where `act` names an activation the kernel computes (KERNEL_ACTS), gate/up, activation and down
+    run as ONE kernel call (layer_cpu.cpp's df_gated_mlp), with the layer's norm and residual."""
 
-    def __init__(self, gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-        self.gated = gated
-        self._gate_up, self._down = FusedLinear(), FusedLinear(stack_cols=True)
+    def __init__(self, gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], act: str = "") -> None:
+        self.gated, self.act = gated, KERNEL_ACTS.get(act, -1)
+        self._slices, self._one = SlicesPlan(), SlicesPlan()  # a dense layer's slices; the last routed expert
 
     def __call__(self, x: torch.Tensor, expert: Expert) -> torch.Tensor:
+        if self._one.plan([expert]) and (y := self._run(x, self._one, None)) is not None:
+            return y
         return expert_forward(x, expert, self.gated)
 
-    def slices(self, x: torch.Tensor, experts: Sequence[Expert]) -> torch.Tensor | None:
-        """sum_s down_s(gated(gate_s x, up_s x)) for x [T, H] in one call per half (the slices'
-        matrices stay where they are), or None where the stored-format kernel does not apply."""
-        parts = [(e["gate_proj"], e.quant.get("gate_proj", "")) for e in experts]
-        parts += [(e["up_proj"], e.quant.get("up_proj", "")) for e in experts]
-        gate_up = self._gate_up(x, [w for w, _ in parts], [q for _, q in parts])  # [T, 2I]: gates, then ups
-        if gate_up is None:
+    def slices(self, x: torch.Tensor, experts: Sequence[Expert], norm: RMSNorm | None = None) -> torch.Tensor | None:
+        """sum_s down_s(gated(gate_s n, up_s n)) for x [T, H] and n = x, or with `norm` the decoder
+        layer's MLP half x + that for n = norm(x), the slices' matrices where they are; None where the
+        stored-format kernel does not apply."""
+        return self._run(x, self._slices, norm) if self._slices.plan(experts) else None
+
+    def _run(self, x: torch.Tensor, plan: SlicesPlan, norm: RMSNorm | None) -> torch.Tensor | None:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or not x.shape[0] or x.shape[1] != plan.gate_up.in_cols:
             return None
-        half = gate_up.shape[1] // 2
-        h = self.gated(gate_up[:, :half], gate_up[:, half:])  # [T, I], slice s at its columns
-        return self._down(h, [e["down_proj"] for e in experts], [e.quant.get("down_proj", "") for e in experts])
+        x = x.contiguous()
+        if (y := self._fused_call(x, plan, norm)) is not None:
+            return y
+        n = x if norm is None else norm(x)
+        gu = plan.gate_up.run(n)  # [T, 2I]: gates, then ups
+        if gu is None:
+            return None
+        half = gu.shape[1] // 2
+        y = plan.down.run(self.gated(gu[:, :half], gu[:, half:]))  # [T, I], slice s at its columns
+        return y if y is None or norm is None else x + y
+
+    def _fused_call(self, x: torch.Tensor, plan: SlicesPlan, norm: RMSNorm | None) -> torch.Tensor | None:
+        """`_run` in one df_gated_mlp call, or None where the kernel lacks the activation or the norm's layout."""
+        w = None if norm is None else norm.weight
+        if self.act < 0 or (w is not None and (w.dtype != torch.float32 or not w.is_contiguous() or w.device.type != "cpu"
+                                               or x.shape[1] % 8)):
+            return None
+        gu, dn, y = plan.gate_up.parts_planned, plan.down.parts_planned, torch.empty(x.shape[0], plan.down.out_cols)
+        if CPU.load().df_gated_mlp(gu, len(gu), dn, len(dn), x.data_ptr(), x.shape[0], self.act,
+                                   None if w is None else w.data_ptr(), 0.0 if norm is None else norm.eps,
+                                   int(norm is not None), y.data_ptr(), torch.get_num_threads()):
+            return None
+        return y
 
 
 def swiglu(hidden_act: str) -> GatedExpert:
     """One SwiGLU expert (or dense slice), act(gate x) * up x, with config.json's `hidden_act`."""
     act = activation(hidden_act)
-    return GatedExpert(lambda gate, up: act(gate) * up)
+    return GatedExpert(lambda gate, up: act(gate) * up, hidden_act)
 
 
 def predict_routed(router: nn.Module, x: torch.Tensor) -> list[int]:
@@ -156,21 +210,25 @@ class SlicedMLP(nn.Module):
     def predict(self, x: torch.Tensor) -> list[int]:
         return list(range(self.provider.num_experts(self.layer_idx)))  # a dense layer always needs every slice
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+        """The MLP of x [T, H], or with `norm` the decoder layer's whole MLP half x + MLP(norm(x)) (one
+        kernel call with the norm and the sum, where it applies)."""
         ids = self.predict(x)
         self.provider.observe_routes(self.layer_idx, *self._all_slices(x.shape[0], len(ids), x.device))  # [T, n]
         if isinstance(self.run, GatedExpert):
             experts = dict(self.provider.fetch(self.layer_idx, ids))
-            fused = self.run.slices(x, [experts[e] for e in ids])  # one matmul per half, not one per slice
+            fused = self.run.slices(x, [experts[e] for e in ids], norm)  # one matmul per half, not one per slice
             if fused is not None:
                 return fused
-            partial = {e: self.run(x, experts[e]) for e in ids}
+            fetched: Iterator[tuple[int, Expert]] = iter(experts.items())
         else:
-            partial = {e: self.run(x, expert) for e, expert in self.provider.fetch(self.layer_idx, ids)}
+            fetched = self.provider.fetch(self.layer_idx, ids)
+        n = x if norm is None else norm(x)
+        partial = {e: self.run(n, expert) for e, expert in fetched}
         out = torch.zeros_like(x)
         for e in ids:  # fixed order: results must not depend on I/O timing
             out += partial[e]
-        return out
+        return out if norm is None else x + out
 
 
 class DenseMLP(nn.Module):

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from deltafind.errors import UnsupportedModelError
-from deltafind.models.ops.cpu_kernels import LAYER
+from deltafind.models.ops.cpu_kernels import CPU
 
 
 def rope_parameters(config: dict[str, Any], default_theta: float = 10000.0) -> dict[str, Any]:
@@ -122,7 +122,7 @@ def _rope_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     arithmetic, bit for bit; the torch ops cost ~40 us a call), or None where it does not apply."""
     t, h, d = x.shape
     if (x.dtype != torch.float32 or x.device.type != "cpu" or d % 2 or x.stride(2) != 1 or x.stride(1) != d
-            or cos.shape != (t, 1, d) or sin.shape != (t, 1, d) or (lib := LAYER.load()) is None):
+            or cos.shape != (t, 1, d) or sin.shape != (t, 1, d) or (lib := CPU.load()) is None):
         return None
     cos, sin = cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous()
     y = torch.empty(t, h, d)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from deltafind.models.ops.cpu_kernels import STORED, StoredPart
+from deltafind.models.ops.cpu_kernels import CPU, StoredPart
 from deltafind.store.quant import BLOCKS as GGUF_BLOCKS
 from deltafind.store.quant import parse_quant
 
@@ -79,7 +79,7 @@ def dequantize(w: StoredWeight) -> torch.Tensor:
         return w.data.float()
     if _kernel_ok(w):
         out = torch.empty(w.rows, w.cols, dtype=torch.float32)
-        rc = STORED.load().df_stored_dequant(KINDS[w.kind], w.data.data_ptr(), w.rows, w.cols, out.data_ptr(),
+        rc = CPU.load().df_stored_dequant(KINDS[w.kind], w.data.data_ptr(), w.rows, w.cols, out.data_ptr(),
                                               torch.get_num_threads())
         if rc == 0:
             return out
@@ -134,7 +134,7 @@ def gguf_dequantize(w: StoredWeight) -> torch.Tensor:
 @functools.cache
 def _kernel_takes(kind: str, cols: int) -> bool:
     """Whether the CPU kernel is built and takes rows of `cols` weights in `kind` (asked once per shape)."""
-    lib = STORED.load()
+    lib = CPU.load()
     return lib is not None and lib.df_stored_row_bytes(KINDS[kind], cols) > 0
 
 
@@ -149,7 +149,7 @@ def _part(w: StoredWeight) -> StoredPart:
 def _run_parts(parts: ctypes.Array, stack_cols: bool, x: torch.Tensor, out_cols: int) -> torch.Tensor | None:
     """One `df_stored_parts` call: x [T, in] fp32 contiguous -> y [T, out_cols]; None if the kernel refused."""
     y = torch.empty(x.shape[0], out_cols, dtype=torch.float32)
-    rc = STORED.load().df_stored_parts(parts, len(parts), int(stack_cols), x.data_ptr(), x.shape[0], x.shape[1],
+    rc = CPU.load().df_stored_parts(parts, len(parts), int(stack_cols), x.data_ptr(), x.shape[0], x.shape[1],
                                        y.data_ptr(), out_cols, torch.get_num_threads())
     return y if rc == 0 else None
 
@@ -180,7 +180,7 @@ class FusedLinear:
         self.stack_cols = stack_cols
         self._refs: tuple[weakref.ref, ...] = ()
         self._parts: ctypes.Array | None = None
-        self._in_cols = self._out_cols = 0
+        self.in_cols = self.out_cols = 0
 
     def _plan(self, weights: Sequence[torch.Tensor], quants: Sequence[str]) -> None:
         self._refs, self._parts = tuple(weakref.ref(w) for w in weights), None
@@ -194,16 +194,31 @@ class FusedLinear:
             return
         self._parts = (StoredPart * len(ws))(*map(_part, ws))
         rows, cols = [w.rows for w in ws], [w.cols for w in ws]
-        self._in_cols, self._out_cols = (sum(cols), rows[0]) if self.stack_cols else (cols[0], sum(rows))
+        self.in_cols, self.out_cols = (sum(cols), rows[0]) if self.stack_cols else (cols[0], sum(rows))
 
-    def __call__(self, x: torch.Tensor, weights: Sequence[torch.Tensor], quants: Sequence[str]) -> torch.Tensor | None:
-        """x [T, in] -> [T, out] fp32, or None (see the class)."""
+    def parts(self, weights: Sequence[torch.Tensor], quants: Sequence[str]) -> ctypes.Array | None:
+        """The kernel's parts for these weights (planned again if any changed), or None where it does
+        not apply; `in_cols`/`out_cols` are then W's shape. The fused layer kernels take them too."""
         refs = self._refs
         if len(refs) != len(weights) or any(r() is not w for r, w in zip(refs, weights, strict=True)):
             self._plan(weights, quants)
-        if self._parts is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self._in_cols:
+        return self._parts
+
+    @property
+    def parts_planned(self) -> ctypes.Array | None:
+        """The parts of the last `parts` call, not checked again (the caller just did)."""
+        return self._parts
+
+    def run(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [T, in] -> [T, out] fp32 with the weights planned last, or None (see the class)."""
+        if self._parts is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.in_cols:
             return None
-        return _run_parts(self._parts, self.stack_cols, x.contiguous(), self._out_cols)
+        return _run_parts(self._parts, self.stack_cols, x.contiguous(), self.out_cols)
+
+    def __call__(self, x: torch.Tensor, weights: Sequence[torch.Tensor], quants: Sequence[str]) -> torch.Tensor | None:
+        """x [T, in] -> [T, out] fp32, or None (see the class)."""
+        self.parts(weights, quants)
+        return self.run(x)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, quant: str = "") -> torch.Tensor:

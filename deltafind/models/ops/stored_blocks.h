@@ -28,6 +28,13 @@
 namespace dfq {
 namespace {  // internal linkage: never called through the PLT
 
+// One stored matrix of a df_stored_parts call (cpu_kernels.py's StoredPart): `rows` rows of `cols`
+// weights in `kind`, `row_bytes` apart from `data`.
+struct Part {
+  int64_t kind, rows, cols, row_bytes;
+  const uint8_t* data;
+};
+
 // The formats' fields, for this header and stored_cpu.cpp's decode alike.
 inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
 
@@ -59,7 +66,7 @@ inline void scale_min(const uint8_t* s, int i, int* sc, int* mn) {
 }
 
 // xs[t * (C / 32) + k] = the sum of x[t, 32k .. 32k + 32), in one fixed order (the m terms below).
-std::vector<float> block_sums(const float* x, int64_t T, int64_t ldx, int64_t C) {
+inline std::vector<float> block_sums(const float* x, int64_t T, int64_t ldx, int64_t C) {
   const int64_t nb = C / 32;
   std::vector<float> xs(static_cast<size_t>(T * nb));
   for (int64_t t = 0; t < T; ++t)

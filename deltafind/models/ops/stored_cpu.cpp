@@ -46,6 +46,7 @@ bool block_shape(int kind, int64_t* elems, int64_t* bytes) {
 }
 
 using dfq::bits_to_float;
+using dfq::Part;
 using dfq::h2f;
 using dfq::rd16;
 using dfq::scale_min;
@@ -277,11 +278,6 @@ void accumulate(int kind, const uint8_t* row, int64_t cols, const float* x, int6
 }
 
 // One weight matrix of a call: `rows` x `cols` in `kind`, row-major stored rows of `row_bytes`.
-struct Part {
-  int64_t kind, rows, cols, row_bytes;
-  const uint8_t* data;
-};
-
 }  // namespace
 
 extern "C" {

@@ -1,0 +1,155 @@
+"""The fused decode steps of layer_cpu.cpp: a decoder layer's attention half for one token
+(`AttnStep`, df_attn_decode) and a gated MLP with its norm and residual (`GatedExpert`,
+df_gated_mlp). The attention step is the per-op path's arithmetic bit for bit; the MLP equals a
+float64 computation of the same stored weights within fp32 noise; whole models decode the same
+tokens and logits either way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltafind import Model
+from deltafind.models.ops.attention import AttnStep
+from deltafind.models.ops.batch import Batch, SequenceCache
+from deltafind.models.ops.cpu_kernels import CPU
+from deltafind.models.ops.moe import GatedExpert, SlicesPlan, swiglu
+from deltafind.models.ops.norm import RMSNorm
+from deltafind.store.provider import Expert
+from deltafind.store.setup import setup_store
+from tests.conftest import make_hf_checkpoint
+
+needs_kernel = pytest.mark.skipif(CPU.load() is None, reason=f"no C++ compiler: {CPU.build_error}")
+
+
+def _decode_logits(model: Model, prompt: list[int], steps: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Greedy decode through the model's forward, one token a step: each step's logits and tokens."""
+    net = model.net
+    cache = SequenceCache(net.num_layers)
+    logits = net(torch.tensor(prompt), Batch.of([(cache, len(prompt))]))
+    out, tokens = [], []
+    for _ in range(steps):
+        tokens.append(int(logits[-1].argmax()))
+        logits = net(torch.tensor(tokens[-1:]), Batch.of([(cache, 1)]))
+        out.append(logits[-1].clone())
+    return out, tokens
+
+
+@needs_kernel
+@pytest.mark.parametrize(("family", "overrides"), [("llama", {}), ("llama", {"attention_bias": True}), ("qwen3", {}),
+                                                   ("qwen3_moe", {})])
+def test_attention_step_is_the_per_op_path_bit_for_bit(family: str, overrides: dict, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 weights, q/k/v biases (Llama's attention_bias), per-head q/k norms (Qwen3): the same logits to
+    the last bit, every decode step, and the fused step really ran."""
+    hf = make_hf_checkpoint(family, tmp_path / "hf", seed=3, dtype="bfloat16", **overrides)
+    setup_store(hf, tmp_path / "store", [tmp_path / "d0"], dense_slices=2, progress=False)
+    model = Model.open(tmp_path / "store")
+    prompt = torch.randint(3, 200, (7,), generator=torch.Generator().manual_seed(2)).tolist()
+    ran = 0
+    call = AttnStep.__call__
+
+    def counted(self: AttnStep, *a: object) -> torch.Tensor | None:
+        nonlocal ran
+        y = call(self, *a)
+        ran += y is not None
+        return y
+
+    try:
+        monkeypatch.setattr(AttnStep, "__call__", counted)
+        fused, fused_tokens = _decode_logits(model, prompt, 6)
+        assert ran == 6 * model.net.num_layers
+        monkeypatch.setattr(AttnStep, "__call__", lambda *a, **k: None)
+        ref, ref_tokens = _decode_logits(model, prompt, 6)
+    finally:
+        model.close()
+    assert fused_tokens == ref_tokens
+    for a, b in zip(fused, ref, strict=True):
+        assert torch.equal(a, b)
+
+
+@needs_kernel
+def test_demo_decodes_the_same_with_and_without_the_fused_steps(demo_store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo's Q4_1/Q8_0 blocks: the fused steps (attention, and the MLP with its norm and residual in
+    one call) against the per-op path: the same greedy tokens, logits within fp32 noise."""
+    model = Model.open(demo_store)
+    try:
+        prompt = model.tokenizer.encode("The capital of France is")
+        fused, fused_tokens = _decode_logits(model, prompt, 8)
+        monkeypatch.setattr(AttnStep, "__call__", lambda *a, **k: None)
+        monkeypatch.setattr(GatedExpert, "_fused_call", lambda *a, **k: None)
+        ref, ref_tokens = _decode_logits(model, prompt, 8)
+    finally:
+        model.close()
+    assert fused_tokens == ref_tokens
+    for a, b in zip(fused, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+
+
+def _slices(n: int, hidden: int, inter: int, seed: int) -> list[Expert]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        t = {"gate_proj": torch.randn(inter, hidden, generator=g), "up_proj": torch.randn(inter, hidden, generator=g),
+             "down_proj": torch.randn(hidden, inter, generator=g)}
+        out.append(Expert({k: (v * 0.2).to(torch.bfloat16) for k, v in t.items()}, nbytes=0))
+    return out
+
+
+ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda v: F.gelu(v, approximate="tanh")}
+
+
+@needs_kernel
+@pytest.mark.parametrize("act", list(ACTS))
+@pytest.mark.parametrize("with_norm", [False, True])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_gated_mlp_is_the_float64_mlp_of_the_stored_weights(act: str, with_norm: bool, tokens: int) -> None:
+    """Three bf16 slices in one kernel call (gate/up, activation, down, and with a norm the layer's
+    x + MLP(norm(x))) against the same weights in float64: within fp32 noise, and one expert alone too."""
+    hidden, inter = 64, 96  # the kernel takes rows of a multiple of 32 weights
+    slices = _slices(3, hidden, inter, seed=tokens)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(9)) * 2
+    norm = RMSNorm(hidden, 1e-6) if with_norm else None
+    if norm is not None:
+        norm.weight.requires_grad_(False).copy_(torch.rand(hidden, generator=torch.Generator().manual_seed(4)) + 0.5)
+    run = swiglu(act)
+    assert run.act >= 0  # the kernel computes this activation itself
+    got = run.slices(x, slices, norm)
+    assert got is not None
+
+    x64 = x.double()
+    n = x64 if norm is None else norm.weight.double() * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6))
+    ref = sum(F.linear(ACTS[act](F.linear(n, e["gate_proj"].double())) * F.linear(n, e["up_proj"].double()),
+                       e["down_proj"].double()) for e in slices)
+    ref = ref if norm is None else x64 + ref
+    scale = float(ref.abs().max())
+    torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-6 * scale)
+    one = run(n.float(), slices[0])  # dispatch's per-expert call
+    ref_one = F.linear(ACTS[act](F.linear(n, slices[0]["gate_proj"].double())) * F.linear(n, slices[0]["up_proj"].double()),
+                       slices[0]["down_proj"].double())
+    torch.testing.assert_close(one.double(), ref_one, rtol=0, atol=2e-6 * float(ref_one.abs().max()))
+
+
+@needs_kernel
+def test_gated_mlp_plans_once_per_slice_set_and_steps_aside_where_the_kernel_does_not_apply() -> None:
+    slices = _slices(2, 64, 32, seed=1)
+    plan = SlicesPlan()
+    assert plan.plan(slices)
+    parts = plan.gate_up.parts_planned
+    assert plan.plan(slices) and plan.gate_up.parts_planned is parts  # same objects: not planned again
+    assert plan.plan(list(reversed(slices))) and plan.gate_up.parts_planned is not parts
+    fp32 = [Expert({k: v.float() for k, v in e.tensors.items()}, nbytes=0) for e in slices]
+    assert not SlicesPlan().plan(fp32)  # fp32 weights: the per-matrix path (the oracle)
+    run = swiglu("silu")
+    assert run.slices(torch.randn(2, 64, dtype=torch.float64), slices) is None  # not fp32 activations
+    assert run.slices(torch.randn(2, 64), fp32) is None
+
+
+def test_attention_step_steps_aside_for_a_batch_of_two() -> None:
+    """Two sequences in one step: the per-op path (each has its own cache)."""
+    step = AttnStep.__new__(AttnStep)  # never reaches its plan
+    batch = Batch.of([(SequenceCache(1), 1), (SequenceCache(1), 1)])
+    assert step(torch.randn(2, 64), batch, torch.randn(2, 1, 16), torch.randn(2, 1, 16)) is None
