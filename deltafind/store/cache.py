@@ -40,6 +40,21 @@ class ByteLRU(Generic[K, V]):
             self.hits += 1
             return item[0]
 
+    def get_many(self, keys: list[K]) -> list[V | None]:
+        """`get` of each key under one lock (a layer's experts at once)."""
+        with self._lock:
+            out = []
+            for key in keys:
+                item = self._items.get(key)
+                if item is None:
+                    self.misses += 1
+                    out.append(None)
+                else:
+                    self._items.move_to_end(key)
+                    self.hits += 1
+                    out.append(item[0])
+            return out
+
     def touch(self, keys: list[K]) -> None:
         """Mark `keys` (those held) as just used, without counting hits: experts predicted for the next layer."""
         with self._lock:

@@ -1,11 +1,9 @@
 """The store-backed `ExpertProvider`: cache, pin tier, in-flight reads, prefetch, stats.
 
-`fetch` yields cached and pinned experts first, then the rest in completion
-order as the drive pools deliver them. `prefetch` starts reads for a predicted
-next layer, those the gate admits (store/prefetch_gate.py: whole records, or only
-their first pieces until the router confirms them); a prediction only
-starts reads — what `fetch` returns never depends on it, so output is identical
-with prefetch on or off.
+`fetch` yields cached and pinned experts first, then the rest in completion order as the drive pools deliver
+them. `prefetch` starts reads for a predicted next layer, those the gate admits (store/prefetch_gate.py: whole
+records, or only their first pieces until the router confirms them); a prediction only starts reads — what
+`fetch` returns never depends on it, so output is identical with prefetch on or off.
 """
 
 from __future__ import annotations
@@ -158,14 +156,16 @@ class StoreExperts:
         held: dict[int, int] = {}  # expert -> bytes reserved in the cache for its read
         waiting: dict[int, deque[int]] = defaultdict(deque)  # drive -> demand reads not started yet
         ready: list[tuple[int, Expert]] = []
-        for e in wanted:
-            key = (layer_idx, e)
-            self.stats.requested += 1
+        keys = [(layer_idx, e) for e in wanted]
+        self.stats.requested += len(keys)
+        for key in keys:
             self.uses[key] += 1
+        cached = iter(self.cache.get_many([k for k in keys if k not in self.pinned]))  # one lock for the layer
+        for e, key in zip(wanted, keys, strict=True):
             if (expert := self.pinned.get(key)) is not None:
                 self.stats.pinned_hits += 1
                 ready.append((e, expert))
-            elif (expert := self.cache.get(key)) is not None:
+            elif (expert := next(cached)) is not None:
                 self.stats.cache_hits += 1
                 ready.append((e, expert))
             elif (fut := self._inflight.pop(key, None)) is not None:

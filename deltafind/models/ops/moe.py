@@ -82,6 +82,7 @@ class GatedExpert:
     def __init__(self, gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], act: str = "") -> None:
         self.gated, self.act = gated, KERNEL_ACTS.get(act, -1)
         self._slices, self._one = SlicesPlan(), SlicesPlan()  # a dense layer's slices; the last routed expert
+        self._norm_fits: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, expert: Expert) -> torch.Tensor:
         if self._one.plan([expert]) and (y := self._run(x, self._one, None)) is not None:
@@ -111,15 +112,20 @@ class GatedExpert:
     def _fused_call(self, x: torch.Tensor, plan: SlicesPlan, norm: RMSNorm | None) -> torch.Tensor | None:
         """`_run` in one df_gated_mlp call, or None where the kernel lacks the activation or the norm's layout."""
         w = None if norm is None else norm.weight
-        if self.act < 0 or (w is not None and (w.dtype != torch.float32 or not w.is_contiguous() or w.device.type != "cpu"
-                                               or x.shape[1] % 8)):
+        if self.act < 0 or (w is not None and w is not self._norm_fits and not _fits(w, x.shape[1])):
             return None
+        self._norm_fits = w  # checked once per norm weight object
         gu, dn, y = plan.gate_up.parts_planned, plan.down.parts_planned, torch.empty(x.shape[0], plan.down.out_cols)
         if CPU.load().df_gated_mlp(gu, len(gu), dn, len(dn), x.data_ptr(), x.shape[0], self.act,
                                    None if w is None else w.data_ptr(), 0.0 if norm is None else norm.eps,
                                    int(norm is not None), y.data_ptr(), torch.get_num_threads()):
             return None
         return y
+
+
+def _fits(w: torch.Tensor, cols: int) -> bool:
+    """Whether df_gated_mlp takes `w` as the RMSNorm weight of rows of `cols` (fp32 on the CPU, a multiple of 8)."""
+    return w.dtype == torch.float32 and w.is_contiguous() and w.device.type == "cpu" and w.shape == (cols,) and not cols % 8
 
 
 def swiglu(hidden_act: str) -> GatedExpert:

@@ -344,10 +344,29 @@ int df_stored_parts(const Part* parts, int n, int stack_cols, const float* x, in
       }
     }
   };
+  // stack_cols: a task's rows part by part, each part's rows read in one run (as one matrix's are); every
+  // row keeps its sums across the parts, so they add in the same order as part after part within a row.
+  auto cols_of = [&](int64_t r0, int64_t r1) {
+    std::vector<float> sums(static_cast<size_t>((r1 - r0) * kTile * 32));
+    for (int64_t t0 = 0; t0 < T; t0 += kTile) {
+      const int nt = static_cast<int>(std::min<int64_t>(kTile, T - t0));
+      std::fill(sums.begin(), sums.end(), 0.0f);
+      int64_t x_col = 0;
+      for (int p = 0; p < n; ++p) {
+        for (int64_t r = r0; r < r1; ++r)
+          accumulate(static_cast<int>(parts[p].kind), parts[p].data + r * parts[p].row_bytes, parts[p].cols,
+                     x + t0 * ldx + x_col, ldx, xs.data() + t0 * ldxs + x_col / 32, ldxs, nt,
+                     reinterpret_cast<float (*)[32]>(sums.data() + (r - r0) * kTile * 32));
+        x_col += parts[p].cols;
+      }
+      for (int64_t r = r0; r < r1; ++r)
+        for (int t = 0; t < nt; ++t) y[(t0 + t) * ldy + r] = reduce32(sums.data() + ((r - r0) * kTile + t) * 32);
+    }
+  };
   pool().run(static_cast<int>(tasks), threads, [&](int i) {
     if (stack_cols) {
       const int64_t r0 = i * rows_per_task;
-      rows_of(r0, std::min<int64_t>(parts[0].rows, r0 + rows_per_task), parts, n, 0);
+      cols_of(r0, std::min<int64_t>(parts[0].rows, r0 + rows_per_task));
       return;
     }
     int64_t task = i, y_col = 0;  // find the part holding task i
