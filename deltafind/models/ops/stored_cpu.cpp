@@ -246,34 +246,41 @@ bool fused_tile(const uint8_t* row, int64_t cols, const float* x, int64_t ldx, i
 }
 #endif
 
-// acc[t] += row . x[t] for t < nt (<= kTile), `cols` weights of `kind`: the block formats factored
-// (stored_blocks.h; xs: x's sums per 32 columns), bf16/f16/row-int8 decoded in registers, or (no
-// AVX2) decoded chunk by chunk into an L1 buffer (those two in dot_chunk's lane order).
-void accumulate(int kind, const uint8_t* row, int64_t cols, const float* x, int64_t ldx, const float* xs, int64_t ldxs,
-                int nt, float (*acc)[32]) {
+// For nrows rows `row_bytes` apart from `first` and t < nt (<= kTile): acc_r[t] += row_r . x[t], acc_r at
+// acc + r * stride, `cols` weights of `kind`: the block formats factored (stored_blocks.h; xs: x's sums per
+// 32 columns), bf16/f16/row-int8 decoded in registers, or (no AVX2) decoded chunk by chunk into an L1
+// buffer (those two in dot_chunk's lane order).
+void accumulate(int kind, const uint8_t* first, int64_t nrows, int64_t row_bytes, int64_t cols, const float* x,
+                int64_t ldx, const float* xs, int64_t ldxs, int nt, float* acc, int64_t stride) {
 #ifdef __AVX2__
   switch (kind) {
-    case BF16: if (fused_tile<BF16>(row, cols, x, ldx, nt, acc)) return; break;
-    case F16: if (fused_tile<F16>(row, cols, x, ldx, nt, acc)) return; break;
-    case I8R: if (fused_tile<I8R>(row, cols, x, ldx, nt, acc)) return; break;
-    case Q8_0: if (dfq::tile<Q8_0>(row, cols, x, ldx, xs, ldxs, nt, acc)) return; break;
-    case Q4_0: if (dfq::tile<Q4_0>(row, cols, x, ldx, xs, ldxs, nt, acc)) return; break;
-    case Q4_1: if (dfq::tile<Q4_1>(row, cols, x, ldx, xs, ldxs, nt, acc)) return; break;
-    case Q5_0: if (dfq::tile<Q5_0>(row, cols, x, ldx, xs, ldxs, nt, acc)) return; break;
-    case Q5_1: if (dfq::tile<Q5_1>(row, cols, x, ldx, xs, ldxs, nt, acc)) return; break;
-    case Q4_K: if (dfq::tile<Q4_K>(row, cols, x, ldx, xs, ldxs, nt, acc)) return; break;
-    case Q5_K: if (dfq::tile<Q5_K>(row, cols, x, ldx, xs, ldxs, nt, acc)) return; break;
-    case Q6_K: if (dfq::tile<Q6_K>(row, cols, x, ldx, xs, ldxs, nt, acc)) return; break;
+    case Q8_0: if (dfq::tile<Q8_0>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride)) return; break;
+    case Q4_0: if (dfq::tile<Q4_0>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride)) return; break;
+    case Q4_1: if (dfq::tile<Q4_1>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride)) return; break;
+    case Q5_0: if (dfq::tile<Q5_0>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride)) return; break;
+    case Q5_1: if (dfq::tile<Q5_1>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride)) return; break;
+    case Q4_K: if (dfq::tile<Q4_K>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride)) return; break;
+    case Q5_K: if (dfq::tile<Q5_K>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride)) return; break;
+    case Q6_K: if (dfq::tile<Q6_K>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride)) return; break;
     default: break;
   }
 #else
   (void)xs, (void)ldxs;
 #endif
-  alignas(64) float buf[kChunk];
-  for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
-    const int n = static_cast<int>(std::min<int64_t>(kChunk, cols - c0));
-    decode(kind, row, c0, n, buf);
-    for (int t = 0; t < nt; ++t) dot_chunk(buf, x + t * ldx + c0, n, acc[t]);
+  for (int64_t r = 0; r < nrows; ++r) {
+    const uint8_t* row = first + r * row_bytes;
+    float (*ac)[32] = reinterpret_cast<float (*)[32]>(acc + r * stride);
+#ifdef __AVX2__
+    if ((kind == BF16 && fused_tile<BF16>(row, cols, x, ldx, nt, ac)) || (kind == F16 && fused_tile<F16>(row, cols, x, ldx, nt, ac))
+        || (kind == I8R && fused_tile<I8R>(row, cols, x, ldx, nt, ac)))
+      continue;
+#endif
+    alignas(64) float buf[kChunk];
+    for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
+      const int n = static_cast<int>(std::min<int64_t>(kChunk, cols - c0));
+      decode(kind, row, c0, n, buf);
+      for (int t = 0; t < nt; ++t) dot_chunk(buf, x + t * ldx + c0, n, ac[t]);
+    }
   }
 }
 
@@ -328,45 +335,36 @@ int df_stored_parts(const Part* parts, int n, int stack_cols, const float* x, in
   for (int p = 0; p < (stack_cols ? n : 1); ++p) x_cols += parts[p].cols;
   const std::vector<float> xs = dfq::block_sums(x, T, ldx, x_cols);
   const int64_t ldxs = x_cols / 32;
+  // Rows r0..r1 of `count` parts side by side (one part: a run of a stacked matrix's rows), in chunks of
+  // rows whose weights stay in L1/L2 while every tile of tokens passes over them; within a chunk part by
+  // part, each part's rows read in one run. Every row keeps its sums across the parts, so they add in the
+  // same order as part after part within the row; its tokens' outputs land at column y_col + r of y.
   auto rows_of = [&](int64_t r0, int64_t r1, const Part* first, int count, int64_t y_col) {
-    for (int64_t r = r0; r < r1; ++r) {
+    int64_t row_bytes = 0;
+    for (int p = 0; p < count; ++p) row_bytes += first[p].row_bytes;
+    const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(r1 - r0, (32 << 10) / row_bytes));
+    std::vector<float> sums(static_cast<size_t>(chunk * kTile * 32));
+    for (int64_t c0 = r0; c0 < r1; c0 += chunk) {
+      const int64_t c1 = std::min(r1, c0 + chunk);
       for (int64_t t0 = 0; t0 < T; t0 += kTile) {
         const int nt = static_cast<int>(std::min<int64_t>(kTile, T - t0));
-        float acc[kTile][32];
-        std::memset(acc, 0, sizeof(float) * 32 * nt);
+        std::fill(sums.begin(), sums.begin() + (c1 - c0) * nt * 32, 0.0f);  // row r's nt accumulators at (r - c0) * nt * 32
         int64_t x_col = 0;
         for (int p = 0; p < count; ++p) {
-          accumulate(static_cast<int>(first[p].kind), first[p].data + r * first[p].row_bytes, first[p].cols,
-                     x + t0 * ldx + x_col, ldx, xs.data() + t0 * ldxs + x_col / 32, ldxs, nt, acc);
+          accumulate(static_cast<int>(first[p].kind), first[p].data + c0 * first[p].row_bytes, c1 - c0, first[p].row_bytes,
+                     first[p].cols, x + t0 * ldx + x_col, ldx, xs.data() + t0 * ldxs + x_col / 32, ldxs, nt, sums.data(),
+                     nt * 32);
           x_col += first[p].cols;
         }
-        for (int t = 0; t < nt; ++t) y[(t0 + t) * ldy + y_col + r] = reduce32(acc[t]);
+        for (int64_t r = c0; r < c1; ++r)
+          for (int t = 0; t < nt; ++t) y[(t0 + t) * ldy + y_col + r] = reduce32(sums.data() + ((r - c0) * nt + t) * 32);
       }
-    }
-  };
-  // stack_cols: a task's rows part by part, each part's rows read in one run (as one matrix's are); every
-  // row keeps its sums across the parts, so they add in the same order as part after part within a row.
-  auto cols_of = [&](int64_t r0, int64_t r1) {
-    std::vector<float> sums(static_cast<size_t>((r1 - r0) * kTile * 32));
-    for (int64_t t0 = 0; t0 < T; t0 += kTile) {
-      const int nt = static_cast<int>(std::min<int64_t>(kTile, T - t0));
-      std::fill(sums.begin(), sums.end(), 0.0f);
-      int64_t x_col = 0;
-      for (int p = 0; p < n; ++p) {
-        for (int64_t r = r0; r < r1; ++r)
-          accumulate(static_cast<int>(parts[p].kind), parts[p].data + r * parts[p].row_bytes, parts[p].cols,
-                     x + t0 * ldx + x_col, ldx, xs.data() + t0 * ldxs + x_col / 32, ldxs, nt,
-                     reinterpret_cast<float (*)[32]>(sums.data() + (r - r0) * kTile * 32));
-        x_col += parts[p].cols;
-      }
-      for (int64_t r = r0; r < r1; ++r)
-        for (int t = 0; t < nt; ++t) y[(t0 + t) * ldy + r] = reduce32(sums.data() + ((r - r0) * kTile + t) * 32);
     }
   };
   pool().run(static_cast<int>(tasks), threads, [&](int i) {
     if (stack_cols) {
       const int64_t r0 = i * rows_per_task;
-      cols_of(r0, std::min<int64_t>(parts[0].rows, r0 + rows_per_task));
+      rows_of(r0, std::min<int64_t>(parts[0].rows, r0 + rows_per_task), parts, n, 0);
       return;
     }
     int64_t task = i, y_col = 0;  // find the part holding task i
