@@ -79,7 +79,7 @@ def attend(
 class AttnStep:
     """The attention half of a decoder layer, `x + attn(norm(x))`, for ONE token of one sequence in one
     kernel call (layer_cpu.cpp's df_attn_decode): norm, q/k/v, q/k norms, rope, the cache append,
-    attention, o and the residual, the per-op path's ops in its order (tests/unit/test_layer_kernels.py).
+    attention, o and the residual, the per-op path's ops in its order (tests/unit/test_fused_steps.py).
     `attn` is a transformer.Attention, `norm` its RMSNorm. Planned once per set of weight objects (a
     reloaded spine layer brings new ones); `__call__` returns None where it does not apply (a batch, a
     prompt, another device or dtype, weights the stored-format kernel does not take, no compiler)."""
@@ -97,6 +97,7 @@ class AttnStep:
         self._key: list[weakref.ref | _NoRef] = []
         self._layer: AttnLayer | None = None
         self._like: torch.Tensor | None = None  # one position of the cache: the shape a new buffer takes
+        self._held: tuple[Any, ...] = ()  # the small tensors the plan points at
 
     def __call__(self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
         """x [1, H] -> x + attn(norm(x)) [1, H], or None (see the class)."""

@@ -223,7 +223,7 @@ class SlicedMLP(nn.Module):
         self.provider.observe_routes(self.layer_idx, *self._all_slices(x.shape[0], len(ids), x.device))  # [T, n]
         if isinstance(self.run, GatedExpert):
             experts = dict(self.provider.fetch(self.layer_idx, ids))
-            fused = self.run.slices(x, [experts[e] for e in ids], norm)  # one matmul per half, not one per slice
+            fused = self.run.slices(x, [experts[e] for e in ids], norm)  # one kernel call, not one matmul per slice
             if fused is not None:
                 return fused
             fetched: Iterator[tuple[int, Expert]] = iter(experts.items())
