@@ -122,7 +122,7 @@ class StoreExperts:
         self._first_layer, self._last_layer = min(self._counts, default=-1), max(self._counts, default=-1)
         self._inflight: dict[tuple[int, int], Future] = {}
         self._last_route: dict[int, list[int]] = {}
-        self._predicted: dict[int, set[int]] = {}
+        self._predicted: dict[int, tuple[set[int], set[int]]] = {}  # layer -> (predicted, of them not held when issued)
         self.uses: dict[tuple[int, int], int] = defaultdict(int)  # for the heat histogram
         self.stats = ExpertStats(layers=self.gate.layers)
         self.trace = trace
@@ -255,7 +255,7 @@ class StoreExperts:
 
     def _predict(self, layer_idx: int, expert_ids: Sequence[int]) -> list[int]:
         ids = list(dict.fromkeys(expert_ids))
-        self._predicted[layer_idx] = set(ids)
+        self._predicted[layer_idx] = (set(ids), set())
         if self.trace is not None:
             self.trace.write({"layer": layer_idx, "pred": ids})
         return ids
@@ -270,12 +270,13 @@ class StoreExperts:
         """Start the reads the gate admits among `ids` (best first) that are not held or read already."""
         self._fetch_missing(layer_idx, ids)
         keys = [(layer_idx, e) for e in ids]
-        # The predicted experts held are the least recently used (the layer last ran a step ago): a read
-        # reserved now evicted exactly them, just before the router asked for them again (RESULTS.md, issue 15).
+        # Held predictions are the least recently used: a read reserved now evicted exactly them (RESULTS.md, issue 15).
         self.cache.touch(keys)
         # a striped record loads each of its drives by its share: the gate weighs that share on its first drive
         todo = [(k, self._records[k].drive, self._records[k].length // len(self._records[k].extents())) for k in keys
                 if k not in self._inflight and k not in self.pinned and k not in self.cache and k in self._records]
+        if (predicted := self._predicted.get(layer_idx)) is not None:  # not held: what reads fetch (gate.observe)
+            predicted[1].update([k[1] for k, _, _ in todo] + [k[1] for k in keys if k in self._inflight])
         todo = todo[: self.budget.fitting([self._records[k] for k, _, _ in todo])]
         gated = self.gate.gated
         share = {k: n for k, _, n in todo}
@@ -325,9 +326,8 @@ class StoreExperts:
 
     def _observe(self, layer_idx: int, wanted: list[int]) -> None:
         self._last_route[layer_idx] = wanted
-        predicted = self._predicted.pop(layer_idx, None)
-        if predicted is not None:
-            self.gate.observe(layer_idx, predicted, wanted, {e for lay, e in self._inflight if lay == layer_idx})
+        if (predicted := self._predicted.pop(layer_idx, None)) is not None:
+            self.gate.observe(layer_idx, predicted[0], wanted, predicted[1])
 
     def _demand_read(self, layer_idx: int, e: int) -> Future:
         rec = self.record(layer_idx, e)

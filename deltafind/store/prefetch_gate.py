@@ -51,7 +51,9 @@ class LayerRecall:
     needed: int = 0
     observations: int = 0
     ema: float = PRIOR_PRECISION  # precision of the predictions, exponentially weighted
-    read_ema: float | None = None  # precision of the reads started (cached hits are not read: these miss more)
+    # precision of the predicted experts not held when predicted, read or not: what a read would fetch
+    # (held ones hit more; learning it only from reads started paid for the lesson, RESULTS.md issue 15)
+    read_ema: float | None = None
     issued: int = 0  # reads the gate started
     held: int = 0  # predicted reads the gate did not start (no slack, low precision, window unknown)
 
@@ -130,7 +132,8 @@ class PrefetchGate:
             self._windows.popitem(last=False)
 
     def observe(self, layer_idx: int, predicted: set[int], wanted: Sequence[int], read: set[int] | frozenset[int] = frozenset()) -> None:
-        """A prediction for `layer_idx` met the router's choice; `read`: the predicted experts whose reads started."""
+        """A prediction for `layer_idx` met the router's choice; `read`: the predicted experts that were not held
+        (a read started for them, or would have)."""
         r = self._layer(layer_idx)
         hits = len(predicted.intersection(wanted))
         r.predicted += len(predicted)

@@ -122,3 +122,21 @@ def test_a_fetch_abandoned_on_a_cached_expert_gives_back_its_reads_reservations(
     finally:
         m.experts.uses.clear()
         m.close()
+
+
+def test_the_read_precision_learns_from_unheld_predictions_before_any_read_starts(store) -> None:
+    """Warm cache: the held predicted experts hit, the ones a read would fetch miss. The gate learns that
+    precision from the prediction itself (no window yet: nothing was read), so a warm layer's first
+    speculative reads are not what teaches it (warm, one drive, batch 1: 3 wasted reads lost 2-4 %)."""
+    m = Model.open(store, expert_cache_bytes=1 << 30)
+    try:
+        ex = m.experts
+        list(ex.fetch(0, [0, 1]))  # held now
+        ex.prefetch(0, [0, 1, 5, 6])  # 5 and 6 are not held: what a prefetch would read
+        assert ex.stats.prefetch_issued == 0  # layer 0's window was never timed: nothing starts
+        list(ex.fetch(0, [0, 1]))  # the router wants the held ones only
+        r = ex.gate.layers[0]
+        assert r.ema == 0.5 and r.read_ema == 0.0  # all predictions: 2 of 4 wanted; the unheld ones: 0 of 2
+    finally:
+        m.experts.uses.clear()
+        m.close()
