@@ -5,11 +5,12 @@
 // Each small op was a handful of torch ops costing 10-30 us a call on one token, against ~3 us for one
 // ctypes call here; a demo token runs 61 norms and 30 ropes, and the Python between the calls cost as
 // much as the weights' arithmetic (tests/bench/RESULTS.md). The small ops are single-threaded (a row is
-// 0.5-30 KB of work); the matmuls inside the fused steps run on the shared pool. Built by deltafind/models/ops/cpu_kernels.py with -ffp-contract=off:
-// the rope is torch's arithmetic op for op (x*cos + rotate_half(x)*sin, every product and the sum
-// rounded), so bit-identical; the norm sums its squares in 8 fixed lanes, one fixed tree, which
-// differs from torch's reduction only in summation order; the attention's dot products, softmax and
-// weighted sum differ from torch's bmm/softmax only in summation order and exp's last bit.
+// 0.5-30 KB of work); the matmuls inside the fused steps run on the shared pool. Built with
+// stored_cpu.cpp and mxfp4_cpu.cpp into one library by deltafind/models/ops/cpu_kernels.py, with
+// -ffp-contract=off: the rope is torch's arithmetic op for op (x*cos + rotate_half(x)*sin, every product
+// and the sum rounded), so bit-identical; the norm sums its squares in 8 fixed lanes, one fixed tree,
+// which differs from torch's reduction only in summation order; the attention's dot products, softmax
+// and weighted sum differ from torch's bmm/softmax only in summation order and exp's last bit.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -80,7 +80,7 @@ def dequantize(w: StoredWeight) -> torch.Tensor:
     if _kernel_ok(w):
         out = torch.empty(w.rows, w.cols, dtype=torch.float32)
         rc = CPU.load().df_stored_dequant(KINDS[w.kind], w.data.data_ptr(), w.rows, w.cols, out.data_ptr(),
-                                              torch.get_num_threads())
+                                          torch.get_num_threads())
         if rc == 0:
             return out
     if w.kind == "I8R":

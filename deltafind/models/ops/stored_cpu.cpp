@@ -284,7 +284,6 @@ void accumulate(int kind, const uint8_t* first, int64_t nrows, int64_t row_bytes
   }
 }
 
-// One weight matrix of a call: `rows` x `cols` in `kind`, row-major stored rows of `row_bytes`.
 }  // namespace
 
 extern "C" {
