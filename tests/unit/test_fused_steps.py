@@ -38,6 +38,21 @@ def _decode_logits(model: Model, prompt: list[int], steps: int) -> tuple[list[to
     return out, tokens
 
 
+def _fused_and_per_op(model: Model, prompt: list[int], steps: int, monkeypatch: pytest.MonkeyPatch,
+                      per_op: list[tuple[type, str]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each decode step's logits with the fused steps, then with `per_op`'s methods stepping aside (the
+    per-op path); the greedy tokens must agree. Closes the model."""
+    try:
+        fused, fused_tokens = _decode_logits(model, prompt, steps)
+        for cls, name in per_op:
+            monkeypatch.setattr(cls, name, lambda *a, **k: None)
+        ref, ref_tokens = _decode_logits(model, prompt, steps)
+    finally:
+        model.close()
+    assert fused_tokens == ref_tokens
+    return fused, ref
+
+
 @needs_kernel
 @pytest.mark.parametrize(("family", "overrides"), [("llama", {}), ("llama", {"attention_bias": True}), ("qwen3", {}),
                                                    ("qwen3_moe", {})])
@@ -48,6 +63,7 @@ def test_attention_step_is_the_per_op_path_bit_for_bit(family: str, overrides: d
     hf = make_hf_checkpoint(family, tmp_path / "hf", seed=3, dtype="bfloat16", **overrides)
     setup_store(hf, tmp_path / "store", [tmp_path / "d0"], dense_slices=2, progress=False)
     model = Model.open(tmp_path / "store")
+    layers = model.net.num_layers
     prompt = torch.randint(3, 200, (7,), generator=torch.Generator().manual_seed(2)).tolist()
     ran = 0
     call = AttnStep.__call__
@@ -58,15 +74,9 @@ def test_attention_step_is_the_per_op_path_bit_for_bit(family: str, overrides: d
         ran += y is not None
         return y
 
-    try:
-        monkeypatch.setattr(AttnStep, "__call__", counted)
-        fused, fused_tokens = _decode_logits(model, prompt, 6)
-        assert ran == 6 * model.net.num_layers
-        monkeypatch.setattr(AttnStep, "__call__", lambda *a, **k: None)
-        ref, ref_tokens = _decode_logits(model, prompt, 6)
-    finally:
-        model.close()
-    assert fused_tokens == ref_tokens
+    monkeypatch.setattr(AttnStep, "__call__", counted)
+    fused, ref = _fused_and_per_op(model, prompt, 6, monkeypatch, [(AttnStep, "__call__")])
+    assert ran == 6 * layers
     for a, b in zip(fused, ref, strict=True):
         assert torch.equal(a, b)
 
@@ -76,15 +86,8 @@ def test_demo_decodes_the_same_with_and_without_the_fused_steps(demo_store: Path
     """The demo's Q4_1/Q8_0 blocks: the fused steps (attention, and the MLP with its norm and residual in
     one call) against the per-op path: the same greedy tokens, logits within fp32 noise."""
     model = Model.open(demo_store)
-    try:
-        prompt = model.tokenizer.encode("The capital of France is")
-        fused, fused_tokens = _decode_logits(model, prompt, 8)
-        monkeypatch.setattr(AttnStep, "__call__", lambda *a, **k: None)
-        monkeypatch.setattr(GatedExpert, "_fused_call", lambda *a, **k: None)
-        ref, ref_tokens = _decode_logits(model, prompt, 8)
-    finally:
-        model.close()
-    assert fused_tokens == ref_tokens
+    prompt = model.tokenizer.encode("The capital of France is")
+    fused, ref = _fused_and_per_op(model, prompt, 8, monkeypatch, [(AttnStep, "__call__"), (GatedExpert, "_fused_call")])
     for a, b in zip(fused, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
 

@@ -35,6 +35,13 @@ struct Part {
   const uint8_t* data;
 };
 
+// Bytes of one block of a GGUF block format by its GGML kind id (32 weights a block; 256 for Q4_K, Q5_K
+// and Q6_K, kinds 12-14), 0 for any other kind: the one table of the block sizes.
+constexpr int64_t block_bytes(int kind) {
+  return kind == 2 ? 18 : kind == 3 ? 20 : kind == 6 ? 22 : kind == 7 ? 24 : kind == 8 ? 34
+       : kind == 12 ? 144 : kind == 13 ? 176 : kind == 14 ? 210 : 0;
+}
+
 // The formats' fields, for this header and stored_cpu.cpp's decode alike.
 inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
 
@@ -81,8 +88,6 @@ inline std::vector<float> block_sums(const float* x, int64_t T, int64_t ldx, int
 
 #ifdef __AVX2__
 
-template <int K>
-constexpr int64_t block_bytes() { return K == 8 ? 34 : K == 2 ? 18 : K == 3 ? 20 : K == 6 ? 22 : 24; }
 template <int K>
 constexpr bool has_min() { return K == 3 || K == 7; }  // Q4_1, Q5_1
 template <int K>
@@ -152,7 +157,7 @@ inline __attribute__((always_inline)) void row(const uint8_t* row, int64_t cols,
   }
   __m256 q[4];
   if constexpr (K == 12 || K == 13) {  // Q4_K, Q5_K
-    constexpr int64_t bytes = K == 12 ? 144 : 176;
+    constexpr int64_t bytes = block_bytes(K);
     for (int64_t blk = 0; blk < cols / 256; ++blk) {
       const uint8_t* b = row + blk * bytes;
       const float d = h2f(rd16(b)), dmin = h2f(rd16(b + 2));
@@ -175,7 +180,7 @@ inline __attribute__((always_inline)) void row(const uint8_t* row, int64_t cols,
     }
   } else if constexpr (K == 14) {  // Q6_K
     for (int64_t blk = 0; blk < cols / 256; ++blk) {
-      const uint8_t* b = row + blk * 210;
+      const uint8_t* b = row + blk * block_bytes(K);
       const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
       const float d = h2f(rd16(b + 208));
       for (int h = 0; h < 2; ++h) {
@@ -191,7 +196,7 @@ inline __attribute__((always_inline)) void row(const uint8_t* row, int64_t cols,
       }
     }
   } else {  // the 32-weight block formats
-    constexpr int64_t bytes = block_bytes<K>();
+    constexpr int64_t bytes = block_bytes(K);
     for (int64_t k = 0; k < cols / 32; ++k) {
       const uint8_t* b = row + k * bytes;
       codes<K>(b, q);

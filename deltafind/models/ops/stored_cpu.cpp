@@ -33,15 +33,10 @@ bool block_shape(int kind, int64_t* elems, int64_t* bytes) {
   switch (kind) {
     case F16: case BF16: *elems = 1; *bytes = 2; return true;
     case I8R: *elems = 1; *bytes = 1; return true;  // plus the row's 2-byte scale (df_stored_row_bytes)
-    case Q4_0: *elems = 32; *bytes = 18; return true;
-    case Q4_1: *elems = 32; *bytes = 20; return true;
-    case Q5_0: *elems = 32; *bytes = 22; return true;
-    case Q5_1: *elems = 32; *bytes = 24; return true;
-    case Q8_0: *elems = 32; *bytes = 34; return true;
-    case Q4_K: *elems = 256; *bytes = 144; return true;
-    case Q5_K: *elems = 256; *bytes = 176; return true;
-    case Q6_K: *elems = 256; *bytes = 210; return true;
-    default: return false;
+    default:
+      *elems = kind == Q4_K || kind == Q5_K || kind == Q6_K ? 256 : 32;
+      *bytes = dfq::block_bytes(kind);
+      return *bytes > 0;
   }
 }
 
@@ -146,10 +141,10 @@ inline void decode_q6_k(const uint8_t* b, float* out) {
   }
 }
 
-template <int K, int Bytes>
+template <int K>
 inline void decode_blocks32(const uint8_t* row, int64_t c0, int n, float* out) {
   for (int k = 0; k < n / 32; ++k) {
-    const uint8_t* b = row + (c0 / 32 + k) * Bytes;
+    const uint8_t* b = row + (c0 / 32 + k) * dfq::block_bytes(K);
     if (K == Q8_0)
       decode_q8_0(b, out + k * 32);
     else
@@ -177,14 +172,14 @@ void decode(int kind, const uint8_t* row, int64_t c0, int n, float* out) {
       for (int j = 0; j < n; ++j) out[j] = scale * static_cast<float>(q[j]);
       return;
     }
-    case Q4_0: decode_blocks32<Q4_0, 18>(row, c0, n, out); return;
-    case Q4_1: decode_blocks32<Q4_1, 20>(row, c0, n, out); return;
-    case Q5_0: decode_blocks32<Q5_0, 22>(row, c0, n, out); return;
-    case Q5_1: decode_blocks32<Q5_1, 24>(row, c0, n, out); return;
-    case Q8_0: decode_blocks32<Q8_0, 34>(row, c0, n, out); return;
-    case Q4_K: decode_k45<Q4_K>(row + (c0 / 256) * 144, out); return;
-    case Q5_K: decode_k45<Q5_K>(row + (c0 / 256) * 176, out); return;
-    case Q6_K: decode_q6_k(row + (c0 / 256) * 210, out); return;
+    case Q4_0: decode_blocks32<Q4_0>(row, c0, n, out); return;
+    case Q4_1: decode_blocks32<Q4_1>(row, c0, n, out); return;
+    case Q5_0: decode_blocks32<Q5_0>(row, c0, n, out); return;
+    case Q5_1: decode_blocks32<Q5_1>(row, c0, n, out); return;
+    case Q8_0: decode_blocks32<Q8_0>(row, c0, n, out); return;
+    case Q4_K: decode_k45<Q4_K>(row + (c0 / 256) * dfq::block_bytes(Q4_K), out); return;
+    case Q5_K: decode_k45<Q5_K>(row + (c0 / 256) * dfq::block_bytes(Q5_K), out); return;
+    case Q6_K: decode_q6_k(row + (c0 / 256) * dfq::block_bytes(Q6_K), out); return;
     default: return;
   }
 }
