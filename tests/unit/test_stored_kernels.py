@@ -10,10 +10,11 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from deltafind.models.ops.cpu_kernels import CPU
+from deltafind.models.ops.cpu_kernels import CPU, SOURCES, KernelLibrary, StoredPart, _bind
 from deltafind.models.ops.stored import (
     BLOCKS,
     FusedLinear,
+    KINDS,
     StoredWeight,
     dequantize,
     gguf_dequantize,
@@ -217,8 +218,8 @@ def test_results_do_not_depend_on_threads_and_calls_from_many_threads_stay_separ
 @needs_kernel
 @pytest.mark.parametrize("kind", QUANTIZABLE + K_QUANTS)
 def test_block_formats_err_like_an_fp32_matmul_against_fp64(kind: str) -> None:
-    """The block formats are dotted factored per 32 (or 16) weights, d * (q . x) + m * sum(x)
-    (stored_blocks.h): every weight exact, only the fp32 rounding moves. Against an fp64 matmul of the
+    """The block formats are dotted factored per 32 (or 16) weights, d * (q . x) + m * sum(x), on AVX2,
+    or decoded exactly by table on AVX-512 (stored_blocks.h): every weight exact, only the fp32 rounding moves. Against an fp64 matmul of the
     same weights, its error per output, relative to sum |x w|, stays at the fp32 matmul's level
     (measured: at most 9.2e-8, the widened fp32 matmul 4.3e-8, for 1536 columns)."""
     w = StoredWeight.of(_blocks(kind, 300, 1536, seed=5), kind, 1536)
@@ -229,3 +230,32 @@ def test_block_formats_err_like_an_fp32_matmul_against_fp64(kind: str) -> None:
     ours, widened = stored_linear(x, w).double(), _widened(x, w).double()
     assert float(((ours - exact).abs() / scale).max()) < 4e-7
     assert float(((widened - exact).abs() / scale).max()) < 4e-7  # the bound is the fp32 matmul's own
+
+
+# The AVX2 code, which x86 CPUs without AVX-512 run: on an AVX-512 CPU the default build takes the table
+# decode (stored_blocks.h row512), so this build is how the other path is tested here too.
+AVX2 = KernelLibrary(SOURCES, _bind, ("-mno-avx512f",))
+
+
+def _parts_matmul(lib: object, w: StoredWeight, x: torch.Tensor, threads: int) -> torch.Tensor:
+    part = (StoredPart * 1)(StoredPart(KINDS[w.kind], w.rows, w.cols, w.data.shape[1], w.data.data_ptr()))
+    y = torch.empty(x.shape[0], w.rows)
+    assert lib.df_stored_parts(part, 1, 0, x.data_ptr(), x.shape[0], x.shape[1], y.data_ptr(), w.rows, threads) == 0
+    return y
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", QUANTIZABLE + K_QUANTS)
+def test_the_avx2_and_default_builds_both_match_the_widened_path_for_any_batch(kind: str) -> None:
+    """Both builds agree with decode-then-matmul within summation-order noise, and each gives a token
+    the same row alone as inside a batch of 6 (past one tile of 4)."""
+    if AVX2.load() is None:
+        pytest.skip(f"no AVX2 build on this CPU: {AVX2.build_error}")
+    w = StoredWeight.of(_blocks(kind, 45, 1024, seed=11), kind, 1024)
+    x = torch.randn(6, 1024, generator=torch.Generator().manual_seed(11))
+    ref = _widened(x, w)
+    for lib in (CPU.load(), AVX2.load()):
+        batch = _parts_matmul(lib, w, x, threads=2)
+        torch.testing.assert_close(batch, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+        for t in range(6):
+            assert torch.equal(_parts_matmul(lib, w, x[t : t + 1].contiguous(), threads=1), batch[t : t + 1])

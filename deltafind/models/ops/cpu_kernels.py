@@ -47,7 +47,7 @@ def kernel_dir() -> Path:
         return Path(tempfile.gettempdir()) / "deltafind-kernels"
 
 
-def _compile(sources: tuple[Path, ...], out: Path) -> None:
+def _compile(sources: tuple[Path, ...], out: Path, flags: list[str]) -> None:
     cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
@@ -55,7 +55,7 @@ def _compile(sources: tuple[Path, ...], out: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([cxx, *FLAGS, *map(str, sources), "-o", tmp], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([cxx, *flags, *map(str, sources), "-o", tmp], capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{cxx} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, out)  # atomic: a concurrent builder sees the old file or the new one
@@ -64,10 +64,12 @@ def _compile(sources: tuple[Path, ...], out: Path) -> None:
 
 
 class KernelLibrary:
-    """Kernel sources built into one library on first `load()`, then the same ctypes library (or None) every time."""
+    """Kernel sources built into one library on first `load()`, then the same ctypes library (or None) every time.
+    `extra_flags` follow FLAGS: the tests build the AVX2 code of an AVX-512 CPU with "-mno-avx512f"."""
 
-    def __init__(self, sources: tuple[str, ...], bind: Callable[[ctypes.CDLL], ctypes.CDLL]) -> None:
+    def __init__(self, sources: tuple[str, ...], bind: Callable[[ctypes.CDLL], ctypes.CDLL], extra_flags: tuple[str, ...] = ()) -> None:
         self.sources, self._bind = tuple(HERE / s for s in sources), bind
+        self.flags = [*FLAGS, *extra_flags]
         self._lock = threading.Lock()
         self._lib: ctypes.CDLL | None = None
         self._tried = False
@@ -80,11 +82,11 @@ class KernelLibrary:
             if self._tried:
                 return self._lib
             text = b"".join(p.read_bytes() for p in (*self.sources, *(HERE / h for h in HEADERS)))
-            key = hashlib.sha256(text + " ".join(FLAGS).encode() + _cpu_tag().encode()).hexdigest()[:16]
+            key = hashlib.sha256(text + " ".join(self.flags).encode() + _cpu_tag().encode()).hexdigest()[:16]
             path = kernel_dir() / f"deltafind-cpu-{key}.so"
             try:
                 if not path.exists():
-                    _compile(self.sources, path)
+                    _compile(self.sources, path, self.flags)
                 self._lib = self._bind(ctypes.CDLL(str(path)))
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 self.build_error = str(e)
@@ -140,7 +142,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-CPU = KernelLibrary(("stored_cpu.cpp", "layer_cpu.cpp", "mxfp4_cpu.cpp"), _bind)
+SOURCES = ("stored_cpu.cpp", "layer_cpu.cpp", "mxfp4_cpu.cpp")
+CPU = KernelLibrary(SOURCES, _bind)
 
 
 def load_kernel() -> ctypes.CDLL | None:

@@ -246,21 +246,21 @@ bool fused_tile(const uint8_t* row, int64_t cols, const float* x, int64_t ldx, i
 // 32 columns), bf16/f16/row-int8 decoded in registers, or (no AVX2) decoded chunk by chunk into an L1
 // buffer (those two in dot_chunk's lane order).
 void accumulate(int kind, const uint8_t* first, int64_t nrows, int64_t row_bytes, int64_t cols, const float* x,
-                int64_t ldx, const float* xs, int64_t ldxs, int nt, float* acc, int64_t stride) {
+                int64_t ldx, const float* xs, int64_t ldxs, int nt, float* acc, int64_t stride, const uint8_t* run_end) {
 #ifdef __AVX2__
   switch (kind) {
-    case Q8_0: if (dfq::tile<Q8_0>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride)) return; break;
-    case Q4_0: if (dfq::tile<Q4_0>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride)) return; break;
-    case Q4_1: if (dfq::tile<Q4_1>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride)) return; break;
-    case Q5_0: if (dfq::tile<Q5_0>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride)) return; break;
-    case Q5_1: if (dfq::tile<Q5_1>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride)) return; break;
-    case Q4_K: if (dfq::tile<Q4_K>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride)) return; break;
-    case Q5_K: if (dfq::tile<Q5_K>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride)) return; break;
-    case Q6_K: if (dfq::tile<Q6_K>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride)) return; break;
+    case Q8_0: if (dfq::tile<Q8_0>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride, run_end)) return; break;
+    case Q4_0: if (dfq::tile<Q4_0>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride, run_end)) return; break;
+    case Q4_1: if (dfq::tile<Q4_1>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride, run_end)) return; break;
+    case Q5_0: if (dfq::tile<Q5_0>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride, run_end)) return; break;
+    case Q5_1: if (dfq::tile<Q5_1>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride, run_end)) return; break;
+    case Q4_K: if (dfq::tile<Q4_K>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride, run_end)) return; break;
+    case Q5_K: if (dfq::tile<Q5_K>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride, run_end)) return; break;
+    case Q6_K: if (dfq::tile<Q6_K>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride, run_end)) return; break;
     default: break;
   }
 #else
-  (void)xs, (void)ldxs;
+  (void)xs, (void)ldxs, (void)run_end;
 #endif
   for (int64_t r = 0; r < nrows; ++r) {
     const uint8_t* row = first + r * row_bytes;
@@ -347,7 +347,7 @@ int df_stored_parts(const Part* parts, int n, int stack_cols, const float* x, in
         for (int p = 0; p < count; ++p) {
           accumulate(static_cast<int>(first[p].kind), first[p].data + c0 * first[p].row_bytes, c1 - c0, first[p].row_bytes,
                      first[p].cols, x + t0 * ldx + x_col, ldx, xs.data() + t0 * ldxs + x_col / 32, ldxs, nt, sums.data(),
-                     nt * 32);
+                     nt * 32, first[p].data + r1 * first[p].row_bytes);
           x_col += first[p].cols;
         }
         for (int64_t r = c0; r < c1; ++r)
