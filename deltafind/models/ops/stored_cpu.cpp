@@ -336,22 +336,29 @@ int df_stored_parts(const Part* parts, int n, int stack_cols, const float* x, in
   auto rows_of = [&](int64_t r0, int64_t r1, const Part* first, int count, int64_t y_col) {
     int64_t row_bytes = 0;
     for (int p = 0; p < count; ++p) row_bytes += first[p].row_bytes;
-    const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(r1 - r0, (32 << 10) / row_bytes));
-    std::vector<float> sums(static_cast<size_t>(chunk * kTile * 32));
+    // Chunks keep a tile's weights in L1/L2 while the next tiles of tokens pass; a decode step (one tile)
+    // takes its run whole, each part's rows in one stream.
+    const int64_t chunk = T <= kTile ? r1 - r0 : std::max<int64_t>(1, std::min<int64_t>(r1 - r0, (32 << 10) / row_bytes));
+    // Each thread keeps its accumulators between calls: allocating and zeroing kTile tokens' worth per task
+    // (46 KB for a 192-row part) cost a decode step's MLP ~10 % on one core (tests/bench/RESULTS.md).
+    thread_local std::vector<float> kept;
+    const size_t need = static_cast<size_t>(chunk * std::min<int64_t>(T, kTile) * 32);
+    if (kept.size() < need) kept.resize(need);
+    float* const sums = kept.data();
     for (int64_t c0 = r0; c0 < r1; c0 += chunk) {
       const int64_t c1 = std::min(r1, c0 + chunk);
       for (int64_t t0 = 0; t0 < T; t0 += kTile) {
         const int nt = static_cast<int>(std::min<int64_t>(kTile, T - t0));
-        std::fill(sums.begin(), sums.begin() + (c1 - c0) * nt * 32, 0.0f);  // row r's nt accumulators at (r - c0) * nt * 32
+        std::fill(sums, sums + (c1 - c0) * nt * 32, 0.0f);  // row r's nt accumulators at (r - c0) * nt * 32
         int64_t x_col = 0;
         for (int p = 0; p < count; ++p) {
           accumulate(static_cast<int>(first[p].kind), first[p].data + c0 * first[p].row_bytes, c1 - c0, first[p].row_bytes,
-                     first[p].cols, x + t0 * ldx + x_col, ldx, xs.data() + t0 * ldxs + x_col / 32, ldxs, nt, sums.data(),
+                     first[p].cols, x + t0 * ldx + x_col, ldx, xs.data() + t0 * ldxs + x_col / 32, ldxs, nt, sums,
                      nt * 32, first[p].data + r1 * first[p].row_bytes);
           x_col += first[p].cols;
         }
         for (int64_t r = c0; r < c1; ++r)
-          for (int t = 0; t < nt; ++t) y[(t0 + t) * ldy + y_col + r] = reduce32(sums.data() + ((r - c0) * nt + t) * 32);
+          for (int t = 0; t < nt; ++t) y[(t0 + t) * ldy + y_col + r] = reduce32(sums + ((r - c0) * nt + t) * 32);
       }
     }
   };
