@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from deltafind.models.ops.cpu_kernels import KernelLibrary
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -56,6 +61,16 @@ def make_hf_checkpoint(family: str, folder: Path, seed: int = 0, dtype: str = "f
     model.to(getattr(torch, dtype)).save_pretrained(folder)
     write_tiny_tokenizer(folder)
     return folder
+
+
+@functools.cache
+def avx2_kernels() -> KernelLibrary:
+    """The CPU kernels built as x86 CPUs without AVX-512 run them ("-mno-avx512f"): on an AVX-512 CPU the
+    default build decodes by table (stored_blocks.h row512, mxfp4_cpu.cpp rows512), so this build is how
+    the other path is tested here too. `load()` is None where it cannot be built (another ISA)."""
+    from deltafind.models.ops.cpu_kernels import SOURCES, KernelLibrary, _bind
+
+    return KernelLibrary(SOURCES, _bind, ("-mno-avx512f",))
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ import torch
 
 from deltafind.models.ops import mxfp4
 from deltafind.models.ops.cpu_kernels import load_kernel
+from tests.conftest import avx2_kernels
 
 
 def e2m1(code: int) -> float:
@@ -124,3 +125,26 @@ def test_fused_expert_half_equals_two_matmuls_and_situ() -> None:
     gate, up = mxfp4.fused_linear(x, *w1), mxfp4.fused_linear(x, *w3)  # the same sums, bit for bit
     torch.testing.assert_close(fused, situ(gate, up), atol=1e-6, rtol=1e-6)  # libm vs torch tanh/exp: ulps
     assert torch.equal(mxfp4.fused_gate_up_situ(x[3:4], w1, w3, 4.0, 25.0)[0], fused[3])
+
+
+@pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler: the fused kernel is not built")
+def test_the_avx2_and_default_builds_both_hold_the_bound_for_any_batch() -> None:
+    """An AVX-512 CPU decodes by table (mxfp4_cpu.cpp rows512), others take the AVX2 code, built here
+    with -mno-avx512f: each stays within the fp32 bound, and a token alone gives its row in a batch."""
+    if (avx2 := avx2_kernels()).load() is None:
+        pytest.skip(f"no AVX2 build on this CPU: {avx2.build_error}")
+    packed, scale = _random_pack(67, 256, seed=9)
+    w = mxfp4.dequantize_reference(packed, scale)
+    x = torch.randn(10, 256, generator=torch.Generator().manual_seed(9))
+    exact = x.double() @ w.double().T
+
+    def run(lib: object, xs: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(xs.shape[0], 67)
+        assert lib.df_mxfp4_matmul(xs.data_ptr(), xs.shape[0], 256, packed.data_ptr(), scale.data_ptr(), 67, 256, y.data_ptr(), 67, 2) == 0
+        return y
+
+    for lib in (load_kernel(), avx2.load()):
+        y = run(lib, x)
+        assert ((y.double() - exact).abs() <= fp32_bound(x, w)).all()
+        for t in (0, 4, 9):
+            assert torch.equal(run(lib, x[t : t + 1].contiguous())[0], y[t])

@@ -10,17 +10,18 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from deltafind.models.ops.cpu_kernels import CPU, SOURCES, KernelLibrary, StoredPart, _bind
+from deltafind.models.ops.cpu_kernels import CPU, StoredPart
 from deltafind.models.ops.stored import (
     BLOCKS,
-    FusedLinear,
     KINDS,
+    FusedLinear,
     StoredWeight,
     dequantize,
     gguf_dequantize,
     stored_linear,
     to_row_int8,
 )
+from tests.conftest import avx2_kernels
 
 needs_kernel = pytest.mark.skipif(CPU.load() is None, reason=f"no C++ compiler: {CPU.build_error}")
 # gguf-py can quantize these itself; Q4_K/Q5_K/Q6_K blocks are drawn as random bytes with sane scales below.
@@ -232,11 +233,6 @@ def test_block_formats_err_like_an_fp32_matmul_against_fp64(kind: str) -> None:
     assert float(((widened - exact).abs() / scale).max()) < 4e-7  # the bound is the fp32 matmul's own
 
 
-# The AVX2 code, which x86 CPUs without AVX-512 run: on an AVX-512 CPU the default build takes the table
-# decode (stored_blocks.h row512), so this build is how the other path is tested here too.
-AVX2 = KernelLibrary(SOURCES, _bind, ("-mno-avx512f",))
-
-
 def _parts_matmul(lib: object, w: StoredWeight, x: torch.Tensor, threads: int) -> torch.Tensor:
     part = (StoredPart * 1)(StoredPart(KINDS[w.kind], w.rows, w.cols, w.data.shape[1], w.data.data_ptr()))
     y = torch.empty(x.shape[0], w.rows)
@@ -249,12 +245,12 @@ def _parts_matmul(lib: object, w: StoredWeight, x: torch.Tensor, threads: int) -
 def test_the_avx2_and_default_builds_both_match_the_widened_path_for_any_batch(kind: str) -> None:
     """Both builds agree with decode-then-matmul within summation-order noise, and each gives a token
     the same row alone as inside a batch of 6 (past one tile of 4)."""
-    if AVX2.load() is None:
-        pytest.skip(f"no AVX2 build on this CPU: {AVX2.build_error}")
+    if (avx2 := avx2_kernels()).load() is None:
+        pytest.skip(f"no AVX2 build on this CPU: {avx2.build_error}")
     w = StoredWeight.of(_blocks(kind, 45, 1024, seed=11), kind, 1024)
     x = torch.randn(6, 1024, generator=torch.Generator().manual_seed(11))
     ref = _widened(x, w)
-    for lib in (CPU.load(), AVX2.load()):
+    for lib in (CPU.load(), avx2.load()):
         batch = _parts_matmul(lib, w, x, threads=2)
         torch.testing.assert_close(batch, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
         for t in range(6):

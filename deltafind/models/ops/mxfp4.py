@@ -148,7 +148,7 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | No
 def fused_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [T, C] fp32 -> [T, R] through the fused kernel (no weight is materialised).
 
-    Per output: eight fp32 lanes of FMAs, group by group, then one fixed tree; the
+    Per output: fp32 lanes of FMAs (8, or 32 on AVX-512), group by group, then one fixed tree; the
     result does not depend on T or on the thread count.
     """
     lib = load_kernel()
