@@ -230,8 +230,9 @@ inline __attribute__((always_inline)) void row(const uint8_t* row, int64_t cols,
 // operations in its order) indexed by the codes with vpermps, and dot them with fp32 FMAs. Lanes [0, 16)
 // of acc[t] take weights 0-15 of each group of 32, lanes [16, 32) weights 16-31; lane 16's m terms are
 // not used (the m is in the table). Per 32 Q4_1 weights that is ~12 instructions where the factored AVX2
-// path takes ~25, which bounded one core (tests/bench/RESULTS.md). Q6_K's 64 codes take the AVX2 path, and
-// so does Q5_K, whose 32-value tables per 32 weights ran 15 % slower than it (Q4_0 and Q5_1 ran ~28 % faster).
+// path takes ~25, which bounded one core: one token's matmul 1.09x (Q4_1) to 1.76x (Q5_0) faster, Q8_0
+// even (tests/bench/bench_block_kernels.py). Q6_K's 64 codes take the AVX2 path, and so does Q5_K, whose
+// 32-value tables per 32 weights ran 15 % slower than it.
 template <int K>
 constexpr bool wide() { return K != 14 && K != 13; }
 
