@@ -220,9 +220,10 @@ def test_results_do_not_depend_on_threads_and_calls_from_many_threads_stay_separ
 @pytest.mark.parametrize("kind", QUANTIZABLE + K_QUANTS)
 def test_block_formats_err_like_an_fp32_matmul_against_fp64(kind: str) -> None:
     """The block formats are dotted factored per 32 (or 16) weights, d * (q . x) + m * sum(x), on AVX2,
-    or decoded exactly by table on AVX-512 (stored_blocks.h): every weight exact, only the fp32 rounding moves. Against an fp64 matmul of the
-    same weights, its error per output, relative to sum |x w|, stays at the fp32 matmul's level
-    (measured: at most 9.2e-8, the widened fp32 matmul 4.3e-8, for 1536 columns)."""
+    or decoded exactly by table on AVX-512 (stored_blocks.h): every weight exact, only the fp32
+    rounding moves. Against an fp64 matmul of the same weights, its error per output, relative to
+    sum |x w|, stays at the fp32 matmul's level (measured: at most 9.2e-8, the widened fp32 matmul
+    4.3e-8, for 1536 columns)."""
     w = StoredWeight.of(_blocks(kind, 300, 1536, seed=5), kind, 1536)
     x = torch.randn(4, 1536, generator=torch.Generator().manual_seed(5))
     exact_w = gguf_dequantize(w).double()

@@ -3,9 +3,10 @@
 //
 // y[t, r] = sum_c w(r, c) * x[t, c], every w(r, c) its exact stored value. The decode (df_stored_dequant,
 // and the matmul without AVX2) is gguf-py's numpy dequantize, the same fp32 operations in the same order
-// (built with -ffp-contract=off so d*q + m is never fused). The block formats are dotted factored,
-// d * (q . x) + m * sum(x) per group of weights (stored_blocks.h); bf16/f16/row-int8 are widened in
-// registers; without AVX2 every format is decoded chunk by chunk into an L1 buffer. Each (token, row) sums in fixed lanes
+// (built with -ffp-contract=off so d*q + m is never fused). The block formats are dotted in registers
+// (stored_blocks.h): on AVX-512 each weight decoded exactly by table, on AVX2 factored, d * (q . x) + m *
+// sum(x) per group of weights; bf16/f16/row-int8 are widened in registers; without AVX2 every format is
+// decoded chunk by chunk into an L1 buffer. Each (token, row) sums in fixed lanes
 // combined by one fixed tree at the end; that order does not depend on the number of tokens or
 // threads, so one token and a batch give bit-identical rows. Built by deltafind/models/ops/cpu_kernels.py.
 #include <cmath>
@@ -242,8 +243,8 @@ bool fused_tile(const uint8_t* row, int64_t cols, const float* x, int64_t ldx, i
 #endif
 
 // For nrows rows `row_bytes` apart from `first` and t < nt (<= kTile): acc_r[t] += row_r . x[t], acc_r at
-// acc + r * stride, `cols` weights of `kind`: the block formats factored (stored_blocks.h; xs: x's sums per
-// 32 columns), bf16/f16/row-int8 decoded in registers, or (no AVX2) decoded chunk by chunk into an L1
+// acc + r * stride, `cols` weights of `kind`: the block formats in registers (stored_blocks.h; xs: x's sums
+// per 32 columns, for the AVX2 path), bf16/f16/row-int8 decoded in registers, or (no AVX2) decoded chunk by chunk into an L1
 // buffer (those two in dot_chunk's lane order).
 void accumulate(int kind, const uint8_t* first, int64_t nrows, int64_t row_bytes, int64_t cols, const float* x,
                 int64_t ldx, const float* xs, int64_t ldxs, int nt, float* acc, int64_t stride, const uint8_t* run_end) {
