@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
+    import torch
+
     from deltafind.models.ops.cpu_kernels import KernelLibrary
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -61,6 +63,31 @@ def make_hf_checkpoint(family: str, folder: Path, seed: int = 0, dtype: str = "f
     model.to(getattr(torch, dtype)).save_pretrained(folder)
     write_tiny_tokenizer(folder)
     return folder
+
+
+def gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """A [rows, row_bytes] uint8 matrix of GGUF `kind` blocks: Q4_0..Q8_0 quantized by gguf-py from normal
+    weights, the K-quants random codes with fp16 scales in a model's range (random bytes would make
+    infinities and NaNs)."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from deltafind.models.ops.stored import BLOCKS
+
+    rng = np.random.default_rng(seed)
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
+        return torch.from_numpy(quantize(w, GGMLQuantizationType[kind]))
+    per, size = BLOCKS[kind]
+    raw = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
+    scale = (rng.standard_normal((rows, cols // per, 2)).astype(np.float16) * np.float16(0.01)).view(np.uint8)
+    if kind == "Q6_K":
+        raw[..., 208:210] = scale[..., :2]  # d
+    else:
+        raw[..., 0:4] = scale  # d, dmin
+    return torch.from_numpy(raw.reshape(rows, -1))
 
 
 @functools.cache

@@ -31,17 +31,11 @@ class ByteLRU(Generic[K, V]):
         self._lock = threading.Lock()
 
     def get(self, key: K) -> V | None:
-        with self._lock:
-            item = self._items.get(key)
-            if item is None:
-                self.misses += 1
-                return None
-            self._items.move_to_end(key)
-            self.hits += 1
-            return item[0]
+        return self.get_many([key])[0]
 
     def get_many(self, keys: list[K]) -> list[V | None]:
-        """`get` of each key under one lock (a layer's experts at once)."""
+        """The value of each key (None where not held, a miss), each held one marked as just used; under one
+        lock for all (a layer's experts at once)."""
         with self._lock:
             out = []
             for key in keys:

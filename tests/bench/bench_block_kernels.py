@@ -22,29 +22,15 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from deltafind.models.ops.cpu_kernels import CPU, StoredPart
-from deltafind.models.ops.stored import BLOCKS, KINDS
-from tests.conftest import avx2_kernels
+from deltafind.models.ops.stored import KINDS
+from tests.conftest import avx2_kernels, gguf_blocks
 
 FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"]
-
-
-def _blocks(kind: str, rows: int, cols: int) -> torch.Tensor:
-    """Random codes with fp16 scales in a model's range (random bytes would make infinities)."""
-    rng = np.random.default_rng(0)
-    per, size = BLOCKS[kind]
-    raw = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
-    scale = (rng.standard_normal((rows, cols // per, 2)).astype(np.float16) * np.float16(0.01)).view(np.uint8)
-    if kind == "Q6_K":
-        raw[..., 208:210] = scale[..., :2]
-    else:
-        raw[..., 0:4] = scale
-    return torch.from_numpy(raw.reshape(rows, -1))
 
 
 def _call(kind: str, rows: int, cols: int):  # -> (lib, threads) -> None
@@ -54,7 +40,7 @@ def _call(kind: str, rows: int, cols: int):  # -> (lib, threads) -> None
         scale = torch.randint(118, 127, (rows, cols // 32), dtype=torch.uint8)
         return lambda lib, n: lib.df_mxfp4_matmul(x.data_ptr(), 1, cols, packed.data_ptr(), scale.data_ptr(), rows, cols,
                                                   y.data_ptr(), rows, n)
-    w = _blocks(kind, rows, cols)
+    w = gguf_blocks(kind, rows, cols)
     part = (StoredPart * 1)(StoredPart(KINDS[kind], rows, cols, w.shape[1], w.data_ptr()))
     return lambda lib, n, w=w: lib.df_stored_parts(part, 1, 0, x.data_ptr(), 1, cols, y.data_ptr(), rows, n)  # w: the part points into it
 

@@ -3,12 +3,9 @@ matmul equals the fp32-widened path (decode, then torch's matmul) within summati
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType
-from gguf.quants import quantize
 
 from deltafind.models.ops.cpu_kernels import CPU, StoredPart
 from deltafind.models.ops.stored import (
@@ -21,28 +18,12 @@ from deltafind.models.ops.stored import (
     stored_linear,
     to_row_int8,
 )
-from tests.conftest import avx2_kernels
+from tests.conftest import avx2_kernels, gguf_blocks
 
 needs_kernel = pytest.mark.skipif(CPU.load() is None, reason=f"no C++ compiler: {CPU.build_error}")
 # gguf-py can quantize these itself; Q4_K/Q5_K/Q6_K blocks are drawn as random bytes with sane scales below.
 QUANTIZABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
-
-
-def _blocks(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
-    rng = np.random.default_rng(seed)
-    if kind in QUANTIZABLE:
-        w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
-        return torch.from_numpy(quantize(w, GGMLQuantizationType[kind]))
-    per, size = BLOCKS[kind]
-    raw = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
-    # fp16 scales in a model's range (random bytes would make infinities and NaNs)
-    scale = (rng.standard_normal((rows, cols // per, 2)).astype(np.float16) * np.float16(0.01)).view(np.uint8)
-    if kind == "Q6_K":
-        raw[..., 208:210] = scale[..., :2]  # d
-    else:
-        raw[..., 0:4] = scale  # d, dmin
-    return torch.from_numpy(raw.reshape(rows, -1))
 
 
 @needs_kernel
@@ -51,7 +32,7 @@ def _blocks(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
 def test_decode_is_bit_identical_to_gguf(kind: str, cols: int) -> None:
     if BLOCKS[kind][0] == 256 and cols % 256:
         pytest.skip("K-quants have 256-weight blocks")
-    w = StoredWeight.of(_blocks(kind, 37, cols, seed=cols), kind, cols)
+    w = StoredWeight.of(gguf_blocks(kind, 37, cols, seed=cols), kind, cols)
     ours, oracle = dequantize(w), gguf_dequantize(w)
     assert torch.isfinite(oracle).all()
     assert torch.equal(ours.view(torch.int32), oracle.view(torch.int32))  # bit for bit, signed zeros too
@@ -70,7 +51,7 @@ def test_matmul_matches_widened_path(kind: str, tokens: int) -> None:
     if kind in ("BF16", "F16"):
         w = StoredWeight.of((torch.randn(rows, cols) * 0.05).to(torch.bfloat16 if kind == "BF16" else torch.float16))
     else:
-        w = StoredWeight.of(_blocks(kind, rows, cols, seed=7), kind, cols)
+        w = StoredWeight.of(gguf_blocks(kind, rows, cols, seed=7), kind, cols)
     x = torch.randn(tokens, cols)
     ours, ref = stored_linear(x, w), _widened(x, w)
     assert ours.dtype == torch.float32 and ours.shape == (tokens, rows)
@@ -83,7 +64,7 @@ def test_rows_do_not_depend_on_batch(kind: str) -> None:
     """One token and the same token inside a batch give bit-identical rows (drafts verify in batches)."""
     cols = 512 if kind.endswith("_K") else 768
     w = (StoredWeight.of((torch.randn(33, cols) * 0.05).to(torch.bfloat16)) if kind == "BF16"
-         else StoredWeight.of(_blocks(kind, 33, cols, seed=3), kind, cols))
+         else StoredWeight.of(gguf_blocks(kind, 33, cols, seed=3), kind, cols))
     x = torch.randn(11, cols)
     batch = stored_linear(x, w)
     for t in range(11):
@@ -92,7 +73,7 @@ def test_rows_do_not_depend_on_batch(kind: str) -> None:
 
 def test_torch_fallback_is_the_oracle_path() -> None:
     """Off the kernel (fp64 activations here), the matmul is the widened path exactly."""
-    w = StoredWeight.of(_blocks("Q4_0", 8, 64, seed=1), "Q4_0", 64)
+    w = StoredWeight.of(gguf_blocks("Q4_0", 8, 64, seed=1), "Q4_0", 64)
     x = torch.randn(2, 64, dtype=torch.float64)
     assert torch.equal(stored_linear(x, w), F.linear(x, gguf_dequantize(w).double()))
 
@@ -130,7 +111,7 @@ def _weight(kind: str, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, s
     """(tensor, quant tag) of a stored weight: bf16, or GGUF blocks with their tag."""
     if kind == "BF16":
         return (torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.05).to(torch.bfloat16), ""
-    return _blocks(kind, rows, cols, seed), f"{kind}/{cols}"
+    return gguf_blocks(kind, rows, cols, seed), f"{kind}/{cols}"
 
 
 @needs_kernel
@@ -224,7 +205,7 @@ def test_block_formats_err_like_an_fp32_matmul_against_fp64(kind: str) -> None:
     rounding moves. Against an fp64 matmul of the same weights, its error per output, relative to
     sum |x w|, stays at the fp32 matmul's level (measured: at most 9.2e-8, the widened fp32 matmul
     4.3e-8, for 1536 columns)."""
-    w = StoredWeight.of(_blocks(kind, 300, 1536, seed=5), kind, 1536)
+    w = StoredWeight.of(gguf_blocks(kind, 300, 1536, seed=5), kind, 1536)
     x = torch.randn(4, 1536, generator=torch.Generator().manual_seed(5))
     exact_w = gguf_dequantize(w).double()
     exact = x.double() @ exact_w.T
@@ -248,7 +229,7 @@ def test_the_avx2_and_default_builds_both_match_the_widened_path_for_any_batch(k
     the same row alone as inside a batch of 6 (past one tile of 4)."""
     if (avx2 := avx2_kernels()).load() is None:
         pytest.skip(f"no AVX2 build on this CPU: {avx2.build_error}")
-    w = StoredWeight.of(_blocks(kind, 45, 1024, seed=11), kind, 1024)
+    w = StoredWeight.of(gguf_blocks(kind, 45, 1024, seed=11), kind, 1024)
     x = torch.randn(6, 1024, generator=torch.Generator().manual_seed(11))
     ref = _widened(x, w)
     for lib in (CPU.load(), avx2.load()):

@@ -137,6 +137,10 @@ void rows_tile(const float* x, int64_t ldx, int nt, const uint8_t* packed, const
   }
 }
 
+// Tokens per pass of the split rows (AVX-512): 4, so two rows share each load of x (a tile of 8 tokens of
+// a 3584-wide x, 115 KB, came from L2 for every row).
+constexpr int kSplitTile = 4;
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // AVX-512: each weight decoded exactly as df_mxfp4_dequant decodes it, E2M1 value * 2^(s-127), from the
 // group's 16-value table (one multiply) indexed by the codes with vpermps: even columns from the low
@@ -193,18 +197,14 @@ void tile512(const float* xs, int64_t C, const uint8_t* packed, const uint8_t* s
   for (; r < r1; ++r) rows512<1, NT>(xs, C, packed, scale, r, y, ldy);
 }
 
-// Rows [r0, r1) for tokens [t0, t0+nt) of the split x, nt <= kTile.
+// Rows [r0, r1) for tokens [t0, t0+nt) of the split x, nt <= kSplitTile.
 void rows_split(const float* xs, int nt, const uint8_t* packed, const uint8_t* scale, int64_t r0, int64_t r1, int64_t C,
                 float* y, int64_t ldy) {
   switch (nt) {
     case 1: tile512<1>(xs, C, packed, scale, r0, r1, y, ldy); break;
     case 2: tile512<2>(xs, C, packed, scale, r0, r1, y, ldy); break;
     case 3: tile512<3>(xs, C, packed, scale, r0, r1, y, ldy); break;
-    case 4: tile512<4>(xs, C, packed, scale, r0, r1, y, ldy); break;
-    case 5: tile512<5>(xs, C, packed, scale, r0, r1, y, ldy); break;
-    case 6: tile512<6>(xs, C, packed, scale, r0, r1, y, ldy); break;
-    case 7: tile512<7>(xs, C, packed, scale, r0, r1, y, ldy); break;
-    default: tile512<8>(xs, C, packed, scale, r0, r1, y, ldy); break;
+    default: tile512<kSplitTile>(xs, C, packed, scale, r0, r1, y, ldy); break;
   }
 }
 #else
@@ -212,10 +212,6 @@ constexpr bool kSplit = false;
 std::vector<float> split(const float*, int64_t, int64_t, int64_t) { return {}; }
 void rows_split(const float*, int, const uint8_t*, const uint8_t*, int64_t, int64_t, int64_t, float*, int64_t) {}
 #endif
-
-// Tokens per pass of the split rows: 4, so two rows share each load of x (below: a tile of 8 tokens of a
-// 3584-wide x, 115 KB, came from L2 for every row).
-constexpr int kSplitTile = 4;
 
 // Rows [r0, r1) of W (packed, scale) for all T tokens of x: by the split x where the build takes it.
 void rows_all(const float* x, int64_t ldx, const std::vector<float>& xs, int64_t T, const uint8_t* packed, const uint8_t* scale,
