@@ -17,9 +17,9 @@
 // of 32), [8, 16) of weights 16-31; lane 16 takes the m terms, m * (sum of the group's x), one group
 // after another. The order depends on neither the number of tokens nor of threads.
 //
-// That is the AVX2 path. A CPU with AVX-512 takes row512 below instead: each weight decoded exactly (a
-// table of the group's code values, decode()'s arithmetic), then plain fp32 FMAs. The two differ only in
-// fp32 rounding; tests/unit/test_stored_kernels.py builds and checks both.
+// That is the AVX2 path. A CPU with AVX-512 takes stored_rows.h's row512 instead: each weight decoded
+// exactly (a table of the group's code values, decode()'s arithmetic), then plain fp32 FMAs. The two
+// differ only in fp32 rounding; tests/unit/test_stored_kernels.py builds and checks both.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -221,138 +221,6 @@ inline __attribute__((always_inline)) void row(const uint8_t* row, int64_t cols,
     _mm256_storeu_ps(acc[t], a[t][0]);
     _mm256_storeu_ps(acc[t] + 8, a[t][1]);
     acc[t][16] = am[t];
-  }
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-// CPUs with AVX-512 decode every weight exactly as decode() does (stored_cpu.cpp), through the group's
-// table of code values (16, or 32 for the 5-bit formats: one mul and one add per 16 values, decode()'s
-// operations in its order) indexed by the codes with vpermps, and dot them with fp32 FMAs. Lanes [0, 16)
-// of acc[t] take weights 0-15 of each group of 32, lanes [16, 32) weights 16-31; lane 16's m terms are
-// not used (the m is in the table). Per 32 Q4_1 weights that is ~12 instructions where the factored AVX2
-// path takes ~25, which bounded one core: one token's matmul 1.09x (Q4_1) to 1.76x (Q5_0) faster, Q8_0
-// even (tests/bench/bench_block_kernels.py). Q6_K's 64 codes take the AVX2 path, and so does Q5_K, whose
-// 32-value tables per 32 weights ran 15 % slower than it.
-template <int K>
-constexpr bool wide() { return K != 14 && K != 13; }
-
-inline __m512 iota16(float from) {
-  return _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps(from));
-}
-
-// Values of codes 0-15 (lo) and, for the 5-bit formats, 16-31 (hi): Q4_0/Q5_0 d * (q - offset); Q4_1/Q5_1
-// d * q + m; Q4_K d*sc * q - dmin*mn (here d and m), each as decode() computes it.
-template <int K>
-inline void tables(float d, float m, __m512* lo, __m512* hi) {
-  const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
-  constexpr bool five = K == 6 || K == 7;
-  for (int half = 0; half < (five ? 2 : 1); ++half) {
-    __m512* out = half ? hi : lo;
-    const float first = 16.0f * static_cast<float>(half);
-    if constexpr (K == 2 || K == 6)
-      *out = _mm512_mul_ps(dv, iota16(first - static_cast<float>(offset<K>())));
-    else if constexpr (K == 12)
-      *out = _mm512_sub_ps(_mm512_mul_ps(dv, iota16(first)), mv);
-    else
-      *out = _mm512_add_ps(_mm512_mul_ps(dv, iota16(first)), mv);
-  }
-}
-
-// 32 weights: codes c0 (weights 0-15) and c1 (16-31) as int32, low 4 bits the code (higher bits are
-// ignored), and for the 5-bit formats h's bit j the 5th bit of weight j.
-template <int K, int NT>
-inline void group512(__m512i c0, __m512i c1, uint32_t h, __m512 lo, __m512 hi, const float* x, int64_t ldx,
-                     __m512 (*a)[2]) {
-  __m512 w0, w1;
-  if constexpr (K == 6 || K == 7) {
-    const __m512i low4 = _mm512_set1_epi32(15), bit4 = _mm512_set1_epi32(16);
-    c0 = _mm512_and_si512(c0, low4), c1 = _mm512_and_si512(c1, low4);
-    w0 = _mm512_permutex2var_ps(lo, _mm512_mask_or_epi32(c0, static_cast<__mmask16>(h), c0, bit4), hi);
-    w1 = _mm512_permutex2var_ps(lo, _mm512_mask_or_epi32(c1, static_cast<__mmask16>(h >> 16), c1, bit4), hi);
-  } else {
-    (void)h, (void)hi;
-    w0 = _mm512_permutexvar_ps(c0, lo), w1 = _mm512_permutexvar_ps(c1, lo);
-  }
-  for (int t = 0; t < NT; ++t) {
-    a[t][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + t * ldx), a[t][0]);
-    a[t][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + t * ldx + 16), a[t][1]);
-  }
-}
-
-template <int K, int NT>
-inline __attribute__((always_inline)) void row512(const uint8_t* row, int64_t cols, const float* x, int64_t ldx,
-                                                  float (*acc)[32]) {
-  __m512 a[NT][2];
-  for (int t = 0; t < NT; ++t) a[t][0] = _mm512_loadu_ps(acc[t]), a[t][1] = _mm512_loadu_ps(acc[t] + 16);
-  __m512 lo, hi = _mm512_setzero_ps();
-  if constexpr (K == 12) {  // Q4_K
-    k45_groups<K>(row, cols, [&](int i, float ds, float dm, const uint8_t* qs, const uint8_t*, int64_t col) {
-      tables<K>(ds, dm, &lo, &hi);
-      __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
-      __m512i c1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
-      if (i % 2) c0 = _mm512_srli_epi32(c0, 4), c1 = _mm512_srli_epi32(c1, 4);
-      group512<K, NT>(c0, c1, 0, lo, hi, x + col, ldx, a);
-    });
-  } else if constexpr (K == 8) {  // Q8_0: code * d (exact: 8 by 11 significant bits)
-    for (int64_t k = 0; k < cols / 32; ++k) {
-      const uint8_t* b = row + k * block_bytes(K);
-      const __m512 d = _mm512_set1_ps(h2f(rd16(b)));
-      const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)))), d);
-      const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)))), d);
-      for (int t = 0; t < NT; ++t) {
-        a[t][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + t * ldx + 32 * k), a[t][0]);
-        a[t][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + t * ldx + 32 * k + 16), a[t][1]);
-      }
-    }
-  } else {  // Q4_0, Q4_1, Q5_0, Q5_1: weight j's code in the low nibble of byte j, weight 16 + j's in the high
-    constexpr bool five = K == 6 || K == 7;
-    for (int64_t k = 0; k < cols / 32; ++k) {
-      const uint8_t* b = row + k * block_bytes(K);
-      tables<K>(h2f(rd16(b)), has_min<K>() ? h2f(rd16(b + 2)) : 0.0f, &lo, &hi);
-      uint32_t h = 0;
-      if (five) std::memcpy(&h, b + (has_min<K>() ? 4 : 2), 4);
-      const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + (has_min<K>() ? 2 : 0) + (five ? 4 : 0))));
-      group512<K, NT>(c, _mm512_srli_epi32(c, 4), h, lo, hi, x + 32 * k, ldx, a);
-    }
-  }
-  for (int t = 0; t < NT; ++t) _mm512_storeu_ps(acc[t], a[t][0]), _mm512_storeu_ps(acc[t] + 16, a[t][1]);
-}
-#else
-template <int K>
-constexpr bool wide() { return false; }
-template <int K, int NT>
-inline void row512(const uint8_t*, int64_t, const float*, int64_t, float (*)[32]) {}
-#endif
-
-constexpr int64_t kAheadBytes = 2048;  // software prefetch distance in a run of rows (tests/bench/RESULTS.md)
-
-// `row` for `nrows` rows `row_bytes` apart, each adding into its own acc (`stride` floats apart): one call
-// per run of rows, not per row (a dense layer's down slices are 6 blocks a row). The bytes are prefetched
-// kAheadBytes ahead up to `end`, the end of the caller's whole run of this matrix's rows (past this call's
-// rows, so a run split into chunks streams on): out of cache, one core streamed Q4_1 weights at ~6 GB/s
-// without it.
-template <int K, int NT>
-__attribute__((noinline)) void rows(const uint8_t* first, int64_t nrows, int64_t row_bytes, int64_t cols, const float* x,
-                                    int64_t ldx, const float* xs, int64_t ldxs, float* acc, int64_t stride, const uint8_t* end) {
-  for (int64_t r = 0; r < nrows; ++r) {
-    for (const uint8_t* p = first + r * row_bytes + kAheadBytes; p < first + (r + 1) * row_bytes + kAheadBytes && p < end; p += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-    if constexpr (wide<K>())
-      row512<K, NT>(first + r * row_bytes, cols, x, ldx, reinterpret_cast<float (*)[32]>(acc + r * stride));
-    else
-      row<K, NT>(first + r * row_bytes, cols, x, ldx, xs, ldxs, reinterpret_cast<float (*)[32]>(acc + r * stride));
-  }
-}
-
-template <int K>
-bool tile(const uint8_t* first, int64_t nrows, int64_t row_bytes, int64_t cols, const float* x, int64_t ldx,
-          const float* xs, int64_t ldxs, int nt, float* acc, int64_t stride, const uint8_t* end) {
-  switch (nt) {
-    case 1: rows<K, 1>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, acc, stride, end); return true;
-    case 2: rows<K, 2>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, acc, stride, end); return true;
-    case 3: rows<K, 3>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, acc, stride, end); return true;
-    case 4: rows<K, 4>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, acc, stride, end); return true;
-    default: return false;
   }
 }
 

@@ -4,8 +4,8 @@
 // y[t, r] = sum_c w(r, c) * x[t, c], every w(r, c) its exact stored value. The decode (df_stored_dequant,
 // and the matmul without AVX2) is gguf-py's numpy dequantize, the same fp32 operations in the same order
 // (built with -ffp-contract=off so d*q + m is never fused). The block formats are dotted in registers
-// (stored_blocks.h): on AVX-512 each weight decoded exactly by table, on AVX2 factored, d * (q . x) + m *
-// sum(x) per group of weights; bf16/f16/row-int8 are widened in registers; without AVX2 every format is
+// (stored_blocks.h, stored_rows.h): on AVX-512 each weight decoded exactly by table, on AVX2 factored,
+// d * (q . x) + m * sum(x) per group of weights; bf16/f16/row-int8 are widened in registers; without AVX2 every format is
 // decoded chunk by chunk into an L1 buffer. Each (token, row) sums in fixed lanes
 // combined by one fixed tree at the end; that order does not depend on the number of tokens or
 // threads, so one token and a batch give bit-identical rows. Built by deltafind/models/ops/cpu_kernels.py.
@@ -15,7 +15,7 @@
 #include <cstring>
 
 #include "cpu_pool.h"
-#include "stored_blocks.h"
+#include "stored_rows.h"
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -212,7 +212,7 @@ inline float reduce32(const float* a) {
 // in dot_chunk's order, so results are bit-identical to the decode-to-buffer path.
 template <int K, int NT>
 void fused_row(const uint8_t* row, int64_t cols, const float* x, int64_t ldx, float (*acc)[32]) {
-  static_assert(K == BF16 || K == F16 || K == I8R, "the block formats take stored_blocks.h");
+  static_assert(K == BF16 || K == F16 || K == I8R, "the block formats take stored_rows.h");
   constexpr int64_t bytes = K == I8R ? 32 : 64;
   const float scale = K == I8R ? h2f(rd16(row)) : 0.0f;
   row += K == I8R ? 2 : 0;
@@ -243,25 +243,26 @@ bool fused_tile(const uint8_t* row, int64_t cols, const float* x, int64_t ldx, i
 #endif
 
 // For nrows rows `row_bytes` apart from `first` and t < nt (<= kTile): acc_r[t] += row_r . x[t], acc_r at
-// acc + r * stride, `cols` weights of `kind`: the block formats in registers (stored_blocks.h; xs: x's sums
+// acc + r * stride, `cols` weights of `kind`: the block formats in registers (stored_rows.h; xs: x's sums
 // per 32 columns, for the AVX2 path), bf16/f16/row-int8 decoded in registers, or (no AVX2) decoded chunk by chunk into an L1
 // buffer (those two in dot_chunk's lane order).
 void accumulate(int kind, const uint8_t* first, int64_t nrows, int64_t row_bytes, int64_t cols, const float* x,
-                int64_t ldx, const float* xs, int64_t ldxs, int nt, float* acc, int64_t stride, const uint8_t* run_end) {
+                int64_t ldx, const float* xs, int64_t ldxs, const float* xp, int64_t ldxp, int nt, float* acc,
+                int64_t stride, const uint8_t* run_end) {
 #ifdef __AVX2__
   switch (kind) {
-    case Q8_0: if (dfq::tile<Q8_0>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride, run_end)) return; break;
-    case Q4_0: if (dfq::tile<Q4_0>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride, run_end)) return; break;
-    case Q4_1: if (dfq::tile<Q4_1>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride, run_end)) return; break;
-    case Q5_0: if (dfq::tile<Q5_0>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride, run_end)) return; break;
-    case Q5_1: if (dfq::tile<Q5_1>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride, run_end)) return; break;
-    case Q4_K: if (dfq::tile<Q4_K>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride, run_end)) return; break;
-    case Q5_K: if (dfq::tile<Q5_K>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride, run_end)) return; break;
-    case Q6_K: if (dfq::tile<Q6_K>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, nt, acc, stride, run_end)) return; break;
+    case Q8_0: if (dfq::tile<Q8_0>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, xp, ldxp, nt, acc, stride, run_end)) return; break;
+    case Q4_0: if (dfq::tile<Q4_0>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, xp, ldxp, nt, acc, stride, run_end)) return; break;
+    case Q4_1: if (dfq::tile<Q4_1>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, xp, ldxp, nt, acc, stride, run_end)) return; break;
+    case Q5_0: if (dfq::tile<Q5_0>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, xp, ldxp, nt, acc, stride, run_end)) return; break;
+    case Q5_1: if (dfq::tile<Q5_1>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, xp, ldxp, nt, acc, stride, run_end)) return; break;
+    case Q4_K: if (dfq::tile<Q4_K>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, xp, ldxp, nt, acc, stride, run_end)) return; break;
+    case Q5_K: if (dfq::tile<Q5_K>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, xp, ldxp, nt, acc, stride, run_end)) return; break;
+    case Q6_K: if (dfq::tile<Q6_K>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, xp, ldxp, nt, acc, stride, run_end)) return; break;
     default: break;
   }
 #else
-  (void)xs, (void)ldxs, (void)run_end;
+  (void)xs, (void)ldxs, (void)xp, (void)ldxp, (void)run_end;
 #endif
   for (int64_t r = 0; r < nrows; ++r) {
     const uint8_t* row = first + r * row_bytes;
@@ -328,8 +329,18 @@ int df_stored_parts(const Part* parts, int n, int stack_cols, const float* x, in
   for (int p = 0; p < (stack_cols ? 1 : n); ++p) tasks += (parts[p].rows + rows_per_task - 1) / rows_per_task;
   int64_t x_cols = 0;  // x's columns: one part's width, or all the parts' side by side
   for (int p = 0; p < (stack_cols ? n : 1); ++p) x_cols += parts[p].cols;
-  const std::vector<float> xs = dfq::block_sums(x, T, ldx, x_cols);
+  // x's forms for the block kernels: its per-32 sums (the AVX2 path's m terms) and, on AVX-512, its columns
+  // in code-lane order (the 4-bit formats); each only where a part reads it.
+  bool need_sums = false, need_lanes = false;
+  for (int p = 0; p < n; ++p) {
+    const int k = static_cast<int>(parts[p].kind);
+    need_sums = need_sums || k == Q4_1 || k == Q5_1 || k == Q4_K || k == Q5_K;
+    need_lanes = need_lanes || k == Q4_0 || k == Q4_1 || k == Q4_K;
+  }
+  const std::vector<float> xs = need_sums ? dfq::block_sums(x, T, ldx, x_cols) : std::vector<float>();
+  const std::vector<float> xp = need_lanes ? dfq::permute_x(x, T, ldx, x_cols) : std::vector<float>();
   const int64_t ldxs = x_cols / 32;
+  auto at = [](const std::vector<float>& v, int64_t i) { return v.empty() ? nullptr : v.data() + i; };  // null: unread
   // Rows r0..r1 of `count` parts side by side (one part: a run of a stacked matrix's rows), in chunks of
   // rows whose weights stay in L1/L2 while every tile of tokens passes over them; within a chunk part by
   // part, each part's rows read in one run. Every row keeps its sums across the parts, so they add in the
@@ -354,8 +365,8 @@ int df_stored_parts(const Part* parts, int n, int stack_cols, const float* x, in
         int64_t x_col = 0;
         for (int p = 0; p < count; ++p) {
           accumulate(static_cast<int>(first[p].kind), first[p].data + c0 * first[p].row_bytes, c1 - c0, first[p].row_bytes,
-                     first[p].cols, x + t0 * ldx + x_col, ldx, xs.data() + t0 * ldxs + x_col / 32, ldxs, nt, sums,
-                     nt * 32, first[p].data + r1 * first[p].row_bytes);
+                     first[p].cols, x + t0 * ldx + x_col, ldx, at(xs, t0 * ldxs + x_col / 32), ldxs,
+                     at(xp, t0 * x_cols + x_col), x_cols, nt, sums, nt * 32, first[p].data + r1 * first[p].row_bytes);
           x_col += first[p].cols;
         }
         for (int64_t r = c0; r < c1; ++r)

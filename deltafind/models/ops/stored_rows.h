@@ -1,0 +1,213 @@
+// The block formats' row loops for stored_cpu.cpp: on AVX-512 `row512` (below), else stored_blocks.h's
+// AVX2 `row`; `rows` runs one over a run of rows, `tile` picks the instance for a tile of tokens.
+#pragma once
+#include <algorithm>
+
+#include "stored_blocks.h"
+
+namespace dfq {
+namespace {  // internal linkage: never called through the PLT
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// CPUs with AVX-512 decode every weight exactly as decode() does (stored_cpu.cpp), through the group's
+// table of code values (16, or 32 for the 5-bit formats: one mul and one add per 16 values, decode()'s
+// operations in its order) indexed by the codes with vpermps, and dot them with fp32 FMAs: ~12
+// instructions per 32 Q4_1 weights where the factored AVX2 path takes ~25. Q6_K's 64 codes take the
+// AVX2 path, and so does Q5_K, whose 32-value tables per 32 weights ran 15 % slower than it.
+//
+// On Intel cores the table lookups, the codes' byte-to-lane widening and the scales' fp16 conversion and
+// broadcast all issue on one port (5), ~7 of a Q4_1 group's uops: the matmul ran at ~8.5 cycles per
+// group. So a row's fp16 scales are converted up front, four groups at a time (`scales`), and broadcast
+// from memory; and the 4-bit formats' code bytes are broadcast to every 128-bit lane and shifted (no
+// shuffle), so lane l of a code vector takes byte perm(l) = 4 * (l % 4) + l / 4 of the group and x
+// comes with its columns in that order (`permute_x`, once per call). Even and odd groups sum into two
+// sets of lanes (an FMA's latency per group bounded one token), added once at the row's end.
+//
+// Lanes [0, 16) of acc[t] take weights 0-15 of each group of 32 (in perm order for the 4-bit formats),
+// lanes [16, 32) weights 16-31; lane 16's m terms are not used (the m is in the table).
+template <int K>
+constexpr bool wide() { return K != 14 && K != 13; }
+template <int K>
+constexpr bool permuted() { return K == 2 || K == 3 || K == 12; }  // Q4_0, Q4_1, Q4_K
+constexpr int perm(int l) { return 4 * (l % 4) + l / 4; }
+constexpr int64_t kScaleRun = 64;  // 32-weight groups whose scales are converted at a time
+
+// xp [T, C] contiguous: each 32 columns of x [T, C] (row stride ldx) in code-lane order.
+inline std::vector<float> permute_x(const float* x, int64_t T, int64_t ldx, int64_t C) {
+  std::vector<float> xp(static_cast<size_t>(T * C));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t g = 0; g < C; g += 32)
+      for (int l = 0; l < 16; ++l) {
+        xp[t * C + g + l] = x[t * ldx + g + perm(l)];
+        xp[t * C + g + 16 + l] = x[t * ldx + g + 16 + perm(l)];
+      }
+  return xp;
+}
+
+inline __m512 iota16(float from) {
+  return _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps(from));
+}
+
+// dm[2k] and dm[2k + 1]: the fp16 halves at the start of block k of n (<= kScaleRun) 32-weight blocks from
+// `first` as fp32, i.e. d and m (Q4_1, Q5_1; otherwise dm[2k + 1] is code bytes, unused). Exact (vcvtph2ps),
+// four blocks per conversion (a gather of 16 was slower: gathers are slow on Intel cores since the GDS fix).
+template <int K>
+inline void scales(const uint8_t* first, int64_t n, float* dm) {
+  int64_t k = 0;
+  for (; k + 4 <= n; k += 4) {
+    uint32_t v[4];
+    for (int u = 0; u < 4; ++u) std::memcpy(&v[u], first + (k + u) * block_bytes(K), 4);
+    _mm256_storeu_ps(dm + 2 * k, _mm256_cvtph_ps(_mm_setr_epi32(static_cast<int>(v[0]), static_cast<int>(v[1]),
+                                                                static_cast<int>(v[2]), static_cast<int>(v[3]))));
+  }
+  for (; k < n; ++k) {
+    dm[2 * k] = h2f(rd16(first + k * block_bytes(K)));
+    dm[2 * k + 1] = h2f(rd16(first + k * block_bytes(K) + 2));
+  }
+}
+
+// Values of codes 0-15 (lo) and, for the 5-bit formats, 16-31 (hi): Q4_0/Q5_0 d * (q - offset); Q4_1/Q5_1
+// d * q + m; Q4_K d*sc * q - dmin*mn (here d and m), each as decode() computes it.
+template <int K>
+inline void tables(float d, float m, __m512* lo, __m512* hi) {
+  const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+  constexpr bool five = K == 6 || K == 7;
+  for (int half = 0; half < (five ? 2 : 1); ++half) {
+    __m512* out = half ? hi : lo;
+    const float first = 16.0f * static_cast<float>(half);
+    if constexpr (K == 2 || K == 6)
+      *out = _mm512_mul_ps(dv, iota16(first - static_cast<float>(offset<K>())));
+    else if constexpr (K == 12)
+      *out = _mm512_sub_ps(_mm512_mul_ps(dv, iota16(first)), mv);
+    else
+      *out = _mm512_add_ps(_mm512_mul_ps(dv, iota16(first)), mv);
+  }
+}
+
+// Weights 0-15 (w0) and 16-31 (w1) of a group into lane set S (0: even groups, 1: odd) of NT tokens.
+template <int NT, int S>
+inline void fma2(__m512 w0, __m512 w1, const float* x, int64_t ldx, __m512 (*a)[4]) {
+  for (int t = 0; t < NT; ++t) {
+    a[t][2 * S] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + t * ldx), a[t][2 * S]);
+    a[t][2 * S + 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + t * ldx + 16), a[t][2 * S + 1]);
+  }
+}
+
+// One 32-weight group of block b (scales dm[0], dm[1]) into lane set S.
+template <int K, int NT, int S>
+inline __attribute__((always_inline)) void group(const uint8_t* b, const float* dm, const float* x, int64_t ldx,
+                                                 const float* xp, int64_t ldxp, __m512 (*a)[4]) {
+  if constexpr (K == 8) {  // Q8_0: code * d (exact: 8 by 11 significant bits)
+    const __m512 d = _mm512_set1_ps(dm[0]);
+    const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)))), d);
+    const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)))), d);
+    fma2<NT, S>(w0, w1, x, ldx, a);
+  } else if constexpr (K == 6 || K == 7) {  // Q5_0, Q5_1: codes widened in order, 5th bits from the mask
+    __m512 lo, hi;
+    tables<K>(dm[0], has_min<K>() ? dm[1] : 0.0f, &lo, &hi);
+    uint32_t h;
+    std::memcpy(&h, b + (has_min<K>() ? 4 : 2), 4);
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (has_min<K>() ? 8 : 6))));
+    const __m512i low4 = _mm512_set1_epi32(15), bit4 = _mm512_set1_epi32(16);
+    const __m512i c0 = _mm512_and_si512(c, low4), c1 = _mm512_and_si512(_mm512_srli_epi32(c, 4), low4);
+    fma2<NT, S>(_mm512_permutex2var_ps(lo, _mm512_mask_or_epi32(c0, static_cast<__mmask16>(h), c0, bit4), hi),
+                _mm512_permutex2var_ps(lo, _mm512_mask_or_epi32(c1, static_cast<__mmask16>(h >> 16), c1, bit4), hi), x, ldx, a);
+  } else {  // Q4_0, Q4_1: weight j's code in the low nibble of byte j, weight 16 + j's in the high
+    __m512 lo, hi;
+    tables<K>(dm[0], has_min<K>() ? dm[1] : 0.0f, &lo, &hi);
+    const __m512i c = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (has_min<K>() ? 4 : 2))));
+    const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
+    fma2<NT, S>(_mm512_permutexvar_ps(_mm512_srlv_epi32(c, shift), lo),
+                _mm512_permutexvar_ps(_mm512_srlv_epi32(c, _mm512_add_epi32(shift, _mm512_set1_epi32(4))), lo), xp, ldxp, a);
+  }
+}
+
+// acc[t] += row . x[t] for NT tokens; xp is x in code-lane order (the permuted formats).
+template <int K, int NT>
+inline __attribute__((always_inline)) void row512(const uint8_t* row, int64_t cols, const float* x, int64_t ldx,
+                                                  const float* xp, int64_t ldxp, float (*acc)[32]) {
+  __m512 a[NT][4];
+  for (int t = 0; t < NT; ++t) {
+    a[t][0] = _mm512_loadu_ps(acc[t]), a[t][1] = _mm512_loadu_ps(acc[t] + 16);
+    a[t][2] = a[t][3] = _mm512_setzero_ps();
+  }
+  if constexpr (K == 12) {  // Q4_K
+    const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
+    k45_groups<K>(row, cols, [&](int i, float ds, float dm, const uint8_t* qs, const uint8_t*, int64_t col) {
+      __m512 lo, hi;
+      tables<K>(ds, dm, &lo, &hi);
+      const __m512i s = i % 2 ? _mm512_add_epi32(shift, _mm512_set1_epi32(4)) : shift;
+      const __m512 w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs))), s), lo);
+      const __m512 w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16))), s), lo);
+      if (i % 2)
+        fma2<NT, 1>(w0, w1, xp + col, ldxp, a);
+      else
+        fma2<NT, 0>(w0, w1, xp + col, ldxp, a);
+    });
+  } else {
+    alignas(64) float dm[2 * kScaleRun];
+    for (int64_t k0 = 0; k0 < cols / 32; k0 += kScaleRun) {
+      const int64_t n = std::min<int64_t>(kScaleRun, cols / 32 - k0);
+      const uint8_t* b = row + k0 * block_bytes(K);
+      scales<K>(b, n, dm);
+      int64_t k = 0;
+      for (; k + 2 <= n; k += 2) {
+        const int64_t col = 32 * (k0 + k);
+        group<K, NT, 0>(b + k * block_bytes(K), dm + 2 * k, x + col, ldx, xp + col, ldxp, a);
+        group<K, NT, 1>(b + (k + 1) * block_bytes(K), dm + 2 * k + 2, x + col + 32, ldx, xp + col + 32, ldxp, a);
+      }
+      if (k < n) group<K, NT, 0>(b + k * block_bytes(K), dm + 2 * k, x + 32 * (k0 + k), ldx, xp + 32 * (k0 + k), ldxp, a);
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    _mm512_storeu_ps(acc[t], _mm512_add_ps(a[t][0], a[t][2])), _mm512_storeu_ps(acc[t] + 16, _mm512_add_ps(a[t][1], a[t][3]));
+}
+#else
+template <int K>
+constexpr bool wide() { return false; }
+template <int K>
+constexpr bool permuted() { return false; }
+inline std::vector<float> permute_x(const float*, int64_t, int64_t, int64_t) { return {}; }
+template <int K, int NT>
+inline void row512(const uint8_t*, int64_t, const float*, int64_t, const float*, int64_t, float (*)[32]) {}
+#endif
+
+#ifdef __AVX2__
+
+constexpr int64_t kAheadBytes = 2048;  // software prefetch distance in a run of rows (tests/bench/RESULTS.md)
+
+// `row` for `nrows` rows `row_bytes` apart, each adding into its own acc (`stride` floats apart): one call
+// per run of rows, not per row (a dense layer's down slices are 6 blocks a row). The bytes are prefetched
+// kAheadBytes ahead up to `end`, the end of the caller's whole run of this matrix's rows (past this call's
+// rows, so a run split into chunks streams on): out of cache, one core streamed Q4_1 weights at ~6 GB/s
+// without it.
+template <int K, int NT>
+__attribute__((noinline)) void rows(const uint8_t* first, int64_t nrows, int64_t row_bytes, int64_t cols, const float* x,
+                                    int64_t ldx, const float* xs, int64_t ldxs, const float* xp, int64_t ldxp, float* acc,
+                                    int64_t stride, const uint8_t* end) {
+  for (int64_t r = 0; r < nrows; ++r) {
+    for (const uint8_t* p = first + r * row_bytes + kAheadBytes; p < first + (r + 1) * row_bytes + kAheadBytes && p < end; p += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+    if constexpr (wide<K>())
+      row512<K, NT>(first + r * row_bytes, cols, x, ldx, xp, ldxp, reinterpret_cast<float (*)[32]>(acc + r * stride));
+    else
+      row<K, NT>(first + r * row_bytes, cols, x, ldx, xs, ldxs, reinterpret_cast<float (*)[32]>(acc + r * stride));
+  }
+}
+
+template <int K>
+bool tile(const uint8_t* first, int64_t nrows, int64_t row_bytes, int64_t cols, const float* x, int64_t ldx,
+          const float* xs, int64_t ldxs, const float* xp, int64_t ldxp, int nt, float* acc, int64_t stride,
+          const uint8_t* end) {
+  switch (nt) {
+    case 1: rows<K, 1>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, xp, ldxp, acc, stride, end); return true;
+    case 2: rows<K, 2>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, xp, ldxp, acc, stride, end); return true;
+    case 3: rows<K, 3>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, xp, ldxp, acc, stride, end); return true;
+    case 4: rows<K, 4>(first, nrows, row_bytes, cols, x, ldx, xs, ldxs, xp, ldxp, acc, stride, end); return true;
+    default: return false;
+  }
+}
+
+#endif
+}  // namespace
+}  // namespace dfq
