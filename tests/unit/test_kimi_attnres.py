@@ -72,7 +72,10 @@ def test_values_equal_the_spec_recurrence(layers: int, block: int) -> None:
     got = stream.output(*tail, 1e-5)
     for row in range(3):
         want, num_anchors = _spec_recurrence(h0[row], weights, attn_fns, mlp_fns, block, tail)
-        torch.testing.assert_close(got[row], want, atol=1e-6, rtol=1e-5)
+        # fp32 summation-order noise, against the output's scale: the three rows go through each matmul
+        # together here and one at a time in the spec loop, and BLAS sums a [3, H] and a [H] product in
+        # different orders on some CPUs (1.9e-6 on a Xeon, with 1e-6 allowed, at atol=1e-6)
+        torch.testing.assert_close(got[row], want, atol=1e-5 * float(want.abs().max()), rtol=1e-5)
         assert num_anchors == len(stream.anchors)
 
 
