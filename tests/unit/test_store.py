@@ -17,8 +17,10 @@ from deltafind.errors import CorruptExpertError, StoreError
 from deltafind.store.cache import ByteLRU
 from deltafind.store.doctor import check_store
 from deltafind.store.manifest import ExpertRecord, Manifest, TensorEntry, pack_name
+from deltafind.store.plan import MAX_DENSE_SLICES, Plan, dense_slices_for
 from deltafind.store.reader import PackReader, record_tensors
 from deltafind.store.setup import setup_store
+from deltafind.store.sources import TensorInfo
 from tests.conftest import make_hf_checkpoint
 
 
@@ -123,6 +125,36 @@ def test_dense_slicing_is_lossless(tmp_path: Path) -> None:
         setup_store(ckpt, tmp_path / f"s{n}", dense_slices=n, progress=False)
         logits.append(Model.open(tmp_path / f"s{n}").forward_logits(ids))
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
+
+
+def _dense_plan(inter: int, hidden: int, down_quant: str = "") -> tuple[dict[str, TensorInfo], Plan]:
+    half = TensorInfo(torch.bfloat16, (inter, hidden))
+    down = TensorInfo(torch.uint8, (hidden, inter // 256 * 144), down_quant) if down_quant else TensorInfo(torch.bfloat16, (hidden, inter))
+    return {"g": half, "u": half, "d": down}, Plan([], {}, {0: {"gate_proj": "g", "up_proj": "u", "down_proj": "d"}})
+
+
+def test_the_dense_slice_count_is_chosen_by_size_on_whole_blocks() -> None:
+    """Unasked, slices are at least DENSE_SLICE_BYTES (8 MiB) and at most 8, cut on whole GGUF blocks."""
+    demo = _dense_plan(1536, 576)  # 5.3 MB in bf16: one slice
+    assert dense_slices_for(*demo, None) == 1 and dense_slices_for(*demo, 8) == 8
+    assert dense_slices_for(*_dense_plan(4096, 1024), None) == 3  # 24 MiB
+    assert dense_slices_for(*_dense_plan(14336, 4096), None) == MAX_DENSE_SLICES  # Llama-3-8B: 336 MiB
+    assert dense_slices_for(*_dense_plan(2816, 8192), None) == 8
+    assert dense_slices_for(*_dense_plan(2816, 8192, "Q4_K/2816"), None) == 1  # 11 blocks of 256 columns
+    assert dense_slices_for(*_dense_plan(3072, 8192, "Q4_K/3072"), None) == 6  # 12 blocks: 8 does not divide them
+    with pytest.raises(StoreError, match="dense slices must be >= 1"):
+        dense_slices_for(*demo, 0)
+
+
+def test_an_unasked_slice_count_takes_the_store_already_there(tmp_path: Path) -> None:
+    """A store made with a given count is what a rerun without --dense-slices opens (stores made before the
+    count was chosen by size keep working); asking for another count is refused."""
+    ckpt = make_hf_checkpoint("llama", tmp_path / "hf")
+    made = setup_store(ckpt, tmp_path / "s", dense_slices=4, progress=False)
+    again = setup_store(ckpt, tmp_path / "s", progress=False)
+    assert again.dense_slices == made.dense_slices == 4
+    with pytest.raises(StoreError, match="already holds a different store"):
+        setup_store(ckpt, tmp_path / "s", dense_slices=2, progress=False)
 
 
 def test_zero_cache_budget_gives_identical_output(moe_ckpt: Path, tmp_path: Path) -> None:
