@@ -84,6 +84,19 @@ inline void tables(float d, float m, __m512* lo, __m512* hi) {
   }
 }
 
+// Q4_K: the 8 groups' d*sc (ds) and dmin*mn (dm) of block b, k45_groups' values all at once: the 6-bit
+// fields as two words of bytes each (scale_min's rule, 4 groups per word), one conversion and multiply per 8
+// (per group, scale_min's scalar work shared the vector ports and took Q4_K to twice Q4_1's time).
+inline void k4_scales(const uint8_t* b, float* ds, float* dm) {
+  uint32_t w[3];
+  std::memcpy(w, b + 4, 12);
+  const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, top2 = 0x30303030u;
+  const __m128i sc = _mm_setr_epi32(static_cast<int>(w[0] & low6), static_cast<int>((w[2] & low4) | ((w[0] >> 2) & top2)), 0, 0);
+  const __m128i mn = _mm_setr_epi32(static_cast<int>(w[1] & low6), static_cast<int>(((w[2] >> 4) & low4) | ((w[1] >> 2) & top2)), 0, 0);
+  _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_set1_ps(h2f(rd16(b))), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc))));
+  _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_set1_ps(h2f(rd16(b + 2))), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn))));
+}
+
 // Weights 0-15 (w0) and 16-31 (w1) of a group into lane set S (0: even groups, 1: odd) of NT tokens.
 template <int NT, int S>
 inline void fma2(__m512 w0, __m512 w1, const float* x, int64_t ldx, __m512 (*a)[4]) {
@@ -131,19 +144,27 @@ inline __attribute__((always_inline)) void row512(const uint8_t* row, int64_t co
     a[t][0] = _mm512_loadu_ps(acc[t]), a[t][1] = _mm512_loadu_ps(acc[t] + 16);
     a[t][2] = a[t][3] = _mm512_setzero_ps();
   }
-  if constexpr (K == 12) {  // Q4_K
+  if constexpr (K == 12) {  // Q4_K: groups 2j and 2j + 1 are the low and high nibbles of the same 32 bytes
     const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
-    k45_groups<K>(row, cols, [&](int i, float ds, float dm, const uint8_t* qs, const uint8_t*, int64_t col) {
-      __m512 lo, hi;
-      tables<K>(ds, dm, &lo, &hi);
-      const __m512i s = i % 2 ? _mm512_add_epi32(shift, _mm512_set1_epi32(4)) : shift;
-      const __m512 w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs))), s), lo);
-      const __m512 w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16))), s), lo);
-      if (i % 2)
-        fma2<NT, 1>(w0, w1, xp + col, ldxp, a);
-      else
-        fma2<NT, 0>(w0, w1, xp + col, ldxp, a);
-    });
+    const __m512i shift4 = _mm512_add_epi32(shift, _mm512_set1_epi32(4));
+    for (int64_t blk = 0; blk < cols / 256; ++blk) {
+      const uint8_t* b = row + blk * block_bytes(K);
+      alignas(32) float ds[8], dm[8];
+      k4_scales(b, ds, dm);
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t* qs = b + 16 + 32 * j;
+        const __m512i c0 = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+        const __m512i c1 = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
+        const float* xg = xp + blk * 256 + 64 * j;
+        __m512 lo, hi;
+        tables<K>(ds[2 * j], dm[2 * j], &lo, &hi);
+        fma2<NT, 0>(_mm512_permutexvar_ps(_mm512_srlv_epi32(c0, shift), lo), _mm512_permutexvar_ps(_mm512_srlv_epi32(c1, shift), lo),
+                    xg, ldxp, a);
+        tables<K>(ds[2 * j + 1], dm[2 * j + 1], &lo, &hi);
+        fma2<NT, 1>(_mm512_permutexvar_ps(_mm512_srlv_epi32(c0, shift4), lo), _mm512_permutexvar_ps(_mm512_srlv_epi32(c1, shift4), lo),
+                    xg + 32, ldxp, a);
+      }
+    }
   } else {
     alignas(64) float dm[2 * kScaleRun];
     for (int64_t k0 = 0; k0 < cols / 32; k0 += kScaleRun) {
