@@ -27,8 +27,6 @@ namespace {  // internal linkage: never called through the PLT
 // lanes [16, 32) weights 16-31; lane 16's m terms are not used (the m is in the table).
 template <int K>
 constexpr bool wide() { return K != 14 && K != 13; }
-template <int K>
-constexpr bool permuted() { return K == 2 || K == 3 || K == 12; }  // Q4_0, Q4_1, Q4_K
 constexpr int perm(int l) { return 4 * (l % 4) + l / 4; }
 constexpr int64_t kScaleRun = 64;  // 32-weight groups whose scales are converted at a time
 
@@ -135,10 +133,11 @@ inline __attribute__((always_inline)) void group(const uint8_t* b, const float* 
   }
 }
 
-// acc[t] += row . x[t] for NT tokens; xp is x in code-lane order (the permuted formats).
+// acc[t] += row . x[t] for NT tokens; xp is x in code-lane order (Q4_0, Q4_1 and Q4_K read it).
 template <int K, int NT>
 inline __attribute__((always_inline)) void row512(const uint8_t* row, int64_t cols, const float* x, int64_t ldx,
                                                   const float* xp, int64_t ldxp, float (*acc)[32]) {
+  if constexpr (K != 2 && K != 3 && K != 12) xp = x, ldxp = ldx;  // null for the others: no offsets taken from it
   __m512 a[NT][4];
   for (int t = 0; t < NT; ++t) {
     a[t][0] = _mm512_loadu_ps(acc[t]), a[t][1] = _mm512_loadu_ps(acc[t] + 16);
@@ -186,8 +185,6 @@ inline __attribute__((always_inline)) void row512(const uint8_t* row, int64_t co
 #else
 template <int K>
 constexpr bool wide() { return false; }
-template <int K>
-constexpr bool permuted() { return false; }
 inline std::vector<float> permute_x(const float*, int64_t, int64_t, int64_t) { return {}; }
 template <int K, int NT>
 inline void row512(const uint8_t*, int64_t, const float*, int64_t, const float*, int64_t, float (*)[32]) {}
