@@ -4,7 +4,7 @@ Resumable: a journal records each expert record once its pack bytes are on
 disk; a rerun truncates the packs to the last journaled record and goes on.
 Never holds more than one tensor group (one expert, or one dense MLP) beyond
 what it is writing. Which tensors are experts is the family's `WeightNames`
-(store/provider.py); this module knows no model's names.
+(store/provider.py), sorted by store/plan.py; this module knows no model's names.
 """
 
 from __future__ import annotations
