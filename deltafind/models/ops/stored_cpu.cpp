@@ -329,13 +329,11 @@ int df_stored_parts(const Part* parts, int n, int stack_cols, const float* x, in
   for (int p = 0; p < (stack_cols ? 1 : n); ++p) tasks += (parts[p].rows + rows_per_task - 1) / rows_per_task;
   int64_t x_cols = 0;  // x's columns: one part's width, or all the parts' side by side
   for (int p = 0; p < (stack_cols ? n : 1); ++p) x_cols += parts[p].cols;
-  // x's forms for the block kernels: its per-32 sums (the AVX2 path's m terms) and, on AVX-512, its columns
-  // in code-lane order (the 4-bit formats); each only where a part reads it.
+  // x's forms for the block kernels (stored_rows.h), each only where a part reads it.
   bool need_sums = false, need_lanes = false;
   for (int p = 0; p < n; ++p) {
-    const int k = static_cast<int>(parts[p].kind);
-    need_sums = need_sums || k == Q4_1 || k == Q5_1 || k == Q4_K || k == Q5_K;
-    need_lanes = need_lanes || k == Q4_0 || k == Q4_1 || k == Q4_K;
+    need_sums = need_sums || dfq::reads_sums(static_cast<int>(parts[p].kind));
+    need_lanes = need_lanes || dfq::reads_lanes(static_cast<int>(parts[p].kind));
   }
   const std::vector<float> xs = need_sums ? dfq::block_sums(x, T, ldx, x_cols) : std::vector<float>();
   const std::vector<float> xp = need_lanes ? dfq::permute_x(x, T, ldx, x_cols) : std::vector<float>();

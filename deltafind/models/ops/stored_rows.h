@@ -27,6 +27,8 @@ namespace {  // internal linkage: never called through the PLT
 // lanes [16, 32) weights 16-31; lane 16's m terms are not used (the m is in the table).
 template <int K>
 constexpr bool wide() { return K != 14 && K != 13; }
+template <int K>
+constexpr bool lanes() { return K == 2 || K == 3 || K == 12; }  // Q4_0, Q4_1, Q4_K: codes shifted into lanes
 constexpr int perm(int l) { return 4 * (l % 4) + l / 4; }
 constexpr int64_t kScaleRun = 64;  // 32-weight groups whose scales are converted at a time
 
@@ -95,6 +97,13 @@ inline void k4_scales(const uint8_t* b, float* ds, float* dm) {
   _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_set1_ps(h2f(rd16(b + 2))), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn))));
 }
 
+// The code indices of 16 bytes broadcast to every 128-bit lane (`c`): lane l's low 4 bits are byte perm(l)'s
+// low nibble, or (high) its high nibble; vpermps reads only those 4 bits.
+inline __m512i code_lanes(__m512i c, bool high) {
+  const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
+  return _mm512_srlv_epi32(c, high ? _mm512_add_epi32(shift, _mm512_set1_epi32(4)) : shift);
+}
+
 // Weights 0-15 (w0) and 16-31 (w1) of a group into lane set S (0: even groups, 1: odd) of NT tokens.
 template <int NT, int S>
 inline void fma2(__m512 w0, __m512 w1, const float* x, int64_t ldx, __m512 (*a)[4]) {
@@ -127,9 +136,7 @@ inline __attribute__((always_inline)) void group(const uint8_t* b, const float* 
     __m512 lo, hi;
     tables<K>(dm[0], has_min<K>() ? dm[1] : 0.0f, &lo, &hi);
     const __m512i c = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (has_min<K>() ? 4 : 2))));
-    const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
-    fma2<NT, S>(_mm512_permutexvar_ps(_mm512_srlv_epi32(c, shift), lo),
-                _mm512_permutexvar_ps(_mm512_srlv_epi32(c, _mm512_add_epi32(shift, _mm512_set1_epi32(4))), lo), xp, ldxp, a);
+    fma2<NT, S>(_mm512_permutexvar_ps(code_lanes(c, false), lo), _mm512_permutexvar_ps(code_lanes(c, true), lo), xp, ldxp, a);
   }
 }
 
@@ -137,15 +144,13 @@ inline __attribute__((always_inline)) void group(const uint8_t* b, const float* 
 template <int K, int NT>
 inline __attribute__((always_inline)) void row512(const uint8_t* row, int64_t cols, const float* x, int64_t ldx,
                                                   const float* xp, int64_t ldxp, float (*acc)[32]) {
-  if constexpr (K != 2 && K != 3 && K != 12) xp = x, ldxp = ldx;  // null for the others: no offsets taken from it
+  if constexpr (!lanes<K>()) xp = x, ldxp = ldx;  // null for the others: no offsets taken from it
   __m512 a[NT][4];
   for (int t = 0; t < NT; ++t) {
     a[t][0] = _mm512_loadu_ps(acc[t]), a[t][1] = _mm512_loadu_ps(acc[t] + 16);
     a[t][2] = a[t][3] = _mm512_setzero_ps();
   }
   if constexpr (K == 12) {  // Q4_K: groups 2j and 2j + 1 are the low and high nibbles of the same 32 bytes
-    const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
-    const __m512i shift4 = _mm512_add_epi32(shift, _mm512_set1_epi32(4));
     for (int64_t blk = 0; blk < cols / 256; ++blk) {
       const uint8_t* b = row + blk * block_bytes(K);
       alignas(32) float ds[8], dm[8];
@@ -157,11 +162,9 @@ inline __attribute__((always_inline)) void row512(const uint8_t* row, int64_t co
         const float* xg = xp + blk * 256 + 64 * j;
         __m512 lo, hi;
         tables<K>(ds[2 * j], dm[2 * j], &lo, &hi);
-        fma2<NT, 0>(_mm512_permutexvar_ps(_mm512_srlv_epi32(c0, shift), lo), _mm512_permutexvar_ps(_mm512_srlv_epi32(c1, shift), lo),
-                    xg, ldxp, a);
+        fma2<NT, 0>(_mm512_permutexvar_ps(code_lanes(c0, false), lo), _mm512_permutexvar_ps(code_lanes(c1, false), lo), xg, ldxp, a);
         tables<K>(ds[2 * j + 1], dm[2 * j + 1], &lo, &hi);
-        fma2<NT, 1>(_mm512_permutexvar_ps(_mm512_srlv_epi32(c0, shift4), lo), _mm512_permutexvar_ps(_mm512_srlv_epi32(c1, shift4), lo),
-                    xg + 32, ldxp, a);
+        fma2<NT, 1>(_mm512_permutexvar_ps(code_lanes(c0, true), lo), _mm512_permutexvar_ps(code_lanes(c1, true), lo), xg + 32, ldxp, a);
       }
     }
   } else {
@@ -185,10 +188,21 @@ inline __attribute__((always_inline)) void row512(const uint8_t* row, int64_t co
 #else
 template <int K>
 constexpr bool wide() { return false; }
+template <int K>
+constexpr bool lanes() { return false; }
 inline std::vector<float> permute_x(const float*, int64_t, int64_t, int64_t) { return {}; }
 template <int K, int NT>
 inline void row512(const uint8_t*, int64_t, const float*, int64_t, const float*, int64_t, float (*)[32]) {}
 #endif
+
+// Which forms of x a kind's rows read: its per-32 sums (the AVX2 path's m terms: Q4_1, Q5_1, Q4_K, Q5_K where
+// they do not take row512) and its columns in code-lane order (permute_x).
+template <int K>
+constexpr bool sums() { return (K == 3 || K == 7 || K == 12 || K == 13) && !wide<K>(); }
+inline bool reads_sums(int kind) {
+  return (kind == 3 && sums<3>()) || (kind == 7 && sums<7>()) || (kind == 12 && sums<12>()) || (kind == 13 && sums<13>());
+}
+inline bool reads_lanes(int kind) { return (kind == 2 && lanes<2>()) || (kind == 3 && lanes<3>()) || (kind == 12 && lanes<12>()); }
 
 #ifdef __AVX2__
 
