@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import operator
 import weakref
 from typing import Any
 
@@ -96,23 +97,25 @@ class AttnStep:
         self._qkv, self._o = FusedLinear(), FusedLinear()
         self._key: list[weakref.ref | _NoRef] = []
         self._layer: AttnLayer | None = None
+        self._layer_ref: Any = None  # ctypes.byref(_layer)
+        self._layer_idx = attn.layer_idx
         self._like: torch.Tensor | None = None  # one position of the cache: the shape a new buffer takes
         self._held: tuple[Any, ...] = ()  # the small tensors the plan points at
 
     def __call__(self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
         """x [1, H] -> x + attn(norm(x)) [1, H], or None (see the class)."""
-        if (x.shape[0] != 1 or len(batch.segments) != 1 or x.dtype != torch.float32 or x.device.type != "cpu"
-                or not x.is_contiguous() or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous())
+        if (len(segments := batch.segments) != 1 or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous()
+                or (shape := x.shape)[0] != 1 or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous())
                 or (layer := self._plan()) is None or cos.shape[-1] != layer.d):
             return None
-        cache = batch.segments[0].cache.layers[self.attn.layer_idx]
+        cache = segments[0].cache.layers[self._layer_idx]
         if not isinstance(cache, LayerCache):
             return None
         kbuf, vbuf = cache.reserve(1, self._like, self._like)
         if kbuf.dtype != torch.float32 or not (kbuf.is_contiguous() and vbuf.is_contiguous()):
             return None
-        out = torch.empty_like(x)
-        if CPU.load().df_attn_decode(ctypes.byref(layer), x.data_ptr(), cos.data_ptr(), sin.data_ptr(), kbuf.data_ptr(),
+        out = torch.empty(1, shape[1])
+        if CPU.load().df_attn_decode(self._layer_ref, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), kbuf.data_ptr(),
                                      vbuf.data_ptr(), cache.length, out.data_ptr(), torch.get_num_threads()):
             return None  # nothing was appended: row `length` is past the cache's end
         cache.length += 1
@@ -120,9 +123,9 @@ class AttnStep:
 
     def _plan(self) -> AttnLayer | None:
         weights = [d[k] for d, k in self._slots]
-        if len(weights) == len(self._key) and all(r() is w for r, w in zip(self._key, weights, strict=True)):
+        if len(weights) == len(self._key) and all(map(operator.is_, [r() for r in self._key], weights)):
             return self._layer
-        self._key, self._layer = [_ref(w) for w in weights], None
+        self._key, self._layer, self._layer_ref = [_ref(w) for w in weights], None, None
         attn, norm = self.attn, self.norm
         quants = [getattr(m, "quant", "") for m in self._mods]  # GGUF tags arrive after the layer is built
         qkv = self._qkv.parts(weights[:3], quants[:3])
@@ -141,10 +144,11 @@ class AttnStep:
         q_norm, k_norm = weights[9:11] if attn.qk_norm else (None, None)
         self._held = (small, qkv_bias)  # the pointers below stay valid while the plan lives
         self._like = torch.empty(1, hkv, d)
-        self._layer = AttnLayer(ctypes.addressof(qkv), ctypes.addressof(o), len(qkv), len(o), ptr(weights[4]), ptr(qkv_bias),
+        self._layer = layer = AttnLayer(ctypes.addressof(qkv), ctypes.addressof(o), len(qkv), len(o), ptr(weights[4]), ptr(qkv_bias),
                                 ptr(weights[8]), ptr(q_norm), ptr(k_norm), h, hq, hkv, d, norm.eps,
                                 attn.q_norm.eps if attn.qk_norm else 0.0, d**-0.5)
-        return self._layer
+        self._layer_ref = ctypes.byref(layer)  # made once: df_attn_decode's first argument on every call
+        return layer
 
 
 class _NoRef:

@@ -96,7 +96,7 @@ class GatedExpert:
         return self._run(x, self._slices, norm) if self._slices.plan(experts) else None
 
     def _run(self, x: torch.Tensor, plan: SlicesPlan, norm: RMSNorm | None) -> torch.Tensor | None:
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or not x.shape[0] or x.shape[1] != plan.gate_up.in_cols:
+        if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or (shape := x.shape)[1] != plan.gate_up.in_cols or not shape[0]:
             return None
         x = x.contiguous()
         if (y := self._fused_call(x, plan, norm)) is not None:
@@ -111,7 +111,7 @@ class GatedExpert:
 
     def _fused_call(self, x: torch.Tensor, plan: SlicesPlan, norm: RMSNorm | None) -> torch.Tensor | None:
         """`_run` in one df_gated_mlp call, or None where the kernel lacks the activation or the norm's layout."""
-        w = None if norm is None else norm.weight
+        w = None if norm is None else norm._parameters["weight"]  # not norm.weight: nn.Module.__getattr__ costs ~1 us
         if self.act < 0 or (w is not None and w is not self._norm_fits and not _fits(w, x.shape[1])):
             return None
         self._norm_fits = w  # checked once per norm weight object
