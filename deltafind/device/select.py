@@ -113,12 +113,31 @@ def synchronize(device: torch.device) -> None:
 START_ERRORS = (DeviceError, RuntimeError)
 
 
+# torch's MKL VML functions pick their kernel on their first call, and first calls made at once by
+# intra-op threads can run the low-accuracy kernel on one thread's chunk (pytorch/pytorch#188792).
+# Measured here (torch 2.13, 2 threads): a fresh process's first cos of a 64 x 64 tensor was off by
+# 1.5e-4 on half its elements in 5 of 40 starts, and its first sin and exp as often; never after
+# one call of any of them on a 16-element tensor (one thread). The rope tables of a first prompt
+# take that path. A race that no test triggers on demand (nor does upstream's fix, pytorch#188791).
+VML_FUNCTIONS = ("cos", "sin", "exp", "log", "sqrt", "rsqrt", "tanh", "erf", "expm1", "log1p")
+
+
+def settle_cpu_math() -> None:
+    """Call each VML function once on this thread, in each float precision, before any concurrent use."""
+    for dtype in (torch.float32, torch.float64):
+        x = torch.full((16,), 0.5, dtype=dtype)
+        for name in VML_FUNCTIONS:
+            getattr(torch, name)(x)
+
+
 def start_device(kind: str | torch.device) -> torch.device:
     """Resolve, probe and configure the compute device; an unusable one logs why and gives the CPU.
 
     Starting on the CPU instead of failing keeps a service up on a machine whose
-    GPU or driver is gone; the log line says so, with the fix.
+    GPU or driver is gone; the log line says so, with the fix. The CPU's own math is
+    settled first (`settle_cpu_math`): every device runs some ops there.
     """
+    settle_cpu_math()
     try:
         dev = kind if isinstance(kind, torch.device) else resolve_device(str(kind))
         if dev.type != "cpu":
