@@ -43,10 +43,19 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return torch.Generator().manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The index of the largest logit of each row of logits [..., V]: the first one on ties, and a NaN
+    counts as largest (torch.argmax's rule and numpy's). On the CPU through numpy: torch.argmax took
+    96 us over the demo's 49k vocabulary, a greedy token's biggest single op, numpy's 4.5 us."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return logits.numpy().argmax(axis=-1).reshape(-1).tolist()
+    return torch.argmax(logits, dim=-1).reshape(-1).tolist()
+
+
 def make_sampler(params: SamplingParams, generator: torch.Generator | None = None) -> Callable[[torch.Tensor], int]:
     """A callable from logits [V] to a token id; draws from `generator` (default: a new seeded one)."""
     if params.temperature == 0.0:
-        return lambda logits: int(torch.argmax(logits))
+        return lambda logits: greedy_tokens(logits)[0]
     gen = generator if generator is not None else make_generator(params)
 
     def sample(logits: torch.Tensor) -> int:

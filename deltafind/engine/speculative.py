@@ -29,7 +29,7 @@ import torch
 
 from deltafind.engine.draft.base import DraftError, DraftSession, DraftSource, Proposal
 from deltafind.engine.draft.policy import DraftStats, PolicyOptions, WidthController
-from deltafind.engine.sampler import SamplingParams, sampling_probs
+from deltafind.engine.sampler import SamplingParams, greedy_tokens, sampling_probs
 from deltafind.log import get_logger
 from deltafind.models.ops.batch import SequenceCache
 
@@ -47,7 +47,7 @@ def accept(
     k = len(tokens)
     assert logits.shape[0] == k + 1, (logits.shape, k)
     if params.temperature == 0.0:
-        best = torch.argmax(logits, dim=-1).tolist()  # [k+1]; argmax ties resolve as the sampler's do
+        best = greedy_tokens(logits)  # [k+1]; ties resolve as the sampler's do
         out: list[int] = []
         for i, d in enumerate(tokens):
             if best[i] != d:

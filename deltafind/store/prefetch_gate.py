@@ -117,9 +117,10 @@ class PrefetchGate:
 
     def fetch_started(self, layer_idx: int) -> None:
         """`fetch(layer_idx)` begins: closes the window opened when the gate decided for this layer."""
-        with self._lock:  # what the previous fetch held back is its own: done or abandoned, it is no one's now
-            for d in self.drives:
-                d.held_back_bytes = 0
+        if any(d.held_back_bytes for d in self.drives):  # written on this thread only (`hold_back`): no lock to look
+            with self._lock:  # what the previous fetch held back is its own: done or abandoned, it is no one's now
+                for d in self.drives:
+                    d.held_back_bytes = 0
         t = self._decided_at.pop(layer_idx, None)
         if t is None:
             return

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltafind.engine.sampler import SamplingParams, make_sampler, sampling_probs
+from deltafind.engine.sampler import SamplingParams, greedy_tokens, make_sampler, sampling_probs
 
 
 def test_probs_equal_a_float64_softmax() -> None:
@@ -45,3 +45,14 @@ def test_every_accepted_temperature_and_top_p_gives_a_distribution(logits, tempe
     assert not (p[x == float("-inf")] > 0).any()  # a forbidden token never does
     token = make_sampler(params)(x)
     assert float(p[token]) > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 1.0, 2.0, -1.0, float("inf"), float("-inf"), float("nan")]), min_size=1, max_size=40),
+       st.integers(1, 3))
+def test_greedy_tokens_pick_as_torch_argmax_does(values: list[float], rows: int) -> None:
+    # few distinct values: ties, NaN and infinities everywhere; torch.argmax is the reference
+    logits = torch.tensor(values * rows).reshape(rows, -1)
+    assert greedy_tokens(logits) == torch.argmax(logits, dim=-1).tolist()
+    assert greedy_tokens(logits[0]) == [int(torch.argmax(logits[0]))]
+    assert make_sampler(SamplingParams(temperature=0.0))(logits[-1]) == int(torch.argmax(logits[-1]))

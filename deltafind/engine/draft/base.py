@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from deltafind.engine.sampler import SamplingParams, sampling_probs
+from deltafind.engine.sampler import SamplingParams, greedy_tokens, sampling_probs
 
 
 @dataclass
@@ -45,7 +45,7 @@ class Proposal:
 def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
     """A draft model's next token from `logits` [V]: argmax under greedy, else sampled; with the q it came from."""
     if params.temperature == 0.0:
-        return int(torch.argmax(logits)), None
+        return greedy_tokens(logits)[0], None
     q = sampling_probs(logits, params)
     return int(torch.multinomial(q, 1, generator=generator)), q
 

@@ -27,7 +27,7 @@ import torch
 
 from deltafind.engine.draft.base import DraftError, Proposal
 from deltafind.engine.generate import forward_step
-from deltafind.engine.sampler import SamplingParams
+from deltafind.engine.sampler import SamplingParams, greedy_tokens
 from deltafind.log import get_logger
 from deltafind.models.ops.batch import SequenceCache
 
@@ -177,7 +177,7 @@ class CrossSession:
             self.positions_run[idx] += len(prefix) - keep
             while True:
                 p = torch.softmax(logits.float(), dim=-1)
-                tok = int(torch.argmax(p))
+                tok = greedy_tokens(p)[0]
                 if tok in model.eos_ids:
                     break
                 tokens.append(tok)
