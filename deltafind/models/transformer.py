@@ -171,7 +171,7 @@ class CausalLM(nn.Module):
         x = run_layers(self.experts, batch, layers, x, first, lambda i, layer, x: layer.attend(x, batch, cos, sin),
                        lambda i, layer, h: layer.feed_forward(h))
         batch.advance()
-        if not all_logits and (batch.logit_rows or x.shape[0] != len(batch.segments)):  # else x is each one's last
+        if not all_logits and (batch.logit_rows or any(s.num_tokens != 1 for s in batch.segments)):  # else x is their last
             x = x[batch.last_token_index().to(x.device)]
         return self.lm_head(self.model.norm(x)).float()
 
