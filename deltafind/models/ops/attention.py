@@ -144,9 +144,9 @@ class AttnStep:
         q_norm, k_norm = weights[9:11] if attn.qk_norm else (None, None)
         self._held = (small, qkv_bias)  # the pointers below stay valid while the plan lives
         self._like = torch.empty(1, hkv, d)
-        self._layer = layer = AttnLayer(ctypes.addressof(qkv), ctypes.addressof(o), len(qkv), len(o), ptr(weights[4]), ptr(qkv_bias),
-                                ptr(weights[8]), ptr(q_norm), ptr(k_norm), h, hq, hkv, d, norm.eps,
-                                attn.q_norm.eps if attn.qk_norm else 0.0, d**-0.5)
+        self._layer = layer = AttnLayer(ctypes.addressof(qkv), ctypes.addressof(o), len(qkv), len(o), ptr(weights[4]),
+                                        ptr(qkv_bias), ptr(weights[8]), ptr(q_norm), ptr(k_norm), h, hq, hkv, d, norm.eps,
+                                        attn.q_norm.eps if attn.qk_norm else 0.0, d**-0.5)
         self._layer_ref = ctypes.byref(layer)  # made once: df_attn_decode's first argument on every call
         return layer
 
