@@ -38,6 +38,7 @@ from deltafind.engine.stats import EngineStats, GenerationStats
 from deltafind.errors import StoreError
 from deltafind.log import get_logger
 from deltafind.models.ops.batch import SequenceCache
+from deltafind.models.ops.moe import SlicedMLP
 from deltafind.models.ops.mxfp4 import use_compile
 from deltafind.models.ops.stored import (
     adopt_stored,
@@ -171,6 +172,8 @@ class Model:
             if settings.device.compile:
                 use_compile(True)
                 log.info("mxfp4_compile", device=str(device))
+        # Dense MLPs held whole within the expert budget, outside the LRU (store/resident.py); the LRU keeps the rest.
+        experts.hold_dense([m.layer_idx for m in net.modules() if isinstance(m, SlicedMLP)])
         model = cls(store_dir, manifest, net, experts, Tokenizer.load(store_dir / TOKENIZER_DIR), settings)
         if provider is not experts:
             model.cluster = provider
@@ -187,7 +190,7 @@ class Model:
                      resident_bytes=plan.resident_bytes, window_bytes=plan.window_bytes, budget_bytes=spine_bytes)
         model.memory_lock.lock([*net.parameters(), *net.buffers()])  # what is held now (int8 rows replaced their bf16)
         # Prefill chunks as large as the memory left once the expert cache has filled its budget allows.
-        unfilled = max(int(cache_bytes) - experts.cache.used_bytes, 0) if cache_bytes is not None else 0
+        unfilled = max(experts.cache.budget_bytes - experts.cache.used_bytes, 0) if experts.cache.budget_bytes is not None else 0
         model.prefill = plan_for(args, activation_budget(device, unfilled), settings.server.max_prefill_tokens,
                                  torch.empty(0, dtype=torch_dtype).element_size())
         return model
@@ -223,7 +226,7 @@ class Model:
         """Apply reloaded `[cache]`/`[prefetch]` keys named in `live` (call between engine steps)."""
         c, ex = settings.cache, self.experts
         if "cache.expert_bytes" in live:
-            ex.cache.resize(None if c.expert_bytes is None else int(c.expert_bytes))
+            ex.set_cache_budget(None if c.expert_bytes is None else int(c.expert_bytes))
         if any(k.startswith("prefetch.") for k in live):
             p = settings.prefetch
             ex.prefetch_options = PrefetchOptions(p.enabled, p.max_in_flight, p.recall_threshold)
@@ -278,7 +281,7 @@ class Model:
 
     def snapshot(self) -> dict[str, Any]:
         """The store's figures as JSON-ready data (status --json, bench --json, --stats, /metrics): expert
-        cache and pin tier, reads, prefetch, drives and the streamed spine."""
+        cache, pin tier and dense layers held, reads, prefetch, drives and the streamed spine."""
         ex = self.experts
         e, layers = ex.stats, list(ex.stats.layers.values())
         needed = sum(r.needed for r in layers)
@@ -286,7 +289,8 @@ class Model:
             "cache_requested": e.requested, "cache_hits": e.cache_hits, "pinned_hits": e.pinned_hits,
             "cache_hit_rate": (e.cache_hits + e.pinned_hits) / e.requested if e.requested else 0.0,
             "cache_used_bytes": ex.cache.used_bytes, "cache_budget_bytes": ex.cache.budget_bytes or 0,
-            "cache_experts": len(ex.cache), "pinned_bytes": ex.pinned_bytes, "experts_read": e.read,
+            "cache_experts": len(ex.cache), "pinned_bytes": ex.resident.pinned_bytes, "experts_read": e.read,
+            "dense_held_layers": len(ex.resident.layers), "dense_held_bytes": ex.resident.dense_bytes,
             "bytes_read": e.bytes_read, "io_wait_s": e.wait_s, "prefetch_issued": e.prefetch_issued,
             "prefetch_used": e.prefetch_used, "prefetch_wasted": e.prefetch_wasted,
             "prefetch_recall": sum(r.hits for r in layers) / needed if needed else 0.0,

@@ -117,6 +117,9 @@ class ClusterExperts:
     def fetch(self, layer_idx: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, Expert]]:
         return self.local.fetch(layer_idx, expert_ids)  # dense slices (routed layers go through run_experts)
 
+    def dense_held(self, layer_idx: int) -> Sequence[Expert] | None:
+        return self.local.dense_held(layer_idx)
+
     def begin_step(self, seq_ids: Sequence[int], positions: Sequence[int]) -> None:
         self.local.begin_step(seq_ids, positions)
 

@@ -94,8 +94,9 @@ class DeviceSettings(Section):
 class CacheSettings(Section):
     expert_bytes: ByteSize | None = Field(
         ByteSize("4GiB"),
-        description="Memory for routed experts kept between uses (RAM, or GPU memory when "
-        "computing on a GPU). More = fewer drive reads.",
+        description="Memory for experts kept between uses (RAM, or GPU memory when computing "
+        "on a GPU). More = fewer drive reads. Dense MLP layers that fit are held whole in it at "
+        "start, outside the LRU; routed experts get the rest.",
         json_schema_extra=LIVE,
     )
     pin_bytes: ByteSize = Field(

@@ -63,7 +63,8 @@ def store_lines(s: dict[str, Any]) -> list[str]:
     lines = [
         f"experts requested {s['cache_requested']}, read {s['experts_read']} ({_mib(s['bytes_read'])}), cache hits "
         f"{s['cache_hits']}, pinned hits {s['pinned_hits']} ({100 * s['cache_hit_rate']:.1f}%), cache {_mib(s['cache_used_bytes'])} "
-        f"of {_mib(s['cache_budget_bytes'])} ({s.get('cache_experts', 0)} experts), pinned {_mib(s['pinned_bytes'])}",
+        f"of {_mib(s['cache_budget_bytes'])} ({s.get('cache_experts', 0)} experts), pinned {_mib(s['pinned_bytes'])}, "
+        f"dense layers held {s.get('dense_held_layers', 0)} ({_mib(s.get('dense_held_bytes', 0))})",
         f"prefetch   issued {s['prefetch_issued']}, used {s['prefetch_used']}, wasted {s['prefetch_wasted']}, "
         f"recall {100 * s['prefetch_recall']:.1f}%, io wait {s.get('io_wait_s', 0.0):.3f} s",
     ]

@@ -12,11 +12,11 @@ import functools
 import time
 import weakref
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -26,23 +26,12 @@ from deltafind.store.manifest import ExpertRecord, Manifest
 from deltafind.store.prefetch_gate import LayerRecall, PrefetchGate, PrefetchOptions
 from deltafind.store.provider import Expert
 from deltafind.store.read_budget import ReadBudget
-from deltafind.store.reader import DriveOptions, PackReader, record_tensors
+from deltafind.store.reader import DriveOptions, PackReader, Stager, record_tensors
+from deltafind.store.resident import Resident
 from deltafind.store.spine import SpineStreamer
 from deltafind.store.trace import TraceWriter
 
 RECORDS_AHEAD = 2  # demand reads a fetch keeps unconsumed per drive under a budget: one being read (its 1 MiB chunks fill the queue), the next behind it
-
-
-class Stager(Protocol):
-    """Moves a read record's host tensors onto the compute device (implemented in `deltafind.device.staging`)."""
-
-    device: torch.device
-
-    def stage(self, views: Mapping[str, torch.Tensor], dtype: torch.dtype, release: Callable[[], None]) -> tuple[dict[str, torch.Tensor], bool]:
-        """Device tensors (floats in `dtype`) and whether they alias the buffer; else `release` is called once it is free."""
-
-    def drain(self) -> None:
-        """Wait for every copy in flight and release their buffers."""
 
 
 @dataclass
@@ -96,8 +85,7 @@ class StoreExperts:
         return_freed_memory()
         self.reader = PackReader(manifest, Path(store_dir), verify=verify, drives=drives, read_mode=read_mode, buffer_pool=buffer_pool)
         self.cache = ByteLRU(cache_bytes) if cache is None else cache
-        self.pinned: dict[tuple[int, int], Expert] = {}
-        self.pinned_bytes = 0
+        self.resident = Resident(self._load)  # held outside the LRU: dense layers, the pin tier
         self.stager, self.dtype, self.device = stager, dtype, stager.device
         # CPU compute: demand reads are widened to the compute dtype on the drive threads, so it
         # overlaps the matmuls (measured in tests/bench/RESULTS.md); a device copies as stored.
@@ -160,9 +148,10 @@ class StoreExperts:
         self.stats.requested += len(keys)
         for key in keys:
             self.uses[key] += 1
-        cached = iter(self.cache.get_many([k for k in keys if k not in self.pinned]))  # one lock for the layer
+        resident = self.resident.experts
+        cached = iter(self.cache.get_many([k for k in keys if k not in resident]))  # one lock for the layer
         for e, key in zip(wanted, keys, strict=True):
-            if (expert := self.pinned.get(key)) is not None:
+            if (expert := resident.get(key)) is not None:
                 self.stats.pinned_hits += 1
                 ready.append((e, expert))
             elif (expert := next(cached)) is not None:
@@ -183,14 +172,7 @@ class StoreExperts:
         for drive in waiting:
             self._start_demand(layer_idx, waiting[drive], pending, held)
         self._drop_inflight(layer_idx)  # predictions for this layer that the router did not pick
-        self._deferred.pop(layer_idx, None)  # a prediction that never got its turn
-        if (nxt := self._deferred.pop(layer_idx + 1, None)) is not None:
-            self._issue(layer_idx + 1, nxt)  # behind this layer's demand reads
-        elif layer_idx == self._last_layer and self._first_layer == 0 and self.prefetch_options.enabled:
-            # The next step's layer 0 is predicted by this step's route there: issued now, its
-            # pieces fill the drives' idle time over lm_head, sampling and layer 0's attention.
-            self._early = self._predict(0, self._last_route.get(0, []))
-            self._issue(0, self._early)
+        self._issue_next(layer_idx)  # behind this layer's demand reads
         try:
             yield from ready  # inside: a consumer that stops at a held expert still cancels the reads below
             while pending:
@@ -218,6 +200,30 @@ class StoreExperts:
             for n in held.values():
                 self.budget.unreserve(n)
 
+    def dense_held(self, layer_idx: int) -> list[Expert] | None:
+        """Dense layer `layer_idx`'s slices in order when held whole (store/resident.py), counted as
+        used; else None (`fetch` them). The next layer's prediction is issued as `fetch` would."""
+        if (slices := self.resident.layers.get(layer_idx)) is None:
+            return None
+        self.stats.requested += len(slices)
+        self.stats.pinned_hits += len(slices)
+        if self._deferred or layer_idx == self._last_layer:
+            self._issue_next(layer_idx)
+        return slices
+
+    def _issue_next(self, layer_idx: int) -> None:
+        """Layer `layer_idx` has its reads queued: start the prediction for the next layer held back
+        until then (`prefetch`), or at the last layer the next step's layer 0."""
+        self._deferred.pop(layer_idx, None)  # a prediction that never got its turn
+        if (nxt := self._deferred.pop(layer_idx + 1, None)) is not None:
+            self._issue(layer_idx + 1, nxt)
+        elif layer_idx == self._last_layer and self._first_layer == 0 and self.prefetch_options.enabled \
+                and 0 not in self.resident.layers:
+            # The next step's layer 0 is predicted by this step's route there: issued now, its
+            # pieces fill the drives' idle time over lm_head, sampling and layer 0's attention.
+            self._early = self._predict(0, self._last_route.get(0, []))
+            self._issue(0, self._early)
+
     def _start_demand(self, layer_idx: int, waiting: deque[int], pending: dict[Future, int], held: dict[int, int]) -> None:
         """Start `waiting` reads (all on one drive); under a cache budget only while that drive has
         fewer than RECORDS_AHEAD of this fetch's reads unconsumed: its queue stays full, and a layer's
@@ -238,8 +244,7 @@ class StoreExperts:
 
     def prefetch(self, layer_idx: int, expert_ids: Sequence[int] | None) -> None:
         """Start reads for experts predicted at `layer_idx` (None: the previous token's route there)."""
-        opts = self.prefetch_options
-        if not opts.enabled or layer_idx not in self._counts:
+        if not self.prefetch_options.enabled or layer_idx not in self._counts or layer_idx in self.resident.layers:
             return
         if expert_ids is None and layer_idx == 0 and self._early is not None:
             self._early = None  # issued at the end of the previous step (fetch), window and all
@@ -274,7 +279,7 @@ class StoreExperts:
         self.cache.touch(keys)
         # a striped record loads each of its drives by its share: the gate weighs that share on its first drive
         todo = [(k, self._records[k].drive, self._records[k].length // len(self._records[k].extents())) for k in keys
-                if k not in self._inflight and k not in self.pinned and k not in self.cache and k in self._records]
+                if k not in self._inflight and k not in self.resident.experts and k not in self.cache and k in self._records]
         if (predicted := self._predicted.get(layer_idx)) is not None:  # not held: what reads fetch (gate.observe)
             predicted[1].update([k[1] for k, _, _ in todo] + [k[1] for k in keys if k in self._inflight])
         todo = todo[: self.budget.fitting([self._records[k] for k, _, _ in todo])]
@@ -292,21 +297,15 @@ class StoreExperts:
     def _track(self, rec: ExpertRecord, fut: Future, share: int | None = None) -> Future:
         """Count the read on every drive it loads (a striped record: each stripe on its own drive;
         `share`: the bytes per drive a prefetch of only its first pieces queues)."""
-        for drive, nbytes in self._loads(rec):
+        for drive, nbytes in rec.loads():
             self.gate.track(drive, min(share or rec.length, nbytes), fut)
         return fut
 
     def _hold_back(self, rec: ExpertRecord, sign: int) -> None:
         """Tell the gate of a demand read held back (1) or started (-1) on every drive it loads; the
         gate forgets what a fetch held back when the next one starts (an error or an abandoned fetch)."""
-        for drive, nbytes in self._loads(rec):
+        for drive, nbytes in rec.loads():
             self.gate.hold_back(drive, sign * nbytes)
-
-    @staticmethod
-    def _loads(rec: ExpertRecord) -> list[tuple[int, int]]:
-        """(drive, bytes) a read of `rec` puts on each drive it loads: a striped record, its share on each."""
-        extents = rec.extents()
-        return [(ex.drive, rec.length // len(extents)) for ex in extents]
 
     def begin_step(self, seq_ids: Sequence[int], positions: Sequence[int]) -> None:
         self._step = (seq_ids, positions)
@@ -317,12 +316,8 @@ class StoreExperts:
             self.spine.enter(layer_idx)
 
     def observe_routes(self, layer_idx: int, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> None:
-        if self.trace is None:
-            return
-        seqs, positions = self._step
-        for t, (ids, ws) in enumerate(zip(topk_idx.tolist(), topk_weight.float().tolist(), strict=True)):
-            self.trace.write({"seq": seqs[t] if t < len(seqs) else -1, "pos": positions[t] if t < len(positions) else -1,
-                              "layer": layer_idx, "experts": ids, "weights": [round(w, 5) for w in ws]})
+        if self.trace is not None:
+            self.trace.routes(layer_idx, *self._step, topk_idx.tolist(), topk_weight.float().tolist())
 
     def _observe(self, layer_idx: int, wanted: list[int]) -> None:
         self._last_route[layer_idx] = wanted
@@ -371,24 +366,28 @@ class StoreExperts:
         self.cache.put(rec.key, expert, nbytes)
         return expert
 
+    def hold_dense(self, layers: Sequence[int]) -> int:
+        """Hold the dense `layers` that fit the expert budget resident (store/resident.py); the LRU keeps the rest."""
+        budget = self.cache.budget_bytes
+        held = self.resident.hold_dense([[self.record(i, e) for e in range(self.num_experts(i))] for i in layers], budget)
+        self.set_cache_budget(budget)
+        return held
+
+    def set_cache_budget(self, expert_bytes: int | None) -> None:
+        """`[cache] expert_bytes`: what the held dense layers leave of it is the LRU's."""
+        self.cache.resize(None if expert_bytes is None else max(expert_bytes - self.resident.dense_bytes, 0))
+
     def pin(self, keys: Sequence[tuple[int, int]], budget_bytes: int) -> int:
-        """Load `keys` (hottest first) into the pin tier until `budget_bytes`; returns bytes pinned."""
-        for key in keys:
-            rec = self._records.get(key)
-            if rec is None or key in self.pinned:
-                continue
-            if self.pinned_bytes + rec.length > budget_bytes:
-                break
-            expert = self._decode(rec, self.reader.read(rec))
-            self.cache.pop(key)
-            self.pinned[key] = expert
-            self.pinned_bytes += expert.nbytes
-        return self.pinned_bytes
+        """Pin `keys` (hottest first) until `budget_bytes`; returns bytes pinned."""
+        return self.resident.pin([self._records[k] for k in keys if k in self._records], budget_bytes)
 
     def unpin(self) -> None:
-        """Empty the pin tier (a reload re-pins under a new budget)."""
-        self.pinned.clear()
-        self.pinned_bytes = 0
+        self.resident.unpin()
+
+    def _load(self, rec: ExpertRecord) -> Expert:
+        expert = self._decode(rec, self.reader.read(rec))
+        self.cache.pop(rec.key)  # held outside the LRU
+        return expert
 
     def close(self) -> None:
         if self.trace is not None:

@@ -76,6 +76,11 @@ class ExpertRecord:
         """Where the record's align_up(length) bytes lie, in payload order."""
         return self.stripes or (Extent(self.drive, self.offset, align_up(self.length)),)
 
+    def loads(self) -> list[tuple[int, int]]:
+        """(drive, bytes) a read of the record puts on each drive it loads: a striped record, its share on each."""
+        extents = self.extents()
+        return [(ex.drive, self.length // len(extents)) for ex in extents]
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["tensors"] = [{k: v for k, v in asdict(t).items() if k != "quant" or v} for t in self.tensors]

@@ -83,6 +83,10 @@ class ExpertProvider(Protocol):
         """
         ...
 
+    def dense_held(self, layer_idx: int) -> Sequence[Expert] | None:
+        """Dense layer `layer_idx`'s slices in order when they are held resident (the call is their use), else None: fetch them."""
+        return None
+
     def begin_step(self, seq_ids: Sequence[int], positions: Sequence[int]) -> None:
         """A forward starts: token t belongs to sequence `seq_ids[t]` at `positions[t]` (router traces)."""
 

@@ -26,11 +26,11 @@ import os
 import sys
 import threading
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import xxhash
@@ -51,6 +51,18 @@ from deltafind.store.record_read import PieceStats, RecordRead
 log = get_logger(__name__)
 VERIFY_MODES = ("full", "fast", "off")
 READ_MODES = ("direct", "buffered")  # [cache] read_mode: O_DIRECT, or through the OS page cache
+
+
+class Stager(Protocol):
+    """Moves a read record's host tensors onto the compute device (implemented in `deltafind.device.staging`)."""
+
+    device: torch.device
+
+    def stage(self, views: Mapping[str, torch.Tensor], dtype: torch.dtype, release: Callable[[], None]) -> tuple[dict[str, torch.Tensor], bool]:
+        """Device tensors (floats in `dtype`) and whether they alias the buffer; else `release` is called once it is free."""
+
+    def drain(self) -> None:
+        """Wait for every copy in flight and release their buffers."""
 
 
 @dataclass(frozen=True)

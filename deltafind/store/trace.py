@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,12 @@ class TraceWriter:
             self.bytes += len(line) + 1
             if len(self._buf) >= self.flush_every:
                 self._flush()
+
+    def routes(self, layer_idx: int, seqs: Sequence[int], positions: Sequence[int], ids: list[list[int]], weights: list[list[float]]) -> None:
+        """One line per token t of a step: its sequence `seqs[t]` and position (-1 where unknown), the layer's experts and weights."""
+        for t, (e, w) in enumerate(zip(ids, weights, strict=True)):
+            self.write({"seq": seqs[t] if t < len(seqs) else -1, "pos": positions[t] if t < len(positions) else -1,
+                        "layer": layer_idx, "experts": e, "weights": [round(x, 5) for x in w]})
 
     def _flush(self) -> None:
         if self._buf:

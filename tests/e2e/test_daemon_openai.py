@@ -172,11 +172,12 @@ def test_deltafinctl_status_json_and_summary(daemon: Daemon) -> None:
     assert s["model"] == "test-model" and s["ready"] and not s["draining"] and s["config_path"] == str(daemon.config)
     store = s["snapshot"]["store"]
     assert len(store["drives"]) == 2 and all(d["healthy"] for d in store["drives"]) and store["cache_requested"] > 0
-    gate = store["prefetch_gate"]  # per-layer prefetch recall and precision
-    assert gate["layers"] and all(0 <= r["recall"] <= 1 and 0 <= r["precision"] <= 1 for r in gate["layers"])
-    assert any(r["needed"] for r in gate["layers"]) and len(gate["drives"]) == 2
+    # The demo is dense and fits the 1 GiB budget: every layer's MLP held whole, nothing for the
+    # prefetch gate to predict (its per-layer rows: tests/unit/test_streaming.py)
+    assert store["dense_held_layers"] == 30 and store["dense_held_bytes"] > 0 and store["experts_read"] == 30
+    assert store["prefetch_gate"]["layers"] == [] and len(store["prefetch_gate"]["drives"]) == 2
     text = daemon.ctl("status").stdout
-    assert "test-model (ready)" in text and "drive 1" in text and "prefetch   by layer" in text
+    assert "test-model (ready)" in text and "drive 1" in text and "dense layers held 30" in text
     mode = stat.S_IMODE(os.stat(daemon.socket).st_mode)
     assert mode == 0o600
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from deltafind import Model
+from deltafind.control.ctl import store_lines
 from deltafind.errors import CorruptExpertError, StoreError
 from deltafind.store.experts import PrefetchOptions
 from deltafind.store.heat import read_heat, update_heat
@@ -83,6 +84,7 @@ def test_the_prefetch_gate_never_changes_tokens_and_reports_each_layer(stores, r
             assert r["needed"] > 0 and r["recall"] == round(r["hits"] / r["needed"], 4)
             assert r["precision"] == round(r["hits"] / r["predicted"], 4)
         assert sum(r["issued"] for r in layers.values()) == e.prefetch_issued
+        assert "prefetch   by layer" in "\n".join(store_lines(m.snapshot()))  # what status and --stats print
         assert e.prefetch_used + e.prefetch_wasted <= e.prefetch_issued
         routed = [layers[1], layers[2]]
         if read_mb_s is None:
@@ -110,7 +112,7 @@ def test_trace_summarize_and_warm_pin_the_hot_experts(stores, reference, tmp_pat
     assert read_heat(stores[3])[(hot["layer"], hot["expert"])] >= hot["uses"]
     pinned = Model.open(stores[3], expert_cache_bytes=0, pin_bytes=200_000)
     try:
-        assert (hot["layer"], hot["expert"]) in pinned.experts.pinned and pinned.experts.pinned_bytes <= 200_000
+        assert (hot["layer"], hot["expert"]) in pinned.experts.resident.experts and pinned.experts.resident.pinned_bytes <= 200_000
         assert pinned.generate(PROMPT, max_new_tokens=12) == reference[1]
         assert pinned.experts.stats.pinned_hits > 0
     finally:

@@ -221,14 +221,17 @@ class SlicedMLP(nn.Module):
         kernel call with the norm and the sum, where it applies)."""
         ids = self.predict(x)
         self.provider.observe_routes(self.layer_idx, *self._all_slices(x.shape[0], len(ids), x.device))  # [T, n]
+        held = self.provider.dense_held(self.layer_idx)
         if isinstance(self.run, GatedExpert):
-            experts = dict(self.provider.fetch(self.layer_idx, ids))
-            fused = self.run.slices(x, [experts[e] for e in ids], norm)  # one kernel call, not one matmul per slice
+            if held is None:
+                got = dict(self.provider.fetch(self.layer_idx, ids))
+                held = [got[e] for e in ids]
+            fused = self.run.slices(x, held, norm)  # one kernel call, not one matmul per slice
             if fused is not None:
                 return fused
-            fetched: Iterator[tuple[int, Expert]] = iter(experts.items())
+            fetched: Iterator[tuple[int, Expert]] = enumerate(held)
         else:
-            fetched = self.provider.fetch(self.layer_idx, ids)
+            fetched = enumerate(held) if held is not None else self.provider.fetch(self.layer_idx, ids)
         n = x if norm is None else norm(x)
         partial = {e: self.run(n, expert) for e, expert in fetched}
         out = torch.zeros_like(x)

@@ -1,0 +1,87 @@
+"""What the expert provider holds outside its LRU, never evicted: dense layers held whole, and the pin tier.
+
+- **Dense layers** (`hold_dense`, chosen once at open): every token takes every slice of a dense MLP,
+  in the same layer order every step. An LRU is the wrong policy for that cycle: when the dense
+  slices outgrow the cache each one is evicted just before its turn comes round (no hits at all),
+  and in a MoE model the dense layers, used first in a step, are the least recently used when that
+  step's routed reads land. Held, a prefix of whole layers hits every token, as the spine's resident
+  prefix does (store/spine.py), and a held layer skips the provider's per-fetch bookkeeping
+  (`StoreExperts.dense_held`): at 2 threads that was 6.6 % of a demo token (tests/bench/RESULTS.md).
+  They are held within `[cache] expert_bytes`; the LRU keeps what is left.
+- **The pin tier** (`pin`, `[cache] pin_bytes`): the hottest experts by heat, re-chosen on a live reload.
+
+`experts` holds every key of both, so the provider has one lookup for "held".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from deltafind.store.manifest import ExpertRecord
+from deltafind.store.provider import Expert
+
+Key = tuple[int, int]
+
+
+def dense_prefix(layers: Sequence[tuple[int, int]], budget_bytes: int | None) -> list[int]:
+    """The dense layers to hold, from (layer, stored bytes) in layer order: all of them when they fit
+    `budget_bytes` (None: no limit), else whole layers from the first while the largest one still
+    fits beside them, so a streamed layer's reads in flight have room in the LRU; 0 holds none."""
+    total = sum(n for _, n in layers)
+    if budget_bytes is None or total <= budget_bytes:
+        return [i for i, _ in layers]
+    room, held, out = max(n for _, n in layers), 0, []
+    for i, n in layers:
+        if held + n + room > budget_bytes:
+            break
+        held += n
+        out.append(i)
+    return out
+
+
+class Resident:
+    """Experts held in memory outside the LRU; `load(record)` reads and decodes one."""
+
+    def __init__(self, load: Callable[[ExpertRecord], Expert]) -> None:
+        self._load = load
+        self.experts: dict[Key, Expert] = {}  # every held key, both tiers
+        self.layers: dict[int, list[Expert]] = {}  # dense layers held whole: their slices in order
+        self.dense_bytes = 0
+        self.pinned_bytes = 0
+        self._pinned: set[Key] = set()
+
+    def hold_dense(self, layers: Sequence[Sequence[ExpertRecord]], budget_bytes: int | None) -> int:
+        """Hold the dense layers `dense_prefix` picks (each given as its slices' records, in layer
+        order) within `budget_bytes`; returns the bytes held."""
+        by_layer = {recs[0].layer: recs for recs in layers if recs}
+        for i in dense_prefix([(i, sum(r.length for r in recs)) for i, recs in by_layer.items()], budget_bytes):
+            slices = [self.experts.get(r.key) or self._load(r) for r in by_layer[i]]
+            for r, expert in zip(by_layer[i], slices, strict=True):
+                if r.key in self._pinned:  # held here now: the pin tier's bytes go to other experts
+                    self._pinned.discard(r.key)
+                    self.pinned_bytes -= expert.nbytes
+                self.experts[r.key] = expert
+            self.layers[i] = slices
+            self.dense_bytes += sum(e.nbytes for e in slices)
+        return self.dense_bytes
+
+    def pin(self, records: Sequence[ExpertRecord], budget_bytes: int) -> int:
+        """Pin `records` (hottest first) until `budget_bytes`; returns bytes pinned. Dense layers held
+        already are skipped: they cost the pin tier nothing."""
+        for rec in records:
+            if rec.key in self.experts:
+                continue
+            if self.pinned_bytes + rec.length > budget_bytes:
+                break
+            expert = self._load(rec)
+            self.experts[rec.key] = expert
+            self._pinned.add(rec.key)
+            self.pinned_bytes += expert.nbytes
+        return self.pinned_bytes
+
+    def unpin(self) -> None:
+        """Empty the pin tier (a reload re-pins under a new budget); dense layers stay held."""
+        for key in self._pinned:
+            del self.experts[key]
+        self._pinned.clear()
+        self.pinned_bytes = 0
