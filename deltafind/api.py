@@ -129,7 +129,7 @@ class Model:
         experts = StoreExperts.from_settings(settings, manifest, store_dir, hold, trace, stager=make_stager(device), cache=cache,
                                              buffer_pool=read_buffer_pool(device))
         if int(c.pin_bytes):
-            experts.pin(hottest(read_heat(store_dir)), int(c.pin_bytes))
+            experts.resident.pin(hottest(read_heat(store_dir)), int(c.pin_bytes))
         provider = experts
         if settings.cluster.role == "coordinator":  # routed experts run on the expert nodes (deltafind/cluster)
             from deltafind.cluster.coordinator import ClusterExperts
@@ -231,9 +231,9 @@ class Model:
             p = settings.prefetch
             ex.prefetch_options = PrefetchOptions(p.enabled, p.max_in_flight, p.recall_threshold)
         if "cache.pin_bytes" in live:
-            ex.unpin()
+            ex.resident.unpin()
             if int(c.pin_bytes):
-                ex.pin(hottest(read_heat(self.store_dir)), int(c.pin_bytes))
+                ex.resident.pin(hottest(read_heat(self.store_dir)), int(c.pin_bytes))
         self.settings = settings
 
     @property

@@ -120,6 +120,9 @@ class ClusterExperts:
     def dense_held(self, layer_idx: int) -> Sequence[Expert] | None:
         return self.local.dense_held(layer_idx)
 
+    def held_chain(self, num_layers: int) -> Sequence[Sequence[Expert]] | None:
+        return self.local.held_chain(num_layers)
+
     def begin_step(self, seq_ids: Sequence[int], positions: Sequence[int]) -> None:
         self.local.begin_step(seq_ids, positions)
 

@@ -105,7 +105,7 @@ class ExpertNode:
             self.experts.record(layer, e)  # raises, naming the expert, when this node's store lacks it
         if int(self.settings.cache.pin_bytes):
             mine = set(self.mine)
-            self.experts.pin([k for k in hottest(read_heat(self.store_dir)) if k in mine], int(self.settings.cache.pin_bytes))
+            self.experts.resident.pin([k for k in hottest(read_heat(self.store_dir)) if k in mine], int(self.settings.cache.pin_bytes))
         log.info("cluster_node_ready", rank=self.spec.rank, experts=len(self.mine), store=str(self.store_dir))
         return torch.empty(0)
 

@@ -19,7 +19,7 @@ from deltafind.models.ops.batch import Batch
 from deltafind.models.ops.moe import SlicedMLP, dispatch, predict_routed, swiglu
 from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.rope import Rope, apply_rope, rope_parameters, rope_tables
-from deltafind.models.ops.step import run_layers
+from deltafind.models.ops.step import DecodeChain, run_layers
 from deltafind.models.ops.stored import FusedLinear
 from deltafind.store.provider import ExpertProvider
 
@@ -147,6 +147,7 @@ class CausalLM(nn.Module):
         self.model = Backbone(args, make_layer)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rope = rope
+        self._chain = DecodeChain()  # a decode token's layers in one kernel call, where they all allow it (ops/step.py)
 
     @property
     def num_layers(self) -> int:
@@ -169,7 +170,7 @@ class CausalLM(nn.Module):
 
         first = layers[0].mlp.predict(x) if isinstance(layers[0].mlp, SlicedMLP) else None  # else the last route
         x = run_layers(self.experts, batch, layers, x, first, lambda i, layer, x: layer.attend(x, batch, cos, sin),
-                       lambda i, layer, h: layer.feed_forward(h))
+                       lambda i, layer, h: layer.feed_forward(h), lambda x: self._chain(layers, self.experts, x, batch, cos, sin))
         batch.advance()
         if not all_logits and (batch.logit_rows or any(s.num_tokens != 1 for s in batch.segments)):  # else x is their last
             x = x[batch.last_token_index().to(x.device)]

@@ -85,7 +85,8 @@ class StoreExperts:
         return_freed_memory()
         self.reader = PackReader(manifest, Path(store_dir), verify=verify, drives=drives, read_mode=read_mode, buffer_pool=buffer_pool)
         self.cache = ByteLRU(cache_bytes) if cache is None else cache
-        self.resident = Resident(self._load)  # held outside the LRU: dense layers, the pin tier
+        self._records: dict[tuple[int, int], ExpertRecord] = {r.key: r for r in manifest.experts}
+        self.resident = Resident(self._records, self._load)  # held outside the LRU: dense layers, the pin tier
         self.stager, self.dtype, self.device = stager, dtype, stager.device
         # CPU compute: demand reads are widened to the compute dtype on the drive threads, so it
         # overlaps the matmuls (measured in tests/bench/RESULTS.md); a device copies as stored.
@@ -105,7 +106,6 @@ class StoreExperts:
         if self.budget.reserving:  # the reader's buffer pools are host memory the budget must cover too
             self.cache.reserve(self.reader.buffers.max_free_bytes + self.reader.widened.max_free_bytes)
         self.gate = PrefetchGate(prefetch or PrefetchOptions(enabled=False), len(self.reader.paths))
-        self._records: dict[tuple[int, int], ExpertRecord] = {r.key: r for r in manifest.experts}
         self._counts = manifest.expert_counts()
         self._first_layer, self._last_layer = min(self._counts, default=-1), max(self._counts, default=-1)
         self._inflight: dict[tuple[int, int], Future] = {}
@@ -210,6 +210,10 @@ class StoreExperts:
         if self._deferred or layer_idx == self._last_layer:
             self._issue_next(layer_idx)
         return slices
+
+    def held_chain(self, num_layers: int) -> list[list[Expert]] | None:
+        chain = self.resident.chain
+        return chain if num_layers <= len(chain) and self.spine is None and self.trace is None else None
 
     def _issue_next(self, layer_idx: int) -> None:
         """Layer `layer_idx` has its reads queued: start the prediction for the next layer held back
@@ -376,13 +380,6 @@ class StoreExperts:
     def set_cache_budget(self, expert_bytes: int | None) -> None:
         """`[cache] expert_bytes`: what the held dense layers leave of it is the LRU's."""
         self.cache.resize(None if expert_bytes is None else max(expert_bytes - self.resident.dense_bytes, 0))
-
-    def pin(self, keys: Sequence[tuple[int, int]], budget_bytes: int) -> int:
-        """Pin `keys` (hottest first) until `budget_bytes`; returns bytes pinned."""
-        return self.resident.pin([self._records[k] for k in keys if k in self._records], budget_bytes)
-
-    def unpin(self) -> None:
-        self.resident.unpin()
 
     def _load(self, rec: ExpertRecord) -> Expert:
         expert = self._decode(rec, self.reader.read(rec))

@@ -87,6 +87,12 @@ class ExpertProvider(Protocol):
         """Dense layer `layer_idx`'s slices in order when they are held resident (the call is their use), else None: fetch them."""
         return None
 
+    def held_chain(self, num_layers: int) -> Sequence[Sequence[Expert]] | None:
+        """Layers 0..num_layers-1's slices (as `dense_held` gives them) when all are dense layers held
+        resident and the hooks here have nothing to do for them this step (a resident spine, no trace):
+        a model may then run them without the hooks, and calls `dense_held` for each it ran (their use)."""
+        return None
+
     def begin_step(self, seq_ids: Sequence[int], positions: Sequence[int]) -> None:
         """A forward starts: token t belongs to sequence `seq_ids[t]` at `positions[t]` (router traces)."""
 

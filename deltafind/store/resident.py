@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from deltafind.store.manifest import ExpertRecord
 from deltafind.store.provider import Expert
@@ -40,12 +40,13 @@ def dense_prefix(layers: Sequence[tuple[int, int]], budget_bytes: int | None) ->
 
 
 class Resident:
-    """Experts held in memory outside the LRU; `load(record)` reads and decodes one."""
+    """Experts held in memory outside the LRU: of the store's `records`, read and decoded by `load(record)`."""
 
-    def __init__(self, load: Callable[[ExpertRecord], Expert]) -> None:
-        self._load = load
+    def __init__(self, records: Mapping[Key, ExpertRecord], load: Callable[[ExpertRecord], Expert]) -> None:
+        self._records, self._load = records, load
         self.experts: dict[Key, Expert] = {}  # every held key, both tiers
         self.layers: dict[int, list[Expert]] = {}  # dense layers held whole: their slices in order
+        self.chain: list[list[Expert]] = []  # layers 0, 1, ... while held: a model may run them in one call
         self.dense_bytes = 0
         self.pinned_bytes = 0
         self._pinned: set[Key] = set()
@@ -63,13 +64,15 @@ class Resident:
                 self.experts[r.key] = expert
             self.layers[i] = slices
             self.dense_bytes += sum(e.nbytes for e in slices)
+        while len(self.chain) in self.layers:
+            self.chain.append(self.layers[len(self.chain)])
         return self.dense_bytes
 
-    def pin(self, records: Sequence[ExpertRecord], budget_bytes: int) -> int:
-        """Pin `records` (hottest first) until `budget_bytes`; returns bytes pinned. Dense layers held
+    def pin(self, keys: Sequence[Key], budget_bytes: int) -> int:
+        """Pin `keys` (hottest first) until `budget_bytes`; returns bytes pinned. Dense layers held
         already are skipped: they cost the pin tier nothing."""
-        for rec in records:
-            if rec.key in self.experts:
+        for key in keys:
+            if key in self.experts or (rec := self._records.get(key)) is None:
                 continue
             if self.pinned_bytes + rec.length > budget_bytes:
                 break

@@ -105,7 +105,7 @@ def measure(store: Path, nodes: int, read_mb_s: float | None, cache: str, new_to
                 from deltafind.cluster.runs import routed_counts
 
                 routed = routed_counts(model.manifest)
-                model.experts.pin([r.key for r in model.manifest.experts if r.layer not in routed], 1 << 40)
+                model.experts.resident.pin([r.key for r in model.manifest.experts if r.layer not in routed], 1 << 40)
             model.generate(PROMPT, max_new_tokens=2)  # warm-up: first-use costs out of the figures
             s0 = sample(model, procs)
             model.generate(PROMPT, max_new_tokens=1)

@@ -74,9 +74,9 @@ def test_a_live_budget_and_a_re_pin_leave_the_held_layers_alone(llama) -> None:
         dense = m.experts.resident.dense_bytes
         m.experts.set_cache_budget(dense + 1000)
         assert m.experts.cache.budget_bytes == 1000  # the LRU gets what the held layers leave
-        m.experts.pin([(3, 0), (3, 1)], 1 << 20)  # held already: the pin tier takes nothing for them
+        m.experts.resident.pin([(3, 0), (3, 1)], 1 << 20)  # held already: the pin tier takes nothing for them
         assert m.experts.resident.pinned_bytes == 0
-        m.experts.unpin()
+        m.experts.resident.unpin()
         assert sorted(m.experts.resident.layers) == [0, 1, 2, 3] and m.experts.resident.dense_bytes == dense
         reads = m.experts.stats.read
         m.generate(PROMPT, max_new_tokens=4)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import operator
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -106,14 +107,11 @@ class AttnStep:
         """x [1, H] -> x + attn(norm(x)) [1, H], or None (see the class)."""
         if (len(segments := batch.segments) != 1 or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous()
                 or (shape := x.shape)[0] != 1 or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous())
-                or (layer := self._plan()) is None or cos.shape[-1] != layer.d):
+                or (layer := self.plan()) is None or cos.shape[-1] != layer.d):
             return None
-        cache = segments[0].cache.layers[self._layer_idx]
-        if not isinstance(cache, LayerCache):
+        if (row := self.cache_row(segments[0].cache.layers)) is None:
             return None
-        kbuf, vbuf = cache.reserve(1, self._like, self._like)
-        if kbuf.dtype != torch.float32 or not (kbuf.is_contiguous() and vbuf.is_contiguous()):
-            return None
+        cache, kbuf, vbuf = row
         out = torch.empty(1, shape[1])
         if CPU.load().df_attn_decode(self._layer_ref, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), kbuf.data_ptr(),
                                      vbuf.data_ptr(), cache.length, out.data_ptr(), torch.get_num_threads()):
@@ -121,7 +119,19 @@ class AttnStep:
         cache.length += 1
         return out
 
-    def _plan(self) -> AttnLayer | None:
+    def cache_row(self, caches: Sequence[Any]) -> tuple[LayerCache, torch.Tensor, torch.Tensor] | None:
+        """This layer's cache among a sequence's `caches`, with room made for one more row, and its k and v
+        buffers, where the kernel can write that row (fp32, contiguous); else None."""
+        cache = caches[self._layer_idx]
+        if not isinstance(cache, LayerCache):
+            return None
+        kbuf, vbuf = cache.reserve(1, self._like, self._like)
+        if kbuf.dtype != torch.float32 or not (kbuf.is_contiguous() and vbuf.is_contiguous()):
+            return None
+        return cache, kbuf, vbuf
+
+    def plan(self) -> AttnLayer | None:
+        """The kernel's layer (re-planned when a weight object changed), or None where it does not apply."""
         weights = [d[k] for d, k in self._slots]
         if len(weights) == len(self._key) and all(map(operator.is_, [r() for r in self._key], weights)):
             return self._layer

@@ -113,6 +113,13 @@ class AttnLayer(ctypes.Structure):
                 ("eps", F32), ("qk_eps", F32), ("scale", F32)]
 
 
+class DecodeLayer(ctypes.Structure):
+    """One decoder layer of a one-token step for `df_decode_layers` (layer_cpu.cpp's `DecodeLayer`)."""
+
+    _fields_ = [("attn", ctypes.POINTER(AttnLayer)), ("kbuf", P), ("vbuf", P), ("len", I64), ("gu", P), ("down", P),
+                ("n_gu", I64), ("n_down", I64), ("norm", P), ("eps", F32), ("act", I32)]
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.df_mxfp4_matmul.argtypes = [P, I64, I64, P, P, I64, I64, P, I64, I32]
     lib.df_mxfp4_matmul.restype = I32
@@ -138,6 +145,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.df_attn_decode.restype = I32
     lib.df_gated_mlp.argtypes = [P, I32, P, I32, P, I64, I32, P, F32, I32, P, I32]
     lib.df_gated_mlp.restype = I32
+    lib.df_decode_layers.argtypes = [ctypes.POINTER(DecodeLayer), I32, P, P, P, I32]
+    lib.df_decode_layers.restype = I32
     lib.df_layer_abi.restype = I32
     return lib
 

@@ -1,6 +1,6 @@
 // The per-layer ops of a CPU decode step, fp32: RMSNorm, rotary embeddings, one-row attention, and two
 // fused steps built from them and stored_cpu.cpp's matmul: a whole attention half of a layer for one
-// token (df_attn_decode) and a gated MLP (df_gated_mlp).
+// token (df_attn_decode), a gated MLP (df_gated_mlp), and a chain of decoder layers (df_decode_layers).
 //
 // Each small op was a handful of torch ops costing 10-30 us a call on one token, against ~3 us for one
 // ctypes call here; a demo token runs 61 norms and 30 ropes, and the Python between the calls cost as
@@ -26,7 +26,7 @@ extern "C" {
 int df_stored_parts(const Part* parts, int n, int stack_cols, const float* x, int64_t T, int64_t ldx, float* y,
                     int64_t ldy, int threads);  // stored_cpu.cpp
 
-int df_layer_abi() { return 2; }
+int df_layer_abi() { return 3; }
 
 // y[t] = w * (x[t] * (1 / sqrt(mean(x[t]^2) + eps))) for T rows of C (a multiple of 8) at stride ldx; y is
 // [T, C] contiguous. HF's RMSNorm in fp32 (rsqrt is 1 / sqrt, as torch's vectorised rsqrt computes it).
@@ -166,6 +166,40 @@ int df_gated_mlp(const Part* gu, int n_gu, const Part* down, int n_down, const f
   if (add_x)
     for (int64_t i = 0; i < T * H; ++i) y[i] = x[i] + y[i];
   return 0;
+}
+
+// One decoder layer of a one-token decode step (decode_chain.py's DecodeLayer): its attention as
+// df_attn_decode takes it, with its cache and length, and its dense MLP (a layer's slices, held
+// resident) as df_gated_mlp takes it with the layer's norm.
+struct DecodeLayer {
+  const AttnLayer* attn;
+  float *kbuf, *vbuf;
+  int64_t len;
+  const Part *gu, *down;
+  int64_t n_gu, n_down;
+  const float* norm;
+  float eps;
+  int32_t act;
+};
+
+// n decoder layers of ONE token in one call: for each, x <- x + attn(norm x) (df_attn_decode), then
+// x <- x + mlp(norm x) (df_gated_mlp), the calls the per-layer path makes, in its order and with its
+// arguments, so bit-identical to it (tests/unit/test_decode_chain.py). x [hidden] is updated after
+// each whole layer. Returns the number of layers done: n, or the layer whose part did not fit its
+// kind (its cache row may be written; the caller counts a row only for the layers done).
+int df_decode_layers(const DecodeLayer* layers, int n, const float* cos, const float* sin, float* x, int threads) {
+  if (n <= 0) return 0;
+  const int64_t H = layers[0].attn->hidden;
+  std::vector<float> h(static_cast<size_t>(H)), y(static_cast<size_t>(H));
+  for (int i = 0; i < n; ++i) {
+    const DecodeLayer& l = layers[i];
+    if (l.attn->hidden != H || df_attn_decode(l.attn, x, cos, sin, l.kbuf, l.vbuf, l.len, h.data(), threads) ||
+        df_gated_mlp(l.gu, static_cast<int>(l.n_gu), l.down, static_cast<int>(l.n_down), h.data(), 1, l.act, l.norm,
+                     l.eps, 1, y.data(), threads))
+      return i;
+    std::memcpy(x, y.data(), sizeof(float) * static_cast<size_t>(H));
+  }
+  return n;
 }
 
 }  // extern "C"

@@ -6,6 +6,7 @@ Dense MLPs run through the same path as N slices, all active with weight 1.
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 
@@ -94,6 +95,17 @@ class GatedExpert:
         layer's MLP half x + that for n = norm(x), the slices' matrices where they are; None where the
         stored-format kernel does not apply."""
         return self._run(x, self._slices, norm) if self._slices.plan(experts) else None
+
+    def held_parts(self, slices: Sequence[Expert], norm: RMSNorm, cols: int) -> tuple[ctypes.Array, ctypes.Array] | None:
+        """The planned gate/up and down parts with which `slices(x, slices, norm)` for x [1, cols] makes
+        its one df_gated_mlp call (layer_cpu.cpp's df_decode_layers makes that call), else None."""
+        w = norm._parameters["weight"]
+        plan = self._slices
+        if (self.act < 0 or not plan.plan(slices) or plan.gate_up.in_cols != cols or plan.down.out_cols != cols
+                or (w is not self._norm_fits and not _fits(w, cols))):
+            return None
+        self._norm_fits = w
+        return plan.gate_up.parts_planned, plan.down.parts_planned
 
     def _run(self, x: torch.Tensor, plan: SlicesPlan, norm: RMSNorm | None) -> torch.Tensor | None:
         if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or (shape := x.shape)[1] != plan.gate_up.in_cols or not shape[0]:
