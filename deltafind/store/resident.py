@@ -6,7 +6,7 @@
   and in a MoE model the dense layers, used first in a step, are the least recently used when that
   step's routed reads land. Held, a prefix of whole layers hits every token, as the spine's resident
   prefix does (store/spine.py), and a held layer skips the provider's per-fetch bookkeeping
-  (`StoreExperts.dense_held`): at 2 threads that was 6.6 % of a demo token (tests/bench/RESULTS.md).
+  (`StoreExperts.dense_held`): the demo's tokens took 0.89 of the time at 2 threads (RESULTS.md).
   They are held within `[cache] expert_bytes`; the LRU keeps what is left.
 - **The pin tier** (`pin`, `[cache] pin_bytes`): the hottest experts by heat, re-chosen on a live reload.
 
@@ -56,6 +56,8 @@ class Resident:
         order) within `budget_bytes`; returns the bytes held."""
         by_layer = {recs[0].layer: recs for recs in layers if recs}
         for i in dense_prefix([(i, sum(r.length for r in recs)) for i, recs in by_layer.items()], budget_bytes):
+            if i in self.layers:
+                continue
             slices = [self.experts.get(r.key) or self._load(r) for r in by_layer[i]]
             for r, expert in zip(by_layer[i], slices, strict=True):
                 if r.key in self._pinned:  # held here now: the pin tier's bytes go to other experts

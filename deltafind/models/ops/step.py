@@ -62,7 +62,6 @@ def run_layers(
     return x
 
 
-
 class DecodeChain:
     """The chain of one model's decoder layers (`transformer.DecoderLayer`s). Each layer's fixed fields
     (its attention plan, MLP parts and norm) are filled when those objects change; its cache row each step."""
