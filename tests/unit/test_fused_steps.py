@@ -6,6 +6,7 @@ tokens and logits either way."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,27 @@ def test_gated_mlp_plans_once_per_slice_set_and_steps_aside_where_the_kernel_doe
     run = swiglu("silu")
     assert run.slices(torch.randn(2, 64, dtype=torch.float64), slices) is None  # not fp32 activations
     assert run.slices(torch.randn(2, 64), fp32) is None
+
+
+@needs_kernel
+def test_routed_experts_are_planned_once_each_while_they_live() -> None:
+    """dispatch calls the layer's `run` once per routed expert, in any order: each expert's plan is
+    made once and kept while the expert lives (the outputs stay the first call's, bit for bit), and
+    goes with it."""
+    experts = _slices(3, 64, 32, seed=2)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(3))
+    run = swiglu("silu")
+    first = [run(x, e) for e in experts]
+    plans = {id(e): run._plans[id(e)][1] for e in experts}
+    assert all(p is not None for p in plans.values())
+    for e, y in zip([*experts, *reversed(experts)], [*first, *reversed(first)], strict=True):
+        assert torch.equal(run(x, e), y) and run._plans[id(e)][1] is plans[id(e)]  # not planned again
+    fp32 = Expert({k: v.float() for k, v in experts[0].tensors.items()}, nbytes=0)
+    torch.testing.assert_close(run(x, fp32), first[0], rtol=0, atol=1e-5)  # the kernel does not take it: torch's path
+    assert run._plans[id(fp32)][1] is None
+    del experts, fp32, e
+    gc.collect()
+    assert run._plans == {}  # an evicted expert's plan does not outlive it
 
 
 def test_attention_step_steps_aside_for_a_batch_of_two() -> None:

@@ -82,13 +82,28 @@ class GatedExpert:
 
     def __init__(self, gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], act: str = "") -> None:
         self.gated, self.act = gated, KERNEL_ACTS.get(act, -1)
-        self._slices, self._one = SlicesPlan(), SlicesPlan()  # a dense layer's slices; the last routed expert
+        self._slices = SlicesPlan()  # a dense layer's slices
+        self._plans: dict[int, tuple[weakref.ref, SlicesPlan | None]] = {}  # routed experts' plans, by id while alive
         self._norm_fits: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, expert: Expert) -> torch.Tensor:
-        if self._one.plan([expert]) and (y := self._run(x, self._one, None)) is not None:
+        if (plan := self._plan_of(expert)) is not None and (y := self._run(x, plan, None)) is not None:
             return y
         return expert_forward(x, expert, self.gated)
+
+    def _plan_of(self, expert: Expert) -> SlicesPlan | None:
+        """The kernel's plan for one routed expert (None: the kernel does not take it), made once while
+        the expert object lives: planned again on every call, as one plan for the last expert was, it
+        cost ~24 us a call, a tenth of a 2048 x 768 bf16 expert's kernel call at 1 thread (RESULTS.md)."""
+        key = id(expert)
+        if (held := self._plans.get(key)) is not None and held[0]() is expert:
+            return held[1]
+        plan: SlicesPlan | None = SlicesPlan()
+        if not plan.plan([expert]):
+            plan = None
+        plans = self._plans  # the entry goes with the expert (before its id can be reused)
+        plans[key] = (weakref.ref(expert, lambda _, key=key: plans.pop(key, None)), plan)
+        return plan
 
     def slices(self, x: torch.Tensor, experts: Sequence[Expert], norm: RMSNorm | None = None) -> torch.Tensor | None:
         """sum_s down_s(gated(gate_s n, up_s n)) for x [T, H] and n = x, or with `norm` the decoder
