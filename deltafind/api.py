@@ -227,6 +227,9 @@ class Model:
         c, ex = settings.cache, self.experts
         if "cache.expert_bytes" in live:
             ex.set_cache_budget(None if c.expert_bytes is None else int(c.expert_bytes))
+            if c.expert_bytes is not None and int(c.expert_bytes) < ex.resident.dense_bytes:  # chosen at open
+                log.warning("expert_bytes_below_dense_held", expert_bytes=int(c.expert_bytes), dense_held_bytes=ex.resident.dense_bytes,
+                            fix="restart the daemon to hold fewer dense layers under the new [cache] expert_bytes")
         if any(k.startswith("prefetch.") for k in live):
             p = settings.prefetch
             ex.prefetch_options = PrefetchOptions(p.enabled, p.max_in_flight, p.recall_threshold)

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pydantic import ByteSize
+from structlog.testing import capture_logs
 
 from deltafind import Model
 from deltafind.store.experts import PrefetchOptions
@@ -72,8 +74,12 @@ def test_a_live_budget_and_a_re_pin_leave_the_held_layers_alone(llama) -> None:
     m = Model.open(llama, expert_cache_bytes=None)
     try:
         dense = m.experts.resident.dense_bytes
-        m.experts.set_cache_budget(dense + 1000)
-        assert m.experts.cache.budget_bytes == 1000  # the LRU gets what the held layers leave
+        for budget, lru in ((dense + 1000, 1000), (dense // 2, 0)):  # a reload's [cache] expert_bytes
+            cache = m.settings.cache.model_copy(update={"expert_bytes": ByteSize(budget)})
+            with capture_logs() as logs:
+                m.apply_live(m.settings.model_copy(update={"cache": cache}), ["cache.expert_bytes"])
+            assert m.experts.cache.budget_bytes == lru  # the LRU gets what the held layers leave
+            assert any(e["event"] == "expert_bytes_below_dense_held" for e in logs) == (budget < dense)
         m.experts.resident.pin([(3, 0), (3, 1)], 1 << 20)  # held already: the pin tier takes nothing for them
         assert m.experts.resident.pinned_bytes == 0
         m.experts.resident.unpin()
