@@ -2,10 +2,11 @@
 
 Not run in CI. One thread, greedy, all experts resident; CPU time of the calling thread, so other
 tenants of a shared machine barely move it. Decode per token = (t[n tokens] - t[1 token]) / (n - 1),
-as bench_demo_vs_llamacpp.py computes it; the kernel share is the time inside `stored._run_parts`
-(one ctypes call each). Prints ONE JSON line. To compare with an older tree, run this file with
+as bench_demo_vs_llamacpp.py computes it; the kernel share is the time inside the kernel library's
+ctypes entry points (`KERNEL_ENTRIES`: the decode chain, the attention step, the gated MLP, the
+matmul), one call each. Prints ONE JSON line. To compare with an older tree, run this file with
 PYTHONPATH pointing at that tree (`git archive REV deltafind | tar -x -C DIR`): its kernel
-figures are null when it has no `_run_parts`.
+figures are null when it has no kernel library.
 
     python tests/bench/bench_demo_token_profile.py [--store DEMO] [--new-tokens 32] [--rounds 5]
 """
@@ -20,6 +21,10 @@ import statistics
 import time
 from pathlib import Path
 
+# The library's entry points a demo decode token reaches (an older tree lacks the newer ones): the
+# layer chain, the attention step, the gated MLP, and the head's (and any per-matrix) matmul.
+KERNEL_ENTRIES = ("df_decode_layers", "df_attn_decode", "df_gated_mlp", "df_stored_parts")
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -32,13 +37,15 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    import deltafind.models.ops.stored as stored
     from deltafind import Model
+    from deltafind.models.ops.cpu_kernels import CPU
 
     spent: collections.Counter[str] = collections.Counter()
-    inner = getattr(stored, "_run_parts", None)
-    if inner is not None:
-        def timed_parts(*a):
+    lib = CPU.load()
+    entries = [n for n in KERNEL_ENTRIES if lib is not None and hasattr(lib, n)]
+
+    def timer(inner):
+        def timed(*a):
             t = time.thread_time()
             try:
                 return inner(*a)
@@ -46,7 +53,10 @@ def main() -> None:
                 spent["kernel_s"] += time.thread_time() - t
                 spent["calls"] += 1
 
-        stored._run_parts = timed_parts
+        return timed
+
+    for name in entries:  # every ctypes entry a decode token calls, timed where the model calls it
+        setattr(lib, name, timer(getattr(lib, name)))
     model = Model.open(str(args.store), device="cpu", expert_cache_bytes=None)
     ids = list(model.tokenizer.encode("The capital of France is"))
     model.generate(ids, max_new_tokens=8, temperature=0.0)  # warm: every expert resident
@@ -64,7 +74,7 @@ def main() -> None:
         d = n_out - 1
         rows.append(((cn - c1) / d * 1e3, (kn - k1) / d * 1e3, (nn - n1) / d))
     total, kernel, calls = (statistics.median(r[i] for r in rows) for i in range(3))
-    has = inner is not None
+    has = bool(entries)
     print(json.dumps({
         "bench": "demo_token_profile", "threads": 1, "rounds": args.rounds, "new_tokens": args.new_tokens,
         "decode_cpu_ms_per_token": round(total, 2),
