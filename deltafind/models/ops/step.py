@@ -67,8 +67,9 @@ class DecodeChain:
     (its attention plan, MLP parts and norm) are filled when those objects change; its cache row each step."""
 
     def __init__(self) -> None:
-        self._steps: ctypes.Array | None = None  # DecodeLayer per layer
-        self._keys: list[tuple[Any, Any] | None] = []  # per layer: the (AttnLayer, gate/up parts) filled in
+        # by layer count (a layer-skip draft runs the first few): a DecodeLayer per layer, and per layer
+        # the (AttnLayer, gate/up parts) its fixed fields were filled from
+        self._arrays: dict[int, tuple[ctypes.Array, list[tuple[Any, Any] | None]]] = {}
         self.off = False  # a layer the kernels cannot take: fixed at open, so never tried again
 
     def __call__(self, layers: Sequence[Any], provider: ExpertProvider, x: torch.Tensor, batch: Batch,
@@ -81,9 +82,9 @@ class DecodeChain:
                 or not (cos.is_contiguous() and sin.is_contiguous()) or (chain := provider.held_chain(n)) is None
                 or (lib := CPU.load()) is None):
             return x, 0
-        if self._steps is None or len(self._steps) != n:
-            self._steps, self._keys = (DecodeLayer * n)(), [None] * n
-        steps, keys, caches, cols, d = self._steps, self._keys, segments[0].cache.layers, x.shape[1], cos.shape[-1]
+        if (arrays := self._arrays.get(n)) is None:
+            arrays = self._arrays[n] = ((DecodeLayer * n)(), [None] * n)
+        (steps, keys), caches, cols, d = arrays, segments[0].cache.layers, x.shape[1], cos.shape[-1]
         rows = []
         for i, layer in enumerate(layers):
             step, (mlp, norm, sliced) = layer._attn_step, layer._ffn
