@@ -205,8 +205,7 @@ class StoreExperts:
         used; else None (`fetch` them). The next layer's prediction is issued as `fetch` would."""
         if (slices := self.resident.layers.get(layer_idx)) is None:
             return None
-        self.stats.requested += len(slices)
-        self.stats.pinned_hits += len(slices)
+        self.stats.requested, self.stats.pinned_hits = self.stats.requested + len(slices), self.stats.pinned_hits + len(slices)
         if self._deferred or layer_idx == self._last_layer:
             self._issue_next(layer_idx)
         return slices
@@ -381,10 +380,15 @@ class StoreExperts:
         """`[cache] expert_bytes`: what the held dense layers leave of it is the LRU's."""
         self.cache.resize(None if expert_bytes is None else max(expert_bytes - self.resident.dense_bytes, 0))
 
-    def _load(self, rec: ExpertRecord) -> Expert:
-        expert = self._decode(rec, self.reader.read(rec))
-        self.cache.pop(rec.key)  # held outside the LRU
-        return expert
+    def _load(self, recs: Sequence[ExpertRecord]) -> list[Expert]:
+        """`recs` read and decoded for the held tiers (outside the LRU), RECORDS_AHEAD reads a drive in flight."""
+        ahead, out = RECORDS_AHEAD * len(self.reader.paths), []
+        reads = [self.reader.submit(r) for r in recs[:ahead]]
+        for i, rec in enumerate(recs):
+            reads += [self.reader.submit(r) for r in recs[i + ahead : i + ahead + 1]]  # the next one, while this decodes
+            out.append(self._decode(rec, reads[i].result()))
+            self.cache.pop(rec.key)
+        return out
 
     def close(self) -> None:
         if self.trace is not None:

@@ -40,9 +40,10 @@ def dense_prefix(layers: Sequence[tuple[int, int]], budget_bytes: int | None) ->
 
 
 class Resident:
-    """Experts held in memory outside the LRU: of the store's `records`, read and decoded by `load(record)`."""
+    """Experts held in memory outside the LRU: of the store's `records`, read and decoded by `load(records)`
+    (several reads in flight: holding a large model's dense layers at open is one pass over the drives)."""
 
-    def __init__(self, records: Mapping[Key, ExpertRecord], load: Callable[[ExpertRecord], Expert]) -> None:
+    def __init__(self, records: Mapping[Key, ExpertRecord], load: Callable[[Sequence[ExpertRecord]], list[Expert]]) -> None:
         self._records, self._load = records, load
         self.experts: dict[Key, Expert] = {}  # every held key, both tiers
         self.layers: dict[int, list[Expert]] = {}  # dense layers held whole: their slices in order
@@ -55,10 +56,11 @@ class Resident:
         """Hold the dense layers `dense_prefix` picks (each given as its slices' records, in layer
         order) within `budget_bytes`; returns the bytes held."""
         by_layer = {recs[0].layer: recs for recs in layers if recs}
-        for i in dense_prefix([(i, sum(r.length for r in recs)) for i, recs in by_layer.items()], budget_bytes):
-            if i in self.layers:
-                continue
-            slices = [self.experts.get(r.key) or self._load(r) for r in by_layer[i]]
+        chosen = [i for i in dense_prefix([(i, sum(r.length for r in recs)) for i, recs in by_layer.items()], budget_bytes)
+                  if i not in self.layers]
+        loaded = iter(self._load([r for i in chosen for r in by_layer[i] if r.key not in self.experts]))
+        for i in chosen:
+            slices = [self.experts.get(r.key) or next(loaded) for r in by_layer[i]]
             for r, expert in zip(by_layer[i], slices, strict=True):
                 if r.key in self._pinned:  # held here now: the pin tier's bytes go to other experts
                     self._pinned.discard(r.key)
@@ -73,12 +75,15 @@ class Resident:
     def pin(self, keys: Sequence[Key], budget_bytes: int) -> int:
         """Pin `keys` (hottest first) until `budget_bytes`; returns bytes pinned. Dense layers held
         already are skipped: they cost the pin tier nothing."""
+        chosen, size = [], self.pinned_bytes
         for key in keys:
             if key in self.experts or (rec := self._records.get(key)) is None:
                 continue
-            if self.pinned_bytes + rec.length > budget_bytes:
+            if size + rec.length > budget_bytes:
                 break
-            expert = self._load(rec)
+            chosen.append(rec)
+            size += rec.length
+        for rec, expert in zip(chosen, self._load(chosen), strict=True):
             self.experts[rec.key] = expert
             self._pinned.add(rec.key)
             self.pinned_bytes += expert.nbytes
