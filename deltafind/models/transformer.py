@@ -8,7 +8,7 @@ from config.json and the routed-expert layer around a family's router.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -21,7 +21,7 @@ from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.rope import Rope, apply_rope, rope_parameters, rope_tables
 from deltafind.models.ops.step import DecodeChain, run_layers
 from deltafind.models.ops.stored import FusedLinear
-from deltafind.store.provider import ExpertProvider
+from deltafind.store.provider import Expert, ExpertProvider
 
 A = TypeVar("A")
 
@@ -122,6 +122,16 @@ class DecoderLayer(nn.Module):
         if sliced:
             return mlp.forward(h, norm)  # the norm and the sum inside its kernel call (a module with no hooks)
         return h + mlp(norm(h))
+
+    def chain_parts(self, slices: Sequence[Expert], caches: Sequence[Any], cols: int, d: int) -> tuple[Any, ...] | None:
+        """What ops/step.py's DecodeChain runs this layer with for one token of hidden size `cols` and rope
+        dim `d`, its dense MLP held as `slices`: (attention plan, (gate/up, down) parts, norm, activation,
+        cache row), or None where the layer's kernels do not take it."""
+        step, (mlp, norm, sliced) = self._attn_step, self._ffn
+        if (step is None or not sliced or (attn := step.plan()) is None or attn.d != d
+                or (parts := mlp.run.held_parts(slices, norm, cols)) is None or (row := step.cache_row(caches)) is None):
+            return None
+        return attn, parts, norm, mlp.run.act, row
 
     def predict_experts(self, h: torch.Tensor) -> list[int]:
         """This layer's likely experts for hidden state h (its own norm and router; every slice if dense)."""

@@ -205,7 +205,8 @@ class StoreExperts:
         used; else None (`fetch` them). The next layer's prediction is issued as `fetch` would."""
         if (slices := self.resident.layers.get(layer_idx)) is None:
             return None
-        self.stats.requested, self.stats.pinned_hits = self.stats.requested + len(slices), self.stats.pinned_hits + len(slices)
+        self.stats.requested += len(slices)
+        self.stats.pinned_hits += len(slices)
         if self._deferred or layer_idx == self._last_layer:
             self._issue_next(layer_idx)
         return slices
@@ -369,12 +370,11 @@ class StoreExperts:
         self.cache.put(rec.key, expert, nbytes)
         return expert
 
-    def hold_dense(self, layers: Sequence[int]) -> int:
+    def hold_dense(self, layers: Sequence[int]) -> None:
         """Hold the dense `layers` that fit the expert budget resident (store/resident.py); the LRU keeps the rest."""
         budget = self.cache.budget_bytes
-        held = self.resident.hold_dense([[self.record(i, e) for e in range(self.num_experts(i))] for i in layers], budget)
+        self.resident.hold_dense([[self.record(i, e) for e in range(self.num_experts(i))] for i in layers], budget)
         self.set_cache_budget(budget)
-        return held
 
     def set_cache_budget(self, expert_bytes: int | None) -> None:
         """`[cache] expert_bytes`: what the held dense layers leave of it is the LRU's."""

@@ -103,16 +103,21 @@ class AttnStep:
         self._like: torch.Tensor | None = None  # one position of the cache: the shape a new buffer takes
         self._held: tuple[Any, ...] = ()  # the small tensors the plan points at
 
+    @staticmethod
+    def takes(x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Whether the step is one this kernel runs: one token x [1, H] of one sequence, fp32 on the CPU,
+        contiguous, with fp32 contiguous rope tables (ops/step.py's DecodeChain asks it too)."""
+        return (len(batch.segments) == 1 and x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and x.shape[0] == 1
+                and cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous())
+
     def __call__(self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
         """x [1, H] -> x + attn(norm(x)) [1, H], or None (see the class)."""
-        if (len(segments := batch.segments) != 1 or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous()
-                or (shape := x.shape)[0] != 1 or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous())
-                or (layer := self.plan()) is None or cos.shape[-1] != layer.d):
+        if not self.takes(x, batch, cos, sin) or (layer := self.plan()) is None or cos.shape[-1] != layer.d:
             return None
-        if (row := self.cache_row(segments[0].cache.layers)) is None:
+        if (row := self.cache_row(batch.segments[0].cache.layers)) is None:
             return None
         cache, kbuf, vbuf = row
-        out = torch.empty(1, shape[1])
+        out = torch.empty(1, x.shape[1])
         if CPU.load().df_attn_decode(self._layer_ref, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), kbuf.data_ptr(),
                                      vbuf.data_ptr(), cache.length, out.data_ptr(), torch.get_num_threads()):
             return None  # nothing was appended: row `length` is past the cache's end

@@ -168,7 +168,8 @@ int df_gated_mlp(const Part* gu, int n_gu, const Part* down, int n_down, const f
   return 0;
 }
 
-// One decoder layer of a one-token decode step (decode_chain.py's DecodeLayer): its attention as
+// One decoder layer of a one-token decode step (cpu_kernels.py's DecodeLayer, filled by ops/step.py's
+// DecodeChain): its attention as
 // df_attn_decode takes it, with its cache and length, and its dense MLP (a layer's slices, held
 // resident) as df_gated_mlp takes it with the layer's norm.
 struct DecodeLayer {

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from deltafind.log import get_logger
+from deltafind.models.ops.attention import AttnStep
 from deltafind.models.ops.batch import Batch
 from deltafind.models.ops.cpu_kernels import CPU, DecodeLayer
 from deltafind.store.provider import ExpertProvider
@@ -63,8 +64,9 @@ def run_layers(
 
 
 class DecodeChain:
-    """The chain of one model's decoder layers (`transformer.DecoderLayer`s). Each layer's fixed fields
-    (its attention plan, MLP parts and norm) are filled when those objects change; its cache row each step."""
+    """The chain of one model's decoder layers (`transformer.DecoderLayer`s, which say what each runs
+    with: `chain_parts`). Each layer's fixed fields (its attention plan, MLP parts and norm) are filled
+    when those objects change; its cache row each step."""
 
     def __init__(self) -> None:
         # by layer count (a layer-skip draft runs the first few): a DecodeLayer per layer, and per layer
@@ -77,29 +79,24 @@ class DecodeChain:
         """(the hidden state after layers [0, done), done) for x [1, H]: done = len(layers), or 0 where
         the chain does not apply (x as given)."""
         n = len(layers)
-        if (self.off or not n or len(segments := batch.segments) != 1 or batch.capture or x.shape[0] != 1
-                or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or cos.dtype != torch.float32
-                or not (cos.is_contiguous() and sin.is_contiguous()) or (chain := provider.held_chain(n)) is None
-                or (lib := CPU.load()) is None):
+        if (self.off or not n or batch.capture or not AttnStep.takes(x, batch, cos, sin)
+                or (chain := provider.held_chain(n)) is None or (lib := CPU.load()) is None):
             return x, 0
         if (arrays := self._arrays.get(n)) is None:
             arrays = self._arrays[n] = ((DecodeLayer * n)(), [None] * n)
-        (steps, keys), caches, cols, d = arrays, segments[0].cache.layers, x.shape[1], cos.shape[-1]
+        (steps, keys), caches, cols, d = arrays, batch.segments[0].cache.layers, x.shape[1], cos.shape[-1]
         rows = []
         for i, layer in enumerate(layers):
-            step, (mlp, norm, sliced) = layer._attn_step, layer._ffn
-            attn = step.plan() if step is not None and sliced else None
-            parts = mlp.run.held_parts(chain[i], norm, cols) if attn is not None and attn.d == d else None
-            if parts is None or (row := step.cache_row(caches)) is None:
+            if (got := layer.chain_parts(chain[i], caches, cols, d)) is None:
                 self.off = True  # the weights, the held layers and the kernels are fixed once open
                 log.info("decode_chain_off", layer=i, reason="a layer the chain cannot run")
                 return x, 0
-            cache, kbuf, vbuf = row
+            attn, parts, norm, act, (cache, kbuf, vbuf) = got
             s = steps[i]
             if (key := keys[i]) is None or key[0] is not attn or key[1] is not parts[0]:
                 keys[i] = (attn, parts[0])
                 s.attn, s.gu, s.down, s.n_gu, s.n_down = ctypes.pointer(attn), ctypes.addressof(parts[0]), ctypes.addressof(parts[1]), len(parts[0]), len(parts[1])
-                s.norm, s.eps, s.act = norm._parameters["weight"].data_ptr(), norm.eps, mlp.run.act
+                s.norm, s.eps, s.act = norm._parameters["weight"].data_ptr(), norm.eps, act
             s.kbuf, s.vbuf, s.len = kbuf.data_ptr(), vbuf.data_ptr(), cache.length
             rows.append(cache)
         out = x.clone()
