@@ -203,3 +203,21 @@ def test_cache_never_exceeds_its_budget(budget: int, puts: list[tuple[int, int]]
         cache.put(key, key, nbytes)
         assert cache.used_bytes <= budget
         assert cache.used_bytes == sum(n for _, n in cache._items.values())
+
+
+def test_a_store_of_an_older_format_is_refused_with_the_fix_and_the_same_setup_reimports_it(moe_ckpt: Path, tmp_path: Path) -> None:
+    """Issue 14.1: format 2 keeps GGUF blocks as stored; a format-1 store (which widened them at import)
+    is refused by name and version, and the message's fix (the same `deltafind setup` again) works."""
+    store, drives = tmp_path / "store", [tmp_path / "a"]
+    setup_store(moe_ckpt, store, drives, dense_slices=2, progress=False)
+    manifest = json.loads((store / "manifest.json").read_text())
+    (store / "manifest.json").write_text(json.dumps({**manifest, "format_version": 1}))
+    with pytest.raises(StoreError, match=r"manifest\.json: store format_version 1, this deltafind reads 2; re-import the model: run the same `deltafind setup` again"):
+        Model.open(store)
+    setup_store(moe_ckpt, store, drives, dense_slices=2, progress=False)
+    assert Manifest.load(store).format_version == 2
+    m = Model.open(store, expert_cache_bytes=None)
+    try:
+        assert len(m.generate([11, 42, 7], max_new_tokens=3)) == 3
+    finally:
+        m.close()
