@@ -294,15 +294,15 @@ class StoreExperts:
             # only the pieces that fit the drive's idle window, the rest once the router confirms it
             pieces = None if nbytes >= share[key] else max(1, nbytes // self.gate.piece_bytes)
             self._reserved[key] = self.budget.reserve(rec)
-            self._inflight[key] = self._track(rec, self.reader.submit(rec, speculative=True, pieces=pieces), nbytes)
+            self._inflight[key] = self._track(rec, self.reader.submit(rec, speculative=True, pieces=pieces), nbytes, True)
             self.stats.prefetch_issued += 1
         self.stats.prefetch_gated += self.gate.gated - gated
 
-    def _track(self, rec: ExpertRecord, fut: Future, share: int | None = None) -> Future:
+    def _track(self, rec: ExpertRecord, fut: Future, share: int | None = None, speculative: bool = False) -> Future:
         """Count the read on every drive it loads (a striped record: each stripe on its own drive;
         `share`: the bytes per drive a prefetch of only its first pieces queues)."""
         for drive, nbytes in rec.loads():
-            self.gate.track(drive, min(share or rec.length, nbytes), fut)
+            self.gate.track(drive, min(share or rec.length, nbytes), fut, speculative)
         return fut
 
     def _hold_back(self, rec: ExpertRecord, sign: int) -> None:

@@ -3,10 +3,14 @@
 A prediction is only worth a read when the drive it lands on would otherwise sit idle until
 the next layer's demand reads arrive. Per drive the gate knows the bytes queued (demand and
 prefetch reads not yet landed, and the demand reads a fetch holds back until its earlier ones land)
-and its measured rate while busy; per layer and step width it knows the window from the moment it
-decides to the next `fetch`. The drive's slack is the window minus its queue's drain time: a read
-inside the slack costs nothing if wrong, a read past it delays the demand reads behind it by its own time. So a predicted read is started when
-its expected gain (precision x bytes read in idle time) is at least its expected loss
+and its measured rate while busy. Per layer and step width it knows the window from the moment it
+decides to the next `fetch`, less the drain time of the demand then queued on the busiest drive (the
+decoder waits for those reads; the rest is compute). The window expected now is that compute part
+plus the busiest drive's demand drain now: a warm cache that hits more each token shortens it at
+once, where a remembered whole window lagged and let reads overrun it (RESULTS.md, issue 15).
+A drive's slack is the window minus its queue's drain time: a read inside the slack costs nothing
+if wrong, a read past it delays the demand reads behind it by its own time. So a predicted read is
+started when its expected gain (precision x bytes read in idle time) is at least its expected loss
 ((1 - precision) x bytes past the slack), precision being the lower of the layer's predictions'
 and of the reads it started (in a warm cache the predicted experts not held miss more often).
 Otherwise — or once a layer's measured precision is below `recall_threshold` — only the record's
@@ -78,6 +82,7 @@ class DriveLoad:
 
     queued_bytes: int = 0
     queued_reads: int = 0
+    demand_bytes: int = 0  # of queued_bytes, the demand reads': the decoder waits for these
     held_back_bytes: int = 0  # demand reads of a fetch not queued yet (under a cache budget it keeps 2 ahead)
     busy_since: float = 0.0
     busy_bytes: float = 0.0
@@ -102,8 +107,9 @@ class PrefetchGate:
     def __post_init__(self) -> None:
         self.drives = [DriveLoad() for _ in range(self.num_drives)]
         self._lock = threading.Lock()  # drive threads report completions
+        # (layer, width) -> (average, last) of the window's compute part: the window less the drain at decision
         self._windows: OrderedDict[tuple[int, int], tuple[float, float]] = OrderedDict()
-        self._decided_at: dict[int, float] = {}  # layer -> when the gate decided for it (this step)
+        self._decided_at: dict[int, tuple[float, float]] = {}  # layer -> (when the gate decided for it, the drain then)
         self._width = 0  # tokens in this step: a prefill chunk's window is not a decode step's
 
     # -- what happens --------------------------------------------------------
@@ -121,12 +127,12 @@ class PrefetchGate:
             with self._lock:  # what the previous fetch held back is its own: done or abandoned, it is no one's now
                 for d in self.drives:
                     d.held_back_bytes = 0
-        t = self._decided_at.pop(layer_idx, None)
-        if t is None:
+        decided = self._decided_at.pop(layer_idx, None)
+        if decided is None:
             return
         key = (layer_idx, self._width)
         seen = self._windows.pop(key, None)
-        dt = time.perf_counter() - t
+        dt = max(0.0, time.perf_counter() - decided[0] - decided[1])
         # (average, last): a window that shrinks at once (the cache started hitting) counts at once
         self._windows[key] = (dt, dt) if seen is None else ((1 - EMA) * seen[0] + EMA * dt, dt)
         while len(self._windows) > MAX_WINDOWS:
@@ -150,17 +156,19 @@ class PrefetchGate:
             q = len(read.intersection(wanted)) / len(read)
             r.read_ema = q if r.read_ema is None else (1 - EMA) * r.read_ema + EMA * q
 
-    def track(self, drive: int, nbytes: int, fut: Future) -> None:
-        """A read of `nbytes` was queued on `drive` (demand or prefetch): count it until it lands."""
+    def track(self, drive: int, nbytes: int, fut: Future, speculative: bool = False) -> None:
+        """A read of `nbytes` was queued on `drive` (demand, or a prefetch): count it until it lands."""
         if not 0 <= drive < self.num_drives:
             return
+        demand = 0 if speculative else nbytes
         with self._lock:
             d = self.drives[drive]
             if d.queued_reads == 0:
                 d.busy_since = time.perf_counter()
             d.queued_bytes += nbytes
             d.queued_reads += 1
-        fut.add_done_callback(lambda f: self._landed(drive, nbytes, f))
+            d.demand_bytes += demand
+        fut.add_done_callback(lambda f: self._landed(drive, nbytes, demand, f))
 
     def hold_back(self, drive: int, nbytes: int) -> None:
         """`nbytes` of this fetch's demand reads on `drive` wait behind the ones queued (negative: they were queued).
@@ -170,12 +178,13 @@ class PrefetchGate:
             with self._lock:
                 self.drives[drive].held_back_bytes += nbytes
 
-    def _landed(self, drive: int, nbytes: int, fut: Future) -> None:
+    def _landed(self, drive: int, nbytes: int, demand: int, fut: Future) -> None:
         now = time.perf_counter()
         with self._lock:
             d = self.drives[drive]
             d.queued_bytes -= nbytes
             d.queued_reads -= 1
+            d.demand_bytes -= demand
             if not fut.cancelled():  # a cancelled read never reached the drive
                 d.busy_s += now - d.busy_since
                 d.busy_bytes += nbytes
@@ -188,19 +197,19 @@ class PrefetchGate:
     def admit(self, layer_idx: int, candidates: Iterable[tuple[Any, int, int]], room: int) -> list[tuple[Any, int]]:
         """The candidates (key, drive, bytes), best first, whose reads should start now, each with the
         bytes to read before the router confirms it (less than its bytes: only its first pieces); at most `room`."""
-        now = time.perf_counter()
-        self._decided_at[layer_idx] = now
+        with self._lock:
+            work = [(d.queued_bytes + d.held_back_bytes, d.demand_bytes + d.held_back_bytes, d.rate) for d in self.drives]
+        drain = max((demand / rate for _, demand, rate in work if rate is not None), default=0.0)
+        self._decided_at[layer_idx] = (time.perf_counter(), drain)
         cands = list(candidates)
         if not cands:
             return []
         r, opts = self._layer(layer_idx), self.options
         seen = self._windows.get((layer_idx, self._width))
-        window = None if seen is None else min(seen)  # the shorter of average and last: never an optimistic slack
-        if window is None or room <= 0:  # no window yet: this layer and width were never timed
+        if seen is None or room <= 0:  # no window yet: this layer and width were never timed
             return self._hold(r, len(cands))
-        with self._lock:
-            slack = [window * rate - d.queued_bytes - d.held_back_bytes if (rate := d.rate) is not None else 0.0
-                     for d in self.drives]
+        window = min(seen) + drain  # the shorter of average and last compute part: never an optimistic slack
+        slack = [window * rate - n if rate is not None else 0.0 for n, _, rate in work]
         p, out = r.ema if r.read_ema is None else min(r.ema, r.read_ema), []
         # A layer whose predictions miss too often reads no whole records, only pieces inside the slack:
         # a wrong piece there costs the drive nothing it needed.
