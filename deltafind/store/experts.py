@@ -373,7 +373,7 @@ class StoreExperts:
     def hold_dense(self, layers: Sequence[int]) -> None:
         """Hold the dense `layers` that fit the expert budget resident (store/resident.py); the LRU keeps the rest."""
         budget = self.cache.budget_bytes
-        self.resident.hold_dense([[self.record(i, e) for e in range(self.num_experts(i))] for i in layers], budget)
+        self.resident.hold_dense(layers, budget)
         self.set_cache_budget(budget)
 
     def set_cache_budget(self, expert_bytes: int | None) -> None:

@@ -52,10 +52,13 @@ class Resident:
         self.pinned_bytes = 0
         self._pinned: set[Key] = set()
 
-    def hold_dense(self, layers: Sequence[Sequence[ExpertRecord]], budget_bytes: int | None) -> int:
-        """Hold the dense layers `dense_prefix` picks (each given as its slices' records, in layer
-        order) within `budget_bytes`; returns the bytes held."""
-        by_layer = {recs[0].layer: recs for recs in layers if recs}
+    def hold_dense(self, layers: Sequence[int], budget_bytes: int | None) -> int:
+        """Hold the dense `layers` that `dense_prefix` picks within `budget_bytes`, each as its slices
+        in expert order; returns the bytes held."""
+        wanted: set[int] = set(layers)
+        by_layer: dict[int, list[ExpertRecord]] = {}
+        for key in sorted(k for k in self._records if k[0] in wanted):  # layer order, then slice order
+            by_layer.setdefault(key[0], []).append(self._records[key])
         chosen = [i for i in dense_prefix([(i, sum(r.length for r in recs)) for i, recs in by_layer.items()], budget_bytes)
                   if i not in self.layers]
         loaded = iter(self._load([r for i in chosen for r in by_layer[i] if r.key not in self.experts]))
