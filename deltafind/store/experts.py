@@ -189,11 +189,10 @@ class StoreExperts:
                         pending[self._demand_read(layer_idx, e)] = e
                         continue
                     self.budget.unreserve(held.pop(e, 0))  # it lands now: the cache counts it as an entry
-                    got = fut.result()
-                    if isinstance(got, tuple):  # decoded on the drive thread
-                        yield e, self._decode(self.record(layer_idx, e), got[1], got[0], got[2])
-                    else:
-                        yield e, self._decode(self.record(layer_idx, e), got)
+                    got, rec = fut.result(), self.record(layer_idx, e)
+                    expert = self._decode(rec, got[1], got[0], got[2]) if isinstance(got, tuple) else self._decode(rec, got)  # a tuple: decoded on the drive thread
+                    self.cache.put(rec.key, expert, expert.nbytes)  # the held tiers' loads keep theirs outside the LRU
+                    yield e, expert
         finally:
             for fut in pending:  # an error or an abandoned generator: reads still running are waste
                 fut.cancel()
@@ -367,7 +366,6 @@ class StoreExperts:
         if aliased and buf is not None:
             # tensors are views over the read buffer: recycle it once the expert is gone
             weakref.finalize(expert, self.reader.release, buf)
-        self.cache.put(rec.key, expert, nbytes)
         return expert
 
     def hold_dense(self, layers: Sequence[int]) -> None:
@@ -387,7 +385,7 @@ class StoreExperts:
         for i, rec in enumerate(recs):
             reads += [self.reader.submit(r) for r in recs[i + ahead : i + ahead + 1]]  # the next one, while this decodes
             out.append(self._decode(rec, reads[i].result()))
-            self.cache.pop(rec.key)
+            self.cache.pop(rec.key)  # an LRU copy of an expert held now
         return out
 
     def close(self) -> None:

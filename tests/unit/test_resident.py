@@ -115,3 +115,29 @@ def test_after_a_held_dense_layer_the_next_layers_prediction_is_still_read(tmp_p
         finally:
             m.close()
     assert tokens[0] == tokens[1]
+
+
+def test_pinning_on_a_reload_evicts_nothing_the_lru_holds(tmp_path) -> None:
+    """A held tier's load keeps its experts outside the LRU: they never pass through it, so re-pinning
+    with the LRU full (a live `[cache] pin_bytes`) leaves every entry it had. Loaded through the LRU, each
+    pinned expert evicted its oldest entry before it was taken out again."""
+    setup_store(make_hf_checkpoint("deepseek_v3", tmp_path / "hf", num_hidden_layers=2), tmp_path / "s", [tmp_path / "d"],
+                dense_slices=2, progress=False)
+    m = Model.open(tmp_path / "s", expert_cache_bytes=1 << 31, prefetch=False)
+    try:  # what the budget must cover besides the LRU's entries: the held dense layer and the reader's pools
+        dense, pools = m.experts.resident.dense_bytes, m.experts.cache.reserved_bytes
+        m.generate(PROMPT, max_new_tokens=6)
+        one = m.experts.cache.used_bytes // len(m.experts.cache)  # the routed experts are of one size
+    finally:
+        m.close()
+    m = Model.open(tmp_path / "s", expert_cache_bytes=dense + pools + 3 * one, prefetch=False)
+    try:
+        m.generate(PROMPT, max_new_tokens=6)
+        lru = m.experts.cache
+        held = [k for k in m.experts._records if k in lru]
+        assert len(held) == 3 and lru.used_bytes + lru.reserved_bytes == lru.budget_bytes  # full: one more evicts
+        others = [k for k in m.experts._records if k[0] == 1 and k not in lru][:2]
+        assert m.experts.resident.pin(others, 1 << 30) == 2 * one
+        assert [k for k in m.experts._records if k in lru] == held and lru.used_bytes == 3 * one
+    finally:
+        m.close()
