@@ -162,12 +162,16 @@ def swiglu(hidden_act: str) -> GatedExpert:
 
 
 def predict_routed(router: nn.Module, x: torch.Tensor) -> list[int]:
-    """Distinct experts `router` would choose for any token of x (a prefetch hint), the most chosen
-    first: the prefetch gate starts reads best first while a drive has slack (store/prefetch_gate.py)."""
+    """Distinct experts `router` would choose for any token of x (a prefetch hint), best first: the most
+    chosen, and among as often chosen the higher summed routing weight. The prefetch gate starts reads
+    in this order while a drive has slack (store/prefetch_gate.py); by count alone one token's eight
+    tied, and the gate read the lowest expert ids first, whatever the router's scores."""
     with torch.no_grad():
-        idx, _ = router(x)
-    ids, counts = torch.unique(idx, return_counts=True)
-    return ids[torch.argsort(counts, descending=True, stable=True)].tolist()
+        idx, weight = router(x)
+    ids, inverse, counts = torch.unique(idx, return_inverse=True, return_counts=True)
+    score = torch.zeros(len(ids), dtype=torch.float64, device=ids.device).index_add_(0, inverse.reshape(-1), weight.reshape(-1).double())
+    by_score = torch.argsort(score, descending=True, stable=True)
+    return ids[by_score[torch.argsort(counts[by_score], descending=True, stable=True)]].tolist()
 
 
 def dispatch(
