@@ -160,6 +160,7 @@ class StoreExperts:
             elif (fut := self._inflight.pop(key, None)) is not None:
                 self.stats.prefetch_used += 1
                 held[e] = self._reserved.pop(key, 0)
+                self.gate.promote(fut, self.record(layer_idx, e).loads())
                 if self._decode_on_reader:
                     fut = self.reader.decode_when_read(self.record(layer_idx, e), fut, self.dtype)
                 else:
@@ -280,14 +281,14 @@ class StoreExperts:
         keys = [(layer_idx, e) for e in ids]
         # Held predictions are the least recently used: a read reserved now evicted exactly them (RESULTS.md, issue 15).
         self.cache.touch(keys)
-        # a striped record loads each of its drives by its share: the gate weighs that share on its first drive
-        todo = [(k, self._records[k].drive, self._records[k].length // len(self._records[k].extents())) for k in keys
+        # a striped record loads each of its drives by its share: the gate weighs it on all of them
+        todo = [(k, self._records[k].loads()) for k in keys
                 if k not in self._inflight and k not in self.resident.experts and k not in self.cache and k in self._records]
         if (predicted := self._predicted.get(layer_idx)) is not None:  # not held: what reads fetch (gate.observe)
-            predicted[1].update([k[1] for k, _, _ in todo] + [k[1] for k in keys if k in self._inflight])
-        todo = todo[: self.budget.fitting([self._records[k] for k, _, _ in todo])]
+            predicted[1].update([k[1] for k, _ in todo] + [k[1] for k in keys if k in self._inflight])
+        todo = todo[: self.budget.fitting([self._records[k] for k, _ in todo])]
         gated = self.gate.gated
-        share = {k: n for k, _, n in todo}
+        share = {k: max(n for _, n in loads) for k, loads in todo}
         for key, nbytes in self.gate.admit(layer_idx, todo, self.prefetch_options.max_in_flight - len(self._inflight)):
             rec = self._records[key]
             # only the pieces that fit the drive's idle window, the rest once the router confirms it

@@ -2,22 +2,23 @@
 
 A prediction is only worth a read when the drive it lands on would otherwise sit idle until
 the next layer's demand reads arrive. Per drive the gate knows the bytes queued (demand and
-prefetch reads not yet landed, and the demand reads a fetch holds back until its earlier ones land)
-and its measured rate while busy. Per layer and step width it knows the window from the moment it
-decides to the next `fetch`, less the drain time of the demand then queued on the busiest drive (the
-decoder waits for those reads; the rest is compute). The window expected now is that compute part
-plus the busiest drive's demand drain now: a warm cache that hits more each token shortens it at
-once, where a remembered whole window lagged and let reads overrun it (RESULTS.md, issue 15).
+prefetch reads not yet landed, a confirmed prefetch as demand for its whole record, and the demand
+reads a fetch holds back until its earlier ones land) and its measured rate while busy. Per layer
+and step width it knows the window's compute part: from the moment the last drive's demand ran out
+to the next `fetch` (measured directly: the window less a drain estimated from rates was a difference
+of two noisy numbers, RESULTS.md issue 15). The window expected now is that compute part plus the
+busiest drive's demand drain now: a warm cache that hits more each token shortens it at once.
 A drive's slack is the window minus its queue's drain time: a read inside the slack costs nothing
 if wrong, a read past it delays the demand reads behind it by its own time. So a predicted read is
 started when its expected gain (precision x bytes read in idle time) is at least its expected loss
-((1 - precision) x bytes past the slack), precision being the lower of the layer's predictions'
-and of the reads it started (in a warm cache the predicted experts not held miss more often).
+((1 - precision) x bytes past the slack), summed over the drives the record loads, precision being
+the lower of the layer's predictions' and of the reads it started (in a warm cache the predicted
+experts not held miss more often).
 Otherwise — or once a layer's measured precision is below `recall_threshold` — only the record's
 first 1 MiB pieces that fit the slack start (piece granularity: the idle window is filled, never
 overrun); the rest waits for the router (store/record_read.py). It decides which reads start,
 never what `fetch` returns (store/experts.py): tokens never change.
-This module knows records only as (key, drive, bytes); no reader, cache or tensor.
+This module knows records only as (key, [(drive, bytes)]); no reader, cache or tensor.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class DriveLoad:
     queued_reads: int = 0
     demand_bytes: int = 0  # of queued_bytes, the demand reads': the decoder waits for these
     held_back_bytes: int = 0  # demand reads of a fetch not queued yet (under a cache budget it keeps 2 ahead)
+    demand_done_at: float | None = 0.0  # when its last demand read landed (None: demand queued or held back now)
     busy_since: float = 0.0
     busy_bytes: float = 0.0
     busy_s: float = 0.0
@@ -109,7 +111,8 @@ class PrefetchGate:
         self._lock = threading.Lock()  # drive threads report completions
         # (layer, width) -> (average, last) of the window's compute part: the window less the drain at decision
         self._windows: OrderedDict[tuple[int, int], tuple[float, float]] = OrderedDict()
-        self._decided_at: dict[int, tuple[float, float]] = {}  # layer -> (when the gate decided for it, the drain then)
+        self._decided_at: dict[int, float] = {}  # layer -> when the gate decided for it
+        self._reads: dict[tuple[int, int], list[int]] = {}  # (id of a read not landed, drive) -> its entry (`track`)
         self._width = 0  # tokens in this step: a prefill chunk's window is not a decode step's
 
     # -- what happens --------------------------------------------------------
@@ -123,20 +126,25 @@ class PrefetchGate:
 
     def fetch_started(self, layer_idx: int) -> None:
         """`fetch(layer_idx)` begins: closes the window opened when the gate decided for this layer."""
+        now = time.perf_counter()
+        decided = self._decided_at.pop(layer_idx, None)
+        if decided is not None:
+            with self._lock:
+                done = [d.demand_done_at for d in self.drives]
+            # the compute part: since the last drive's demand ran out (the drives idle but for a prefetch)
+            dt = 0.0 if None in done else min(now - decided, now - max(done))  # type: ignore[type-var]
+            key = (layer_idx, self._width)
+            seen = self._windows.pop(key, None)
+            # (average, last): a window that shrinks at once (the cache started hitting) counts at once
+            self._windows[key] = (dt, dt) if seen is None else ((1 - EMA) * seen[0] + EMA * dt, dt)
+            while len(self._windows) > MAX_WINDOWS:
+                self._windows.popitem(last=False)
         if any(d.held_back_bytes for d in self.drives):  # written on this thread only (`hold_back`): no lock to look
             with self._lock:  # what the previous fetch held back is its own: done or abandoned, it is no one's now
                 for d in self.drives:
                     d.held_back_bytes = 0
-        decided = self._decided_at.pop(layer_idx, None)
-        if decided is None:
-            return
-        key = (layer_idx, self._width)
-        seen = self._windows.pop(key, None)
-        dt = max(0.0, time.perf_counter() - decided[0] - decided[1])
-        # (average, last): a window that shrinks at once (the cache started hitting) counts at once
-        self._windows[key] = (dt, dt) if seen is None else ((1 - EMA) * seen[0] + EMA * dt, dt)
-        while len(self._windows) > MAX_WINDOWS:
-            self._windows.popitem(last=False)
+                    if d.demand_bytes == 0 and d.demand_done_at is None:
+                        d.demand_done_at = now
 
     def observe(self, layer_idx: int, predicted: set[int], wanted: Sequence[int], read: set[int] | frozenset[int] = frozenset()) -> None:
         """A prediction for `layer_idx` met the router's choice; `read`: the predicted experts that were not held
@@ -160,15 +168,32 @@ class PrefetchGate:
         """A read of `nbytes` was queued on `drive` (demand, or a prefetch): count it until it lands."""
         if not 0 <= drive < self.num_drives:
             return
-        demand = 0 if speculative else nbytes
+        entry = [nbytes, 0 if speculative else nbytes]  # bytes queued, of them demand: `promote` may grow both
         with self._lock:
             d = self.drives[drive]
             if d.queued_reads == 0:
                 d.busy_since = time.perf_counter()
             d.queued_bytes += nbytes
             d.queued_reads += 1
-            d.demand_bytes += demand
-        fut.add_done_callback(lambda f: self._landed(drive, nbytes, demand, f))
+            d.demand_bytes += entry[1]
+            if entry[1]:
+                d.demand_done_at = None
+            self._reads[(id(fut), drive)] = entry
+        fut.add_done_callback(lambda f: self._landed(drive, entry, f))
+
+    def promote(self, fut: Future, loads: Iterable[tuple[int, int]]) -> None:
+        """The router confirmed a prefetch: its whole record, `loads` (drive, bytes), is demand now —
+        the decoder waits for it, pieces not started yet included. Left counted as speculative, a
+        confirmed layer's reads hid from the drain, and the next layer's slack came out negative:
+        every other layer prefetched nothing (RESULTS.md, issue 15)."""
+        with self._lock:
+            for drive, nbytes in loads:
+                if (entry := self._reads.get((id(fut), drive))) is not None:  # None: landed already
+                    d = self.drives[drive]
+                    d.queued_bytes += nbytes - entry[0]
+                    d.demand_bytes += nbytes - entry[1]
+                    d.demand_done_at = None
+                    entry[0] = entry[1] = nbytes
 
     def hold_back(self, drive: int, nbytes: int) -> None:
         """`nbytes` of this fetch's demand reads on `drive` wait behind the ones queued (negative: they were queued).
@@ -176,31 +201,38 @@ class PrefetchGate:
         (RESULTS.md, issue 15: prefetch on was 0.89x of off, warm, 1 drive, batch 8)."""
         if 0 <= drive < self.num_drives:
             with self._lock:
-                self.drives[drive].held_back_bytes += nbytes
+                d = self.drives[drive]
+                d.held_back_bytes += nbytes
+                if d.held_back_bytes:
+                    d.demand_done_at = None
 
-    def _landed(self, drive: int, nbytes: int, demand: int, fut: Future) -> None:
+    def _landed(self, drive: int, entry: list[int], fut: Future) -> None:
         now = time.perf_counter()
         with self._lock:
+            self._reads.pop((id(fut), drive), None)
             d = self.drives[drive]
-            d.queued_bytes -= nbytes
+            d.queued_bytes -= entry[0]
             d.queued_reads -= 1
-            d.demand_bytes -= demand
+            d.demand_bytes -= entry[1]
+            if d.demand_bytes == 0 and d.held_back_bytes == 0 and d.demand_done_at is None:
+                d.demand_done_at = now
             if not fut.cancelled():  # a cancelled read never reached the drive
                 d.busy_s += now - d.busy_since
-                d.busy_bytes += nbytes
+                d.busy_bytes += entry[0]
                 if d.busy_s > RATE_HALF_LIFE_S:
                     d.busy_s, d.busy_bytes = d.busy_s / 2, d.busy_bytes / 2
             d.busy_since = now
 
     # -- the decision --------------------------------------------------------
 
-    def admit(self, layer_idx: int, candidates: Iterable[tuple[Any, int, int]], room: int) -> list[tuple[Any, int]]:
-        """The candidates (key, drive, bytes), best first, whose reads should start now, each with the
-        bytes to read before the router confirms it (less than its bytes: only its first pieces); at most `room`."""
+    def admit(self, layer_idx: int, candidates: Iterable[tuple[Any, Sequence[tuple[int, int]]]], room: int) -> list[tuple[Any, int]]:
+        """The candidates (key, [(drive, bytes) it loads]), best first, whose reads should start now, each
+        with the bytes per drive to read before the router confirms it (less than its share: only its
+        first pieces); at most `room`. A striped record is weighed on every drive it loads."""
         with self._lock:
             work = [(d.queued_bytes + d.held_back_bytes, d.demand_bytes + d.held_back_bytes, d.rate) for d in self.drives]
         drain = max((demand / rate for _, demand, rate in work if rate is not None), default=0.0)
-        self._decided_at[layer_idx] = (time.perf_counter(), drain)
+        self._decided_at[layer_idx] = time.perf_counter()
         cands = list(candidates)
         if not cands:
             return []
@@ -214,18 +246,22 @@ class PrefetchGate:
         # A layer whose predictions miss too often reads no whole records, only pieces inside the slack:
         # a wrong piece there costs the drive nothing it needed.
         closed = r.observations >= opts.warmup and r.ema < opts.recall_threshold
-        for key, drive, nbytes in cands:
+        for key, loads in cands:
             if len(out) >= room or p <= 0:
                 break
-            free = max(0.0, slack[drive]) if 0 <= drive < len(slack) else 0.0
-            gain, loss = p * min(nbytes, free), (1 - p) * max(0.0, nbytes - free)
+            free = [max(0.0, slack[d]) if 0 <= d < len(slack) else 0.0 for d, _ in loads]
+            gain = p * sum(min(n, f) for (_, n), f in zip(loads, free, strict=True))
+            loss = (1 - p) * sum(max(0.0, n - f) for (_, n), f in zip(loads, free, strict=True))
+            share = max(n for _, n in loads)
             if not closed and gain >= loss:  # a sure hit past the slack is read anyway: it may start now
-                take = nbytes
+                take = share
             else:
-                take = min(nbytes, int(free // self.piece_bytes) * self.piece_bytes)
+                take = min(share, int(min(free) // self.piece_bytes) * self.piece_bytes)
             if take > 0:
                 out.append((key, take))
-                slack[drive] -= take
+                for d, n in loads:
+                    if 0 <= d < len(slack):
+                        slack[d] -= min(take, n)
         r.issued += len(out)
         r.held += len(cands) - len(out)
         if not out:
