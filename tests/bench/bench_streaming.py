@@ -2,11 +2,17 @@
 
 Each configuration runs in a fresh subprocess (cold expert cache, its own peak
 RSS); configurations alternate so machine noise hits all of them alike.
-Stores are seeded synthetic qwen3_moe stores with bf16 experts (9 MiB each),
+Stores are seeded synthetic qwen3_moe stores with bf16 experts (9 MiB each, 64 a layer, top-8),
 made on first use under --root: `qN` with whole records round-robin over N drive
-folders (the layout before striping), `qNs` with every record striped over the N.
-Efficiency (uncapped) is each decode run's read rate over a raw parallel O_DIRECT read of the
-same packs made just before it (`paired_raw_gb_s`), the median of those ratios.
+folders (the layout before striping), `qNs` with every record striped over the N; 2 layers
+for the capped benches. Efficiency (uncapped) runs on 8-layer stores (`q2-8l`, `q2s-8l`: the
+issue's own store shape), where most layers are predicted from the layer before as in a deep
+model; on 2 layers every other layer boundary is a token boundary, which nothing predicts well.
+Each decode run's read rate is divided by raw parallel O_DIRECT reads of the same packs made
+just before and just after it (`paired_raw_gb_s`, their mean: this disk drifts within seconds),
+and the ratio is the median over runs. The same store is also decoded with each drive capped at
+EFF_CAP_MB_S, under the slowest this disk was seen to read: there the drive's rate is known and holds
+still, and the ratio is decode's read rate over the caps (`stripe_cap`, `stream_cap`).
 Prints one JSON line per bench and a summary, with the load average.
 `--before DIR` (a checkout of an older deltafind, e.g. `git archive REV | tar -x -C DIR`)
 runs every configuration under both trees in the same rounds, side by side (the
@@ -21,7 +27,6 @@ older tree on the whole-record stores, which it can read).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import resource
@@ -35,26 +40,30 @@ sys.path.insert(0, str(Path(__file__).parent))
 import streaming_pagecache
 from streaming_drives import (
     barrier_bounds,
+    between_reads,
     device_read_bytes,
     drop_store_from_page_cache,
     page_cache_bytes,
     raw_odirect,
+    time_fetches,
 )
 
 ENV = dict(os.environ)  # before deltafind is imported here (it sets OMP_WAIT_POLICY): what --before runs get
 SHAPE = {"layers": 2}  # the qwen3_moe "bench" shape, 2 layers: 128 experts x 9 MiB
+DEEP = 8  # layers of the efficiency stores: 512 experts x 9 MiB, 4.8 GB
+EFF_CAP_MB_S = 500.0  # per drive: 2 x 500 MB/s, under the ~1.5 GB/s floor of this VM's disk (RESULTS.md)
 
 
-def make_store(root: Path, drives: int, placement: str = "whole") -> Path:
+def make_store(root: Path, drives: int, placement: str = "whole", layers: int = SHAPE["layers"]) -> Path:
     import deltafind.store.synthetic_families  # noqa: F401 - registers the families
     from deltafind.store.setup import setup_store
     from deltafind.store.synthetic import FAMILIES, open_synthetic
 
-    name = f"q{drives}" + ("s" if placement == "stripe" else "")
+    name = f"q{drives}" + ("s" if placement == "stripe" else "") + (f"-{layers}l" if layers != SHAPE["layers"] else "")
     store = root / name
     if not (store / "manifest.json").exists():
         fam = FAMILIES["qwen3_moe"]
-        fam.shapes["bench-stream"] = {**fam.shapes["bench"], **SHAPE}
+        fam.shapes["bench-stream"] = {**fam.shapes["bench"], **SHAPE, "layers": layers}
         setup_store(open_synthetic("qwen3_moe", "bench-stream", 0), store, [root / f"{name}-drive{i}" for i in range(drives)], progress=False,
                     placement=placement)
     return store
@@ -125,43 +134,11 @@ def one(cfg: dict) -> dict:
         "drive_bytes": getattr(reader, "bytes_read", e.bytes_read),  # wasted prefetches included
         "io": reader.io_stats() if hasattr(reader, "io_stats") else None,
         "between_reads": between_reads(fetches),
+        "cap_gb_s": cfg["read_mb_s"] * n_drives / 1e3 if cfg.get("read_mb_s") else None,  # the emulated drives' rate
     }
     model.experts.uses.clear()  # keep the bench store's heat file out of it
     model.close()
     return out
-
-
-def time_fetches(experts: object) -> list[list[tuple[str, float]]]:
-    """Record when each fetch starts, when each expert reaches the model, and when it ends (wraps
-    the provider's `fetch`; what it yields is unchanged)."""
-    log: list[list[tuple[str, float]]] = []
-    inner = experts.fetch  # type: ignore[attr-defined]
-
-    def fetch(layer_idx, expert_ids):
-        events = [("start", time.perf_counter())]
-        log.append(events)
-        for item in inner(layer_idx, expert_ids):
-            events.append(("got", time.perf_counter()))
-            yield item
-        events.append(("end", time.perf_counter()))
-
-    experts.fetch = fetch  # type: ignore[attr-defined]
-    return log
-
-
-def between_reads(log: list[list[tuple[str, float]]]) -> dict:
-    """Where a cold decode's time goes around the reads, per layer fetch (medians, ms): from the
-    fetch's start to its first expert, to its end (the last expert computed), and from its end to
-    the next fetch's start (attention, router, norms; lm_head and sampling between tokens) — in
-    that last gap no read is queued unless a prefetch is."""
-    import statistics as st
-
-    done = [f for f in log if f[-1][0] == "end" and len(f) > 2]
-    gaps = [b[0][1] - a[-1][1] for a, b in itertools.pairwise(done)]
-    ms = lambda xs: round(1e3 * st.median(xs), 2) if xs else None  # noqa: E731
-    return {"fetches": len(done), "first_expert_ms": ms([f[1][1] - f[0][1] for f in done]),
-            "fetch_ms": ms([f[-1][1] - f[0][1] for f in done]), "last_expert_to_end_ms": ms([f[-1][1] - f[-2][1] for f in done]),
-            "gap_to_next_fetch_ms": ms(gaps), "gap_share_of_wall": round(sum(gaps) / max(1e-9, done[-1][-1][1] - done[0][0][1]), 3) if gaps else None}
 
 
 def profile(store: Path, tokens: int, threads: int, prefetch: bool) -> None:
@@ -240,13 +217,19 @@ def summarize(res: dict[str, list[dict]], t: int, cap_mb_s: float) -> list[dict]
         if not rows:
             continue
         needed, drive = median(rows, "read_gb_s"), statistics.median(_drive_gb_s(r) for r in rows)
-        paired = all("paired_raw_gb_s" in r for r in rows)  # uncapped: each run's own raw, read just before it
+        paired = all("paired_raw_gb_s" in r for r in rows)  # uncapped: each run's own raw, read around it
+        capped = rows[0].get("cap_gb_s")  # capped: the caps are the reference
         ref = _io(rows)  # the median-speed run's read path
         ref_raw = ref and (ref["paired_raw_gb_s"] or raw)
         eff[key] = {"decode_tok_s": round(median(rows, "decode_tok_s"), 3), "needed_gb_s": round(needed, 3), "drive_gb_s": round(drive, 3),
-                    "ratio": round(statistics.median(r["read_gb_s"] / r["paired_raw_gb_s"] for r in rows), 3) if paired else raw and round(needed / raw, 3),
-                    "drive_ratio": round(statistics.median(_drive_gb_s(r) / r["paired_raw_gb_s"] for r in rows), 3) if paired else raw and round(drive / raw, 3),
-                    "paired_raw_gb_s": [round(r["paired_raw_gb_s"], 3) for r in rows] if paired else None,
+                    "ratio": round(statistics.median(r["read_gb_s"] / r["paired_raw_gb_s"] for r in rows), 3) if paired
+                    else round(needed / capped, 3) if capped else raw and round(needed / raw, 3),
+                    "ratio_range": [round(min(r["read_gb_s"] / (r.get("paired_raw_gb_s") or capped or raw) for r in rows), 3),
+                                    round(max(r["read_gb_s"] / (r.get("paired_raw_gb_s") or capped or raw) for r in rows), 3)] if paired or capped or raw else None,
+                    "drive_ratio": round(statistics.median(_drive_gb_s(r) / r["paired_raw_gb_s"] for r in rows), 3) if paired
+                    else round(drive / capped, 3) if capped else raw and round(drive / raw, 3),
+                    "reference_gb_s": "paired raw O_DIRECT" if paired else f"caps {capped}" if capped else "raw O_DIRECT",
+                    "paired_raw_gb_s": [[round(x, 3) for x in r.get("paired_raw_before_after", [r["paired_raw_gb_s"]])] for r in rows] if paired else None,
                     "busy_ratio": ref_raw and round(ref["busy_gb_s"] / ref_raw, 3),
                     "bytes_per_token": int(median(rows, "bytes_read") / (t + 3)), "cpu_ms_per_token": round(1e3 * median(rows, "cpu_s") / (t + 3), 1),
                     "io": ref}
@@ -282,8 +265,8 @@ def summarize(res: dict[str, list[dict]], t: int, cap_mb_s: float) -> list[dict]
 
 EFF_KEYS = ("whole", "stripe", "stream", "stripe_cap", "stream_cap")
 # Uncapped, the disk's own rate is the reference, and on a shared virtual disk it moves 0.85-1.6 GB/s
-# from minute to minute (RESULTS.md): each of these runs is divided by a raw read of its own packs
-# made just before it, not by a raw rate measured minutes away.
+# from minute to minute (RESULTS.md): each of these runs is divided by raw reads of its own packs
+# made just before and just after it, not by a raw rate measured minutes away.
 PAIRED = ("whole", "stripe", "stream")
 
 
@@ -297,7 +280,7 @@ def before_after(before: list[dict], after: list[dict]) -> dict:
     """The headline figures of both trees side by side: [before, after]."""
     b, a = ({line["bench"]: line for line in lines} for lines in (before, after))
     pair = lambda get: [_get(b, get), _get(a, get)]  # noqa: E731
-    return {"efficiency_ratio": {k: pair(("streaming_efficiency", k, "ratio")) for k in PAIRED},
+    return {"efficiency_ratio": {k: pair(("streaming_efficiency", k, "ratio")) for k in EFF_KEYS},
             "decode_tok_s": {k: pair(("streaming_efficiency", k, "decode_tok_s")) for k in EFF_KEYS},
             "drive_idle_fraction": {k: pair(("streaming_efficiency", k, "io", "drive_idle_fraction")) for k in EFF_KEYS},
             "scaling_at_4": {k: pair(("drive_scaling", k, "speedup", 4)) for k in ("whole", "stripe")},
@@ -338,17 +321,18 @@ def main() -> None:
     args.root.mkdir(parents=True, exist_ok=True)
     whole = {n: make_store(args.root, n) for n in (1, 2, 3, 4)}
     stripe = {n: make_store(args.root, n, "stripe") for n in (2, 3, 4)}
+    deep, deep_stripe = make_store(args.root, 2, layers=DEEP), make_store(args.root, 2, "stripe", DEEP)
     t, th, cap = args.tokens, args.threads, args.cap_mb_s
     trees: dict[str, Path | None] = {"after": None, **({"before": args.before} if args.before else {})}
     # (key, config, runs under an older tree too: any older tree, or one that reads striped stores)
-    configs = [("raw", {"store": str(stripe[2]), "raw": True}, False),
-               ("raw_rec", {"store": str(stripe[2]), "raw": True, "read_bytes": 16 << 20}, False),
-               ("whole", {"store": str(whole[2]), "tokens": t, "prefetch": False}, True),
-               ("stripe", {"store": str(stripe[2]), "tokens": t, "prefetch": False}, "stripes"),
-               ("stream", {"store": str(stripe[2]), "tokens": t}, "stripes"),
-               # the same two drives capped at 2x150 MB/s: drive-bound, so what prefetch puts in the idle window shows
-               ("stripe_cap", {"store": str(stripe[2]), "tokens": t, "prefetch": False, "read_mb_s": cap}, "stripes"),
-               ("stream_cap", {"store": str(stripe[2]), "tokens": t, "read_mb_s": cap}, "stripes"),
+    configs = [("raw", {"store": str(deep_stripe), "raw": True}, False),
+               ("raw_rec", {"store": str(deep_stripe), "raw": True, "read_bytes": 16 << 20}, False),
+               ("whole", {"store": str(deep), "tokens": t, "prefetch": False}, True),
+               ("stripe", {"store": str(deep_stripe), "tokens": t, "prefetch": False}, "stripes"),
+               ("stream", {"store": str(deep_stripe), "tokens": t}, "stripes"),
+               # the same drives capped under this disk's floor: their rate known, decode's share of it shows without the drift
+               ("stripe_cap", {"store": str(deep_stripe), "tokens": t, "prefetch": False, "read_mb_s": EFF_CAP_MB_S}, "stripes"),
+               ("stream_cap", {"store": str(deep_stripe), "tokens": t, "read_mb_s": EFF_CAP_MB_S}, "stripes"),
                *[(f"cap{n}", {"store": str(whole[n]), "tokens": max(2, t // 2), "read_mb_s": cap, "prefetch": False}, True) for n in (1, 2, 3, 4)],
                *[(f"caps{n}", {"store": str(stripe[n]), "tokens": max(2, t // 2), "read_mb_s": cap, "prefetch": False}, "stripes") for n in (2, 3, 4)],
                ("mem", {"store": str(whole[2]), "tokens": t, "cache": 1 << 30}, True)]
@@ -359,8 +343,12 @@ def main() -> None:
         for key, cfg, older_too in configs:
             for name, tree in trees.items():  # before and after back to back, so noise hits both
                 if tree is None or older_too is True or (older_too == "stripes" and reads_stripes(tree)):
-                    paired = {"paired_raw_gb_s": run({"store": cfg["store"], "raw": True})["raw_gb_s"]} if key in PAIRED else {}
-                    res[name].setdefault(key, []).append(run({**cfg, "threads": th}, tree) | paired)
+                    raw_before = run({"store": cfg["store"], "raw": True})["raw_gb_s"] if key in PAIRED else None
+                    row = run({**cfg, "threads": th}, tree)
+                    if raw_before is not None:  # the disk's rate around the decode: read before and after it
+                        raw_after = run({"store": cfg["store"], "raw": True})["raw_gb_s"]
+                        row |= {"paired_raw_gb_s": (raw_before + raw_after) / 2, "paired_raw_before_after": [raw_before, raw_after]}
+                    res[name].setdefault(key, []).append(row)
     out = {name: summarize(r, t, cap) for name, r in res.items()}
     bounds = {"whole_4": barrier_bounds(whole[4]), "stripe_4": barrier_bounds(stripe[4])}
     for name, lines in out.items():

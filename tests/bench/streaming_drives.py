@@ -2,12 +2,14 @@
 
 `raw_odirect` is the reference the decode is measured against: plain threads doing
 O_DIRECT preadv of the same pack bytes, written here without deltafind's reader.
+`time_fetches` and `between_reads` time a decode's layer fetches: where the time around the reads goes.
 `barrier_bounds` is the arithmetic behind the placement choice (whole records,
 stripes, or hot copies on two drives with each read sent to the less loaded copy).
 """
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import random
@@ -108,3 +110,36 @@ def device_read_bytes() -> int:
     and page-cache misses count, page-cache hits do not."""
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+
+def time_fetches(experts: object) -> list[list[tuple[str, float]]]:
+    """Record when each fetch starts, when each expert reaches the model, and when it ends (wraps
+    the provider's `fetch`; what it yields is unchanged)."""
+    log: list[list[tuple[str, float]]] = []
+    inner = experts.fetch  # type: ignore[attr-defined]
+
+    def fetch(layer_idx, expert_ids):
+        events = [("start", time.perf_counter())]
+        log.append(events)
+        for item in inner(layer_idx, expert_ids):
+            events.append(("got", time.perf_counter()))
+            yield item
+        events.append(("end", time.perf_counter()))
+
+    experts.fetch = fetch  # type: ignore[attr-defined]
+    return log
+
+
+def between_reads(log: list[list[tuple[str, float]]]) -> dict:
+    """Where a cold decode's time goes around the reads, per layer fetch (medians, ms): from the
+    fetch's start to its first expert, to its end (the last expert computed), and from its end to
+    the next fetch's start (attention, router, norms; lm_head and sampling between tokens) — in
+    that last gap no read is queued unless a prefetch is."""
+    import statistics as st
+
+    done = [f for f in log if f[-1][0] == "end" and len(f) > 2]
+    gaps = [b[0][1] - a[-1][1] for a, b in itertools.pairwise(done)]
+    ms = lambda xs: round(1e3 * st.median(xs), 2) if xs else None  # noqa: E731
+    return {"fetches": len(done), "first_expert_ms": ms([f[1][1] - f[0][1] for f in done]),
+            "fetch_ms": ms([f[-1][1] - f[0][1] for f in done]), "last_expert_to_end_ms": ms([f[-1][1] - f[-2][1] for f in done]),
+            "gap_to_next_fetch_ms": ms(gaps), "gap_share_of_wall": round(sum(gaps) / max(1e-9, done[-1][-1][1] - done[0][0][1]), 3) if gaps else None}
