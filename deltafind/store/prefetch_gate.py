@@ -111,6 +111,7 @@ class PrefetchGate:
         self._lock = threading.Lock()  # drive threads report completions
         # (layer, width) -> (average, last) of the window's compute part: the window less the drain at decision
         self._windows: OrderedDict[tuple[int, int], tuple[float, float]] = OrderedDict()
+        self._by_width: OrderedDict[int, tuple[float, float]] = OrderedDict()  # width -> the window last measured at it
         self._decided_at: dict[int, float] = {}  # layer -> when the gate decided for it
         self._reads: dict[tuple[int, int], list[int]] = {}  # (id of a read not landed, drive) -> its entry (`track`)
         self._width = 0  # tokens in this step: a prefill chunk's window is not a decode step's
@@ -137,8 +138,11 @@ class PrefetchGate:
             seen = self._windows.pop(key, None)
             # (average, last): a window that shrinks at once (the cache started hitting) counts at once
             self._windows[key] = (dt, dt) if seen is None else ((1 - EMA) * seen[0] + EMA * dt, dt)
-            while len(self._windows) > MAX_WINDOWS:
-                self._windows.popitem(last=False)
+            self._by_width.pop(self._width, None)
+            self._by_width[self._width] = self._windows[key]
+            for kept in (self._windows, self._by_width):
+                while len(kept) > MAX_WINDOWS:
+                    kept.popitem(last=False)
         if any(d.held_back_bytes for d in self.drives):  # written on this thread only (`hold_back`): no lock to look
             with self._lock:  # what the previous fetch held back is its own: done or abandoned, it is no one's now
                 for d in self.drives:
@@ -237,8 +241,10 @@ class PrefetchGate:
         if not cands:
             return []
         r, opts = self._layer(layer_idx), self.options
-        seen = self._windows.get((layer_idx, self._width))
-        if seen is None or room <= 0:  # no window yet: this layer and width were never timed
+        # A layer not yet timed at this width borrows the window last measured at it: layers compute alike,
+        # and keyed strictly, a step width first seen (a new batch size) had no prefetch on any layer.
+        seen = self._windows.get((layer_idx, self._width)) or self._by_width.get(self._width)
+        if seen is None or room <= 0:  # no window yet: this width was never timed
             return self._hold(r, len(cands))
         window = min(seen) + drain  # the shorter of average and last compute part: never an optimistic slack
         slack = [window * rate - n if rate is not None else 0.0 for n, _, rate in work]

@@ -59,6 +59,15 @@ def test_a_first_window_is_measured_before_anything_starts() -> None:
     assert gate.layers[3].held == 1 and gate.gated == 1
 
 
+def test_a_layer_not_yet_timed_borrows_the_window_last_measured_at_its_width() -> None:
+    # Keyed strictly by (layer, width), a step width first seen (a new batch size) prefetched nothing
+    # on any layer: on the 8-layer bench that was the first two steps' whole idle time (RESULTS.md).
+    gate = _measured(window_s=0.2)  # layer 1 timed at width 1: ~20 MB of slack per idle drive
+    assert gate.admit(2, [((2, 0), [(0, 2 * MB)])], 8) == [((2, 0), 2 * MB)]  # layer 2 at width 1: layer 1's window
+    gate.begin_step(4)
+    assert gate.admit(2, [((2, 1), [(0, 2 * MB)])], 8) == []  # width 4 never timed: nothing starts
+
+
 def test_an_idle_drive_takes_reads_up_to_its_slack_a_busy_one_none() -> None:
     gate = _measured(window_s=0.2)  # slack of an idle drive: ~0.2 s x ~100 MB/s = ~20 MB
     busy = [_landing(2.0) for _ in range(4)]
