@@ -109,7 +109,7 @@ class PrefetchGate:
     def __post_init__(self) -> None:
         self.drives = [DriveLoad() for _ in range(self.num_drives)]
         self._lock = threading.Lock()  # drive threads report completions
-        # (layer, width) -> (average, last) of the window's compute part: the window less the drain at decision
+        # (layer, width) -> (average, last) of the window's compute part: from the last drive's demand running out to the fetch
         self._windows: OrderedDict[tuple[int, int], tuple[float, float]] = OrderedDict()
         self._by_width: OrderedDict[int, tuple[float, float]] = OrderedDict()  # width -> the window last measured at it
         self._decided_at: dict[int, float] = {}  # layer -> when the gate decided for it
