@@ -103,7 +103,7 @@ def test_the_window_is_its_compute_part_plus_the_demand_drain_at_decision() -> N
     gate.fetch_started(1)
     gate.begin_step(1)
     (compute, _), = gate._windows.values()
-    assert 0.04 < compute < 0.2  # since the demand ran out, not the whole ~0.35 s since the decision
+    assert 0.02 < compute < 0.2  # since the demand ran out, not the whole ~0.35 s since the decision
     # the next step's layer queues no demand (the cache holds it): the slack is the compute part only
     [(_, n)] = gate.admit(1, [((1, 2), [(1, 16 * MB)])], 8)
     assert n % gate.piece_bytes == 0 and n < 16 * MB  # its first pieces inside ~0.05 s, not the 16 MB record
