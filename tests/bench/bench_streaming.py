@@ -219,15 +219,14 @@ def summarize(res: dict[str, list[dict]], t: int, cap_mb_s: float) -> list[dict]
         needed, drive = median(rows, "read_gb_s"), statistics.median(_drive_gb_s(r) for r in rows)
         paired = all("paired_raw_gb_s" in r for r in rows)  # uncapped: each run's own raw, read around it
         capped = rows[0].get("cap_gb_s")  # capped: the caps are the reference
+        refs = [r.get("paired_raw_gb_s") or capped or raw for r in rows]  # each run's reference rate
+        ratios = [r["read_gb_s"] / x for r, x in zip(rows, refs, strict=True)] if all(refs) else None
         ref = _io(rows)  # the median-speed run's read path
         ref_raw = ref and (ref["paired_raw_gb_s"] or capped or raw)
         eff[key] = {"decode_tok_s": round(median(rows, "decode_tok_s"), 3), "needed_gb_s": round(needed, 3), "drive_gb_s": round(drive, 3),
-                    "ratio": round(statistics.median(r["read_gb_s"] / r["paired_raw_gb_s"] for r in rows), 3) if paired
-                    else round(needed / capped, 3) if capped else raw and round(needed / raw, 3),
-                    "ratio_range": [round(min(r["read_gb_s"] / (r.get("paired_raw_gb_s") or capped or raw) for r in rows), 3),
-                                    round(max(r["read_gb_s"] / (r.get("paired_raw_gb_s") or capped or raw) for r in rows), 3)] if paired or capped or raw else None,
-                    "drive_ratio": round(statistics.median(_drive_gb_s(r) / r["paired_raw_gb_s"] for r in rows), 3) if paired
-                    else round(drive / capped, 3) if capped else raw and round(drive / raw, 3),
+                    "ratio": ratios and round(statistics.median(ratios), 3),
+                    "ratio_range": ratios and [round(min(ratios), 3), round(max(ratios), 3)],
+                    "drive_ratio": ratios and round(statistics.median(_drive_gb_s(r) / x for r, x in zip(rows, refs, strict=True)), 3),
                     "reference": "paired raw O_DIRECT" if paired else f"caps, {capped} GB/s" if capped else "raw O_DIRECT",
                     "paired_raw_gb_s": [[round(x, 3) for x in r.get("paired_raw_before_after", [r["paired_raw_gb_s"]])] for r in rows] if paired else None,
                     "busy_ratio": ref_raw and round(ref["busy_gb_s"] / ref_raw, 3),
