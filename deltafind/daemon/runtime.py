@@ -29,7 +29,6 @@ from deltafind.server import AppState, ReadyEngine, ServerConfig
 from deltafind.server.structured import prepare_vocabulary
 
 log = get_logger(__name__)
-PREFIX_CACHE_BYTES = 256 << 20  # finished conversations' KV kept for exact prefix reuse
 
 
 def read_key_file(path: Path | None) -> list[str]:
@@ -103,6 +102,7 @@ class Runtime:
             context = int(getattr(args, "max_position_embeddings", 0) or 4096)
             self.scheduler = Scheduler(self.model.net, self.model.eos_token_ids, self._limits(s, context),
                                        draft=self.model.draft, draft_policy=self.model.draft_policy)
+            self.scheduler.core.prefix.disk = self._prompt_disk(s)  # before the first request
             notify.status("warming up")
             tok = self.model.tokenizer
             first = (tok.encode("Hi") or [tok.bos_token_id or 0])[:1]
@@ -144,7 +144,29 @@ class Runtime:
         cap = s.server.max_prefill_tokens  # else prefill chunks are as large as memory allows (engine/prefill.py)
         prefill = replace(self.model.prefill, cap=cap) if self.model is not None else None
         return SchedulerLimits(s.server.max_running, s.server.max_queue, max(cap or max_context, s.server.max_running),
-                               max_context, PREFIX_CACHE_BYTES, prefill)
+                               max_context, int(s.cache.prompt_bytes), prefill, s.cache.prompt_snapshot_tokens)
+
+    def _prompt_disk(self, s: Settings) -> Any:
+        """The prompt-state files ([cache] prompt_disk_bytes), keyed by what their state depends on; None when off."""
+        c, model = s.cache, self.model
+        if not c.prompt_disk_bytes or not c.prompt_bytes or model is None:
+            return None
+        import hashlib
+
+        from deltafind.engine.prompt_disk import PromptDisk
+        from deltafind.store.manifest import MANIFEST_NAME
+
+        store, device = store_dir(s), next(model.net.parameters()).device
+        directory = Path(c.prompt_disk_dir).expanduser() if c.prompt_disk_dir else store / "prompt-cache"
+        sha = lambda b: hashlib.sha256(b).hexdigest()  # noqa: E731
+        identity = {"family": model.manifest.family, "manifest": sha((store / MANIFEST_NAME).read_bytes()),
+                    "chat_template": sha(model.tokenizer.chat_template_source.encode()), "dtype": s.device.dtype,
+                    "spine_int8": str(c.spine_int8), "device": device.type, "deltafind": __version__}
+        try:
+            return PromptDisk(directory, int(c.prompt_disk_bytes), identity, device)
+        except OSError as e:
+            log.warning("prompt_disk_off", dir=str(directory), error=str(e), fix="set [cache] prompt_disk_dir to a writable folder")
+            return None
 
     def healthy(self) -> bool:
         return self.scheduler is None or self.scheduler.alive
@@ -285,5 +307,8 @@ class Runtime:
             self.control.stop()
         if self.scheduler is not None:
             self.scheduler.close()
+            disk = self.scheduler.core.prefix.disk
+            if disk is not None and not disk.flush(30):  # prompt state a restart would reuse
+                log.warning("prompt_disk_not_flushed", dir=str(disk.dir))
         if self.model is not None:
             self.model.close()

@@ -113,6 +113,7 @@ class PrefixCache:
         self.hits = 0
         self.misses = 0
         self.reused_tokens = 0
+        self.disk: Any = None  # engine/prompt_disk.PromptDisk: entries written to a drive, read back on a miss
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -146,29 +147,41 @@ class PrefixCache:
                 return None
             self._entries[id(new)] = new
             self.used_bytes += new.nbytes
+        if self.disk is not None:
+            self.disk.save(new)
         self._evict()
         return new if id(new) in self._entries else None
 
     def add(self, entry: Entry) -> None:
         """Hold an entry as it is (one read back from disk), least recently used first to go."""
+        if entry.nbytes > self.max_bytes:
+            return
         self._entries[id(entry)] = entry
         self.used_bytes += entry.nbytes
         self._evict()
 
     def find(self, prompt: Sequence[int]) -> tuple[Entry | None, int]:
         """The entry the most of `prompt` can resume from, and how many tokens (< len(prompt))."""
-        ids = np.asarray(prompt, dtype=np.int64)
         best, n = None, 0
         for e in self._entries.values():
-            m = e.usable(min(_common(e.tokens, ids), len(ids) - 1))
+            m = self._usable(e, prompt)
             if m > n:
                 best, n = e, m
         return best, n
+
+    @staticmethod
+    def _usable(e: Entry, prompt: Sequence[int]) -> int:
+        return e.usable(min(_common(e.tokens, np.asarray(prompt, dtype=np.int64)), len(prompt) - 1))
 
     def take(self, prompt: Sequence[int]) -> tuple[SequenceCache, int] | None:
         """A copy of the cache of the longest reusable prefix of `prompt`, leaving at least one token to run
         (the step needs its logits). The entry stays for the next prompt."""
         e, n = self.find(prompt)
+        if self.disk is not None:  # a longer prefix on the drive (written before a restart, say)
+            path, on_disk = self.disk.find(prompt)
+            if on_disk > n and (loaded := self.disk.load(path)) is not None:
+                self.add(loaded)
+                e, n = loaded, self._usable(loaded, prompt)
         if e is None:
             self.misses += 1
             return None
