@@ -21,7 +21,7 @@ import torch
 from deltafind.engine import speculative
 from deltafind.engine.draft.base import Proposal
 from deltafind.engine.draft.policy import PolicyOptions
-from deltafind.engine.prefill import PrefillPlan
+from deltafind.engine.prefill import RELEASE_AFTER_TOKENS, PrefillPlan, release_memory
 from deltafind.engine.prefix_cache import PrefixCache, snapshot
 from deltafind.engine.sequence import Event, FinishEvent, GenRequest, Sequence
 from deltafind.engine.stats import EngineStats
@@ -106,6 +106,7 @@ class EngineCore:
         self._vocab = getattr(getattr(net, "lm_head", None), "weight", torch.empty(0, 0)).shape[0] or None
         self._device = _device_of(net)
         self._rotate = 0
+        self._unreleased = 0  # prompt tokens run since the heap was last trimmed
         # KDA state cannot be rewound: a prefill keeps copies of it where a later prompt may resume
         self._recurrent = any(isinstance(m, KimiDeltaAttention) for m in getattr(net, "modules", list)())
 
@@ -292,6 +293,10 @@ class EngineCore:
             if s.finished is not None:
                 self.running.remove(s)
                 events.append(self._finish(s, s.finished, s.error))
+        self._unreleased += prompt
+        if self._unreleased >= RELEASE_AFTER_TOKENS and not self.has_work:  # idle after long prompts
+            self._unreleased = 0
+            log.info("memory_released", **release_memory())
         return events
 
     def _advance(self, it: PlanItem, logits: torch.Tensor, out: StepOutput, start: int) -> list[Event]:
