@@ -111,8 +111,10 @@ class Runtime:
                 raise DeltafindError(f"warm-up failed: {fin.error}")
             self.context_length = context
             cluster = self.model.cluster  # expert nodes (deltafind/cluster): /health says degraded while one is down
-            self.state.set_ready(ReadyEngine(self.scheduler, tok, model_name(s), context, store_snapshot=self.store_snapshot,
-                                             nodes=cluster.status if cluster is not None else list))
+            ready = ReadyEngine(self.scheduler, tok, model_name(s), context, store_snapshot=self.store_snapshot,
+                                nodes=cluster.status if cluster is not None else list)
+            self._turns_file(ready, save=False)
+            self.state.set_ready(ready)
             log.info("model_ready", store=str(store_dir(s)), family=self.model.manifest.family,
                      load_s=round(time.monotonic() - t0, 2), context=context)
             notify.ready(f"serving {model_name(s)}")
@@ -145,6 +147,21 @@ class Runtime:
         prefill = replace(self.model.prefill, cap=cap) if self.model is not None else None
         return SchedulerLimits(s.server.max_running, s.server.max_queue, max(cap or max_context, s.server.max_running),
                                max_context, int(s.cache.prompt_bytes), prefill, s.cache.prompt_snapshot_tokens)
+
+    def _turns_file(self, ready: Any, save: bool) -> None:
+        """With prompt state on disk, the answers' spellings (server/turns.py) outlive a restart too: without
+        them the next turn's prompt is encoded afresh and no longer matches the state on disk."""
+        disk = self.scheduler.core.prefix.disk if self.scheduler is not None else None
+        if disk is None or ready is None:
+            return
+        path = disk.dir / "turns.safetensors"
+        try:
+            if save:
+                ready.turns.save(path, disk.key)
+            elif path.exists():
+                log.info("prompt_turns_loaded", sequences=ready.turns.load(ready.tokenizer, path, disk.key))
+        except Exception as e:  # a torn file: the next turns are encoded afresh, nothing worse
+            log.warning("prompt_turns_not_carried", file=str(path), error=f"{type(e).__name__}: {e}")
 
     def _prompt_disk(self, s: Settings) -> Any:
         """The prompt-state files ([cache] prompt_disk_bytes), keyed by what their state depends on; None when off."""
@@ -310,5 +327,6 @@ class Runtime:
             disk = self.scheduler.core.prefix.disk
             if disk is not None and not disk.flush(30):  # prompt state a restart would reuse
                 log.warning("prompt_disk_not_flushed", dir=str(disk.dir))
+            self._turns_file(self.state.engine, save=True)
         if self.model is not None:
             self.model.close()
