@@ -49,6 +49,13 @@ def snapshot(cache: SequenceCache) -> States:
     return [layer.copy() for layer in cache.layers if is_recurrent(layer)]
 
 
+def trim_states(states: dict[int, States], max_bytes: int) -> None:
+    """Drop the earliest snapshots until the rest hold at most `max_bytes` (the latest serve retries and next turns)."""
+    sizes = {p: _tensor_bytes(st, set()) for p, st in states.items()}
+    while states and sum(sizes.values()) > max_bytes:
+        del sizes[(p := min(states))], states[p]
+
+
 def _common(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     diff = np.flatnonzero(a[:n] != b[:n])
@@ -130,6 +137,9 @@ class PrefixCache:
             return None
         new = Entry(key, cache, {p: s for p, s in (states or {}).items() if 0 < p < len(key)})
         new.count()
+        if new.nbytes > self.max_bytes and new.recurrent:  # snapshots over the budget: keep the latest that fit
+            trim_states(new.states, self.max_bytes - (new.nbytes - sum(_tensor_bytes(st, set()) for st in new.states.values())))
+            new.count()
         for e in self.entries():
             shared = _common(e.tokens, key)
             if shared == len(e.tokens):  # an earlier turn of this conversation
