@@ -231,7 +231,7 @@ class EngineCore:
         marked = at in (s.req.checkpoint, s.num_prompt - 1, s.num_prompt) or (every > 0 and at % every == 0)
         if self._recurrent and self.prefix.max_bytes > 0 and s.cached_tokens < at <= s.num_prompt and marked:
             s.states[at] = snapshot(s.cache)
-            trim_states(s.states, self.prefix.max_bytes)  # never more than the cache they go to could hold
+            trim_states(s.states, self.prefix.state_budget())  # never more than the caches they go to could hold
 
     def _start_draft(self, s: Sequence, reused: bool) -> None:
         if self.draft is None or not self.draft_enabled:

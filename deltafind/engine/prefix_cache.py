@@ -125,6 +125,10 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def state_budget(self) -> int:
+        """Bytes of snapshots a sequence may keep: what the larger of memory and the drive can hold."""
+        return max(self.max_bytes, self.disk.max_bytes if self.disk is not None else 0)
+
     def entries(self) -> list[Entry]:
         return list(self._entries.values())
 
@@ -137,9 +141,7 @@ class PrefixCache:
             return None
         new = Entry(key, cache, {p: s for p, s in (states or {}).items() if 0 < p < len(key)})
         new.count()
-        if new.nbytes > self.max_bytes and new.recurrent:  # snapshots over the budget: keep the latest that fit
-            trim_states(new.states, self.max_bytes - (new.nbytes - sum(_tensor_bytes(st, set()) for st in new.states.values())))
-            new.count()
+        held = False
         for e in self.entries():
             shared = _common(e.tokens, key)
             if shared == len(e.tokens):  # an earlier turn of this conversation
@@ -150,15 +152,18 @@ class PrefixCache:
                 e.absorb(new)
                 self.used_bytes += e.nbytes
                 self._entries.move_to_end(id(e))
-                new = e
+                new, held = e, True
                 break
-        else:
+        if self.disk is not None:  # its own budget: it may take what memory cannot
+            self.disk.save(new)
+        if not held:
+            if new.nbytes > self.max_bytes and new.recurrent:  # snapshots over the budget: keep the latest that fit
+                trim_states(new.states, self.max_bytes - cache_nbytes(new.cache))
+                new.count()
             if new.nbytes > self.max_bytes:
                 return None
             self._entries[id(new)] = new
             self.used_bytes += new.nbytes
-        if self.disk is not None:
-            self.disk.save(new)
         self._evict()
         return new if id(new) in self._entries else None
 
@@ -195,7 +200,8 @@ class PrefixCache:
         if e is None:
             self.misses += 1
             return None
-        self._entries.move_to_end(id(e))
+        if id(e) in self._entries:  # (one read from the drive that memory cannot hold is used once)
+            self._entries.move_to_end(id(e))
         self.hits += 1
         self.reused_tokens += n
         return e.restore(n), n

@@ -230,6 +230,8 @@ class PromptDisk:
         for p, st in states.items():
             for i, s in zip(rec, st, strict=True):
                 tensors.update(_state_tensors(f"at{p}.{i}", s))
+        if sum(t.numel() * t.element_size() for t in tensors.values()) > self.max_bytes:
+            return  # over the whole budget: not worth a write
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
         meta = {"format": FORMAT, "identity": self.key, "layers": json.dumps(kinds), "positions": json.dumps(sorted(states)),
                 "recurrent": "1" if rec else "0", "checksum": _checksum(tensors)}

@@ -30,8 +30,9 @@ from tests.unit.test_prefix_checkpoint import model as model  # the K3 and qwen3
 IDENTITY = {"family": "test", "manifest": "m1", "chat_template": "t1", "dtype": "float32"}
 
 
-def _engine(model: Model, folder: Path, identity: dict[str, str] = IDENTITY, disk_bytes: int = 1 << 30) -> EngineCore:
-    core = _core(model, snapshot_tokens=8)
+def _engine(model: Model, folder: Path, identity: dict[str, str] = IDENTITY, disk_bytes: int = 1 << 30,
+            memory_bytes: int = 1 << 26) -> EngineCore:
+    core = _core(model, snapshot_tokens=8, cache_bytes=memory_bytes)
     core.prefix.disk = PromptDisk(folder, disk_bytes, identity)
     return core
 
@@ -92,3 +93,14 @@ def test_files_stay_within_the_byte_budget(model: Model, tmp_path: Path) -> None
         small.prefix.disk.flush()
     assert 0 < small.prefix.disk.used_bytes <= int(one * 1.5) and len(small.prefix.disk) == 1
     assert sum(p.stat().st_size for p in (tmp_path / "small").glob(f"*{SUFFIX}")) == small.prefix.disk.used_bytes
+
+
+def test_an_entry_too_big_for_memory_still_goes_to_disk(model: Model, tmp_path: Path) -> None:
+    prompt = [*HISTORY, *TAIL]
+    first = _engine(model, tmp_path, memory_bytes=1)  # the drive's budget is the larger one
+    events1, _ = _run(first, _request(prompt, 0))
+    first.prefix.disk.flush()
+    assert len(first.prefix) == 0 and len(first.prefix.disk) == 1
+    after = _engine(model, tmp_path, memory_bytes=1)
+    events2, fin = _run(after, _request(prompt, 0))
+    assert fin.cached_tokens == len(prompt) - 1 and [e.token_id for e in events2] == [e.token_id for e in events1]
