@@ -3,7 +3,7 @@
 A new prompt reuses the longest run of tokens it shares with an entry, up to its own last
 token (whose logits must be computed). Attention K/V is cut at any position; recurrent state
 (KDA's S and conv windows) cannot be rewound, so it resumes only at the entry's end or at a
-snapshot the prefill kept (`snapshot_at`). Entries are never consumed (a taker gets a copy),
+snapshot the prefill kept (`snapshot`). Entries are never consumed (a taker gets a copy),
 and an entry another one extends is merged into it. Bounded in bytes and entries; LRU.
 """
 
