@@ -297,7 +297,8 @@ class EngineCore:
         self._unreleased += prompt
         if self._unreleased >= RELEASE_AFTER_TOKENS and not self.has_work:  # idle after long prompts
             self._unreleased = 0
-            log.info("memory_released", **release_memory())
+            if got := release_memory():  # {} where the C library has no malloc_trim
+                log.info("memory_released", **got)
         return events
 
     def _advance(self, it: PlanItem, logits: torch.Tensor, out: StepOutput, start: int) -> list[Event]:
