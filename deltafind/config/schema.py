@@ -133,6 +133,39 @@ class CacheSettings(Section):
         "expert comes from memory, but the kernel holds those bytes outside expert_bytes "
         "(measured trade-off: tests/bench/RESULTS.md). Needs a restart.",
     )
+    prompt_bytes: ByteSize = Field(
+        ByteSize("256MiB"),
+        description="Memory for prompt state kept after a request (attention K/V, Kimi K3's KDA "
+        "and conv state), so a later prompt that shares a prefix with it (the next turn, a "
+        "retry, another session on the same system prompt) prefills only the rest. 0 = off.",
+        json_schema_extra=LIVE,
+    )
+    prompt_snapshot_tokens: int = Field(
+        4096,
+        ge=0,
+        description="Kimi K3 (recurrent KDA state, which cannot be rewound): keep its state every "
+        "this many prompt tokens, so an edit mid-history reuses everything before the last "
+        "kept point. Each point costs one state copy (about 465 MB on the released K3, "
+        "bounded by prompt_bytes: the earliest go first) and splits a prefill chunk. 0 = only "
+        "at a chat's history end and the prompt's last tokens.",
+        json_schema_extra=LIVE,
+    )
+    prompt_disk_bytes: ByteSize = Field(
+        ByteSize(0),
+        description="Drive space for prompt state written to prompt_disk_dir, reused across "
+        "daemon restarts and sessions that share a prefix; least recently used files go "
+        "first. Each file is checked on load (model, store, chat template, dtype, checksum) "
+        "and dropped when anything changed. 0 = off (writes go to a drive of your choosing). "
+        "Needs a restart.",
+        examples=[ByteSize("16GiB")],
+    )
+    prompt_disk_dir: Path | None = Field(
+        None,
+        description="Where prompt state files go. Unset = prompt-cache/ inside the store. The "
+        "directory belongs to one store: files of another model or store are deleted. "
+        "Needs a restart.",
+        examples=["/mnt/nvme0/deltafind-prompts"],
+    )
     spine_int8: bool = Field(
         False,
         description="NOT WEIGHT-EXACT, off by default: hold the spine's matrices as row-int8 "

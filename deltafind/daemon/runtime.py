@@ -29,7 +29,6 @@ from deltafind.server import AppState, ReadyEngine, ServerConfig
 from deltafind.server.structured import prepare_vocabulary
 
 log = get_logger(__name__)
-PREFIX_CACHE_BYTES = 256 << 20  # finished conversations' KV kept for exact prefix reuse
 
 
 def read_key_file(path: Path | None) -> list[str]:
@@ -103,6 +102,7 @@ class Runtime:
             context = int(getattr(args, "max_position_embeddings", 0) or 4096)
             self.scheduler = Scheduler(self.model.net, self.model.eos_token_ids, self._limits(s, context),
                                        draft=self.model.draft, draft_policy=self.model.draft_policy)
+            self.scheduler.core.prefix.disk = self._prompt_disk(s)  # before the first request
             notify.status("warming up")
             tok = self.model.tokenizer
             first = (tok.encode("Hi") or [tok.bos_token_id or 0])[:1]
@@ -111,8 +111,10 @@ class Runtime:
                 raise DeltafindError(f"warm-up failed: {fin.error}")
             self.context_length = context
             cluster = self.model.cluster  # expert nodes (deltafind/cluster): /health says degraded while one is down
-            self.state.set_ready(ReadyEngine(self.scheduler, tok, model_name(s), context, store_snapshot=self.store_snapshot,
-                                             nodes=cluster.status if cluster is not None else list))
+            ready = ReadyEngine(self.scheduler, tok, model_name(s), context, store_snapshot=self.store_snapshot,
+                                nodes=cluster.status if cluster is not None else list)
+            self._turns_file(ready, save=False)
+            self.state.set_ready(ready)
             log.info("model_ready", store=str(store_dir(s)), family=self.model.manifest.family,
                      load_s=round(time.monotonic() - t0, 2), context=context)
             notify.ready(f"serving {model_name(s)}")
@@ -144,7 +146,44 @@ class Runtime:
         cap = s.server.max_prefill_tokens  # else prefill chunks are as large as memory allows (engine/prefill.py)
         prefill = replace(self.model.prefill, cap=cap) if self.model is not None else None
         return SchedulerLimits(s.server.max_running, s.server.max_queue, max(cap or max_context, s.server.max_running),
-                               max_context, PREFIX_CACHE_BYTES, prefill)
+                               max_context, int(s.cache.prompt_bytes), prefill, s.cache.prompt_snapshot_tokens)
+
+    def _turns_file(self, ready: Any, save: bool) -> None:
+        """With prompt state on disk, the answers' spellings (server/turns.py) outlive a restart too: without
+        them the next turn's prompt is encoded afresh and no longer matches the state on disk."""
+        disk = self.scheduler.core.prefix.disk if self.scheduler is not None else None
+        if disk is None or ready is None:
+            return
+        path = disk.dir / "turns.safetensors"
+        try:
+            if save:
+                ready.turns.save(path, disk.key)
+            elif path.exists():
+                log.info("prompt_turns_loaded", sequences=ready.turns.load(ready.tokenizer, path, disk.key))
+        except Exception as e:  # a torn file: the next turns are encoded afresh, nothing worse
+            log.warning("prompt_turns_not_carried", file=str(path), error=f"{type(e).__name__}: {e}")
+
+    def _prompt_disk(self, s: Settings) -> Any:
+        """The prompt-state files ([cache] prompt_disk_bytes), keyed by what their state depends on; None when off."""
+        c, model = s.cache, self.model
+        if not c.prompt_disk_bytes or not c.prompt_bytes or model is None:
+            return None
+        import hashlib
+
+        from deltafind.engine.prompt_disk import PromptDisk
+        from deltafind.store.manifest import MANIFEST_NAME
+
+        store, device = store_dir(s), next(model.net.parameters()).device
+        directory = Path(c.prompt_disk_dir).expanduser() if c.prompt_disk_dir else store / "prompt-cache"
+        sha = lambda b: hashlib.sha256(b).hexdigest()  # noqa: E731
+        identity = {"family": model.manifest.family, "manifest": sha((store / MANIFEST_NAME).read_bytes()),
+                    "chat_template": sha(model.tokenizer.chat_template_source.encode()), "dtype": s.device.dtype,
+                    "spine_int8": str(c.spine_int8), "device": device.type, "deltafind": __version__}
+        try:
+            return PromptDisk(directory, int(c.prompt_disk_bytes), identity, device)
+        except OSError as e:
+            log.warning("prompt_disk_off", dir=str(directory), error=str(e), fix="set [cache] prompt_disk_dir to a writable folder")
+            return None
 
     def healthy(self) -> bool:
         return self.scheduler is None or self.scheduler.alive
@@ -285,5 +324,9 @@ class Runtime:
             self.control.stop()
         if self.scheduler is not None:
             self.scheduler.close()
+            disk = self.scheduler.core.prefix.disk
+            if disk is not None and not disk.flush(30):  # prompt state a restart would reuse
+                log.warning("prompt_disk_not_flushed", dir=str(disk.dir))
+            self._turns_file(self.state.engine, save=True)
         if self.model is not None:
             self.model.close()

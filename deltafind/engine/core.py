@@ -21,13 +21,14 @@ import torch
 from deltafind.engine import speculative
 from deltafind.engine.draft.base import Proposal
 from deltafind.engine.draft.policy import PolicyOptions
-from deltafind.engine.prefill import PrefillPlan
-from deltafind.engine.prefix_cache import PrefixCache
+from deltafind.engine.prefill import RELEASE_AFTER_TOKENS, PrefillPlan, release_memory
+from deltafind.engine.prefix_cache import PrefixCache, snapshot, trim_states
 from deltafind.engine.sequence import Event, FinishEvent, GenRequest, Sequence
 from deltafind.engine.stats import EngineStats
 from deltafind.errors import DeltafindError
 from deltafind.log import get_logger
 from deltafind.models.ops.batch import Batch, SequenceCache
+from deltafind.models.ops.kda_layer import KimiDeltaAttention
 
 log = get_logger(__name__)
 Events = list[tuple[int, Event]]  # (seq_id, event) in the order they happened
@@ -41,6 +42,7 @@ class SchedulerLimits:
     max_context: int = 2048
     prefix_cache_bytes: int = 0
     prefill: PrefillPlan | None = None  # a prefill chunk's size from activation memory (None: max_step_tokens only)
+    snapshot_tokens: int = 4096  # recurrent (KDA) state is kept every this many prompt tokens, for prefix reuse
 
 
 @dataclass
@@ -104,6 +106,9 @@ class EngineCore:
         self._vocab = getattr(getattr(net, "lm_head", None), "weight", torch.empty(0, 0)).shape[0] or None
         self._device = _device_of(net)
         self._rotate = 0
+        self._unreleased = 0  # prompt tokens run since the heap was last trimmed
+        # KDA state cannot be rewound: a prefill keeps copies of it where a later prompt may resume
+        self._recurrent = any(isinstance(m, KimiDeltaAttention) for m in getattr(net, "modules", list)())
 
     @property
     def has_work(self) -> bool:
@@ -162,9 +167,7 @@ class EngineCore:
         for s in running:
             if s.pending > 1 and budget > 0:
                 fits = self.limits.prefill.tokens(s.num_computed) if self.limits.prefill is not None else budget
-                n = min(s.pending, budget, fits)
-                if s.num_computed < self._checkpoint(s):  # a chunk ends where the checkpoint is taken
-                    n = min(n, self._checkpoint(s) - s.num_computed)
+                n = min(s.pending, budget, fits, self._next_snapshot(s) - s.num_computed)
                 items.append(PlanItem(s, n, s.num_computed))
                 budget -= n
         for it in items:
@@ -207,19 +210,28 @@ class EngineCore:
             self.running.append(s)
         return ended
 
-    def _checkpoint(self, s: Sequence) -> int:
-        """Where `s` leaves a copy of its cache in the prefix cache (0: nowhere, or the cache is off)."""
-        return s.req.checkpoint if self.prefix.max_bytes > 0 else 0
+    def _next_snapshot(self, s: Sequence) -> int:
+        """The next prompt position where a prefill chunk ends so the recurrent state there is kept.
 
-    def _keep_checkpoint(self, s: Sequence) -> None:
-        """The cache holds exactly the prompt's first `checkpoint` tokens: a copy goes to the prefix cache.
+        Attention K/V is cut anywhere, so only a recurrent cache needs these: every `snapshot_tokens`
+        (an edit mid-history resumes before it), the request's checkpoint (where a chat's history
+        ends), and the prompt's last token (a retry of the same prompt reruns just that one). A
+        snapshot reads no expert; the split chunk is the cost (experts both halves use are read twice)."""
+        end = s.num_prompt
+        if not self._recurrent or self.prefix.max_bytes <= 0:
+            return end
+        every, at = self.limits.snapshot_tokens, s.num_computed
+        marks = [s.req.checkpoint, end - 1, (at // every + 1) * every if every > 0 else end]
+        return min([p for p in marks if at < p < end] or [end])
 
-        Attention K/V up to there and KDA's recurrent and conv state as of that token; the
-        copy reads no expert (the split chunk is the only cost: experts both halves use are
-        read once per half)."""
-        n = self._checkpoint(s)
-        if n and s.num_computed == n and s.cached_tokens < n:  # bounded by put, like any entry
-            self.prefix.put(s.tokens[:n], s.cache.copy())
+    def _keep_snapshot(self, s: Sequence) -> None:
+        """At a mark of `_next_snapshot`, or the prompt's end (a next turn may diverge right after it), keep
+        the recurrent state; it is bounded with the prefix-cache entry the sequence leaves at its end."""
+        at, every = s.num_computed, self.limits.snapshot_tokens
+        marked = at in (s.req.checkpoint, s.num_prompt - 1, s.num_prompt) or (every > 0 and at % every == 0)
+        if self._recurrent and self.prefix.max_bytes > 0 and s.cached_tokens < at <= s.num_prompt and marked:
+            s.states[at] = snapshot(s.cache)
+            trim_states(s.states, self.prefix.state_budget())  # never more than the caches they go to could hold
 
     def _start_draft(self, s: Sequence, reused: bool) -> None:
         if self.draft is None or not self.draft_enabled:
@@ -282,6 +294,11 @@ class EngineCore:
             if s.finished is not None:
                 self.running.remove(s)
                 events.append(self._finish(s, s.finished, s.error))
+        self._unreleased += prompt
+        if self._unreleased >= RELEASE_AFTER_TOKENS and not self.has_work:  # idle after long prompts
+            self._unreleased = 0
+            if got := release_memory():  # {} where the C library has no malloc_trim
+                log.info("memory_released", **got)
         return events
 
     def _advance(self, it: PlanItem, logits: torch.Tensor, out: StepOutput, start: int) -> list[Event]:
@@ -289,7 +306,7 @@ class EngineCore:
         if it.proposal is not None:
             return self._verify(it, logits, out, start)
         s.num_computed += it.num_tokens
-        self._keep_checkpoint(s)
+        self._keep_snapshot(s)
         flat = slice(start, start + it.num_tokens)
         it.emitted = 0
         if s.pending == 0:  # the chunk reached the end: this step's logits pick the next token
@@ -348,12 +365,10 @@ class EngineCore:
         return [self._finish(it.seq, "error", f"the engine failed on this step: {type(e).__name__}: {e}") for it in plan.items]
 
     def _finish(self, s: Sequence, reason: str, error: str | None = None) -> tuple[int, FinishEvent]:
-        if reason != "error" and s.cache is not None and s.num_computed and not self._checkpoint(s):
-            # the cache holds exactly the tokens run so far: a later prompt may extend them (with a
-            # checkpoint none will: the next turn leaves this prompt where the checkpoint is, and this
-            # entry would only push the checkpoint out)
-            self.prefix.put(s.tokens[: s.num_computed], s.cache)
-        s.cache = None
+        if reason != "error" and s.cache is not None and s.num_computed:
+            # the cache holds exactly the tokens run so far, with the snapshots kept on the way
+            self.prefix.put(s.tokens[: s.num_computed], s.cache, s.states)
+        s.cache, s.states = None, {}
         if s.drafter is not None:
             s.drafter.close()
             s.drafter = None

@@ -7,18 +7,24 @@ a dozen hidden-width rows a token, one partial output per chosen expert, one exp
 rows, and attention scores against the context so far. `PrefillPlan` holds those costs (from the
 model's config) and the budget (memory free at load, less what the caches may still take, halved
 for allocator slack); `tokens(cached)` is the chunk for a sequence with `cached` tokens computed.
-Token counts and bytes only: no tensors, no store.
+Token counts and bytes only: no tensors, no store. `release_memory` hands what a long prefill's
+activations left in the C heap back to the OS once the engine is idle.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import os
+import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+RELEASE_AFTER_TOKENS = 2048  # prompt tokens run since the last release that make the next idle moment release
 ROWS_PER_TOKEN = 12  # hidden-width rows alive at once per token: residual, norms, q/k/v/o, mixture, outputs
 SAFETY = 0.5  # of the memory free at load: allocator slack, transients the estimate leaves out
 
@@ -75,3 +81,35 @@ def free_bytes(device: torch.device) -> int:
 def activation_budget(device: torch.device, reserved_bytes: int) -> int:
     """What a step may use for activations: free memory less `reserved_bytes` (caches still to fill), times SAFETY."""
     return int(SAFETY * max(free_bytes(device) - reserved_bytes, 0))
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (0 where /proc is absent)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def release_memory() -> dict[str, float]:
+    """Return the C heap's free pages to the OS: glibc keeps freed memory in its arenas (one per
+    thread that allocated), so after a long prefill's activations are freed the RSS stays at its
+    peak until something calls malloc_trim. Costs a walk of the heap (milliseconds); glibc only."""
+    if _LIBC is None or not hasattr(_LIBC, "malloc_trim"):
+        return {}
+    t0, before = time.perf_counter(), rss_bytes()
+    _LIBC.malloc_trim(0)
+    return {"rss_before": before, "rss_after": rss_bytes(), "seconds": round(time.perf_counter() - t0, 4)}

@@ -137,6 +137,7 @@ class Sequence:
         self.num_computed = 0  # tokens already fed to the model (the cache holds them)
         self.cached_tokens = 0
         self.cache: SequenceCache | None = None
+        self.states: dict[int, list[Any]] = {}  # prompt position -> recurrent state snapshot (engine/prefix_cache)
         self.generator = make_generator(req.params)  # the sampler's and the verifier's draws
         self.sample = make_sampler(req.params, self.generator)
         self.drafter: Any = None  # engine/speculative.Drafter while this sequence drafts

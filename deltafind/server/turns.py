@@ -7,17 +7,23 @@ sequence the engine's prefix cache holds and misses it for the whole history.
 `TurnMemory` remembers each finished sequence (prompt + generated ids) with its
 text; a new prompt whose text starts with one of them, at a token boundary, is
 rewritten to begin with those exact ids. The text the model sees is unchanged
-(checked), only its spelling. Bounded in entries and tokens; thread-safe.
+(checked), only its spelling. Bounded in entries and tokens; thread-safe. `save`/`load` carry it
+over a daemon restart, so the prompt state on disk still matches the next turn's prompt.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 MAX_ENTRIES = 64
 MAX_TOKENS = 4 << 20  # ids kept in all (int32: 16 MiB)
@@ -57,6 +63,24 @@ class TurnMemory:
             while len(self._entries) > self.max_entries or self._tokens > self.max_tokens:
                 _, (gone, _) = self._entries.popitem(last=False)
                 self._tokens -= len(gone)
+
+    def save(self, path: Path, key: str) -> None:
+        """Write the remembered sequences to `path` (atomically), marked with `key` (what their ids mean)."""
+        with self._lock:
+            arrs = [arr for arr, _ in self._entries.values()]
+        tmp = Path(f"{path}.tmp{os.getpid()}")
+        save_file({f"seq{i:05d}": torch.from_numpy(a.copy()) for i, a in enumerate(arrs)}, str(tmp), metadata={"key": key})
+        os.replace(tmp, path)
+
+    def load(self, tokenizer: Any, path: Path, key: str) -> int:
+        """Remember the sequences `save` wrote, if written with the same `key`; how many."""
+        with safe_open(str(path), framework="pt") as f:
+            if (f.metadata() or {}).get("key") != key:
+                return 0
+            seqs = [f.get_tensor(name).tolist() for name in sorted(f.keys())]
+        for ids in seqs:
+            self.remember(tokenizer, ids)
+        return len(seqs)
 
     def splice(self, tokenizer: Any, prompt_ids: Sequence[int]) -> list[int]:
         """`prompt_ids`, or the same text starting with the ids of the longest remembered sequence it repeats."""

@@ -14,6 +14,12 @@ prefilled == new + answer + tail.
 
     python tests/bench/bench_agent_turns.py [--store ~/.cache/deltafind/demo] [--no-thinking] [--max-tokens N]
     python tests/bench/bench_agent_turns.py --store K3_STORE --split-cost   # expert reads a checkpoint's split costs
+    python tests/bench/bench_agent_turns.py --store K3_STORE --no-thinking --tool-choice auto --retry-at 3 --restart-at 5
+
+--retry-at N sends turn N twice (a client that timed out and retried; the retry is a turn of its own);
+--restart-at N restarts the daemon before turn N, with [cache] prompt_disk_bytes on, so that turn's
+prefix can only come from the files the first daemon wrote. The last line is one JSON object: the
+share of turn 2..N prompt tokens served from the cache (goal >= 0.95) and the restart turn's cached tokens.
 
 A synthetic K3 store (`deltafind setup --synthetic kimi_k3`) has random weights: it never closes its think
 channel by itself, so replay it with --no-thinking (the call then starts at once, forced by the grammar).
@@ -23,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import openai
@@ -78,12 +86,18 @@ def main() -> None:
     ap.add_argument("--tool-choice", default="required", choices=["required", "auto"],
                     help="turns 1-5 (turn 6 is none); K3 renders required/none as a system message after the history")
     ap.add_argument("--split-cost", action="store_true", help="only the expert reads a checkpoint's split chunk costs (K3)")
+    ap.add_argument("--retry-at", type=int, default=0, help="send this turn twice (0: none)")
+    ap.add_argument("--restart-at", type=int, default=0, help="restart the daemon before this turn, prompt state on disk (0: none)")
     args = ap.parse_args()
     if args.split_cost:
         split_cost(args.store)
         return
     extra = {"extra_body": {"chat_template_kwargs": {"thinking": False}}} if args.no_thinking else {}
-    d = Daemon(args.store, "[server]\nmax_running = 1\n").start()
+    folder = Path(tempfile.mkdtemp(prefix="dfd-prompts-"))
+    config = f'[server]\nmax_running = 1\n[cache]\nprompt_disk_bytes = "4GiB"\nprompt_disk_dir = "{folder}"\n'
+    d = Daemon(args.store, config if args.restart_at else "[server]\nmax_running = 1\n").start()
+    rows: list[tuple[int, int, int]] = []  # (turn, prompt, cached)
+    restart_cached = None
     try:
         c = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=600)
         msgs: list[dict] = [{"role": "system", "content": "You are a coding agent. Use the tools."}]
@@ -96,7 +110,17 @@ def main() -> None:
             choice = args.tool_choice if turn < len(SCRIPT) else "none"
             req = dict(model="test-model", messages=msgs, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
                        temperature=0, max_tokens=args.max_tokens)
-            r = c.chat.completions.create(**req, **extra)
+            if turn == args.restart_at:
+                d.stop()
+                d.cleanup()
+                d = Daemon(args.store, config).start()
+                c = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=600)
+            for _ in range(2 if turn == args.retry_at else 1):
+                r = c.chat.completions.create(**req, **extra)
+                got = r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else 0
+                rows.append((turn, r.usage.prompt_tokens, got))
+            if turn == args.restart_at:
+                restart_cached = got
             body = ChatRequest(**req, **extra.get("extra_body", {}))
             history_end = plan_chat(tok, body, chat_messages(body)).history_end  # 0: nothing follows the history
             u, m = r.usage, r.choices[0].message
@@ -111,9 +135,15 @@ def main() -> None:
             msgs.append(m.model_dump(exclude_none=True))
             for call in m.tool_calls or []:
                 msgs.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(RESULTS[call.function.name])})
+        later = [(p, k) for t, p, k in rows if t > 1]
+        print(json.dumps({"turns": len(SCRIPT), "requests": len(rows), "retry_at": args.retry_at or None,
+                          "restart_at": args.restart_at or None, "restart_turn_prompt": next((p for t, p, _ in rows if t == args.restart_at), None),
+                          "restart_turn_cached": restart_cached,
+                          "cached_share_turns_2_on": round(sum(k for _, k in later) / max(sum(p for p, _ in later), 1), 4)}))
     finally:
         d.stop()
         d.cleanup()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -60,3 +60,28 @@ def test_required_turns_resume_where_the_history_ended(k3_daemon: Daemon, k3_sto
         prev = plan.history_end
         m = r.choices[0].message
         msgs += [{"role": "assistant", "content": m.content or ""}, {"role": "user", "content": f"Go on ({turn})."}]
+
+
+def test_a_restart_reuses_the_prompt_from_disk(k3_store: Path, tmp_path: Path) -> None:
+    """[cache] prompt_disk_bytes: the same long prompt after a daemon restart is served from the file the
+    first daemon wrote (KDA and MLA state), with the tokens the first daemon gave."""
+    folder = tmp_path / "prompts"
+    config = f'[server]\nmax_running = 1\n[cache]\nprompt_disk_bytes = "64MiB"\nprompt_disk_dir = "{folder}"\n'
+    system = "You are a coding agent. " + " ".join(f"Rule {i}: keep file {i} tidy." for i in range(40))
+    req = dict(model="test-model", temperature=0, max_tokens=8, extra_body={"chat_template_kwargs": {"thinking": False}},
+               messages=[{"role": "system", "content": system}, {"role": "user", "content": "Why does test_parse fail?"}])
+    runs = []
+    for _ in range(2):
+        d = Daemon(k3_store, config).start()
+        try:
+            r = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=600).chat.completions.create(**req)
+            runs.append((r, d.log_text(full=True)))
+        finally:
+            assert d.stop() == 0  # a clean stop writes what is still queued
+            d.cleanup()
+    (first, _), (second, log) = runs
+    assert first.usage.prompt_tokens > 300
+    assert first.usage.prompt_tokens_details is None or not first.usage.prompt_tokens_details.cached_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1  # all but the last token
+    assert second.choices[0].message.content == first.choices[0].message.content
+    assert "prompt_disk_loaded" in log and "prompt_disk_dropped" not in log

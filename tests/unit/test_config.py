@@ -274,7 +274,8 @@ def test_bad_byte_size_message_is_exact(tmp_path: Path) -> None:
             '[cache]\nexpert_byte = "1GiB"\n',
             [
                 "cache.expert_byte: unknown key; valid keys in [cache]: "
-                "expert_bytes, pin_bytes, spine_bytes, heat_decay, heat_save_s, read_mode, spine_int8 (got '1GiB')"
+                "expert_bytes, pin_bytes, spine_bytes, heat_decay, heat_save_s, read_mode, prompt_bytes, "
+                "prompt_snapshot_tokens, prompt_disk_bytes, prompt_disk_dir, spine_int8 (got '1GiB')"
             ],
         ),
         (

@@ -1,4 +1,4 @@
-"""Prefix-cache checkpoints where a chat's history ends (issue 13.4).
+"""Prefix-cache checkpoints where a chat's history ends, retries, edits and respelled answers.
 
 K3 renders tool_choice / response_format as a system message after the history, so the
 next turn's prompt leaves the cached prompt + answer right where the history ended; KDA
@@ -13,6 +13,7 @@ one is kept, the finished sequence is not (no next turn extends it; it would pus
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ import torch
 from deltafind import Model
 from deltafind.engine.core import EngineCore, SchedulerLimits
 from deltafind.engine.generate import forward_step
+from deltafind.engine.prefix_cache import cache_nbytes
 from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.sequence import FinishEvent, GenRequest, TokenEvent
 from deltafind.errors import RequestError
@@ -84,9 +86,38 @@ def _reference(net: torch.nn.Module, chunks: list[list[int]]) -> list[TokenEvent
     return out
 
 
+def _chunks(prompt: list[int], cuts: set[int]) -> list[list[int]]:
+    """`prompt` cut at these positions: the prefill chunks a run straight on the model uses."""
+    at = sorted({c for c in cuts if 0 < c < len(prompt)} | {0, len(prompt)})
+    return [prompt[a:b] for a, b in itertools.pairwise(at)]
+
+
+def _cuts(model: Model, prompt: list[int], checkpoint: int, cached: int = 0) -> set[int]:
+    """Where the engine ends a prefill chunk: where the reuse stops, and for recurrent (KDA) state also
+    where it keeps a snapshot (the checkpoint and the last prompt token; SNAPSHOT_EVERY is past these prompts)."""
+    return {cached, checkpoint, len(prompt) - 1} if _recurrent(model) else {cached}
+
+
+def _recurrent(model: Model) -> bool:
+    return model.manifest.family == "kimi_k3"
+
+
+def _core(model: Model, snapshot_tokens: int = 4096, cache_bytes: int = 1 << 26) -> EngineCore:
+    return EngineCore(model.net, model.eos_token_ids, SchedulerLimits(max_step_tokens=1 << 20, prefix_cache_bytes=cache_bytes,
+                                                                      snapshot_tokens=snapshot_tokens))
+
+
+def _same_tokens_as_cold(net: torch.nn.Module, prompt: list[int], events: list[TokenEvent]) -> None:
+    """A cached continuation gives the tokens a cold prefill in one chunk gives (other rounding: logprobs close)."""
+    cold = _reference(net, [prompt])
+    assert [e.token_id for e in events] == [e.token_id for e in cold]
+    torch.testing.assert_close(torch.tensor([e.logprob for e in events]), torch.tensor([e.logprob for e in cold]),
+                               atol=1e-4, rtol=0)
+
+
 def test_next_turn_resumes_at_the_checkpoint_bit_for_bit(model: Model) -> None:
     net, reads = model.net, model.experts.stats
-    core = EngineCore(net, model.eos_token_ids, SchedulerLimits(max_step_tokens=1 << 20, prefix_cache_bytes=1 << 26))
+    core = _core(model)
     h1 = len(HISTORY)
     turn1 = [*HISTORY, *TAIL]
     r0 = reads.requested
@@ -94,8 +125,8 @@ def test_next_turn_resumes_at_the_checkpoint_bit_for_bit(model: Model) -> None:
     with_checkpoint = reads.requested - r0
     assert fin1.cached_tokens == 0
     r0 = reads.requested
-    assert _reference(net, [HISTORY, TAIL]) == events1  # the split chunk, and nothing else, changed the prefill
-    # The copy reads no expert: the turn costs what its two chunks cost run straight on the model.
+    assert _reference(net, _chunks(turn1, _cuts(model, turn1, h1))) == events1  # the split chunks, and nothing else, changed the prefill
+    # The snapshots read no expert: the turn costs what its chunks cost run straight on the model.
     assert with_checkpoint == reads.requested - r0
     answer = [e.token_id for e in events1]
 
@@ -105,11 +136,8 @@ def test_next_turn_resumes_at_the_checkpoint_bit_for_bit(model: Model) -> None:
     turn2 = [*HISTORY, *answer, *NEW, *TAIL]
     events2, fin2 = _run(core, _request(turn2, h2))
     assert fin2.cached_tokens == h1
-    assert events2 == _reference(net, [HISTORY, turn2[h1:h2], TAIL])
-    cold = _reference(net, [turn2])  # one chunk: other rounding, same greedy tokens
-    assert [e.token_id for e in events2] == [e.token_id for e in cold]
-    torch.testing.assert_close(torch.tensor([e.logprob for e in events2]), torch.tensor([e.logprob for e in cold]),
-                               atol=1e-4, rtol=0)
+    assert events2 == _reference(net, _chunks(turn2, _cuts(model, turn2, h2, h1)))
+    _same_tokens_as_cold(net, turn2, events2)
 
     # Turn 3 resumes at turn 2's checkpoint.
     turn3 = [*turn2[:h2], *[e.token_id for e in events2], 9, 9, *TAIL]
@@ -117,22 +145,74 @@ def test_next_turn_resumes_at_the_checkpoint_bit_for_bit(model: Model) -> None:
     assert fin3.cached_tokens == h2
 
 
-def test_checkpoints_are_bounded_and_off_without_a_prefix_cache(model: Model) -> None:
+def test_a_retry_reuses_all_but_its_last_token_and_the_next_turn_still_finds_the_checkpoint(model: Model) -> None:
+    core = _core(model)
+    h1, turn1 = len(HISTORY), [*HISTORY, *TAIL]
+    events1, _ = _run(core, _request(turn1, h1))
+    retry, fin = _run(core, _request(turn1, h1))  # the client timed out and sent it again
+    assert fin.cached_tokens == len(turn1) - 1  # only the last token runs: its logits pick the first token
+    assert [e.token_id for e in retry] == [e.token_id for e in events1]
+    _same_tokens_as_cold(model.net, turn1, retry)
+    again, fin = _run(core, _request(turn1, h1))
+    assert fin.cached_tokens == len(turn1) - 1 and again == retry  # nothing was used up
+    answer = [e.token_id for e in events1]
+    turn2 = [*HISTORY, *answer, *NEW, *TAIL]
+    events2, fin2 = _run(core, _request(turn2, h1 + len(answer) + len(NEW)))
+    assert fin2.cached_tokens == h1  # the retries left the history's checkpoint in place
+    _same_tokens_as_cold(model.net, turn2, events2)
+
+
+def test_an_edit_mid_history_reuses_what_comes_before_it(model: Model) -> None:
+    every = 8  # a snapshot of recurrent state every 8 prompt tokens
+    core = _core(model, snapshot_tokens=every)
     turn1 = [*HISTORY, *TAIL]
-    off = EngineCore(model.net, model.eos_token_ids, SchedulerLimits(prefix_cache_bytes=0))
+    _run(core, _request(turn1, 0))
+    edit = 13  # a header block that changes per request, at position 13
+    edited = [*turn1[:edit], 250, *turn1[edit + 1 :]]
+    events, fin = _run(core, _request(edited, 0))
+    # attention K/V is cut at the edit; KDA state resumes at the last snapshot before it
+    assert fin.cached_tokens == (edit // every * every if _recurrent(model) else edit)
+    _same_tokens_as_cold(model.net, edited, events)
+
+
+def test_a_next_turn_that_respells_the_answer_resumes_at_the_prompts_end(model: Model) -> None:
+    core = _core(model)
+    turn1 = [*HISTORY, *TAIL]
+    events1, _ = _run(core, _request(turn1, 0))
+    other = [(e.token_id + 1) % 240 + 3 for e in events1]  # the template renders the answer in other tokens
+    turn2 = [*turn1, *other, *NEW]
+    events2, fin = _run(core, _request(turn2, 0))
+    assert fin.cached_tokens == len(turn1)
+    _same_tokens_as_cold(model.net, turn2, events2)
+    # the answer as generated is reused whole (all but its last token, which was sampled, never run)
+    turn3 = [*turn2, *[e.token_id for e in events2], *NEW]
+    events3, fin = _run(core, _request(turn3, 0))
+    assert fin.cached_tokens == len(turn2) + MAX_NEW - 1
+    _same_tokens_as_cold(model.net, turn3, events3)
+
+
+def test_snapshots_are_bounded_and_off_without_a_prefix_cache(model: Model) -> None:
+    turn1 = [*HISTORY, *TAIL]
+    off = _core(model, cache_bytes=0)
     steps: list[int] = []
     execute = off.execute
     off.execute = lambda plan: (steps.append(plan.items[0].num_tokens), execute(plan))[1]  # type: ignore[method-assign]
     _run(off, _request(turn1, len(HISTORY)))
     assert steps[0] == len(turn1)  # no cache to keep it in: the prompt is not split
-    core = EngineCore(model.net, model.eos_token_ids, SchedulerLimits(prefix_cache_bytes=1 << 26))
+    core = _core(model)
     _run(core, _request(turn1, len(HISTORY)))
-    # the checkpoint alone: the finished sequence (prompt + answer) is no prefix of a next turn
-    sizes = {len(k): n for k, (_, n) in core.prefix._entries.items()}
-    assert list(sizes) == [len(HISTORY)]
-    tight = EngineCore(model.net, model.eos_token_ids, SchedulerLimits(prefix_cache_bytes=sizes[len(HISTORY)] - 1))
+    # one entry: prompt + answer, with the recurrent state at the checkpoint, the last prompt token and the prompt's end
+    [entry] = core.prefix.entries()
+    assert len(entry.tokens) == len(turn1) + MAX_NEW - 1
+    assert sorted(entry.states) == ([len(HISTORY), len(turn1) - 1, len(turn1)] if _recurrent(model) else [])
+    tight = _core(model, cache_bytes=entry.nbytes - 1)
     _run(tight, _request(turn1, len(HISTORY)))
-    assert tight.prefix.used_bytes == 0 and len(tight.prefix) == 0  # over the budget: not kept
+    if _recurrent(model):  # over the budget: the earliest snapshot goes, the entry stays
+        [kept] = tight.prefix.entries()
+        assert sorted(kept.states) == [len(turn1) - 1, len(turn1)] and tight.prefix.used_bytes <= entry.nbytes - 1
+        tight = _core(model, cache_bytes=cache_nbytes(kept.cache) - 1)
+        _run(tight, _request(turn1, len(HISTORY)))
+    assert tight.prefix.used_bytes == 0 and len(tight.prefix) == 0  # the cache alone over the budget: not kept
 
 
 def test_a_checkpoint_outside_the_prompt_is_refused() -> None:

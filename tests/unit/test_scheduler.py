@@ -154,18 +154,24 @@ def test_penalties_and_logprobs() -> None:
         sched.close()
 
 
-def test_prefix_cache_takes_the_longest_exact_prefix_within_budget() -> None:
+def test_prefix_cache_takes_the_longest_shared_prefix_and_keeps_it() -> None:
     pc = PrefixCache(max_bytes=10_000)
     for toks in ([1, 2], [1, 2, 3]):
         c = SequenceCache(1)
-        c.layers[0].append(torch.zeros(len(toks), 4))
+        c.layers[0].append(torch.arange(len(toks) * 4.0).view(len(toks), 4))
         c.length = len(toks)
         pc.put(toks, c)
-    assert pc.take([1, 2, 3]) is not None  # [1, 2] (a proper prefix)
-    assert pc.take([1, 2, 3]) is None
+    assert len(pc) == 1  # [1, 2] is a prefix of [1, 2, 3]: merged into it
+    for _ in range(2):  # a retry of the same prompt: all but its last token, every time (nothing consumed)
+        got = pc.take([1, 2, 3])
+        assert got is not None and got[1] == 2 and got[0].length == 2
+        assert torch.equal(got[0].layers[0].view()[0], torch.arange(8.0).view(2, 4))
     got = pc.take([1, 2, 3, 4])
     assert got is not None and got[1] == 3
-    assert pc.used_bytes == 0 and len(pc) == 0
+    got[0].layers[0].view()[0].fill_(-1)  # the taker's copy is its own
+    assert pc.take([1, 7])[1] == 1 and pc.take([9, 1]) is None  # an edit keeps what comes before it
+    assert torch.equal(pc.take([1, 2, 3, 4])[0].layers[0].view()[0], torch.arange(12.0).view(3, 4))
+    assert len(pc) == 1 and 0 < pc.used_bytes <= pc.max_bytes
 
 
 @pytest.fixture(scope="module")

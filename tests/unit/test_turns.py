@@ -78,3 +78,17 @@ def test_bounded_in_entries_and_tokens(tok: Tokenizer) -> None:
     assert len(mem) == 1  # 120 tokens would pass the budget: the oldest went
     mem.remember(tok, list(range(101)))  # longer than the whole budget: never kept
     assert len(mem) == 1
+
+
+def test_the_spellings_outlive_a_restart_under_the_same_key_only(tok: Tokenizer, tmp_path: Path) -> None:
+    mem = TurnMemory()
+    prompt1 = tok.apply_chat_template(history(tok))
+    answer = odd_spelling(tok, CALL) + tok.encode("<|im_end|>", allow_special=True)
+    mem.remember(tok, prompt1 + answer)
+    mem.save(tmp_path / "turns.safetensors", "key1")
+    prompt2 = tok.apply_chat_template(history(tok, CALL))
+    after = TurnMemory()  # a restarted daemon
+    assert after.load(tok, tmp_path / "turns.safetensors", "key1") == 1
+    assert after.splice(tok, prompt2)[: len(prompt1 + answer)] == prompt1 + answer
+    other = TurnMemory()  # another tokenizer or template: the ids mean something else
+    assert other.load(tok, tmp_path / "turns.safetensors", "key2") == 0 and len(other) == 0

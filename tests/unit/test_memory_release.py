@@ -1,0 +1,53 @@
+"""Memory that returns: what a long prefill freed goes back to the OS once the engine is idle.
+
+glibc keeps freed heap memory in the arena of the thread that allocated it (the engine
+thread), so without a trim the worker's RSS stays at its peak after long prompts are done.
+Checked against the real allocator (Linux/glibc only), then that the engine trims once idle
+after long prompts, not after short ones.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from deltafind import Model
+from deltafind.engine.core import EngineCore, SchedulerLimits
+from deltafind.engine.prefill import RELEASE_AFTER_TOKENS, release_memory, rss_bytes
+from tests.unit.test_prefix_checkpoint import _request, _run
+from tests.unit.test_prefix_checkpoint import model as model  # the K3 and qwen3_moe stores
+
+MiB = 1 << 20
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim, /proc RSS")
+
+
+def test_freed_heap_memory_goes_back_to_the_os() -> None:
+    def activations() -> torch.Tensor:  # what a prefill chunk leaves: many mid-size blocks, freed, one kept
+        big = torch.empty(4 * MiB, dtype=torch.uint8)
+        del big  # freed first: glibc's mmap threshold rises past the rows' size, so they come from the heap
+        rows = [torch.ones(900 * 1024, dtype=torch.uint8) for _ in range(400)]
+        kept = torch.ones(1000, dtype=torch.uint8)  # above them in the heap: the top cannot shrink
+        del rows
+        return kept
+
+    before, box = rss_bytes(), []
+    t = threading.Thread(target=lambda: box.append(activations()))
+    t.start()
+    t.join()
+    held = rss_bytes()
+    assert held - before > 200 * MiB  # the allocator kept what was freed
+    got = release_memory()
+    assert got["rss_before"] >= held - 16 * MiB and got["rss_after"] - before < 64 * MiB
+
+
+def test_the_engine_releases_once_idle_after_long_prompts(model: Model) -> None:
+    core = EngineCore(model.net, model.eos_token_ids, SchedulerLimits(max_step_tokens=1 << 20, max_context=1 << 14))
+    with capture_logs() as logs:
+        _run(core, _request([(i * 7) % 230 + 3 for i in range(RELEASE_AFTER_TOKENS)], 0))
+        _run(core, _request([5, 6, 7], 0))  # short: no trim
+    released = [e for e in logs if e["event"] == "memory_released"]
+    assert len(released) == 1 and released[0]["rss_after"] <= released[0]["rss_before"]
