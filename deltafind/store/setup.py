@@ -197,8 +197,26 @@ def setup_store(
 
     manifest = finish_store(store_dir, source, journal, records, store_id=store_id, drives=drive_strs, dense_slices=dense_slices,
                             source=params, spine_sha256=spine_sha, placement="stripe" if any(r.stripes for r in records) else "whole")
+    check_written(store_dir)
     source.end_import()
     return manifest
+
+
+def check_written(store_dir: Path) -> None:
+    """Open what setup wrote before calling it ready: the manifest loads, and every layer its config counts
+    has tensors in the spine or expert records. A store that fails loses its manifest (so nothing opens it)."""
+    from safetensors import safe_open
+
+    manifest = Manifest.load(store_dir)
+    with safe_open(str(store_dir / SPINE_NAME), "pt") as f:
+        names = list(f.keys())
+    present = {r.layer for r in manifest.experts} | {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")}
+    layers = int(manifest.model_config.get("num_hidden_layers") or 0)
+    missing = [i for i in range(layers) if i not in present]
+    if missing:
+        (store_dir / MANIFEST_NAME).unlink()
+        raise StoreError(f"{store_dir}: the import wrote no tensors for layers {missing[:8]} of the {layers} its config counts; "
+                         "the checkpoint is incomplete (a missing shard?): fix it and run setup again")
 
 
 def drive_folders(store_dir: Path, drives: list[Path] | None) -> tuple[list[Path], list[str]]:
