@@ -157,14 +157,14 @@ class GGUFSource(Source):
             return
         kinds = sorted({k for _, k, _, _ in self._wide})
         stored, wide = sum(s for *_, s, _ in self._wide), sum(w for *_, w in self._wide)
-        cost = f"{wide / 2**20:.1f} MiB as float32 instead of {stored / 2**20:.1f} MiB as stored ({wide / max(stored, 1):.1f}x)"
+        cost = f"{wide:,} bytes as float32 instead of {stored:,} as stored ({wide / max(stored, 1):.1f}x)"
         if self.widen:
             log.warning("gguf_widened", kinds=kinds, tensors=len({n for n, *_ in self._wide}), stored_bytes=stored, widened_bytes=wide)
             return
         name, kind = self._wide[0][:2]
         raise UnsupportedModelError(
             f"{self.path}: tensor {name} is {kind}, a block type deltafind has no kernel for (kept as stored: "
-            f"{', '.join([*_FLOATS, *BLOCKS])}; this file also has {', '.join(kinds)}); `deltafind setup --widen-unsupported` "
+            f"{', '.join([*_FLOATS, *BLOCKS])}; without a kernel in this file: {', '.join(kinds)}); `deltafind setup --widen-unsupported` "
             f"imports such tensors as float32: {cost}")
 
     def _add(self, hf: str, t: Any, expert: int | None) -> None:

@@ -58,6 +58,14 @@ def test_a_missing_shard_is_refused_naming_it(llama_files, tmp_path: Path) -> No
     assert not (tmp_path / "s" / MANIFEST_NAME).exists()
 
 
+def test_a_store_missing_layers_is_not_reported_ready(tmp_path: Path) -> None:
+    b = make_llama(1)
+    b.tensors = [t for t in b.tensors if not t[0].startswith("blk.2.")]  # block_count still says 3
+    with pytest.raises(StoreError, match=r"no tensors for layers \[2\] of the 3"):
+        setup_store(b.write(tmp_path / "m.gguf")[0], tmp_path / "s", progress=False)
+    assert not (tmp_path / "s" / MANIFEST_NAME).exists()
+
+
 def test_a_shard_of_another_split_is_refused(llama_files, tmp_path: Path) -> None:
     _, shards = llama_files
     other = make_llama(2)
@@ -134,7 +142,7 @@ def test_a_type_without_kernel_is_refused_unless_widened(tmp_path: Path) -> None
     b.tensors = [(n, a, r) for n, a, r in b.tensors if n != "blk.1.ffn_up.weight"]
     b.weight("blk.1.ffn_up.weight", (512, 256), "Q2_K")
     path = b.write(tmp_path / "m.gguf")[0]
-    with pytest.raises(UnsupportedModelError, match=r"blk\.1\.ffn_up\.weight is Q2_K.*--widen-unsupported.*MiB as float32 instead of"):
+    with pytest.raises(UnsupportedModelError, match=r"blk\.1\.ffn_up\.weight is Q2_K.*--widen-unsupported.*bytes as float32 instead of 43,008 as stored"):
         open_source(path)
     wide = open_source(path, widen=True)
     assert wide.tensors["model.layers.1.mlp.up_proj.weight"].dtype == torch.float32
