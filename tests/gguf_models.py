@@ -16,7 +16,7 @@ import numpy as np
 Q = gguf.GGMLQuantizationType
 # (offset, count) of each block's f16 scale fields, which must be finite and small
 _F16_FIELDS = {"Q4_K": [(0, 2)], "Q5_K": [(0, 2)], "Q6_K": [(208, 1)], "Q8_0": [(0, 1)], "Q2_K": [(80, 2)], "Q3_K": [(108, 1)],
-               "IQ4_NL": [(0, 1)], "IQ4_XS": [(0, 1)], "Q4_0": [(0, 1)], "Q5_0": [(0, 1)]}
+               "IQ4_NL": [(0, 1)], "IQ4_XS": [(0, 1)], "Q4_0": [(0, 1)], "Q5_0": [(0, 1)], "IQ2_XXS": [(0, 1)]}
 H, HEADS, KV_HEADS, HEAD_DIM, FF, VOCAB = 256, 4, 2, 64, 512, 320
 EXPERTS, TOP_K, EXPERT_FF, LAYERS = 8, 2, 256, 3
 
@@ -112,28 +112,29 @@ def _globals(b: Builder) -> None:
     b.weight("output.weight", (VOCAB, H), "Q6_K")
 
 
-def _gqa(b: Builder, i: int, qk_norm: bool) -> None:
+def _gqa(b: Builder, i: int, qk_norm: bool, o_kind: str = "Q5_K") -> None:
     b.norm(f"blk.{i}.attn_norm.weight", H)
     b.norm(f"blk.{i}.ffn_norm.weight", H)
     b.weight(f"blk.{i}.attn_q.weight", (HEADS * HEAD_DIM, H), "Q4_K")
     b.weight(f"blk.{i}.attn_k.weight", (KV_HEADS * HEAD_DIM, H), "Q4_K")
     b.weight(f"blk.{i}.attn_v.weight", (KV_HEADS * HEAD_DIM, H), "Q6_K")
-    b.weight(f"blk.{i}.attn_output.weight", (H, HEADS * HEAD_DIM), "Q5_K")
+    b.weight(f"blk.{i}.attn_output.weight", (H, HEADS * HEAD_DIM), o_kind)
     if qk_norm:
         b.norm(f"blk.{i}.attn_q_norm.weight", HEAD_DIM)
         b.norm(f"blk.{i}.attn_k_norm.weight", HEAD_DIM)
 
 
-def _dense_mlp(b: Builder, i: int, ff: int = FF) -> None:
+def _dense_mlp(b: Builder, i: int, up_kind: str = "Q8_0") -> None:
+    ff = FF
     b.weight(f"blk.{i}.ffn_gate.weight", (ff, H), "Q4_K")
-    b.weight(f"blk.{i}.ffn_up.weight", (ff, H), "Q8_0")
+    b.weight(f"blk.{i}.ffn_up.weight", (ff, H), up_kind)
     b.weight(f"blk.{i}.ffn_down.weight", (H, ff), "Q6_K")
 
 
-def _experts(b: Builder, i: int) -> None:
+def _experts(b: Builder, i: int, gate_kind: str = "Q4_K", up_kind: str = "Q4_K") -> None:
     b.weight(f"blk.{i}.ffn_gate_inp.weight", (EXPERTS, H), "F32")
-    b.weight(f"blk.{i}.ffn_gate_exps.weight", (EXPERTS, EXPERT_FF, H), "Q4_K")
-    b.weight(f"blk.{i}.ffn_up_exps.weight", (EXPERTS, EXPERT_FF, H), "Q4_K")
+    b.weight(f"blk.{i}.ffn_gate_exps.weight", (EXPERTS, EXPERT_FF, H), gate_kind)
+    b.weight(f"blk.{i}.ffn_up_exps.weight", (EXPERTS, EXPERT_FF, H), up_kind)
     b.weight(f"blk.{i}.ffn_down_exps.weight", (EXPERTS, H, EXPERT_FF), "Q6_K")
 
 
@@ -152,7 +153,7 @@ def make_llama(seed: int = 0, rope_freqs: bool = True) -> Builder:
         b.tensors.append(("rope_freqs.weight", f.astype(np.float32), None))
     for i in range(LAYERS):
         _gqa(b, i, qk_norm=False)
-        _dense_mlp(b, i)
+        _dense_mlp(b, i, up_kind="Q2_K" if i == 1 else "Q8_0")
     return b
 
 
@@ -164,7 +165,7 @@ def make_qwen3(seed: int = 0) -> Builder:
     b.meta("attention.value_length", HEAD_DIM)
     _globals(b)
     for i in range(LAYERS):
-        _gqa(b, i, qk_norm=True)
+        _gqa(b, i, qk_norm=True, o_kind="Q3_K" if i == 1 else "Q5_K")
         _dense_mlp(b, i)
     return b
 
@@ -180,7 +181,7 @@ def make_qwen3moe(seed: int = 0) -> Builder:
     _globals(b)
     for i in range(LAYERS):
         _gqa(b, i, qk_norm=True)
-        _experts(b, i)
+        _experts(b, i, up_kind="IQ4_XS" if i == 1 else "Q4_K")
     return b
 
 
@@ -221,10 +222,10 @@ def make_deepseek2(seed: int = 0) -> Builder:
         if i == 0:
             _dense_mlp(b, i)
             continue
-        _experts(b, i)
+        _experts(b, i, gate_kind="Q3_K" if i == 2 else "Q4_K")
         b.tensors.append((f"blk.{i}.exp_probs_b.bias", (0.1 * b.rng.standard_normal(EXPERTS)).astype(np.float32), None))
         b.weight(f"blk.{i}.ffn_gate_shexp.weight", (EXPERT_FF, H), "Q4_K")
-        b.weight(f"blk.{i}.ffn_up_shexp.weight", (EXPERT_FF, H), "Q4_K")
+        b.weight(f"blk.{i}.ffn_up_shexp.weight", (EXPERT_FF, H), "IQ4_NL")
         b.weight(f"blk.{i}.ffn_down_shexp.weight", (H, EXPERT_FF), "Q6_K")
     return b
 

@@ -2,7 +2,7 @@
 
 A `StoredWeight` is a logical [rows, cols] matrix kept as its stored bytes: a bf16/fp16
 tensor, or uint8 [rows, row_bytes] of llama.cpp blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-Q4_K, Q5_K, Q6_K). `stored_linear(x, w)` computes `x @ W.T` with fp32 activations and
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS). `stored_linear(x, w)` computes `x @ W.T` with fp32 activations and
 fp32 accumulation, every weight decoded exactly as the fp32-widened path decodes it
 (bf16/fp16: the exact widening; GGUF: gguf-py's `dequantize`, the import's oracle):
 on the CPU through stored_cpu.cpp, elsewhere (or without a compiler) by decoding into
@@ -29,8 +29,8 @@ from deltafind.store.quant import parse_quant
 
 # GGML type ids (gguf.GGMLQuantizationType): the kind codes stored_cpu.cpp takes.
 # I8R (deltafind's own) is the row-int8 spine: per row an f16 scale, then int8 weights (spec 9.6).
-KINDS = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30,
-         "I8R": 100}
+KINDS = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
+         "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "BF16": 30, "I8R": 100}
 INT8_SKIP = ("conv1d", "norm", "A_log", "dt_bias", "res_proj", "e_score_correction_bias", ".experts.", "vision", "mm_projector")
 BLOCKS = {"F16": (1, 2), "BF16": (1, 2), **GGUF_BLOCKS}  # (weights, bytes) per block
 TORCH_KINDS = {torch.bfloat16: "BF16", torch.float16: "F16"}

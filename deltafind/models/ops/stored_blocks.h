@@ -39,12 +39,15 @@ struct Part {
   const uint8_t* data;
 };
 
-// Bytes of one block of a GGUF block format by its GGML kind id (32 weights a block; 256 for Q4_K, Q5_K
-// and Q6_K, kinds 12-14), 0 for any other kind: the one table of the block sizes.
+// Bytes of one block of a GGUF block format by its GGML kind id (32 weights a block; 256 for the
+// K-quants Q2_K..Q6_K, kinds 10-14), 0 for any other kind: the one table of the block sizes.
 constexpr int64_t block_bytes(int kind) {
   return kind == 2 ? 18 : kind == 3 ? 20 : kind == 6 ? 22 : kind == 7 ? 24 : kind == 8 ? 34
-       : kind == 12 ? 144 : kind == 13 ? 176 : kind == 14 ? 210 : 0;
+       : kind == 10 ? 84 : kind == 11 ? 110 : kind == 12 ? 144 : kind == 13 ? 176 : kind == 14 ? 210
+       : kind == 20 ? 18 : kind == 23 ? 136 : 0;
 }
+
+constexpr bool block256(int kind) { return (kind >= 10 && kind <= 14) || kind == 23; }  // K-quants and IQ4_XS: 256 weights a block
 
 // The formats' fields, for this header and stored_cpu.cpp's decode alike.
 inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
@@ -73,6 +76,56 @@ inline void scale_min(const uint8_t* s, int i, int* sc, int* mn) {
   } else {
     *sc = (s[i + 4] & 0x0F) | ((s[i - 4] >> 2) & 0x30);
     *mn = (s[i + 4] >> 4) | ((s[i] >> 2) & 0x30);
+  }
+}
+
+// One 256-weight Q2_K block (scales[16], qs[64], d, dmin): weight j = 128h + 32s + c has the 2-bit code
+// (qs[32h + c] >> 2s) & 3 and sub-block j / 16's 4-bit scale and min; w = (d*sc) * q - dmin*mn, gguf-py's
+// operations in its order (no FMA: -ffp-contract=off).
+inline void decode_q2_k(const uint8_t* b, float* out) {
+  const uint8_t *scales = b, *qs = b + 16;
+  const float d = h2f(rd16(b + 80)), dmin = h2f(rd16(b + 82));
+  for (int j = 0; j < 256; ++j) {
+    const int h = j / 128, s = (j / 32) % 4, c = j % 32, sb = j / 16;
+    const float dl = d * static_cast<float>(scales[sb] & 0xF), ml = dmin * static_cast<float>(scales[sb] >> 4);
+    out[j] = dl * static_cast<float>((qs[32 * h + c] >> (2 * s)) & 3) - ml;
+  }
+}
+
+// One 256-weight Q3_K block (hmask[32], qs[64], scales[12], d): 6-bit signed scales (low nibbles in
+// bytes 0-7, high bit pairs in 8-11, minus 32) per 16 weights; weight j = 128h + 32s + c has the 2-bit
+// code (qs[32h + c] >> 2s) & 3, less 4 where bit j / 32 of hmask[c] is clear; w = (d*sc) * q.
+inline void decode_q3_k(const uint8_t* b, float* out) {
+  const uint8_t *hmask = b, *qs = b + 32, *sc = b + 96;
+  const float d = h2f(rd16(b + 108));
+  for (int j = 0; j < 256; ++j) {
+    const int h = j / 128, s = (j / 32) % 4, c = j % 32, sb = j / 16;
+    const int low = (sc[sb % 8] >> (4 * (sb / 8))) & 0x0F, high = (sc[8 + sb % 4] >> (2 * (sb / 4))) & 3;
+    const float dl = d * static_cast<float>(static_cast<int8_t>((low | (high << 4)) - 32));
+    const int q = ((qs[32 * h + c] >> (2 * s)) & 3) - (((hmask[c] >> (j / 32)) & 1) ? 0 : 4);
+    out[j] = dl * static_cast<float>(q);
+  }
+}
+
+// IQ4_NL and IQ4_XS: 4-bit codes index this non-linear table (gguf-py's IQ4_NL.kvalues).
+constexpr int8_t kIQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// 32 weights of 16 code bytes (low nibbles then high): w = d * kIQ4[code]. An IQ4_NL block is d then these.
+inline void decode_iq4_32(const uint8_t* qs, float d, float* out) {
+  for (int c = 0; c < 16; ++c) {
+    out[c] = d * static_cast<float>(kIQ4[qs[c] & 15]);
+    out[c + 16] = d * static_cast<float>(kIQ4[qs[c] >> 4]);
+  }
+}
+
+// One 256-weight IQ4_XS block (d, scales_h u16, scales_l[4], qs[128]): group i of 32 has the 6-bit signed
+// scale (nibble i of scales_l | bits 2i..2i+1 of scales_h << 4) - 32 and w = (d*sc) * kIQ4[code].
+inline void decode_iq4_xs(const uint8_t* b, float* out) {
+  const float d = h2f(rd16(b));
+  const uint16_t high = rd16(b + 2);
+  for (int i = 0; i < 8; ++i) {
+    const int sc = (((b[4 + i / 2] >> (4 * (i % 2))) & 0x0F) | (((high >> (2 * i)) & 3) << 4)) - 32;
+    decode_iq4_32(b + 8 + 16 * i, d * static_cast<float>(sc), out + 32 * i);
   }
 }
 
