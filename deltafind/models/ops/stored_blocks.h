@@ -118,6 +118,8 @@ inline void decode_iq4_32(const uint8_t* qs, float d, float* out) {
   }
 }
 
+inline void decode_iq4_nl(const uint8_t* b, float* out) { decode_iq4_32(b + 2, h2f(rd16(b)), out); }
+
 // One 256-weight IQ4_XS block (d, scales_h u16, scales_l[4], qs[128]): group i of 32 has the 6-bit signed
 // scale (nibble i of scales_l | bits 2i..2i+1 of scales_h << 4) - 32 and w = (d*sc) * kIQ4[code].
 inline void decode_iq4_xs(const uint8_t* b, float* out) {

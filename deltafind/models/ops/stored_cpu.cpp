@@ -186,12 +186,7 @@ void decode(int kind, const uint8_t* row, int64_t c0, int n, float* out) {
     case Q2_K: dfq::decode_q2_k(row + (c0 / 256) * dfq::block_bytes(Q2_K), out); return;
     case Q3_K: dfq::decode_q3_k(row + (c0 / 256) * dfq::block_bytes(Q3_K), out); return;
     case IQ4_XS: dfq::decode_iq4_xs(row + (c0 / 256) * dfq::block_bytes(IQ4_XS), out); return;
-    case IQ4_NL:
-      for (int k = 0; k < n / 32; ++k) {
-        const uint8_t* b = row + (c0 / 32 + k) * dfq::block_bytes(IQ4_NL);
-        dfq::decode_iq4_32(b + 2, h2f(rd16(b)), out + 32 * k);
-      }
-      return;
+    case IQ4_NL: for (int k = 0; k < n / 32; ++k) dfq::decode_iq4_nl(row + (c0 / 32 + k) * 18, out + 32 * k); return;
     default: return;
   }
 }
