@@ -231,3 +231,13 @@ def make_deepseek2(seed: int = 0) -> Builder:
 
 
 MAKERS = {"llama": make_llama, "qwen3": make_qwen3, "qwen3moe": make_qwen3moe, "deepseek2": make_deepseek2}
+
+
+def widened(b: Builder) -> Builder:
+    """The same model with every block tensor decoded to F32 (gguf-py's dequantize): llama.cpp then
+    computes in fp32 without quantizing activations, so only float rounding separates it from deltafind."""
+    out = Builder(b.arch, 0)
+    out.kv = list(b.kv)
+    for name, arr, raw in b.tensors:
+        out.tensors.append((name, arr.astype(np.float32) if raw is None else gguf.quants.dequantize(arr, raw).astype(np.float32), None))
+    return out

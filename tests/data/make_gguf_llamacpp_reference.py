@@ -1,5 +1,6 @@
 """Make tests/data/gguf_arch_llamacpp_reference.npz: llama.cpp's teacher-forced logits on the small
-random GGUFs of tests/gguf_models.py, one per architecture deltafind imports from GGUF.
+random GGUFs of tests/gguf_models.py, one per architecture deltafind imports from GGUF, and on their fp32
+twins (every block tensor decoded by gguf-py, so llama.cpp does not quantize activations either).
 
 The independent oracle of tests/oracle/test_gguf_archs.py. Each GGUF is written by gguf-py from a fixed
 seed (llama.cpp's names, a Q4_K_M-like mix of block types), whole and split in two; llama.cpp (through
@@ -25,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parents[2]))
-from tests.gguf_models import MAKERS, VOCAB
+from tests.gguf_models import MAKERS, VOCAB, widened
 
 OUT = Path(__file__).with_name("gguf_arch_llamacpp_reference.npz")
 SEED = 7
@@ -36,7 +37,11 @@ TOKENS = [int(t) for t in np.random.default_rng(SEED).integers(0, VOCAB - 1, N_T
 def llamacpp_logits(path: Path) -> np.ndarray:
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(path), n_ctx=128, n_batch=128, n_threads=2, logits_all=True, seed=0, verbose=False)
+    # An fp32 KV cache (GGML_TYPE_F32 = 0): llama.cpp's default f16 cache rounds MLA's latent and these random
+    # models' large keys enough to move deepseek2's logits by ~5 % of their spread, an effect of the cache
+    # and not of the weights this oracle checks.
+    llm = Llama(model_path=str(path), n_ctx=128, n_batch=128, n_threads=2, logits_all=True, seed=0, verbose=False,
+                type_k=0, type_v=0)
     llm.eval(TOKENS)
     out = np.array(llm.scores[: len(TOKENS)], dtype=np.float32)
     llm.close()
@@ -57,6 +62,10 @@ def main() -> None:
             assert np.array_equal(logits, split), f"{arch}: llama.cpp gives other logits on the split file"
             assert np.isfinite(logits).all(), arch
             arrays[f"{arch}_logits"] = logits
+            (Path(tmp) / "f32").mkdir(exist_ok=True)
+            twin = widened(make(SEED)).write(Path(tmp) / "f32" / f"{arch}.gguf")[0]
+            arrays[f"{arch}_f32_logits"] = llamacpp_logits(twin)
+            arrays[f"{arch}_f32_sha256"] = np.array(hashlib.sha256(twin.read_bytes()).hexdigest())
             arrays[f"{arch}_sha256"] = np.array(hashlib.sha256(whole.read_bytes()).hexdigest())
             top2 = np.sort(logits, axis=-1)[:, -2:]
             print(f"{arch}: logits std {logits.std():.3f}, median top-2 margin {np.median(top2[:, 1] - top2[:, 0]):.3f}")
