@@ -65,6 +65,8 @@ class Builder:
                 w.add_bool(key, value)
             elif isinstance(value, int):
                 w.add_uint32(key, value)
+            elif isinstance(value, str):
+                w.add_string(key, value)
             else:
                 w.add_float32(key, float(value))
         _add_vocab(w)

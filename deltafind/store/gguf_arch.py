@@ -144,11 +144,14 @@ def _deepseek2(meta: Meta, tensors: dict[str, Any]) -> dict[str, Any]:
     if cfg["q_lora_rank"] is not None:
         cfg["q_lora_rank"] = int(cfg["q_lora_rank"])
     if meta("rope.scaling.type", "none") == "yarn":
+        # the converter writes 0.1 x mscale_all_dim (llama.cpp's src/models/deepseek2.cpp undoes it) and not
+        # mscale; llama.cpp's attention scaling is HF's with mscale = mscale_all_dim (DeepSeek-V3's and Kimi K2's)
+        mscale_all_dim = float(meta("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
         cfg["rope_scaling"] = {"rope_type": "yarn", "factor": float(meta("rope.scaling.factor")),
                                "original_max_position_embeddings": int(meta("rope.scaling.original_context_length")),
-                               "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
-                               # the converter writes 0.1 x mscale_all_dim (llama.cpp's src/models/deepseek2.cpp undoes it)
-                               "mscale_all_dim": float(meta("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1}
+                               "beta_fast": float(meta("rope.scaling.yarn_beta_fast", 32.0)),
+                               "beta_slow": float(meta("rope.scaling.yarn_beta_slow", 1.0)),
+                               "mscale": mscale_all_dim, "mscale_all_dim": mscale_all_dim}
     return cfg
 
 
