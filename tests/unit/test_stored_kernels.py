@@ -15,6 +15,7 @@ from deltafind.models.ops.stored import (
     StoredWeight,
     dequantize,
     gguf_dequantize,
+    set_grids,
     stored_linear,
     to_row_int8,
 )
@@ -23,7 +24,7 @@ from tests.conftest import avx2_kernels, gguf_blocks
 needs_kernel = pytest.mark.skipif(CPU.load() is None, reason=f"no C++ compiler: {CPU.build_error}")
 # gguf-py can quantize these itself; the K- and IQ4 blocks are drawn as random bytes with sane scales (conftest).
 QUANTIZABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
-DRAWN = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+DRAWN = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ3_XXS", "IQ4_NL", "IQ4_XS"]
 
 
 @needs_kernel
@@ -216,6 +217,7 @@ def test_block_formats_err_like_an_fp32_matmul_against_fp64(kind: str) -> None:
 
 
 def _parts_matmul(lib: object, w: StoredWeight, x: torch.Tensor, threads: int) -> torch.Tensor:
+    set_grids(lib)
     part = (StoredPart * 1)(StoredPart(KINDS[w.kind], w.rows, w.cols, w.data.shape[1], w.data.data_ptr()))
     y = torch.empty(x.shape[0], w.rows)
     assert lib.df_stored_parts(part, 1, 0, x.data_ptr(), x.shape[0], x.shape[1], y.data_ptr(), w.rows, threads) == 0

@@ -44,10 +44,11 @@ struct Part {
 constexpr int64_t block_bytes(int kind) {
   return kind == 2 ? 18 : kind == 3 ? 20 : kind == 6 ? 22 : kind == 7 ? 24 : kind == 8 ? 34
        : kind == 10 ? 84 : kind == 11 ? 110 : kind == 12 ? 144 : kind == 13 ? 176 : kind == 14 ? 210
-       : kind == 20 ? 18 : kind == 23 ? 136 : 0;
+       : kind == 16 ? 66 : kind == 18 ? 98 : kind == 20 ? 18 : kind == 23 ? 136 : 0;
 }
 
-constexpr bool block256(int kind) { return (kind >= 10 && kind <= 14) || kind == 23; }  // K-quants and IQ4_XS: 256 weights a block
+// 256 weights a block: the K-quants, IQ2_XXS, IQ3_XXS and IQ4_XS.
+constexpr bool block256(int kind) { return (kind >= 10 && kind <= 14) || kind == 16 || kind == 18 || kind == 23; }
 
 // The formats' fields, for this header and stored_cpu.cpp's decode alike.
 inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
@@ -104,6 +105,47 @@ inline void decode_q3_k(const uint8_t* b, float* out) {
     const float dl = d * static_cast<float>(static_cast<int8_t>((low | (high << 4)) - 32));
     const int q = ((qs[32 * h + c] >> (2 * s)) & 3) - (((hmask[c] >> (j / 32)) & 1) ? 0 : 4);
     out[j] = dl * static_cast<float>(q);
+  }
+}
+
+// The IQ2_XXS (256 x 8) and IQ3_XXS (256 x 4) code grids: gguf-py's own tables (quants.py), handed in once
+// by models/ops/stored.py through df_stored_set_grid; a decode before then reads zeros, never garbage.
+inline uint8_t iq2xxs_grid[256 * 8], iq3xxs_grid[256 * 4];
+
+// IQ2_XXS/IQ3_XXS: a 7-bit sign index i means the sign byte i with bit 7 set when i has odd parity.
+inline float sign_of(uint32_t index7, int j) {
+  const uint32_t byte = index7 | ((__builtin_popcount(index7) & 1u) << 7);
+  return (byte >> j) & 1u ? -1.0f : 1.0f;
+}
+
+// One 256-weight IQ2_XXS block (d, then 8 groups of two u32): group g's first word holds 4 grid indices
+// (8 weights each), its second 4 sign indices (7 bits each) and a 4-bit scale s on top; w = db * grid * sign
+// with db = d * (0.5 + s) * 0.25, gguf-py's operations in its order.
+inline void decode_iq2_xxs(const uint8_t* b, float* out) {
+  const float d = h2f(rd16(b));
+  for (int g = 0; g < 8; ++g) {
+    uint32_t aux[2];
+    std::memcpy(aux, b + 2 + 8 * g, 8);
+    const float db = d * (0.5f + static_cast<float>(aux[1] >> 28)) * 0.25f;
+    for (int k = 0; k < 4; ++k) {
+      const uint8_t* grid = iq2xxs_grid + 8 * ((aux[0] >> (8 * k)) & 0xFF);
+      for (int j = 0; j < 8; ++j) out[32 * g + 8 * k + j] = db * static_cast<float>(grid[j]) * sign_of((aux[1] >> (7 * k)) & 127, j);
+    }
+  }
+}
+
+// One 256-weight IQ3_XXS block (d, qs[64] grid indices of 4 weights, 8 u32 of signs and scale): as IQ2_XXS
+// with db = d * (0.5 + s) * 0.5 and 8 grid entries of 4 weights per 32.
+inline void decode_iq3_xxs(const uint8_t* b, float* out) {
+  const float d = h2f(rd16(b));
+  for (int g = 0; g < 8; ++g) {
+    uint32_t aux;
+    std::memcpy(&aux, b + 66 + 4 * g, 4);
+    const float db = d * (0.5f + static_cast<float>(aux >> 28)) * 0.5f;
+    for (int k = 0; k < 8; ++k) {
+      const uint8_t* grid = iq3xxs_grid + 4 * b[2 + 8 * g + k];
+      for (int j = 0; j < 4; ++j) out[32 * g + 4 * k + j] = db * static_cast<float>(grid[j]) * sign_of((aux >> (7 * (k / 2))) & 127, 4 * (k % 2) + j);
+    }
   }
 }
 

@@ -1,5 +1,5 @@
 // Matmul on weights in their stored format: bf16, fp16 and llama.cpp's GGUF block formats
-// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS), with fp32 activations and fp32 accumulation.
+// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ2_XXS, IQ3_XXS, IQ4_NL, IQ4_XS), with fp32 activations and fp32 accumulation.
 //
 // y[t, r] = sum_c w(r, c) * x[t, c], every w(r, c) its exact stored value. The decode (df_stored_dequant,
 // and the matmul without AVX2) is gguf-py's numpy dequantize, the same fp32 operations in the same order
@@ -27,7 +27,7 @@ using df::pool;
 // GGML type ids (gguf.GGMLQuantizationType), used as the kind codes of this library.
 // I8R is deltafind's own: the row-int8 spine (spec 9.6), each row an f16 scale then C int8 weights.
 enum Kind : int { F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-                  IQ4_NL = 20, IQ4_XS = 23, BF16 = 30, I8R = 100 };
+                  IQ2_XXS = 16, IQ3_XXS = 18, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30, I8R = 100 };
 constexpr int kChunk = 256;  // weights decoded at a time (one K-block, eight 32-blocks, 256 halves)
 constexpr int kTile = 4;     // tokens per pass over a decoded chunk
 
@@ -186,6 +186,8 @@ void decode(int kind, const uint8_t* row, int64_t c0, int n, float* out) {
     case Q2_K: dfq::decode_q2_k(row + (c0 / 256) * dfq::block_bytes(Q2_K), out); return;
     case Q3_K: dfq::decode_q3_k(row + (c0 / 256) * dfq::block_bytes(Q3_K), out); return;
     case IQ4_XS: dfq::decode_iq4_xs(row + (c0 / 256) * dfq::block_bytes(IQ4_XS), out); return;
+    case IQ2_XXS: dfq::decode_iq2_xxs(row + (c0 / 256) * dfq::block_bytes(IQ2_XXS), out); return;
+    case IQ3_XXS: dfq::decode_iq3_xxs(row + (c0 / 256) * dfq::block_bytes(IQ3_XXS), out); return;
     case IQ4_NL: for (int k = 0; k < n / 32; ++k) dfq::decode_iq4_nl(row + (c0 / 32 + k) * 18, out + 32 * k); return;
     default: return;
   }
@@ -292,6 +294,14 @@ void accumulate(int kind, const uint8_t* first, int64_t nrows, int64_t row_bytes
 extern "C" {
 
 int df_stored_abi() { return 2; }
+
+// Hand in gguf-py's code grid of `kind` (IQ2_XXS: 256 x 8 values, IQ3_XXS: 256 x 4); 1 if the kind has none.
+int df_stored_set_grid(int kind, const uint8_t* values, int64_t n) {
+  uint8_t* grid = kind == IQ2_XXS ? dfq::iq2xxs_grid : kind == IQ3_XXS ? dfq::iq3xxs_grid : nullptr;
+  if (grid == nullptr || n != (kind == IQ2_XXS ? 256 * 8 : 256 * 4)) return 1;
+  std::memcpy(grid, values, static_cast<size_t>(n));
+  return 0;
+}
 
 // Bytes of one row of `cols` weights in `kind` (0 when the kind is unknown or cols does not fit it).
 int64_t df_stored_row_bytes(int kind, int64_t cols) {
