@@ -16,7 +16,7 @@ import numpy as np
 Q = gguf.GGMLQuantizationType
 # (offset, count) of each block's f16 scale fields, which must be finite and small
 _F16_FIELDS = {"Q4_K": [(0, 2)], "Q5_K": [(0, 2)], "Q6_K": [(208, 1)], "Q8_0": [(0, 1)], "Q2_K": [(80, 2)], "Q3_K": [(108, 1)],
-               "IQ4_NL": [(0, 1)], "IQ4_XS": [(0, 1)], "Q4_0": [(0, 1)], "Q5_0": [(0, 1)], "IQ2_XXS": [(0, 1)], "IQ1_S": [(0, 1)]}
+               "IQ4_NL": [(0, 1)], "IQ4_XS": [(0, 1)], "Q4_0": [(0, 1)], "Q5_0": [(0, 1)], "IQ2_XXS": [(0, 1)], "IQ3_XXS": [(0, 1)], "IQ1_S": [(0, 1)]}
 H, HEADS, KV_HEADS, HEAD_DIM, FF, VOCAB = 256, 4, 2, 64, 512, 320
 EXPERTS, TOP_K, EXPERT_FF, LAYERS = 8, 2, 256, 3
 
@@ -126,18 +126,18 @@ def _gqa(b: Builder, i: int, qk_norm: bool, o_kind: str = "Q5_K") -> None:
         b.norm(f"blk.{i}.attn_k_norm.weight", HEAD_DIM)
 
 
-def _dense_mlp(b: Builder, i: int, up_kind: str = "Q8_0") -> None:
+def _dense_mlp(b: Builder, i: int, up_kind: str = "Q8_0", down_kind: str = "Q6_K") -> None:
     ff = FF
     b.weight(f"blk.{i}.ffn_gate.weight", (ff, H), "Q4_K")
     b.weight(f"blk.{i}.ffn_up.weight", (ff, H), up_kind)
-    b.weight(f"blk.{i}.ffn_down.weight", (H, ff), "Q6_K")
+    b.weight(f"blk.{i}.ffn_down.weight", (H, ff), down_kind)
 
 
-def _experts(b: Builder, i: int, gate_kind: str = "Q4_K", up_kind: str = "Q4_K") -> None:
+def _experts(b: Builder, i: int, gate_kind: str = "Q4_K", up_kind: str = "Q4_K", down_kind: str = "Q6_K") -> None:
     b.weight(f"blk.{i}.ffn_gate_inp.weight", (EXPERTS, H), "F32")
     b.weight(f"blk.{i}.ffn_gate_exps.weight", (EXPERTS, EXPERT_FF, H), gate_kind)
     b.weight(f"blk.{i}.ffn_up_exps.weight", (EXPERTS, EXPERT_FF, H), up_kind)
-    b.weight(f"blk.{i}.ffn_down_exps.weight", (EXPERTS, H, EXPERT_FF), "Q6_K")
+    b.weight(f"blk.{i}.ffn_down_exps.weight", (EXPERTS, H, EXPERT_FF), down_kind)
 
 
 def make_llama(seed: int = 0, rope_freqs: bool = True) -> Builder:
@@ -168,7 +168,7 @@ def make_qwen3(seed: int = 0) -> Builder:
     _globals(b)
     for i in range(LAYERS):
         _gqa(b, i, qk_norm=True, o_kind="Q3_K" if i == 1 else "Q5_K")
-        _dense_mlp(b, i)
+        _dense_mlp(b, i, down_kind="IQ3_XXS" if i == 2 else "Q6_K")
     return b
 
 
@@ -183,7 +183,7 @@ def make_qwen3moe(seed: int = 0) -> Builder:
     _globals(b)
     for i in range(LAYERS):
         _gqa(b, i, qk_norm=True)
-        _experts(b, i, up_kind="IQ4_XS" if i == 1 else "Q4_K")
+        _experts(b, i, up_kind="IQ4_XS" if i == 1 else "Q4_K", down_kind="IQ2_XXS" if i == 2 else "Q6_K")
     return b
 
 

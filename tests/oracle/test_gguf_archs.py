@@ -11,7 +11,7 @@ activation quantization: there deltafind must agree to F32_TOLERANCE (1e-3 of th
 quantized to Q8_0/Q8_K while deltafind keeps fp32 (its logits equal the twin's within F32_TOLERANCE), so the
 allowed difference is llama.cpp's own: how far its quantized run lies from its fp32 run, position by
 position, plus F32_TOLERANCE. These random models amplify that rounding (deepseek2's MLA and sigmoid
-routing most: llama.cpp's two runs differ by up to 4.9x the spread there, llama's by 0.33, qwen3's 0.09),
+routing most: llama.cpp's two runs differ by up to 4.9x the spread there, llama's 0.33, qwen3(moe)'s 0.07),
 so top-1 must agree where llama.cpp's margin is clear: its two runs agree on top-1 and its margin is
 over twice its own quantization shift at that position.
 """
