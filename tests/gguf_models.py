@@ -16,7 +16,7 @@ import numpy as np
 Q = gguf.GGMLQuantizationType
 # (offset, count) of each block's f16 scale fields, which must be finite and small
 _F16_FIELDS = {"Q4_K": [(0, 2)], "Q5_K": [(0, 2)], "Q6_K": [(208, 1)], "Q8_0": [(0, 1)], "Q2_K": [(80, 2)], "Q3_K": [(108, 1)],
-               "IQ4_NL": [(0, 1)], "IQ4_XS": [(0, 1)], "Q4_0": [(0, 1)], "Q5_0": [(0, 1)], "IQ2_XXS": [(0, 1)], "IQ3_XXS": [(0, 1)], "IQ1_S": [(0, 1)]}
+               "IQ4_NL": [(0, 1)], "IQ4_XS": [(0, 1)], "Q4_0": [(0, 1)], "Q5_0": [(0, 1)], "IQ2_XXS": [(0, 1)], "IQ3_XXS": [(0, 1)], "TQ2_0": [(64, 1)]}
 H, HEADS, KV_HEADS, HEAD_DIM, FF, VOCAB = 256, 4, 2, 64, 512, 320
 EXPERTS, TOP_K, EXPERT_FF, LAYERS = 8, 2, 256, 3
 

@@ -140,9 +140,9 @@ def test_unsupported_architecture_is_refused_naming_the_supported_ones(tmp_path:
 def test_a_type_without_kernel_is_refused_unless_widened(tmp_path: Path) -> None:
     b = make_llama(6)
     b.tensors = [(n, a, r) for n, a, r in b.tensors if n != "blk.1.ffn_up.weight"]
-    b.weight("blk.1.ffn_up.weight", (512, 256), "IQ1_S")
+    b.weight("blk.1.ffn_up.weight", (512, 256), "TQ2_0")
     path = b.write(tmp_path / "m.gguf")[0]
-    with pytest.raises(UnsupportedModelError, match=r"blk\.1\.ffn_up\.weight is IQ1_S.*--widen-unsupported.*524,288 bytes as float32 instead of 25,600"):
+    with pytest.raises(UnsupportedModelError, match=r"blk\.1\.ffn_up\.weight is TQ2_0.*--widen-unsupported.*524,288 bytes as float32 instead of 33,792"):
         open_source(path)
     wide = open_source(path, widen=True)
     assert wide.tensors["model.layers.1.mlp.up_proj.weight"].dtype == torch.float32

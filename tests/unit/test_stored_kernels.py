@@ -24,7 +24,8 @@ from tests.conftest import avx2_kernels, gguf_blocks
 needs_kernel = pytest.mark.skipif(CPU.load() is None, reason=f"no C++ compiler: {CPU.build_error}")
 # gguf-py can quantize these itself; the K- and IQ4 blocks are drawn as random bytes with sane scales (conftest).
 QUANTIZABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
-DRAWN = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ3_XXS", "IQ4_NL", "IQ4_XS"]
+DRAWN = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL",
+         "IQ4_XS"]
 
 
 @needs_kernel

@@ -44,11 +44,12 @@ struct Part {
 constexpr int64_t block_bytes(int kind) {
   return kind == 2 ? 18 : kind == 3 ? 20 : kind == 6 ? 22 : kind == 7 ? 24 : kind == 8 ? 34
        : kind == 10 ? 84 : kind == 11 ? 110 : kind == 12 ? 144 : kind == 13 ? 176 : kind == 14 ? 210
-       : kind == 16 ? 66 : kind == 18 ? 98 : kind == 20 ? 18 : kind == 23 ? 136 : 0;
+       : kind == 16 ? 66 : kind == 17 ? 74 : kind == 18 ? 98 : kind == 19 ? 50 : kind == 20 ? 18 : kind == 21 ? 110
+       : kind == 22 ? 82 : kind == 23 ? 136 : kind == 29 ? 56 : 0;
 }
 
-// 256 weights a block: the K-quants, IQ2_XXS, IQ3_XXS and IQ4_XS.
-constexpr bool block256(int kind) { return (kind >= 10 && kind <= 14) || kind == 16 || kind == 18 || kind == 23; }
+// 256 weights a block: the K-quants and every IQ format but IQ4_NL.
+constexpr bool block256(int kind) { return (kind >= 10 && kind <= 14) || (kind >= 16 && kind <= 23 && kind != 20) || kind == 29; }
 
 // The formats' fields, for this header and stored_cpu.cpp's decode alike.
 inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
@@ -108,11 +109,13 @@ inline void decode_q3_k(const uint8_t* b, float* out) {
   }
 }
 
-// The IQ2_XXS (256 x 8) and IQ3_XXS (256 x 4) code grids: gguf-py's own tables (quants.py), handed in once
-// by models/ops/stored.py through df_stored_set_grid; a decode before then reads zeros, never garbage.
-inline uint8_t iq2xxs_grid[256 * 8], iq3xxs_grid[256 * 4];
+// The IQ formats' code grids, gguf-py's own tables (quants.py) handed in once by models/ops/stored.py
+// through df_stored_set_grid (a decode before then reads zeros, never garbage): 8 values an entry for
+// IQ2_XXS (256 entries), IQ2_XS (512), IQ2_S (1024) and IQ1_S/IQ1_M (2048), 4 for IQ3_XXS (256), IQ3_S (512).
+inline int8_t iq2xxs_grid[256 * 8], iq2xs_grid[512 * 8], iq2s_grid[1024 * 8], iq3xxs_grid[256 * 4], iq3s_grid[512 * 4],
+    iq1s_grid[2048 * 8];
 
-// IQ2_XXS/IQ3_XXS: a 7-bit sign index i means the sign byte i with bit 7 set when i has odd parity.
+// IQ2_XXS/IQ2_XS/IQ3_XXS: a 7-bit sign index i means the sign byte i with bit 7 set when i has odd parity.
 inline float sign_of(uint32_t index7, int j) {
   const uint32_t byte = index7 | ((__builtin_popcount(index7) & 1u) << 7);
   return (byte >> j) & 1u ? -1.0f : 1.0f;
@@ -128,7 +131,7 @@ inline void decode_iq2_xxs(const uint8_t* b, float* out) {
     std::memcpy(aux, b + 2 + 8 * g, 8);
     const float db = d * (0.5f + static_cast<float>(aux[1] >> 28)) * 0.25f;
     for (int k = 0; k < 4; ++k) {
-      const uint8_t* grid = iq2xxs_grid + 8 * ((aux[0] >> (8 * k)) & 0xFF);
+      const int8_t* grid = iq2xxs_grid + 8 * ((aux[0] >> (8 * k)) & 0xFF);
       for (int j = 0; j < 8; ++j) out[32 * g + 8 * k + j] = db * static_cast<float>(grid[j]) * sign_of((aux[1] >> (7 * k)) & 127, j);
     }
   }
@@ -143,9 +146,82 @@ inline void decode_iq3_xxs(const uint8_t* b, float* out) {
     std::memcpy(&aux, b + 66 + 4 * g, 4);
     const float db = d * (0.5f + static_cast<float>(aux >> 28)) * 0.5f;
     for (int k = 0; k < 8; ++k) {
-      const uint8_t* grid = iq3xxs_grid + 4 * b[2 + 8 * g + k];
+      const int8_t* grid = iq3xxs_grid + 4 * b[2 + 8 * g + k];
       for (int j = 0; j < 4; ++j) out[32 * g + 4 * k + j] = db * static_cast<float>(grid[j]) * sign_of((aux >> (7 * (k / 2))) & 127, 4 * (k % 2) + j);
     }
+  }
+}
+
+// IQ2_XS (d, 32 u16 entries: 9-bit grid index, 7-bit sign index; 16 scale nibbles) and IQ2_S (d, 32 index
+// bytes, 32 sign bytes, 2 high index bits per entry, 16 scale nibbles): 8 weights an entry, a scale per 16,
+// w = db * grid * sign with db = d * (0.5 + s) * 0.25.
+template <bool S>
+inline void decode_iq2_xs_s(const uint8_t* b, float* out) {
+  const float d = h2f(rd16(b));
+  const uint8_t* scales = b + (S ? 74 : 66);
+  for (int l = 0; l < 32; ++l) {
+    const int s = (scales[l / 4] >> (4 * ((l / 2) % 2))) & 0x0F;
+    const float db = d * (0.5f + static_cast<float>(s)) * 0.25f;
+    int index;
+    uint32_t sign_byte;
+    if constexpr (S) {
+      index = b[2 + l] | (((b[66 + l / 4] >> (2 * (l % 4))) & 3) << 8);
+      sign_byte = b[34 + l];
+    } else {
+      const uint16_t q = rd16(b + 2 + 2 * l);
+      index = q & 511;
+      sign_byte = (q >> 9) | ((__builtin_popcount(q >> 9) & 1u) << 7);
+    }
+    const int8_t* grid = (S ? iq2s_grid : iq2xs_grid) + 8 * index;
+    for (int j = 0; j < 8; ++j) out[8 * l + j] = db * static_cast<float>(grid[j]) * ((sign_byte >> j) & 1u ? -1.0f : 1.0f);
+  }
+}
+
+// IQ3_S (d, 64 index bytes, their 9th bits, 32 sign bytes, 8 scale nibbles): 4 weights an entry, a scale per
+// 32, w = (d * (1 + 2s)) * grid * sign.
+inline void decode_iq3_s(const uint8_t* b, float* out) {
+  const float d = h2f(rd16(b));
+  for (int l = 0; l < 64; ++l) {
+    const int s = (b[106 + l / 16] >> (4 * ((l / 8) % 2))) & 0x0F;
+    const float db = d * static_cast<float>(1 + 2 * s);
+    const int8_t* grid = iq3s_grid + 4 * (b[2 + l] | (((b[66 + l / 8] >> (l % 8)) & 1) << 8));
+    for (int j = 0; j < 4; ++j) {
+      const int w = 4 * l + j;
+      out[w] = db * static_cast<float>(grid[j]) * ((b[74 + w / 8] >> (w % 8)) & 1u ? -1.0f : 1.0f);
+    }
+  }
+}
+
+// IQ1_S (d, 32 index bytes, 8 u16: 3 high index bits per entry, a 3-bit scale, the delta's sign) and IQ1_M
+// (32 index bytes, 16 bytes of high bits and delta signs per entry, 4 u16 of 3-bit scales with d in their top
+// nibbles): 8 weights an entry, w = dl * (grid + delta), dl = d * (2s + 1), delta = +-0.125.
+template <bool M>
+inline void decode_iq1(const uint8_t* b, float* out) {
+  float d;
+  if constexpr (M) {
+    const uint16_t s0 = rd16(b + 48), s1 = rd16(b + 50), s2 = rd16(b + 52), s3 = rd16(b + 54);
+    d = h2f(static_cast<uint16_t>((s0 >> 12) | ((s1 & 0xF000) >> 8) | ((s2 & 0xF000) >> 4) | (s3 & 0xF000)));
+  } else {
+    d = h2f(rd16(b));
+  }
+  const uint8_t* qs = b + (M ? 0 : 2);
+  for (int l = 0; l < 32; ++l) {
+    int s, high;
+    bool negative;
+    if constexpr (M) {
+      s = (rd16(b + 48 + 2 * (l / 8)) >> (3 * ((l / 2) % 4))) & 7;
+      const int nib = (b[32 + l / 2] >> (4 * (l % 2))) & 0x0F;
+      high = nib & 7;
+      negative = nib & 8;
+    } else {
+      const uint16_t qh = rd16(b + 34 + 2 * (l / 4));
+      s = (qh >> 12) & 7;
+      high = (qh >> (3 * (l % 4))) & 7;
+      negative = qh & 0x8000;
+    }
+    const float dl = d * static_cast<float>(2 * s + 1), delta = negative ? -0.125f : 0.125f;
+    const int8_t* grid = iq1s_grid + 8 * (qs[l] | (high << 8));
+    for (int j = 0; j < 8; ++j) out[8 * l + j] = dl * (static_cast<float>(grid[j]) + delta);
   }
 }
 

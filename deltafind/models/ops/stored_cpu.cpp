@@ -1,5 +1,5 @@
 // Matmul on weights in their stored format: bf16, fp16 and llama.cpp's GGUF block formats
-// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ2_XXS, IQ3_XXS, IQ4_NL, IQ4_XS), with fp32 activations and fp32 accumulation.
+// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K and the IQ formats), with fp32 activations and fp32 accumulation.
 //
 // y[t, r] = sum_c w(r, c) * x[t, c], every w(r, c) its exact stored value. The decode (df_stored_dequant,
 // and the matmul without AVX2) is gguf-py's numpy dequantize, the same fp32 operations in the same order
@@ -27,7 +27,8 @@ using df::pool;
 // GGML type ids (gguf.GGMLQuantizationType), used as the kind codes of this library.
 // I8R is deltafind's own: the row-int8 spine (spec 9.6), each row an f16 scale then C int8 weights.
 enum Kind : int { F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-                  IQ2_XXS = 16, IQ3_XXS = 18, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30, I8R = 100 };
+                  IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23, IQ1_M = 29,
+                  BF16 = 30, I8R = 100 };
 constexpr int kChunk = 256;  // weights decoded at a time (one K-block, eight 32-blocks, 256 halves)
 constexpr int kTile = 4;     // tokens per pass over a decoded chunk
 
@@ -188,6 +189,11 @@ void decode(int kind, const uint8_t* row, int64_t c0, int n, float* out) {
     case IQ4_XS: dfq::decode_iq4_xs(row + (c0 / 256) * dfq::block_bytes(IQ4_XS), out); return;
     case IQ2_XXS: dfq::decode_iq2_xxs(row + (c0 / 256) * dfq::block_bytes(IQ2_XXS), out); return;
     case IQ3_XXS: dfq::decode_iq3_xxs(row + (c0 / 256) * dfq::block_bytes(IQ3_XXS), out); return;
+    case IQ2_XS: dfq::decode_iq2_xs_s<false>(row + (c0 / 256) * dfq::block_bytes(IQ2_XS), out); return;
+    case IQ2_S: dfq::decode_iq2_xs_s<true>(row + (c0 / 256) * dfq::block_bytes(IQ2_S), out); return;
+    case IQ3_S: dfq::decode_iq3_s(row + (c0 / 256) * dfq::block_bytes(IQ3_S), out); return;
+    case IQ1_S: dfq::decode_iq1<false>(row + (c0 / 256) * dfq::block_bytes(IQ1_S), out); return;
+    case IQ1_M: dfq::decode_iq1<true>(row + (c0 / 256) * dfq::block_bytes(IQ1_M), out); return;
     case IQ4_NL: for (int k = 0; k < n / 32; ++k) dfq::decode_iq4_nl(row + (c0 / 32 + k) * 18, out + 32 * k); return;
     default: return;
   }
@@ -295,10 +301,14 @@ extern "C" {
 
 int df_stored_abi() { return 2; }
 
-// Hand in gguf-py's code grid of `kind` (IQ2_XXS: 256 x 8 values, IQ3_XXS: 256 x 4); 1 if the kind has none.
-int df_stored_set_grid(int kind, const uint8_t* values, int64_t n) {
-  uint8_t* grid = kind == IQ2_XXS ? dfq::iq2xxs_grid : kind == IQ3_XXS ? dfq::iq3xxs_grid : nullptr;
-  if (grid == nullptr || n != (kind == IQ2_XXS ? 256 * 8 : 256 * 4)) return 1;
+// Hand in gguf-py's code grid of `kind` (stored_blocks.h: entries x values, int8); 1 if the kind has none or
+// `n` is not its size. IQ1_M shares IQ1_S's.
+int df_stored_set_grid(int kind, const int8_t* values, int64_t n) {
+  int8_t* grid = kind == IQ2_XXS ? dfq::iq2xxs_grid : kind == IQ2_XS ? dfq::iq2xs_grid : kind == IQ2_S ? dfq::iq2s_grid
+               : kind == IQ3_XXS ? dfq::iq3xxs_grid : kind == IQ3_S ? dfq::iq3s_grid : kind == IQ1_S ? dfq::iq1s_grid : nullptr;
+  const int64_t size = kind == IQ2_XXS ? 2048 : kind == IQ2_XS ? 4096 : kind == IQ2_S ? 8192 : kind == IQ3_XXS ? 1024
+                     : kind == IQ3_S ? 2048 : 16384;
+  if (grid == nullptr || n != size) return 1;
   std::memcpy(grid, values, static_cast<size_t>(n));
   return 0;
 }
