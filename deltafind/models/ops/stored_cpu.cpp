@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "cpu_pool.h"
+#include "stored_iq.h"
 #include "stored_rows.h"
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -183,19 +184,11 @@ void decode(int kind, const uint8_t* row, int64_t c0, int n, float* out) {
     case Q4_K: decode_k45<Q4_K>(row + (c0 / 256) * dfq::block_bytes(Q4_K), out); return;
     case Q5_K: decode_k45<Q5_K>(row + (c0 / 256) * dfq::block_bytes(Q5_K), out); return;
     case Q6_K: decode_q6_k(row + (c0 / 256) * dfq::block_bytes(Q6_K), out); return;
-    // Q2_K, Q3_K, IQ4_NL, IQ4_XS: no register path yet (stored_rows.h); decoded into the L1 buffer
+    // Q2_K, Q3_K and the IQ formats: no register path yet (stored_rows.h); decoded into the L1 buffer
     case Q2_K: dfq::decode_q2_k(row + (c0 / 256) * dfq::block_bytes(Q2_K), out); return;
     case Q3_K: dfq::decode_q3_k(row + (c0 / 256) * dfq::block_bytes(Q3_K), out); return;
-    case IQ4_XS: dfq::decode_iq4_xs(row + (c0 / 256) * dfq::block_bytes(IQ4_XS), out); return;
-    case IQ2_XXS: dfq::decode_iq2_xxs(row + (c0 / 256) * dfq::block_bytes(IQ2_XXS), out); return;
-    case IQ3_XXS: dfq::decode_iq3_xxs(row + (c0 / 256) * dfq::block_bytes(IQ3_XXS), out); return;
-    case IQ2_XS: dfq::decode_iq2_xs_s<false>(row + (c0 / 256) * dfq::block_bytes(IQ2_XS), out); return;
-    case IQ2_S: dfq::decode_iq2_xs_s<true>(row + (c0 / 256) * dfq::block_bytes(IQ2_S), out); return;
-    case IQ3_S: dfq::decode_iq3_s(row + (c0 / 256) * dfq::block_bytes(IQ3_S), out); return;
-    case IQ1_S: dfq::decode_iq1<false>(row + (c0 / 256) * dfq::block_bytes(IQ1_S), out); return;
-    case IQ1_M: dfq::decode_iq1<true>(row + (c0 / 256) * dfq::block_bytes(IQ1_M), out); return;
     case IQ4_NL: for (int k = 0; k < n / 32; ++k) dfq::decode_iq4_nl(row + (c0 / 32 + k) * 18, out + 32 * k); return;
-    default: return;
+    default: dfq::decode_iq(kind, row + (c0 / 256) * dfq::block_bytes(kind), out); return;
   }
 }
 
@@ -301,17 +294,8 @@ extern "C" {
 
 int df_stored_abi() { return 2; }
 
-// Hand in gguf-py's code grid of `kind` (stored_blocks.h: entries x values, int8); 1 if the kind has none or
-// `n` is not its size. IQ1_M shares IQ1_S's.
-int df_stored_set_grid(int kind, const int8_t* values, int64_t n) {
-  int8_t* grid = kind == IQ2_XXS ? dfq::iq2xxs_grid : kind == IQ2_XS ? dfq::iq2xs_grid : kind == IQ2_S ? dfq::iq2s_grid
-               : kind == IQ3_XXS ? dfq::iq3xxs_grid : kind == IQ3_S ? dfq::iq3s_grid : kind == IQ1_S ? dfq::iq1s_grid : nullptr;
-  const int64_t size = kind == IQ2_XXS ? 2048 : kind == IQ2_XS ? 4096 : kind == IQ2_S ? 8192 : kind == IQ3_XXS ? 1024
-                     : kind == IQ3_S ? 2048 : 16384;
-  if (grid == nullptr || n != size) return 1;
-  std::memcpy(grid, values, static_cast<size_t>(n));
-  return 0;
-}
+// Hand in gguf-py's code grid of an IQ `kind` (stored_iq.h's set_grid).
+int df_stored_set_grid(int kind, const int8_t* values, int64_t n) { return dfq::set_grid(kind, values, n); }
 
 // Bytes of one row of `cols` weights in `kind` (0 when the kind is unknown or cols does not fit it).
 int64_t df_stored_row_bytes(int kind, int64_t cols) {
