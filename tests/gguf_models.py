@@ -16,7 +16,8 @@ import numpy as np
 Q = gguf.GGMLQuantizationType
 # (offset, count) of each block's f16 scale fields, which must be finite and small
 _F16_FIELDS = {"Q4_K": [(0, 2)], "Q5_K": [(0, 2)], "Q6_K": [(208, 1)], "Q8_0": [(0, 1)], "Q2_K": [(80, 2)], "Q3_K": [(108, 1)],
-               "IQ4_NL": [(0, 1)], "IQ4_XS": [(0, 1)], "Q4_0": [(0, 1)], "Q5_0": [(0, 1)], "IQ2_XXS": [(0, 1)], "IQ3_XXS": [(0, 1)], "TQ2_0": [(64, 1)]}
+               "IQ4_NL": [(0, 1)], "IQ4_XS": [(0, 1)], "Q4_0": [(0, 1)], "Q5_0": [(0, 1)], "IQ2_XXS": [(0, 1)], "IQ3_XXS": [(0, 1)], "TQ2_0": [(64, 1)],
+               "IQ1_S": [(0, 1)], "IQ2_XS": [(0, 1)], "IQ2_S": [(0, 1)], "IQ3_S": [(0, 1)]}
 H, HEADS, KV_HEADS, HEAD_DIM, FF, VOCAB = 256, 4, 2, 64, 512, 320
 EXPERTS, TOP_K, EXPERT_FF, LAYERS = 8, 2, 256, 3
 
@@ -27,9 +28,13 @@ def random_blocks(rng: np.random.Generator, kind: str, shape: tuple[int, ...], s
     *lead, cols = shape
     n_blocks = int(np.prod(lead)) * (cols // per)
     raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
-    for off, count in _F16_FIELDS[kind]:
+    for off, count in _F16_FIELDS.get(kind, []):
         d = (rng.uniform(0.5, 1.0, size=(n_blocks, count)) * scale).astype(np.float16)
         raw[:, off : off + 2 * count] = d.view(np.uint8).reshape(n_blocks, 2 * count)
+    if kind == "IQ1_M":  # d lies in the top nibbles of the last four u16 (bytes 49, 51, 53, 55)
+        d = (rng.uniform(0.5, 1.0, size=n_blocks) * scale).astype(np.float16).view(np.uint16)
+        for i in range(4):
+            raw[:, 49 + 2 * i] = (raw[:, 49 + 2 * i] & 0x0F) | (((d >> (4 * i)) & 0xF).astype(np.uint8) << 4)
     if kind == "Q6_K":  # int8 sub-block scales: keep them small and positive-ish
         raw[:, 192:208] = rng.integers(-8, 24, size=(n_blocks, 16)).astype(np.int8).view(np.uint8)
     return raw.reshape(*lead, cols // per * size)
@@ -243,3 +248,15 @@ def widened(b: Builder) -> Builder:
     for name, arr, raw in b.tensors:
         out.tensors.append((name, arr.astype(np.float32) if raw is None else gguf.quants.dequantize(arr, raw).astype(np.float32), None))
     return out
+
+
+HEAD_KINDS = ("Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")
+
+
+def head_only(kind: str, seed: int = 0) -> Builder:
+    """A float llama whose output head alone is `kind` blocks: llama.cpp's logits then differ from deltafind's
+    only by that one matmul's activation rounding, so the two engines' readings of the blocks are compared."""
+    b = widened(make_llama(seed, rope_freqs=False))
+    b.tensors = [t for t in b.tensors if t[0] != "output.weight"]
+    b.weight("output.weight", (VOCAB, H), kind)
+    return b

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parents[2]))
-from tests.gguf_models import MAKERS, VOCAB, widened
+from tests.gguf_models import HEAD_KINDS, MAKERS, VOCAB, head_only, widened
 
 OUT = Path(__file__).with_name("gguf_arch_llamacpp_reference.npz")
 SEED = 7
@@ -34,7 +34,10 @@ N_TOKENS = 48
 TOKENS = [int(t) for t in np.random.default_rng(SEED).integers(0, VOCAB - 1, N_TOKENS)]
 
 
-def llamacpp_logits(path: Path) -> np.ndarray:
+N_HEAD_TOKENS = 8
+
+
+def llamacpp_logits(path: Path, n: int = N_TOKENS) -> np.ndarray:
     from llama_cpp import Llama
 
     # An fp32 KV cache (GGML_TYPE_F32 = 0): llama.cpp's default f16 cache rounds MLA's latent and these random
@@ -42,8 +45,8 @@ def llamacpp_logits(path: Path) -> np.ndarray:
     # and not of the weights this oracle checks.
     llm = Llama(model_path=str(path), n_ctx=128, n_batch=128, n_threads=2, logits_all=True, seed=0, verbose=False,
                 type_k=0, type_v=0)
-    llm.eval(TOKENS)
-    out = np.array(llm.scores[: len(TOKENS)], dtype=np.float32)
+    llm.eval(TOKENS[:n])
+    out = np.array(llm.scores[:n], dtype=np.float32)
     llm.close()
     return out
 
@@ -69,6 +72,10 @@ def main() -> None:
             arrays[f"{arch}_sha256"] = np.array(hashlib.sha256(whole.read_bytes()).hexdigest())
             top2 = np.sort(logits, axis=-1)[:, -2:]
             print(f"{arch}: logits std {logits.std():.3f}, median top-2 margin {np.median(top2[:, 1] - top2[:, 0]):.3f}")
+        for kind in HEAD_KINDS:  # each block type llama.cpp and deltafind must read alike
+            path = head_only(kind, SEED).write(Path(tmp) / f"head_{kind}.gguf")[0]
+            arrays[f"head_{kind}_logits"] = llamacpp_logits(path, N_HEAD_TOKENS)
+            arrays[f"head_{kind}_sha256"] = np.array(hashlib.sha256(path.read_bytes()).hexdigest())
     arrays["made_with"] = np.array(f"llama-cpp-python {llama_cpp.__version__}, {platform.machine()}, numpy {np.__version__}")
     np.savez_compressed(OUT, **arrays)
     print(f"wrote {OUT} ({OUT.stat().st_size} bytes)")

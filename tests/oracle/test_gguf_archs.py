@@ -5,8 +5,9 @@ tests/data/gguf_arch_llamacpp_reference.npz holds llama.cpp's teacher-forced log
 tests/data/make_gguf_llamacpp_reference.py: building llama-cpp-python would add ~6 min to every CI run,
 and the files are rebuilt here from the same seed (their sha256 is checked) instead.
 
-Two checks. The fp32 twin of each file (every block tensor decoded by gguf-py) runs in llama.cpp without
-activation quantization: there deltafind must agree to F32_TOLERANCE (1e-3 of the logits' spread; measured
+Three checks. Each block type alone (`head_only`: a float model whose output head is that type) reads
+as llama.cpp reads it, within HEAD_TOLERANCE. The fp32 twin of each file (every block tensor decoded by
+gguf-py) runs in llama.cpp without activation quantization: there deltafind must agree to F32_TOLERANCE (1e-3 of the logits' spread; measured
 <= 3.3e-4, deepseek2's MoE the largest). On the block-format file llama.cpp multiplies by activations
 quantized to Q8_0/Q8_K while deltafind keeps fp32 (its logits equal the twin's within F32_TOLERANCE), so the
 allowed difference is llama.cpp's own: how far its quantized run lies from its fp32 run, position by
@@ -28,7 +29,7 @@ from deltafind import Model
 from deltafind.models.registry import family_module
 from deltafind.store.setup import setup_store
 from deltafind.store.sources import open_source
-from tests.gguf_models import MAKERS, widened
+from tests.gguf_models import HEAD_KINDS, MAKERS, head_only, widened
 
 REF_PATH = Path(__file__).parents[1] / "data" / "gguf_arch_llamacpp_reference.npz"
 REF = dict(np.load(REF_PATH))
@@ -80,3 +81,19 @@ def test_fp32_twin_agrees_with_llamacpp_to_float_rounding(arch: str, tmp_path: P
     ours, ref = _logits(twin, tmp_path / "store"), REF[f"{arch}_f32_logits"]
     assert float(np.abs(ours - ref).max()) <= F32_TOLERANCE * float(ref.std())
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+# llama.cpp rounds the head's input to Q8_K (Q8_0 for IQ4_NL): a step of max/127 per 256 values, which moves
+# each logit by a few % of the spread (measured at most 4.9e-2, IQ3_XXS). A misread block (grid entry, sign
+# or scale) moves logits by the order of their spread.
+HEAD_TOLERANCE = 0.1
+
+
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+def test_each_block_type_reads_as_llamacpp_reads_it(kind: str, tmp_path: Path) -> None:
+    path = head_only(kind, SEED).write(tmp_path / "head.gguf")[0]
+    _check_file(path, f"head_{kind}_sha256")
+    ref = REF[f"head_{kind}_logits"]
+    ours = _logits(path, tmp_path / "store")[: len(ref)]
+    assert open_source(path).tensors["lm_head.weight"].quant == f"{kind}/256"  # kept as stored, not widened
+    assert float(np.abs(ours - ref).max()) <= HEAD_TOLERANCE * float(ref.std())
