@@ -87,10 +87,12 @@ inline void scale_min(const uint8_t* s, int i, int* sc, int* mn) {
 inline void decode_q2_k(const uint8_t* b, float* out) {
   const uint8_t *scales = b, *qs = b + 16;
   const float d = h2f(rd16(b + 80)), dmin = h2f(rd16(b + 82));
-  for (int j = 0; j < 256; ++j) {
-    const int h = j / 128, s = (j / 32) % 4, c = j % 32, sb = j / 16;
+  for (int sb = 0; sb < 16; ++sb) {  // weights 16 sb + [0, 16): h = sb / 8, s = (sb / 2) % 4
     const float dl = d * static_cast<float>(scales[sb] & 0xF), ml = dmin * static_cast<float>(scales[sb] >> 4);
-    out[j] = dl * static_cast<float>((qs[32 * h + c] >> (2 * s)) & 3) - ml;
+    const uint8_t* q = qs + 32 * (sb / 8) + 16 * (sb % 2);
+    const int shift = 2 * ((sb / 2) % 4);
+    float* o = out + 16 * sb;
+    for (int c = 0; c < 16; ++c) o[c] = dl * static_cast<float>((q[c] >> shift) & 3) - ml;
   }
 }
 
@@ -100,12 +102,13 @@ inline void decode_q2_k(const uint8_t* b, float* out) {
 inline void decode_q3_k(const uint8_t* b, float* out) {
   const uint8_t *hmask = b, *qs = b + 32, *sc = b + 96;
   const float d = h2f(rd16(b + 108));
-  for (int j = 0; j < 256; ++j) {
-    const int h = j / 128, s = (j / 32) % 4, c = j % 32, sb = j / 16;
+  for (int sb = 0; sb < 16; ++sb) {  // weights 16 sb + [0, 16): h = sb / 8, s = (sb / 2) % 4, hmask bit sb / 2
     const int low = (sc[sb % 8] >> (4 * (sb / 8))) & 0x0F, high = (sc[8 + sb % 4] >> (2 * (sb / 4))) & 3;
     const float dl = d * static_cast<float>(static_cast<int8_t>((low | (high << 4)) - 32));
-    const int q = ((qs[32 * h + c] >> (2 * s)) & 3) - (((hmask[c] >> (j / 32)) & 1) ? 0 : 4);
-    out[j] = dl * static_cast<float>(q);
+    const uint8_t *q = qs + 32 * (sb / 8) + 16 * (sb % 2), *m = hmask + 16 * (sb % 2);
+    const int shift = 2 * ((sb / 2) % 4), bit = sb / 2;
+    float* o = out + 16 * sb;
+    for (int c = 0; c < 16; ++c) o[c] = dl * static_cast<float>(((q[c] >> shift) & 3) - (((m[c] >> bit) & 1) ? 0 : 4));
   }
 }
 

@@ -17,9 +17,12 @@ inline int8_t iq2xxs_grid[256 * 8], iq2xs_grid[512 * 8], iq2s_grid[1024 * 8], iq
     iq1s_grid[2048 * 8];
 
 // IQ2_XXS/IQ2_XS/IQ3_XXS: a 7-bit sign index i means the sign byte i with bit 7 set when i has odd parity.
-inline float sign_of(uint32_t index7, int j) {
-  const uint32_t byte = index7 | ((__builtin_popcount(index7) & 1u) << 7);
-  return (byte >> j) & 1u ? -1.0f : 1.0f;
+inline uint32_t sign_byte(uint32_t index7) { return index7 | ((__builtin_popcount(index7) & 1u) << 7); }
+
+// 8 (or 4) weights of one grid entry: w = db * grid * sign, sign bit j of `signs` (from bit `first`).
+template <int N>
+inline void entry(float db, const int8_t* grid, uint32_t signs, int first, float* o) {
+  for (int j = 0; j < N; ++j) o[j] = db * static_cast<float>(grid[j]) * ((signs >> (first + j)) & 1u ? -1.0f : 1.0f);
 }
 
 // One 256-weight IQ2_XXS block (d, then 8 groups of two u32): group g's first word holds 4 grid indices
@@ -32,8 +35,7 @@ inline void decode_iq2_xxs(const uint8_t* b, float* out) {
     std::memcpy(aux, b + 2 + 8 * g, 8);
     const float db = d * (0.5f + static_cast<float>(aux[1] >> 28)) * 0.25f;
     for (int k = 0; k < 4; ++k) {
-      const int8_t* grid = iq2xxs_grid + 8 * ((aux[0] >> (8 * k)) & 0xFF);
-      for (int j = 0; j < 8; ++j) out[32 * g + 8 * k + j] = db * static_cast<float>(grid[j]) * sign_of((aux[1] >> (7 * k)) & 127, j);
+      entry<8>(db, iq2xxs_grid + 8 * ((aux[0] >> (8 * k)) & 0xFF), sign_byte((aux[1] >> (7 * k)) & 127), 0, out + 32 * g + 8 * k);
     }
   }
 }
@@ -47,8 +49,7 @@ inline void decode_iq3_xxs(const uint8_t* b, float* out) {
     std::memcpy(&aux, b + 66 + 4 * g, 4);
     const float db = d * (0.5f + static_cast<float>(aux >> 28)) * 0.5f;
     for (int k = 0; k < 8; ++k) {
-      const int8_t* grid = iq3xxs_grid + 4 * b[2 + 8 * g + k];
-      for (int j = 0; j < 4; ++j) out[32 * g + 4 * k + j] = db * static_cast<float>(grid[j]) * sign_of((aux >> (7 * (k / 2))) & 127, 4 * (k % 2) + j);
+      entry<4>(db, iq3xxs_grid + 4 * b[2 + 8 * g + k], sign_byte((aux >> (7 * (k / 2))) & 127), 4 * (k % 2), out + 32 * g + 4 * k);
     }
   }
 }
@@ -64,17 +65,16 @@ inline void decode_iq2_xs_s(const uint8_t* b, float* out) {
     const int s = (scales[l / 4] >> (4 * ((l / 2) % 2))) & 0x0F;
     const float db = d * (0.5f + static_cast<float>(s)) * 0.25f;
     int index;
-    uint32_t sign_byte;
+    uint32_t signs;
     if constexpr (S) {
       index = b[2 + l] | (((b[66 + l / 4] >> (2 * (l % 4))) & 3) << 8);
-      sign_byte = b[34 + l];
+      signs = b[34 + l];
     } else {
       const uint16_t q = rd16(b + 2 + 2 * l);
       index = q & 511;
-      sign_byte = (q >> 9) | ((__builtin_popcount(q >> 9) & 1u) << 7);
+      signs = sign_byte(q >> 9);
     }
-    const int8_t* grid = (S ? iq2s_grid : iq2xs_grid) + 8 * index;
-    for (int j = 0; j < 8; ++j) out[8 * l + j] = db * static_cast<float>(grid[j]) * ((sign_byte >> j) & 1u ? -1.0f : 1.0f);
+    entry<8>(db, (S ? iq2s_grid : iq2xs_grid) + 8 * index, signs, 0, out + 8 * l);
   }
 }
 
@@ -85,11 +85,7 @@ inline void decode_iq3_s(const uint8_t* b, float* out) {
   for (int l = 0; l < 64; ++l) {
     const int s = (b[106 + l / 16] >> (4 * ((l / 8) % 2))) & 0x0F;
     const float db = d * static_cast<float>(1 + 2 * s);
-    const int8_t* grid = iq3s_grid + 4 * (b[2 + l] | (((b[66 + l / 8] >> (l % 8)) & 1) << 8));
-    for (int j = 0; j < 4; ++j) {
-      const int w = 4 * l + j;
-      out[w] = db * static_cast<float>(grid[j]) * ((b[74 + w / 8] >> (w % 8)) & 1u ? -1.0f : 1.0f);
-    }
+    entry<4>(db, iq3s_grid + 4 * (b[2 + l] | (((b[66 + l / 8] >> (l % 8)) & 1) << 8)), b[74 + l / 2], 4 * (l % 2), out + 4 * l);
   }
 }
 
