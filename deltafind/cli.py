@@ -40,8 +40,8 @@ def _setup_dspark(args: argparse.Namespace) -> int:
 
 def cmd_setup(args: argparse.Namespace) -> int:
     from deltafind.models.registry import family_module
+    from deltafind.store.checkpoint import open_source
     from deltafind.store.setup import setup_store
-    from deltafind.store.sources import open_source
 
     settings = cli_settings(args)  # a bad config fails here, before any work
     if args.node is not None:  # an expert node's own store (deltafind/cluster)

@@ -19,7 +19,7 @@ from deltafind.errors import StoreError, UnsupportedModelError
 from deltafind.log import get_logger
 from deltafind.store.gguf_arch import Arch, arch_for
 from deltafind.store.quant import BLOCKS, quant_tag, row_bytes
-from deltafind.store.sources import Source, TensorInfo, _stat_fingerprint
+from deltafind.store.sources import Source, TensorInfo, stat_fingerprint
 
 log = get_logger(__name__)
 SHARD = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")  # llama.cpp's llama_split_path
@@ -219,7 +219,7 @@ class GGUFSource(Source):
         return w.contiguous()
 
     def fingerprint(self) -> str:
-        return _stat_fingerprint(self.files)
+        return stat_fingerprint(self.files)
 
     def write_tokenizer(self, dest: Path) -> list[str]:
         from deltafind.tokenizer import write_tokenizer_from_gguf

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from deltafind.errors import StoreError
 from deltafind.log import get_logger
+from deltafind.store.checkpoint import open_source
 from deltafind.store.manifest import (
     ALIGN,
     FORMAT_VERSION,
@@ -39,7 +40,7 @@ from deltafind.store.manifest import (
 from deltafind.store.placement import MIN_STRIPE_BYTES, place, stripe_extents, write_record
 from deltafind.store.plan import dense_slices_for, iter_expert_groups, plan_tensors
 from deltafind.store.provider import HF_WEIGHTS, WeightNames
-from deltafind.store.sources import Source, TensorInfo, open_source
+from deltafind.store.sources import Source, TensorInfo
 from deltafind.store.spine_writer import write_safetensors
 
 log = get_logger(__name__)

@@ -55,7 +55,7 @@ class Source:
         """Setup finished: a source may free what it fetched (store/hub.py's --delete-source)."""
 
 
-def _stat_fingerprint(paths: list[Path], extra: bytes = b"") -> str:
+def stat_fingerprint(paths: list[Path], extra: bytes = b"") -> str:
     h = hashlib.sha256(extra)
     for p in sorted(paths):
         st = p.stat()
@@ -126,27 +126,9 @@ class HFSource(Source):
         return self._handles[f].get_tensor(orig)
 
     def fingerprint(self) -> str:
-        return _stat_fingerprint(self.files, (self.path / "config.json").read_bytes())
+        return stat_fingerprint(self.files, (self.path / "config.json").read_bytes())
 
     def write_tokenizer(self, dest: Path) -> list[str]:
         from deltafind.tokenizer import copy_tokenizer_files
 
         return copy_tokenizer_files(self.path, dest)
-
-
-def open_source(path: Path, widen: bool = False) -> Source:
-    """The reader for `path`: a HuggingFace folder, or a GGUF file or shard (store/gguf_source.py; `widen`:
-    import block types without a kernel as float32 instead of refusing them)."""
-    from deltafind.store.gguf_source import GGUFSource  # it builds on this module's Source
-
-    path = Path(path)
-    if not path.exists():
-        raise StoreError(f"{path}: no such file or folder (--from takes a HuggingFace model folder or a .gguf file)")
-    if path.is_file():
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        if magic != b"GGUF":
-            raise StoreError(f"{path}: not a GGUF file (bad magic {magic!r}); --from takes a HuggingFace model folder or a .gguf file")
-        return GGUFSource(path, widen)
-    return HFSource(path)
-

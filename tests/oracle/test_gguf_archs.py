@@ -27,8 +27,8 @@ import pytest
 
 from deltafind import Model
 from deltafind.models.registry import family_module
+from deltafind.store.checkpoint import open_source
 from deltafind.store.setup import setup_store
-from deltafind.store.sources import open_source
 from tests.gguf_models import HEAD_KINDS, MAKERS, head_only, widened
 
 REF_PATH = Path(__file__).parents[1] / "data" / "gguf_arch_llamacpp_reference.npz"

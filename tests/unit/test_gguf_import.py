@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from deltafind.errors import StoreError, UnsupportedModelError
+from deltafind.store.checkpoint import open_source
 from deltafind.store.gguf_arch import llama3_rope
 from deltafind.store.manifest import MANIFEST_NAME
 from deltafind.store.setup import setup_store
-from deltafind.store.sources import open_source
 from tests.gguf_models import MAKERS, Builder, make_llama
 
 
