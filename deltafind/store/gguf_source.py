@@ -138,7 +138,8 @@ class GGUFSource(Source):
                 if (m := re.match(r"blk\.(\d+)\.", name)) and int(m[1]) >= layers:
                     continue  # multi-token-prediction layers after the last decoder layer: not run
                 raise UnsupportedModelError(f"{self.path}: GGUF tensor {name!r} has no place in deltafind's {self.arch.family} "
-                                            f"(architecture {self._field('general.architecture')})")
+                                            f"(architecture {self._field('general.architecture')}): the file holds a part deltafind "
+                                            "does not run; import the model's HuggingFace folder instead")
             # transformers' DeepSeek names the router's bias `gate.e_score_correction_bias`
             hf = hf + ("_" if hf.endswith("e_score_correction") else dot) + suffix
             if hf.endswith(("k_b_proj.weight", "v_b_proj.weight")):
