@@ -40,8 +40,8 @@ def _setup_dspark(args: argparse.Namespace) -> int:
 
 def cmd_setup(args: argparse.Namespace) -> int:
     from deltafind.models.registry import family_module
+    from deltafind.store.checkpoint import open_source
     from deltafind.store.setup import setup_store
-    from deltafind.store.sources import open_source
 
     settings = cli_settings(args)  # a bad config fails here, before any work
     if args.node is not None:  # an expert node's own store (deltafind/cluster)
@@ -73,8 +73,10 @@ def cmd_setup(args: argparse.Namespace) -> int:
         # --from is a local path, or ORG/NAME[@REVISION] on a hub
         store, drives = Path(args.store).expanduser(), args.drive
         source = open_checkpoint(args.source, store, args.streaming, args.delete_source, progress=not args.quiet)
+    if isinstance(source, Path):
+        source = open_source(source.resolve(), widen=args.widen_unsupported)
     # Refuse an unsupported family, or a config the family refuses (K3's quality guard), before writing anything.
-    config = (source if not isinstance(source, Path) else open_source(source)).config
+    config = source.config
     family = family_module(str(config.get("model_type")))
     names = family.weight_names(family.ModelArgs.from_config(config))  # the family says which tensors are experts
     if args.streaming:
@@ -169,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--streaming", action="store_true", help="with a hub repo: write spine and records only; experts are fetched by range on first use")
     p.add_argument("--fill", action="store_true", help="fetch every expert a streaming --store still lacks, verify against the hub")
     p.add_argument("--delete-source", action="store_true", help="with a hub repo: free each downloaded shard from the HF cache once imported")
+    p.add_argument("--widen-unsupported", action="store_true",
+                   help="import GGUF block types deltafind has no kernel for as float32 (the refusal says how many bytes that costs)")
     p.add_argument("--store", metavar="DIR", help="store folder to create")
     p.add_argument("--drive", action="append", metavar="PATH", help="drive folder for expert packs (repeat to stripe over several)")
     p.add_argument("--dense-slices", type=int, default=None, metavar="N",

@@ -85,6 +85,14 @@ def gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     scale = (rng.standard_normal((rows, cols // per, 2)).astype(np.float16) * np.float16(0.01)).view(np.uint8)
     if kind == "Q6_K":
         raw[..., 208:210] = scale[..., :2]  # d
+    elif kind == "IQ1_M":  # d in the top nibbles of the last four u16 (its 3-bit scales keep their random bits)
+        d = scale[..., :2].copy().view(np.uint16)
+        for i in range(4):
+            raw[..., 49 + 2 * i] = (raw[..., 49 + 2 * i] & 0x0F) | ((((d >> (4 * i)) & 0xF).astype(np.uint8)[..., 0]) << 4)
+    elif kind.startswith("IQ"):  # d first, then random codes, scales and signs
+        raw[..., 0:2] = scale[..., :2]
+    elif kind in ("Q2_K", "Q3_K"):  # d (and Q2_K's dmin) after the codes
+        raw[..., size - 4 + 2 * (kind == "Q3_K") : size] = scale[..., : 4 - 2 * (kind == "Q3_K")]
     else:
         raw[..., 0:4] = scale  # d, dmin
     return torch.from_numpy(raw.reshape(rows, -1))

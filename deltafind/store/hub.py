@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from deltafind.errors import StoreError
+from deltafind.store.checkpoint import open_source
 from deltafind.store.remote import RangeClient, RemoteTensor, parse_header, read_shard_header
-from deltafind.store.sources import Source, import_names, open_source, tensor_info
+from deltafind.store.sources import Source, import_names, tensor_info
 from deltafind.store.spine_writer import write_safetensors
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(?:@[\w./-]+)?$")

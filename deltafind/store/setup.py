@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from deltafind.errors import StoreError
 from deltafind.log import get_logger
+from deltafind.store.checkpoint import open_source
 from deltafind.store.manifest import (
     ALIGN,
     FORMAT_VERSION,
@@ -39,7 +40,7 @@ from deltafind.store.manifest import (
 from deltafind.store.placement import MIN_STRIPE_BYTES, place, stripe_extents, write_record
 from deltafind.store.plan import dense_slices_for, iter_expert_groups, plan_tensors
 from deltafind.store.provider import HF_WEIGHTS, WeightNames
-from deltafind.store.sources import Source, TensorInfo, open_source
+from deltafind.store.sources import Source, TensorInfo
 from deltafind.store.spine_writer import write_safetensors
 
 log = get_logger(__name__)
@@ -197,8 +198,26 @@ def setup_store(
 
     manifest = finish_store(store_dir, source, journal, records, store_id=store_id, drives=drive_strs, dense_slices=dense_slices,
                             source=params, spine_sha256=spine_sha, placement="stripe" if any(r.stripes for r in records) else "whole")
+    check_written(store_dir)
     source.end_import()
     return manifest
+
+
+def check_written(store_dir: Path) -> None:
+    """Open what setup wrote before calling it ready: the manifest loads, and every layer its config counts
+    has tensors in the spine or expert records. A store that fails loses its manifest (so nothing opens it)."""
+    from safetensors import safe_open
+
+    manifest = Manifest.load(store_dir)
+    with safe_open(str(store_dir / SPINE_NAME), "pt") as f:
+        names = list(f.keys())
+    present = {r.layer for r in manifest.experts} | {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")}
+    layers = int(manifest.model_config.get("num_hidden_layers") or 0)
+    missing = [i for i in range(layers) if i not in present]
+    if missing:
+        (store_dir / MANIFEST_NAME).unlink()
+        raise StoreError(f"{store_dir}: the import wrote no tensors for layers {missing[:8]} of the {layers} its config counts; "
+                         "the checkpoint is incomplete (a missing shard?): fix it and run setup again")
 
 
 def drive_folders(store_dir: Path, drives: list[Path] | None) -> tuple[list[Path], list[str]]:

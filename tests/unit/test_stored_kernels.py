@@ -15,19 +15,21 @@ from deltafind.models.ops.stored import (
     StoredWeight,
     dequantize,
     gguf_dequantize,
+    set_grids,
     stored_linear,
     to_row_int8,
 )
 from tests.conftest import avx2_kernels, gguf_blocks
 
 needs_kernel = pytest.mark.skipif(CPU.load() is None, reason=f"no C++ compiler: {CPU.build_error}")
-# gguf-py can quantize these itself; Q4_K/Q5_K/Q6_K blocks are drawn as random bytes with sane scales below.
+# gguf-py can quantize these itself; the K- and IQ4 blocks are drawn as random bytes with sane scales (conftest).
 QUANTIZABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
-K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
+DRAWN = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL",
+         "IQ4_XS"]
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", QUANTIZABLE + K_QUANTS)
+@pytest.mark.parametrize("kind", QUANTIZABLE + DRAWN)
 @pytest.mark.parametrize("cols", [256, 576, 1024])
 def test_decode_is_bit_identical_to_gguf(kind: str, cols: int) -> None:
     if BLOCKS[kind][0] == 256 and cols % 256:
@@ -43,7 +45,7 @@ def _widened(x: torch.Tensor, w: StoredWeight) -> torch.Tensor:
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", [*QUANTIZABLE, *K_QUANTS, "BF16", "F16"])
+@pytest.mark.parametrize("kind", [*QUANTIZABLE, *DRAWN, "BF16", "F16"])
 @pytest.mark.parametrize("tokens", [1, 3, 9])
 def test_matmul_matches_widened_path(kind: str, tokens: int) -> None:
     torch.manual_seed(tokens)
@@ -198,7 +200,7 @@ def test_results_do_not_depend_on_threads_and_calls_from_many_threads_stay_separ
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", QUANTIZABLE + K_QUANTS)
+@pytest.mark.parametrize("kind", QUANTIZABLE + DRAWN)
 def test_block_formats_err_like_an_fp32_matmul_against_fp64(kind: str) -> None:
     """The block formats are dotted factored per 32 (or 16) weights, d * (q . x) + m * sum(x), on AVX2,
     or decoded exactly by table on AVX-512 (stored_blocks.h): every weight exact, only the fp32
@@ -216,6 +218,7 @@ def test_block_formats_err_like_an_fp32_matmul_against_fp64(kind: str) -> None:
 
 
 def _parts_matmul(lib: object, w: StoredWeight, x: torch.Tensor, threads: int) -> torch.Tensor:
+    set_grids(lib)
     part = (StoredPart * 1)(StoredPart(KINDS[w.kind], w.rows, w.cols, w.data.shape[1], w.data.data_ptr()))
     y = torch.empty(x.shape[0], w.rows)
     assert lib.df_stored_parts(part, 1, 0, x.data_ptr(), x.shape[0], x.shape[1], y.data_ptr(), w.rows, threads) == 0
@@ -223,7 +226,7 @@ def _parts_matmul(lib: object, w: StoredWeight, x: torch.Tensor, threads: int) -
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", QUANTIZABLE + K_QUANTS)
+@pytest.mark.parametrize("kind", QUANTIZABLE + DRAWN)
 @pytest.mark.parametrize("cols", [1024, 2144, 2304])
 def test_the_avx2_and_default_builds_both_match_the_widened_path_for_any_batch(kind: str, cols: int) -> None:
     """Both builds agree with decode-then-matmul within summation-order noise, and each gives a token

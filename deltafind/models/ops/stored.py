@@ -2,7 +2,7 @@
 
 A `StoredWeight` is a logical [rows, cols] matrix kept as its stored bytes: a bf16/fp16
 tensor, or uint8 [rows, row_bytes] of llama.cpp blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-Q4_K, Q5_K, Q6_K). `stored_linear(x, w)` computes `x @ W.T` with fp32 activations and
+Q2_K..Q6_K and the IQ formats: IQ1_S/M, IQ2_XXS/XS/S, IQ3_XXS/S, IQ4_NL/XS). `stored_linear(x, w)` computes `x @ W.T` with fp32 activations and
 fp32 accumulation, every weight decoded exactly as the fp32-widened path decodes it
 (bf16/fp16: the exact widening; GGUF: gguf-py's `dequantize`, the import's oracle):
 on the CPU through stored_cpu.cpp, elsewhere (or without a compiler) by decoding into
@@ -29,8 +29,9 @@ from deltafind.store.quant import parse_quant
 
 # GGML type ids (gguf.GGMLQuantizationType): the kind codes stored_cpu.cpp takes.
 # I8R (deltafind's own) is the row-int8 spine: per row an f16 scale, then int8 weights (spec 9.6).
-KINDS = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30,
-         "I8R": 100}
+KINDS = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
+         "Q6_K": 14, "IQ2_XXS": 16, "IQ2_XS": 17, "IQ3_XXS": 18, "IQ1_S": 19, "IQ4_NL": 20, "IQ3_S": 21, "IQ2_S": 22,
+         "IQ4_XS": 23, "IQ1_M": 29, "BF16": 30, "I8R": 100}
 INT8_SKIP = ("conv1d", "norm", "A_log", "dt_bias", "res_proj", "e_score_correction_bias", ".experts.", "vision", "mm_projector")
 BLOCKS = {"F16": (1, 2), "BF16": (1, 2), **GGUF_BLOCKS}  # (weights, bytes) per block
 TORCH_KINDS = {torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -131,10 +132,32 @@ def gguf_dequantize(w: StoredWeight) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32).reshape(w.rows, w.cols)).to(w.data.device)
 
 
+# kinds whose codes index a grid: gguf-py's, handed to the kernel (`set_grids`); IQ1_M reads IQ1_S's
+GRIDS = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
+
+
+def set_grids(lib: ctypes.CDLL) -> None:
+    """Hand gguf-py's IQ code grids to a kernel library, once: one copy of the tables, gguf-py's."""
+    if getattr(lib, "grids_set", False):
+        return
+    from gguf import quants
+
+    lib.df_stored_set_grid.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64]
+    for kind in GRIDS[:-1]:
+        table = getattr(quants, kind)
+        table.init_grid()
+        values = np.ascontiguousarray(table.grid.reshape(-1), dtype=np.int8)
+        if lib.df_stored_set_grid(KINDS[kind], values.ctypes.data, values.size) != 0:
+            raise RuntimeError(f"the CPU kernels refused gguf-py's {kind} grid of {values.size} values")
+    lib.grids_set = True
+
+
 @functools.cache
 def _kernel_takes(kind: str, cols: int) -> bool:
     """Whether the CPU kernel is built and takes rows of `cols` weights in `kind` (asked once per shape)."""
     lib = CPU.load()
+    if lib is not None and kind in GRIDS:
+        set_grids(lib)
     return lib is not None and lib.df_stored_row_bytes(KINDS[kind], cols) > 0
 
 

@@ -39,12 +39,17 @@ struct Part {
   const uint8_t* data;
 };
 
-// Bytes of one block of a GGUF block format by its GGML kind id (32 weights a block; 256 for Q4_K, Q5_K
-// and Q6_K, kinds 12-14), 0 for any other kind: the one table of the block sizes.
+// Bytes of one block of a GGUF block format by its GGML kind id (32 weights a block; 256 for the
+// K-quants Q2_K..Q6_K, kinds 10-14), 0 for any other kind: the one table of the block sizes.
 constexpr int64_t block_bytes(int kind) {
   return kind == 2 ? 18 : kind == 3 ? 20 : kind == 6 ? 22 : kind == 7 ? 24 : kind == 8 ? 34
-       : kind == 12 ? 144 : kind == 13 ? 176 : kind == 14 ? 210 : 0;
+       : kind == 10 ? 84 : kind == 11 ? 110 : kind == 12 ? 144 : kind == 13 ? 176 : kind == 14 ? 210
+       : kind == 16 ? 66 : kind == 17 ? 74 : kind == 18 ? 98 : kind == 19 ? 50 : kind == 20 ? 18 : kind == 21 ? 110
+       : kind == 22 ? 82 : kind == 23 ? 136 : kind == 29 ? 56 : 0;
 }
+
+// 256 weights a block: the K-quants and every IQ format but IQ4_NL.
+constexpr bool block256(int kind) { return (kind >= 10 && kind <= 14) || (kind >= 16 && kind <= 23 && kind != 20) || kind == 29; }
 
 // The formats' fields, for this header and stored_cpu.cpp's decode alike.
 inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
@@ -73,6 +78,37 @@ inline void scale_min(const uint8_t* s, int i, int* sc, int* mn) {
   } else {
     *sc = (s[i + 4] & 0x0F) | ((s[i - 4] >> 2) & 0x30);
     *mn = (s[i + 4] >> 4) | ((s[i] >> 2) & 0x30);
+  }
+}
+
+// One 256-weight Q2_K block (scales[16], qs[64], d, dmin): weight j = 128h + 32s + c has the 2-bit code
+// (qs[32h + c] >> 2s) & 3 and sub-block j / 16's 4-bit scale and min; w = (d*sc) * q - dmin*mn, gguf-py's
+// operations in its order (no FMA: -ffp-contract=off).
+inline void decode_q2_k(const uint8_t* b, float* out) {
+  const uint8_t *scales = b, *qs = b + 16;
+  const float d = h2f(rd16(b + 80)), dmin = h2f(rd16(b + 82));
+  for (int sb = 0; sb < 16; ++sb) {  // weights 16 sb + [0, 16): h = sb / 8, s = (sb / 2) % 4
+    const float dl = d * static_cast<float>(scales[sb] & 0xF), ml = dmin * static_cast<float>(scales[sb] >> 4);
+    const uint8_t* q = qs + 32 * (sb / 8) + 16 * (sb % 2);
+    const int shift = 2 * ((sb / 2) % 4);
+    float* o = out + 16 * sb;
+    for (int c = 0; c < 16; ++c) o[c] = dl * static_cast<float>((q[c] >> shift) & 3) - ml;
+  }
+}
+
+// One 256-weight Q3_K block (hmask[32], qs[64], scales[12], d): 6-bit signed scales (low nibbles in
+// bytes 0-7, high bit pairs in 8-11, minus 32) per 16 weights; weight j = 128h + 32s + c has the 2-bit
+// code (qs[32h + c] >> 2s) & 3, less 4 where bit j / 32 of hmask[c] is clear; w = (d*sc) * q.
+inline void decode_q3_k(const uint8_t* b, float* out) {
+  const uint8_t *hmask = b, *qs = b + 32, *sc = b + 96;
+  const float d = h2f(rd16(b + 108));
+  for (int sb = 0; sb < 16; ++sb) {  // weights 16 sb + [0, 16): h = sb / 8, s = (sb / 2) % 4, hmask bit sb / 2
+    const int low = (sc[sb % 8] >> (4 * (sb / 8))) & 0x0F, high = (sc[8 + sb % 4] >> (2 * (sb / 4))) & 3;
+    const float dl = d * static_cast<float>(static_cast<int8_t>((low | (high << 4)) - 32));
+    const uint8_t *q = qs + 32 * (sb / 8) + 16 * (sb % 2), *m = hmask + 16 * (sb % 2);
+    const int shift = 2 * ((sb / 2) % 4), bit = sb / 2;
+    float* o = out + 16 * sb;
+    for (int c = 0; c < 16; ++c) o[c] = dl * static_cast<float>(((q[c] >> shift) & 3) - (((m[c] >> bit) & 1) ? 0 : 4));
   }
 }
 

@@ -1,5 +1,5 @@
 // Matmul on weights in their stored format: bf16, fp16 and llama.cpp's GGUF block formats
-// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), with fp32 activations and fp32 accumulation.
+// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K and the IQ formats), with fp32 activations and fp32 accumulation.
 //
 // y[t, r] = sum_c w(r, c) * x[t, c], every w(r, c) its exact stored value. The decode (df_stored_dequant,
 // and the matmul without AVX2) is gguf-py's numpy dequantize, the same fp32 operations in the same order
@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "cpu_pool.h"
+#include "stored_iq.h"
 #include "stored_rows.h"
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -26,7 +27,9 @@ using df::pool;
 
 // GGML type ids (gguf.GGMLQuantizationType), used as the kind codes of this library.
 // I8R is deltafind's own: the row-int8 spine (spec 9.6), each row an f16 scale then C int8 weights.
-enum Kind : int { F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30, I8R = 100 };
+enum Kind : int { F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+                  IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23, IQ1_M = 29,
+                  BF16 = 30, I8R = 100 };
 constexpr int kChunk = 256;  // weights decoded at a time (one K-block, eight 32-blocks, 256 halves)
 constexpr int kTile = 4;     // tokens per pass over a decoded chunk
 
@@ -35,7 +38,7 @@ bool block_shape(int kind, int64_t* elems, int64_t* bytes) {
     case F16: case BF16: *elems = 1; *bytes = 2; return true;
     case I8R: *elems = 1; *bytes = 1; return true;  // plus the row's 2-byte scale (df_stored_row_bytes)
     default:
-      *elems = kind == Q4_K || kind == Q5_K || kind == Q6_K ? 256 : 32;
+      *elems = dfq::block256(kind) ? 256 : 32;
       *bytes = dfq::block_bytes(kind);
       return *bytes > 0;
   }
@@ -181,7 +184,11 @@ void decode(int kind, const uint8_t* row, int64_t c0, int n, float* out) {
     case Q4_K: decode_k45<Q4_K>(row + (c0 / 256) * dfq::block_bytes(Q4_K), out); return;
     case Q5_K: decode_k45<Q5_K>(row + (c0 / 256) * dfq::block_bytes(Q5_K), out); return;
     case Q6_K: decode_q6_k(row + (c0 / 256) * dfq::block_bytes(Q6_K), out); return;
-    default: return;
+    // Q2_K, Q3_K and the IQ formats: no register path yet (stored_rows.h); decoded into the L1 buffer
+    case Q2_K: dfq::decode_q2_k(row + (c0 / 256) * dfq::block_bytes(Q2_K), out); return;
+    case Q3_K: dfq::decode_q3_k(row + (c0 / 256) * dfq::block_bytes(Q3_K), out); return;
+    case IQ4_NL: for (int k = 0; k < n / 32; ++k) dfq::decode_iq4_nl(row + (c0 / 32 + k) * 18, out + 32 * k); return;
+    default: dfq::decode_iq(kind, row + (c0 / 256) * dfq::block_bytes(kind), out); return;
   }
 }
 
@@ -286,6 +293,9 @@ void accumulate(int kind, const uint8_t* first, int64_t nrows, int64_t row_bytes
 extern "C" {
 
 int df_stored_abi() { return 2; }
+
+// Hand in gguf-py's code grid of an IQ `kind` (stored_iq.h's set_grid).
+int df_stored_set_grid(int kind, const int8_t* values, int64_t n) { return dfq::set_grid(kind, values, n); }
 
 // Bytes of one row of `cols` weights in `kind` (0 when the kind is unknown or cols does not fit it).
 int64_t df_stored_row_bytes(int kind, int64_t cols) {

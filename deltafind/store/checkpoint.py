@@ -1,0 +1,27 @@
+"""Open a checkpoint for import by what is on disk: a HuggingFace folder (store/sources.py) or a GGUF
+file or any shard of a split one (store/gguf_source.py). The one place that tells them apart.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from deltafind.errors import StoreError
+from deltafind.store.gguf_source import GGUFSource
+from deltafind.store.sources import HFSource, Source
+
+
+def open_source(path: Path, widen: bool = False) -> Source:
+    """The reader for `path`: a HuggingFace folder, or a GGUF file or shard (store/gguf_source.py; `widen`:
+    import block types without a kernel as float32 instead of refusing them)."""
+    path = Path(path)
+    if not path.exists():
+        raise StoreError(f"{path}: no such file or folder (--from takes a HuggingFace model folder or a .gguf file)")
+    if path.is_file():
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise StoreError(f"{path}: not a GGUF file (bad magic {magic!r}); --from takes a HuggingFace model folder or a .gguf file")
+        return GGUFSource(path, widen)
+    return HFSource(path)
+
