@@ -314,7 +314,15 @@ class Model:
 
     def save_heat(self) -> None:
         """Merge this run's expert uses into the store's heat file (a read-only store is logged, not fatal)."""
+        self.write_heat(self.take_uses())
+
+    def take_uses(self) -> dict[tuple[int, int], int]:
+        """The expert uses counted since the last take (on the engine thread: it owns the counts)."""
         uses, self.experts.uses = dict(self.experts.uses), type(self.experts.uses)(int)
+        return uses
+
+    def write_heat(self, uses: dict[tuple[int, int], int]) -> None:
+        """Merge `uses` into the heat file; any thread (the file I/O stays off the engine thread)."""
         if not uses:
             return
         try:

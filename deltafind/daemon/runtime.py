@@ -67,6 +67,7 @@ class Runtime:
         self.scheduler: Scheduler | None = None
         self.pending_restart: list[str] = []
         self.trace_path: str | None = None
+        self._trace: Any = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.control: Any = None
@@ -128,8 +129,8 @@ class Runtime:
 
     def _save_heat_periodically(self) -> None:
         while not self._stop.wait(self.settings.cache.heat_save_s):
-            try:  # on the engine thread: it owns the use counts (PERF: one small JSON write per period)
-                self.scheduler.call(self.model.save_heat)  # type: ignore[union-attr]
+            try:  # the engine thread hands over its counts; this thread writes them (a full disk never stalls a step)
+                self.model.write_heat(self.scheduler.call(self.model.take_uses))  # type: ignore[union-attr]
             except Exception as e:
                 log.warning("heat_not_saved", error=str(e))
 
@@ -229,23 +230,39 @@ class Runtime:
     def trace(self, start: bool, path: str | None) -> dict[str, Any]:
         if self.scheduler is None or self.model is None:
             raise DeltafindError("the model is still loading; try again when it is ready")
-        from deltafind.store.trace import TraceWriter
+        from deltafind.store.trace import TraceWriter, open_trace_file
 
+        writer = None
         if start:
-            self._check_trace_path(Path(path or "deltafind-trace.jsonl"))
+            folder = self.trace_dir()
+            name = path or time.strftime("trace-%Y%m%d-%H%M%S.jsonl")
+            self._check_trace_path(folder / name)
+            fd, full = open_trace_file(folder, name)
+            writer = TraceWriter(full, fd=fd)
         experts = self.model.experts
 
-        def swap() -> None:
-            if experts.trace is not None:
-                experts.trace.close()
-                experts.trace = None
-            if start:
-                experts.trace = TraceWriter(Path(path or "deltafind-trace.jsonl"))
+        def swap() -> Any:
+            old, experts.trace = experts.trace, writer
+            return old
 
-        self.scheduler.call(swap)
-        self.trace_path = (path or "deltafind-trace.jsonl") if start else None
+        old = self.scheduler.call(swap)
+        if old is not None:
+            old.close(wait_s=0)  # its own thread writes what is left
+        self._trace = writer
+        self.trace_path = str(writer.path) if writer else None
         log.info("trace", active=start, path=self.trace_path)
         return {"active": start, "path": self.trace_path or ""}
+
+    def trace_dir(self) -> Path:
+        c = self.settings.control
+        return Path(c.trace_dir).expanduser() if c.trace_dir else Path(c.socket).parent / "traces"
+
+    def trace_state(self) -> dict[str, Any]:
+        """The current (or last) trace: path, whether it is writing, bytes, dropped lines, its write error."""
+        t = self._trace
+        if t is None:
+            return {}
+        return {"path": str(t.path), "active": t.active, "bytes": t.bytes, "dropped": t.dropped, "error": t.error or ""}
 
     def _check_trace_path(self, path: Path) -> None:
         """A trace is appended to: never into the store, a drive folder or the config (it would corrupt them)."""
@@ -267,13 +284,14 @@ class Runtime:
             "model": model_name(s), "version": __version__, "pid": os.getpid(), "uptime_s": time.time() - self.started_at,
             "ready": self.state.engine is not None, "load_status": self.state.load_status,
             "config_path": str(self.config_path or ""), "config_loaded_at": self.config_loaded_at,
-            "restart_needed": list(self.pending_restart), "trace_path": self.trace_path or "",
+            "restart_needed": list(self.pending_restart),
+            "trace_path": self.trace_path if self._trace is not None and self._trace.active else "",
         }
         engine: dict[str, Any] = {}
         if self.scheduler is not None:
             engine = self.scheduler.snapshot()
             out.update({k: engine[k] for k in ("running", "waiting", "draining", "max_running", "max_queue")})
-        out["snapshot_json"] = json.dumps({"engine": engine, "store": self.store_snapshot()})
+        out["snapshot_json"] = json.dumps({"engine": engine, "store": self.store_snapshot(), "trace": self.trace_state()})
         return out
 
     def store_snapshot(self) -> dict[str, Any]:

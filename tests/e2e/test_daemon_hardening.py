@@ -330,6 +330,62 @@ def test_trace_start_refuses_the_manifest_and_any_store_file(daemon: Daemon, sto
     assert daemon.ctl("--json", "status").returncode == 0
 
 
+def test_trace_files_are_created_new_in_the_trace_folder_only(daemon: Daemon, tmp_path: Path) -> None:
+    folder = daemon.socket.parent / "traces"  # [control] trace_dir unset: beside the socket
+    folder.mkdir(exist_ok=True)
+    outside = tmp_path / "victim.txt"
+    outside.write_text("keep\n")
+    os.mkfifo(folder / "fifo")
+    (folder / "link").symlink_to(outside)
+    (folder / "old.jsonl").write_text("earlier\n")
+    for target, why in [(str(outside), "outside the trace folder"), (str(tmp_path / "new.jsonl"), "outside the trace folder"),
+                        ("../escape.jsonl", "outside the trace folder"), ("fifo", "exists"), ("link", "exists"),
+                        (str(folder / "old.jsonl"), "exists"), (".hidden", "not a trace file name")]:
+        t0 = time.monotonic()
+        proc = daemon.ctl("trace", "start", target)
+        assert proc.returncode == 1 and why in proc.stderr and "trace_dir" in proc.stderr, (target, proc.stderr)
+        assert time.monotonic() - t0 < 10
+    assert outside.read_text() == "keep\n" and (folder / "old.jsonl").read_text() == "earlier\n"
+    assert not (tmp_path / "new.jsonl").exists() and not (daemon.socket.parent / "escape.jsonl").exists()
+    proc = daemon.ctl("trace", "start", "fresh.jsonl")
+    assert proc.returncode == 0 and str(folder / "fresh.jsonl") in proc.stdout, proc.stderr
+    assert stat.S_IMODE((folder / "fresh.jsonl").stat().st_mode) == 0o640
+    assert daemon.ctl("trace", "start", "fresh.jsonl").returncode == 1  # never reopened for appending
+    assert daemon.ctl("trace", "stop").returncode == 0
+
+
+def _mount_tiny_tmpfs(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(folder)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tiny tmpfs here (needs root): {proc.stderr.strip()}")
+
+
+def test_a_full_trace_disk_stops_the_trace_not_generation(daemon: Daemon) -> None:
+    folder = daemon.socket.parent / "traces"
+    _mount_tiny_tmpfs(folder)
+    try:
+        assert daemon.ctl("trace", "start", str(folder / "full.jsonl")).returncode == 0
+        body = {"model": "test-model", "prompt": "The trace of this prompt fills an 8 KiB disk. " * 7, "max_tokens": 3,
+                "temperature": 0}
+        status, reply = daemon.post_json("/v1/completions", body, timeout=60)
+        assert status == 200 and reply["usage"]["completion_tokens"] == 3, reply
+        deadline = time.monotonic() + 10
+        while not (trace := _status(daemon)["snapshot"]["trace"])["error"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "No space left on device" in trace["error"] and str(folder / "full.jsonl") in trace["error"], trace
+        assert _status(daemon)["trace_path"] == ""
+        assert "stopped by a write error" in daemon.ctl("status").stdout
+        stop = daemon.ctl("trace", "stop")
+        assert stop.returncode == 0, stop.stderr
+        status, reply = daemon.post_json("/v1/completions", body, timeout=60)
+        assert status == 200, reply
+        assert daemon.get("/health")[0] == 200
+    finally:
+        daemon.ctl("trace", "stop")
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
 @pytest.mark.skipif(_group() is None, reason="no spare group on this machine")
 def test_the_socket_folder_gets_the_group_and_lets_it_in(daemon: Daemon) -> None:
     gid = grp.getgrnam(_group()).gr_gid  # type: ignore[arg-type]
