@@ -128,3 +128,17 @@ def test_run_chat_has_history_and_ctrl_c_stops_only_the_reply(demo_store: Path, 
     assert os.waitstatus_to_exitcode(status) == 0, bytes(out)
     assert b"^[[A" not in out and b"interrupted" not in out
     assert "Count from 1 to 300" in (tmp_path / "chat_history").read_text()
+
+
+@pytest.mark.parametrize("closed", ["drive", "parent"])
+def test_doctor_says_permission_for_a_drive_folder_it_cannot_search(tmp_path: Path, closed: str) -> None:
+    drive = tmp_path / "mnt" / "nvme0"
+    assert _setup(tmp_path / "store", drive).returncode == 0
+    os.chmod(tmp_path, 0o755)
+    shut = drive if closed == "drive" else drive.parent
+    os.chown(shut, 65534, -1)
+    os.chmod(shut, 0o700)
+    proc = _capless(str(BIN / "deltafind"), "doctor", "--store", str(tmp_path / "store"), "--quiet")
+    assert proc.returncode == 4, proc.stderr
+    assert f"drive 0 ({drive}): {shut}: permission denied" in proc.stderr and "no search (x) permission" in proc.stderr, proc.stderr
+    assert "missing" not in proc.stderr
