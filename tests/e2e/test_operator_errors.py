@@ -142,3 +142,42 @@ def test_doctor_says_permission_for_a_drive_folder_it_cannot_search(tmp_path: Pa
     assert proc.returncode == 4, proc.stderr
     assert f"drive 0 ({drive}): {shut}: permission denied" in proc.stderr and "no search (x) permission" in proc.stderr, proc.stderr
     assert "missing" not in proc.stderr
+
+
+def test_setup_on_a_full_disk_names_the_path_and_the_fix(tmp_path: Path) -> None:
+    disk = tmp_path / "small"
+    disk.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mount.stderr.strip()}")
+    try:
+        proc = _setup(disk / "store")
+        assert proc.returncode == 3, proc.stderr
+        assert f"{disk / 'store'}" in proc.stderr and "No space left on device" in proc.stderr, proc.stderr
+        assert "run the same setup again" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_a_second_setup_into_the_same_store_is_refused_naming_the_first(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    args = [str(BIN / "deltafind"), "setup", "--synthetic", "qwen3_moe", "--shape", "tiny", "--store", str(store), "--quiet"]
+    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and first.poll() is None:  # stop it mid-import (its journal begun)
+        if (store / "setup.journal").exists() and not (store / "manifest.json").exists():
+            os.kill(first.pid, signal.SIGSTOP)
+            break
+        time.sleep(0.002)
+    else:
+        first.wait()
+        pytest.skip("the first setup finished before it could be caught holding the lock")
+    try:
+        second = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    assert second.returncode == 3 and f"another setup (pid {first.pid})" in second.stderr, second.stderr
+    assert "Traceback" not in second.stderr
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    assert deltafind_cmd("doctor", "--store", str(store), "--quiet").returncode == 0
