@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pty
 import select
@@ -181,3 +182,27 @@ def test_a_second_setup_into_the_same_store_is_refused_naming_the_first(tmp_path
     _, err = first.communicate(timeout=120)
     assert first.returncode == 0, err
     assert deltafind_cmd("doctor", "--store", str(store), "--quiet").returncode == 0
+
+
+def test_a_truncated_pack_marks_its_drive_unhealthy_and_health_degraded(tmp_path: Path) -> None:
+    from tests.e2e.daemon_fixtures import Daemon
+
+    store = tmp_path / "store"
+    proc = subprocess.run([str(BIN / "deltafind"), "setup", "--synthetic", "qwen3_moe", "--shape", "tiny", "--store", str(store),
+                           "--quiet"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    pack = store / "drive0" / "experts-0.pack"
+    os.truncate(pack, pack.stat().st_size - 4096)  # the last record (layer 1, expert 7) loses its tail
+    d = Daemon(store)
+    try:
+        d.start(timeout=180)
+        status, body = d.get("/health")
+        health = json.loads(body)
+        assert status == 200 and health["status"] == "degraded", health
+        assert str(pack) in health["drives"][0] and "truncated" in health["drives"][0], health
+        metrics = d.get("/metrics")[1].decode()
+        assert 'deltafind_drive_healthy{drive="0"} 0' in metrics, [ln for ln in metrics.splitlines() if "healthy" in ln]
+        assert "pack_truncated" in d.log_text(full=True)
+    finally:
+        assert d.stop() == 0
+        d.cleanup()
