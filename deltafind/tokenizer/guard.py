@@ -23,22 +23,26 @@ class SpecialGuard:
     """Escapes caller strings and encodes a rendered prompt for one vocabulary's special tokens."""
 
     def __init__(self, backend: Backend) -> None:
-        added = [t for t in backend.get_added_tokens_decoder().values() if t.special and t.content]
+        added = [t for t in backend.get_added_tokens_decoder().values() if t.special and len(t.content) > 1]
         # One-character specials cannot be broken by a mark; none of the formats we serve has one.
-        self._specials = sorted({t.content for t in added if len(t.content) > 1}, key=len, reverse=True)
-        alternatives = "|".join(map(re.escape, self._specials))
-        self._starts = re.compile(f"(?=(?:{alternatives}))") if self._specials else None
-        self._longest = len(self._specials[0]) if self._specials else 0
-        self._prefixes = {s[:i] for s in self._specials for i in range(1, len(s))}
-        self._suffixes = {s[i:] for s in self._specials for i in range(1, len(s))}
-        # tokenizers' lstrip/rstrip: the token takes the whitespace beside it.
-        parts, self._group_ids = [], {}
-        for t in sorted(added, key=lambda t: len(t.content), reverse=True):
-            if len(t.content) > 1:
-                lead, trail = (r"\s*" if t.lstrip else ""), (r"\s*" if t.rstrip else "")
-                self._group_ids[f"t{len(parts)}"] = backend.token_to_id(t.content)
-                parts.append(f"{lead}(?P<t{len(parts)}>{re.escape(t.content)}){trail}")
-        self._split = re.compile("|".join(parts)) if parts else None
+        self._tokens = {t.content: t for t in added}
+        self._ids = {t.content: backend.token_to_id(t.content) for t in added}
+        self._longest = max(map(len, self._tokens), default=0)
+        self._prefixes = {c[:i] for c in self._tokens for i in range(1, len(c))}
+        self._suffixes = {c[i:] for c in self._tokens for i in range(1, len(c))}
+        groups: dict[str, list[str]] = {}
+        for c in sorted(self._tokens, key=len, reverse=True):
+            groups.setdefault(c[:2], []).append(c[2:])
+        self._groups = [re.compile(re.escape(head) + "(?:" + "|".join(map(re.escape, rests)) + ")")
+                        for head, rests in groups.items()]
+
+    def _occurrences(self, text: str) -> list[tuple[int, str]]:
+        """Leftmost-longest matches of each group of specials sharing two first characters: one regex per
+        group starts with that literal, so a scan costs a fast search, not hundreds of alternatives a position."""
+        found = []
+        for pattern in self._groups:
+            found += [(m.start(), m.group()) for m in pattern.finditer(text)]
+        return found
 
     def escape(self, value: Any) -> Any:
         """`value` with every string in it (dict keys too) escaped; other values as they are."""
@@ -52,9 +56,11 @@ class SpecialGuard:
 
     def _escape_str(self, text: str) -> str:
         text = text.replace(BREAK, "\ufffd")
-        if self._starts is None:
+        if not self._tokens:
             return text
-        marks = {m.start() + 1 for m in self._starts.finditer(text)}  # inside every occurrence, overlapping too
+        marks: set[int] = set()
+        while found := self._occurrences(text):  # again until none is left: one may overlap another
+            text = _insert(text, {at + 1 for at, _ in found})
         # An end that could complete a special with the template's text beside it (trimmed or not).
         for start, end in ((0, len(text)), _stripped(text)):
             core = text[start:end]
@@ -62,25 +68,40 @@ class SpecialGuard:
                 marks.add(start)
             if any(core[-n:] in self._prefixes for n in range(1, min(len(core), self._longest) + 1)):
                 marks.add(end)
-        if not marks:
-            return text
-        out, last = [], 0
-        for at in sorted(marks):
-            out += [text[last:at], BREAK]
-            last = at
-        out.append(text[last:])
-        return "".join(out)
+        return _insert(text, marks)
 
     def encode(self, rendered: str, plain: Callable[[str], list[int]]) -> list[int]:
-        """Ids of a prompt rendered from escaped strings: special spellings left are the template's."""
+        """Ids of a prompt rendered from escaped strings: special spellings left are the template's.
+
+        Matched as tokenizers matches added tokens: leftmost, then longest, taking the whitespace
+        beside a token whose lstrip/rstrip is set.
+        """
         ids: list[int] = []
         last = 0
-        for m in self._split.finditer(rendered) if self._split else ():
-            ids += plain(rendered[last : m.start()].replace(BREAK, ""))
-            ids.append(self._group_ids[m.lastgroup])
-            last = m.end()
+        for at, special in sorted(self._occurrences(rendered), key=lambda o: (o[0], -len(o[1]))):
+            if at < last:
+                continue  # inside a match already taken
+            token, start, end = self._tokens[special], at, at + len(special)
+            while token.lstrip and start > last and rendered[start - 1].isspace():
+                start -= 1
+            while token.rstrip and end < len(rendered) and rendered[end].isspace():
+                end += 1
+            ids += plain(rendered[last:start].replace(BREAK, ""))
+            ids.append(self._ids[special])
+            last = end
         ids += plain(rendered[last:].replace(BREAK, ""))
         return ids
+
+
+def _insert(text: str, marks: set[int]) -> str:
+    if not marks:
+        return text
+    out, last = [], 0
+    for at in sorted(marks):
+        out += [text[last:at], BREAK]
+        last = at
+    out.append(text[last:])
+    return "".join(out)
 
 
 def _stripped(text: str) -> tuple[int, int]:
