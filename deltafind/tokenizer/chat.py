@@ -44,9 +44,10 @@ class _Helper:
         data = (json.dumps(request, default=str) + "\n").encode()
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
-                # -I: the helper sees only the standard library and jinja2, not the daemon's path
+                # -I: the helper sees only the standard library and jinja2, not the daemon's path; its own
+                # session: a terminal's Ctrl-C (`deltafind run --chat`) stops the reply, not the renderer
                 self._proc = subprocess.Popen([sys.executable, "-I", str(_WORKER)], stdin=subprocess.PIPE,
-                                              stdout=subprocess.PIPE)
+                                              stdout=subprocess.PIPE, start_new_session=True)
                 weakref.finalize(self, _stop, self._proc)
             proc = self._proc
             try:
