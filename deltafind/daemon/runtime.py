@@ -249,7 +249,7 @@ class Runtime:
         old = self.scheduler.call(swap)
         if old is not None:
             old.close(wait_s=0)  # its own thread writes what is left
-        self._trace = writer
+        self._trace = writer or self._trace  # after a stop, status still shows the last trace (and its error)
         self.trace_path = str(writer.path) if writer else None
         log.info("trace", active=start, path=self.trace_path)
         return {"active": start, "path": self.trace_path or ""}
@@ -266,7 +266,7 @@ class Runtime:
         return {"path": str(t.path), "active": t.active, "bytes": t.bytes, "dropped": t.dropped, "error": t.error or ""}
 
     def _check_trace_path(self, path: Path) -> None:
-        """A trace is appended to: never into the store, a drive folder or the config (it would corrupt them)."""
+        """Never a trace inside the store, a drive folder or over the config (a trace_dir set there would corrupt them)."""
         target = path.resolve()
         store = store_dir(self.settings).resolve()
         guarded = [store, *(p.resolve() for p in self.model.manifest.drive_paths(store))]
