@@ -176,8 +176,7 @@ def test_apply_chat_template_bos_once(tmp_path: Path, add_bos_token: bool) -> No
         "{{ '%0300000000d' % 1 }}",
         "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
         "{{ messages|tojson(indent=300000000) }}",
-        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
-    ],
+    ],  # the time bound: test_daemon_hardening's "slow" template
 )
 def test_template_bounds_cover_compiling_filters_and_memory(tmp_path: Path, template: str) -> None:
     tok = Tokenizer.load(_tiny_store(tmp_path / "s", {"chat_template": template}))
