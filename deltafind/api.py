@@ -298,8 +298,8 @@ class Model:
             "prefetch_used": e.prefetch_used, "prefetch_wasted": e.prefetch_wasted,
             "prefetch_recall": sum(r.hits for r in layers) / needed if needed else 0.0,
             "prefetch_gated": e.prefetch_gated, "prefetch_gate": ex.gate.snapshot(),  # per-layer recall/precision, drive load
-            "drives": [{"index": i, "path": str(path), "healthy": os.access(path, os.R_OK), "reads": d.reads,
-                        "bytes_read": d.bytes, "read_gb_s": d.gb_s}
+            "drives": [{"index": i, "path": str(path), "healthy": os.access(path, os.R_OK) and i not in ex.reader.problems,
+                        "problem": ex.reader.problems.get(i, ""), "reads": d.reads, "bytes_read": d.bytes, "read_gb_s": d.gb_s}
                        for i, (path, d) in enumerate(zip(ex.reader.paths, ex.reader.stats, strict=True))],
         }
         remote, total = ex.reader.remote, self.manifest.expert_bytes()  # a streaming install fills as it serves
@@ -314,7 +314,15 @@ class Model:
 
     def save_heat(self) -> None:
         """Merge this run's expert uses into the store's heat file (a read-only store is logged, not fatal)."""
+        self.write_heat(self.take_uses())
+
+    def take_uses(self) -> dict[tuple[int, int], int]:
+        """The expert uses counted since the last take (on the engine thread: it owns the counts)."""
         uses, self.experts.uses = dict(self.experts.uses), type(self.experts.uses)(int)
+        return uses
+
+    def write_heat(self, uses: dict[tuple[int, int], int]) -> None:
+        """Merge `uses` into the heat file; any thread (the file I/O stays off the engine thread)."""
         if not uses:
             return
         try:

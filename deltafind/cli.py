@@ -214,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_run(sub)
     add_subcommands(sub)
     add_node(sub)
+    # `deltafind --config F serve`: a subcommand's own --config, when not given, must not reset the one
+    # given before it to None (argparse writes every subparser default over the parent's value).
+    for subparser in sub.choices.values():
+        for action in subparser._actions:
+            if action.dest == "config":
+                action.default = argparse.SUPPRESS
     return parser
 
 

@@ -135,6 +135,13 @@ class ControlSettings(Section):
         'mode "0660"). Unset = the daemon\'s group.',
         examples=["deltafind"],
     )
+    trace_dir: Path | None = Field(
+        None,
+        description="Folder `deltafinctl trace start NAME` writes router traces in (each a new file; a "
+        "path elsewhere, an existing file, a link or a FIFO is refused). Unset = traces/ beside the "
+        "control socket; point it at a disk for long traces (each is capped at 256 MiB).",
+        examples=["/var/lib/deltafind/traces"],
+    )
 
     @field_validator("socket")
     @classmethod

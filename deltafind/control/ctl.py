@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("resume", parents=[after], help="take new requests again after drain")
     t = sub.add_parser("trace", parents=[after], help="start or stop writing a router trace (JSONL)")
     t.add_argument("action", choices=["start", "stop"])
-    t.add_argument("path", nargs="?", help="trace file for start (default ./deltafind-trace.jsonl)")
+    t.add_argument("path", nargs="?", help="new trace file for start: a name, created in the daemon's [control] trace_dir "
+                   "(default trace-DATE-TIME.jsonl)")
     return p
 
 
@@ -119,8 +120,11 @@ def summary(s: dict[str, Any]) -> str:
     lines.append(f"config     {s['config_path'] or '(defaults)'}, loaded {loaded}")
     if s["restart_needed"]:
         lines.append(f"restart    needed for {', '.join(s['restart_needed'])}")
+    trace = snap.get("trace") or {}
     if s["trace_path"]:
         lines.append(f"trace      writing {s['trace_path']}")
+    elif trace.get("error"):
+        lines.append(f"trace      stopped by a write error: {trace['error']}")
     return "\n".join(lines)
 
 
@@ -142,8 +146,8 @@ def run(args: argparse.Namespace) -> int:
         reply = client.drain(sock, args.grace) if args.command == "drain" else client.resume(sock)
         text = f"{'draining' if reply['draining'] else 'serving'}: {reply['running']} running, {reply['waiting']} waiting"
     else:
-        path = str(Path(args.path).resolve()) if args.path else str(Path("deltafind-trace.jsonl").resolve())
-        reply = client.trace(sock, args.action == "start", path if args.action == "start" else "")
+        # a name is the daemon's to place (in its [control] trace_dir); a path is sent as given
+        reply = client.trace(sock, args.action == "start", (args.path or "") if args.action == "start" else "")
         text = f"trace {'writing ' + reply['path'] if reply['active'] else 'stopped'}"
     print(json.dumps(reply) if args.json else text)
     return 0

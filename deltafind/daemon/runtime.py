@@ -66,6 +66,7 @@ class Runtime:
         self.scheduler: Scheduler | None = None
         self.pending_restart: list[str] = []
         self.trace_path: str | None = None
+        self._trace: Any = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.control: Any = None
@@ -112,7 +113,8 @@ class Runtime:
             self.context_length = context
             cluster = self.model.cluster  # expert nodes (deltafind/cluster): /health says degraded while one is down
             ready = ReadyEngine(self.scheduler, tok, model_name(s), context, store_snapshot=self.store_snapshot,
-                                nodes=cluster.status if cluster is not None else list)
+                                nodes=cluster.status if cluster is not None else list,
+                                drive_problems=lambda: list(self.model.experts.reader.problems.values()))
             self._turns_file(ready, save=False)
             self.state.set_ready(ready)
             log.info("model_ready", store=str(store_dir(s)), family=self.model.manifest.family,
@@ -130,8 +132,8 @@ class Runtime:
 
     def _save_heat_periodically(self) -> None:
         while not self._stop.wait(self.settings.cache.heat_save_s):
-            try:  # on the engine thread: it owns the use counts (PERF: one small JSON write per period)
-                self.scheduler.call(self.model.save_heat)  # type: ignore[union-attr]
+            try:  # the engine thread hands over its counts; this thread writes them (a full disk never stalls a step)
+                self.model.write_heat(self.scheduler.call(self.model.take_uses))  # type: ignore[union-attr]
             except Exception as e:
                 log.warning("heat_not_saved", error=str(e))
 
@@ -268,26 +270,42 @@ class Runtime:
     def trace(self, start: bool, path: str | None) -> dict[str, Any]:
         if self.scheduler is None or self.model is None:
             raise DeltafindError("the model is still loading; try again when it is ready")
-        from deltafind.store.trace import TraceWriter
+        from deltafind.store.trace import TraceWriter, open_trace_file
 
+        writer = None
         if start:
-            self._check_trace_path(Path(path or "deltafind-trace.jsonl"))
+            folder = self.trace_dir()
+            name = path or time.strftime("trace-%Y%m%d-%H%M%S.jsonl")
+            self._check_trace_path(folder / name)
+            fd, full = open_trace_file(folder, name)
+            writer = TraceWriter(full, fd=fd)
         experts = self.model.experts
 
-        def swap() -> None:
-            if experts.trace is not None:
-                experts.trace.close()
-                experts.trace = None
-            if start:
-                experts.trace = TraceWriter(Path(path or "deltafind-trace.jsonl"))
+        def swap() -> Any:
+            old, experts.trace = experts.trace, writer
+            return old
 
-        self.scheduler.call(swap)
-        self.trace_path = (path or "deltafind-trace.jsonl") if start else None
+        old = self.scheduler.call(swap)
+        if old is not None:
+            old.close(wait_s=0)  # its own thread writes what is left
+        self._trace = writer or self._trace  # after a stop, status still shows the last trace (and its error)
+        self.trace_path = str(writer.path) if writer else None
         log.info("trace", active=start, path=self.trace_path)
         return {"active": start, "path": self.trace_path or ""}
 
+    def trace_dir(self) -> Path:
+        c = self.settings.control
+        return Path(c.trace_dir).expanduser() if c.trace_dir else Path(c.socket).parent / "traces"
+
+    def trace_state(self) -> dict[str, Any]:
+        """The current (or last) trace: path, whether it is writing, bytes, dropped lines, its write error."""
+        t = self._trace
+        if t is None:
+            return {}
+        return {"path": str(t.path), "active": t.active, "bytes": t.bytes, "dropped": t.dropped, "error": t.error or ""}
+
     def _check_trace_path(self, path: Path) -> None:
-        """A trace is appended to: never into the store, a drive folder or the config (it would corrupt them)."""
+        """Never a trace inside the store, a drive folder or over the config (a trace_dir set there would corrupt them)."""
         target = path.resolve()
         store = store_dir(self.settings).resolve()
         guarded = [store, *(p.resolve() for p in self.model.manifest.drive_paths(store))]
@@ -306,13 +324,14 @@ class Runtime:
             "model": model_name(s), "version": __version__, "pid": os.getpid(), "uptime_s": time.time() - self.started_at,
             "ready": self.state.engine is not None, "load_status": self.state.load_status,
             "config_path": str(self.config_path or ""), "config_loaded_at": self.config_loaded_at,
-            "restart_needed": list(self.pending_restart), "trace_path": self.trace_path or "",
+            "restart_needed": list(self.pending_restart),
+            "trace_path": self.trace_path if self._trace is not None and self._trace.active else "",
         }
         engine: dict[str, Any] = {}
         if self.scheduler is not None:
             engine = self.scheduler.snapshot()
             out.update({k: engine[k] for k in ("running", "waiting", "draining", "max_running", "max_queue")})
-        out["snapshot_json"] = json.dumps({"engine": engine, "store": self.store_snapshot()})
+        out["snapshot_json"] = json.dumps({"engine": engine, "store": self.store_snapshot(), "trace": self.trace_state()})
         return out
 
     def store_snapshot(self) -> dict[str, Any]:

@@ -54,6 +54,7 @@ class ReadyEngine:
     created: int = field(default_factory=lambda: int(time.time()))
     store_snapshot: Callable[[], dict[str, Any]] = field(default=lambda: {})  # the store's figures, for /metrics
     nodes: Callable[[], list[dict[str, Any]]] = field(default=list)  # a cluster's expert nodes (cheap: /health asks)
+    drive_problems: Callable[[], list[str]] = field(default=list)  # unhealthy drives, each named (cheap: /health asks)
     turns: TurnMemory = field(default_factory=TurnMemory)  # finished answers' ids, so the next turn's prompt reuses them
 
 
@@ -129,9 +130,11 @@ class Health(_Resource):
         draining = s.engine is not None and s.engine.client.draining
         status = "draining" if draining else s.load_status
         down = [n["rank"] for n in (s.engine.nodes() if status == "ready" and s.engine else ()) if not n["alive"]]
+        drives = s.engine.drive_problems() if status == "ready" and s.engine else []
         resp.status = 200 if status == "ready" else 503
-        if down:  # still serving what the live nodes hold (deltafind/cluster)
-            resp.media = {"status": "degraded", "model": s.model_name, "nodes_down": down}
+        if down or drives:  # still serving what the live nodes and readable packs hold
+            resp.media = {"status": "degraded", "model": s.model_name, **({"nodes_down": down} if down else {}),
+                          **({"drives": drives} if drives else {})}
             return
         resp.media = {"status": status, "model": s.model_name, **({"error": s.load_error} if s.load_error else {})}
         if status == "loading":

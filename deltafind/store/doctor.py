@@ -31,13 +31,29 @@ def _drive_problems(manifest: Manifest, store_dir: Path) -> dict[int, str]:
     out: dict[int, str] = {}
     for idx, folder in enumerate(manifest.drive_paths(store_dir)):
         pack = folder / pack_name(idx, manifest.pack_generation)
-        if not folder.is_dir():
+        if (closed := _unsearchable(folder)) is not None:
+            out[idx] = f"drive {idx} ({folder}): " + no_permission(closed, "search (x)")
+        elif not folder.is_dir():
             out[idx] = f"drive {idx} ({folder}) is missing: mount it, or fix the store's drive list in [[drives]]"
         elif not os.access(pack, os.F_OK):
             out[idx] = f"drive {idx}: {pack} is missing; is the right drive mounted at {folder}?"
         elif not os.access(pack, os.R_OK):
             out[idx] = no_permission(pack, "read")
     return out
+
+
+def _unsearchable(folder: Path) -> Path | None:
+    """The folder on the way to `folder` (or itself) this user cannot search: a folder there but closed is not missing."""
+    for path in [*reversed(folder.parents), folder]:
+        try:
+            os.stat(path)
+        except PermissionError:
+            return path.parent
+        except OSError:
+            return None
+        if path.is_dir() and not os.access(path, os.X_OK):
+            return path
+    return None
 
 
 def check_store(store_dir: Path, progress: bool = True) -> DoctorReport:

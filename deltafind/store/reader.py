@@ -174,7 +174,24 @@ class PackReader:
         from deltafind.store.remote_experts import open_remote
 
         self.remote = open_remote(manifest, store_dir, self.paths, record_tensors)  # a streaming install: missing records come from the hub
+        self.problems: dict[int, str] = {} if self.remote is not None else self._short_packs(manifest)
         self._decoder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="decode")  # confirmed prefetches
+
+    def _short_packs(self, manifest: Manifest) -> dict[int, str]:
+        """Each drive whose pack ends before the manifest's last record on it (a copy cut short, a full disk):
+        the store still serves what it can read; the drive is reported unhealthy, naming the pack."""
+        ends = [0] * len(self.paths)
+        for rec in manifest.experts:
+            for ex in rec.extents():
+                ends[ex.drive] = max(ends[ex.drive], ex.offset + ex.nbytes)
+        out = {}
+        for idx, (fd, path, end) in enumerate(zip(self._fds, self.paths, ends, strict=True)):
+            size = os.fstat(fd).st_size
+            if size < end:
+                out[idx] = (f"drive {idx}: {path} is truncated: {size} bytes, but the manifest places records up to byte "
+                            f"{end}; records past its end cannot be read: restore the pack, or re-run setup to rewrite it")
+                log.error("pack_truncated", drive=idx, path=str(path), bytes=size, expected_bytes=end)
+        return out
 
     def _open(self, idx: int, path: Path, store_id: str, read_mode: str) -> None:
         if not path.parent.is_dir():

@@ -9,10 +9,14 @@ what it is writing. Which tensors are experts is the family's `WeightNames`
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +49,7 @@ from deltafind.store.spine_writer import write_safetensors
 
 log = get_logger(__name__)
 JOURNAL_NAME = "setup.journal"
+LOCK_NAME = ".setup.lock"
 TENSOR_ALIGN = 64
 JOURNAL_SYNC_EVERY = 64
 
@@ -105,7 +110,7 @@ class _Journal:
 
     def sync(self) -> None:
         if self.pending:
-            with open(self.path, "a") as f:
+            with _naming(self.path), open(self.path, "a") as f:
                 f.write("\n".join(self.pending) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
@@ -134,73 +139,126 @@ def setup_store(
     interrupt would.
     """
     store_dir = Path(store_dir)
-    source = source_path if isinstance(source_path, Source) else open_source(Path(source_path))
-    source_str = str(source.path) if isinstance(source_path, Source) else str(Path(source_path).resolve())
-    plan = plan_tensors(source.tensors, names)
-    asked, dense_slices = dense_slices, dense_slices_for(source.tensors, plan, dense_slices)
-    drive_dirs, drive_strs = drive_folders(store_dir, drives)
-    params = {"fingerprint": source.fingerprint(), "source": source_str, "drives": drive_strs, "dense_slices": dense_slices}
+    with store_lock(store_dir), _disk_errors(store_dir):
+        source = source_path if isinstance(source_path, Source) else open_source(Path(source_path))
+        source_str = str(source.path) if isinstance(source_path, Source) else str(Path(source_path).resolve())
+        plan = plan_tensors(source.tensors, names)
+        asked, dense_slices = dense_slices, dense_slices_for(source.tensors, plan, dense_slices)
+        drive_dirs, drive_strs = drive_folders(store_dir, drives)
+        params = {"fingerprint": source.fingerprint(), "source": source_str, "drives": drive_strs, "dense_slices": dense_slices}
 
-    if (store_dir / MANIFEST_NAME).exists():
-        _replace_older_format(store_dir, params, any_slices=asked is None)
-    if (existing := existing_store(store_dir, params, any_slices=asked is None)) is not None:
-        return existing
-    journal, store_id, done = open_journal(store_dir, params)
-    source.begin_import(plan.spine)
-    records = [ExpertRecord.from_json(d["record"]) for d in done if d.get("kind") == "expert"]
-    done_keys = {r.key for r in records}
-    packs = _open_packs(drive_dirs, store_id, records)
+        if (store_dir / MANIFEST_NAME).exists():
+            _replace_older_format(store_dir, params, any_slices=asked is None)
+        if (existing := existing_store(store_dir, params, any_slices=asked is None)) is not None:
+            return existing
+        journal, store_id, done = open_journal(store_dir, params)
+        source.begin_import(plan.spine)
+        records = [ExpertRecord.from_json(d["record"]) for d in done if d.get("kind") == "expert"]
+        done_keys = {r.key for r in records}
+        packs = _open_packs(drive_dirs, store_id, records)
+        try:
+            groups = list(iter_expert_groups(source, plan, dense_slices))
+            written = 0
+            with tqdm(total=len(groups), initial=len(done_keys), unit="expert", desc="experts", disable=not progress) as bar:
+                for i, (layer, expert, load) in enumerate(groups):
+                    if (layer, expert) in done_keys:
+                        continue
+                    parts, quants = load()
+                    _check_scales(layer, expert, parts)
+                    payload, entries = expert_record_bytes(parts, quants)
+                    ends = [end for _, end in packs]
+                    size = align_up(len(payload))
+                    extents = stripe_extents(size, ends, i % len(ends), min_stripe_bytes if placement == "stripe" else size + 1)
+                    rec = place(ExpertRecord(layer, expert, 0, 0, len(payload), hashlib.sha256(payload).hexdigest(), tuple(entries),
+                                             xxhash.xxh3_64_hexdigest(payload)), extents)
+                    with _naming(*(f.name for f, _ in packs)):
+                        write_record([f for f, _ in packs], rec, payload)
+                    packs = [(f, end) for (f, _), end in zip(packs, ends, strict=True)]
+                    records.append(rec)
+                    journal.add({"kind": "expert", "record": rec.to_json()})
+                    written += 1
+                    bar.update(1)
+                    if len(journal.pending) >= JOURNAL_SYNC_EVERY:
+                        _sync_packs(packs)
+                        journal.sync()
+                    if fault_after is not None and written >= fault_after:
+                        _sync_packs(packs)
+                        journal.sync()
+                        raise KeyboardInterrupt("setup interrupted (test fault)")
+            _sync_packs(packs)
+            journal.sync()
+        finally:
+            for f, _ in packs:
+                f.close()
+
+        # The spine goes after the experts: a hub source frees each shard once its experts are in
+        # (its spine tensors staged), so peak disk stays near the store's size (store/hub.py).
+        spine_entry = next((d for d in done if d.get("kind") == "spine"), None)
+        if spine_entry is None:
+            tmp = store_dir / (SPINE_NAME + ".tmp")
+            with _naming(tmp):
+                spine_sha = write_safetensors(tmp, {n: source.tensors[n] for n in plan.spine}, source.load)
+            os.replace(tmp, store_dir / SPINE_NAME)
+            journal.add({"kind": "spine", "sha256": spine_sha})
+            journal.sync()
+        else:
+            spine_sha = spine_entry["sha256"]
+
+        with _naming(store_dir / MANIFEST_NAME):
+            manifest = finish_store(store_dir, source, journal, records, store_id=store_id, drives=drive_strs, dense_slices=dense_slices,
+                                    source=params, spine_sha256=spine_sha,
+                                    placement="stripe" if any(r.stripes for r in records) else "whole")
+        check_written(store_dir)
+        source.end_import()
+        return manifest
+
+
+@contextlib.contextmanager
+def store_lock(store_dir: Path) -> Iterator[None]:
+    """Hold the store's setup lock (a second setup into the same store is refused, naming this one's pid)."""
+    store_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(store_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        groups = list(iter_expert_groups(source, plan, dense_slices))
-        written = 0
-        with tqdm(total=len(groups), initial=len(done_keys), unit="expert", desc="experts", disable=not progress) as bar:
-            for i, (layer, expert, load) in enumerate(groups):
-                if (layer, expert) in done_keys:
-                    continue
-                parts, quants = load()
-                _check_scales(layer, expert, parts)
-                payload, entries = expert_record_bytes(parts, quants)
-                ends = [end for _, end in packs]
-                size = align_up(len(payload))
-                extents = stripe_extents(size, ends, i % len(ends), min_stripe_bytes if placement == "stripe" else size + 1)
-                rec = place(ExpertRecord(layer, expert, 0, 0, len(payload), hashlib.sha256(payload).hexdigest(), tuple(entries),
-                                         xxhash.xxh3_64_hexdigest(payload)), extents)
-                write_record([f for f, _ in packs], rec, payload)
-                packs = [(f, end) for (f, _), end in zip(packs, ends, strict=True)]
-                records.append(rec)
-                journal.add({"kind": "expert", "record": rec.to_json()})
-                written += 1
-                bar.update(1)
-                if len(journal.pending) >= JOURNAL_SYNC_EVERY:
-                    _sync_packs(packs)
-                    journal.sync()
-                if fault_after is not None and written >= fault_after:
-                    _sync_packs(packs)
-                    journal.sync()
-                    raise KeyboardInterrupt("setup interrupted (test fault)")
-        _sync_packs(packs)
-        journal.sync()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise StoreError(f"{store_dir}: another setup (pid {holder}) is writing this store; wait for it to finish "
+                             "(or stop it; a stopped setup resumes when run again)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
     finally:
-        for f, _ in packs:
-            f.close()
+        os.close(fd)  # releases the lock
 
-    # The spine goes after the experts: a hub source frees each shard once its experts are in
-    # (its spine tensors staged), so peak disk stays near the store's size (store/hub.py).
-    spine_entry = next((d for d in done if d.get("kind") == "spine"), None)
-    if spine_entry is None:
-        tmp = store_dir / (SPINE_NAME + ".tmp")
-        spine_sha = write_safetensors(tmp, {n: source.tensors[n] for n in plan.spine}, source.load)
-        os.replace(tmp, store_dir / SPINE_NAME)
-        journal.add({"kind": "spine", "sha256": spine_sha})
-        journal.sync()
-    else:
-        spine_sha = spine_entry["sha256"]
 
-    manifest = finish_store(store_dir, source, journal, records, store_id=store_id, drives=drive_strs, dense_slices=dense_slices,
-                            source=params, spine_sha256=spine_sha, placement="stripe" if any(r.stripes for r in records) else "whole")
-    check_written(store_dir)
-    source.end_import()
-    return manifest
+@contextlib.contextmanager
+def _naming(*paths: Any) -> Iterator[None]:
+    """Name the file(s) an OSError from a write came from (file writes raise it without a name)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = ", ".join(map(str, paths))
+        raise
+
+
+@contextlib.contextmanager
+def _disk_errors(store_dir: Path) -> Iterator[None]:
+    # A full disk or a denied write ends setup with the path and the fix, never a traceback.
+    try:
+        yield
+    except StoreError:
+        raise
+    except OSError as e:
+        where = e.filename or store_dir
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            fix = "free space there (or pass --store/--drive on a disk with room), then run the same setup again: it resumes"
+        elif isinstance(e, PermissionError):
+            fix = "give this user write permission there, then run the same setup again: it resumes"
+        else:
+            fix = "fix the disk, then run the same setup again: it resumes where it stopped"
+        raise StoreError(f"{where}: {e.strerror or e} while writing the store; {fix}") from None
 
 
 def check_written(store_dir: Path) -> None:
@@ -320,5 +378,6 @@ def _open_packs(drive_dirs: list[Path], store_id: str, records: list[ExpertRecor
 
 def _sync_packs(packs: list[tuple[Any, int]]) -> None:
     for f, _ in packs:
-        f.flush()
-        os.fsync(f.fileno())
+        with _naming(f.name):
+            f.flush()
+            os.fsync(f.fileno())

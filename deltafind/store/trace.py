@@ -1,4 +1,5 @@
-"""Router trace: an opt-in, buffered, size-bounded JSONL log of expert routes and predictions.
+"""Router trace: an opt-in, buffered, size-bounded JSONL log of expert routes and predictions,
+written by its own thread (never the engine's) into a file created new in the trace folder.
 
 One line per (sequence, position, layer): {"seq", "pos", "layer", "experts", "weights"};
 prefetch predictions as {"layer", "pred"}. `summarize` reads a trace back:
@@ -8,29 +9,46 @@ hot experts, per-layer reuse between consecutive positions, prediction recall.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from deltafind.errors import RequestError
 from deltafind.log import get_logger
 
 log = get_logger(__name__)
 
 
 class TraceWriter:
-    def __init__(self, path: Path, max_bytes: int = 256 << 20, flush_every: int = 512) -> None:
+    """Buffers trace lines from the engine thread; its own thread writes them, so a slow, full or failing
+    file never stalls or fails a step: a write error stops the trace (`error`), logged, and generation goes on."""
+
+    def __init__(self, path: Path, max_bytes: int = 256 << 20, flush_s: float = 0.5, *, fd: int | None = None,
+                 max_pending: int = 1 << 16) -> None:
         self.path = Path(path)
-        self.max_bytes, self.flush_every = max_bytes, flush_every
-        self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
-        self._buf: list[str] = []
-        self.bytes = self.path.stat().st_size
+        self.max_bytes, self.flush_s, self.max_pending = max_bytes, flush_s, max_pending
+        # Without `fd` (the Python API's own file), append; the daemon hands a file it created new.
+        self._fd = fd if fd is not None else os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self.bytes = os.fstat(self._fd).st_size
         self.full = False
+        self.error: str | None = None
+        self.dropped = 0  # lines the writer could not keep up with (bounded memory)
+        self._pending: list[str] = []
         self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="deltafind-trace", daemon=True)
+        self._thread.start()
+
+    @property
+    def active(self) -> bool:
+        return self.error is None and not self._closing
 
     def write(self, record: dict[str, Any]) -> None:
-        if self.full:
+        if self.full or not self.active:
             return
         line = json.dumps(record, separators=(",", ":"))
         with self._lock:
@@ -38,10 +56,11 @@ class TraceWriter:
                 self.full = True
                 log.warning("trace_full", path=str(self.path), max_bytes=self.max_bytes)
                 return
-            self._buf.append(line)
+            if len(self._pending) >= self.max_pending:
+                self.dropped += 1
+                return
+            self._pending.append(line)
             self.bytes += len(line) + 1
-            if len(self._buf) >= self.flush_every:
-                self._flush()
 
     def routes(self, layer_idx: int, seqs: Sequence[int], positions: Sequence[int], ids: list[list[int]], weights: list[list[float]]) -> None:
         """One line per token t of a step: its sequence `seqs[t]` and position (-1 where unknown), the layer's experts and weights."""
@@ -49,16 +68,66 @@ class TraceWriter:
             self.write({"seq": seqs[t] if t < len(seqs) else -1, "pos": positions[t] if t < len(positions) else -1,
                         "layer": layer_idx, "experts": e, "weights": [round(x, 5) for x in w]})
 
-    def _flush(self) -> None:
-        if self._buf:
-            self._f.write("\n".join(self._buf) + "\n")
-            self._f.flush()
-            self._buf.clear()
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self.flush_s)
+            self._wake.clear()
+            with self._lock:
+                lines, self._pending = self._pending, []
+                closing = self._closing
+            try:
+                if lines:
+                    data = ("\n".join(lines) + "\n").encode()
+                    while data:
+                        data = data[os.write(self._fd, data):]
+            except OSError as e:
+                self.error = f"{self.path}: {e.strerror or e}"
+                log.error("trace_write_failed", path=str(self.path), error=e.strerror or str(e),
+                          action="trace stopped; generation goes on")
+                closing = True
+            if closing:
+                os.close(self._fd)
+                return
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stop: what is buffered is written by the trace's thread; wait up to `wait_s` for it (never on the engine thread)."""
         with self._lock:
-            self._flush()
-            self._f.close()
+            self._closing = True
+        self._wake.set()
+        if wait_s:
+            self._thread.join(wait_s)
+
+
+def open_trace_file(trace_dir: Path, name: str) -> tuple[int, Path]:
+    """Create a new trace file `name` in `trace_dir` (made if missing): (fd, path), or a RequestError naming the fix.
+
+    `name` is a file name, or a path whose folder is `trace_dir`. The file is created new (O_EXCL: an existing
+    file, link, FIFO or device is refused, never appended to) relative to the opened folder (O_NOFOLLOW).
+    """
+    folder = Path(trace_dir).expanduser()
+    fix = f"give a new file name; traces are written in [control] trace_dir ({folder})"
+    given = Path(name)
+    if len(given.parts) > 1 and os.path.realpath(given.parent) != os.path.realpath(folder):
+        raise RequestError(f"{name}: outside the trace folder; {fix}", "path")
+    base = given.name
+    if base in ("", ".", "..") or base.startswith(".") or "\0" in base:
+        raise RequestError(f"{name!r}: not a trace file name; {fix}", "path")
+    try:
+        folder.mkdir(mode=0o750, parents=True, exist_ok=True)
+        dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise RequestError(f"{folder}: cannot use the trace folder ({e.strerror}); set [control] trace_dir to a "
+                           "folder the daemon can write", "path") from None
+    try:
+        fd = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640, dir_fd=dir_fd)
+    except FileExistsError:
+        raise RequestError(f"{folder / base}: exists; a trace is never written into an existing file: {fix}",
+                           "path") from None
+    except OSError as e:
+        raise RequestError(f"{folder / base}: cannot create ({e.strerror}); {fix}", "path") from None
+    finally:
+        os.close(dir_fd)
+    return fd, folder / base
 
 
 def read_trace(path: Path) -> list[dict[str, Any]]:

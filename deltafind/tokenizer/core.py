@@ -18,6 +18,7 @@ from deltafind.errors import DeltafindError, StoreError, UnsupportedModelError
 from .bpe import KIMI_PATTERN, make_tiktoken_backend, read_tiktoken_ranks
 from .chat import ChatTemplate
 from .files import find_chat_template, read_json, token_text
+from .guard import BREAK, SpecialGuard
 from .stream import IncrementalDecoder
 
 
@@ -84,6 +85,7 @@ class Tokenizer:
         ids += extra if isinstance(extra, list) else [extra]
         self.eos_token_ids: list[int] = list(dict.fromkeys(i for i in ids if isinstance(i, int)))
         self._chat: ChatTemplate | None = None
+        self._guard = SpecialGuard(backend)
 
     def _special_tokens(self, special_map: dict[str, Any]) -> dict[str, str]:
         out = {}
@@ -197,6 +199,16 @@ class Tokenizer:
             self._chat = ChatTemplate(*found)
         return self._chat
 
+    def _render_escaped(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any]
+    ) -> str:
+        # Everything the caller hands in is escaped; only the tokenizer's own specials are not.
+        guard = self._guard
+        context = {**self._special, **guard.escape(template_kwargs)}
+        return self._template().render(
+            guard.escape(messages), add_generation_prompt=add_generation_prompt, **context
+        )
+
     def render_chat(
         self,
         messages: list[dict[str, Any]],
@@ -204,10 +216,7 @@ class Tokenizer:
         **template_kwargs: Any,
     ) -> str:
         """The prompt text the model's chat template makes of `messages`."""
-        context = {**self._special, **template_kwargs}
-        return self._template().render(
-            messages, add_generation_prompt=add_generation_prompt, **context
-        )
+        return self._render_escaped(messages, add_generation_prompt, template_kwargs).replace(BREAK, "")
 
     def apply_chat_template(
         self,
@@ -215,9 +224,12 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> list[int]:
-        """Render, then encode with special tokens read; BOS only if the template left it out."""
-        text = self.render_chat(messages, add_generation_prompt, **template_kwargs)
-        ids = self.encode(text, add_bos=False, allow_special=True)
+        """Render and encode: the template's markup as special tokens, all caller text as text.
+
+        BOS only if the template left it out.
+        """
+        text = self._render_escaped(messages, add_generation_prompt, template_kwargs)
+        ids = self._guard.encode(text, lambda piece: self.encode(piece, add_bos=False))
         if self._add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids

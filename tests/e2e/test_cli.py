@@ -58,6 +58,14 @@ def test_bad_config_exits_2_naming_file_key_and_value(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
+def test_config_before_the_subcommand_is_used(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[server]\nport = "not a port"\n')
+    for command in (["serve"], ["doctor"], ["setup", "--demo"]):
+        proc = deltafind_cmd("--config", str(cfg), *command)
+        assert proc.returncode == 2 and f"{cfg}: server.port" in proc.stderr, (command, proc.stderr)
+
+
 def test_missing_store_is_a_clear_error(tmp_path: Path) -> None:
     proc = deltafind_cmd("run", "--store", str(tmp_path / "none"), "--prompt", "x")
     assert proc.returncode == 3 and "not a deltafind store" in proc.stderr and "Traceback" not in proc.stderr

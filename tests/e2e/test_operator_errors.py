@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pty
 import select
@@ -128,3 +129,80 @@ def test_run_chat_has_history_and_ctrl_c_stops_only_the_reply(demo_store: Path, 
     assert os.waitstatus_to_exitcode(status) == 0, bytes(out)
     assert b"^[[A" not in out and b"interrupted" not in out
     assert "Count from 1 to 300" in (tmp_path / "chat_history").read_text()
+
+
+@pytest.mark.parametrize("closed", ["drive", "parent"])
+def test_doctor_says_permission_for_a_drive_folder_it_cannot_search(tmp_path: Path, closed: str) -> None:
+    drive = tmp_path / "mnt" / "nvme0"
+    assert _setup(tmp_path / "store", drive).returncode == 0
+    os.chmod(tmp_path, 0o755)
+    shut = drive if closed == "drive" else drive.parent
+    os.chown(shut, 65534, -1)
+    os.chmod(shut, 0o700)
+    proc = _capless(str(BIN / "deltafind"), "doctor", "--store", str(tmp_path / "store"), "--quiet")
+    assert proc.returncode == 4, proc.stderr
+    assert f"drive 0 ({drive}): {shut}: permission denied" in proc.stderr and "no search (x) permission" in proc.stderr, proc.stderr
+    assert "missing" not in proc.stderr
+
+
+def test_setup_on_a_full_disk_names_the_path_and_the_fix(tmp_path: Path) -> None:
+    disk = tmp_path / "small"
+    disk.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mount.stderr.strip()}")
+    try:
+        proc = _setup(disk / "store")
+        assert proc.returncode == 3, proc.stderr
+        assert f"{disk / 'store'}" in proc.stderr and "No space left on device" in proc.stderr, proc.stderr
+        assert "run the same setup again" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_a_second_setup_into_the_same_store_is_refused_naming_the_first(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    args = [str(BIN / "deltafind"), "setup", "--synthetic", "qwen3_moe", "--shape", "tiny", "--store", str(store), "--quiet"]
+    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and first.poll() is None:  # stop it mid-import (its journal begun)
+        if (store / "setup.journal").exists() and not (store / "manifest.json").exists():
+            os.kill(first.pid, signal.SIGSTOP)
+            break
+        time.sleep(0.002)
+    else:
+        first.wait()
+        pytest.skip("the first setup finished before it could be caught holding the lock")
+    try:
+        second = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    assert second.returncode == 3 and f"another setup (pid {first.pid})" in second.stderr, second.stderr
+    assert "Traceback" not in second.stderr
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    assert deltafind_cmd("doctor", "--store", str(store), "--quiet").returncode == 0
+
+
+def test_a_truncated_pack_marks_its_drive_unhealthy_and_health_degraded(tmp_path: Path) -> None:
+    from tests.e2e.daemon_fixtures import Daemon
+
+    store = tmp_path / "store"
+    proc = subprocess.run([str(BIN / "deltafind"), "setup", "--synthetic", "qwen3_moe", "--shape", "tiny", "--store", str(store),
+                           "--quiet"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    pack = store / "drive0" / "experts-0.pack"
+    os.truncate(pack, pack.stat().st_size - 4096)  # the last record (layer 1, expert 7) loses its tail
+    d = Daemon(store)
+    try:
+        d.start(timeout=180)
+        status, body = d.get("/health")
+        health = json.loads(body)
+        assert status == 200 and health["status"] == "degraded", health
+        assert str(pack) in health["drives"][0] and "truncated" in health["drives"][0], health
+        metrics = d.get("/metrics")[1].decode()
+        assert 'deltafind_drive_healthy{drive="0"} 0' in metrics, [ln for ln in metrics.splitlines() if "healthy" in ln]
+        assert "pack_truncated" in d.log_text(full=True)
+    finally:
+        assert d.stop() == 0
+        d.cleanup()

@@ -7,11 +7,13 @@ transformers' own renderer where it has one, else against literal expectations.
 from __future__ import annotations
 
 import json
+import resource
+import time
 from pathlib import Path
 
 import pytest
 
-from deltafind.errors import DeltafindError, RequestError
+from deltafind.errors import DeltafindError, RequestError, StoreError
 from deltafind.tokenizer import Tokenizer
 
 MESSAGES = [
@@ -162,6 +164,25 @@ def test_apply_chat_template_bos_once(tmp_path: Path, add_bos_token: bool) -> No
     )
     ids = omits.apply_chat_template([{"role": "user", "content": "hi <s>"}])
     assert (ids[0] == bos) is add_bos_token
-    assert ids.count(bos) == (
-        2 if add_bos_token else 1
-    )  # content is template output: specials parsed
+    assert ids.count(bos) == (1 if add_bos_token else 0)  # "<s>" typed in content stays text
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ 'x'|center(300000000) }}",  # folded by jinja's compiler, once outside every bound
+        "{% set x = 'x'|center(300000000) %}ok",  # built, never output
+        "{{ messages[0].content.center(300000000) }}",  # a str method
+        "{{ '%0300000000d' % 1 }}",
+        "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+        "{{ messages|tojson(indent=300000000) }}",
+    ],  # the time bound: test_daemon_hardening's "slow" template
+)
+def test_template_bounds_cover_compiling_filters_and_memory(tmp_path: Path, template: str) -> None:
+    tok = Tokenizer.load(_tiny_store(tmp_path / "s", {"chat_template": template}))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.monotonic()
+    with pytest.raises(StoreError, match=r"s/tokenizer_config\.json.*(characters|ran over)"):
+        tok.render_chat([{"role": "user", "content": "x"}])
+    assert time.monotonic() - t0 < 8
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 << 10  # KiB: the build was elsewhere
