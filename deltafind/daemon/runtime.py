@@ -112,7 +112,8 @@ class Runtime:
             self.context_length = context
             cluster = self.model.cluster  # expert nodes (deltafind/cluster): /health says degraded while one is down
             self.state.set_ready(ReadyEngine(self.scheduler, tok, model_name(s), context, store_snapshot=self.store_snapshot,
-                                             nodes=cluster.status if cluster is not None else list))
+                                             nodes=cluster.status if cluster is not None else list,
+                                             aliases=tuple(s.server.model_aliases)))
             log.info("model_ready", store=str(store_dir(s)), family=self.model.manifest.family,
                      load_s=round(time.monotonic() - t0, 2), context=context)
             notify.ready(f"serving {model_name(s)}")
