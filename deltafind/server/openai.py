@@ -43,7 +43,6 @@ from deltafind.server.structured import Grammar, json_schema_grammar, response_f
 
 log = get_logger(__name__)
 KEEPALIVE_S = 5.0
-DISCONNECT_POLL_S = 0.5  # how often a non-streamed request looks for a client that hung up
 
 
 def client_gone(req: falcon.Request) -> bool:
@@ -85,8 +84,8 @@ def read_json(req: falcon.Request, limit: int) -> dict[str, Any]:
 
 
 def for_model(body: Any, engine: Any) -> Any:
-    """`body` when it asks for the model served here, else a 404 naming the one that is."""
-    if body.model != engine.model_name:
+    """`body` when it asks for the model served here (by its name or an alias), else a 404 naming the one that is."""
+    if body.model != engine.model_name and body.model not in engine.aliases:
         raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{engine.model_name}` (GET /v1/models)",
                        "model", "model_not_found")
     return body
@@ -181,17 +180,9 @@ class Generate:
             stream_sse(resp, self._sse(choices, mux, meta, prompt_tokens, include_usage, want_lp is not None, engine))
             return
         started = time.monotonic()
-        next_check = started + DISCONNECT_POLL_S
         try:
-            for _ in events(choices, mux, keepalive=DISCONNECT_POLL_S):
-                now = time.monotonic()  # checked by the clock: a fast model never leaves the queue quiet
-                if now < next_check:
-                    continue
-                next_check = now + DISCONNECT_POLL_S
-                if client_gone(req):  # nobody will read the answer: free the slots now
-                    log.info("client_gone", choices=len(choices))
-                    raise ApiError(499, "the client closed the connection before the answer was ready", None,
-                                   "client_closed_request")
+            for _ in events(choices, mux, keepalive=None, gone=lambda: client_gone(req)):
+                pass
         finally:
             for c in choices:
                 c.handle.cancel()
@@ -259,7 +250,7 @@ class Generate:
             out.append(ids)
         return out
 
-    def _max_new(self, body: ChatRequest | CompletionRequest, prompt_len: int, max_context: int, default: int) -> int:
+    def _max_new(self, body: ChatRequest | CompletionRequest, prompt_len: int, max_context: int, default: int | None) -> int:
         param = "messages" if self.chat else "prompt"
         asked = body.token_limit
         room = max_context - prompt_len
@@ -269,7 +260,9 @@ class Generate:
                 f"This model's maximum context length is {max_context} tokens. However, you requested {need} tokens "
                 f"({prompt_len} in the {param}, {asked or 1} in the completion). Please reduce the length of the {param} "
                 "or the completion.", param, "context_length_exceeded")
-        return min(default, room) if asked is None else asked
+        if asked is not None:
+            return asked
+        return room if default is None else min(default, room)  # the reference APIs: the rest of the context
 
     def _response(self, choices: list[Choice], meta: dict, prompt_tokens: int, want_lp: bool, engine: Any) -> dict:
         tok = engine.tokenizer
