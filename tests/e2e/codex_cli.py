@@ -26,6 +26,7 @@ FIXTURES = Path(__file__).resolve().parents[1] / "data" / "agents"
 CONFIG = """\
 model_provider = "deltafind"
 model = "{model}"
+model_instructions_file = "{instructions}"
 check_for_update_on_startup = false
 approval_policy = "never"
 sandbox_mode = "read-only"
@@ -44,6 +45,9 @@ request_max_retries = 0
 stream_max_retries = 0
 stream_idle_timeout_ms = 900000
 """
+
+
+INSTRUCTIONS = "You are a coding agent running in the Codex CLI. Answer briefly.\n"
 
 
 def codex_bin() -> Path | None:
@@ -73,7 +77,10 @@ def run_codex(exe: Path, daemon_port: int, model: str, prompt: str, timeout: flo
     home = Path(tempfile.mkdtemp(prefix="codex-home-"))
     work = home / "work"
     work.mkdir()
-    (home / "config.toml").write_text(CONFIG.format(model=model, base_url=f"http://127.0.0.1:{proxy.port}/v1"))
+    # Codex's own instructions are ~4k tokens; a short file keeps the prompt inside the demo's 8k context.
+    (home / "instructions.md").write_text(INSTRUCTIONS)
+    (home / "config.toml").write_text(CONFIG.format(model=model, base_url=f"http://127.0.0.1:{proxy.port}/v1",
+                                                    instructions=home / "instructions.md"))
     last = home / "last.txt"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "CODEX_"))}
     env.update(CODEX_HOME=str(home), DELTAFIND_API_KEY="unused", NO_COLOR="1", RUST_LOG="error")
