@@ -177,7 +177,8 @@ class Generate:
                 "model": engine.model_name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream_sse(resp, self._sse(choices, mux, meta, prompt_tokens, include_usage, want_lp is not None, engine))
+            stream_sse(resp, self._sse(choices, mux, meta, prompt_tokens, include_usage, want_lp is not None, engine,
+                                       lambda: client_gone(req)))
             return
         started = time.monotonic()
         try:
@@ -280,7 +281,7 @@ class Generate:
         return {**meta, "object": obj, "choices": out, "usage": usage(choices, prompt_tokens)}
 
     def _sse(self, choices: list[Choice], mux: queue.Queue, meta: dict, prompt_tokens: int, include_usage: bool,
-             want_lp: bool, engine: Any) -> Iterator[bytes]:
+             want_lp: bool, engine: Any, gone: Any = None) -> Iterator[bytes]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         tok = engine.tokenizer
         offsets = {c.index: 0 for c in choices}
@@ -304,9 +305,9 @@ class Generate:
                 for c in choices:
                     yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}])
-            for ev in events(choices, mux, keepalive=KEEPALIVE_S):
+            for ev in events(choices, mux, keepalive=KEEPALIVE_S, gone=gone):
                 if ev is None:
-                    yield b": keep-alive\n\n"  # also finds out early that a client has gone
+                    yield b": keep-alive\n\n"
                     continue
                 c, text, entries, done = ev
                 if c.parser is not None:
@@ -326,6 +327,8 @@ class Generate:
             yield b"data: [DONE]\n\n"
             self.state.metrics.count_completion(sum(c.completion_tokens for c in choices))
             self.state.pace.observe(time.monotonic() - started)
+        except ApiError:  # 499 from `events`: the client hung up, nobody reads the rest
+            return
         finally:
             for c in choices:
                 c.handle.cancel()  # a no-op for finished ones; frees the slot of a client that left
