@@ -25,7 +25,8 @@ SENT_BACK = {"accept", "content-type", "originator", "user-agent", "session-id",
 
 @pytest.fixture(scope="module")
 def daemon(demo_store: Path) -> Iterator[Daemon]:
-    d = Daemon(demo_store, f'[server]\nmax_running = 2\nmodel_aliases = ["{ALIAS}"]\n').start()
+    # Prefill in chunks of 256, so a prompt whose client left stops at the next chunk.
+    d = Daemon(demo_store, f'[server]\nmax_running = 2\nmax_prefill_tokens = 256\nmodel_aliases = ["{ALIAS}"]\n').start()
     yield d
     d.stop()
     d.cleanup()
@@ -205,3 +206,16 @@ def test_a_hang_up_during_prefill_is_noticed_within_a_second(daemon: Daemon, pat
         while time.monotonic() < deadline and not re.search(rf'"path": "{path}", "status": 499', daemon.log_text(full=True)):
             time.sleep(0.2)
         assert re.search(rf'"path": "{path}", "status": 499', daemon.log_text(full=True))
+
+
+def test_a_long_prefill_streams_keep_alive_comments(daemon: Daemon) -> None:
+    text = "Paris is lovely in the spring. " * 350  # ~2.5k new tokens: many seconds of prefill on the demo
+    raw = json.dumps({"model": "test-model", "input": text, "stream": True, "max_output_tokens": 4}).encode()
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=30) as s:
+        s.sendall(f"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n".encode() + raw)
+        got, started = b"", time.monotonic()
+        comment = b"\n: keep-alive\n\n"  # an SSE comment line (not the Connection header)
+        while comment not in got and time.monotonic() - started < 20:
+            got += s.recv(65536)
+        assert b"event: response.created" in got and comment in got, got[-500:]
+        assert b"response.output_text.delta" not in got  # it came while the prompt was still prefilling
