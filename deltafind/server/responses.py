@@ -1,10 +1,9 @@
-"""POST /v1/responses: OpenAI's Responses API mapped onto the chat path (text, function tools, streaming).
+"""POST /v1/responses (and /input_tokens): OpenAI's Responses API mapped onto the chat path.
 
-Owns the Responses wire format: `input` items and `instructions` -> chat
-messages, `text.format` -> response_format, output items (reasoning, message,
-function_call) and the streaming events the openai SDK parses. `previous_response_id`
+Owns the answer's wire format: output items (reasoning with its `encrypted_content`, message,
+function_call with its namespace) and the streaming events the openai SDK and Codex parse.
+The request side (fields, tools, `input` items) is responses_input.py. `previous_response_id`
 continues a conversation this process answered (kept in memory, newest 256).
-Errors are OpenAI-shaped, as on the other /v1 routes.
 """
 
 from __future__ import annotations
@@ -31,21 +30,10 @@ from deltafind.server.openai import (
     read_json,
     stream_sse,
 )
-from deltafind.server.responses_input import seal_reasoning, to_chat
+from deltafind.server.responses_input import namespaced, seal_reasoning, to_chat
 from deltafind.server.schemas import ChatRequest, parse_body
 
 MAX_KEPT = 256
-
-
-def _namespaces(tools: Any) -> dict[str, tuple[str, str]]:
-    """NAMESPACE.NAME (as offered to the model) -> (namespace, name), for the calls the model writes."""
-    out = {}
-    for t in tools if isinstance(tools, list) else []:
-        if isinstance(t, dict) and t.get("type") == "namespace" and isinstance(t.get("tools"), list):
-            for f in t["tools"]:
-                if isinstance(f, dict) and isinstance(f.get("name"), str):
-                    out[f"{t['name']}.{f['name']}"] = (t["name"], f["name"])
-    return out
 
 
 def _item(block: Block, done: bool, seal: bool = False, spaces: dict[str, tuple[str, str]] | None = None) -> dict[str, Any]:
@@ -103,7 +91,7 @@ class Responses:
         chat = self._request(body, engine)
         prev = body.get("previous_response_id")
         seal = isinstance(body.get("include"), list) and "reasoning.encrypted_content" in body["include"]
-        spaces = _namespaces(body.get("tools"))
+        spaces = namespaced(body.get("tools"))
         choices, mux, prompt_tokens, _ = self.chat.submit(engine, chat, always_parse=True)
         c = choices[0]
         shell = {"id": "resp_" + uuid.uuid4().hex[:24], "object": "response", "created_at": int(time.time()),

@@ -82,6 +82,17 @@ def call_name(name: str, namespace: str | None) -> str:
     return f"{namespace}.{name}" if namespace else name
 
 
+def namespaced(tools: Any) -> dict[str, tuple[str, str]]:
+    """The name the model sees for each namespaced function -> (namespace, name), to split its calls again."""
+    out = {}
+    for t in tools if isinstance(tools, list) else []:
+        if isinstance(t, dict) and t.get("type") == "namespace" and isinstance(t.get("tools"), list):
+            for f in t["tools"]:
+                if isinstance(f, dict) and isinstance(f.get("name"), str):
+                    out[call_name(f["name"], t["name"])] = (t["name"], f["name"])
+    return out
+
+
 def to_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     """`instructions` and `input` items as chat messages (calls joined onto their assistant turn)."""
     msgs: list[dict[str, Any]] = []
