@@ -77,11 +77,20 @@ class ServerSettings(Section):
         examples=[4096],
         json_schema_extra=LIVE,
     )
-    max_tokens_default: int = Field(
-        512,
+    max_tokens_default: int | None = Field(
+        None,
         ge=1,
-        description="Completion length for requests that set no max_tokens.",
+        description="Most completion tokens for a request that sets no max_tokens (max_output_tokens, "
+        "max_completion_tokens). Unset = the rest of the context, as the reference APIs do (agents "
+        "such as the Codex CLI send no limit and expect a whole answer).",
+        examples=[4096],
         json_schema_extra=LIVE,
+    )
+    model_aliases: list[str] = Field(
+        [],
+        description="Other names the served model answers to (listed by /v1/models), e.g. the "
+        "model name a client is configured with.",
+        examples=[["gpt-5.2-codex", "claude-sonnet-4-5"]],
     )
     timeout_s: float = Field(
         30.0,

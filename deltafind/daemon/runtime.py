@@ -114,7 +114,8 @@ class Runtime:
             cluster = self.model.cluster  # expert nodes (deltafind/cluster): /health says degraded while one is down
             ready = ReadyEngine(self.scheduler, tok, model_name(s), context, store_snapshot=self.store_snapshot,
                                 nodes=cluster.status if cluster is not None else list,
-                                drive_problems=lambda: list(self.model.experts.reader.problems.values()))
+                                drive_problems=lambda: list(self.model.experts.reader.problems.values()),
+                                aliases=tuple(s.server.model_aliases))
             self._turns_file(ready, save=False)
             self.state.set_ready(ready)
             log.info("model_ready", store=str(store_dir(s)), family=self.model.manifest.family,

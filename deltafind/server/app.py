@@ -41,7 +41,7 @@ class ServerConfig:
 
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 1 << 20
-    max_tokens_default: int = 512
+    max_tokens_default: int | None = None  # None: the rest of the context
     max_context: int | None = None
 
 
@@ -56,6 +56,7 @@ class ReadyEngine:
     nodes: Callable[[], list[dict[str, Any]]] = field(default=list)  # a cluster's expert nodes (cheap: /health asks)
     drive_problems: Callable[[], list[str]] = field(default=list)  # unhealthy drives, each named (cheap: /health asks)
     turns: TurnMemory = field(default_factory=TurnMemory)  # finished answers' ids, so the next turn's prompt reuses them
+    aliases: tuple[str, ...] = ()  # [server] model_aliases: other names the model answers to
 
 
 class AppState:
@@ -144,17 +145,18 @@ class Health(_Resource):
 
 
 class Models(_Resource):
-    def _card(self, e: ReadyEngine) -> dict[str, Any]:
-        return {"id": e.model_name, "object": "model", "created": e.created, "owned_by": "deltafind"}
+    def _card(self, e: ReadyEngine, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": e.created, "owned_by": "deltafind"}
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        resp.media = {"object": "list", "data": [self._card(self.state.require_ready())]}
+        e = self.state.require_ready()
+        resp.media = {"object": "list", "data": [self._card(e, n) for n in (e.model_name, *e.aliases)]}
 
     def on_get_one(self, req: falcon.Request, resp: falcon.Response, model: str) -> None:
         e = self.state.require_ready()
-        if model != e.model_name:
+        if model != e.model_name and model not in e.aliases:
             raise ApiError(404, f"The model `{model}` does not exist", "model", "model_not_found")
-        resp.media = self._card(e)
+        resp.media = self._card(e, model)
 
 
 class Metrics(_Resource):
@@ -182,6 +184,8 @@ def create_app(state: AppState) -> falcon.App:
     app.add_route("/v1/models/{model}", models, suffix="one")
     app.add_route("/v1/chat/completions", Generate(state, chat=True))
     app.add_route("/v1/completions", Generate(state, chat=False))
-    app.add_route("/v1/responses", Responses(state))
+    responses = Responses(state)
+    app.add_route("/v1/responses", responses)
+    app.add_route("/v1/responses/input_tokens", responses, suffix="input_tokens")
     app.add_route("/v1/messages", Messages(state))
     return app

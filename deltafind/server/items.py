@@ -10,7 +10,7 @@ responses.py and messages.py.
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,13 +75,14 @@ class Blocks:
         return [Step("close", block)]
 
 
-def drive(choice: Any, mux: queue.Queue, blocks: Blocks, keepalive: float | None) -> Iterator[list[Step] | None]:
+def drive(choice: Any, mux: queue.Queue, blocks: Blocks, keepalive: float | None,
+          gone: Callable[[], bool] | None = None) -> Iterator[list[Step] | None]:
     """Run one submitted choice to its end: its block steps per event (None: `keepalive` passed quietly).
 
-    Raises ApiError 500 when the engine failed the sequence.
+    `gone`: see `choices.events`. Raises ApiError 500 when the engine failed the sequence.
     """
     try:
-        for ev in events([choice], mux, keepalive):
+        for ev in events([choice], mux, keepalive, gone):
             if ev is None:
                 yield None
                 continue

@@ -17,7 +17,14 @@ import falcon
 
 from deltafind.server.errors import ApiError, bad_request
 from deltafind.server.items import Block, Blocks, drive
-from deltafind.server.openai import KEEPALIVE_S, Generate, for_model, read_json, stream_sse
+from deltafind.server.openai import (
+    KEEPALIVE_S,
+    Generate,
+    client_gone,
+    for_model,
+    read_json,
+    stream_sse,
+)
 from deltafind.server.schemas import parse_body
 
 KNOWN = {"model", "messages", "system", "max_tokens", "tools", "tool_choice", "temperature", "top_p", "top_k", "stop_sequences",
@@ -147,7 +154,7 @@ class Messages:
             return STOP.get(c.finish_reason or "stop", "end_turn")
 
         if not chat.stream:
-            for _ in drive(c, mux, blocks, keepalive=None):
+            for _ in drive(c, mux, blocks, keepalive=None, gone=lambda: client_gone(req)):
                 pass
             self.state.metrics.count_completion(c.completion_tokens)
             resp.media = {**shell, "content": [_content(b) for b in blocks.blocks], "stop_reason": stop_reason(),

@@ -43,7 +43,6 @@ from deltafind.server.structured import Grammar, json_schema_grammar, response_f
 
 log = get_logger(__name__)
 KEEPALIVE_S = 5.0
-DISCONNECT_POLL_S = 0.5  # how often a non-streamed request looks for a client that hung up
 
 
 def client_gone(req: falcon.Request) -> bool:
@@ -85,8 +84,8 @@ def read_json(req: falcon.Request, limit: int) -> dict[str, Any]:
 
 
 def for_model(body: Any, engine: Any) -> Any:
-    """`body` when it asks for the model served here, else a 404 naming the one that is."""
-    if body.model != engine.model_name:
+    """`body` when it asks for the model served here (by its name or an alias), else a 404 naming the one that is."""
+    if body.model != engine.model_name and body.model not in engine.aliases:
         raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{engine.model_name}` (GET /v1/models)",
                        "model", "model_not_found")
     return body
@@ -178,20 +177,13 @@ class Generate:
                 "model": engine.model_name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream_sse(resp, self._sse(choices, mux, meta, prompt_tokens, include_usage, want_lp is not None, engine))
+            stream_sse(resp, self._sse(choices, mux, meta, prompt_tokens, include_usage, want_lp is not None, engine,
+                                       lambda: client_gone(req)))
             return
         started = time.monotonic()
-        next_check = started + DISCONNECT_POLL_S
         try:
-            for _ in events(choices, mux, keepalive=DISCONNECT_POLL_S):
-                now = time.monotonic()  # checked by the clock: a fast model never leaves the queue quiet
-                if now < next_check:
-                    continue
-                next_check = now + DISCONNECT_POLL_S
-                if client_gone(req):  # nobody will read the answer: free the slots now
-                    log.info("client_gone", choices=len(choices))
-                    raise ApiError(499, "the client closed the connection before the answer was ready", None,
-                                   "client_closed_request")
+            for _ in events(choices, mux, keepalive=None, gone=lambda: client_gone(req)):
+                pass
         finally:
             for c in choices:
                 c.handle.cancel()
@@ -259,7 +251,7 @@ class Generate:
             out.append(ids)
         return out
 
-    def _max_new(self, body: ChatRequest | CompletionRequest, prompt_len: int, max_context: int, default: int) -> int:
+    def _max_new(self, body: ChatRequest | CompletionRequest, prompt_len: int, max_context: int, default: int | None) -> int:
         param = "messages" if self.chat else "prompt"
         asked = body.token_limit
         room = max_context - prompt_len
@@ -269,7 +261,9 @@ class Generate:
                 f"This model's maximum context length is {max_context} tokens. However, you requested {need} tokens "
                 f"({prompt_len} in the {param}, {asked or 1} in the completion). Please reduce the length of the {param} "
                 "or the completion.", param, "context_length_exceeded")
-        return min(default, room) if asked is None else asked
+        if asked is not None:
+            return asked
+        return room if default is None else min(default, room)  # the reference APIs: the rest of the context
 
     def _response(self, choices: list[Choice], meta: dict, prompt_tokens: int, want_lp: bool, engine: Any) -> dict:
         tok = engine.tokenizer
@@ -287,7 +281,7 @@ class Generate:
         return {**meta, "object": obj, "choices": out, "usage": usage(choices, prompt_tokens)}
 
     def _sse(self, choices: list[Choice], mux: queue.Queue, meta: dict, prompt_tokens: int, include_usage: bool,
-             want_lp: bool, engine: Any) -> Iterator[bytes]:
+             want_lp: bool, engine: Any, gone: Any = None) -> Iterator[bytes]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         tok = engine.tokenizer
         offsets = {c.index: 0 for c in choices}
@@ -311,9 +305,9 @@ class Generate:
                 for c in choices:
                     yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}])
-            for ev in events(choices, mux, keepalive=KEEPALIVE_S):
+            for ev in events(choices, mux, keepalive=KEEPALIVE_S, gone=gone):
                 if ev is None:
-                    yield b": keep-alive\n\n"  # also finds out early that a client has gone
+                    yield b": keep-alive\n\n"
                     continue
                 c, text, entries, done = ev
                 if c.parser is not None:
@@ -333,6 +327,8 @@ class Generate:
             yield b"data: [DONE]\n\n"
             self.state.metrics.count_completion(sum(c.completion_tokens for c in choices))
             self.state.pace.observe(time.monotonic() - started)
+        except ApiError:  # 499 from `events`: the client hung up, nobody reads the rest
+            return
         finally:
             for c in choices:
                 c.handle.cancel()  # a no-op for finished ones; frees the slot of a client that left

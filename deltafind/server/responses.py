@@ -1,10 +1,9 @@
-"""POST /v1/responses: OpenAI's Responses API mapped onto the chat path (text, function tools, streaming).
+"""POST /v1/responses (and /input_tokens): OpenAI's Responses API mapped onto the chat path.
 
-Owns the Responses wire format: `input` items and `instructions` -> chat
-messages, `text.format` -> response_format, output items (reasoning, message,
-function_call) and the streaming events the openai SDK parses. `previous_response_id`
+Owns the answer's wire format: output items (reasoning with its `encrypted_content`, message,
+function_call with its namespace) and the streaming events the openai SDK and Codex parse.
+The request side (fields, tools, `input` items) is responses_input.py. `previous_response_id`
 continues a conversation this process answered (kept in memory, newest 256).
-Errors are OpenAI-shaped, as on the other /v1 routes.
 """
 
 from __future__ import annotations
@@ -19,122 +18,38 @@ from typing import Any
 
 import falcon
 
+from deltafind.server.chat_plan import plan_chat
 from deltafind.server.errors import ApiError, bad_request
 from deltafind.server.items import Block, Blocks, Step, drive
-from deltafind.server.openai import KEEPALIVE_S, Generate, for_model, read_json, stream_sse
-from deltafind.server.schemas import parse_body
+from deltafind.server.openai import (
+    KEEPALIVE_S,
+    Generate,
+    chat_messages,
+    client_gone,
+    for_model,
+    read_json,
+    stream_sse,
+)
+from deltafind.server.responses_input import namespaced, seal_reasoning, to_chat
+from deltafind.server.schemas import ChatRequest, parse_body
 
-PASSED = {"model", "temperature", "top_p", "stream", "parallel_tool_calls", "user", "metadata", "tool_choice"}
-# Accepted and without effect here (storage, tracing, caching hints).
-IGNORED = {"store", "include", "truncation", "service_tier", "prompt_cache_key", "safety_identifier", "background",
-           "stream_options", "max_tool_calls", "prompt_cache_retention", "top_logprobs", "conversation", "prompt"}
-KNOWN = PASSED | IGNORED | {"input", "instructions", "tools", "max_output_tokens", "text", "reasoning", "previous_response_id"}
 MAX_KEPT = 256
 
 
-def _text(content: Any, where: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, list):
-        raise bad_request(f"{where}: expected a string or a list of text parts", where, "invalid_value")
-    out = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text", "refusal"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise bad_request(f"{where}[{j}]: {kind!r} content is not supported (text only)", f"{where}[{j}].type",
-                              "unsupported_content")
-        out.append(part.get("text") or part.get("refusal") or "")
-    return "".join(out)
-
-
-def to_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """`instructions` and `input` items as chat messages (calls joined onto their assistant turn)."""
-    msgs: list[dict[str, Any]] = []
-    if body.get("instructions"):
-        msgs.append({"role": "system", "content": str(body["instructions"])})
-    items = body.get("input")
-    if isinstance(items, str):
-        return [*msgs, {"role": "user", "content": items}]
-    if not isinstance(items, list):
-        raise bad_request("input: expected a string or a list of items", "input", "invalid_value")
-    reasoning = None
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise bad_request(f"{where}: expected an object", where, "invalid_value")
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise bad_request(f"{where}.role: {role!r} is not one of user, assistant, system, developer", f"{where}.role",
-                                  "invalid_value")
-            msg = {"role": role, "content": _text(item.get("content"), f"{where}.content")}
-            if role == "assistant" and reasoning is not None:
-                msg["reasoning_content"], reasoning = reasoning, None
-            msgs.append(msg)
-        elif kind == "function_call":
-            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
-            last = msgs[-1] if msgs else None
-            if last is None or last["role"] != "assistant":
-                last = {"role": "assistant", "content": ""}
-                if reasoning is not None:
-                    last["reasoning_content"], reasoning = reasoning, None
-                msgs.append(last)
-            last.setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
-            out = item.get("output")
-            msgs.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                         "content": out if isinstance(out, str) else _text(out, f"{where}.output")})
-        elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            reasoning = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
-        else:
-            raise bad_request(f"{where}.type: {kind!r} items are not supported (message, function_call, "
-                              "function_call_output, reasoning)", f"{where}.type", "unsupported_parameter")
-    return msgs
-
-
-def to_chat(body: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, Any]:
-    """The chat completions request equivalent to a Responses request."""
-    for key in body:
-        if key not in KNOWN:
-            raise ApiError(400, f"Unrecognized request argument supplied: {key}", key, "unknown_parameter")
-    chat = {k: body[k] for k in PASSED if body.get(k) is not None}
-    chat["messages"] = [*history, *to_messages(body)]
-    if body.get("max_output_tokens") is not None:
-        chat["max_tokens"] = body["max_output_tokens"]
-    tools = []
-    for i, t in enumerate(body.get("tools") or []):
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else t
-            raise bad_request(f"tools[{i}].type: only function tools are supported (got {kind!r})", f"tools[{i}].type",
-                              "unsupported_parameter")
-        tools.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}})
-    if tools:
-        chat["tools"] = tools
-    choice = chat.get("tool_choice")
-    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
-        chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
-    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-        chat["response_format"] = {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
-    elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
-        chat["response_format"] = {"type": "json_object"}
-    effort = (body.get("reasoning") or {}).get("effort") if isinstance(body.get("reasoning"), dict) else None
-    if effort is not None:
-        chat["reasoning_effort"] = effort
-    return chat
-
-
-def _item(block: Block, done: bool) -> dict[str, Any]:
+def _item(block: Block, done: bool, seal: bool = False, spaces: dict[str, tuple[str, str]] | None = None) -> dict[str, Any]:
     status = "completed" if done else "in_progress"
     if block.kind == "reasoning":
-        return {"type": "reasoning", "id": f"rs_{block.index}", "summary": [],
+        item = {"type": "reasoning", "id": f"rs_{block.index}", "summary": [],
                 "content": [{"type": "reasoning_text", "text": block.text}] if done else [], "status": status}
+        if seal and done:  # include: ["reasoning.encrypted_content"] (a store: false client replays it)
+            item["encrypted_content"] = seal_reasoning(block.text)
+        return item
     if block.kind == "call":
-        return {"type": "function_call", "id": f"fc_{block.call_id[5:]}", "call_id": block.call_id, "name": block.name,
+        item = {"type": "function_call", "id": f"fc_{block.call_id[5:]}", "call_id": block.call_id, "name": block.name,
                 "arguments": block.text if done else "", "status": status}
+        if spaces and block.name in spaces:  # a namespace's function: its call names both, as the reference API's
+            item["namespace"], item["name"] = spaces[block.name]
+        return item
     return {"type": "message", "id": f"msg_{block.index}", "role": "assistant", "status": status,
             "content": [{"type": "output_text", "text": block.text, "annotations": [], "logprobs": []}] if done else []}
 
@@ -146,18 +61,37 @@ class Responses:
         self.kept: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
         self.lock = threading.Lock()
 
-    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        engine = self.state.require_ready()
-        body = read_json(req, self.state.config.max_body_bytes)
+    def _request(self, body: dict[str, Any], engine: Any) -> ChatRequest:
         history: list[dict[str, Any]] = []
         prev = body.get("previous_response_id")
         if prev is not None:
+            if not isinstance(prev, str):
+                raise bad_request("previous_response_id: expected a string (a response id)", "previous_response_id",
+                                  "invalid_value")
             with self.lock:
                 history = list(self.kept.get(prev) or [])
             if not history:
                 raise ApiError(404, f"previous_response_id: no response {prev!r} is kept by this server (send the whole input)",
                                "previous_response_id", "previous_response_not_found")
-        chat = for_model(parse_body(to_chat(body, history), chat=True), engine)
+        return for_model(parse_body(to_chat(body, history), chat=True), engine)
+
+    def on_post_input_tokens(self, req: falcon.Request, resp: falcon.Response) -> None:
+        """POST /v1/responses/input_tokens: the prompt's length, as a request with this body would see it."""
+        engine = self.state.require_ready()
+        body = read_json(req, self.state.config.max_body_bytes)
+        for key in ("stream", "max_output_tokens", "store", "include", "stream_options"):
+            body.pop(key, None)  # the reference endpoint takes the create body; these say nothing about the input
+        chat = self._request(body, engine)
+        plan = plan_chat(engine.tokenizer, chat, chat_messages(chat), True)
+        resp.media = {"object": "response.input_tokens", "input_tokens": len(plan.prompt_ids)}
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        engine = self.state.require_ready()
+        body = read_json(req, self.state.config.max_body_bytes)
+        chat = self._request(body, engine)
+        prev = body.get("previous_response_id")
+        seal = isinstance(body.get("include"), list) and "reasoning.encrypted_content" in body["include"]
+        spaces = namespaced(body.get("tools"))
         choices, mux, prompt_tokens, _ = self.chat.submit(engine, chat, always_parse=True)
         c = choices[0]
         shell = {"id": "resp_" + uuid.uuid4().hex[:24], "object": "response", "created_at": int(time.time()),
@@ -170,11 +104,11 @@ class Responses:
         chat_history = [m.model_dump(exclude_none=True) for m in chat.messages]
 
         def final() -> dict[str, Any]:
-            out = {**shell, "status": "completed", "output": [_item(b, True) for b in blocks.blocks],
+            out = {**shell, "status": "completed", "output": [_item(b, True, seal, spaces) for b in blocks.blocks],
                    "usage": {"input_tokens": prompt_tokens, "output_tokens": c.completion_tokens,
                              "total_tokens": prompt_tokens + c.completion_tokens,
                              "input_tokens_details": {"cached_tokens": c.cached_tokens},
-                             "output_tokens_details": {"reasoning_tokens": 0}}}
+                             "output_tokens_details": {"reasoning_tokens": c.reasoning_tokens}}}
             if c.finish_reason == "length":
                 out["status"], out["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
             self.state.metrics.count_completion(c.completion_tokens)
@@ -182,7 +116,7 @@ class Responses:
             return out
 
         if not chat.stream:
-            for _ in drive(c, mux, blocks, keepalive=None):
+            for _ in drive(c, mux, blocks, keepalive=None, gone=lambda: client_gone(req)):
                 pass
             resp.media = final()
             return
@@ -197,7 +131,7 @@ class Responses:
                 b, ids = s.block, {"output_index": s.block.index}
                 item_id = _item(b, False)["id"]
                 if s.what == "open":
-                    yield event("response.output_item.added", **ids, item=_item(b, False))
+                    yield event("response.output_item.added", **ids, item=_item(b, False, seal, spaces))
                     if b.kind == "text":
                         yield event("response.content_part.added", **ids, item_id=item_id, content_index=0,
                                     part={"type": "output_text", "text": "", "annotations": []})
@@ -219,14 +153,14 @@ class Responses:
                     else:
                         yield event("response.function_call_arguments.done", **ids, item_id=item_id, name=b.name,
                                     arguments=b.text)
-                    yield event("response.output_item.done", **ids, item=_item(b, True))
+                    yield event("response.output_item.done", **ids, item=_item(b, True, seal, spaces))
 
         def stream() -> Iterator[bytes]:
             start = {**shell, "status": "in_progress", "output": [], "usage": None}
             yield event("response.created", response=start)
             yield event("response.in_progress", response=start)
             try:
-                for batch in drive(c, mux, blocks, keepalive=KEEPALIVE_S):
+                for batch in drive(c, mux, blocks, keepalive=KEEPALIVE_S, gone=lambda: client_gone(req)):
                     if batch is None:
                         yield b": keep-alive\n\n"
                         continue

@@ -11,7 +11,7 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from deltafind.server.errors import ApiError, bad_request
 
@@ -33,6 +33,10 @@ NO_OP: dict[str, tuple[Any, ...]] = {"tools": ([],), "functions": ([],), "servic
 # Accepted only at their no-op value.
 NEUTRAL = {"logit_bias": ({}, None), "store": (False, None), "echo": (False, None),
            "best_of": (1, None)}
+# Template variables the server sets itself (the request's messages and tools, K3's choice and format):
+# a `chat_template_kwargs` key of that name would collide with them.
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "self", "tool_choice", "response_format",
+                            "thinking_effort")
 
 
 class _Strict(BaseModel):
@@ -59,6 +63,21 @@ class Message(_Strict):
     tool_call_id: Annotated[str, Field(max_length=256)] | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_are_objects(cls, calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for j, c in enumerate(calls or []):
+            fn = c.get("function")
+            if not isinstance(fn, dict):
+                raise ValueError(f"item {j}: `function` must be an object with `name` and `arguments`")
+            if not isinstance(fn.get("name"), str):
+                raise ValueError(f"item {j}: `function.name` must be a string")
+            if not isinstance(fn.get("arguments", "{}"), str | dict):
+                raise ValueError(f"item {j}: `function.arguments` must be a JSON string")
+            if not isinstance(c.get("id", ""), str | None):
+                raise ValueError(f"item {j}: `id` must be a string")
+        return calls
 
     def text(self) -> str:
         if self.content is None:
@@ -111,6 +130,14 @@ class ChatRequest(_Common):
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "max"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        bad = next((k for k in kwargs or {} if k in RESERVED_TEMPLATE_KWARGS), None)
+        if bad is not None:
+            raise ValueError(f"{bad!r} is set by the server from the request itself; remove the key")
+        return kwargs
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatRequest:

@@ -85,3 +85,29 @@ def test_a_restart_reuses_the_prompt_from_disk(k3_store: Path, tmp_path: Path) -
     assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1  # all but the last token
     assert second.choices[0].message.content == first.choices[0].message.content
     assert "prompt_disk_loaded" in log and "prompt_disk_dropped" not in log
+
+
+def test_responses_reasoning_round_trips_through_encrypted_content(k3_daemon: Daemon) -> None:
+    # Codex sends store: false and include: ["reasoning.encrypted_content"], then replays the reasoning
+    # items (encrypted_content only) in the next request's input: they must render the thought again.
+    first = {"model": "test-model", "input": "Why does test_parse fail?", "max_output_tokens": 6, "temperature": 0,
+             "store": False, "include": ["reasoning.encrypted_content"]}
+    status, r = k3_daemon.post_json("/v1/responses", first, timeout=600)
+    assert status == 200, r
+    item = next(o for o in r["output"] if o["type"] == "reasoning")
+    thought = item["content"][0]["text"]
+    assert thought and item["encrypted_content"] and thought not in item["encrypted_content"]
+    assert r["usage"]["output_tokens_details"]["reasoning_tokens"] == r["usage"]["output_tokens"] == 6  # random weights think on
+
+    def turn(reasoning: dict | None) -> list[dict]:
+        return [{"role": "user", "content": "Why does test_parse fail?"}, *([reasoning] if reasoning else []),
+                {"role": "assistant", "content": [{"type": "output_text", "text": "Look at the parser."}]},
+                {"role": "user", "content": "Go on."}]
+
+    counts = []
+    for reasoning in ({"type": "reasoning", "summary": [], "content": None, "encrypted_content": item["encrypted_content"]},
+                      {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": thought}]}, None):
+        status, c = k3_daemon.post_json("/v1/responses/input_tokens", {"model": "test-model", "input": turn(reasoning)})
+        assert status == 200, c
+        counts.append(c["input_tokens"])
+    assert counts[0] == counts[1] != counts[2]

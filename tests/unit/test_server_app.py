@@ -121,6 +121,22 @@ def test_context_limit_and_default_max_tokens(tokenizer: Tokenizer) -> None:
     assert engine.submitted[-1].params.max_new_tokens == 2  # what the context has left
 
 
+def test_no_limit_means_the_rest_of_the_context_on_every_endpoint(tokenizer: Tokenizer) -> None:
+    # Codex sends no max_output_tokens and expects a whole answer (the reference APIs' default), not 512.
+    engine = ScriptedEngine(tokenizer, "abc")
+    state = AppState(ServerConfig(), "m")
+    state.set_ready(ReadyEngine(engine, tokenizer, "m", 4096))
+    c = testing.TestClient(create_app(state))
+    assert c.simulate_post("/v1/responses", json={"model": "m", "input": "hi"}).status_code == 200
+    prompt = len(engine.submitted[-1].prompt_ids)
+    assert engine.submitted[-1].params.max_new_tokens == 4096 - prompt
+    assert c.simulate_post("/v1/chat/completions", json=chat()).status_code == 200
+    assert engine.submitted[-1].params.max_new_tokens == 4096 - len(engine.submitted[-1].prompt_ids)
+    state.config = ServerConfig(max_tokens_default=100)  # the optional cap still caps
+    assert c.simulate_post("/v1/responses", json={"model": "m", "input": "hi"}).status_code == 200
+    assert engine.submitted[-1].params.max_new_tokens == 100
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_string_across_a_utf8_boundary_is_never_sent(tokenizer: Tokenizer, stream: bool) -> None:
     engine = ScriptedEngine(tokenizer, "naïve café—done")
