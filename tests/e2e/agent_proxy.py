@@ -1,0 +1,82 @@
+"""A loopback logging proxy (stdlib http.server) between a real agent CLI and the daemon.
+
+It forwards every request unchanged, streams the answer back as it arrives, and
+records each request (method, path, headers without secrets, JSON body) and the
+answer's status, so a CLI session can be kept as fixtures under tests/data/agents/.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+SECRET_HEADERS = {"authorization", "x-api-key", "cookie", "proxy-authorization"}
+HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host", "content-length"}
+
+
+class LoggingProxy:
+    """`LoggingProxy(upstream_port).start()`; `records` holds one dict per request, in order."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.records: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(length) if length else b""
+                try:
+                    body: Any = json.loads(raw) if raw else None
+                except ValueError:
+                    body = raw.decode("utf-8", "replace")
+                headers = {k.lower(): v for k, v in self.headers.items() if k.lower() not in SECRET_HEADERS | HOP_HEADERS}
+                rec = {"method": self.command, "path": self.path, "headers": headers, "body": body}
+                with proxy.lock:
+                    proxy.records.append(rec)
+                up = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=900)
+                fwd = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
+                up.request(self.command, self.path, body=raw or None, headers=fwd)
+                r = up.getresponse()
+                rec["status"] = r.status
+                self.send_response(r.status)
+                for k, v in r.getheaders():
+                    if k.lower() not in HOP_HEADERS:
+                        self.send_header(k, v)
+                if self.command == "HEAD":
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    up.close()
+                    return
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                while True:
+                    piece = r.read1(65536)
+                    if not piece:
+                        break
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+                up.close()
+
+            do_GET = do_POST = do_HEAD = do_DELETE = _forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+
+    def start(self) -> LoggingProxy:
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
