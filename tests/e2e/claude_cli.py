@@ -3,7 +3,7 @@
 `claude_bin()` installs the pinned CLI into a cached npm folder (None without node/npm);
 `run_claude` points it at the proxy with its documented env vars (telemetry, update checks
 and other non-essential traffic off) and runs one `claude -p`. `python -m tests.e2e.claude_cli
-STORE NAME` records a session's requests as tests/data/agents/claude-NAME.json.
+STORE NAME [CLI ARGS]` records a session's requests as tests/data/agents/claude-NAME.json.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ NPM_DIR = Path.home() / ".cache" / "deltafind-tests" / "npm"
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "agents"
 # code.claude.com/docs/en/settings (environment variables): no telemetry, error reports, update checks
 # or other traffic that is not the model's; the model names every request uses, big and small.
+SHORT = 96  # CLAUDE_CODE_MAX_OUTPUT_TOKENS in tests: a small model may otherwise write until the context is full
 QUIET = {"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1",
          "DISABLE_AUTOUPDATER": "1", "DISABLE_BUG_COMMAND": "1", "NO_COLOR": "1"}
 
@@ -49,9 +50,10 @@ class ClaudeRun:
     records: list[dict]  # the requests it sent, as the proxy saw them
 
 
-def run_claude(exe: Path, daemon_port: int, model: str, prompt: str, timeout: float = 600,
-               key_env: str = "ANTHROPIC_API_KEY") -> ClaudeRun:
-    """One `claude -p PROMPT` with a fresh config folder; `key_env` picks x-api-key or Authorization: Bearer."""
+def run_claude(exe: Path, daemon_port: int, model: str, prompt: str, *args: str, timeout: float = 600,
+               key_env: str = "ANTHROPIC_API_KEY", max_output_tokens: int | None = None) -> ClaudeRun:
+    """One `claude -p PROMPT ARGS...` with a fresh config folder; `key_env` picks x-api-key or Authorization: Bearer,
+    `max_output_tokens` the max_tokens it asks for (else its own 32000, cut here to what the context leaves)."""
     proxy = LoggingProxy(daemon_port).start()
     home = Path(tempfile.mkdtemp(prefix="claude-home-"))
     work = home / "work"
@@ -60,8 +62,10 @@ def run_claude(exe: Path, daemon_port: int, model: str, prompt: str, timeout: fl
     env.update(QUIET, HOME=str(home), CLAUDE_CONFIG_DIR=str(home / "config"), ANTHROPIC_BASE_URL=f"http://127.0.0.1:{proxy.port}",
                ANTHROPIC_MODEL=model, ANTHROPIC_SMALL_FAST_MODEL=model, ANTHROPIC_DEFAULT_HAIKU_MODEL=model,
                ANTHROPIC_DEFAULT_SONNET_MODEL=model, ANTHROPIC_DEFAULT_OPUS_MODEL=model, **{key_env: "unused"})
+    if max_output_tokens is not None:
+        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(max_output_tokens)
     try:
-        proc = subprocess.run([str(exe), "-p", prompt], capture_output=True, text=True, timeout=timeout, env=env,
+        proc = subprocess.run([str(exe), "-p", prompt, *args], capture_output=True, text=True, timeout=timeout, env=env,
                               cwd=work, stdin=subprocess.DEVNULL)
         return ClaudeRun(proc.returncode, proc.stdout, proc.stderr, list(proxy.records))
     finally:
@@ -80,20 +84,20 @@ def redact(record: dict) -> dict:
 def main() -> None:
     from tests.e2e.daemon_fixtures import Daemon
 
-    store, name = Path(sys.argv[1]), sys.argv[2]
+    store, name, args = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
     exe = claude_bin()
     assert exe is not None, "node/npm missing"
-    d = Daemon(store, "[server]\nmax_running = 1\n").start(timeout=600)
+    d = Daemon(store, "[server]\nmax_running = 1\nmax_prefill_tokens = 4096\n").start(timeout=600)
     try:
-        run = run_claude(exe, d.port, "test-model", "say hi")
+        run = run_claude(exe, d.port, "test-model", "say hi", *args, max_output_tokens=SHORT)
     finally:
         d.stop()
     print("rc", run.returncode, "answer", repr(run.stdout[:200]))
     print(run.stderr[-3000:])
     FIXTURES.mkdir(parents=True, exist_ok=True)
     out = FIXTURES / f"claude-{name}.json"
-    out.write_text(json.dumps({"cli": f"@anthropic-ai/claude-code@{CLAUDE_VERSION}", "requests": [redact(r) for r in run.records]},
-                              indent=1, ensure_ascii=False) + "\n")
+    out.write_text(json.dumps({"cli": f"@anthropic-ai/claude-code@{CLAUDE_VERSION}", "args": ["-p", "say hi", *args],
+                               "requests": [redact(r) for r in run.records]}, indent=1, ensure_ascii=False) + "\n")
     print("wrote", out, [(r["method"], r["path"], r.get("status")) for r in run.records])
     print(d.log_text()[-3000:])
 
