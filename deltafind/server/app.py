@@ -32,7 +32,7 @@ from deltafind.server.turns import TurnMemory
 
 log = get_logger(__name__)
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/")  # probes: Claude Code sends `HEAD /` without its key
 
 
 @dataclass(frozen=True)

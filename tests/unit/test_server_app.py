@@ -107,6 +107,7 @@ def test_api_keys_compare_every_key_and_answer_401(tokenizer: Tokenizer) -> None
                         headers={"x-api-key": "k"})
     assert r.status_code == 200 and r.json["type"] == "message"
     assert c.simulate_get("/health").status_code == 200
+    assert c.simulate_head("/").status_code == 200  # Claude Code's probe carries no key
 
 
 def test_body_limit_413(tokenizer: Tokenizer) -> None:
