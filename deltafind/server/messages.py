@@ -37,7 +37,10 @@ def _content(block: Block) -> dict[str, Any]:
     if block.kind == "reasoning":
         return {"type": "thinking", "thinking": block.text, "signature": ""}
     if block.kind == "call":  # a call cut by max_tokens keeps what parsed of its arguments (stop_reason says so)
-        args = from_json(block.text, allow_partial=True) if block.text else {}
+        try:
+            args = from_json(block.text, allow_partial=True) if block.text else {}
+        except ValueError:  # not JSON at all (an unenforced Llama 3 call): no arguments rather than a 500
+            args = {}
         return {"type": "tool_use", "id": block.call_id.replace("call_", "toolu_"), "name": block.name,
                 "input": args if isinstance(args, dict) else {}}
     return {"type": "text", "text": block.text}
