@@ -25,6 +25,8 @@ FIXTURES = Path(__file__).resolve().parents[1] / "data" / "agents"
 # code.claude.com/docs/en/settings (environment variables): no telemetry, error reports, update checks
 # or other traffic that is not the model's; the model names every request uses, big and small.
 SHORT = 96  # CLAUDE_CODE_MAX_OUTPUT_TOKENS in tests: a small model may otherwise write until the context is full
+# Its stream watchdog counts content, not pings: a prefill longer than 300 s (its default) would be abandoned and resent.
+PATIENT = {"CLAUDE_STREAM_IDLE_TIMEOUT_MS": "1800000", "API_TIMEOUT_MS": "1800000"}
 QUIET = {"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1",
          "DISABLE_AUTOUPDATER": "1", "DISABLE_BUG_COMMAND": "1", "NO_COLOR": "1"}
 
@@ -59,7 +61,7 @@ def run_claude(exe: Path, daemon_port: int, model: str, prompt: str, *args: str,
     work = home / "work"
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE_"))}
-    env.update(QUIET, HOME=str(home), CLAUDE_CONFIG_DIR=str(home / "config"), ANTHROPIC_BASE_URL=f"http://127.0.0.1:{proxy.port}",
+    env.update(QUIET, **PATIENT, HOME=str(home), CLAUDE_CONFIG_DIR=str(home / "config"), ANTHROPIC_BASE_URL=f"http://127.0.0.1:{proxy.port}",
                ANTHROPIC_MODEL=model, ANTHROPIC_SMALL_FAST_MODEL=model, ANTHROPIC_DEFAULT_HAIKU_MODEL=model,
                ANTHROPIC_DEFAULT_SONNET_MODEL=model, ANTHROPIC_DEFAULT_OPUS_MODEL=model, **{key_env: "unused"})
     if max_output_tokens is not None:
