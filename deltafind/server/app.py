@@ -1,7 +1,7 @@
 """The Falcon WSGI app: routes, API keys, request ids, readiness.
 
 `create_app(state)` serves /v1/models, /v1/chat/completions, /v1/completions,
-/v1/responses, /v1/messages (Anthropic), /health and /metrics. The app starts before the model is loaded: until the
+/v1/responses, /v1/messages and /v1/messages/count_tokens (Anthropic), /health, /metrics and `/`. The app starts before the model is loaded: until the
 daemon hands `state` a `ReadyEngine`, model routes answer 503 model_loading.
 Holds an engine client (submit/status) and a tokenizer, nothing deeper.
 """
@@ -32,7 +32,7 @@ from deltafind.server.turns import TurnMemory
 
 log = get_logger(__name__)
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/")  # probes: Claude Code sends `HEAD /` without its key
 
 
 @dataclass(frozen=True)
@@ -108,21 +108,25 @@ class RequestContext(_Resource):
         resp.set_header("X-Request-Id", rid)
         keys = self.state.config.api_keys
         if keys and req.path not in OPEN_PATHS:
-            check_key(req.get_header("Authorization"), keys)
+            check_key(req.get_header("Authorization"), req.get_header("X-Api-Key"), keys)
 
     def process_response(self, req: falcon.Request, resp: falcon.Response, resource: Any, req_succeeded: bool) -> None:
         self.state.metrics.count_request(req.path, str(resp.status))
 
 
-def check_key(header: str | None, keys: tuple[str, ...]) -> None:
+def check_key(header: str | None, api_key: str | None, keys: tuple[str, ...]) -> None:
+    """`Authorization: Bearer KEY` (OpenAI) or `x-api-key: KEY` (Anthropic): either is one of `keys`."""
     scheme, _, token = (header or "").partition(" ")
-    token = token.strip()
+    given = [token.strip()] if scheme.lower() == "bearer" else []
+    if api_key is not None:
+        given.append(api_key.strip())
     ok = False
-    for key in keys:  # every key, every time: the time taken does not depend on which matched
-        ok |= hmac.compare_digest(token.encode(), key.encode())
-    if scheme.lower() != "bearer" or not ok:
-        raise ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer KEY`.", None, "invalid_api_key",
-                       {"WWW-Authenticate": "Bearer"})
+    for t in given or [""]:
+        for key in keys:  # every key, every time: the time taken does not depend on which matched
+            ok |= hmac.compare_digest(t.encode(), key.encode())
+    if not ok:
+        raise ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer KEY` or `x-api-key: KEY`.", None,
+                       "invalid_api_key", {"WWW-Authenticate": "Bearer"})
 
 
 class Health(_Resource):
@@ -142,6 +146,17 @@ class Health(_Resource):
             resp.set_header("Retry-After", "5")
 
     on_head = on_get  # load balancers probe with HEAD; falcon sends the headers only
+
+
+class Root(_Resource):
+    """`/`: what answers here. Clients probe it before their first request (Claude Code sends `HEAD /`)."""
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.media = {"object": "deltafind", "model": self.state.model_name, "status": self.state.load_status,
+                      "endpoints": ["/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                                    "/v1/messages/count_tokens", "/health", "/metrics"]}
+
+    on_head = on_get
 
 
 class Models(_Resource):
@@ -177,6 +192,7 @@ def create_app(state: AppState) -> falcon.App:
     app = falcon.App(middleware=[RequestContext(state)], cors_enable=False)
     app.req_options.strip_url_path_trailing_slash = True
     errors.install(app)
+    app.add_route("/", Root(state))
     app.add_route("/health", Health(state))
     app.add_route("/metrics", Metrics(state))
     models = Models(state)
@@ -187,5 +203,7 @@ def create_app(state: AppState) -> falcon.App:
     responses = Responses(state)
     app.add_route("/v1/responses", responses)
     app.add_route("/v1/responses/input_tokens", responses, suffix="input_tokens")
-    app.add_route("/v1/messages", Messages(state))
+    messages = Messages(state)
+    app.add_route("/v1/messages", messages)
+    app.add_route("/v1/messages/count_tokens", messages, suffix="count_tokens")
     return app

@@ -1,8 +1,9 @@
-"""OpenAI-shaped errors: one exception type and the falcon handlers that render it.
+"""API errors: one exception type and the falcon handlers that render it in the caller's API's shape.
 
 Every failure a client sees is `{"error": {"message", "type", "param", "code"}}`
 with the status the official client expects (400 bad request, 401 key, 404
-model/route, 413 body, 429 busy, 503 loading/draining, 500 a bug).
+model/route, 413 body, 429 busy, 503 loading/draining, 500 a bug); under
+/v1/messages (Anthropic) it is `{"type": "error", "error": {"type", "message"}}`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from deltafind.log import get_logger
 log = get_logger(__name__)
 
 TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}  # else by class: 4xx, 5xx
+# Anthropic's error types by status; any other status is invalid_request_error (4xx) or api_error.
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                   413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+ANTHROPIC_PREFIX = "/v1/messages"
 
 
 class ApiError(Exception):
@@ -32,6 +37,14 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def anthropic_body(self) -> dict[str, Any]:
+        kind = ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+
+def is_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param, code)
@@ -40,7 +53,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def handle_api_error(req: falcon.Request, resp: falcon.Response, ex: ApiError, params: dict) -> None:
     resp.status = ex.status
     resp.content_type = falcon.MEDIA_JSON
-    resp.text = json.dumps(ex.body())
+    resp.text = json.dumps(ex.anthropic_body() if is_anthropic(req.path) else ex.body())
     for k, v in ex.headers.items():
         resp.set_header(k, v)
 
@@ -48,7 +61,9 @@ def handle_api_error(req: falcon.Request, resp: falcon.Response, ex: ApiError, p
 def handle_http_error(req: falcon.Request, resp: falcon.Response, ex: falcon.HTTPError, params: dict) -> None:
     status = ex.status_code
     message = ex.description or ex.title or "request failed"
-    if status == 404:
+    if status == 404 and is_anthropic(req.path):
+        message = f"no route {req.method} {req.path}; see /v1/messages, /v1/messages/count_tokens"
+    elif status == 404:
         message = f"no route {req.method} {req.path}; see /v1/models, /v1/chat/completions, /v1/completions"
     elif status == 405:
         message = f"method {req.method} is not allowed on {req.path}"

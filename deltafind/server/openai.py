@@ -194,9 +194,12 @@ class Generate:
         self.state.metrics.count_completion(sum(c.completion_tokens for c in choices))
         resp.media = self._response(choices, meta, prompt_tokens, want_lp is not None, engine)
 
-    def submit(self, engine: Any, body: ChatRequest | CompletionRequest,
-               always_parse: bool = False) -> tuple[list[Choice], queue.Queue, int, int | None]:
-        """Build and submit a request's sequences: (choices, their event queue, prompt tokens, logprobs wanted)."""
+    def submit(self, engine: Any, body: ChatRequest | CompletionRequest, always_parse: bool = False,
+               clamp: bool = False) -> tuple[list[Choice], queue.Queue, int, int | None]:
+        """Build and submit a request's sequences: (choices, their event queue, prompt tokens, logprobs wanted).
+
+        `clamp`: a token limit past the context is cut to what remains (Anthropic's clients ask for 32k-64k).
+        """
         cfg = self.state.config
         plan = plan_chat(engine.tokenizer, body, chat_messages(body), always_parse) if isinstance(body, ChatRequest) else None
         turns = engine.turns if plan is not None else None
@@ -212,12 +215,12 @@ class Generate:
         elif isinstance(body, CompletionRequest) and body.logprobs is not None:
             want_lp = body.logprobs
         for ids in prompts:
-            max_new = self._max_new(body, len(ids), max_context, cfg.max_tokens_default)
+            max_new = self._max_new(body, len(ids), max_context, cfg.max_tokens_default, clamp)
             for i in range(body.n or 1):
                 seed = None if body.seed is None else body.seed + i
                 try:
                     params = SamplingParams(max_new, 1.0 if body.temperature is None else body.temperature,
-                                            1.0 if body.top_p is None else body.top_p, 0, seed)
+                                            1.0 if body.top_p is None else body.top_p, body.top_k or 0, seed)
                     gen.append(GenRequest(tuple(ids), params, want_lp, body.presence_penalty or 0.0,
                                           body.frequency_penalty or 0.0, self.state.request_id(), chat=self.chat,
                                           constraint=constraint, checkpoint=plan.history_end if plan else 0))
@@ -251,10 +254,13 @@ class Generate:
             out.append(ids)
         return out
 
-    def _max_new(self, body: ChatRequest | CompletionRequest, prompt_len: int, max_context: int, default: int | None) -> int:
+    def _max_new(self, body: ChatRequest | CompletionRequest, prompt_len: int, max_context: int, default: int | None,
+                 clamp: bool = False) -> int:
         param = "messages" if self.chat else "prompt"
         asked = body.token_limit
         room = max_context - prompt_len
+        if clamp and asked is not None and 0 < room < asked:
+            asked = room
         if room <= 0 or (asked is not None and asked > room):
             need = prompt_len + (asked or 1)
             raise bad_request(

@@ -94,6 +94,7 @@ class _Common(_Strict):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=1)] | None = None  # not OpenAI's: vLLM's extension, and Anthropic's /v1/messages
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None

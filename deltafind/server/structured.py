@@ -210,20 +210,44 @@ class Grammar:
         return lambda: TriggeredConstraint(self.vocab, self.grammar, self.vocab_size, tokenizer.decode, marker)
 
 
+def _style(schema: dict[str, Any]) -> dict[str, Any]:
+    """JSON_STYLE, lenient where `lenient_schema` made it so (only that option of a schema's x-guidance is read)."""
+    own = schema.get("x-guidance")
+    return {**JSON_STYLE, "lenient": True} if isinstance(own, dict) and own.get("lenient") is True else JSON_STYLE
+
+
 def json_schema_grammar(schema: dict[str, Any] | bool, field: str) -> str:
     """llguidance grammar text for one JSON schema (a 400 naming `field` when it is not usable)."""
     if not isinstance(schema, dict | bool):
         raise bad_request(f"{field}: a JSON schema must be an object (got {type(schema).__name__})", field, "invalid_schema")
     try:
         return llg.LLMatcher.grammar_from_json_schema(schema if isinstance(schema, dict) else {} if schema else {"not": {}},
-                                                      overrides=JSON_STYLE)
+                                                      overrides=_style(schema) if isinstance(schema, dict) else JSON_STYLE)
     except (ValueError, TypeError) as e:
         raise bad_request(f"{field}: the schema cannot be compiled: {e}", field, "invalid_schema") from None
 
 
+def lenient_schema(schema: dict[str, Any], field: str) -> dict[str, Any]:
+    """`schema`, or, where llguidance does not implement one of its keywords (`propertyNames`, some `format`s,
+    ...), `schema` marked lenient: those keywords are then not enforced, the rest is (README "Tool schemas").
+
+    A schema that fails even so (not a valid JSON schema) is a 400 naming `field`.
+    """
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(json_schema_grammar(schema, field), None)
+    if not is_error:
+        return schema
+    lenient = {**schema, "x-guidance": {**JSON_STYLE, "lenient": True}}
+    still, messages2 = llg.LLMatcher.validate_grammar_with_warnings(json_schema_grammar(lenient, field), None)
+    if still:
+        raise bad_request(f"{field}: the schema cannot be enforced: {messages2[0] if messages2 else messages[0]}", field,
+                          "invalid_schema")
+    log.info("schema_lenient", field=field, unsupported=messages[0][:200] if messages else "")
+    return lenient
+
+
 def lark_json(schema: dict[str, Any]) -> str:
     """A Lark rule body that embeds a JSON schema (`%json {...}`)."""
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_STYLE}, ensure_ascii=False)
+    return "%json " + json.dumps({**schema, "x-guidance": _style(schema)}, ensure_ascii=False)
 
 
 def lark_literal(text: str) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltafind.server.errors import bad_request
-from deltafind.server.structured import lark_json, lark_literal
+from deltafind.server.structured import lark_json, lark_literal, lenient_schema
 
 HERMES_SYSTEM = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -112,7 +112,7 @@ def check_tools(tools: list[Any] | None) -> list[ToolSpec]:
         if not isinstance(params, dict):
             raise bad_request(f"{where}.function.parameters: must be a JSON schema object", f"{where}.function.parameters",
                               "invalid_schema")
-        params = closed_objects(params)
+        params = lenient_schema(closed_objects(params), f"{where}.function.parameters")
         if any(t.name == name for t in out):
             raise bad_request(f"{where}.function.name: {name!r} is declared twice", f"{where}.function.name", "invalid_value")
         out.append(ToolSpec(name, params, tool, i))
@@ -169,8 +169,7 @@ def call_grammar(fmt: ToolFormat, tokenizer: Any, tools: list[ToolSpec], paralle
     rules, alts = [], []
     for i, t in enumerate(tools):
         if fmt in (HERMES, LLAMA3):
-            obj = {"type": "object", "properties": {"name": {"const": t.name}, fmt.args_key: t.parameters},
-                   "required": ["name", fmt.args_key], "additionalProperties": False}
+            obj = _wrapped(t.parameters, t.name, fmt.args_key)
             body = (f'{lit("<tool_call>")} "\\n" {lark_json(obj)} "\\n" {lit("</tool_call>")}' if fmt is HERMES
                     else lark_json(obj))
         elif fmt is DEEPSEEK_V3:
@@ -195,14 +194,26 @@ def call_grammar(fmt: ToolFormat, tokenizer: Any, tools: list[ToolSpec], paralle
     return "\n".join(lines)
 
 
+def _wrapped(params: dict[str, Any], name: str, args_key: str) -> dict[str, Any]:
+    """The `{"name": ..., "arguments": {...}}` object a Hermes/Llama 3 call writes, as one schema.
+
+    `$ref`s point from the schema's root: its `$defs`/`definitions` (and lenient mark) move up to the new root.
+    """
+    hoist = ("$defs", "definitions", "x-guidance")
+    inner = {k: v for k, v in params.items() if k not in hoist}
+    return {"type": "object", "properties": {"name": {"const": name}, args_key: inner}, "required": ["name", args_key],
+            "additionalProperties": False, **{k: params[k] for k in hoist if k in params}}
+
+
 def _k3_arguments(params: dict[str, Any], k3: Any) -> str | None:
     """Lark for K3's typed `argument` elements of a flat schema, in its property order (None: not expressible,
     e.g. a string pattern or a union type; the call then takes the `json` element)."""
     required = set(params.get("required") or [])
+    style = {k: params[k] for k in ("x-guidance",) if k in params}  # a lenient schema stays lenient in each argument
     parts = []
     for key, sub in (params.get("properties") or {}).items():
-        if not isinstance(sub, dict) or re.search(r'[&"<>]', key):
-            return None
+        if not isinstance(sub, dict) or re.search(r'[&"<>]', key) or "$ref" in json.dumps(sub):
+            return None  # (a `$ref` points into the root's `$defs`, which only the `json` element keeps)
         kind = sub.get("type")
         if "enum" in sub and all(isinstance(v, str) for v in sub["enum"]) and kind in (None, "string"):
             kind, value = "string", "(" + " | ".join(lark_literal(v) for v in sub["enum"]) + ")"
@@ -210,7 +221,7 @@ def _k3_arguments(params: dict[str, Any], k3: Any) -> str | None:
             lo, hi = int(sub.get("minLength", 0)), sub.get("maxLength")
             value = f"/(?s:.{{{lo},{'' if hi is None else int(hi)}}})/"
         elif kind in ("integer", "number", "boolean", "object", "array", "null"):
-            kind, value = {"integer": "number"}.get(kind, kind), lark_json(sub)
+            kind, value = {"integer": "number"}.get(kind, kind), lark_json({**sub, **style})
         else:
             return None
         elem = (f'{k3("<|open|>argument")} {lark_literal(f" key={chr(34)}{key}{chr(34)} type={chr(34)}{kind}{chr(34)}")} '

@@ -93,14 +93,21 @@ def test_queue_full_is_429_with_retry_after_and_draining_503(tokenizer: Tokenize
 
 
 def test_api_keys_compare_every_key_and_answer_401(tokenizer: Tokenizer) -> None:
-    check_key("Bearer b", ("a", "b"))
-    for header in (None, "Bearer c", "Basic b", "b"):
+    check_key("Bearer b", None, ("a", "b"))
+    check_key(None, "a", ("a", "b"))  # Anthropic's x-api-key
+    for header, api_key in ((None, None), ("Bearer c", None), ("Basic b", None), ("b", None), (None, "c"), (None, "")):
         with pytest.raises(ApiError):
-            check_key(header, ("a", "b"))
+            check_key(header, api_key, ("a", "b"))
     c, _ = make(tokenizer, ScriptedEngine(tokenizer, "ok"), api_keys=("k",))
     assert c.simulate_post("/v1/chat/completions", json=chat()).status_code == 401
     assert c.simulate_post("/v1/chat/completions", json=chat(), headers={"Authorization": "Bearer k"}).status_code == 200
+    r = c.simulate_post("/v1/messages", json={"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 401 and r.json["type"] == "error" and r.json["error"]["type"] == "authentication_error"
+    r = c.simulate_post("/v1/messages", json={"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]},
+                        headers={"x-api-key": "k"})
+    assert r.status_code == 200 and r.json["type"] == "message"
     assert c.simulate_get("/health").status_code == 200
+    assert c.simulate_head("/").status_code == 200  # Claude Code's probe carries no key
 
 
 def test_body_limit_413(tokenizer: Tokenizer) -> None:

@@ -228,3 +228,26 @@ def test_hf_templates_need_no_checkpoint(family: tuple[str, Tokenizer]) -> None:
     name, tok = family
     plan = plan_chat(tok, body(), [{"role": "user", "content": "weather?"}])
     assert (plan.history_end > 0) == (name == "kimi_k3")
+
+
+# Claude Code's and pydantic's schema habits: `$defs`/`$ref` (nested models) and `propertyNames`, which
+# llguidance does not implement: enforced leniently (that keyword dropped, the rest kept).
+NESTED = {"type": "object", "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
+                                                "required": ["city"]}},
+          "properties": {"to": {"$ref": "#/$defs/Place"}, "meta": {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"},
+                                                                 "additionalProperties": {"type": "string", "maxLength": 3},
+                                                                 "maxProperties": 1}},
+          "required": ["to"]}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_defs_refs_and_unsupported_keywords_are_enforced_leniently(family: tuple[str, Tokenizer], seed: int) -> None:
+    name, tok = family
+    tools = [{"type": "function", "function": {"name": "send", "parameters": NESTED}}]
+    for choice in ("auto", "none"):  # nothing enforced until a call starts: accepted as sent
+        plan_chat(tok, body(tools=tools, tool_choice=choice), [{"role": "user", "content": "x"}])
+    (call,) = walk(tok, plan_chat(tok, body(tools=tools), [{"role": "user", "content": "x"}]), seed)
+    args = json.loads("".join(call.arguments))
+    checked = json.loads(json.dumps(NESTED).replace('"propertyNames"', '"x-not-enforced"'))
+    jsonschema.validate(args, checked)
+    assert call.name == "send" and isinstance(args["to"]["city"], str), name

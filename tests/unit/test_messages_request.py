@@ -1,0 +1,43 @@
+"""Anthropic request fields reach the prompt: effort and thinking on K3's template, a mid-conversation system message
+at its place. The K3 renderer (deltafind/tokenizer) is the independent judge of what each field means."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deltafind.server.chat_plan import plan_chat
+from deltafind.server.messages_request import to_chat
+from deltafind.server.openai import chat_messages
+from deltafind.server.schemas import parse_body
+from deltafind.tokenizer import Tokenizer
+from deltafind.tokenizer.kimi import write_k3_tokenizer
+
+
+@pytest.fixture(scope="module")
+def k3(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    folder: Path = tmp_path_factory.mktemp("k3tok")
+    write_k3_tokenizer(folder)
+    return Tokenizer.load(folder)
+
+
+def prompt(tok: Tokenizer, **fields) -> str:
+    body = {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "Say hello."}], **fields}
+    chat = parse_body(to_chat(body), chat=True)
+    return tok.decode(plan_chat(tok, chat, chat_messages(chat), True).prompt_ids, skip_special_tokens=False)
+
+
+def test_effort_and_thinking_reach_k3s_template(k3: Tokenizer) -> None:
+    low, high, xhigh = (prompt(k3, output_config={"effort": e}) for e in ("low", "high", "xhigh"))
+    assert len({low, high, xhigh}) == 3 and xhigh == prompt(k3, output_config={"effort": "max"})
+    assert prompt(k3, thinking={"type": "adaptive"}) == prompt(k3) != prompt(k3, thinking={"type": "disabled"})
+    assert prompt(k3, thinking={"type": "enabled", "budget_tokens": 1024}, max_tokens=2048) == prompt(k3)
+
+
+def test_a_mid_conversation_system_message_is_a_system_turn_at_its_place(k3: Tokenizer) -> None:
+    text = prompt(k3, messages=[{"role": "user", "content": "Say hello."},
+                                {"role": "system", "content": [{"type": "text", "text": "Answer in French."}]}])
+    assert text.index("Say hello.") < text.index("Answer in French.")
+    plain = prompt(k3, messages=[{"role": "user", "content": "Say hello.\n\nAnswer in French."}])
+    assert text != plain  # its own (system) turn, not text appended to the user's
