@@ -81,8 +81,8 @@ def pick_quant(files: Iterable[str], tag: str | None, where: str) -> list[str]:
     """The files of the quant `tag` (None: llama.cpp's default), first shard first."""
     models = gguf_models(files)
     if not models:
-        raise StoreError(f"{where}: no model .gguf files in the repository (and no config.json with *.safetensors); "
-                         "--from ORG/NAME:QUANT takes a GGUF repository")
+        raise StoreError(f"{where}: no model .gguf files in the repository; :QUANT picks a quant of a GGUF repository "
+                         "(for a safetensors repository give ORG/NAME[@REVISION] without it)")
     have = ", ".join(m.label for m in models)
     for t in [tag] if tag else DEFAULT_TAGS:
         # llama.cpp: the tag followed by `.` or `-`, anywhere in the path, any case
