@@ -68,12 +68,13 @@ def gguf_models(files: Iterable[str]) -> list[GGUFModel]:
 
 
 def _common_prefix(names: list[str]) -> str:
-    """The shared start of the names, cut after a separator (`Qwen3-30B-A3B-` of `...-Q4_K_M`, `...-UD-Q2_K_XL`)."""
+    """The shared start of the names, cut after a `-` or `.` (`Qwen3-30B-A3B-` of `...-Q4_K_M`, `...-UD-Q2_K_XL`);
+    not after `_`, which is inside quant names (`m-Q4_0`, `m-Q4_1`)."""
     lo, hi = min(names), max(names)
     n = 0
     while n < len(lo) and lo[n] == hi[n]:
         n += 1
-    cut = max(lo.rfind(c, 0, n) for c in "-._")
+    cut = max(lo.rfind(c, 0, n) for c in "-.")
     return lo[: cut + 1]
 
 

@@ -165,6 +165,15 @@ def test_quant_resolution_follows_llama_cpp(tag: str | None, want: list[str]) ->
     assert pick_quant(UNSLOTH, tag, "r") == want
 
 
+def test_lowercase_split_names_as_qwen_publishes_them() -> None:
+    files = [*(f"qwen2.5-7b-instruct-q4_k_m-0000{i}-of-00002.gguf" for i in (1, 2)), "qwen2.5-7b-instruct-q2_k.gguf",
+             *(f"qwen2.5-7b-instruct-fp16-0000{i}-of-00004.gguf" for i in (1, 2, 3, 4))]
+    assert pick_quant(files, None, "r") == files[:2]  # the default Q4_K_M, in any case
+    assert pick_quant(files, "FP16", "r") == files[3:]
+    with pytest.raises(StoreError, match=r"it has: fp16, q2_k, q4_k_m "):
+        pick_quant(files, "Q8_0", "r")
+
+
 def test_quant_resolution_refuses_what_llama_cpp_would_guess() -> None:
     assert pick_quant(["m-Q8_0.gguf", "m-F16.gguf"], None, "r") == ["m-Q8_0.gguf"]  # second default tag
     assert pick_quant(["only-IQ2_XXS.gguf"], None, "r") == ["only-IQ2_XXS.gguf"]  # the one model
@@ -176,6 +185,8 @@ def test_quant_resolution_refuses_what_llama_cpp_would_guess() -> None:
         pick_quant(["a/x-Q4.gguf", "b/y-Q4.gguf"], "Q4", "r")
     with pytest.raises(StoreError, match=r"lacks BF16/m-BF16-00002-of-00003\.gguf"):
         pick_quant(["BF16/m-BF16-00001-of-00003.gguf", "BF16/m-BF16-00003-of-00003.gguf"], "BF16", "r")
+    with pytest.raises(StoreError, match=r"it has: Q4_0, Q4_1 "):
+        pick_quant(["m-Q4_0.gguf", "m-Q4_1.gguf"], "Q5_0", "r")
     with pytest.raises(StoreError, match=r"no model \.gguf files"):
         pick_quant(["mmproj-F16.gguf", "README.md"], "F16", "r")
 
