@@ -5,8 +5,8 @@ and hashes the hub publishes; `HubRepo.download` fetches one file through
 huggingface_hub (its cache, resume, HF_ENDPOINT/HF_TOKEN/HF_HUB_OFFLINE,
 progress) and verifies it. `HubSource` is the `Source` setup imports from:
 tensor metadata from the shards' headers (fetched by range), tensors from
-shards downloaded one at a time, or by range for a streaming install. GGUF
-repositories (`:QUANT`) are downloaded whole by store/hub_gguf.py.
+shards downloaded one at a time, or by range for a streaming install. From a
+GGUF repository (`:QUANT`, picked by store/hub_gguf.py) `fetch_gguf` downloads whole files.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from deltafind.errors import StoreError
-from deltafind.store.hub_gguf import fetch_gguf, is_model_gguf, local_gguf
+from deltafind.store.hub_gguf import is_model_gguf, local_gguf, pick_quant
 from deltafind.store.remote import RangeClient, RemoteTensor, parse_header, read_shard_header
 from deltafind.store.sources import Source, import_names, open_source, tensor_info
 from deltafind.store.spine_writer import write_safetensors
@@ -248,6 +248,16 @@ def open_checkpoint(spec: str, store_dir: Path, streaming: bool = False, delete_
                              "drop the flag to download the quant's files into the HF cache")
         return fetch_gguf(repo, quant)
     return HubSource(repo, store_dir, streaming=streaming, delete_source=delete_source)
+
+
+def fetch_gguf(repo: HubRepo, tag: str | None) -> Path:
+    """Download (resuming) and verify every shard of the quant; the local path of the first one."""
+    names = pick_quant(repo.files, tag, repo.label)
+    size = sum(repo.files[n].size or 0 for n in names)
+    if repo.progress:
+        print(f"deltafind: {repo.label}: {len(names)} GGUF file(s), {size / 2**30:.2f} GiB: {', '.join(names)}", file=sys.stderr)
+    paths = [repo.download(n) for n in names]
+    return paths[0]
 
 
 class HubSource(Source):

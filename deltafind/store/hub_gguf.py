@@ -3,22 +3,17 @@
 `pick_quant` chooses the quant's files from a repository's file list as llama.cpp's
 common/download.cpp does: the tag matched case-insensitively, Q4_K_M then Q8_0 when none is
 given, every shard of a split file; unlike llama.cpp, an ambiguous tag is refused, not guessed.
-`fetch_gguf` downloads and verifies each shard and hands the first one's path to the GGUF import.
+store/hub.py downloads and verifies the files and hands the first one's path to the GGUF import.
 """
 
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from deltafind.errors import StoreError
-
-if TYPE_CHECKING:
-    from deltafind.store.hub import HubRepo
 
 SPLIT = re.compile(r"^(?P<prefix>.+)-(?P<no>[0-9]{5})-of-(?P<count>[0-9]{5})$", re.I)
 TAG = re.compile(r"[-.]([A-Z0-9_]+)$", re.I)  # llama.cpp's quant tag: the last word of the name
@@ -99,16 +94,6 @@ def pick_quant(files: Iterable[str], tag: str | None, where: str) -> list[str]:
         return models[0].files(where)
     asked = f"quant {tag!r}" if tag else f"no quant given, and neither default ({' nor '.join(DEFAULT_TAGS)})"
     raise StoreError(f"{where}: {asked} is not in the repository; it has: {have} (give one as ORG/NAME:QUANT)")
-
-
-def fetch_gguf(repo: HubRepo, tag: str | None) -> Path:
-    """Download (resuming) and verify every shard of the quant; the local path of the first one."""
-    names = pick_quant(repo.files, tag, repo.label)
-    size = sum(repo.files[n].size or 0 for n in names)
-    if repo.progress:
-        print(f"deltafind: {repo.label}: {len(names)} GGUF file(s), {size / 2**30:.2f} GiB: {', '.join(names)}", file=sys.stderr)
-    paths = [repo.download(n) for n in names]
-    return paths[0]
 
 
 def local_gguf(folder: Path, tag: str | None, where: str) -> Path:
