@@ -215,7 +215,7 @@ def _remember_ref(repo_id: str, revision: str, commit: str) -> None:
 
 def open_checkpoint(spec: str, store_dir: Path, streaming: bool = False, delete_source: bool = False, progress: bool = True) -> Path | Source:
     """`--from` as given: a local folder/GGUF path (as before), or a hub repo id; a GGUF repository
-    (`:QUANT` given, or GGUF files and no config.json) gives the local path of the quant's first shard."""
+    (`:QUANT` given, or GGUF files and no *.safetensors) gives the local path of the quant's first shard."""
     path = Path(spec).expanduser()
     ref = None if path.exists() else parse_hub_ref(spec)
     if ref is None:
@@ -237,12 +237,12 @@ def open_checkpoint(spec: str, store_dir: Path, streaming: bool = False, delete_
             folder = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
         except LocalEntryNotFoundError as e:
             raise StoreError(f"{spec}: not in the Hugging Face cache and HF_HUB_OFFLINE is set; unset HF_HUB_OFFLINE to download it") from e
-        if quant or not (folder / "config.json").exists():
+        if quant or not any(folder.glob("*.safetensors")):
             return local_gguf(folder, quant, f"{spec} in the Hugging Face cache (HF_HUB_OFFLINE is set)")
         return open_source(folder)
     repo = resolve_repo(repo_id, revision)
     repo.progress = progress
-    if quant or ("config.json" not in repo.files and any(is_model_gguf(f) for f in repo.files)):
+    if quant or (not any(f.endswith(".safetensors") for f in repo.files) and any(is_model_gguf(f) for f in repo.files)):
         if streaming or delete_source:  # today the GGUF import reads whole local files
             raise StoreError(f"{spec}: --streaming and --delete-source are not supported for GGUF repositories yet; "
                              "drop the flag to download the quant's files into the HF cache")

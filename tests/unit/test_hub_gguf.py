@@ -26,7 +26,7 @@ from tests.hub_server import COMMIT, TOKEN, FakeHub
 REPO = "org/tiny-GGUF"
 SPLIT = ["Q2_K/tiny-Q2_K-00001-of-00002.gguf", "Q2_K/tiny-Q2_K-00002-of-00002.gguf"]
 OPEN = ("import sys; from pathlib import Path; from deltafind.store.hub import open_checkpoint; "
-        "print(open_checkpoint(sys.argv[1], Path(sys.argv[2]), progress=False))")
+        "[print(open_checkpoint(spec, Path(sys.argv[1]), progress=False)) for spec in sys.argv[2:]]")
 
 
 def _bytes_to_unicode() -> list[str]:
@@ -128,14 +128,15 @@ def test_a_quant_is_downloaded_verified_and_imports_as_the_local_file(hub: FakeH
 
 def test_every_shard_of_a_split_quant_is_downloaded_and_the_first_is_imported(hub: FakeHub, env: dict[str, str], repo: Path, tmp_path: Path) -> None:
     hub.faults.drop_after[SPLIT[1]] = 4000  # the second shard's connection drops: resumed from there
-    proc = subprocess.run([sys.executable, "-c", OPEN, f"{REPO}:q2_k@main", str(tmp_path / "s")], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", OPEN, str(tmp_path / "s"), f"{REPO}:q2_k@main", REPO], capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    first = Path(proc.stdout.strip().splitlines()[-1])
+    first, default = (Path(line) for line in proc.stdout.strip().splitlines()[-2:])
+    assert default.name == "tiny-Q4_K_M.gguf"  # no tag, no *.safetensors: llama.cpp's default quant
     assert first.name == Path(SPLIT[0]).name and first.parent.name == "Q2_K"
     for name in SPLIT:  # both shards side by side in the snapshot, byte for byte what the hub serves
         assert (first.parent / Path(name).name).read_bytes() == (repo / name).read_bytes()
-    assert _fetched(hub) == set(SPLIT)
+    assert _fetched(hub) == {*SPLIT, "tiny-Q4_K_M.gguf"}
     resumed = [r.range for r in hub.requests(SPLIT[1]) if r.range and r.range.endswith("-")]
     assert resumed == ["bytes=0-", "bytes=4000-"]
 
