@@ -126,7 +126,7 @@ def test_a_quant_is_downloaded_verified_and_imports_as_the_local_file(hub: FakeH
     assert Manifest.load(tmp_path / "offline").spine_sha256 == ref.spine_sha256 and hub.log == []
 
 
-def test_every_shard_of_a_split_quant_is_downloaded_and_the_first_is_imported(hub: FakeHub, env: dict[str, str], repo: Path, tmp_path: Path) -> None:
+def test_every_shard_of_a_split_quant_is_downloaded_and_the_first_goes_to_the_import(hub: FakeHub, env: dict[str, str], repo: Path, tmp_path: Path) -> None:
     hub.faults.drop_after[SPLIT[1]] = 4000  # the second shard's connection drops: resumed from there
     proc = subprocess.run([sys.executable, "-c", OPEN, str(tmp_path / "s"), f"{REPO}:q2_k@main", REPO], capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=300)
@@ -141,7 +141,7 @@ def test_every_shard_of_a_split_quant_is_downloaded_and_the_first_is_imported(hu
     assert resumed == ["bytes=0-", "bytes=4000-"]
 
 
-def test_a_missing_or_ambiguous_quant_is_refused_naming_the_quants(env: dict[str, str], hub: FakeHub, tmp_path: Path) -> None:
+def test_a_missing_quant_or_streaming_is_refused_before_any_download(env: dict[str, str], hub: FakeHub, tmp_path: Path) -> None:
     proc = deltafind_cmd("setup", "--from", f"{REPO}:IQ1_S", "--store", str(tmp_path / "s"), env=env)
     assert proc.returncode != 0
     assert "'IQ1_S' is not in the repository; it has: Q2_K, Q4_K_M, Q8_0" in proc.stderr, proc.stderr
