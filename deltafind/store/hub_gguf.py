@@ -34,8 +34,8 @@ class GGUFModel:
         missing = [n for n in range(1, self.count + 1) if n not in self.shards]
         if missing:
             names = ", ".join(f"{self.prefix}-{n:05d}-of-{self.count:05d}.gguf" for n in missing)
-            raise StoreError(f"{where}: the split file {self.prefix} has {self.count} shards but the repository lacks {names}; "
-                             "it cannot be imported (pick another quant, or another revision with @REVISION)")
+            raise StoreError(f"{where}: the split file {self.prefix} has {self.count} shards but {names} is not there; "
+                             "a part of a model cannot be imported (pick another quant or @REVISION; offline, unset HF_HUB_OFFLINE)")
         return [self.shards[n] for n in range(1, self.count + 1)]
 
 
