@@ -70,7 +70,7 @@ def cmd_setup(args: argparse.Namespace) -> int:
             raise StoreError("setup needs --from CHECKPOINT and --store DIR (or --demo, or --synthetic FAMILY)")
         from deltafind.store.hub import open_checkpoint
 
-        # --from is a local path, or ORG/NAME[@REVISION] on a hub
+        # --from is a local path, or ORG/NAME[:QUANT][@REVISION] on a hub
         store, drives = Path(args.store).expanduser(), args.drive
         source = open_checkpoint(args.source, store, args.streaming, args.delete_source, progress=not args.quiet)
     if isinstance(source, Path):
@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("setup", help="import a HuggingFace folder or GGUF file into a store")
     add_common(p)
-    p.add_argument("--from", dest="source", metavar="PATH", help="HuggingFace model folder, .gguf file, or hub repo ORG/NAME[@REVISION] (downloaded through the HF cache; HF_ENDPOINT, HF_TOKEN)")
+    p.add_argument("--from", dest="source", metavar="PATH", help="HuggingFace model folder, .gguf file, or hub repo ORG/NAME[@REVISION], ORG/NAME:QUANT for a GGUF repo (downloaded through the HF cache; HF_ENDPOINT, HF_TOKEN)")
     p.add_argument("--streaming", action="store_true", help="with a hub repo: write spine and records only; experts are fetched by range on first use")
     p.add_argument("--fill", action="store_true", help="fetch every expert a streaming --store still lacks, verify against the hub")
     p.add_argument("--delete-source", action="store_true", help="with a hub repo: free each downloaded shard from the HF cache once imported")

@@ -60,7 +60,7 @@ class FakeHub:
                     files[f.relative_to(folder).as_posix()] = {
                         "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
                         "blob": hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest(),
-                        "lfs": f.suffix == ".safetensors",
+                        "lfs": f.suffix in (".safetensors", ".gguf"),  # the hub keeps weights in LFS
                     }
             self.meta[name] = files
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())

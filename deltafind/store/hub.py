@@ -1,11 +1,12 @@
-"""Checkpoints from a Hugging Face-compatible hub: `setup --from ORG/NAME[@REVISION]`.
+"""Checkpoints from a Hugging Face-compatible hub: `setup --from ORG/NAME[:QUANT][@REVISION]`.
 
 `resolve_repo` pins the revision to a commit and lists the files with the sizes
 and hashes the hub publishes; `HubRepo.download` fetches one file through
 huggingface_hub (its cache, resume, HF_ENDPOINT/HF_TOKEN/HF_HUB_OFFLINE,
 progress) and verifies it. `HubSource` is the `Source` setup imports from:
 tensor metadata from the shards' headers (fetched by range), tensors from
-shards downloaded one at a time, or by range for a streaming install.
+shards downloaded one at a time, or by range for a streaming install. From a
+GGUF repository (`:QUANT`, picked by store/hub_gguf.py) `fetch_gguf` downloads whole files.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ import torch
 
 from deltafind.errors import StoreError
 from deltafind.store.checkpoint import open_source
+from deltafind.store.hub_gguf import is_model_gguf, local_gguf, pick_quant
 from deltafind.store.remote import RangeClient, RemoteTensor, parse_header, read_shard_header
 from deltafind.store.sources import Source, import_names, tensor_info
 from deltafind.store.spine_writer import write_safetensors
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(?:@[\w./-]+)?$")
+HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?::(?P<quant>[\w.-]+))?(?:@(?P<rev>[\w./-]+))?$")
 INDEX = "model.safetensors.index.json"
 STAGING_DIR = ".hub-staging"  # spine tensors of shards already freed by --delete-source
 HASH_CHUNK = 16 << 20
@@ -168,12 +170,10 @@ def _drop_cached(path: Path) -> None:
         blob.unlink(missing_ok=True)
 
 
-def parse_hub_ref(text: str) -> tuple[str, str | None] | None:
-    """`ORG/NAME[@REVISION]` -> (repo id, revision); None when `text` does not look like one."""
-    if not HUB_ID.match(text):
-        return None
-    repo, _, rev = text.partition("@")
-    return repo, rev or None
+def parse_hub_ref(text: str) -> tuple[str, str | None, str | None] | None:
+    """`ORG/NAME[:QUANT][@REVISION]` -> (repo id, revision, GGUF quant); None when `text` does not look like one."""
+    m = HUB_ID.match(text)
+    return None if m is None else (m["repo"], m["rev"], m["quant"])
 
 
 def resolve_repo(repo_id: str, revision: str | None) -> HubRepo:
@@ -215,7 +215,8 @@ def _remember_ref(repo_id: str, revision: str, commit: str) -> None:
 
 
 def open_checkpoint(spec: str, store_dir: Path, streaming: bool = False, delete_source: bool = False, progress: bool = True) -> Path | Source:
-    """`--from` as given: a local folder/GGUF path (as before), or a hub repo id."""
+    """`--from` as given: a local folder/GGUF path (as before), or a hub repo id; a GGUF repository
+    (`:QUANT` given, or GGUF files and no *.safetensors) gives the local path of the quant's first shard."""
     path = Path(spec).expanduser()
     ref = None if path.exists() else parse_hub_ref(spec)
     if ref is None:
@@ -229,18 +230,35 @@ def open_checkpoint(spec: str, store_dir: Path, streaming: bool = False, delete_
     if not progress:
         disable_progress_bars()
 
-    repo_id, revision = ref
+    repo_id, revision, quant = ref
     if constants.is_offline_mode():
         if streaming:
             raise StoreError(f"{spec}: a streaming install fetches experts from the hub, but HF_HUB_OFFLINE is set; unset it")
         try:  # everything must already be in the HF cache
-            folder = snapshot_download(repo_id, revision=revision, local_files_only=True)
+            folder = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
         except LocalEntryNotFoundError as e:
             raise StoreError(f"{spec}: not in the Hugging Face cache and HF_HUB_OFFLINE is set; unset HF_HUB_OFFLINE to download it") from e
-        return open_source(Path(folder))
+        if quant or not any(folder.glob("*.safetensors")):
+            return local_gguf(folder, quant, f"{spec} in the Hugging Face cache (HF_HUB_OFFLINE is set)")
+        return open_source(folder)
     repo = resolve_repo(repo_id, revision)
     repo.progress = progress
+    if quant or (not any(f.endswith(".safetensors") for f in repo.files) and any(is_model_gguf(f) for f in repo.files)):
+        if streaming or delete_source:  # today the GGUF import reads whole local files
+            raise StoreError(f"{spec}: --streaming and --delete-source are not supported for GGUF repositories yet; "
+                             "drop the flag to download the quant's files into the HF cache")
+        return fetch_gguf(repo, quant)
     return HubSource(repo, store_dir, streaming=streaming, delete_source=delete_source)
+
+
+def fetch_gguf(repo: HubRepo, tag: str | None) -> Path:
+    """Download (resuming) and verify every shard of the quant; the local path of the first one."""
+    names = pick_quant(repo.files, tag, repo.label)
+    size = sum(repo.files[n].size or 0 for n in names)
+    if repo.progress:
+        print(f"deltafind: {repo.label}: {len(names)} GGUF file(s), {size / 2**30:.2f} GiB: {', '.join(names)}", file=sys.stderr)
+    paths = [repo.download(n) for n in names]
+    return paths[0]
 
 
 class HubSource(Source):
