@@ -90,6 +90,7 @@ def probe_lib() -> ctypes.CDLL:
     (d / "probe.cpp").write_text(PROBE)
     subprocess.run([cxx, "-O3", "-march=native", "-shared", "-fPIC", str(d / "probe.cpp"), "-o", str(d / "probe.so")], check=True)
     lib = ctypes.CDLL(str(d / "probe.so"))
+    shutil.rmtree(d)  # loaded: the file is no longer needed
     lib.df_add_chain.argtypes = [ctypes.c_int64]
     lib.df_fma_chains.argtypes = [ctypes.c_int64]
     lib.df_fma_chains.restype = ctypes.c_float
