@@ -14,7 +14,10 @@ of `--rounds` timings; at one thread the timer is the thread's CPU time (a share
 slices do not count; its cache and memory contention still do), at more it is wall time. One JSON line
 per point.
 
-    python tests/bench/bench_kernels_peak.py [--rows 1,8,64,256] [--threads N] [--rounds 5]
+    python tests/bench/bench_kernels_peak.py [--rows 1,8,64,256] [--threads N] [--rounds 5] [--against DIR]
+
+`--against DIR` builds DIR's kernel sources too and alternates the two builds round by round (the
+before/after of a kernel change on a machine whose load moves); each line then names its `build`.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from deltafind.models.ops.cpu_kernels import CPU, StoredPart
+from deltafind.models.ops.cpu_kernels import CPU, SOURCES, KernelLibrary, StoredPart, _bind
 from deltafind.models.ops.stored import KINDS
 from tests.conftest import gguf_blocks
 
@@ -134,11 +137,8 @@ def peak(lib: ctypes.CDLL, cores: int) -> dict:
             "loadavg": [round(v, 2) for v in os.getloadavg()]}
 
 
-def kernels(T: int) -> dict[str, tuple[Callable[[int], object], float]]:
-    """name -> (call(threads), FLOPs per call), every input made once."""
-    lib = CPU.load()
-    if lib is None:
-        raise SystemExit(f"the kernels are not built: {CPU.build_error}")
+def kernels(T: int, lib: ctypes.CDLL) -> dict[str, tuple[Callable[[int], object], float]]:
+    """name -> (call(threads), FLOPs per call) through `lib`, every input made once (the same inputs for any lib)."""
     g = torch.Generator().manual_seed(T)
     out: dict[str, tuple[Callable[[int], object], float]] = {}
     for name, (R, C) in K3.items():
@@ -168,36 +168,57 @@ def kernels(T: int) -> dict[str, tuple[Callable[[int], object], float]]:
     return out
 
 
+def builds(against: str) -> dict[str, ctypes.CDLL]:
+    """This tree's kernel library, and with --against the same sources of another checkout built beside it."""
+    out = {"this": CPU.load()}
+    if against:
+        other = KernelLibrary(SOURCES, _bind)
+        other.sources = tuple(Path(against) / "deltafind" / "models" / "ops" / src for src in SOURCES)
+        out["against"] = other.load()
+    for name, lib in out.items():
+        if lib is None:
+            raise SystemExit(f"the {name} kernels are not built: {CPU.build_error}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8,64,256")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--only", default="", help="comma-separated kernel names (default: all)")
+    ap.add_argument("--against", default="", metavar="DIR", help="a checkout (e.g. `git worktree add DIR BASE`) whose kernels run "
+                    "interleaved with this tree's, round by round, so both see the same machine load")
     args = ap.parse_args()
+    libs = builds(args.against)
     info = peak(probe_lib(), args.threads)
     print(json.dumps(info), flush=True)
     only = set(filter(None, args.only.split(",")))
     for T in map(int, args.rows.split(",")):
-        for name, (call, flops) in kernels(T).items():
+        calls = {b: kernels(T, lib) for b, lib in libs.items()}
+        for name, (_, flops) in calls["this"].items():
             if only and name not in only:
                 continue
-            call(args.threads)  # warm: pages, pool threads
-            reps = max(1, int(2e9 // flops))  # ~2 GFLOP a timing, so small T is not all call overhead
             # One thread: its CPU time, so time slices lost to other processes do not count; more: wall time.
             clock = time.thread_time if args.threads == 1 else time.perf_counter
-            times = []
-            for _ in range(args.rounds):
-                t = clock()
-                for _ in range(reps):
-                    rc = call(args.threads)
-                times.append((clock() - t) / reps)
-                assert not isinstance(rc, int) or rc == 0, f"{name} returned {rc}"
-            med = statistics.median(times)
-            gflops = flops / med / 1e9
-            print(json.dumps({"bench": "kernel", "kernel": name, "rows": T, "threads": args.threads, "ms": round(med * 1e3, 3),
-                              "gflops": round(gflops, 2), "pct_of_peak": round(100 * gflops / info["peak_gflops"], 1),
-                              "rounds": args.rounds, "timer": clock.__name__, "loadavg": [round(v, 2) for v in os.getloadavg()]}), flush=True)
+            reps = max(1, int(2e9 // flops))  # ~2 GFLOP a timing, so small T is not all call overhead
+            times: dict[str, list[float]] = {b: [] for b in libs}
+            for b in libs:
+                calls[b][name][0](args.threads)  # warm: pages, pool threads
+            for r in range(args.rounds):
+                for b in libs if r % 2 == 0 else reversed(list(libs)):
+                    call = calls[b][name][0]
+                    t = clock()
+                    for _ in range(reps):
+                        rc = call(args.threads)
+                    times[b].append((clock() - t) / reps)
+                    assert not isinstance(rc, int) or rc == 0, f"{name} returned {rc}"
+            for b, ts in times.items():
+                med = statistics.median(ts)
+                gflops = flops / med / 1e9
+                print(json.dumps({"bench": "kernel", "build": b, "kernel": name, "rows": T, "threads": args.threads, "ms": round(med * 1e3, 3),
+                                  "gflops": round(gflops, 2), "pct_of_peak": round(100 * gflops / info["peak_gflops"], 1),
+                                  "rounds": args.rounds, "timer": clock.__name__, "loadavg": [round(v, 2) for v in os.getloadavg()]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -153,9 +153,9 @@ def test_the_avx2_and_default_builds_both_hold_the_bound_for_any_batch() -> None
 @pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler: the fused kernel is not built")
 @pytest.mark.parametrize("rows,cols,tokens", [(67, 640, 29), (35, 256, 12), (16, 1024, 64)])
 def test_prefill_tiles_give_each_token_its_one_token_bits(rows: int, cols: int, tokens: int) -> None:
-    """Many tokens take the decode-once GEMM on AVX-512 (mxfp4_cpu.cpp rows_gemm: 16-row blocks, 2 x 6
-    tiles, 16-group chunks); 640 columns cross a chunk, 67 rows a block and a pair, 29 tokens split 6+6+6+6+5.
-    Every row is within the fp32 bound and bit for bit what the token gets alone, in both halves of an expert."""
+    """Prefill sizes through the fused kernel (now taken up to 255 tokens, mxfp4.BATCHED_MIN_TOKENS): 67 rows
+    leave a lone row after the pairs and a partial 64-row task, 29 tokens a partial token tile. Every row is
+    within the fp32 bound and bit for bit what the token gets alone, in both halves of an expert."""
     packed, scale = _random_pack(rows, cols, seed=rows)
     w = mxfp4.dequantize_reference(packed, scale)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(cols))

@@ -23,10 +23,10 @@ from deltafind.models.ops.cpu_kernels import load_kernel
 GROUP = 32
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # Where the fused kernel stops paying: from this many tokens per expert, one exact dequantisation
-# plus a BLAS matmul is as fast. Since the kernel decodes a block once for all tokens (mxfp4_cpu.cpp
-# rows_gemm) it beats that up to 256 tokens and ties at 512 on a Zen 4 core (tests/bench/bench_kernels_peak.py),
-# and below this a token's row has the same bits in any batch.
-BATCHED_MIN_TOKENS = 512
+# plus a BLAS matmul is as fast (one Zen 4 core, medians of 9 alternated rounds: kernel 79 vs 63
+# GFLOP/s at 128 tokens, 78 vs 77 at 256, 73 vs 83 at 512). Below it a token's row has the same bits
+# in any batch.
+BATCHED_MIN_TOKENS = 256
 
 
 def logical_shape(packed: torch.Tensor) -> tuple[int, int]:
@@ -151,8 +151,7 @@ def fused_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> 
     """x [T, C] fp32 -> [T, R] through the fused kernel (no weight is materialised).
 
     Per output: fp32 lanes of FMAs (8, or 32 on AVX-512), group by group, then one fixed tree; the
-    result does not depend on T or on the thread count. From 12 tokens on AVX-512 the weights are
-    decoded once per block of rows and reused by every token (same lanes, same order).
+    result does not depend on T or on the thread count.
     """
     lib = load_kernel()
     assert lib is not None

@@ -1,16 +1,13 @@
 // MXFP4 (compressed-tensors mxfp4-pack-quantized) fused dequant + matmul for CPUs.
 //
 // y[t, r] = sum_g 2^(s[r,g]-127) * sum_{j<32} e2m1(code[r, 32g+j]) * x[t, 32g+j]
-// Few tokens: weights decoded in registers (never materialised). Many tokens (AVX-512, rows_gemm):
-// a block of rows decoded once into fp32 and reused by every token. Activations stay fp32.
+// Weights are decoded in registers (never materialised); activations stay fp32.
 // The summation order of one (t, r) is fixed (8 lanes, group by group, one tree
 // at the end; 32 lanes on AVX-512, rows512 below) and does not depend on T or on
 // the thread count, so one token and a batch of tokens give bit-identical rows.
 // Built by deltafind/models/ops/cpu_kernels.py.
 #include <cmath>
 #include <cstdint>
-#include <algorithm>
-#include <climits>
 #include <cstring>
 #include <vector>
 
@@ -164,15 +161,6 @@ std::vector<float> split(const float* x, int64_t T, int64_t ldx, int64_t C) {
   return xs;
 }
 
-// The one tree that ends every (row, token): even + odd lanes, then pairs 8 apart, 4 apart, 2, 1.
-inline float finish(__m512 even, __m512 odd) {
-  alignas(64) float v[16];
-  _mm512_store_ps(v, _mm512_add_ps(even, odd));
-  float s[4];
-  for (int l = 0; l < 4; ++l) s[l] = (v[l] + v[8 + l]) + (v[4 + l] + v[12 + l]);
-  return (s[0] + s[2]) + (s[1] + s[3]);
-}
-
 // NR rows from r, NT tokens of xs: NR * NT independent pairs of FMA chains.
 template <int NR, int NT>
 void rows512(const float* xs, int64_t C, const uint8_t* packed, const uint8_t* scale, int64_t r, float* y, int64_t ldy) {
@@ -193,7 +181,13 @@ void rows512(const float* xs, int64_t C, const uint8_t* packed, const uint8_t* s
     }
   }
   for (int k = 0; k < NR; ++k)
-    for (int t = 0; t < NT; ++t) y[t * ldy + r + k] = finish(a[k][t][0], a[k][t][1]);
+    for (int t = 0; t < NT; ++t) {
+      alignas(64) float v[16];
+      _mm512_store_ps(v, _mm512_add_ps(a[k][t][0], a[k][t][1]));
+      float s[4];
+      for (int l = 0; l < 4; ++l) s[l] = (v[l] + v[8 + l]) + (v[4 + l] + v[12 + l]);
+      y[t * ldy + r + k] = (s[0] + s[2]) + (s[1] + s[3]);
+    }
 }
 
 template <int NT>
@@ -213,113 +207,15 @@ void rows_split(const float* xs, int nt, const uint8_t* packed, const uint8_t* s
     default: tile512<kSplitTile>(xs, C, packed, scale, r0, r1, y, ldy); break;
   }
 }
-
-// Many tokens (prefill): rows512 decodes every (row, group) again for each 4-token tile, ~6 decode
-// instructions per 8 FMAs. Here a block of kBlockRows rows is decoded ONCE into fp32 (the same values
-// rows512 makes in registers, in xs's even/odd layout), then a register-blocked micro-kernel runs
-// kMicroRows rows x kMicroTokens tokens over it, a GEMM with the decode amortised over every token.
-// Each (row, token) still runs the same two chains group by group and ends in `finish`: bit for bit
-// what rows512 computes, whatever T, the tiling or the threads.
-// 2 x 6: 24 chains, 2 + 2 weight and 2 x registers of 32; 16 loads per 24 FMAs. Rows 16 (a 229 KB block
-// at K3's 3584 columns, in L2), chunks of 16 groups (6 tokens' x, 12 KB, in L1): tests/bench/bench_kernels_peak.py.
-constexpr int kBlockRows = 16, kMicroRows = 2, kMicroTokens = 6, kChunkGroups = 16;
-
-// Rows [r, r+n) of W decoded into w [n, C]: per group its 16 even columns, then its 16 odd ones.
-void decode_split(const uint8_t* packed, const uint8_t* scale, int64_t r, int n, int64_t C, float* w) {
-  const int64_t G = C / 32;
-  const __m512 e2m1 = _mm512_loadu_ps(kE2M1);
-  for (int k = 0; k < n; ++k)
-    for (int64_t g = 0; g < G; ++g) {
-      const __m512 table = _mm512_mul_ps(e2m1, _mm512_set1_ps(full_scale(scale[(r + k) * G + g])));
-      const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + (r + k) * (C / 2) + g * 16)));
-      _mm512_storeu_ps(w + k * C + g * 32, _mm512_permutexvar_ps(codes, table));
-      _mm512_storeu_ps(w + k * C + g * 32 + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table));
-    }
-}
-
-// Groups [g0, g1) of NR decoded rows (w, stride C) x NT tokens of xs into the chains acc [NR][NT][2].
-template <int NR, int NT>
-inline void micro(const float* w, const float* xs, int64_t C, int64_t g0, int64_t g1, __m512* acc) {
-  __m512 a[NR][NT][2];
-  for (int k = 0; k < NR; ++k)
-    for (int t = 0; t < NT; ++t) a[k][t][0] = acc[(k * NT + t) * 2], a[k][t][1] = acc[(k * NT + t) * 2 + 1];
-  for (int64_t g = g0; g < g1; ++g) {
-    __m512 we[NR], wo[NR];
-    for (int k = 0; k < NR; ++k) {
-      we[k] = _mm512_loadu_ps(w + k * C + g * 32), wo[k] = _mm512_loadu_ps(w + k * C + g * 32 + 16);
-      asm("" : "+v"(we[k]), "+v"(wo[k]));  // as x below: one load each, not one per token
-    }
-    for (int t = 0; t < NT; ++t) {
-      __m512 xe = _mm512_loadu_ps(xs + t * C + g * 32), xo = _mm512_loadu_ps(xs + t * C + g * 32 + 16);
-      // In registers, loaded once for the NR rows: left to itself the compiler folds the load into
-      // each FMA, one load per FMA, and a core that loads one 512-bit vector a cycle waits on them.
-      asm("" : "+v"(xe), "+v"(xo));
-      for (int k = 0; k < NR; ++k) {
-        a[k][t][0] = _mm512_fmadd_ps(we[k], xe, a[k][t][0]);
-        a[k][t][1] = _mm512_fmadd_ps(wo[k], xo, a[k][t][1]);
-      }
-    }
-  }
-  for (int k = 0; k < NR; ++k)
-    for (int t = 0; t < NT; ++t) acc[(k * NT + t) * 2] = a[k][t][0], acc[(k * NT + t) * 2 + 1] = a[k][t][1];
-}
-
-// n decoded rows (w) x NT tokens of xs into y: groups in chunks of kChunkGroups, so a chunk of the NT
-// tokens' x stays in L1 while every pair of rows runs over it; the chains wait in `acc` between chunks.
-template <int NT>
-void block_tokens(const float* w, int n, const float* xs, int64_t C, float* y, int64_t ldy) {
-  const int64_t G = C / 32;
-  alignas(64) __m512 acc[kBlockRows * NT * 2];
-  for (auto& v : acc) v = _mm512_setzero_ps();
-  for (int64_t g0 = 0; g0 < G; g0 += kChunkGroups) {
-    const int64_t g1 = std::min<int64_t>(G, g0 + kChunkGroups);
-    int k = 0;
-    for (; k + kMicroRows <= n; k += kMicroRows) micro<kMicroRows, NT>(w + k * C, xs, C, g0, g1, acc + k * NT * 2);
-    for (; k < n; ++k) micro<1, NT>(w + k * C, xs, C, g0, g1, acc + k * NT * 2);
-  }
-  for (int k = 0; k < n; ++k)
-    for (int t = 0; t < NT; ++t) y[t * ldy + k] = finish(acc[(k * NT + t) * 2], acc[(k * NT + t) * 2 + 1]);
-}
-
-// block_tokens<nt> for a run-time nt <= NT.
-template <int NT>
-inline void tokens_dispatch(int nt, const float* w, int n, const float* xs, int64_t C, float* y, int64_t ldy) {
-  if constexpr (NT > 1)
-    if (nt < NT) return tokens_dispatch<NT - 1>(nt, w, n, xs, C, y, ldy);
-  block_tokens<NT>(w, n, xs, C, y, ldy);
-}
-
-// Rows [r0, r1) for all T tokens of the split x.
-void rows_gemm(const float* xs, int64_t T, const uint8_t* packed, const uint8_t* scale, int64_t r0, int64_t r1, int64_t C,
-               float* y, int64_t ldy) {
-  thread_local std::vector<float> w;
-  w.resize(static_cast<size_t>(kBlockRows * C));
-  for (int64_t r = r0; r < r1; r += kBlockRows) {
-    const int n = static_cast<int>(std::min<int64_t>(kBlockRows, r1 - r));
-    decode_split(packed, scale, r, n, C, w.data());
-    // Tiles of near-equal size (8 tokens: 4 + 4, not 6 + 2): a small tile is short of FMAs per load.
-    const int64_t tiles = (T + kMicroTokens - 1) / kMicroTokens;
-    for (int64_t i = 0, t0 = 0; i < tiles; ++i) {
-      const int nt = static_cast<int>((T - t0) / (tiles - i) + ((T - t0) % (tiles - i) != 0));
-      tokens_dispatch<kMicroTokens>(nt, w.data(), n, xs + t0 * C, C, y + t0 * ldy + r, ldy);
-      t0 += nt;
-    }
-  }
-}
-// From this many tokens the decode-once path is faster than rows512 (~equal at 8-10 on a Zen 4 core).
-constexpr int64_t kGemmMinTokens = 12;
 #else
 constexpr bool kSplit = false;
 std::vector<float> split(const float*, int64_t, int64_t, int64_t) { return {}; }
 void rows_split(const float*, int, const uint8_t*, const uint8_t*, int64_t, int64_t, int64_t, float*, int64_t) {}
-constexpr int64_t kGemmMinTokens = INT64_MAX;
-void rows_gemm(const float*, int64_t, const uint8_t*, const uint8_t*, int64_t, int64_t, int64_t, float*, int64_t) {}
 #endif
 
 // Rows [r0, r1) of W (packed, scale) for all T tokens of x: by the split x where the build takes it.
 void rows_all(const float* x, int64_t ldx, const std::vector<float>& xs, int64_t T, const uint8_t* packed, const uint8_t* scale,
               int64_t r0, int64_t r1, int64_t C, float* y, int64_t ldy) {
-  if (kSplit && T >= kGemmMinTokens) return rows_gemm(xs.data(), T, packed, scale, r0, r1, C, y, ldy);
   const int tile = kSplit ? kSplitTile : kTile;
   for (int64_t t0 = 0; t0 < T; t0 += tile) {
     const int nt = static_cast<int>(std::min<int64_t>(tile, T - t0));
