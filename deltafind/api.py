@@ -38,6 +38,7 @@ from deltafind.engine.stats import EngineStats, GenerationStats
 from deltafind.errors import StoreError
 from deltafind.log import get_logger
 from deltafind.models.ops.batch import SequenceCache
+from deltafind.models.ops.cpu_kernels import kernel_status, missing_note
 from deltafind.models.ops.moe import SlicedMLP
 from deltafind.models.ops.mxfp4 import use_compile
 from deltafind.models.ops.stored import (
@@ -164,6 +165,8 @@ class Model:
         if tied:
             net.tie_weights()
         adopt_stored(net, torch_dtype)  # bf16/fp16 matmul weights stay as stored; fp32 activations
+        if device.type == "cpu" and (note := missing_note()):
+            log.warning("cpu_kernels_missing", note=note)
         if c.spine_int8:
             log.warning("spine_int8", saved_bytes=int8_spine(net), note="row-int8 spine: NOT weight-exact ([cache] spine_int8)")
         net.eval()
@@ -304,7 +307,7 @@ class Model:
         }
         remote, total = ex.reader.remote, self.manifest.expert_bytes()  # a streaming install fills as it serves
         out.update(store_bytes_total=total, store_bytes_present=remote.present_bytes() if remote is not None else total,
-                   spine_int8=self.settings.cache.spine_int8)
+                   spine_int8=self.settings.cache.spine_int8, cpu_kernels=kernel_status())
         if self.cluster is not None:
             out["nodes"] = self.cluster.status()
         if (sp := self.spine) is not None:

@@ -104,9 +104,12 @@ def _setup_fill(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    from deltafind.models.ops.cpu_kernels import missing_note
     from deltafind.store.doctor import check_store
 
     report = check_store(store_arg(args, cli_settings(args)), progress=not args.quiet)
+    if note := missing_note():
+        print(f"warning: {note}", file=sys.stderr)
     for problem in report.problems:
         print(f"problem: {problem}", file=sys.stderr)
     status = "ok" if report.ok else f"{len(report.problems)} problem(s)"

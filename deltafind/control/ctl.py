@@ -81,6 +81,8 @@ def store_lines(s: dict[str, Any]) -> list[str]:
     if sp := s.get("spine"):
         lines.append(f"spine      {sp['resident_layers']} of {sp['num_layers']} layers resident, {sp['layer_reads']} layer "
                      f"reads ({_mib(sp['bytes_read'])}), waited {sp['wait_s']:.3f} s")
+    if (k := s.get("cpu_kernels")) and not k["built"]:
+        lines.append(f"kernels    {k['note']}")
     if s.get("spine_int8"):
         lines.append("spine      row-int8 ([cache] spine_int8): NOT weight-exact, the logits drift from the released weights'")
     if s.get("store_bytes_total") and s["store_bytes_present"] < s["store_bytes_total"]:

@@ -148,3 +148,21 @@ def test_the_avx2_and_default_builds_both_hold_the_bound_for_any_batch() -> None
         assert ((y.double() - exact).abs() <= fp32_bound(x, w)).all()
         for t in (0, 4, 9):
             assert torch.equal(run(lib, x[t : t + 1].contiguous())[0], y[t])
+
+
+@pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler: the fused kernel is not built")
+@pytest.mark.parametrize("rows,cols,tokens", [(67, 640, 29), (35, 256, 200)])
+def test_prefill_sizes_give_each_token_its_one_token_bits(rows: int, cols: int, tokens: int) -> None:
+    """`mxfp4_linear` keeps prefill-sized batches on the fused kernel (below mxfp4.BATCHED_MIN_TOKENS, 256;
+    200 tokens took dequantise + BLAS before, other bits): every row is within the fp32 bound and bit for
+    bit what the token gets alone. 67 rows leave a lone row after the pairs, 29 tokens a partial tile."""
+    packed, scale = _random_pack(rows, cols, seed=rows)
+    w = mxfp4.dequantize_reference(packed, scale)
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(cols))
+    y = mxfp4.mxfp4_linear(x, packed, scale)
+    assert ((y.double() - x.double() @ w.double().T).abs() <= fp32_bound(x, w)).all()
+    w3 = _random_pack(rows, cols, seed=rows + 1)
+    h = mxfp4.fused_gate_up_situ(x, (packed, scale), w3, 4.0, 25.0)
+    for t in range(tokens):
+        assert torch.equal(mxfp4.mxfp4_linear(x[t : t + 1], packed, scale)[0], y[t])
+        assert torch.equal(mxfp4.fused_gate_up_situ(x[t : t + 1], (packed, scale), w3, 4.0, 25.0)[0], h[t])

@@ -4,8 +4,9 @@ One library, so every kernel runs on one thread pool (cpu_pool.h): two pools' id
 spin against each other's work, and the layer kernels call the stored-format matmul directly.
 It is compiled once per source, compiler and CPU with the system C++ compiler, cached
 under ~/.cache/deltafind/kernels, called through ctypes (which drops the GIL).
-`load()` returns None where no compiler works, so callers fall back to torch; a kernel
-never decides numerics, it only makes them fast.
+`load()` returns None where no compiler works, so callers fall back to torch (`missing_note`
+says so, loudly, in serve, doctor, status and --stats); a kernel never decides numerics, it
+only makes them fast.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).parent
 # -ffp-contract=off: a decode written as d*q + m must round twice, as the numpy oracle does.
@@ -158,3 +160,21 @@ CPU = KernelLibrary(SOURCES, _bind)
 def load_kernel() -> ctypes.CDLL | None:
     """The CPU kernel library, building it on first use; None when it cannot be built."""
     return CPU.load()
+
+
+# What the torch fallback costs, measured on one K3 expert matrix (MXFP4 3072 x 3584, one Zen 4 core):
+# 36x the kernel's time for one token, 3x for 64 (tests/bench/bench_kernels_peak.py has the kernels' side).
+FALLBACK_COST = "every CPU matmul falls back to torch: ~36x slower decode and ~3x slower prefill per MXFP4 expert"
+
+
+def kernel_status() -> dict[str, Any]:
+    """Whether the CPU kernels are built, for status and --stats: built, the build error, and `missing_note`."""
+    return {"built": CPU.load() is not None, "error": CPU.build_error, "note": missing_note()}
+
+
+def missing_note() -> str | None:
+    """None where the CPU kernels load; else the one loud sentence serve, doctor and status show: why, cost, fix."""
+    if CPU.load() is not None:
+        return None
+    return (f"CPU kernels NOT built ({(CPU.build_error or '')[-500:]}); {FALLBACK_COST}. Fix: install a C++ compiler "
+            "(g++ or clang++, e.g. `apt install g++`) and restart; the kernels then build once into ~/.cache/deltafind/kernels")

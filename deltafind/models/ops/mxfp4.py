@@ -22,9 +22,11 @@ from deltafind.models.ops.cpu_kernels import load_kernel
 
 GROUP = 32
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-# Where the fused kernel stops paying: from this many tokens per expert, one exact
-# dequantisation plus a BLAS matmul is faster (measured in tests/bench/bench_kimi_k3.py).
-BATCHED_MIN_TOKENS = 128
+# Where the fused kernel stops paying: from this many tokens per expert, one exact dequantisation
+# plus a BLAS matmul is as fast (one Zen 4 core, medians of 9 alternated rounds: kernel 79 vs 63
+# GFLOP/s at 128 tokens, 78 vs 77 at 256, 73 vs 83 at 512). Below it a token's row has the same bits
+# in any batch.
+BATCHED_MIN_TOKENS = 256
 
 
 def logical_shape(packed: torch.Tensor) -> tuple[int, int]:
