@@ -164,8 +164,10 @@ def test_tools_with_claude_code_schemas_and_a_forced_call_cut_by_max_tokens(daem
 
 def test_a_stream_waiting_in_the_queue_gets_pings_before_content(daemon: Daemon) -> None:
     """max_running = 1: the second stream waits behind the first, and hears `ping` every few seconds meanwhile."""
-    long = {"model": "test-model", "max_tokens": 160, "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
-            **T0}
+    # A ~2,400-token prompt: its prefill alone outlasts a ping interval on a quiet machine (160 greedy tokens
+    # of a short prompt took 4.4 s there, and EOS may come sooner).
+    story = "Write a long story about a dragon. " + "The dragon slept. " * 480
+    long = {"model": "test-model", "max_tokens": 160, "messages": [{"role": "user", "content": story}], **T0}
     first = threading.Thread(target=post, args=(daemon, "/v1/messages", long))
     first.start()
     time.sleep(1.0)
