@@ -10,8 +10,9 @@ The engines alternate which runs first at each length. The last line compares le
 time(N2)/time(N1) against FLOPs(N2)/FLOPs(N1) (weights plus exact causal attention, for the
 demo's llama shape) and the peak-RSS growth ratios.
 
-llama.cpp runs at its own defaults, not llama-cpp-python's: flash attention as llama.cpp's `auto`
-resolves it on the CPU (on), n_batch 2048 and n_ubatch 512 (common.h); the settings are printed.
+llama.cpp runs at its own defaults, not llama-cpp-python's (bench_demo_vs_llamacpp.llamacpp_settings:
+flash attention on, as llama.cpp's `auto` resolves it on the CPU; n_batch 2048, n_ubatch 512); each
+llama.cpp line prints the settings used.
 
     deltafind setup --demo
     deltafind setup --synthetic kimi_k3 --shape tiny --store /tmp/prefill-k3
@@ -104,22 +105,11 @@ def child_deltafind(store: Path, num_tokens: int, threads: int) -> dict:
     return out
 
 
-def llamacpp_settings(num_tokens: int, threads: int) -> dict:
-    """llama.cpp's own defaults where llama-cpp-python's differ (flash attention, batch sizes)."""
-    import llama_cpp
-
-    s = {"n_ctx": num_tokens + WARM_TOKENS, "n_threads": threads, "n_threads_batch": threads, "n_batch": 2048, "n_ubatch": 512}
-    if hasattr(llama_cpp, "LLAMA_FLASH_ATTN_TYPE_AUTO"):  # newer bindings expose llama.cpp's tri-state
-        s["flash_attn_type"] = llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
-    else:
-        s["flash_attn"] = True  # what llama.cpp's `auto` chooses on the CPU
-    return s
-
-
 def child_llamacpp(gguf: Path, num_tokens: int, threads: int) -> dict:
     import llama_cpp
+    from bench_demo_vs_llamacpp import llamacpp_settings  # this folder is sys.path[0]
 
-    settings = llamacpp_settings(num_tokens, threads)
+    settings = llamacpp_settings(threads, n_ctx=num_tokens + WARM_TOKENS)
     llm = llama_cpp.Llama(model_path=str(gguf), seed=0, logits_all=False, verbose=False, **settings)
     ids = llm.tokenize(prompt_text(num_tokens).encode(), add_bos=False, special=False)[:num_tokens]
 
