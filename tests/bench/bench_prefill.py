@@ -5,7 +5,8 @@ it on 16 tokens (kernels compiled, every expert read once and kept), resets the 
 (`/proc/self/clear_refs`), then times one prefill of N tokens (deltafind: `Model.stream` with one new
 token and EOS ignored, the engine's own chunking; llama.cpp: `Llama.eval`) and reads VmHWM. One JSON
 line per point: prefill s, tok/s, RSS after load, peak RSS and its growth over the loaded RSS, and the
-prompt ids' hash (both engines get the same ids, from their own tokenizers on the same text).
+prompt ids' hash (both engines get the same ids, from their own tokenizers on the same text), and
+for deltafind the seconds spent in prompt attention (`attention_s`, and its GFLOP/s on the demo).
 The engines alternate which runs first at each length. The last line compares lengths:
 time(N2)/time(N1) against FLOPs(N2)/FLOPs(N1) (weights plus exact causal attention, for the
 demo's llama shape) and the peak-RSS growth ratios.
@@ -96,10 +97,24 @@ def child_deltafind(store: Path, num_tokens: int, threads: int) -> dict:
     model = Model.open(str(store), device="cpu", expert_cache_bytes=None)  # experts stay once read
     ids = list(model.tokenizer.encode(prompt_text(num_tokens)))[:num_tokens]
 
+    from deltafind.models.ops import attention
+
+    spent, inner = [0.0], attention.causal_attention  # the prompt's attention, timed apart from the rest
+
+    def timed_attention(*a: torch.Tensor | float) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = inner(*a)
+        spent[0] += time.perf_counter() - t0
+        return out
+
+    attention.causal_attention = timed_attention
+
     def prefill(x: list[int]) -> None:
+        spent[0] = 0.0
         list(model.stream(x, SamplingParams(max_new_tokens=1, ignore_eos=True)))
 
     out = _point("deltafind", ids, prefill, {"torch": torch.__version__})
+    out["attention_s"] = round(spent[0], 4)
     out["steps"] = model.last_engine_stats.steps  # prefill chunks (the engine's plan) + the sampled token's step
     model.close()
     return out
@@ -120,7 +135,7 @@ def child_llamacpp(gguf: Path, num_tokens: int, threads: int) -> dict:
     return _point("llamacpp", ids, prefill, {"llama_cpp_python": llama_cpp.__version__, "llamacpp_settings": settings})
 
 
-def flops(config: dict, n: int) -> float | None:
+def flops(config: dict, n: int, attention_only: bool = False) -> float | None:
     """Prefill FLOPs of a llama-shaped model: 2 per weight per token (+ the head once) plus exact causal attention."""
     c = config.get("text_config", config)
     if c.get("model_type") not in ("llama", "qwen3"):
@@ -130,6 +145,8 @@ def flops(config: dict, n: int) -> float | None:
     kv = c.get("num_key_value_heads", heads)
     per_layer = h * (heads + 2 * kv) * d + heads * d * h + 3 * h * c["intermediate_size"]
     attn = 4 * heads * d * n * (n + 1) / 2  # q.k and p.v over each (query, earlier key) pair
+    if attention_only:
+        return layers * attn
     return 2.0 * n * layers * per_layer + layers * attn + 2.0 * h * c["vocab_size"]
 
 
@@ -173,9 +190,11 @@ def main() -> None:
         n = min(n, context - 1)  # room for the one new token
         for engine in engines if i % 2 == 0 else engines[::-1]:  # alternate which runs first
             out = run_point(engine, args, n)
-            out["flops"] = flops(config, n)
+            out["flops"], attn_flops = flops(config, n), flops(config, n, attention_only=True)
             if out["flops"] and "prefill_s" in out:
                 out["gflop_s"] = round(out["flops"] / out["prefill_s"] / 1e9, 2)
+            if attn_flops and out.get("attention_s"):
+                out["attention_gflop_s"] = round(attn_flops / out["attention_s"] / 1e9, 2)
             points[engine][n] = out
             print(json.dumps(out, separators=(",", ":")), flush=True)
 
