@@ -49,6 +49,12 @@ def test_prefill_attention_equals_float64_softmax(case: str) -> None:
     torch.testing.assert_close(got[:, rows].double(), _reference(q, k, v, d**-0.5, rows), atol=2e-5, rtol=0)
 
 
+def test_no_new_rows_give_an_empty_result() -> None:
+    """Zero rows after a cache: torch's flash kernel divides by the row count (SIGFPE, the whole process)."""
+    out = causal_attention(torch.randn(2, 0, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 4), 0.3)
+    assert out.shape == (2, 0, 4)
+
+
 def _peak_growth_bytes(fn) -> int:
     """Peak RSS over the RSS before `fn` ran (the kernel's high-water mark, reset first)."""
 

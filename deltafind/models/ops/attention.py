@@ -77,6 +77,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     the diagonal top-left, so with cached keys before the rows (a chunk, a reused prefix, a verify pass)
     the cached part (no mask) and the new part (causal) are two passes merged by their log-sum-exp."""
     n, total, dv = q.shape[1], k.shape[1], v.shape[-1]
+    if n == 0:  # the flash kernel divides by the row count (SIGFPE): no rows, nothing to attend
+        return q.new_empty((q.shape[0], 0, dv))
     if dv != q.shape[-1]:  # MLA's v is narrower than its q.k: the fused kernels want one head width
         v = F.pad(v, (0, q.shape[-1] - dv))
     q, k, v = q[None], k[None], v[None]  # [1, H, ., D]: SDPA picks a fused kernel for 4-d inputs only
