@@ -75,25 +75,36 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
     On the CPU torch's flash kernel (fp32 online softmax over key blocks) does it; its causal flag aligns
     the diagonal top-left, so with cached keys before the rows (a chunk, a reused prefix, a verify pass)
-    the cached part (no mask) and the new part (causal) are two passes merged by their log-sum-exp."""
+    the cached part (no mask) and the new part (causal) are separate passes merged by their log-sum-exp."""
     n, total, dv = q.shape[1], k.shape[1], v.shape[-1]
     if n == 0:  # the flash kernel divides by the row count (SIGFPE): no rows, nothing to attend
         return q.new_empty((q.shape[0], 0, dv))
-    if dv != q.shape[-1]:  # MLA's v is narrower than its q.k: the fused kernels want one head width
-        v = F.pad(v, (0, q.shape[-1] - dv))
     q, k, v = q[None], k[None], v[None]  # [1, H, ., D]: SDPA picks a fused kernel for 4-d inputs only
     if q.device.type != "cpu":
         # a lower-right causal bias, which CUDA's memory-efficient kernel applies without a mask tensor
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, total), scale=scale,
+        o = F.scaled_dot_product_attention(q, k, _widen(v, q), attn_mask=causal_lower_right(n, total), scale=scale,
                                            enable_gqa=q.shape[1] != k.shape[1])
         return o[0, ..., :dv]
-    if total == n:
-        return _flash_cpu(q, k, v, True, scale)[0][0, ..., :dv]
-    o1, lse1 = _flash_cpu(q, k[:, :, : total - n], v[:, :, : total - n], False, scale)  # every cached key
-    o2, lse2 = _flash_cpu(q, k[:, :, total - n :], v[:, :, total - n :], True, scale)  # the rows' own keys
-    lse = torch.logaddexp(lse1, lse2)  # [1, Hq, n]
-    o = o1.float() * torch.exp(lse1 - lse)[..., None] + o2.float() * torch.exp(lse2 - lse)[..., None]
-    return o[0, ..., :dv].to(q.dtype)
+    cached = total - n
+    # MLA's v is narrower than its q.k and the kernel wants one width: the cached part is widened a block
+    # of keys at a time, so a verify pass after a long context copies a block, not the whole cache.
+    step = max(cached, 1) if dv == q.shape[-1] else KEY_BLOCK
+    o_acc, lse_acc = _flash_cpu(q, k[:, :, cached:], _widen(v[:, :, cached:], q), True, scale)  # the rows' own keys
+    for s in range(0, cached, step):
+        e = min(s + step, cached)
+        o, lse = _flash_cpu(q, k[:, :, s:e], _widen(v[:, :, s:e], q), False, scale)  # every cached key
+        both = torch.logaddexp(lse_acc, lse)  # [1, Hq, n]
+        o_acc = o_acc.float() * torch.exp(lse_acc - both)[..., None] + o.float() * torch.exp(lse - both)[..., None]
+        lse_acc = both
+    return o_acc[0, ..., :dv].to(q.dtype)
+
+
+KEY_BLOCK = 4096  # cached keys widened at once where v is narrower than q.k
+
+
+def _widen(v: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """v [..., Dv] zero-padded to q's width D (the output's extra columns are dropped), or v itself."""
+    return v if v.shape[-1] == q.shape[-1] else F.pad(v, (0, q.shape[-1] - v.shape[-1]))
 
 
 def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
