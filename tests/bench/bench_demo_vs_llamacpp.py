@@ -1,8 +1,10 @@
 """Decode speed of the demo model: deltafind (all experts resident) vs llama.cpp, same GGUF.
 
-Not run in CI. Each engine runs in its own worker process (as each would in use: deltafind sets
-its OpenMP wait policy before torch loads, llama.cpp keeps its own), and the runs alternate,
-round by round, with the same thread count, greedy, from the same prompt; each is warmed once
+Not run in CI. llama.cpp runs at llama.cpp's own defaults, not the binding's (`llamacpp_settings`:
+flash attention on, as llama.cpp's `auto` sets it on the CPU), and the settings are printed; both
+engines decode exactly --new-tokens tokens (EOS ignored), and which runs first alternates by round.
+Each engine runs in its own worker process (as each would in use: deltafind sets
+its OpenMP wait policy before torch loads, llama.cpp keeps its own), with the same thread count, greedy, from the same prompt; each is warmed once
 first (for deltafind that makes every expert resident, since the cache is unlimited). An idle
 worker blocks on its pipe. (In one shared process the two engines' OpenMP and kernel threads
 spun against each other, and deltafind at 2 threads measured 24 tok/s where it decodes 37-54
@@ -66,16 +68,8 @@ class LlamaCppEngine:
 
         self._np = np
         self.version = llama_cpp.__version__
-        self.llm = llama_cpp.Llama(
-            model_path=str(gguf),
-            n_ctx=512,
-            n_threads=threads,
-            n_threads_batch=threads,
-            seed=0,
-            logits_all=False,
-            verbose=False,
-        )
-        self.eos = self.llm.token_eos()
+        self.settings = llamacpp_settings(threads)
+        self.llm = llama_cpp.Llama(model_path=str(gguf), seed=0, logits_all=False, verbose=False, **self.settings)
         self.n_vocab = self.llm.n_vocab()
 
     def encode(self, text: str) -> list[int]:
@@ -83,7 +77,7 @@ class LlamaCppEngine:
         return self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=False)
 
     def generate(self, ids: list[int], n: int) -> list[int]:
-        """Greedy: prefill ids, then n tokens (stops after EOS, like deltafind's generate)."""
+        """Greedy: prefill ids, then exactly n tokens (EOS does not stop it: both engines decode n)."""
         llm, np = self.llm, self._np
         llm.reset()  # no prefix reuse between calls: every call pays the same prefill
         llm.eval(ids)
@@ -94,7 +88,7 @@ class LlamaCppEngine:
             row = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(self.n_vocab,))
             tok = int(np.argmax(row))
             out.append(tok)
-            if len(out) == n or tok == self.eos:
+            if len(out) == n:
                 return out
             llm.eval([tok])
 
@@ -121,11 +115,22 @@ class DeltafindEngine:
         return list(self.model.tokenizer.encode(text))
 
     def generate(self, ids: list[int], n: int) -> list[int]:
-        return list(self.model.generate(ids, max_new_tokens=n, temperature=0.0))
+        from deltafind.engine.sampler import SamplingParams
+
+        return list(self.model.stream(ids, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)))
 
     def self_reported_decode_s(self) -> float | None:
         """The engine's own decode time for the last call (Model.last_stats), if it has one."""
         return getattr(getattr(self.model, "last_stats", None), "decode_s", None)
+
+
+def llamacpp_settings(threads: int, n_ctx: int = 4096) -> dict:
+    """llama.cpp's own defaults where llama-cpp-python's differ (common.h: n_ctx 4096, n_batch 2048, n_ubatch
+    512; flash attention `auto`, which llama.cpp resolves to on for the CPU backend). The 0.3.36 binding
+    maps its `flash_attn` bool to LLAMA_FLASH_ATTN_TYPE_ENABLED/DISABLED and never passes AUTO, and its
+    default False turned flash attention off: True is what llama.cpp itself runs here."""
+    return {"n_ctx": n_ctx, "n_threads": threads, "n_threads_batch": threads, "n_batch": 2048, "n_ubatch": 512,
+            "flash_attn": True}
 
 
 def timed(engine, ids: list[int], n: int) -> tuple[float, float, list[int]]:
@@ -154,7 +159,7 @@ def serve_engine(name: str, store: Path, gguf: Path | None, threads: int) -> Non
     reply = sys.stdout
     sys.stdout = sys.stderr  # engines' prints must not corrupt the replies
     engine = make_engine(name, store, gguf, threads)
-    extra = {"version": engine.version}
+    extra = {"version": engine.version, "settings": getattr(engine, "settings", None)}
     if name != "llamacpp":
         import torch
 
@@ -186,7 +191,7 @@ class Worker:
         if not hello:
             sys.exit(f"the {name} worker failed to start (its error is above)")
         info = json.loads(hello)
-        self.version, self.torch = info["version"], info.get("torch")
+        self.version, self.torch, self.settings = info["version"], info.get("torch"), info.get("settings")
         self.own: float | None = None
 
     def _ask(self, **req) -> dict:
@@ -262,9 +267,11 @@ def main() -> None:
         log(f"{e.name}: warmed, {len(outputs[e.name])} tokens")
 
     for r in range(args.rounds):
-        for e in engines:  # llama.cpp first, then deltafind, every round
+        for e in engines if r % 2 == 0 else engines[::-1]:  # who runs first alternates round by round
             t1, c1, _ = e.timed(prompts[e.name], 1)
             tn, cn, out = e.timed(prompts[e.name], args.new_tokens)
+            if len(out) != args.new_tokens:
+                sys.exit(f"{e.name} decoded {len(out)} tokens, not {args.new_tokens}: the speeds would not compare")
             if out != outputs[e.name]:
                 log(f"warning: {e.name} greedy output changed between runs")
             decode_s = tn - t1
@@ -291,6 +298,7 @@ def main() -> None:
         a, b = outputs["llamacpp"], outputs["deltafind"]
         same_prefix = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
     engine_versions = {e.name: e.version for e in engines}
+    llamacpp_used = next((e.settings for e in engines if e.name == "llamacpp"), None)
     torch_version = next((e.torch for e in engines if e.torch), None)
     for e in engines:
         e.close()
@@ -311,7 +319,7 @@ def main() -> None:
         "loadavg_start": [round(v, 2) for v in load_start],
         "loadavg_end": [round(v, 2) for v in os.getloadavg()],
         "rounds": args.rounds,
-        "method": "(n_new-1)/(t_gen(n_new)-t_gen(1)), median over rounds, engines alternated",
+        "method": "(n_new-1)/(t_gen(n_new)-t_gen(1)), median over rounds, first engine alternated, EOS ignored",
         "llamacpp_first_token_s": med("llamacpp", "prefill_s"),
         "deltafind_first_token_s": med("deltafind", "prefill_s"),
         "samples": samples,
@@ -319,6 +327,7 @@ def main() -> None:
         "prompt_ids_equal": (prompts["llamacpp"] == prompts["deltafind"]) if len(prompts) == 2 else None,
         "greedy_same_prefix_tokens": same_prefix,
         "llama_cpp_python": engine_versions.get("llamacpp"),
+        "llamacpp_settings": llamacpp_used,
         "deltafind": engine_versions.get("deltafind"),
         "torch": torch_version,
         "machine": platform.machine(),

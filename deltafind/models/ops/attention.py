@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from deltafind.models.ops.batch import Batch, LayerCache
 from deltafind.models.ops.cpu_kernels import CPU, AttnLayer
@@ -57,25 +58,59 @@ def attend(
     Returns [T, Hq, Dv].
     """
     out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     for seg in batch.segments:
         sl = slice(seg.start, seg.start + seg.num_tokens)
         k_all, v_all = seg.cache.layers[layer_idx].append(k[sl], v[sl])  # [L, Hkv, D]
         qs = q[sl].transpose(0, 1)  # [Hq, n, D]
         ks, vs = k_all.transpose(0, 1), v_all.transpose(0, 1)  # [Hkv, L, D]
-        n, total = seg.num_tokens, k_all.shape[0]
-        if n == 1:
-            out[sl] = _decode_one(qs, ks, vs, q.shape[-1] ** -0.5 if scale is None else scale).transpose(0, 1)
-            continue
-        mask = None
-        if n > 1:
-            # query i sits at absolute position total - n + i and sees keys 0..that position
-            qpos = torch.arange(total - n, total, device=q.device)[:, None]
-            mask = torch.arange(total, device=q.device)[None, :] <= qpos  # [n, L]
-        o = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=qs.shape[0] != ks.shape[0]
-        )
-        out[sl] = o.transpose(0, 1)
+        attn = _decode_one if seg.num_tokens == 1 else causal_attention
+        out[sl] = attn(qs, ks, vs, scale).transpose(0, 1)
     return out
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Rows q [Hq, n, D], the last n positions of k [Hkv, L, D] and v [Hkv, L, Dv], each seeing keys up to
+    its own position -> [Hq, n, Dv], in memory linear in L: no [n, L] score or mask is ever made.
+
+    On the CPU torch's flash kernel (fp32 online softmax over key blocks) does it; its causal flag aligns
+    the diagonal top-left, so with cached keys before the rows (a chunk, a reused prefix, a verify pass)
+    the cached part (no mask) and the new part (causal) are separate passes merged by their log-sum-exp."""
+    n, total, dv = q.shape[1], k.shape[1], v.shape[-1]
+    if n == 0:  # the flash kernel divides by the row count (SIGFPE): no rows, nothing to attend
+        return q.new_empty((q.shape[0], 0, dv))
+    q, k, v = q[None], k[None], v[None]  # [1, H, ., D]: SDPA picks a fused kernel for 4-d inputs only
+    if q.device.type != "cpu":
+        # a lower-right causal bias, which CUDA's memory-efficient kernel applies without a mask tensor
+        o = F.scaled_dot_product_attention(q, k, _widen(v, q), attn_mask=causal_lower_right(n, total), scale=scale,
+                                           enable_gqa=q.shape[1] != k.shape[1])
+        return o[0, ..., :dv]
+    cached = total - n
+    # MLA's v is narrower than its q.k and the kernel wants one width: the cached part is widened a block
+    # of keys at a time, so a verify pass after a long context copies a block, not the whole cache.
+    step = max(cached, 1) if dv == q.shape[-1] else KEY_BLOCK
+    o_acc, lse_acc = _flash_cpu(q, k[:, :, cached:], _widen(v[:, :, cached:], q), True, scale)  # the rows' own keys
+    for s in range(0, cached, step):
+        e = min(s + step, cached)
+        o, lse = _flash_cpu(q, k[:, :, s:e], _widen(v[:, :, s:e], q), False, scale)  # every cached key
+        both = torch.logaddexp(lse_acc, lse)  # [1, Hq, n]
+        o_acc = o_acc.float() * torch.exp(lse_acc - both)[..., None] + o.float() * torch.exp(lse - both)[..., None]
+        lse_acc = both
+    return o_acc[0, ..., :dv].to(q.dtype)
+
+
+KEY_BLOCK = 4096  # cached keys widened at once where v is narrower than q.k
+
+
+def _widen(v: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """v [..., Dv] zero-padded to q's width D (the output's extra columns are dropped), or v itself."""
+    return v if v.shape[-1] == q.shape[-1] else F.pad(v, (0, q.shape[-1] - v.shape[-1]))
+
+
+def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [1, Hq, n, D], log-sum-exp [1, Hq, n]) of torch's CPU flash attention (what SDPA runs for
+    4-d CPU inputs, grouped heads included); the public SDPA does not return the log-sum-exp."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
 
 class AttnStep:
