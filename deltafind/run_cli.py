@@ -147,7 +147,7 @@ def _run_model(args: argparse.Namespace, model: Any) -> int:
             _print_stats(model)
         return 0
     if getattr(model.draft, "raw_only", False):
-        print(f"deltafind: note: draft {model.draft.name} is for raw prompts only (spec 7.7); this chat decodes without it", file=sys.stderr)
+        print(f"deltafind: note: draft {model.draft.name} is for raw prompts only (docs/kimi-k3-drafting-io.md §7.7); this chat decodes without it", file=sys.stderr)
         model.draft = None
     messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     prompts = [args.prompt] if args.prompt is not None else None

@@ -169,7 +169,7 @@ class CacheSettings(Section):
     spine_int8: bool = Field(
         False,
         description="NOT WEIGHT-EXACT, off by default: hold the spine's matrices as row-int8 "
-        "(Kimi K3 spec 9.6: per-row f16 scale, int8 weights), about half of bf16, so a model "
+        "(docs/kimi-k3-drafting-io.md §9.6: per-row f16 scale, int8 weights), about half of bf16, so a model "
         "whose bf16 spine does not fit can stay resident. The logits drift from the released "
         "weights' (tests/bench/RESULTS.md); --stats and status say when it is on.",
     )

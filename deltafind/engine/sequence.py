@@ -42,7 +42,7 @@ class GenRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     request_id: str = ""
-    chat: bool = False  # a chat turn: raw-only drafts (cross-tokenizer, spec 7.7) stay off
+    chat: bool = False  # a chat turn: raw-only drafts (cross-tokenizer, docs/kimi-k3-drafting-io.md §7.7) stay off
     constraint: ConstraintFactory | None = field(default=None, compare=False)  # structured output, one per sequence
     checkpoint: int = 0
 

@@ -1,4 +1,4 @@
-"""DSpark, Kimi K3's block drafter (spec 7.2-7.5), in bf16 as the checkpoint was trained.
+"""DSpark, Kimi K3's block drafter (docs/kimi-k3-drafting-io.md §7.2-7.5), in bf16 as the checkpoint was trained.
 
 Five decoder layers (absorbed MLA with interleaved YaRN rotation and no mask,
 SiLU MLP) read a context built from K3's captured hidden states and propose up
@@ -23,7 +23,7 @@ from deltafind.models.ops.moe import DenseMLP
 from deltafind.models.ops.rope import inv_freq_and_scale, rope_parameters, yarn_get_mscale
 
 BF16 = torch.bfloat16
-BLOCK = 7  # query rows of a proposal: the pending token and six mask tokens (spec 7.4)
+BLOCK = 7  # query rows of a proposal: the pending token and six mask tokens (docs/kimi-k3-drafting-io.md §7.4)
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class ModelArgs:
             raise UnsupportedModelError(f"DSpark config.json lacks {', '.join(missing)}; re-import the checkpoint with `deltafind setup --dspark`")
         rope = rope_parameters(cfg)
         if rope["rope_type"] != "yarn":
-            raise UnsupportedModelError(f"DSpark rope_type is {rope['rope_type']!r}; spec 7.5 needs yarn")
+            raise UnsupportedModelError(f"DSpark rope_type is {rope['rope_type']!r}; docs/kimi-k3-drafting-io.md §7.5 needs yarn")
         values = {n: cfg[n] for n in names}
         values["target_layer_ids"] = tuple(int(i) for i in cfg["target_layer_ids"])
         return cls(**values, rope=rope)
@@ -66,14 +66,14 @@ class ModelArgs:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def softmax_scale(self) -> float:
-        """qk_head_dim^-0.5 * mscale^2, mscale = yarn_mscale(factor, mscale_all_dim) (spec 7.5)."""
+        """qk_head_dim^-0.5 * mscale^2, mscale = yarn_mscale(factor, mscale_all_dim) (docs/kimi-k3-drafting-io.md §7.5)."""
         all_dim = self.rope.get("mscale_all_dim")
         m = yarn_get_mscale(float(self.rope.get("factor", 1.0)), float(all_dim)) if all_dim else 1.0
         return self.qk_head_dim**-0.5 * m * m
 
 
 def rmsnorm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Widen to fp32, normalise, cast to bf16, then multiply by the bf16 weight (spec 7.2)."""
+    """Widen to fp32, normalise, cast to bf16, then multiply by the bf16 weight (docs/kimi-k3-drafting-io.md §7.2)."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(BF16) * weight
 
@@ -88,7 +88,7 @@ def yarn_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 class YarnRope:
-    """cos/sin of YaRN's inverse frequencies (spec 7.5) at absolute positions."""
+    """cos/sin of YaRN's inverse frequencies (docs/kimi-k3-drafting-io.md §7.5) at absolute positions."""
 
     def __init__(self, args: ModelArgs) -> None:
         self.inv_freq, self.scale = inv_freq_and_scale(args.rope, args.qk_rope_head_dim, args.max_position_embeddings)
@@ -154,7 +154,7 @@ class MLA(nn.Module):
             lat_c, pe_c = ctx.view()  # [L, kv_lora], [L, rope]
             lat, pe = torch.cat([lat_c, lat_q]), torch.cat([pe_c, pe_q])  # [L+R, kv_lora], [L+R, rope]
         else:
-            lat, pe = lat_q, pe_q  # query rows are never kept (spec 7.4.6)
+            lat, pe = lat_q, pe_q  # query rows are never kept (docs/kimi-k3-drafting-io.md §7.4.6)
         wkv = self.kv_b_proj.weight.view(nh, dn + dv, kvr)
         w_uk, w_uv = wkv[:, :dn], wkv[:, dn:]  # [NH, dn, kv_lora], [NH, dv, kv_lora]
         q_lat = torch.einsum("rhd,hdc->rhc", q_nope, w_uk)  # [R, NH, kv_lora]
@@ -189,7 +189,7 @@ class ConfidenceHead(nn.Module):
 
 @dataclass
 class Draft:
-    """One proposal: `tokens` [w] and each row's confidence logit [w] (computed, not used: spec 7.4.5)."""
+    """One proposal: `tokens` [w] and each row's confidence logit [w] (computed, not used: docs/kimi-k3-drafting-io.md §7.4.5)."""
 
     tokens: list[int]
     confidence: torch.Tensor

@@ -1,4 +1,4 @@
-"""Kimi K3 (`model_type kimi_k3`, text model `kimi_linear`), unmodified: spec sections 1-5.
+"""Kimi K3 (`model_type kimi_k3`, text model `kimi_linear`), unmodified: docs/kimi-k3-format.md §1-5.
 
 Block AttnRes instead of a residual stream; KDA on 69 layers and gated NoPE MLA
 on 24; SiTU; a dense layer 0; Latent MoE with 16 of 896 MXFP4 experts plus two
@@ -89,7 +89,7 @@ class DecoderLayer(nn.Module):
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
     def predict_experts(self, y: torch.Tensor) -> list[int]:
-        """This layer's likely experts from an earlier mixture y (PILOT, spec 8.2); all slices if dense."""
+        """This layer's likely experts from an earlier mixture y (PILOT, docs/kimi-k3-drafting-io.md §8.2); all slices if dense."""
         ffn = self.ffn()
         return ffn.predict(self.post_attention_layernorm(y) if isinstance(ffn, LatentMoE) else y)
 
@@ -136,7 +136,7 @@ class Model(nn.Module):
 
         def feed_forward(i: int, layer: DecoderLayer, y: torch.Tensor) -> torch.Tensor:
             stream.add_mlp(layer.ffn()(layer.post_attention_layernorm(y)))
-            return stream.h  # DSpark (spec 7.3) captures the AttnRes partial block sum; never modified in place
+            return stream.h  # DSpark (docs/kimi-k3-drafting-io.md §7.3) captures the AttnRes partial block sum; never modified in place
 
         run_layers(self.experts, batch, layers, stream.h, layers[0].predict_experts(stream.h), attend, feed_forward)
         z = stream.output(m.output_attn_res_norm.weight, m.output_attn_res_proj.weight, eps)
@@ -147,4 +147,4 @@ class Model(nn.Module):
 
 
 def weight_names(args: ModelArgs) -> WeightNames:
-    return WEIGHTS  # num_nextn_predict_layers is 0 (spec section 2): nothing to drop
+    return WEIGHTS  # num_nextn_predict_layers is 0 (docs/kimi-k3-format.md §2): nothing to drop

@@ -1,4 +1,4 @@
-"""Kimi K3's config contract, quality guard and named switches (spec 1, 5.1 and 10).
+"""Kimi K3's config contract, quality guard and named switches (docs/kimi-k3-format.md §1 and §5.1, docs/kimi-k3-drafting-io.md §10).
 
 `ModelArgs.from_config` reads a root `kimi_k3` config.json (or its `text_config`
 alone), checks every key that changes the math, and refuses, with the reason,

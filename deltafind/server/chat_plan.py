@@ -148,7 +148,7 @@ def plan_chat(tokenizer: Any, body: Any, messages: list[dict[str, Any]], always_
 
 
 def _history_end(tokenizer: Any, messages: list[dict[str, Any]], ids: list[int], args: dict[str, Any]) -> int:
-    """Where K3's history ends in `ids`: the tool-choice and response-format messages (spec 6.6) come after it.
+    """Where K3's history ends in `ids`: the tool-choice and response-format messages (docs/kimi-k3-format.md §6.6) come after it.
 
     The next turn's prompt repeats the history but not those messages, so the engine keeps a
     prefix-cache checkpoint here (KDA state resumes only where it was stored)."""

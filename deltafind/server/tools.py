@@ -57,7 +57,7 @@ DEEPSEEK_V3 = ToolFormat("deepseek_v3", "<｜tool▁call▁begin｜>",
 KIMI_K2 = ToolFormat("kimi_k2", "<|tool_call_begin|>",
                      re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?(?P<name>[^:<\s]+)(?::\d+)?\s*<\|tool_call_argument_begin\|>\s*(?=\{)"),
                      "<|tool_call_end|>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
-# K3 (spec 6.6): `<|open|>call tool="NAME" index="N"<|sep|>`, then typed `argument` elements or one `json` element.
+# K3 (docs/kimi-k3-format.md §6.6): `<|open|>call tool="NAME" index="N"<|sep|>`, then typed `argument` elements or one `json` element.
 K3_XTML = ToolFormat("kimi_k3", "<|open|>call", re.compile(r'<\|open\|>call tool="(?P<name>[^"]*)" index="\d+"<\|sep\|>'),
                      "<|close|>call<|sep|>", "<|open|>tools<|sep|>", "<|close|>tools<|sep|>")
 K3_JSON_OPEN, K3_JSON_CLOSE = '<|open|>json type="object"<|sep|>', "<|close|>json<|sep|>"
@@ -178,7 +178,7 @@ def call_grammar(fmt: ToolFormat, tokenizer: Any, tools: list[ToolSpec], paralle
         elif fmt is KIMI_K2:
             body = (f'{lit("<|tool_call_begin|>")} {lark_literal("functions." + t.name)} ":" /[0-9]+/ '
                     f'{lit("<|tool_call_argument_begin|>")} {lark_json(t.parameters)} {lit("<|tool_call_end|>")}')
-        else:  # K3: typed `argument` elements as the renderer writes them; else one `json` element (spec 6.6)
+        else:  # K3: typed `argument` elements as the renderer writes them; else one `json` element (docs/kimi-k3-format.md §6.6)
             typed = _k3_arguments(t.parameters, k3)
             args = typed if typed is not None else f'{k3(K3_JSON_OPEN)} {lark_json(t.parameters)} {k3(K3_JSON_CLOSE)}'
             body = (f'{k3("<|open|>call")} {lark_literal(" tool=" + chr(34) + t.name + chr(34) + " index=")} "\\"" /[1-9][0-9]*/ "\\"" '

@@ -1,6 +1,6 @@
 """DSpark, K3's block drafter, inside a K3 store: `<store>/draft/dspark/{config.json, model.safetensors}`.
 
-Imports the released HF folder (spec 7.1) after checking every pinned config key
+Imports the released HF folder (docs/kimi-k3-drafting-io.md §7.1) after checking every pinned config key
 and the 67-tensor roster against the K3 store it drafts for, skipping the
 checkpoint's redundant `embed_tokens` copy (DSpark uses K3's). Also writes a
 seeded random DSpark sized to a synthetic target, for tests. Files go in a
@@ -38,7 +38,7 @@ CONTRACT: dict[str, Any] = {
 }
 ROPE_CONTRACT: dict[str, Any] = {"rope_type": "yarn"}
 ROPE_KEYS = ("factor", "original_max_position_embeddings", "rope_theta", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
-# The released checkpoint's sizes (spec 7.1): required when the target is the real K3.
+# The released checkpoint's sizes (docs/kimi-k3-drafting-io.md §7.1): required when the target is the real K3.
 REAL: dict[str, Any] = {
     "hidden_size": 7168, "intermediate_size": 14336, "num_attention_heads": 64, "num_key_value_heads": 64,
     "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
@@ -96,7 +96,7 @@ def check_config(cfg: dict[str, Any], target: dict[str, Any], where: str = CONFI
     if h == REAL["hidden_size"] and n == REAL["target_num_hidden_layers"]:  # the real target: the released sizes only
         for key, want in REAL.items():
             if cfg.get(key) != want:
-                raise bad(key, cfg.get(key, "missing"), f"the released checkpoint (spec 7.1) has {want!r}")
+                raise bad(key, cfg.get(key, "missing"), f"the released checkpoint (docs/kimi-k3-drafting-io.md §7.1) has {want!r}")
 
 
 def roster(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:

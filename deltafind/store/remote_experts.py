@@ -32,7 +32,7 @@ from deltafind.store.remote import RangeClient, RemoteError
 log = get_logger(__name__)
 REMOTE_NAME = "remote.json"
 PRESENT_NAME = "present.jsonl"
-COALESCE = 8  # experts per range request (spec 9.2: 8 by default, at most 32)
+COALESCE = 8  # experts per range request (docs/kimi-k3-drafting-io.md §9.2: 8 by default, at most 32)
 MAX_COALESCE = 32
 PARALLEL = 8  # range transfers at once
 MAX_GAP_BYTES = 1 << 20  # neighbours further apart than this are fetched separately

@@ -55,7 +55,7 @@ JOURNAL_SYNC_EVERY = 64
 
 
 def _check_scales(layer: int, expert: int, parts: dict[str, torch.Tensor]) -> None:
-    # E8M0 bytes 0 and 255 mean 2^-127 and inf/NaN; K3's scales lie strictly between (spec 5.2).
+    # E8M0 bytes 0 and 255 mean 2^-127 and inf/NaN; K3's scales lie strictly between (docs/kimi-k3-format.md §5.2).
     for name, t in parts.items():
         if name.endswith("weight_scale") and t.numel() and bool(((t == 0) | (t == 255)).any()):
             raise StoreError(f"layer {layer} expert {expert} {name}: E8M0 scale byte 0 or 255, outside what the checkpoint uses; re-download it")

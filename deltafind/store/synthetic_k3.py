@@ -1,4 +1,4 @@
-"""Synthetic Kimi K3 checkpoints: the spec's tensor roster (section 2) with seeded weights.
+"""Synthetic Kimi K3 checkpoints: the tensor roster of docs/kimi-k3-format.md §2 with seeded weights.
 
 Shapes: `tiny` (every mechanism at toy width, for tests), `bench` (real-size
 MXFP4 experts, 3 x 3072 x 3584, at reduced width, depth and expert count) and

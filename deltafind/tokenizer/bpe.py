@@ -70,7 +70,7 @@ _DEEPSEEK3 = (
     r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
 
-# Kimi K2/K3 (spec kimi-k3.md 6.3); Oniguruma supports its `&&` class intersections.
+# Kimi K2/K3 (docs/kimi-k3-format.md §6.3); Oniguruma supports its `&&` class intersections.
 KIMI_PATTERN = (
     r"[\p{Han}]+"
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"

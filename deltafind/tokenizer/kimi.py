@@ -1,4 +1,4 @@
-"""The Kimi K3 tokenizer (spec 6): tiktoken ranks + K3's regex + 256 reserved ids,
+"""The Kimi K3 tokenizer (docs/kimi-k3-format.md §6): tiktoken ranks + K3's regex + 256 reserved ids,
 safety slicing, XTML chat encoded segment by segment, EOS `<|end_of_msg|>`, no BOS.
 
 `Tokenizer.load` returns a `KimiTokenizer` for a tiktoken folder whose added
@@ -21,7 +21,7 @@ from .kimi_xtml import EOM, Segment, render_segments
 MAX_SLICE_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
 XTML_MARKERS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
-# Audited spellings by offset from the first reserved id (163584 in K3; spec 6.2).
+# Audited spellings by offset from the first reserved id (163584 in K3; docs/kimi-k3-format.md §6.2).
 K3_SPECIALS = {
     0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>",
     6: "[start_header_id]", 7: "[end_header_id]", 9: "[EOT]", 18: "<|media_begin|>", 19: "<|media_content|>",
@@ -64,7 +64,7 @@ class KimiTokenizer(Tokenizer):
         super().__init__(*args, **kwargs)
         eom = self.token_to_id(EOM)
         self.eos_token_ids = [eom] if eom is not None else self.eos_token_ids
-        self._add_bos = False  # K3 prompts never get BOS (spec 4.1)
+        self._add_bos = False  # K3 prompts never get BOS (docs/kimi-k3-format.md §4.1)
 
     def encode(self, text: str, add_bos: bool | None = None, *, allow_special: bool = False) -> list[int]:
         if len(text) <= MAX_RUN_CHARS:  # no cut can apply

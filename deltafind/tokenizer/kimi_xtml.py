@@ -1,4 +1,4 @@
-"""Kimi K3's XTML chat prompt (spec 6.6) as a list of segments, rendered as deltafin does.
+"""Kimi K3's XTML chat prompt (docs/kimi-k3-format.md §6.6) as a list of segments, rendered as deltafin does.
 
 A segment is control (special tokens read) or ordinary (plain BPE); each is
 tokenized on its own, so BPE never merges across a boundary. Owns message
@@ -75,7 +75,7 @@ def _json_type(value: Any) -> str:
 
 
 class XTMLRenderer:
-    """Builds one prompt's segments; `json_ensure_ascii` is the UNKNOWN of spec 6.6 (default: as deltafin)."""
+    """Builds one prompt's segments; `json_ensure_ascii` is the UNKNOWN of docs/kimi-k3-format.md §6.6 (default: as deltafin)."""
 
     def __init__(self, json_ensure_ascii: bool = False) -> None:
         self.ascii = json_ensure_ascii

@@ -5,7 +5,7 @@ Per turn it prints the prompt tokens, the tokens the prefix cache served, the to
 previous completion). Goal: prefilled == new + 1 (the previous turn's last token was sampled but
 never run through the model, so it is prefilled with the new ones).
 
-Kimi K3 renders tool_choice required/none as a system message after the history (spec 6.6), so
+Kimi K3 renders tool_choice required/none as a system message after the history (docs/kimi-k3-format.md §6.6), so
 its turns resume at the checkpoint where the previous history ended and run again what follows
 it there: the previous answer (generated with that message in context) and the previous
 per-request tail (that message and the generation prompt). Those are printed as "answer" and

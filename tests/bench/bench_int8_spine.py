@@ -1,4 +1,4 @@
-"""Logit drift of the opt-in row-int8 spine (`[cache] spine_int8`, Kimi K3 spec 9.6) against the spine as stored.
+"""Logit drift of the opt-in row-int8 spine (`[cache] spine_int8`, docs/kimi-k3-drafting-io.md §9.6) against the spine as stored.
 
 Row-int8 is NOT weight-exact: this prints how far it moves the model. For each store, the
 same text is run teacher-forced through the store opened as stored and opened with

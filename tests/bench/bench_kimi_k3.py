@@ -43,7 +43,7 @@ from deltafind.store.setup import setup_store
 from deltafind.store.synthetic import open_synthetic
 
 K3_MOE_LAYERS, K3_TOP_K, K3_EXPERT_BYTES = 92, 16, 17_547_264
-K3_SPINE_PARAMS = 56.74e9  # spec 1.5 (non-expert text params)
+K3_SPINE_PARAMS = 56.74e9  # docs/kimi-k3-format.md §1.5 (non-expert text params)
 DRIVE_GB_S = 7.0
 
 
@@ -184,7 +184,7 @@ def expert_per_core(threads: list[int], batch: int, reps: int, block: int = 6) -
 
 
 def dspark_costs(store: Path, context: int, reps: int) -> dict:
-    """DSpark (spec 7) on this store's shape: one 7-wide proposal and one commit of 8 context rows,
+    """DSpark (docs/kimi-k3-drafting-io.md §7) on this store's shape: one 7-wide proposal and one commit of 8 context rows,
     timed against the target's warm 1-row decode and 8-row verify pass, side by side."""
     from deltafind.engine.draft.dspark import DSparkSource
     from deltafind.models.ops.batch import Batch

@@ -1,5 +1,5 @@
 """Kimi K3 agent turns against the real daemon (synthetic K3 store, openai client): a turn with
-tool_choice "required" renders a system message after the history (spec 6.6), and the next turn
+tool_choice "required" renders a system message after the history (docs/kimi-k3-format.md §6.6), and the next turn
 resumes from the prefix-cache checkpoint the engine kept where that history ended (KDA state
 included), instead of prefilling the whole prompt again."""
 

@@ -1,5 +1,5 @@
 """KDA against independent references: fla-core's pure-torch KDA, transformers' Kimi Linear
-layer, and the spec's own per-token pseudo-code (section 4.10).
+layer, and the per-token pseudo-code of docs/kimi-k3-format.md §4.10.
 
 Where K3 and Kimi Linear differ, the layer has a switch and each side is tested:
 Kimi Linear's form (low-rank output gate, softplus gate with per-head A_log,

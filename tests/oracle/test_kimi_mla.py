@@ -1,5 +1,5 @@
 """Gated NoPE MLA: transformers' Kimi Linear MLA with the gate off, a plain attention
-written here from spec 4.5 with it on, and cached decode against full recompute.
+written here from docs/kimi-k3-format.md §4.5 with it on, and cached decode against full recompute.
 
 transformers builds the latent norms with eps 1e-6, deltafin (and our default)
 with rms_norm_eps = 1e-5: the `latent_norm_eps` switch, set to each side's value.

@@ -17,7 +17,7 @@ from deltafind.tokenizer.kimi import K3_SPECIALS, KimiTokenizer, write_k3_tokeni
 
 os.environ["TIKTOKEN_CACHE_DIR"] = ""
 
-SPEC_PIECES = [  # spec 6.3, in order
+SPEC_PIECES = [  # docs/kimi-k3-format.md §6.3, in order
     r"[\p{Han}]+",
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",

@@ -1,4 +1,4 @@
-"""Cross-tokenizer drafts (spec 7.7) against the real tokenizers and the one verifier.
+"""Cross-tokenizer drafts (docs/kimi-k3-drafting-io.md §7.7) against the real tokenizers and the one verifier.
 
 The target speaks SmolLM2's BPE (49,152 ids, merges) or a byte-level BPE (no
 merges); the drafts are real llama stores run by our engine. "Bigram" stores
@@ -250,7 +250,7 @@ def test_draft_cache_is_reused_by_common_prefix(smol: Tokenizer, byte_drafts) ->
 
 
 
-# ---- spec 7.7's hybrid: a probe model first, the wide one only when the probe falls short ----
+# ---- docs/kimi-k3-drafting-io.md §7.7's hybrid: a probe model first, the wide one only when the probe falls short ----
 
 MID = math.log(BYTE_V - 1)  # p = 0.5: kept by the cut, but less sure than SURE
 DIGITS, ODD_FIRST = "0123456789", "0357924681"

@@ -1,5 +1,5 @@
 """Draft sources and policy on their own: n-gram lookup against a brute-force reading of the
-rule, the width controller against spec 7.6, and building sources from --draft / [draft]."""
+rule, the width controller against docs/kimi-k3-drafting-io.md §7.6, and building sources from --draft / [draft]."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_ngram_restarts_on_an_unrelated_history() -> None:
     assert s.propose([7, 8, 9, 7, 8], 2, G, None).tokens == [9, 7]
 
 
-# -- width policy (spec 7.6) -------------------------------------------------------
+# -- width policy (docs/kimi-k3-drafting-io.md §7.6) -------------------------------------------------------
 
 
 def test_width_rule_of_spec_7_6_when_qualified() -> None:

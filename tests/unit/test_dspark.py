@@ -1,4 +1,4 @@
-"""DSpark (spec 7.2-7.5) against a reference written here from the spec's formulas in the
+"""DSpark (docs/kimi-k3-drafting-io.md §7.2-7.5) against a reference written here from the spec's formulas in the
 non-absorbed form (kv_b expanded to per-head K and V, float64 throughout), on small random
 bf16 weights; YaRN's numbers for the released config; the store import's checks."""
 
@@ -58,7 +58,7 @@ def _random_model(cfg: dict, seed: int = 0) -> tuple[dspark.Model, torch.Tensor,
     return model, embed, head
 
 
-# ---- the reference: spec 7.3-7.5 as written, float64, K and V expanded per head ----
+# ---- the reference: docs/kimi-k3-drafting-io.md §7.3-7.5 as written, float64, K and V expanded per head ----
 
 def ref_rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     x = x.to(F64)
@@ -161,7 +161,7 @@ class Reference:
 def test_yarn_numbers_of_the_released_config() -> None:
     rope = REAL["rope_parameters"]
     inv, low, high = ref_inv_freq(rope, 64)
-    assert (low, high) == (15, 26)  # spec 7.5
+    assert (low, high) == (15, 26)  # docs/kimi-k3-drafting-io.md §7.5
     args = dspark.ModelArgs.from_config({**REAL, "num_hidden_layers": 5})
     mine = dspark.YarnRope(args)
     torch.testing.assert_close(mine.inv_freq.double(), inv, rtol=1e-6, atol=0)
@@ -324,7 +324,7 @@ def test_released_sizes_are_required_for_the_real_target() -> None:
                 "confidence_head_with_markov": True, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
                 "num_hidden_layers": 5, "num_target_layers": 5}
     check_config(released, target)
-    with pytest.raises(StoreError, match=r"markov_rank is 128.*spec 7\.1"):
+    with pytest.raises(StoreError, match=r"markov_rank is 128.*docs/kimi-k3-drafting-io.md §7\.1"):
         check_config({**released, "markov_rank": 128}, target)
     assert synthetic_config(target)["target_layer_ids"] == [2, 23, 47, 71, 89]
 

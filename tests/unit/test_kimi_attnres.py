@@ -1,4 +1,4 @@
-"""Block AttnRes (spec 4.2): anchor counts on K3's 93-layer schedule and values against
+"""Block AttnRes (docs/kimi-k3-format.md §4.2): anchor counts on K3's 93-layer schedule and values against
 a direct transcription of the spec's recurrence, one token row at a time."""
 
 from __future__ import annotations

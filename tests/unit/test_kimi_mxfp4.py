@@ -1,4 +1,4 @@
-"""MXFP4 (spec 5): exact decode of formula-made codes and scales, and the fast paths.
+"""MXFP4 (docs/kimi-k3-format.md §5): exact decode of formula-made codes and scales, and the fast paths.
 
 The reference here is written from the spec's words (sign bit, two exponent bits,
 one mantissa bit; 2^(s-127) per 32 input columns; low nibble first), not from

@@ -111,7 +111,7 @@ def test_prefill_and_decode_keep_no_rows(model: Model) -> None:
 
 
 def test_capture_is_the_carried_partial_block_sum(model: Model) -> None:
-    """batch.captured[l] is h after layer l, rebuilt here from the layers' own parts (spec 4.2)."""
+    """batch.captured[l] is h after layer l, rebuilt here from the layers' own parts (docs/kimi-k3-format.md §4.2)."""
     net = model.net
     layers = (0, 2, 3, net.num_layers - 1)
     with torch.inference_mode():
@@ -122,7 +122,7 @@ def test_capture_is_the_carried_partial_block_sum(model: Model) -> None:
         logits = net(ids, batch, all_logits=True)
         assert torch.equal(logits, model.forward_logits(PROMPT))  # capturing changes nothing
         assert sorted(batch.captured) == sorted(layers)
-        # Reference: the recurrence of spec 4.2, written out with attn_res and the same sub-layers.
+        # Reference: the recurrence of docs/kimi-k3-format.md §4.2, written out with attn_res and the same sub-layers.
         m, eps, block = net.model, net.args.rms_norm_eps, net.args.attn_res_block_size
         ref_cache = SequenceCache(net.num_layers)
         rb = Batch.of([(ref_cache, len(PROMPT))])

@@ -81,7 +81,7 @@ def test_demo_gguf_blocks_equal_widened(demo_store: Path) -> None:
 
 
 def test_int8_spine_is_opt_in_halves_the_spine_and_stays_close(tmp_path: Path) -> None:
-    """[cache] spine_int8 (spec 9.6) is not weight-exact: held as int8 rows, about half the bf16
+    """[cache] spine_int8 (docs/kimi-k3-drafting-io.md §9.6) is not weight-exact: held as int8 rows, about half the bf16
     bytes, and close to the stored model (the bench prints the drift; here a loose sanity bound)."""
     store = _store("llama", tmp_path)
     ids = torch.randint(3, 200, (12,), generator=torch.Generator().manual_seed(4)).tolist()

@@ -202,7 +202,7 @@ def test_a_sent_back_call_renders_as_the_constrained_tokens(name: str, tmp_path:
 @pytest.mark.parametrize("kw", [dict(tool_choice="required"), dict(tool_choice="none"),
                                 dict(tools=None, tool_choice=None, response_format={"type": "json_object"})])
 def test_k3_history_end_is_where_the_next_turn_leaves_this_prompt(kw: dict, tmp_path: Path) -> None:
-    """K3 renders tool_choice required/none and response_format after the history (spec 6.6): the
+    """K3 renders tool_choice required/none and response_format after the history (docs/kimi-k3-format.md §6.6): the
     plan says where the history ends, the next turn's prompt repeats exactly those ids, and the
     engine keeps a prefix-cache checkpoint there."""
     write_k3_tokenizer(tmp_path)

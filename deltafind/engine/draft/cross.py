@@ -1,4 +1,4 @@
-"""Cross-tokenizer drafts (spec 7.7): a small model with its own vocabulary drafts through text.
+"""Cross-tokenizer drafts (docs/kimi-k3-drafting-io.md §7.7): a small model with its own vocabulary drafts through text.
 
 Each step: decode the target history to text and check that re-encoding gives
 the same ids (else nothing is proposed); encode the text with the draft's
@@ -33,8 +33,8 @@ from deltafind.models.ops.batch import SequenceCache
 
 log = get_logger(__name__)
 
-CONFIDENCE_CUT = 0.3  # spec 7.7: with more than 2 drafts asked, stop at the first token below this
-HYBRID_MARGIN = 0.02  # spec 7.7: the wide model wins only if its minimum confidence is this much higher
+CONFIDENCE_CUT = 0.3  # docs/kimi-k3-drafting-io.md §7.7: with more than 2 drafts asked, stop at the first token below this
+HYBRID_MARGIN = 0.02  # docs/kimi-k3-drafting-io.md §7.7: the wide model wins only if its minimum confidence is this much higher
 MIN_BUDGET, MAX_BUDGET = 3, 20
 DECODE_WINDOW = 8  # draft-prefix tokens decoded with the drafted ones, so leading-space and BOS rules match
 
@@ -215,10 +215,10 @@ class CrossSession:
 
 
 class CrossTokenizerSource:
-    """Drafts through text with one model, or spec 7.7's probe + wide pair (models[0], models[1])."""
+    """Drafts through text with one model, or docs/kimi-k3-drafting-io.md §7.7's probe + wide pair (models[0], models[1])."""
 
     capture_layers: tuple[int, ...] = ()
-    raw_only = True  # never for chat requests (spec 7.7): the policy must check this
+    raw_only = True  # never for chat requests (docs/kimi-k3-drafting-io.md §7.7): the policy must check this
 
     def __init__(self, target: TextCodec, models: Sequence[CrossDraftModel], name: str = "cross",
                  closers: Sequence[Callable[[], None]] = ()) -> None:

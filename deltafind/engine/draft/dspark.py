@@ -1,4 +1,4 @@
-"""The DSpark draft source for Kimi K3 (spec 7.3-7.6): block proposals from K3's own hidden states.
+"""The DSpark draft source for Kimi K3 (docs/kimi-k3-drafting-io.md §7.3-7.6): block proposals from K3's own hidden states.
 
 The target captures its carried hidden after DSpark's five target layers; each
 session turns the committed positions' rows into its context cache and proposes
@@ -21,7 +21,7 @@ from deltafind.models import dspark
 from deltafind.store.dspark_import import load_dspark
 
 log = get_logger(__name__)
-K3_DSPARK_MAX_CONTEXT = 8192  # spec 7.6: committed positions DSpark drafts over
+K3_DSPARK_MAX_CONTEXT = 8192  # docs/kimi-k3-drafting-io.md §7.6: committed positions DSpark drafts over
 
 
 class DSparkSession:
@@ -30,7 +30,7 @@ class DSparkSession:
     def __init__(self, model: dspark.Model, max_context: int) -> None:
         self.model, self.max_context = model, max_context
         self.ctx: dspark.Context | None = model.new_context()
-        self.last_confidence: torch.Tensor | None = None  # computed per spec 7.4.5; no controller reads it
+        self.last_confidence: torch.Tensor | None = None  # computed per docs/kimi-k3-drafting-io.md §7.4.5; no controller reads it
 
     @property
     def stopped(self) -> bool:
@@ -65,7 +65,7 @@ class DSparkSession:
             raise DraftError(f"DSpark got {captured.shape[0]} captured rows for {need} newly committed positions")
         if committed > self.max_context:
             log.info("dspark_context_limit", positions=committed, limit=self.max_context)
-            self.ctx = None  # past the limit K3 continues alone (spec 7.6); free the context
+            self.ctx = None  # past the limit K3 continues alone (docs/kimi-k3-drafting-io.md §7.6); free the context
             return
         with torch.inference_mode():
             self.model.extend(ctx, captured[-need:])  # [need, 5 * H]

@@ -135,7 +135,7 @@ def store_source(path: Path, net: torch.nn.Module, target_store: Path | None, op
 
 
 def cross_source(spec: str, open_cross: OpenCross | None, device: str | torch.device = "cpu") -> DraftSource:
-    """`cross:PROBE[,WIDE]`: spec 7.7's cross-tokenizer draft (engine/draft/cross.py), raw completions only."""
+    """`cross:PROBE[,WIDE]`: docs/kimi-k3-drafting-io.md §7.7's cross-tokenizer draft (engine/draft/cross.py), raw completions only."""
     paths = [Path(p.strip()).expanduser() for p in spec.partition(":")[2].split(",") if p.strip()]
     if not 1 <= len(paths) <= 2:
         raise DraftError(f"--draft {spec!r}: cross: takes a draft store, or a probe and a wide one (cross:SMALL,LARGE)")

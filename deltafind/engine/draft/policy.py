@@ -1,4 +1,4 @@
-"""When to draft and how wide: the per-request controller (spec 7.6) and draft counters.
+"""When to draft and how wide: the per-request controller (docs/kimi-k3-drafting-io.md §7.6) and draft counters.
 
 `auto` keeps drafting only while the measured tokens/s of drafting steps beats
 the measured tokens/s of target-only steps by a margin; the width starts at a
@@ -121,7 +121,7 @@ class WidthController:
         else:
             self.width = probe
             if o.mode == "auto" and proposed and not self.qualified:
-                self._back_off(generated)  # spec 7.6: nothing accepted turns drafting off (here: for a while)
+                self._back_off(generated)  # docs/kimi-k3-drafting-io.md §7.6: nothing accepted turns drafting off (here: for a while)
 
     def _back_off(self, generated: int) -> None:
         self.off_until = generated + self.backoff

@@ -1,4 +1,4 @@
-"""Block Attention Residuals (spec 4.2): a learned softmax over earlier representations.
+"""Block Attention Residuals (docs/kimi-k3-format.md §4.2): a learned softmax over earlier representations.
 
 K3 has no residual stream: each sub-layer reads a mixture of the completed block
 sums ("anchors") and the current block's partial sum, scored by a pseudo-query

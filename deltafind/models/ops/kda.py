@@ -1,4 +1,4 @@
-"""Kimi Delta Attention math (spec 4.4): short convs, gates, the delta-rule recurrence.
+"""Kimi Delta Attention math (docs/kimi-k3-format.md §4.4): short convs, gates, the delta-rule recurrence.
 
 Two forms of the same recurrence S_t = (I - b_t k_t k_t^T) diag(a_t) S_{t-1} + b_t k_t v_t^T,
 o_t = S_t^T q_t: `kda_recurrent` (the per-token loop, deltafin's order) and

@@ -1,4 +1,4 @@
-"""Latent MoE (spec 4.8): a sigmoid noaux_tc router on the full width, MXFP4 routed
+"""Latent MoE (docs/kimi-k3-format.md §4.8): a sigmoid noaux_tc router on the full width, MXFP4 routed
 experts working in a narrower latent, and fused shared experts on the full width.
 
 r_in = down(x) is shared by the chosen experts; each runs SiTU(w1 r, w3 r) -> w2;

@@ -1,4 +1,4 @@
-"""Multi-head latent attention without rotary ("NoPE") and with a sigmoid output gate (spec 4.5).
+"""Multi-head latent attention without rotary ("NoPE") and with a sigmoid output gate (docs/kimi-k3-format.md §4.5).
 
 K3's MLA: q from a low-rank latent, k/v from a normalised KV latent plus one
 unnormalised, unrotated 64-wide key part shared by all heads, scale

@@ -1,4 +1,4 @@
-"""MXFP4 weights as compressed-tensors `mxfp4-pack-quantized` stores them (spec 5).
+"""MXFP4 weights as compressed-tensors `mxfp4-pack-quantized` stores them (docs/kimi-k3-format.md §5).
 
 A logical [R, C] matrix is `weight_packed` uint8 [R, C/2] (column 2j in the low
 nibble of byte j, 2j+1 in the high one; E2M1 codes) plus `weight_scale` uint8
@@ -49,7 +49,7 @@ def check_scales(scale: torch.Tensor) -> None:
 
 
 def dequantize_reference(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The plain, obviously-exact decode to fp32 [R, C] (spec 5.2's sketch)."""
+    """The plain, obviously-exact decode to fp32 [R, C] (docs/kimi-k3-format.md §5.2's sketch)."""
     table = torch.tensor(E2M1, dtype=torch.float32, device=packed.device)
     lo, hi = (packed & 0xF).long(), (packed >> 4).long()
     codes = torch.stack([lo, hi], dim=-1).flatten(-2)  # [R, C], low nibble first

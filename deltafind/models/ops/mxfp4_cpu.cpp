@@ -245,7 +245,7 @@ int df_mxfp4_matmul(const float* x, int64_t T, int64_t ldx, const uint8_t* packe
 }
 
 // h [T, R] = situ(x @ W1.T, x @ W3.T): the routed expert's first half in one pass, SiTU in the
-// spec's order: (tanh(g/beta)*beta*sigmoid(g)) * (tanh(u/lbeta)*lbeta). No torch op (and no
+// docs/kimi-k3-format.md §4.6 order: (tanh(g/beta)*beta*sigmoid(g)) * (tanh(u/lbeta)*lbeta). No torch op (and no
 // torch thread wake-up) between the two matmuls and the activation.
 int df_mxfp4_gate_up_situ(const float* x, int64_t T, const uint8_t* p1, const uint8_t* s1, const uint8_t* p3,
                           const uint8_t* s3, int64_t R, int64_t C, float beta, float lbeta, float* h, int threads) {

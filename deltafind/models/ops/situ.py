@@ -1,4 +1,4 @@
-"""SiTU, Kimi K3's soft-capped gated activation, and the MLPs built on it (spec 4.6-4.7).
+"""SiTU, Kimi K3's soft-capped gated activation, and the MLPs built on it (docs/kimi-k3-format.md §4.6-4.7).
 
 situ(g, u) = [beta*tanh(g/beta) * sigmoid(g)] * [lbeta*tanh(u/lbeta)], evaluated in
 that order in fp32. Owns the resident SiTU MLP (K3's fused shared experts); layer 0's

@@ -28,7 +28,7 @@ from deltafind.store.quant import BLOCKS as GGUF_BLOCKS
 from deltafind.store.quant import parse_quant
 
 # GGML type ids (gguf.GGMLQuantizationType): the kind codes stored_cpu.cpp takes.
-# I8R (deltafind's own) is the row-int8 spine: per row an f16 scale, then int8 weights (spec 9.6).
+# I8R (deltafind's own) is the row-int8 spine: per row an f16 scale, then int8 weights (docs/kimi-k3-drafting-io.md §9.6).
 KINDS = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
          "Q6_K": 14, "IQ2_XXS": 16, "IQ2_XS": 17, "IQ3_XXS": 18, "IQ1_S": 19, "IQ4_NL": 20, "IQ3_S": 21, "IQ2_S": 22,
          "IQ4_XS": 23, "IQ1_M": 29, "BF16": 30, "I8R": 100}
@@ -100,7 +100,7 @@ def to_row_int8(w: torch.Tensor) -> torch.Tensor:
 
 
 def int8_spine(net: torch.nn.Module) -> int:
-    """Convert every float Linear/Embedding matrix spec 9.6 names to row-int8 in place (opt-in; NOT
+    """Convert every float Linear/Embedding matrix docs/kimi-k3-drafting-io.md §9.6 names to row-int8 in place (opt-in; NOT
     weight-exact: the logits drift, see tests/bench/bench_int8_spine.py). Returns bytes saved.
     Weights not yet loaded (a streamed spine's later layers) stay as stored."""
     saved, done = 0, {}  # id(weight) -> (int8 parameter, tag): a tied head shares its embedding's

@@ -26,7 +26,7 @@ namespace {
 using df::pool;
 
 // GGML type ids (gguf.GGMLQuantizationType), used as the kind codes of this library.
-// I8R is deltafind's own: the row-int8 spine (spec 9.6), each row an f16 scale then C int8 weights.
+// I8R is deltafind's own: the row-int8 spine (docs/kimi-k3-drafting-io.md §9.6), each row an f16 scale then C int8 weights.
 enum Kind : int { F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
                   IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23, IQ1_M = 29,
                   BF16 = 30, I8R = 100 };
