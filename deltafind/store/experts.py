@@ -232,7 +232,7 @@ class StoreExperts:
         """Start `waiting` reads (all on one drive); under a cache budget only while that drive has
         fewer than RECORDS_AHEAD of this fetch's reads unconsumed: its queue stays full, and a layer's
         reads landing faster than its experts run no longer pile up in buffers outside the budget
-        (RESULTS.md, issue 14). With no cache (0) or no limit, all start at once."""
+        (tests/bench/RESULTS.md). With no cache (0) or no limit, all start at once."""
         if not waiting:
             return
         drive = self.record(layer_idx, waiting[0]).drive
@@ -279,7 +279,7 @@ class StoreExperts:
         """Start the reads the gate admits among `ids` (best first) that are not held or read already."""
         self._fetch_missing(layer_idx, ids)
         keys = [(layer_idx, e) for e in ids]
-        # Held predictions are the least recently used: a read reserved now evicted exactly them (RESULTS.md, issue 15).
+        # Held predictions are the least recently used: a read reserved now evicted exactly them (tests/bench/RESULTS.md).
         self.cache.touch(keys)
         # a striped record loads each of its drives by its share: the gate weighs it on all of them
         todo = [(k, self._records[k].loads()) for k in keys

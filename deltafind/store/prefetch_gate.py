@@ -6,7 +6,7 @@ prefetch reads not yet landed, a confirmed prefetch as demand for its whole reco
 reads a fetch holds back until its earlier ones land) and its measured rate while busy. Per layer
 and step width it knows the window's compute part: from the moment the last drive's demand ran out
 to the next `fetch` (measured directly: the window less a drain estimated from rates was a difference
-of two noisy numbers, RESULTS.md issue 15). The window expected now is that compute part plus the
+of two noisy numbers, tests/bench/RESULTS.md). The window expected now is that compute part plus the
 busiest drive's demand drain now: a warm cache that hits more each token shortens it at once.
 A drive's slack is the window minus its queue's drain time: a read inside the slack costs nothing
 if wrong, a read past it delays the demand reads behind it by its own time. So a predicted read is
@@ -57,7 +57,7 @@ class LayerRecall:
     observations: int = 0
     ema: float = PRIOR_PRECISION  # precision of the predictions, exponentially weighted
     # precision of the predicted experts not held when predicted, read or not: what a read would fetch
-    # (held ones hit more; learning it only from reads started paid for the lesson, RESULTS.md issue 15)
+    # (held ones hit more; learning it only from reads started paid for the lesson, tests/bench/RESULTS.md)
     read_ema: float | None = None
     issued: int = 0  # reads the gate started
     held: int = 0  # predicted reads the gate did not start (no slack, low precision, window unknown)
@@ -189,7 +189,7 @@ class PrefetchGate:
         """The router confirmed a prefetch: its whole record, `loads` (drive, bytes), is demand now —
         the decoder waits for it, pieces not started yet included. Left counted as speculative, a
         confirmed layer's reads hid from the drain, and the next layer's slack came out negative:
-        every other layer prefetched nothing (RESULTS.md, issue 15)."""
+        every other layer prefetched nothing (tests/bench/RESULTS.md)."""
         with self._lock:
             for drive, nbytes in loads:
                 if (entry := self._reads.get((id(fut), drive))) is not None:  # None: landed already
@@ -202,7 +202,7 @@ class PrefetchGate:
     def hold_back(self, drive: int, nbytes: int) -> None:
         """`nbytes` of this fetch's demand reads on `drive` wait behind the ones queued (negative: they were queued).
         Not counting them made a warm cache's slack look free while the drive still had the layer to read
-        (RESULTS.md, issue 15: prefetch on was 0.89x of off, warm, 1 drive, batch 8)."""
+        (tests/bench/RESULTS.md: prefetch on was 0.89x of off, warm, 1 drive, batch 8)."""
         if 0 <= drive < self.num_drives:
             with self._lock:
                 d = self.drives[drive]

@@ -3,7 +3,7 @@
 A read holds its buffer, and on the CPU the widened tensors it is decoded into, until its expert
 lands in the cache. Counted against `[cache] expert_bytes` as reservations in the cache
 (`ByteLRU.reserve`), experts held plus reads on their way stay within the budget (peak RSS was
-1.2-1.5x the budget before: tests/bench/RESULTS.md, issue 14). Demand reads are always reserved and
+1.2-1.5x the budget before: tests/bench/tests/bench/RESULTS.md). Demand reads are always reserved and
 never refused; a prefetch is started only if it fits.
 """
 

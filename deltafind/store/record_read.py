@@ -142,7 +142,7 @@ class RecordRead:
         buf, reader, fut = self.buf, self.reader, self.fut
         # Let go of the buffer and the future holding it: a promoted prefetch's stale chunks stay in
         # the speculative deque (and future <-> read <-> chunks was a cycle), which kept landed
-        # buffers mapped after their experts were gone (RESULTS.md, issue 14).
+        # buffers mapped after their experts were gone (tests/bench/RESULTS.md).
         self.buf, self.chunks, self.fut = None, [], None
         fut._record_read = None  # type: ignore[attr-defined]
         wanted = fut.set_running_or_notify_cancel()  # False: cancelled, nobody wants the bytes
