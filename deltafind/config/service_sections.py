@@ -77,6 +77,17 @@ class ServerSettings(Section):
         examples=[4096],
         json_schema_extra=LIVE,
     )
+    step_target_s: float = Field(
+        0.5,
+        ge=0,
+        le=3600,
+        description="Wall time a step that prefills aims at, so running streams keep emitting while a "
+        "long prompt arrives: its prompt is prefilled over several steps, each as many tokens as fit "
+        "this time at the compute per token measured on earlier prefill steps, never fewer than the "
+        "tokens whose compute covers the step's wait on expert reads (each expert is read once per "
+        "layer per chunk). 0 = no target: one prompt per step, as max_prefill_tokens and memory allow.",
+        json_schema_extra=LIVE,
+    )
     max_tokens_default: int = Field(
         512,
         ge=1,

@@ -144,7 +144,7 @@ class Runtime:
         cap = s.server.max_prefill_tokens  # else prefill chunks are as large as memory allows (engine/prefill.py)
         prefill = replace(self.model.prefill, cap=cap) if self.model is not None else None
         return SchedulerLimits(s.server.max_running, s.server.max_queue, max(cap or max_context, s.server.max_running),
-                               max_context, PREFIX_CACHE_BYTES, prefill)
+                               max_context, PREFIX_CACHE_BYTES, prefill, s.server.step_target_s or None)
 
     def healthy(self) -> bool:
         return self.scheduler is None or self.scheduler.alive
