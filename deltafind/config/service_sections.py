@@ -82,10 +82,11 @@ class ServerSettings(Section):
         ge=0,
         le=3600,
         description="Wall time a step that prefills aims at, so running streams keep emitting while a "
-        "long prompt arrives: its prompt is prefilled over several steps, each as many tokens as fit "
-        "this time at the compute per token measured on earlier prefill steps, never fewer than the "
-        "tokens whose compute covers the step's wait on expert reads (each expert is read once per "
-        "layer per chunk). 0 = no target: one prompt per step, as max_prefill_tokens and memory allow.",
+        "long prompt arrives: the prompt is prefilled over several steps, each as many tokens as fit "
+        "this time by the costs measured on earlier steps (a step's fixed part, from decode steps: "
+        "every layer's pass and its expert reads; and what each prompt token adds), but never fewer "
+        "than take as long as that fixed part, so chunks at most double the prefill's cost per token. "
+        "0 = no target: one prompt per step, as max_prefill_tokens and memory allow.",
         json_schema_extra=LIVE,
     )
     max_tokens_default: int = Field(

@@ -83,7 +83,6 @@ class StepOutput:
     captured: dict[int, torch.Tensor]  # target layer -> hidden rows [num_tokens, H], for drafts that need them
     starts: list[int]  # flat index of each item's first token
     seconds: float
-    wait_s: float = 0.0  # of `seconds`, the time the forward waited on expert reads
 
 
 def _device_of(net: Any) -> torch.device:
@@ -106,7 +105,6 @@ class EngineCore:
         self.prefix = PrefixCache(self.limits.prefix_cache_bytes)
         self.stats = EngineStats()
         self.budget = StepBudget(self.limits.step_target_s)
-        self._reads = getattr(getattr(net, "experts", None), "stats", None)  # the store's wait_s, where it has one
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._vocab = getattr(getattr(net, "lm_head", None), "weight", torch.empty(0, 0)).shape[0] or None
@@ -176,7 +174,8 @@ class EngineCore:
 
     def _rewind(self, plan: StepPlan) -> None:
         """Undo a failed forward's partial writes so the plan's items can run again. A recurrent state
-        (KDA) that cannot roll back that far starts over: its whole sequence is prefilled again (exact)."""
+        (KDA) that cannot roll back that far starts over: its whole sequence is prefilled again (the same
+        tokens; K3's state agrees to fp32 rounding, as across prefill chunkings)."""
         for it in plan.items:
             s = it.seq
             try:
@@ -207,7 +206,7 @@ class EngineCore:
         items = [PlanItem(s, 1, s.num_computed) for s in order if s.pending == 1][:budget]
         budget -= len(items)
         self.budget.target_s = self.limits.step_target_s  # a reload may change it
-        prefill = self.budget.prefill_tokens(len(items))  # running streams wait at most about a target's time
+        prefill = self.budget.prefill_tokens()  # running streams wait about a target's time, or twice a step's fixed part
         prefill = budget if prefill is None else min(budget, prefill)
         for s in running:
             if s.pending > 1 and prefill > 0:
@@ -295,19 +294,16 @@ class EngineCore:
         ids = [t for it in plan.items for t in it.input_ids()]
         rows = [it.rows for it in plan.items]
         capture = sorted({layer for it in plan.items if it.seq.drafter is not None for layer in it.seq.drafter.capture_layers})
-        t0, w0 = time.perf_counter(), self._wait_s()
+        t0 = time.perf_counter()
         with torch.inference_mode():
             batch = Batch.of([(it.seq.cache, it.num_tokens) for it in plan.items], device=self._device)
             batch.capture = tuple(capture)
             if any(r > 1 for r in rows):
                 batch.logit_rows = tuple(rows)
             logits = self.net(torch.tensor(ids, dtype=torch.long, device=self._device), batch)  # [sum(rows), V]
-        seconds, waited = time.perf_counter() - t0, self._wait_s() - w0
-        self.budget.observe(sum(it.num_tokens for it in plan.items if it.prefill), len(ids), seconds, waited)
-        return StepOutput(logits, batch.captured, [seg.start for seg in batch.segments], seconds, waited)
-
-    def _wait_s(self) -> float:
-        return float(getattr(self._reads, "wait_s", 0.0))
+        seconds = time.perf_counter() - t0
+        self.budget.observe(sum(it.num_tokens for it in plan.items if it.prefill), seconds)
+        return StepOutput(logits, batch.captured, [seg.start for seg in batch.segments], seconds)
 
     # -- update ----------------------------------------------------------------
 

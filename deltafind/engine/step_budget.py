@@ -1,11 +1,12 @@
 """A step's prefill token budget from a time target, measured at run time: chunked prefill beside decode.
 
-A long prompt prefilled in one step stalls every running stream for the whole prompt. Here each step
-that prefills gets as many prompt tokens as fit `target_s` at the compute per row measured on earlier
-prefill steps (their wall time less the time they waited on expert reads), so streams emit at least
-every `target_s` plus their own rows. The floor is the drives': a chunk reads each expert it needs once
-per layer, so it is never cut below the tokens whose compute covers the read wait measured per step
-(reads then cost at most half a step). Seconds and token counts only: no tensors, no store.
+A long prompt prefilled in one step stalls every running stream for the whole prompt. A step's wall
+time is modelled as `fixed_s + token_s * T` for T prompt tokens: `fixed_s` is what a step costs with no
+prefill (measured on decode steps: every layer's pass and its expert reads), `token_s` what each prompt
+token adds (measured on prefill steps, less `fixed_s`). A step gets the T that fits `target_s`, but never
+fewer than `fixed_s / token_s`: a chunk's tokens take at least as long as the part every step pays, so a
+chunked prompt costs at most about twice one big step's compute and reads per token, and the streams'
+gap is at most about max(target_s, 2 * fixed_s). Seconds and token counts only: no tensors, no store.
 """
 
 from __future__ import annotations
@@ -18,30 +19,33 @@ SMOOTHING = 0.5  # weight of the newest step in the running estimates (they foll
 
 @dataclass
 class StepBudget:
-    """Prefill tokens per step: `target_s` / measured seconds per row, but at least the drives' floor."""
+    """Prefill tokens per step: (target_s - fixed_s) / token_s, at least fixed_s / token_s."""
 
     target_s: float | None = 0.5  # None or 0: no time target (chunks as large as memory and the cap allow)
-    row_s: float | None = None  # compute seconds per row of a prefill step (running estimate)
-    wait_s: float = 0.0  # seconds a prefill step waited on expert reads (running estimate)
+    fixed_s: float | None = None  # seconds of a step without prefill (running estimate)
+    token_s: float | None = None  # seconds each prompt token adds to a step (running estimate)
     last_tokens: int = 0  # prefill tokens of the last step that prefilled
 
-    def prefill_tokens(self, decode_rows: int) -> int | None:
-        """Prompt tokens the next step may run beside `decode_rows` decode rows (None: no limit here)."""
+    def prefill_tokens(self) -> int | None:
+        """Prompt tokens the next step may run (None: no limit here)."""
         if not self.target_s:
             return None
-        if self.row_s is None:
+        if self.token_s is None:
             return FIRST_CHUNK
-        by_time = int(self.target_s / self.row_s) - decode_rows
-        # the drives' floor: compute (tokens x row_s) at least as long as the step waits on reads; it may
-        # at most double a step, so one cold read (a cache filling) does not turn into one huge step
-        floor = min(int(self.wait_s / self.row_s), 2 * max(self.last_tokens, FIRST_CHUNK))
-        return max(1, by_time, floor)
+        fixed = self.fixed_s or 0.0
+        tokens = max(self.target_s - fixed, fixed) / self.token_s
+        # at most double from one step to the next: one noisy estimate never makes one huge step
+        return max(1, int(min(tokens, 2 * max(self.last_tokens, FIRST_CHUNK))))
 
-    def observe(self, prefill_tokens: int, rows: int, step_s: float, wait_s: float) -> None:
-        """A step ran `prefill_tokens` prompt tokens in `rows` rows in all, in `step_s`, `wait_s` of it waiting on reads."""
-        if prefill_tokens <= 0 or rows <= 0:
+    def observe(self, prefill_tokens: int, step_s: float) -> None:
+        """A step that ran `prefill_tokens` prompt tokens (0: decode rows only) took `step_s`."""
+        if prefill_tokens <= 0:
+            self.fixed_s = step_s if self.fixed_s is None else _smooth(self.fixed_s, step_s)
             return
-        row_s = max(step_s - wait_s, 1e-9) / rows
-        self.row_s = row_s if self.row_s is None else SMOOTHING * row_s + (1 - SMOOTHING) * self.row_s
-        self.wait_s = SMOOTHING * wait_s + (1 - SMOOTHING) * self.wait_s
+        token_s = max(step_s - (self.fixed_s or 0.0), 1e-3 * step_s) / prefill_tokens
+        self.token_s = token_s if self.token_s is None else _smooth(self.token_s, token_s)
         self.last_tokens = prefill_tokens
+
+
+def _smooth(old: float, new: float) -> float:
+    return SMOOTHING * new + (1 - SMOOTHING) * old
