@@ -6,10 +6,10 @@ Measured per mode, each in a fresh process: the stream's worst and median gap be
 prompt prefills (submission to its first token), that prefill's wall time, steps and expert bytes read.
 Modes: `chunked` (`[server] step_target_s`, the default 0.5 s) and `one_step` (step_target_s = 0, as
 before). `--cache-bytes 0` (the default here) reads every expert on every step, the worst case for
-chunking; the demo's default config holds its dense layers whole and reads nothing after warm-up.
+chunking; `--cache-bytes none` holds the demo's dense layers whole and reads nothing after warm-up.
 Prints one JSON line.
 
-    python tests/bench/bench_interleave.py [--store DIR] [--prompt 4000] [--threads 1] [--cache-bytes 0]
+    python tests/bench/bench_interleave.py [--store DIR] [--prompt 4000] [--threads 1] [--cache-bytes 0|none]
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ def main() -> None:
     ap.add_argument("--store", type=Path, default=Path("~/.cache/deltafind/demo").expanduser())
     ap.add_argument("--prompt", type=int, default=4000, help="tokens of the prompt that arrives")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--cache-bytes", type=int, default=0, help="expert cache (0: every step reads its experts)")
+    ap.add_argument("--cache-bytes", type=lambda v: None if v.lower() == "none" else int(v), default=0,
+                    help="expert cache bytes (0: every step reads its experts; none: no limit, dense layers held whole)")
     ap.add_argument("--target-s", type=float, default=0.5, help="[server] step_target_s of the chunked mode")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
