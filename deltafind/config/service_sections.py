@@ -77,6 +77,18 @@ class ServerSettings(Section):
         examples=[4096],
         json_schema_extra=LIVE,
     )
+    step_target_s: float = Field(
+        0.5,
+        ge=0,
+        le=3600,
+        description="Wall time a step that prefills aims at, so running streams keep emitting while a "
+        "long prompt arrives: the prompt is prefilled over several steps, each as many tokens as fit "
+        "this time by the costs measured on earlier steps (a step's fixed part, from decode steps: "
+        "every layer's pass and its expert reads; and what each prompt token adds), but never fewer "
+        "than take as long as that fixed part, so chunks at most double the prefill's cost per token. "
+        "0 = no target: one prompt per step, as max_prefill_tokens and memory allow.",
+        json_schema_extra=LIVE,
+    )
     max_tokens_default: int | None = Field(
         None,
         ge=1,

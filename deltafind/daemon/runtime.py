@@ -149,7 +149,8 @@ class Runtime:
         cap = s.server.max_prefill_tokens  # else prefill chunks are as large as memory allows (engine/prefill.py)
         prefill = replace(self.model.prefill, cap=cap) if self.model is not None else None
         return SchedulerLimits(s.server.max_running, s.server.max_queue, max(cap or max_context, s.server.max_running),
-                               max_context, int(s.cache.prompt_bytes), prefill, s.cache.prompt_snapshot_tokens)
+                               max_context, int(s.cache.prompt_bytes), prefill, s.cache.prompt_snapshot_tokens,
+                               step_target_s=s.server.step_target_s or None)
 
     def _turns_file(self, ready: Any, save: bool) -> None:
         """With prompt state on disk, the answers' spellings (server/turns.py) outlive a restart too: without

@@ -10,6 +10,7 @@ sequence with "error"; the rest of the step goes on unchanged. Token ids only.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Sequence as Seq_
@@ -25,10 +26,11 @@ from deltafind.engine.prefill import RELEASE_AFTER_TOKENS, PrefillPlan, release_
 from deltafind.engine.prefix_cache import PrefixCache, snapshot, trim_states
 from deltafind.engine.sequence import Event, FinishEvent, GenRequest, Sequence
 from deltafind.engine.stats import EngineStats
+from deltafind.engine.step_budget import StepBudget
 from deltafind.errors import DeltafindError
 from deltafind.log import get_logger
 from deltafind.models.ops.batch import Batch, SequenceCache
-from deltafind.models.ops.kda_layer import KimiDeltaAttention
+from deltafind.models.ops.kda_layer import KimiDeltaAttention, RollbackError
 
 log = get_logger(__name__)
 Events = list[tuple[int, Event]]  # (seq_id, event) in the order they happened
@@ -43,6 +45,7 @@ class SchedulerLimits:
     prefix_cache_bytes: int = 0
     prefill: PrefillPlan | None = None  # a prefill chunk's size from activation memory (None: max_step_tokens only)
     snapshot_tokens: int = 4096  # recurrent (KDA) state is kept every this many prompt tokens, for prefix reuse
+    step_target_s: float | None = 0.5  # a prefilling step's wall-time target (engine/step_budget.py); None: off
 
 
 @dataclass
@@ -54,6 +57,7 @@ class PlanItem:
     base: int
     proposal: Proposal | None = None
     draft_s: float = 0.0
+    prefill: bool = False  # a chunk of a prompt (more than one token left to feed when planned)
     emitted: int = 0  # tokens this step emitted (set by update)
 
     @property
@@ -101,6 +105,7 @@ class EngineCore:
         self.limits = limits or SchedulerLimits()
         self.prefix = PrefixCache(self.limits.prefix_cache_bytes)
         self.stats = EngineStats()
+        self.budget = StepBudget(self.limits.step_target_s)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._vocab = getattr(getattr(net, "lm_head", None), "weight", torch.empty(0, 0)).shape[0] or None
@@ -128,29 +133,69 @@ class EngineCore:
         return [self._finish(s, reason) for s in gone]
 
     def step(self) -> Events:
-        """schedule, execute, update; a forward failure reruns without drafts, then fails the step's sequences."""
+        """schedule, execute, update. A forward that failed on one expert's read (`rows`: the tokens that
+        routed it) fails only the sequences those rows belong to and runs again without them; a failed
+        verify pass runs again without drafts; any other failure fails the step's sequences."""
         plan = self.schedule()
-        if not plan.items:
-            return plan.ended
-        try:
-            out = self.execute(plan)
-        except Exception as e:
-            if not any(it.proposal is not None for it in plan.items):
-                return plan.ended + self._fail(plan, e)
-            # A verify pass that failed (out of memory on the wider batch, say): the step runs again
-            # without drafts, and those sequences go on target-only.
-            log.warning("draft_failed", during="verify", error=f"{type(e).__name__}: {e}", fallback="target_only")
+        ended, drafts_dropped = plan.ended, False
+        while plan.items:
             try:
+                out = self.execute(plan)
+            except Exception as e:
+                hit = self._routed(plan, e)
+                if hit and len(hit) < len(plan.items):
+                    ended += self._fail(plan, e, hit)
+                    self._rewind(plan)
+                    continue
+                if drafts_dropped or not any(it.proposal is not None for it in plan.items):
+                    return ended + self._fail(plan, e)
+                # A verify pass that failed (out of memory on the wider batch, say): the step runs again
+                # without drafts, and those sequences go on target-only.
+                log.warning("draft_failed", during="verify", error=f"{type(e).__name__}: {e}", fallback="target_only")
+                drafts_dropped = True
                 for it in plan.items:
-                    it.seq.cache.truncate(it.base)
                     if it.proposal is not None:
                         self.stats.draft.failures += 1
-                        it.seq.drafter.close()
-                        it.seq.drafter, it.proposal, it.num_tokens = None, None, 1
-                out = self.execute(plan)
-            except Exception as e2:
-                return plan.ended + self._fail(plan, e2)
-        return plan.ended + self.update(plan, out)
+                        self._drop_draft(it)
+                self._rewind(plan)
+                continue
+            return ended + self.update(plan, out)
+        return ended
+
+    @staticmethod
+    def _routed(plan: StepPlan, e: Exception) -> list[PlanItem] | None:
+        """The items whose tokens routed the expert that failed (`e.rows`, flat token indices), or None: unknown."""
+        rows = getattr(e, "rows", None)
+        if rows is None:
+            return None
+        hit, start = [], 0
+        for it in plan.items:
+            i = bisect.bisect_left(rows, start)
+            if i < len(rows) and rows[i] < start + it.num_tokens:
+                hit.append(it)
+            start += it.num_tokens
+        return hit
+
+    def _rewind(self, plan: StepPlan) -> None:
+        """Undo a failed forward's partial writes so the plan's items can run again. A recurrent state
+        (KDA) that cannot roll back that far starts over: its whole sequence is prefilled again (the same
+        tokens; K3's state agrees to fp32 rounding, as across prefill chunkings)."""
+        for it in plan.items:
+            s = it.seq
+            try:
+                s.cache.truncate(it.base)
+            except RollbackError as e:
+                log.info("sequence_recomputed", request_id=s.req.request_id or None, tokens=it.base, reason=str(e))
+                s.cache.truncate(0)
+                if it.proposal is not None:
+                    self._drop_draft(it)
+                it.num_tokens, it.base, it.prefill = it.base + it.num_tokens, 0, True
+                s.num_computed = 0
+
+    @staticmethod
+    def _drop_draft(it: PlanItem) -> None:
+        it.seq.drafter.close()
+        it.seq.drafter, it.proposal, it.num_tokens = None, None, 1
 
     # -- schedule --------------------------------------------------------------
 
@@ -164,12 +209,17 @@ class EngineCore:
         order = running[self._rotate :] + running[: self._rotate]
         items = [PlanItem(s, 1, s.num_computed) for s in order if s.pending == 1][:budget]
         budget -= len(items)
+        self.budget.target_s = self.limits.step_target_s  # a reload may change it
+        # running streams wait about a target's time, or twice a step's fixed part
+        prefill = self.budget.prefill_tokens(alone=not items and not self.waiting)
+        prefill = budget if prefill is None else min(budget, prefill)
         for s in running:
-            if s.pending > 1 and budget > 0:
-                fits = self.limits.prefill.tokens(s.num_computed) if self.limits.prefill is not None else budget
-                n = min(s.pending, budget, fits, self._next_snapshot(s) - s.num_computed)
-                items.append(PlanItem(s, n, s.num_computed))
+            if s.pending > 1 and prefill > 0:
+                fits = self.limits.prefill.tokens(s.num_computed) if self.limits.prefill is not None else prefill
+                n = min(s.pending, prefill, fits, self._next_snapshot(s) - s.num_computed)
+                items.append(PlanItem(s, n, s.num_computed, prefill=True))
                 budget -= n
+                prefill -= n
         for it in items:
             s = it.seq
             if s.drafter is None or s.pending != 1 or not s.num_generated or budget <= 0:
@@ -263,7 +313,9 @@ class EngineCore:
             if any(r > 1 for r in rows):
                 batch.logit_rows = tuple(rows)
             logits = self.net(torch.tensor(ids, dtype=torch.long, device=self._device), batch)  # [sum(rows), V]
-        return StepOutput(logits, batch.captured, [seg.start for seg in batch.segments], time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.budget.observe(sum(it.num_tokens for it in plan.items if it.prefill), seconds)
+        return StepOutput(logits, batch.captured, [seg.start for seg in batch.segments], seconds)
 
     # -- update ----------------------------------------------------------------
 
@@ -355,14 +407,19 @@ class EngineCore:
         layers = s.drafter.capture_layers if s.drafter is not None else ()
         return speculative.captured_rows(out, layers, flat) if layers else None
 
-    def _fail(self, plan: StepPlan, e: Exception) -> Events:
-        log.error("engine_step_failed", sequences=len(plan.items), tokens=sum(it.num_tokens for it in plan.items),
-                  error=f"{type(e).__name__}: {e}", exc_info=not isinstance(e, DeltafindError))
+    def _fail(self, plan: StepPlan, e: Exception, items: list[PlanItem] | None = None) -> Events:
+        """End `items` (default: every item of the plan) with `e`; they leave the plan and the running list."""
+        items = plan.items if items is None else items
+        log.error("engine_step_failed", sequences=len(items), of_sequences=len(plan.items),
+                  tokens=sum(it.num_tokens for it in items), error=f"{type(e).__name__}: {e}",
+                  request_ids=[it.seq.req.request_id for it in items if it.seq.req.request_id] or None,
+                  exc_info=not isinstance(e, DeltafindError))
         self.stats.errors += 1
-        for it in plan.items:
+        for it in items:
             self.running.remove(it.seq)
             it.seq.exception = e
-        return [self._finish(it.seq, "error", f"the engine failed on this step: {type(e).__name__}: {e}") for it in plan.items]
+        plan.items = [it for it in plan.items if all(it is not x for x in items)]
+        return [self._finish(it.seq, "error", f"the engine failed on this step: {type(e).__name__}: {e}") for it in items]
 
     def _finish(self, s: Sequence, reason: str, error: str | None = None) -> tuple[int, FinishEvent]:
         if reason != "error" and s.cache is not None and s.num_computed:

@@ -22,7 +22,8 @@ from deltafind.engine.stats import EngineStats, GenerationStats
 from deltafind.errors import DeltafindError
 from deltafind.models.ops.batch import Batch, SequenceCache
 
-ONE_AT_A_TIME = SchedulerLimits(max_running=1, max_queue=1, max_step_tokens=1 << 30, max_context=1 << 30)
+# one sequence, no one waiting behind its prefill: no step time target, chunks only as memory needs
+ONE_AT_A_TIME = SchedulerLimits(max_running=1, max_queue=1, max_step_tokens=1 << 30, max_context=1 << 30, step_target_s=None)
 
 
 def forward_step(model: torch.nn.Module, cache: SequenceCache, ids: Sequence[int], all_logits: bool = False) -> torch.Tensor:

@@ -175,6 +175,8 @@ class Scheduler:
                     "tok_s": tokens / span if span > 0.5 else 0.0, "max_running": lim.max_running, "max_queue": lim.max_queue,
                     "prefix_hits": c.prefix.hits, "prefix_misses": c.prefix.misses, "prefix_bytes": c.prefix.used_bytes,
                     "prefix_reused_tokens": c.prefix.reused_tokens,
+                    # the next prefill chunk by the step time target (None: no target)
+                    "prefill_chunk_tokens": c.budget.prefill_tokens(), "step_target_s": c.budget.target_s,
                     "draft_source": getattr(c.draft, "name", "") or "",
                     "draft_mode": c.draft_policy.mode if c.draft is not None and c.draft_enabled else "off",
                     **c.stats.snapshot()}

@@ -190,8 +190,14 @@ class StoreExperts:
                         pending[self._demand_read(layer_idx, e)] = e
                         continue
                     self.budget.unreserve(held.pop(e, 0))  # it lands now: the cache counts it as an entry
-                    got, rec = fut.result(), self.record(layer_idx, e)
-                    expert = self._decode(rec, got[1], got[0], got[2]) if isinstance(got, tuple) else self._decode(rec, got)  # a tuple: decoded on the drive thread
+                    rec = self.record(layer_idx, e)
+                    try:
+                        got = fut.result()
+                        expert = self._decode(rec, got[1], got[0], got[2]) if isinstance(got, tuple) else self._decode(rec, got)  # a tuple: decoded on the drive thread
+                    except Exception as err:
+                        if (failed := self._failed(rec, err)) is err:
+                            raise
+                        raise failed from err
                     self.cache.put(rec.key, expert, expert.nbytes)  # the held tiers' loads keep theirs outside the LRU
                     yield e, expert
         finally:
@@ -327,6 +333,16 @@ class StoreExperts:
         self._last_route[layer_idx] = wanted
         if (predicted := self._predicted.pop(layer_idx, None)) is not None:
             self.gate.observe(layer_idx, predicted[0], wanted, predicted[1])
+
+    def _failed(self, rec: ExpertRecord, err: Exception) -> CorruptExpertError:
+        """The error of a read that failed, as a CorruptExpertError naming the record (pack, offset) and
+        carrying `expert_key` (layer, expert): the model fails only the rows that routed that expert."""
+        if not isinstance(err, CorruptExpertError):
+            where = ", ".join(f"{self.reader.paths[x.drive]} at offset {x.offset}" for x in rec.extents())
+            err = CorruptExpertError(f"expert {rec.expert} of layer {rec.layer}: reading {where} failed: "
+                                     f"{type(err).__name__}: {err}; run `deltafind doctor` to check the drive and the store")
+        err.expert_key = rec.key  # type: ignore[attr-defined]
+        return err
 
     def _demand_read(self, layer_idx: int, e: int) -> Future:
         rec = self.record(layer_idx, e)

@@ -186,7 +186,9 @@ def dispatch(
 
     x [T, D]; topk_idx, topk_weight [T, k]; `run(x_rows, expert)` -> [n, D]. The
     route is reported to the provider, then each distinct expert is fetched and
-    run once, on exactly the tokens that chose it.
+    run once, on exactly the tokens that chose it. An expert that fails to arrive
+    (an error carrying its `expert_key`) gets `rows`, the tokens (of x) that chose
+    it, so the engine fails only their sequences.
     """
     provider.observe_routes(layer_idx, topk_idx, topk_weight)
     flat_idx = topk_idx.reshape(-1)  # [T*k]
@@ -196,10 +198,17 @@ def dispatch(
     span = {e: (end - c, end) for e, end, c in zip(unique.tolist(), ends, counts.tolist(), strict=True)}
     k = topk_idx.shape[1]
     partial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for expert_idx, y in _expert_outputs(x, order, span, k, provider, layer_idx, run):
-        rows = order[span[expert_idx][0] : span[expert_idx][1]]  # positions in the flat [T*k]
-        tokens = rows // k
-        partial[expert_idx] = (tokens, y * topk_weight.reshape(-1)[rows].to(y.dtype)[:, None])
+    try:
+        for expert_idx, y in _expert_outputs(x, order, span, k, provider, layer_idx, run):
+            rows = order[span[expert_idx][0] : span[expert_idx][1]]  # positions in the flat [T*k]
+            tokens = rows // k
+            partial[expert_idx] = (tokens, y * topk_weight.reshape(-1)[rows].to(y.dtype)[:, None])
+    except Exception as err:
+        key = getattr(err, "expert_key", None)
+        if key is not None and key[0] == layer_idx and key[1] in span:
+            a, b = span[key[1]]
+            err.rows = sorted(set((order[a:b] // k).tolist()))  # type: ignore[attr-defined]
+        raise
     out = torch.zeros_like(x)
     # Sum in expert order, not arrival order: results must not depend on I/O timing.
     for expert_idx in sorted(partial):
