@@ -9,12 +9,33 @@ from __future__ import annotations
 
 import http.client
 import json
+import shutil
+import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 SECRET_HEADERS = {"authorization", "x-api-key", "cookie", "proxy-authorization"}
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host", "content-length"}
+
+
+NPM_DIR = Path.home() / ".cache" / "deltafind-tests" / "npm"  # the pinned agent CLIs, installed once and reused
+FIXTURES = Path(__file__).resolve().parents[1] / "data" / "agents"  # their recorded requests
+
+
+def npm_cli(package: str, version: str, bin_name: str) -> Path | None:
+    """The pinned npm CLI `package@version` (its `bin_name`), installed into NPM_DIR on first use;
+    None where node or npm is missing or the install fails."""
+    exe = NPM_DIR / "node_modules" / ".bin" / bin_name
+    pkg = NPM_DIR / "node_modules" / Path(*package.split("/")) / "package.json"
+    if exe.exists() and pkg.exists() and json.loads(pkg.read_text()).get("version") == version:
+        return exe
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        return None
+    proc = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(NPM_DIR), f"{package}@{version}"],
+                          capture_output=True, text=True, timeout=600)
+    return exe if proc.returncode == 0 and exe.exists() else None
 
 
 class LoggingProxy:

@@ -17,11 +17,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.e2e.agent_proxy import LoggingProxy
+from tests.e2e.agent_proxy import FIXTURES, LoggingProxy, npm_cli
 
 CLAUDE_VERSION = "2.1.197"
-NPM_DIR = Path.home() / ".cache" / "deltafind-tests" / "npm"
-FIXTURES = Path(__file__).resolve().parents[1] / "data" / "agents"
 # code.claude.com/docs/en/settings (environment variables): no telemetry, error reports, update checks
 # or other traffic that is not the model's; the model names every request uses, big and small.
 SHORT = 96  # CLAUDE_CODE_MAX_OUTPUT_TOKENS in tests: a small model may otherwise write until the context is full
@@ -32,16 +30,8 @@ QUIET = {"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "
 
 
 def claude_bin() -> Path | None:
-    """The pinned Claude Code CLI, installed on first use; None where node or npm is missing."""
-    exe = NPM_DIR / "node_modules" / ".bin" / "claude"
-    pkg = NPM_DIR / "node_modules" / "@anthropic-ai" / "claude-code" / "package.json"
-    if exe.exists() and pkg.exists() and json.loads(pkg.read_text()).get("version") == CLAUDE_VERSION:
-        return exe
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        return None
-    proc = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(NPM_DIR),
-                           f"@anthropic-ai/claude-code@{CLAUDE_VERSION}"], capture_output=True, text=True, timeout=600)
-    return exe if proc.returncode == 0 and exe.exists() else None
+    """The pinned CLI, installed on first use; None where node or npm is missing."""
+    return npm_cli("@anthropic-ai/claude-code", CLAUDE_VERSION, "claude")
 
 
 @dataclass

@@ -17,11 +17,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.e2e.agent_proxy import LoggingProxy
+from tests.e2e.agent_proxy import FIXTURES, LoggingProxy, npm_cli
 
 CODEX_VERSION = "0.171.0"
-NPM_DIR = Path.home() / ".cache" / "deltafind-tests" / "npm"
-FIXTURES = Path(__file__).resolve().parents[1] / "data" / "agents"
 # The user's config the test uses: only documented keys (developers.openai.com/codex/config-reference).
 CONFIG = """\
 model_provider = "deltafind"
@@ -51,16 +49,8 @@ INSTRUCTIONS = "You are a coding agent running in the Codex CLI. Answer briefly.
 
 
 def codex_bin() -> Path | None:
-    """The pinned Codex CLI, installed on first use; None where node or npm is missing."""
-    exe = NPM_DIR / "node_modules" / ".bin" / "codex"
-    pkg = NPM_DIR / "node_modules" / "@openai" / "codex" / "package.json"
-    if exe.exists() and pkg.exists() and json.loads(pkg.read_text()).get("version") == CODEX_VERSION:
-        return exe
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        return None
-    proc = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(NPM_DIR), f"@openai/codex@{CODEX_VERSION}"],
-                          capture_output=True, text=True, timeout=600)
-    return exe if proc.returncode == 0 and exe.exists() else None
+    """The pinned CLI, installed on first use; None where node or npm is missing."""
+    return npm_cli("@openai/codex", CODEX_VERSION, "codex")
 
 
 @dataclass
