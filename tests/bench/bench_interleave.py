@@ -1,4 +1,4 @@
-"""Chunked prefill beside decode (issue 34): a running stream's worst inter-token gap while a long prompt arrives.
+"""Chunked prefill beside decode: a running stream's worst inter-token gap while a long prompt arrives.
 
 On the demo store, the daemon's Scheduler in-process (no HTTP) with the limits the daemon builds when
 `[server] max_prefill_tokens` is unset: a greedy stream runs, then a PROMPT-token prompt is submitted.
