@@ -190,7 +190,7 @@ def test_wrong_types_on_chat_are_400_naming_the_field(daemon: Daemon, extra: dic
 
 
 @pytest.mark.parametrize(("path", "stream"), [("/v1/responses", False), ("/v1/messages", False), ("/v1/responses", True),
-                                            ("/v1/chat/completions", True)])
+                                            ("/v1/messages", True), ("/v1/chat/completions", True)])
 def test_a_hang_up_during_prefill_is_noticed_within_a_second(daemon: Daemon, path: str, stream: bool) -> None:
     text = f"{path} {stream}: the history of Paris. " * 60  # ~500 tokens, new to the prefix cache: still prefilling at 0.5 s
     body = {"model": "test-model", "max_output_tokens": 400, "input": text} if path == "/v1/responses" else \
