@@ -1,4 +1,4 @@
-"""deltafind vs HF transformers + accelerate disk offload (issue 3): decode tok/s, same checkpoint, same memory.
+"""deltafind vs HF transformers + accelerate disk offload: decode tok/s, same checkpoint, same memory.
 
 One small random qwen3_moe checkpoint (transformers `from_config` + `save_pretrained`,
 fp32) is imported with `deltafind setup --from` and loaded by transformers with

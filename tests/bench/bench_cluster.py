@@ -1,4 +1,4 @@
-"""Cluster bench (issue 16): decode speed vs expert nodes with every drive capped, wire bytes, exchange latency.
+"""Cluster bench: decode speed vs expert nodes with every drive capped, wire bytes, exchange latency.
 
 Each machine's drive is capped at --read-mb-s (`[[drives]] read_mb_s`) and caches no expert, so a
 token's reads bound its time; one machine reads every routed expert itself, N nodes split them.
@@ -7,7 +7,7 @@ the coordinator runs here, the nodes are `deltafind node` processes on loopback 
 Prints one JSON line per configuration and round, then a summary:
 
   speedup      decode tok/s of N nodes / one machine's (goal >= 0.8 N, up to 4)
-  wire         bytes per decoded token on the wire, against the issue's formula
+  wire         bytes per decoded token on the wire, against the expected formula (see its docstring)
                (per MoE layer: the routed hidden row once, k expert outputs back, fp32)
   exchange     per routed layer, send to last reply, with warm node caches and no cap (loopback)
 

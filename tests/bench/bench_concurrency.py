@@ -1,4 +1,4 @@
-"""Continuous batching (issue 5): aggregate decode tok/s for 1, 4 and 8 concurrent streams.
+"""Continuous batching: aggregate decode tok/s for 1, 4 and 8 concurrent streams.
 
 Runs the daemon's Scheduler in-process (no HTTP) on a streaming store with a
 zero expert cache, so every step reads its experts from the drives: batching

@@ -5,9 +5,9 @@
 2. One real-size expert (3 x 3072 x 3584 MXFP4, 17,547,264 B): fused-kernel compute
    time for one token vs the measured O_DIRECT read time, and vs a 7 GB/s drive.
 3. Full-K3 decode projection for 1-4 drives at 7 GB/s from those per-expert costs.
-4. DSpark (issue 6): a 7-wide proposal and its commit vs the target's 1-row decode and
+4. DSpark: a 7-wide proposal and its commit vs the target's 1-row decode and
    8-row verify pass, warm and cold, measured alternately (`--dspark-only` for this alone).
-5. Per core count (issue 14 point 4; `--per-core-only` for this alone, no store needed): one
+5. Per core count (`--per-core-only` for this alone, no store needed): one
    expert of the real-width synthetic K3 (`full-layer`, hidden 7168) through the engine's expert
    path for 1 token and a decode batch, at 1..N threads alternately: compute / (read at 7 GB/s),
    and the cores that would keep up with 1 and 4 such drives (extrapolated from CPU time).

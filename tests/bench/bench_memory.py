@@ -1,4 +1,4 @@
-"""Memory of weights kept as stored (issue 14): peak RSS growth over what the store says it needs.
+"""Memory of weights kept as stored: peak RSS growth over what the store says it needs.
 
 For each store, in fresh subprocesses (alternating), open the model with a fixed expert cache
 budget, generate a few tokens, and report peak RSS growth (VmHWM minus the RSS after importing

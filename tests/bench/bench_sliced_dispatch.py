@@ -1,4 +1,4 @@
-"""A dense layer's slices: today's `SlicedMLP` (the direct sum plus a reported route, issue 11)
+"""A dense layer's slices: today's `SlicedMLP` (the direct sum plus a reported route)
 vs the loop it had before, and vs routing every token to every slice through `moe.dispatch`.
 
 All three run on the same tensors, side by side in one run, are checked bit for bit, and
@@ -20,7 +20,7 @@ from deltafind.models.ops.moe import SlicedMLP, dispatch, swiglu
 from deltafind.store.provider import DictExpertProvider
 
 
-def old_expert_forward(x: torch.Tensor, expert, act) -> torch.Tensor:  # moe.expert_forward before issue 11
+def old_expert_forward(x: torch.Tensor, expert, act) -> torch.Tensor:  # moe.expert_forward before slices were dispatched as one matmul
     dtype = x.dtype
     gate = F.linear(x, expert["gate_proj"].to(dtype))
     up = F.linear(x, expert["up_proj"].to(dtype))

@@ -1,4 +1,4 @@
-"""Slow clients (issue 12): /health latency with and without 100 connections trickling their headers.
+"""Slow clients: /health latency with and without 100 connections trickling their headers.
 
 Starts the real daemon (`deltafind serve`, whatever `deltafind` PYTHONPATH selects)
 on a tiny synthetic store, then times GET /health alone, and again while 100

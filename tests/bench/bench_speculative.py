@@ -1,4 +1,4 @@
-"""Speculative decoding (issue 6): decode speedup at identical output, and acceptance rate.
+"""Speculative decoding: decode speedup at identical output, and acceptance rate.
 
 Configurations (drafting off, each draft source, `auto`) alternate prompt by
 prompt in one process, so machine noise hits all of them alike; every drafted

@@ -19,7 +19,7 @@ runs every configuration under both trees in the same rounds, side by side (the
 older tree on the whole-record stores, which it can read).
 
     python tests/bench/bench_streaming.py --root /tmp/dfbench [--rounds 2] [--tokens 6] [--before DIR] [--pc-rounds 6]
-    python tests/bench/bench_streaming.py --all --before DIR          # issue 15's points 1-5 in one run (adds the prefetch matrix and prefill)
+    python tests/bench/bench_streaming.py --all --before DIR          # every drive measurement in one run (adds the prefetch matrix and prefill)
     python tests/bench/bench_streaming.py --only stripe,stream --rounds 6 --pc-rounds 0 --before DIR   # a focused rerun
     python tests/bench/bench_streaming.py --profile /tmp/dfbench/q2 --tokens 8 --no-prefetch   # where a decode spends its time
 """
@@ -306,7 +306,7 @@ def main() -> None:
     ap.add_argument("--no-prefetch", action="store_true", help="with --profile")
     ap.add_argument("--prefetch-matrix", action="store_true", help="also: prefetch on/off, cold/warm x 1/4 drives x batch 1/8 (streaming_prefetch.py)")
     ap.add_argument("--prefill", action="store_true", help="also: prefill bytes per prompt token and a 512-token K3 prompt projected (streaming_prefill.py)")
-    ap.add_argument("--all", action="store_true", help="every point of issue 15 in one run: --prefetch-matrix and --prefill too")
+    ap.add_argument("--all", action="store_true", help="every drive measurement in one run: --prefetch-matrix and --prefill too")
     ap.add_argument("--pc-rounds", type=int, default=6, help="direct/buffered rounds of the page-cache bench (0: none)")
     ap.add_argument("--only", help="comma-separated configuration keys (raw,whole,stripe,stream,cap1,...): a focused rerun")
     ap.add_argument("--one")

@@ -1,4 +1,4 @@
-"""Drive-side measurements for bench_streaming.py (issue 15, points 1, 2 and 5).
+"""Drive-side measurements for bench_streaming.py.
 
 `raw_odirect` is the reference the decode is measured against: plain threads doing
 O_DIRECT preadv of the same pack bytes, written here without deltafind's reader.

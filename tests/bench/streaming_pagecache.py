@@ -1,4 +1,4 @@
-"""Page-cache policy (issue 15, point 5): direct vs buffered reads on a store that fits in RAM, cold and warm.
+"""Page-cache policy: direct vs buffered reads on a store that fits in RAM, cold and warm.
 
 Each run is a fresh process (bench_streaming.py `--one`): the store's packs are dropped from the
 page cache, then the same prompt is decoded `passes` times with an expert cache of 0, so every

@@ -1,4 +1,4 @@
-"""Prefetch on vs off in every configuration (issue 15, point 3): cold and warm cache, 1 and 4 drives, batch 1 and 8.
+"""Prefetch on vs off in every configuration: cold and warm cache, 1 and 4 drives, batch 1 and 8.
 
 Each run is its own subprocess (a cold process, its own reads); on and off alternate inside
 each configuration and the configurations alternate inside each round, so load on this

@@ -1,4 +1,4 @@
-"""Prefill reads (issue 15, point 4): bytes per prompt token against E(1-(1-k/E)^T)S per layer per chunk,
+"""Prefill reads: bytes per prompt token against E(1-(1-k/E)^T)S per layer per chunk,
 and a 512-token prompt on a synthetic K3-shaped store projected to 4 drives of 7 GB/s.
 
 The store is `deltafind setup --synthetic kimi_k3 --shape bench` (real-size MXFP4 experts,
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 DRIVES_GB_S = 4 * 7.0  # four drives of 7 GB/s
-ARGODRIVE_512_S = 6.3 * 60  # ARGODRIVE's 512-token prefill (issue 15)
+ARGODRIVE_512_S = 6.3 * 60  # ARGODRIVE's 512-token prefill
 K3 = {"layers": 92, "experts": 896, "top_k": 16}  # the real model's MoE layers (spec: 93 layers, layer 0 dense)
 
 

@@ -91,7 +91,7 @@ def test_named_tool_choice_and_the_result_sent_back(client: openai.OpenAI) -> No
 def test_agent_turns_reuse_the_whole_history_even_when_spelled_oddly(client: openai.OpenAI, demo_store: Path) -> None:
     """Three turns of a tool-using agent: each prompt is served from the cache up to the last token
     the previous turn generated. Turn 1's call comes out in tokens BPE would not choose (asserted),
-    which re-encoding the sent-back call would miss (issue 13's turn-2 miss)."""
+    which re-encoding the sent-back call would miss (a turn-2 miss once)."""
     from deltafind.tokenizer import Tokenizer
 
     tok = Tokenizer.load(demo_store / "tokenizer")

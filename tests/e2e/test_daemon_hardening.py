@@ -1,4 +1,4 @@
-"""Issue 12: the real daemon against sloppy and hostile clients, operators' typos and service users.
+"""The real daemon against sloppy and hostile clients, operators' typos and service users.
 
 One daemon on a copy of the tiny store whose drive is capped at 0.2 MB/s with no
 expert cache, so a token takes about half a second: long enough to disconnect,

@@ -1,4 +1,4 @@
-"""One request's sampling values never touch another's (issue 12 item 5), against the real daemon.
+"""One request's sampling values never touch another's, against the real daemon.
 
 `"top_p": 1e-300` and `"temperature": 1e-320` are valid input; they once rounded to 0 in
 float32, gave a 500 and failed every other request of the same engine step. Three concurrent

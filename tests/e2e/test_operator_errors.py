@@ -1,4 +1,4 @@
-"""Issue 12, the operator's side: file modes, permission messages, doctor, install-service, `run --chat` at a terminal."""
+"""The operator's side: file modes, permission messages, doctor, install-service, `run --chat` at a terminal."""
 
 from __future__ import annotations
 

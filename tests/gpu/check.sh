@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 7): one run, about 4-6 minutes on a fresh NVIDIA machine with
+# The prepared GPU check: one run, about 4-6 minutes on a fresh NVIDIA machine with
 # no network. Uses the python3 (and torch) already there; deltafind's own missing pure-Python
 # dependencies travel as wheels in .whl/ (see tests/gpu/README.md). Steps:
 #   1. refuse at once, non-zero, without a CUDA device;

@@ -3,7 +3,7 @@ path, the staging contract, pinned-pool buffers and the device cache budget rule
 
 The GPU half of these checks (the same paths on CUDA/MPS against the CPU) is tests/gpu/.
 References: the CPU C++ kernel and the plain spec decode for MXFP4; the unchanged CPU
-path of the same store for tokens; the issue's rule (max(2 GiB, 20 %) headroom) for budgets.
+path of the same store for tokens; the documented rule (max(2 GiB, 20 %) headroom, the README's device table) for budgets.
 """
 
 from __future__ import annotations

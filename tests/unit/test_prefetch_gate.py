@@ -90,7 +90,7 @@ def test_the_window_is_its_compute_part_plus_the_demand_drain_at_decision() -> N
     # (the other drive idles meanwhile). The window's compute part is measured from the moment the last
     # drive's demand ran out: a warm cache that hits more each token queues less, and a remembered
     # whole window then let whole records overrun it; the window less a drain estimated from rates was
-    # a difference of two noisy numbers, 0-16 ms around a 5 ms truth (RESULTS.md, issue 15).
+    # a difference of two noisy numbers, 0-16 ms around a 5 ms truth (tests/bench/RESULTS.md, drives).
     gate = _measured(window_s=0.05)  # compute part ~0.05 s: ~5 MB of slack per idle drive
     drain = [_landing(0.3) for _ in range(3)]
     for fut in drain:

@@ -54,7 +54,7 @@ def test_trace_holds_one_route_per_token_and_expert_layer(family: str, tmp_path:
 
 def test_the_prefetch_hint_lists_the_routers_best_first() -> None:
     # The gate starts reads in the hint's order while a drive has slack: by count alone, one token's
-    # experts all tied and the lowest ids went first, whatever their scores (RESULTS.md, issue 15:
+    # experts all tied and the lowest ids went first, whatever their scores (tests/bench/RESULTS.md, drives:
     # 26 of 49 reads started were wasted, 8 of 49 once ordered by the router's weights).
     from types import SimpleNamespace
 

@@ -206,7 +206,7 @@ def test_cache_never_exceeds_its_budget(budget: int, puts: list[tuple[int, int]]
 
 
 def test_a_store_of_an_older_format_is_refused_with_the_fix_and_the_same_setup_reimports_it(moe_ckpt: Path, tmp_path: Path) -> None:
-    """Issue 14.1: format 2 keeps GGUF blocks as stored; a format-1 store (which widened them at import)
+    """Format 2 keeps GGUF blocks as stored; a format-1 store (which widened them at import)
     is refused by name and version, and the message's fix (the same `deltafind setup` again) works."""
     store, drives = tmp_path / "store", [tmp_path / "a"]
     setup_store(moe_ckpt, store, drives, dense_slices=2, progress=False)

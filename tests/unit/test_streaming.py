@@ -102,7 +102,7 @@ def test_trace_summarize_and_warm_pin_the_hot_experts(stores, reference, tmp_pat
     m.close()
     records = read_trace(trace)
     summary = summarize(records)
-    expert_layers = 3  # MoE layers 1 and 2, and dense layer 0, whose every token takes all its slices (issue 11)
+    expert_layers = 3  # MoE layers 1 and 2, and dense layer 0, whose every token takes all its slices
     assert summary["routes"] == (len(PROMPT) + 11) * expert_layers  # prompt + 11 decode steps (the 12th token is not fed back)
     assert set(summary["reuse_by_layer"]) == {0, 1, 2} and set(summary["prediction_recall_by_layer"]) <= {0, 1, 2}
     from deltafind.store.trace import heat_from_trace

@@ -29,7 +29,7 @@ def history(tok: Tokenizer, *turns: str) -> list[dict]:
 
 def odd_spelling(tok: Tokenizer, text: str) -> list[int]:
     """`text` in ids BPE would not choose: split where the canonical encoding merges (as a grammar may steer)."""
-    cut = text.index('"}}') + 2  # '"}' + '}' where BPE says '"' + '}}' (the demo's turn-1 answer, issue 13)
+    cut = text.index('"}}') + 2  # '"}' + '}' where BPE says '"' + '}}' (the demo's turn-1 answer)
     ids = tok.encode(text[:cut], add_bos=False) + tok.encode(text[cut:], add_bos=False)
     assert ids != tok.encode(text, add_bos=False) and tok.decode(ids) == text
     return ids
