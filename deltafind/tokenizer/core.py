@@ -53,6 +53,8 @@ class Tokenizer:
     Build with `Tokenizer.load(folder)` or `Tokenizer.from_tiktoken(...)`.
     """
 
+    chat_format: str | None = None  # the chat format it declares (server/formats); None: found from its template
+
     def __init__(
         self,
         backend: Backend,
@@ -228,11 +230,17 @@ class Tokenizer:
 
         BOS only if the template left it out.
         """
+        return self.chat_prompt(messages, add_generation_prompt, **template_kwargs)[1]
+
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> tuple[str, list[int]]:
+        """(the prompt text, its ids) from one rendering, as `render_chat` and `apply_chat_template` give them."""
         text = self._render_escaped(messages, add_generation_prompt, template_kwargs)
         ids = self._guard.encode(text, lambda piece: self.encode(piece, add_bos=False))
         if self._add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
-        return ids
+        return text.replace(BREAK, ""), ids
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, folder={str(self._folder)!r})"
