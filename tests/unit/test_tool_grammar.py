@@ -37,6 +37,7 @@ FAMILIES = {
                                          "<｜tool▁calls▁end｜>")], "{{ tools }}"),
     "kimi_k2": ([(t, True) for t in ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
                                      "<|tool_call_end|>", "<|tool_calls_section_end|>")], "{{ tools }}"),
+    "qwen3_coder": ([("<tool_call>", False), ("</tool_call>", False)], "{{ tools }}<function="),
 }
 
 
@@ -141,7 +142,7 @@ def test_auto_lets_text_run_then_enforces_a_started_call(family: tuple[str, Toke
     plan = plan_chat(tok, body(tool_choice="auto"), [{"role": "user", "content": "x"}])
     con = plan.constraint()
     marker = {"hermes": "<tool_call>", "deepseek_v3": "<｜tool▁calls▁begin｜>", "kimi_k2": "<|tool_calls_section_begin|>",
-              "kimi_k3": "<|open|>tools<|sep|>"}[name]
+              "kimi_k3": "<|open|>tools<|sep|>", "qwen3_coder": "<tool_call>"}[name]
     before = ("Hmm.<|close|>think<|sep|><|open|>response<|sep|>Let me check.<|close|>response<|sep|>" if name == "kimi_k3"
               else "Let me check. ")
     prose = tok.encode(before, allow_special=True) + tok.encode(marker, allow_special=True)

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from deltafind.server.output import OutputParser
 from deltafind.server.formats import DEEPSEEK_V3, HERMES, KIMI_K2, LLAMA3
 from deltafind.server.formats import KIMI_K3 as K3_XTML
+from deltafind.server.output import OutputParser
 
 K3_STRIP = ("<|open|>response<|sep|>", "<|close|>response<|sep|>", "<|close|>message<|sep|>", "<|end_of_msg|>")
 

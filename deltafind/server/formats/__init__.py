@@ -13,6 +13,7 @@ from deltafind.server.formats.hermes import HERMES
 from deltafind.server.formats.kimi_k2 import KIMI_K2
 from deltafind.server.formats.kimi_k3 import KIMI_K3
 from deltafind.server.formats.llama3 import LLAMA3
+from deltafind.server.formats.qwen3_coder import QWEN3_CODER
 from deltafind.server.formats.template import ChatFormat, Prompt, Request
 
 FORMATS: tuple[ChatFormat, ...] = (
@@ -20,6 +21,7 @@ FORMATS: tuple[ChatFormat, ...] = (
     KIMI_K2,
     DEEPSEEK_V3,
     LLAMA3,
+    QWEN3_CODER,
     HERMES,  # detects every template: the last
 )
 

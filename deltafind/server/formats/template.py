@@ -109,6 +109,7 @@ class ChatFormat:
                           *rules])
 
     def call_rule(self, tool: ToolSpec, lit: Any) -> str:
+        """The Lark body of one call of `tool`; further lines, if any, are rules that body uses."""
         raise NotImplementedError
 
     def mark(self, text: str, lit: Any) -> str:
