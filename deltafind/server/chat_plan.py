@@ -71,8 +71,7 @@ def plan_chat(tokenizer: Any, body: Any, messages: list[dict[str, Any]], always_
     use = [t for t in tools if forced is None or t.name == forced]
     parallel = body.parallel_tool_calls is not False and forced is None
     try:
-        prompt = fmt.render(tokenizer, Request(messages, tools, mode, thinking, fmt.effort(body.reasoning_effort, kwargs),
-                                               kwargs, body.response_format))
+        prompt = fmt.render(tokenizer, Request(messages, tools, mode, thinking, body.reasoning_effort, kwargs, body.response_format))
     except RequestError as e:  # the template refused this conversation (raise_exception)
         raise bad_request(str(e), "messages", "invalid_messages") from None
     except StoreError as e:  # the store's template is broken, too slow or too big: not the client's fault

@@ -218,7 +218,7 @@ class Tokenizer:
         **template_kwargs: Any,
     ) -> str:
         """The prompt text the model's chat template makes of `messages`."""
-        return self._render_escaped(messages, add_generation_prompt, template_kwargs).replace(BREAK, "")
+        return self.chat_prompt(messages, add_generation_prompt, **template_kwargs)[0]
 
     def apply_chat_template(
         self,

@@ -84,9 +84,6 @@ class KimiTokenizer(Tokenizer):
         """XTML segments; kwargs: tools, tool_choice, response_format, thinking, thinking_effort."""
         return render_segments(messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        return "".join(s.text for s in self.chat_segments(messages, add_generation_prompt, **kwargs))
-
     def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> tuple[str, list[int]]:
         """Each segment encoded on its own (control: specials read; ordinary: plain BPE), ids concatenated."""
         segments, ids = self.chat_segments(messages, add_generation_prompt, **kwargs), list[int]()

@@ -34,18 +34,13 @@ class KimiK3(ChatFormat):
     def detect(self, tokenizer: Any) -> bool:
         return False  # only by declaration
 
-    def effort(self, reasoning_effort: str | None, kwargs: dict[str, Any]) -> str | None:
-        if reasoning_effort is not None and reasoning_effort not in ("none", "minimal"):
-            return EFFORT[reasoning_effort]
-        return kwargs.get("thinking_effort", "max")
-
     def think(self, tokenizer: Any) -> tuple[str, str] | None:
         return f"{OPEN}think{SEP}", f"{CLOSE}think{SEP}"
 
     def render(self, tokenizer: Any, req: Request) -> Prompt:
         tc = {"required": "required", "none": "none"}.get(req.mode) if req.tools else None
-        args = dict(tools=[t.raw for t in req.tools] or None, thinking=req.thinking,
-                    thinking_effort=req.effort if req.thinking else None)
+        effort = EFFORT.get(req.reasoning_effort or "", req.kwargs.get("thinking_effort", "max"))
+        args = dict(tools=[t.raw for t in req.tools] or None, thinking=req.thinking, thinking_effort=effort if req.thinking else None)
         ids = tokenizer.apply_chat_template(req.messages, tool_choice=tc, response_format=req.response_format, **args)
         if not tc and (req.response_format or {}).get("type") in (None, "text"):
             return Prompt(ids, req.thinking)
@@ -106,14 +101,7 @@ class KimiK3(ChatFormat):
         return (None if JSON_OPEN.startswith(buf) and not final else "elements"), buf
 
     def elements(self, text: str, tool: ToolSpec | None) -> dict[str, Any]:
-        return {m["key"]: m["value"] if m["type"] == "string" else _loads(m["value"]) for m in ARGUMENT.finditer(text)}
-
-
-def _loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
+        return {m["key"]: m["value"] if m["type"] == "string" else self.json_or_text(m["value"]) for m in ARGUMENT.finditer(text)}
 
 
 KIMI_K3 = KimiK3()

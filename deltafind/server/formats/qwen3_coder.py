@@ -7,7 +7,6 @@ and results itself. A string value is raw text (it ends at the first
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
@@ -50,17 +49,13 @@ class Qwen3Coder(ChatFormat):
 
     def elements(self, text: str, tool: ToolSpec | None) -> dict[str, Any]:
         props = (tool.parameters.get("properties") or {}) if tool else {}
-        return {m["key"]: _value(m["value"], props.get(m["key"])) for m in PARAMETER.finditer(text)}
+        # a string parameter stays as written, anything else is read as JSON
+        return {m["key"]: m["value"] if _is_string(props.get(m["key"])) else self.json_or_text(m["value"])
+                for m in PARAMETER.finditer(text)}
 
 
-def _value(text: str, schema: Any) -> Any:
-    """A parameter's text as its schema's type: a string stays as written, anything else is read as JSON."""
-    if isinstance(schema, dict) and (schema.get("type") == "string" or (schema.get("type") is None and "enum" in schema)):
-        return text
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
+def _is_string(schema: Any) -> bool:
+    return isinstance(schema, dict) and (schema.get("type") == "string" or (schema.get("type") is None and "enum" in schema))
 
 
 QWEN3_CODER = Qwen3Coder()

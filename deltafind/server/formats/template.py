@@ -34,7 +34,7 @@ class Request:
     tools: list[ToolSpec]
     mode: str  # tool_choice: auto | none | required
     thinking: bool
-    effort: str | None
+    reasoning_effort: str | None
     kwargs: dict[str, Any]  # chat_template_kwargs
     response_format: dict[str, Any] | None
 
@@ -69,9 +69,6 @@ class ChatFormat:
 
     # -- the prompt --------------------------------------------------------------
 
-    def effort(self, reasoning_effort: str | None, kwargs: dict[str, Any]) -> str | None:
-        return None
-
     def native(self, tokenizer: Any) -> bool:
         """Whether the chat template renders `tools` itself."""
         return "tools" in tokenizer.chat_template_source
@@ -98,8 +95,6 @@ class ChatFormat:
 
     def call_grammar(self, tokenizer: Any, tools: list[ToolSpec], parallel: bool, prefix: str = "") -> str:
         """Lark: one call (or several, `parallel`) of `tools`, arguments valid against their schemas."""
-        if self.call_open is None:
-            raise bad_request("tools: this model's chat format has no tool calls", "tools", "invalid_value")
         lit = literal(tokenizer)
         calls = f"call ({self.call_sep}call)*" if parallel and self.parallel else "call"
         if self.section_open:
@@ -131,6 +126,13 @@ class ChatFormat:
     def elements(self, text: str, tool: ToolSpec | None) -> dict[str, Any]:
         """The arguments of one call written as elements (`text`: up to its call_close)."""
         raise NotImplementedError
+
+    @staticmethod
+    def json_or_text(text: str) -> Any:
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return text
 
     def whole_call(self, block: str) -> str:
         """The JSON object of a call read whole ({"arguments": ..., "name": ...} in another key order)."""
