@@ -252,3 +252,19 @@ def test_defs_refs_and_unsupported_keywords_are_enforced_leniently(family: tuple
     checked = json.loads(json.dumps(NESTED).replace('"propertyNames"', '"x-not-enforced"'))
     jsonschema.validate(args, checked)
     assert call.name == "send" and isinstance(args["to"]["city"], str), name
+
+
+def test_an_hf_template_renders_once_per_request(family: tuple[str, Tokenizer]) -> None:
+    """The prompt's text (for an open think block) and its ids come from one rendering, not two."""
+    name, tok = family
+    if name == "kimi_k3":
+        pytest.skip("K3's prompt is built by tokenizer/kimi_xtml.py, not a template")
+    template = tok._template()
+    renders = []
+    real = template.render
+    template.render = lambda *a, **kw: renders.append(1) or real(*a, **kw)  # counts, and renders for real
+    try:
+        plan_chat(tok, body(tool_choice="auto"), [{"role": "user", "content": "x"}])
+    finally:
+        del template.render
+    assert len(renders) == 1
