@@ -268,3 +268,25 @@ def test_an_hf_template_renders_once_per_request(family: tuple[str, Tokenizer]) 
     finally:
         del template.render
     assert len(renders) == 1
+
+
+@pytest.mark.parametrize("kw", [dict(tool_choice="required"), dict(tool_choice="none", reasoning_effort="none"),
+                                dict(tool_choice="auto", reasoning_effort="low"),
+                                dict(tools=None, tool_choice=None, response_format={"type": "json_object"})])
+def test_k3_prompt_in_two_parts_is_the_whole_rendering(kw: dict, tmp_path: Path) -> None:
+    """K3 renders its history and its per-request messages apart, each once: together they are the one
+    rendering tokenizer/kimi.py makes of the whole conversation (checked against the reference by tests/oracle)."""
+    write_k3_tokenizer(tmp_path)
+    tok = Tokenizer.load(tmp_path)
+    ask = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+           {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+                                                                "function": {"name": "noop", "arguments": "{}"}}]},
+           {"role": "tool", "tool_call_id": "c1", "content": "done"}]
+    b = body(**kw)
+    plan = plan_chat(tok, b, ask)
+    thinking = b.reasoning_effort != "none"
+    tc = {"required": "required", "none": "none"}.get(b.tool_choice) if b.tools else None
+    effort = {"low": "low"}.get(b.reasoning_effort or "", "max") if thinking else None
+    whole = tok.apply_chat_template(ask, tools=b.tools, tool_choice=tc, response_format=b.response_format, thinking=thinking,
+                                    thinking_effort=effort)
+    assert plan.prompt_ids == whole

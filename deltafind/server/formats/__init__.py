@@ -29,7 +29,7 @@ FORMATS: tuple[ChatFormat, ...] = (
 def pick_format(tokenizer: Any) -> ChatFormat:
     declared = tokenizer.chat_format
     for f in FORMATS:
-        if f.name == declared if declared else f.detect(tokenizer):
+        if (f.name == declared) if declared else f.detect(tokenizer):
             return f
     raise UnsupportedModelError(f"the tokenizer declares chat format {declared!r}, which is not one of "
                                 f"{', '.join(f.name for f in FORMATS)}")

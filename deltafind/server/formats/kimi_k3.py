@@ -40,14 +40,16 @@ class KimiK3(ChatFormat):
     def render(self, tokenizer: Any, req: Request) -> Prompt:
         tc = {"required": "required", "none": "none"}.get(req.mode) if req.tools else None
         effort = EFFORT.get(req.reasoning_effort or "", req.kwargs.get("thinking_effort", "max"))
-        args = dict(tools=[t.raw for t in req.tools] or None, thinking=req.thinking, thinking_effort=effort if req.thinking else None)
-        ids = tokenizer.apply_chat_template(req.messages, tool_choice=tc, response_format=req.response_format, **args)
-        if not tc and (req.response_format or {}).get("type") in (None, "text"):
-            return Prompt(ids, req.thinking)
-        # The tool-choice and response-format messages come after the history; the next turn's prompt repeats the
-        # history but not them, so the engine keeps a prefix-cache checkpoint there (KDA state resumes only where stored).
-        head = tokenizer.apply_chat_template(req.messages, add_generation_prompt=False, **args)
-        return Prompt(ids, req.thinking, len(head) if 0 < len(head) < len(ids) and ids[: len(head)] == head else 0)
+        # Rendered in two parts, each once: the history (tool declarations and effort first), then what only this
+        # request adds (the tool-choice and response-format messages, the generation prompt). The next turn's prompt
+        # repeats the history but not those messages, so the engine keeps a prefix-cache checkpoint where the history
+        # ends (KDA state resumes only where it was stored).
+        head = tokenizer.apply_chat_template(req.messages, add_generation_prompt=False, thinking=req.thinking,
+                                             tools=[t.raw for t in req.tools] or None, thinking_effort=effort if req.thinking else None)
+        tail = tokenizer.apply_chat_template([], tool_choice=tc, response_format=req.response_format, thinking=req.thinking,
+                                             tools=None, thinking_effort=None)
+        per_request = tc or (req.response_format or {}).get("type") not in (None, "text")
+        return Prompt(head + tail, req.thinking, len(head) if per_request else 0)
 
     # -- the grammar ---------------------------------------------------------------
 
