@@ -201,16 +201,6 @@ class Tokenizer:
             self._chat = ChatTemplate(*found)
         return self._chat
 
-    def _render_escaped(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any]
-    ) -> str:
-        # Everything the caller hands in is escaped; only the tokenizer's own specials are not.
-        guard = self._guard
-        context = {**self._special, **guard.escape(template_kwargs)}
-        return self._template().render(
-            guard.escape(messages), add_generation_prompt=add_generation_prompt, **context
-        )
-
     def render_chat(
         self,
         messages: list[dict[str, Any]],
@@ -236,7 +226,9 @@ class Tokenizer:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
     ) -> tuple[str, list[int]]:
         """(the prompt text, its ids) from one rendering, as `render_chat` and `apply_chat_template` give them."""
-        text = self._render_escaped(messages, add_generation_prompt, template_kwargs)
+        # Everything the caller hands in is escaped; only the tokenizer's own specials are not.
+        context = {**self._special, **self._guard.escape(template_kwargs)}
+        text = self._template().render(self._guard.escape(messages), add_generation_prompt=add_generation_prompt, **context)
         ids = self._guard.encode(text, lambda piece: self.encode(piece, add_bos=False))
         if self._add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
