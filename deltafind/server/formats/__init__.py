@@ -2,7 +2,7 @@
 
 A tokenizer that declares its format (`Tokenizer.chat_format`) gets that one;
 any other gets the first below whose `detect` knows its vocabulary or template.
-To add a format: one file with a `ChatFormat` subclass, and its line here.
+To add a format: one file with a `ChatFormat` subclass; import it here and place it in FORMATS.
 """
 
 from typing import Any
