@@ -19,7 +19,7 @@ log = get_logger(__name__)
 KNOWN = {"model", "messages", "system", "max_tokens", "tools", "tool_choice", "temperature", "top_p", "top_k", "stop_sequences",
          "stream", "metadata", "thinking", "service_tier", "container", "mcp_servers", "context_management", "output_config",
          "cache_control"}
-# Anthropic's effort levels -> the chat path's reasoning_effort (K3 takes low/high/max: chat_plan.py rounds).
+# Anthropic's effort levels -> the chat path's reasoning_effort (K3 takes low/high/max: server/formats/kimi_k3.py rounds).
 EFFORT = {"low": "low", "medium": "medium", "high": "high", "xhigh": "max", "max": "max"}
 
 

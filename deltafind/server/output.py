@@ -2,7 +2,7 @@
 
 `OutputParser` takes the raw generated text (special tokens kept) piece by piece
 and returns `Delta`s: reasoning text (`<think>` ... `</think>`, K3's think
-channel), content text, and tool calls in the family's markup (server/tools.py)
+channel), content text, and tool calls in the family's markup (server/formats)
 as a call start (index, id, name) then argument fragments as they are generated.
 Text that might be the start of a marker is held back until it is not, so no
 markup ever reaches `content`. Knows nothing of the engine or of HTTP.
@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltafind.server.tools import K3_ARGUMENT, K3_JSON_OPEN, K3_XTML, LLAMA3, ToolFormat
-
-PYTHON_TAG = "<|python_tag|>"
+from deltafind.server.formats.template import ChatFormat
+from deltafind.server.tools import ToolSpec
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class ToolCall:
     id: str
     name: str
     arguments: list[str] = field(default_factory=list)
-    mode: str | None = None  # json | elements (K3)
+    mode: str | None = None  # json | elements (ChatFormat.begin_args)
     closed: bool = False  # the arguments object is complete
 
     def openai(self) -> dict[str, Any]:
@@ -82,9 +82,9 @@ class _JsonScan:
 class OutputParser:
     """Split one choice's streamed text; `feed` per piece, `finish` once at the end."""
 
-    def __init__(self, fmt: ToolFormat | None = None, think: tuple[str, str] | None = None, in_think: bool = False,
-                 strip: tuple[str, ...] = ()) -> None:
-        self.fmt, self.think, self.strip = fmt, think, list(strip)
+    def __init__(self, fmt: ChatFormat | None = None, think: tuple[str, str] | None = None, in_think: bool = False,
+                 strip: tuple[str, ...] = (), tools: Iterable[ToolSpec] = ()) -> None:
+        self.fmt, self.think, self.strip, self.tools = fmt, think, list(strip), {t.name: t for t in tools}
         self.r_state = "in" if think and in_think else ("maybe" if think else "out")
         self.rbuf = self.cbuf = ""
         self.mode = "content"
@@ -160,14 +160,14 @@ class OutputParser:
         fmt = self.fmt
         if self.mode == "calls":
             return self._calls(out, final)
-        if fmt is LLAMA3 and not self._any_content and not self.calls:  # a Llama 3 call is the whole answer
+        if fmt is not None and fmt.leads and not self._any_content and not self.calls:  # the call is the whole answer
             s = self.cbuf.lstrip()
             if not s and not final:
                 return False
-            if s.startswith(("{", PYTHON_TAG)) or (PYTHON_TAG.startswith(s) and s and not final):
+            if s.startswith(fmt.leads) or (s and not final and any(x.startswith(s) for x in fmt.leads)):
                 self.mode, self.cbuf = "calls", s
                 return True
-        starts = [fmt.start] if fmt is not None and fmt is not LLAMA3 else []
+        starts = [fmt.start] if fmt is not None and fmt.start else []
         idx, marker = _earliest(self.cbuf, self.strip + starts)
         if marker is None:
             keep = 0 if final else _hold(self.cbuf, self.strip + starts)
@@ -190,7 +190,7 @@ class OutputParser:
             if fmt.section_close and s.startswith(fmt.section_close):
                 self.cbuf, self.mode = s[len(fmt.section_close):], "content"
                 return True
-            if s.startswith(fmt.call_open) or (fmt is LLAMA3 and s.startswith(PYTHON_TAG)):
+            if s.startswith(fmt.openers):
                 m = fmt.header.match(s)
                 if m is None:
                     if final:
@@ -203,29 +203,24 @@ class OutputParser:
                 self.cbuf = s[m.end():]
                 self._emit(out, "call", self.cur.name, self.cur.index, self.cur.id)
                 return True
-            if not s or (not final and any(x.startswith(s) for x in (fmt.call_open, fmt.section_close or "", PYTHON_TAG))):
+            if not s or (not final and any(x.startswith(s) for x in (*fmt.openers, fmt.section_close or ""))):
                 return False
             if fmt.section_open is None:  # text after standalone calls is content again
                 self.mode, self.cbuf = "content", s
                 return True
-            nxt = min((i for i in (s.find(fmt.call_open), s.find(fmt.section_close or "\0")) if i > 0), default=-1)
+            nxt = min((i for i in (s.find(fmt.call_open or "\0"), s.find(fmt.section_close or "\0")) if i > 0), default=-1)
             self.cbuf = s[nxt:] if nxt > 0 else ""  # junk between calls inside a section
             return nxt > 0
         call = self.cur
         if call.mode is None:
-            if fmt is K3_XTML and not self.cbuf.startswith(K3_JSON_OPEN):
-                if K3_JSON_OPEN.startswith(self.cbuf) and not final:
-                    return False
-                call.mode = "elements"
-            else:
-                call.mode = "json"
-                self.cbuf = self.cbuf[len(K3_JSON_OPEN):] if fmt is K3_XTML else self.cbuf
+            call.mode, self.cbuf = fmt.begin_args(self.cbuf, final)
+            if call.mode is None:
+                return False
         if call.mode == "elements":
             idx = self.cbuf.find(fmt.call_close)
             if idx < 0:
                 return False
-            args = {m["key"]: m["value"] if m["type"] == "string" else _loads(m["value"])
-                    for m in K3_ARGUMENT.finditer(self.cbuf[:idx])}
+            args = fmt.elements(self.cbuf[:idx], self.tools.get(call.name))
             self._emit(out, "args", json.dumps(args, ensure_ascii=False), call.index)
             call.arguments.append(json.dumps(args, ensure_ascii=False))
             call.closed, self.cur, self.cbuf = True, None, self.cbuf[idx + len(fmt.call_close):]
@@ -249,10 +244,8 @@ class OutputParser:
 
     def _fallback(self, block: str, out: list[Delta]) -> None:
         # A call whose keys came in another order ({"arguments": ..., "name": ...}): parse it whole.
-        body = block.removeprefix(PYTHON_TAG).removeprefix(self.fmt.call_open if self.fmt is not LLAMA3 else "")  # type: ignore[union-attr]
-        body = body.split(self.fmt.call_close)[0] if self.fmt is not LLAMA3 else body  # type: ignore[union-attr]
         try:
-            obj = json.loads(body if self.fmt is not LLAMA3 else block.removeprefix(PYTHON_TAG))
+            obj = json.loads(self.fmt.whole_call(block))  # type: ignore[union-attr]
         except json.JSONDecodeError:
             self._emit(out, "content", block)
             return
@@ -266,9 +259,3 @@ class OutputParser:
         self._emit(out, "call", call.name, call.index, call.id)
         self._emit(out, "args", call.arguments[0], call.index)
 
-
-def _loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text

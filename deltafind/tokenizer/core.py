@@ -53,6 +53,8 @@ class Tokenizer:
     Build with `Tokenizer.load(folder)` or `Tokenizer.from_tiktoken(...)`.
     """
 
+    chat_format: str | None = None  # the chat format it declares (server/formats); None: found from its template
+
     def __init__(
         self,
         backend: Backend,
@@ -199,16 +201,6 @@ class Tokenizer:
             self._chat = ChatTemplate(*found)
         return self._chat
 
-    def _render_escaped(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any]
-    ) -> str:
-        # Everything the caller hands in is escaped; only the tokenizer's own specials are not.
-        guard = self._guard
-        context = {**self._special, **guard.escape(template_kwargs)}
-        return self._template().render(
-            guard.escape(messages), add_generation_prompt=add_generation_prompt, **context
-        )
-
     def render_chat(
         self,
         messages: list[dict[str, Any]],
@@ -216,7 +208,7 @@ class Tokenizer:
         **template_kwargs: Any,
     ) -> str:
         """The prompt text the model's chat template makes of `messages`."""
-        return self._render_escaped(messages, add_generation_prompt, template_kwargs).replace(BREAK, "")
+        return self.chat_prompt(messages, add_generation_prompt, **template_kwargs)[0]
 
     def apply_chat_template(
         self,
@@ -228,11 +220,19 @@ class Tokenizer:
 
         BOS only if the template left it out.
         """
-        text = self._render_escaped(messages, add_generation_prompt, template_kwargs)
+        return self.chat_prompt(messages, add_generation_prompt, **template_kwargs)[1]
+
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> tuple[str, list[int]]:
+        """(the prompt text, its ids) from one rendering, as `render_chat` and `apply_chat_template` give them."""
+        # Everything the caller hands in is escaped; only the tokenizer's own specials are not.
+        context = {**self._special, **self._guard.escape(template_kwargs)}
+        text = self._template().render(self._guard.escape(messages), add_generation_prompt=add_generation_prompt, **context)
         ids = self._guard.encode(text, lambda piece: self.encode(piece, add_bos=False))
         if self._add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
-        return ids
+        return text.replace(BREAK, ""), ids
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, folder={str(self._folder)!r})"

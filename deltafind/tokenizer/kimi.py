@@ -56,6 +56,8 @@ def safety_slices(text: str) -> list[str]:
 class KimiTokenizer(Tokenizer):
     """K3's tokenizer: plain encode with safety slicing, XTML chat, EOS = <|end_of_msg|>."""
 
+    chat_format = "kimi_k3"
+
     @classmethod
     def claims(cls, config: dict[str, Any]) -> bool:
         return is_xtml(config)
@@ -82,15 +84,12 @@ class KimiTokenizer(Tokenizer):
         """XTML segments; kwargs: tools, tool_choice, response_format, thinking, thinking_effort."""
         return render_segments(messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        return "".join(s.text for s in self.chat_segments(messages, add_generation_prompt, **kwargs))
-
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> tuple[str, list[int]]:
         """Each segment encoded on its own (control: specials read; ordinary: plain BPE), ids concatenated."""
-        ids: list[int] = []
-        for seg in self.chat_segments(messages, add_generation_prompt, **kwargs):
+        segments, ids = self.chat_segments(messages, add_generation_prompt, **kwargs), list[int]()
+        for seg in segments:
             ids += self.encode(seg.text, allow_special=seg.control)
-        return ids
+        return "".join(s.text for s in segments), ids
 
 
 SAMPLE_CORPUS = (

@@ -37,6 +37,7 @@ FAMILIES = {
                                          "<｜tool▁calls▁end｜>")], "{{ tools }}"),
     "kimi_k2": ([(t, True) for t in ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
                                      "<|tool_call_end|>", "<|tool_calls_section_end|>")], "{{ tools }}"),
+    "qwen3_coder": ([("<tool_call>", False), ("</tool_call>", False)], "{{ tools }}<function="),
 }
 
 
@@ -141,7 +142,7 @@ def test_auto_lets_text_run_then_enforces_a_started_call(family: tuple[str, Toke
     plan = plan_chat(tok, body(tool_choice="auto"), [{"role": "user", "content": "x"}])
     con = plan.constraint()
     marker = {"hermes": "<tool_call>", "deepseek_v3": "<｜tool▁calls▁begin｜>", "kimi_k2": "<|tool_calls_section_begin|>",
-              "kimi_k3": "<|open|>tools<|sep|>"}[name]
+              "kimi_k3": "<|open|>tools<|sep|>", "qwen3_coder": "<tool_call>"}[name]
     before = ("Hmm.<|close|>think<|sep|><|open|>response<|sep|>Let me check.<|close|>response<|sep|>" if name == "kimi_k3"
               else "Let me check. ")
     prose = tok.encode(before, allow_special=True) + tok.encode(marker, allow_special=True)
@@ -251,3 +252,41 @@ def test_defs_refs_and_unsupported_keywords_are_enforced_leniently(family: tuple
     checked = json.loads(json.dumps(NESTED).replace('"propertyNames"', '"x-not-enforced"'))
     jsonschema.validate(args, checked)
     assert call.name == "send" and isinstance(args["to"]["city"], str), name
+
+
+def test_an_hf_template_renders_once_per_request(family: tuple[str, Tokenizer]) -> None:
+    """The prompt's text (for an open think block) and its ids come from one rendering, not two."""
+    name, tok = family
+    if name == "kimi_k3":
+        pytest.skip("K3's prompt is built by tokenizer/kimi_xtml.py, not a template")
+    template = tok._template()
+    renders = []
+    real = template.render
+    template.render = lambda *a, **kw: renders.append(1) or real(*a, **kw)  # counts, and renders for real
+    try:
+        plan_chat(tok, body(tool_choice="auto"), [{"role": "user", "content": "x"}])
+    finally:
+        del template.render
+    assert len(renders) == 1
+
+
+@pytest.mark.parametrize("kw", [dict(tool_choice="required"), dict(tool_choice="none", reasoning_effort="none"),
+                                dict(tool_choice="auto", reasoning_effort="low"),
+                                dict(tools=None, tool_choice=None, response_format={"type": "json_object"})])
+def test_k3_prompt_in_two_parts_is_the_whole_rendering(kw: dict, tmp_path: Path) -> None:
+    """K3 renders its history and its per-request messages apart, each once: together they are the one
+    rendering tokenizer/kimi.py makes of the whole conversation (checked against the reference by tests/oracle)."""
+    write_k3_tokenizer(tmp_path)
+    tok = Tokenizer.load(tmp_path)
+    ask = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+           {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+                                                                "function": {"name": "noop", "arguments": "{}"}}]},
+           {"role": "tool", "tool_call_id": "c1", "content": "done"}]
+    b = body(**kw)
+    plan = plan_chat(tok, b, ask)
+    thinking = b.reasoning_effort != "none"
+    tc = {"required": "required", "none": "none"}.get(b.tool_choice) if b.tools else None
+    effort = {"low": "low"}.get(b.reasoning_effort or "", "max") if thinking else None
+    whole = tok.apply_chat_template(ask, tools=b.tools, tool_choice=tc, response_format=b.response_format, thinking=thinking,
+                                    thinking_effort=effort)
+    assert plan.prompt_ids == whole

@@ -1,4 +1,4 @@
-"""server/output.py: reasoning, content and tool calls split from streamed text, for every family's markup."""
+"""server/output.py with server/formats: reasoning, content and tool calls split from streamed text, for every family's markup."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from deltafind.server.formats import DEEPSEEK_V3, HERMES, KIMI_K2, LLAMA3
+from deltafind.server.formats import KIMI_K3 as K3_XTML
 from deltafind.server.output import OutputParser
-from deltafind.server.tools import DEEPSEEK_V3, HERMES, K3_XTML, KIMI_K2, LLAMA3
 
 K3_STRIP = ("<|open|>response<|sep|>", "<|close|>response<|sep|>", "<|close|>message<|sep|>", "<|end_of_msg|>")
 
