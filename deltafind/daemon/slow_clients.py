@@ -6,7 +6,9 @@ headers hold every thread and /health stops answering. Here the main loop gather
 each request head without a thread and closes a connection whose head is not
 complete within server.header_timeout_s (408); a thread only gets complete heads.
 The body is read in the request thread through a socket whose every recv is bounded
-by what is left of server.body_timeout_s, so a trickled body ends in a 408 too.
+by what is left of server.body_timeout_s, so a trickled body ends in a 408 too; a
+chunked body whose declared chunk sizes pass server.max_body_bytes is refused (400)
+as soon as the size line says so, not after the timeout.
 Also renders gunicorn's own error answers (400/408/414/431/...) as OpenAI JSON.
 """
 
@@ -15,11 +17,16 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import re
 import socket
 import time
 from collections import deque
 from http import HTTPStatus
 from typing import Any
+
+from gunicorn.http.body import Body, ChunkedReader
+from gunicorn.http.errors import InvalidChunkSize
+from gunicorn.http.message import Request
 
 from deltafind.log import get_logger
 from deltafind.server.errors import ApiError
@@ -69,6 +76,68 @@ class DeadlineSocket:
 
     def __getattr__(self, name: str) -> Any:  # settimeout, gettimeout, fileno for gunicorn's body drain
         return getattr(self.sock, name)
+
+
+class ChunkTooLarge(InvalidChunkSize):
+    def __init__(self, declared: int, limit: int) -> None:
+        super().__init__(b"")
+        self.declared, self.limit = declared, limit
+
+    def __str__(self) -> str:
+        return (f"the chunked body declares {self.declared} bytes so far; the limit is {self.limit} bytes "
+                "(server.max_body_bytes)")
+
+
+HEX_DIGITS = re.compile(rb"[0-9a-fA-F]*")
+
+
+class BoundedChunkedReader(ChunkedReader):
+    """gunicorn's chunked body reader, refusing a body whose chunk sizes add up past `limit` bytes.
+
+    gunicorn reads a declared chunk until it is all there: a size past the limit (or a size line
+    whose digits already pass it) would otherwise wait for the body timeout before any answer.
+    """
+
+    def __init__(self, req: Any, unreader: Any, limit: int) -> None:
+        super().__init__(req, unreader)
+        self.limit, self.declared, self._sizing = limit, 0, False
+
+    def parse_chunk_size(self, unreader: Any, data: bytes | None = None) -> tuple[int, Any]:
+        self._sizing = True
+        self._check(data or b"")
+        size, rest = super().parse_chunk_size(unreader, data)
+        self.declared += size
+        if self.declared > self.limit:
+            raise ChunkTooLarge(self.declared, self.limit)
+        return size, rest
+
+    def parse_trailers(self, unreader: Any, data: bytes) -> Any:
+        self._sizing = False  # trailer lines are headers, not sizes
+        return super().parse_trailers(unreader, data)
+
+    def read_into(self, unreader: Any, buf: bytearray) -> None:
+        super().read_into(unreader, buf)
+        if self._sizing:  # a size line still without its CRLF
+            self._check(buf)
+
+    def _check(self, line: bytes | bytearray) -> None:
+        m = HEX_DIGITS.match(line)
+        digits = m.group().lstrip(b"0") if m else b""
+        if len(digits) > 16 or (digits and self.declared + int(digits, 16) > self.limit):
+            raise ChunkTooLarge(self.declared + int(digits[:17], 16), self.limit)
+
+
+class BoundedRequest(Request):
+    """gunicorn's request with its chunked body read by `BoundedChunkedReader` (set as the parser's mesg_class)."""
+
+    def __init__(self, max_body_bytes: int, *args: Any) -> None:
+        self.max_body_bytes = max_body_bytes  # before the parse below, which builds the body reader
+        super().__init__(*args)
+
+    def set_body_reader(self) -> None:
+        super().set_body_reader()
+        if isinstance(self.body.reader, ChunkedReader):
+            self.body = Body(BoundedChunkedReader(self, self.unreader, self.max_body_bytes))
 
 
 class HeadReader:

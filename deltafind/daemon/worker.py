@@ -23,7 +23,7 @@ from gunicorn import util
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
 from deltafind.daemon import notify
-from deltafind.daemon.slow_clients import DeadlineSocket, HeadReader, write_error
+from deltafind.daemon.slow_clients import BoundedRequest, DeadlineSocket, HeadReader, write_error
 from deltafind.log import get_logger
 
 log = get_logger(__name__)
@@ -38,6 +38,7 @@ class Worker(ThreadWorker):
         server = self.app.settings.server
         self.heads = HeadReader(server.header_timeout_s, MAX_HEAD_BYTES)
         self.body_timeout_s = server.body_timeout_s
+        self.max_body_bytes = int(server.max_body_bytes)
         util.write_error = write_error  # gunicorn's own 400/408/414/431 answers, as OpenAI JSON (this process only)
         super().init_process()
 
@@ -94,6 +95,7 @@ class Worker(ThreadWorker):
             conn.data_ready = True
         if conn.parser is not None:  # the body (and a pipelined head) must arrive by this deadline
             conn.parser.unreader.sock = DeadlineSocket(conn.sock, time.monotonic() + self.body_timeout_s)
+            conn.parser.mesg_class = partial(BoundedRequest, self.max_body_bytes)  # a chunk past the limit: 400 at once
         return super().handle(conn)
 
     # -- signals ------------------------------------------------------------------

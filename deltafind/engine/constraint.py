@@ -8,7 +8,8 @@ back what the verifier rejects, so constrained output equals constrained decodin
 without drafts. Grammar libraries (llguidance's matcher) implement it; the engine
 never sees a grammar. `GenRequest.constraint` is a factory, so each of a request's
 `n` sequences gets its own state; it is built on the request thread, off the
-engine thread.
+engine thread. A constraint that cannot go on (its grammar hit a resource limit
+mid-output) raises `ConstraintError`: that sequence ends, reported as the client's 400.
 """
 
 from __future__ import annotations
@@ -18,13 +19,22 @@ from typing import Protocol
 
 import torch
 
+from deltafind.errors import RequestError
+
+
+class ConstraintError(RequestError):
+    """The constraint cannot go on: its grammar ran into a limit of the grammar library mid-output."""
+
 
 class Constraint(Protocol):
     def allowed(self) -> torch.Tensor | None:
         """bool [V]: the tokens allowed next (None: any token)."""
 
     def advance(self, token: int) -> bool:
-        """Consume an emitted token; False if the constraint did not allow it (then nothing changed)."""
+        """Consume an emitted token; False if the constraint did not allow it (then nothing changed).
+
+        Raises ConstraintError when the grammar cannot go on past an allowed token.
+        """
 
     def rollback(self, n: int) -> None:
         """Forget the last `n` advanced tokens (a rejected draft)."""

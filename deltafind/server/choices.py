@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from deltafind.engine.constraint import ConstraintError
 from deltafind.engine.scheduler import Draining, QueueFull
 from deltafind.engine.sequence import Event, FinishEvent, GenRequest, Handle, TokenEvent
 from deltafind.log import get_logger
@@ -43,6 +44,7 @@ class Choice:
     logprobs: list[tuple[int, float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    exception: BaseException | None = None  # what failed the sequence, when it failed
     completion_tokens: int = 0
     reasoning_tokens: int = 0  # generated inside the thought (its markers included)
     cached_tokens: int = 0
@@ -65,6 +67,13 @@ class Choice:
                 self.deltas += self.parser.finish()
                 if self.parser.tool_calls and self.finish_reason == "stop":
                     self.finish_reason = "tool_calls"
+
+    def failure(self) -> ApiError:
+        """The error a failed choice reports: 400 naming the field for a schema whose grammar gave up
+        mid-output (the request asked for what cannot be enforced), else 500 (the engine failed)."""
+        if isinstance(self.exception, ConstraintError):
+            return ApiError(400, str(self.exception), self.exception.param, "invalid_schema")
+        return ApiError(500, self.error or "generation failed", None, "engine_error")
 
     def take_deltas(self) -> list[Any]:
         out, self.deltas = self.deltas, []
@@ -97,6 +106,7 @@ class Choice:
             return "", []
         if event.reason == "error":
             self.error = event.error or "generation failed"
+            self.exception = event.exception
             self.finish_reason = "error"
             return "", []
         out, hit = self.matcher.push(self.decoder.flush())

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deltafind.server.choices import events
-from deltafind.server.errors import ApiError
 from deltafind.server.output import Delta
 
 
@@ -79,7 +78,7 @@ def drive(choice: Any, mux: queue.Queue, blocks: Blocks, keepalive: float | None
           gone: Callable[[], bool] | None = None) -> Iterator[list[Step] | None]:
     """Run one submitted choice to its end: its block steps per event (None: `keepalive` passed quietly).
 
-    `gone`: see `choices.events`. Raises ApiError 500 when the engine failed the sequence.
+    `gone`: see `choices.events`. Raises the choice's `failure()` when the sequence failed.
     """
     try:
         for ev in events([choice], mux, keepalive, gone):
@@ -89,7 +88,7 @@ def drive(choice: Any, mux: queue.Queue, blocks: Blocks, keepalive: float | None
             steps = blocks.feed(choice.take_deltas())
             if ev[3]:  # finished
                 if choice.finish_reason == "error":
-                    raise ApiError(500, choice.error or "generation failed", None, "engine_error")
+                    raise choice.failure()
                 steps += blocks.finish()
             if steps:
                 yield steps

@@ -190,7 +190,7 @@ class Generate:
         self.state.pace.observe(time.monotonic() - started)
         failed = next((c for c in choices if c.finish_reason == "error"), None)
         if failed is not None:
-            raise ApiError(500, failed.error or "generation failed", None, "engine_error")
+            raise failed.failure()
         self.state.metrics.count_completion(sum(c.completion_tokens for c in choices))
         resp.media = self._response(choices, meta, prompt_tokens, want_lp is not None, engine)
 
@@ -323,7 +323,7 @@ class Generate:
                     yield chunk([item(c, text, entries, None)])
                 if done:
                     if c.finish_reason == "error":
-                        err = ApiError(500, c.error or "generation failed", None, "engine_error")
+                        err = c.failure()
                         yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
                         break
                     yield chunk([item(c, None, [], c.finish_reason)])

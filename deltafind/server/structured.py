@@ -5,8 +5,9 @@ engine/constraint.py; its masks are built on worker threads, overlapped with the
 forward), the per-tokenizer llguidance vocabulary (built once, at model load, ~1 s
 for 49k ids) and compiling `response_format` schemas. It lives in `server/`
 because only the API turns requests into grammars; the engine sees the mask.
-A grammar is compiled and checked on the request thread, so a schema the library
-cannot compile is a 400 naming the field before anything is submitted.
+A grammar is compiled, checked and started on the request thread under llguidance's
+own limits (`LIMITS`), so a schema it cannot compile or start is a 400 naming the field
+before anything is submitted; one that hits a limit later ends its request with a 400.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import llguidance as llg
 import numpy as np
 import torch
 
-from deltafind.engine.constraint import ConstraintFactory
+from deltafind.engine.constraint import ConstraintError, ConstraintFactory
 from deltafind.log import get_logger
 from deltafind.server.errors import bad_request
 
@@ -33,6 +34,9 @@ _VOCABS: weakref.WeakKeyDictionary[Any, llg.LLTokenizer] = weakref.WeakKeyDictio
 _LOCK = threading.Lock()
 # Grammar work off the engine thread (matchers, masks): a few threads, as llguidance runs them without the GIL.
 _MASKS = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="deltafind-mask")
+# llguidance's own bounds on a grammar's size, lexer fuel (regex work, so time and memory per compile and per
+# token) and parser items; errors without the parser-state dump, which is noise to a client (README, structured output).
+LIMITS = llg.LLParserLimits(verbose_errors=False)
 # The JSON shape every json_object answer and free-form tool call obeys.
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 # JSON as chat templates print it (`tojson` is json.dumps), so a sent-back answer renders as generated.
@@ -83,20 +87,29 @@ class GrammarConstraint:
     pending job first.
     """
 
-    def __init__(self, vocab: llg.LLTokenizer, grammar: str, vocab_size: int) -> None:
-        self._n = vocab_size
+    def __init__(self, template: llg.LLMatcher, vocab_size: int, field: str) -> None:
+        self._n, self._field = vocab_size, field
         self._m: llg.LLMatcher | None = None
+        self._count = 0  # tokens consumed, for the error that names where the grammar gave up
         self._stopped = False  # read without touching the matcher, which a job may be using
-        self._job: Future[torch.Tensor] | None = _MASKS.submit(self._start, vocab, grammar)
+        self._job: Future[torch.Tensor] | None = _MASKS.submit(self._start, template)
 
-    def _start(self, vocab: llg.LLTokenizer, grammar: str) -> torch.Tensor:
-        self._m = llg.LLMatcher(vocab, grammar, log_level=0)
+    def _start(self, template: llg.LLMatcher) -> torch.Tensor:
+        self._m = template.deep_copy()  # the compiled grammar and lexer are shared, the parse state is this sequence's
         return self._compute()
 
     def _compute(self) -> torch.Tensor:
         assert self._m is not None
         bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
+        self._check()
         return torch.from_numpy(np.unpackbits(bits, count=self._n, bitorder="little").view(np.bool_))
+
+    def _check(self) -> None:
+        """Raise ConstraintError when the matcher gave up (a limit hit on the way; it then allows only EOS)."""
+        assert self._m is not None
+        if self._m.is_error():
+            raise ConstraintError(f"{self._field}: the output constraint gave up after {self._count} tokens: "
+                                  f"{explain(self._m.get_error())}", self._field)
 
     def _settle(self) -> torch.Tensor | None:
         """The pending job's mask (None when none is pending); its failure is raised here, on the caller's thread."""
@@ -121,8 +134,10 @@ class GrammarConstraint:
         if (known and not mask[token]) or (not known and m.validate_tokens([token]) != 1):
             return False
         self._job = None
-        if not m.consume_token(token) or m.is_error():
+        if not m.consume_token(token):
+            self._check()  # an allowed token the grammar could not take: it hit a limit
             return False
+        self._count += 1
         self._stopped = m.is_stopped()
         if not self._stopped:
             self._job = _MASKS.submit(self._compute)  # the next mask, while the engine runs the next forward
@@ -134,6 +149,7 @@ class GrammarConstraint:
             self._job = None
             assert self._m is not None
             self._m.rollback(n)
+            self._count -= n
             self._stopped = self._m.is_stopped()
 
     @property
@@ -151,11 +167,11 @@ class TriggeredConstraint:
     """Free text until the output reaches `marker`, then `grammar` (which starts with the marker) from there:
     a tool call under tool_choice "auto" has its arguments enforced once the model starts it."""
 
-    def __init__(self, vocab: llg.LLTokenizer, grammar: str, vocab_size: int, decode: Any, marker: str) -> None:
-        self._vocab, self._grammar, self._n, self._decode, self._marker = vocab, grammar, vocab_size, decode, marker
+    def __init__(self, make: ConstraintFactory, decode: Any, marker: str) -> None:
+        self._make, self._decode, self._marker = make, decode, marker
         self._tokens: list[int] = []
         self._start = -1  # index of the first token the grammar consumed (-1: not triggered)
-        self._inner: GrammarConstraint | None = None
+        self._inner: Any = None  # a GrammarConstraint once triggered
         self._lookback = len(marker.encode()) + 1  # tokens searched back for the marker's first one (bytes at worst)
 
     def allowed(self) -> torch.Tensor | None:
@@ -171,7 +187,7 @@ class TriggeredConstraint:
         if self._marker in self._decode(self._tokens[-self._lookback:]):
             for k in range(1, min(len(self._tokens), self._lookback) + 1):
                 if self._decode(self._tokens[-k:]).startswith(self._marker):
-                    inner = GrammarConstraint(self._vocab, self._grammar, self._n)
+                    inner = self._make()
                     if all(inner.advance(t) for t in self._tokens[-k:]):
                         self._inner, self._start = inner, len(self._tokens) - k
                     break  # a marker glued to text before it in one token stays free text
@@ -192,22 +208,45 @@ class TriggeredConstraint:
 
 
 class Grammar:
-    """A compiled grammar for one tokenizer; `factory()` makes a fresh constraint per sequence."""
+    """A compiled grammar for one tokenizer; `factory()` makes a fresh constraint per sequence.
+
+    Admission starts it once: a grammar that llguidance refuses, that admits no value at all (`{"$ref": "#"}`)
+    or that breaks a limit on its forced opening (`"pattern": "^a{1000000}$"`) is a 400 naming `field` here,
+    not a failure mid-output. Every sequence copies the started matcher instead of compiling again.
+    """
 
     def __init__(self, tokenizer: Any, grammar: str, field: str) -> None:
         self.vocab = vocabulary(tokenizer)
-        self.grammar = grammar
         self.vocab_size = tokenizer.vocab_size
-        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.vocab)
+        self.field = field
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.vocab, limits=LIMITS)
         if is_error:
-            raise bad_request(f"{field}: the schema cannot be enforced: {messages[0]}", field, "invalid_schema")
+            raise bad_request(f"{field}: the schema cannot be enforced: {explain(messages[0])}", field, "invalid_schema")
+        self._matcher = llg.LLMatcher(self.vocab, grammar, log_level=0, limits=LIMITS)
+        probe = self._matcher.deep_copy()
+        probe.compute_bitmask()
+        if not probe.is_error():  # the text every answer starts with, run through the lexer now
+            probe.consume_tokens(probe.compute_ff_tokens())
+        if self._matcher.is_error() or probe.is_error():
+            error = self._matcher.get_error() or probe.get_error()
+            raise bad_request(f"{field}: the schema cannot be enforced: {explain(error)}", field, "invalid_schema")
 
     def factory(self) -> ConstraintFactory:
-        return lambda: GrammarConstraint(self.vocab, self.grammar, self.vocab_size)
+        return lambda: GrammarConstraint(self._matcher, self.vocab_size, self.field)
 
     def triggered_factory(self, tokenizer: Any, marker: str) -> ConstraintFactory:
         """Constraints that let text run free until `marker`, then enforce this grammar."""
-        return lambda: TriggeredConstraint(self.vocab, self.grammar, self.vocab_size, tokenizer.decode, marker)
+        return lambda: TriggeredConstraint(self.factory(), tokenizer.decode, marker)
+
+
+def explain(error: str) -> str:
+    """llguidance's error, first line, with what it means for the schema and the fix."""
+    line = (error.strip().splitlines() or ["unknown error"])[0][:300]
+    if "NoExtension" in line:
+        return (f"no value satisfies it ({line}): a `$ref` that only leads back to itself, or a cycle of `$ref`s "
+                "with no way out, never reaches a value; give the recursion a base case")
+    return (f"{line}: it is past the grammar engine's limits (regex work, lexer states, grammar size); use smaller "
+            "repetition counts (`{n}`, `minLength`/`maxLength`), fewer `enum`/`anyOf` alternatives or a smaller schema")
 
 
 def _style(schema: dict[str, Any]) -> dict[str, Any]:
@@ -233,11 +272,13 @@ def lenient_schema(schema: dict[str, Any], field: str) -> dict[str, Any]:
 
     A schema that fails even so (not a valid JSON schema) is a 400 naming `field`.
     """
-    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(json_schema_grammar(schema, field), None)
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(json_schema_grammar(schema, field), None,
+                                                                      limits=LIMITS)
     if not is_error:
         return schema
     lenient = {**schema, "x-guidance": {**JSON_STYLE, "lenient": True}}
-    still, messages2 = llg.LLMatcher.validate_grammar_with_warnings(json_schema_grammar(lenient, field), None)
+    still, messages2 = llg.LLMatcher.validate_grammar_with_warnings(json_schema_grammar(lenient, field), None,
+                                                                    limits=LIMITS)
     if still:
         raise bad_request(f"{field}: the schema cannot be enforced: {messages2[0] if messages2 else messages[0]}", field,
                           "invalid_schema")

@@ -1,0 +1,97 @@
+"""Where the daemon's RSS settles after load, and what holds it: the worker's RSS split into anonymous
+memory (C heap, torch, caches) and file pages (mmap'd spine and packs), and glibc's arena count, at
+start, right after a mixed load (4 concurrent clients, a 1,500-token prompt among them) and after an idle pause.
+
+    python tests/bench/bench_rss_plateau.py --store ~/.cache/deltafind/demo [--env MALLOC_ARENA_MAX=8] [--rounds 3]
+
+`--env` starts the daemon with extra environment (one variant per flag, plus the default); one JSON line each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.bench.bench_grammar_bounds import worker_pid
+from tests.e2e.daemon_fixtures import Daemon
+
+
+def memory(pid: int) -> dict:
+    """RSS, anonymous and file-backed MiB (smaps_rollup) and the number of glibc arena heaps (64 MiB maps)."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        key, value = line.split(":", 1)
+        fields[key] = int(value.split()[0])
+    heaps = 0
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split()
+        lo = int(parts[0].split("-")[0], 16)
+        # a thread arena's heap: an anonymous 64 MiB reservation at a 64 MiB boundary (its used part rw, the rest ---)
+        if len(parts) == 5 and lo % (64 << 20) == 0 and parts[1] == "rw-p":
+            heaps += 1
+    return {"rss_mib": round(fields["Rss"] / 1024, 1), "anon_mib": round(fields["Anonymous"] / 1024, 1),
+            "file_mib": round((fields["Rss"] - fields["Anonymous"]) / 1024, 1), "arena_heaps": heaps}
+
+
+def load(d: Daemon, rounds: int) -> None:
+    long_prompt = " ".join(f"word{i}" for i in range(700))  # ~1,500 tokens on the demo's tokenizer
+    bodies = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me about Paris."}], "max_tokens": 32}),
+        ("/v1/completions", {"prompt": long_prompt, "max_tokens": 4}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "A city?"}], "max_tokens": 24,
+                                  "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": {
+                                      "type": "object", "properties": {"city": {"type": "string"}}}}}}),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 24}),
+    ]
+
+    def client(k: int) -> None:
+        for r in range(rounds):
+            path, body = bodies[(k + r) % len(bodies)]
+            status, _ = d.post_json(path, {"model": "test-model", **body}, timeout=600)
+            assert status == 200, status
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for one more variant")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--idle-s", type=float, default=5)
+    args = ap.parse_args()
+    for variant in [None, *args.env]:
+        env = dict([variant.split("=", 1)]) if variant else {}
+        d = Daemon(Path(args.store).expanduser(), "", env=env).start()
+        try:
+            pid = worker_pid(d)
+            start = memory(pid)
+            t0 = time.perf_counter()
+            load(d, args.rounds)
+            seconds = time.perf_counter() - t0
+            after = memory(pid)
+            time.sleep(args.idle_s)
+            idle = memory(pid)
+            snap = json.loads(d.ctl("status", "--json").stdout)["snapshot"]
+            held = {"prefix_cache_mib": round(snap["engine"].get("prefix_bytes", 0) / 2**20, 1),
+                    "expert_cache_mib": round(snap["store"].get("cache_used_bytes", 0) / 2**20, 1)}
+            print(json.dumps({"env": variant or "default", "load_s": round(seconds, 1), "start": start,
+                              "after_load": after, "after_idle": idle, "engine_holds": held,
+                              "plateau_mib": round(idle["rss_mib"] - start["rss_mib"], 1)}), flush=True)
+        finally:
+            d.stop()
+            d.cleanup()
+
+
+if __name__ == "__main__":
+    main()
