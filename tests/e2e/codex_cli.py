@@ -21,7 +21,8 @@ from pathlib import Path
 from tests.e2e.agent_proxy import FIXTURES, LoggingProxy, Reply, npm_cli
 
 CODEX_VERSION = "0.171.0"
-# The user's config the test uses: only documented keys (developers.openai.com/codex/config-reference).
+# The user's config the test uses: only documented keys (developers.openai.com/codex/config-reference). Sub-agent
+# and goal tools and web search off: its prompt on the demo's tokenizer goes from ~5.5k tokens to ~2k, a CI-sized prefill.
 CONFIG = """\
 model_provider = "deltafind"
 model = "{model}"
@@ -29,6 +30,10 @@ model_instructions_file = "{instructions}"
 check_for_update_on_startup = false
 approval_policy = "never"
 sandbox_mode = "read-only"
+web_search = "disabled"
+[features]
+multi_agent = false
+goals = false
 [analytics]
 enabled = false
 [feedback]
