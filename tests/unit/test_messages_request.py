@@ -41,3 +41,16 @@ def test_a_mid_conversation_system_message_is_a_system_turn_at_its_place(k3: Tok
     assert text.index("Say hello.") < text.index("Answer in French.")
     plain = prompt(k3, messages=[{"role": "user", "content": "Say hello.\n\nAnswer in French."}])
     assert text != plain  # its own (system) turn, not text appended to the user's
+
+
+def test_claude_codes_billing_header_is_not_in_the_prompt(k3: Tokenizer) -> None:
+    """Claude Code's first system block hashes the request (tests/data/agents/session-claude.json): two sessions'
+    prompts must not differ there, at position 0, or they share no prefix; the rest of the system text stays."""
+    def system(header: str) -> list[dict]:
+        return [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.197.{header}; cc_entrypoint=sdk-cli;"},
+                {"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}}]
+
+    first, second = prompt(k3, system=system("93e")), prompt(k3, system=system("123"))
+    assert first == second == prompt(k3, system="You are terse.") and "billing" not in first
+    assert prompt(k3, system="x-anthropic-billing-header: cc_version=1.a; cch=1;\nYou are terse.") == first
+    assert "You are terse." in first and first != prompt(k3)
