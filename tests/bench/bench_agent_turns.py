@@ -28,12 +28,10 @@ import time
 from pathlib import Path
 
 from deltafind.server.chat_plan import plan_chat
-from deltafind.server.messages_request import to_chat as messages_to_chat
 from deltafind.server.openai import chat_messages
-from deltafind.server.responses_input import to_chat as responses_to_chat
-from deltafind.server.schemas import ChatRequest, parse_body
+from deltafind.server.schemas import ChatRequest
 from deltafind.tokenizer import Tokenizer
-from tests.e2e.agent_proxy import FIXTURES
+from tests.e2e.agent_session import main_requests, prompt_ids
 from tests.e2e.daemon_fixtures import Daemon
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file of the project",
@@ -71,20 +69,6 @@ def split_cost(store: Path) -> None:
     m.close()
 
 
-def _main_requests(cli: str) -> list[dict]:
-    """The session's main-conversation requests, in order (what the recording's script answered)."""
-    recs = json.loads((FIXTURES / f"session-{cli}.json").read_text())["requests"]
-    path = "/v1/messages" if cli == "claude" else "/v1/responses"
-    return [r for r in recs if r["method"] == "POST" and r["path"].startswith(path) and isinstance(r["body"], dict) and r["body"].get("tools")]
-
-
-def _prompt_ids(tok: Tokenizer, cli: str, body: dict) -> list[int]:
-    """The prompt the daemon renders for `body` (before server/turns.py's re-spelling, which keeps its text)."""
-    chat = messages_to_chat(body) if cli == "claude" else responses_to_chat(body, [])
-    req = parse_body(chat, chat=True)
-    return plan_chat(tok, req, chat_messages(req), True).prompt_ids
-
-
 def _send(d: Daemon, cli: str, rec: dict, max_tokens: int) -> tuple[int, int]:
     """(prompt tokens, cached tokens) of one recorded request sent again, non-streamed and greedy."""
     body = {**rec["body"], "stream": False, "temperature": 0}
@@ -111,7 +95,7 @@ def main() -> None:
     if args.split_cost:
         split_cost(args.store)
         return
-    reqs = _main_requests(args.cli)
+    reqs = main_requests(args.cli)
     tok = Tokenizer.load(args.store / "tokenizer")
     folder = Path(tempfile.mkdtemp(prefix="dfd-prompts-"))
     config = f'[server]\nmax_running = 1\n[cache]\nprompt_disk_bytes = "4GiB"\nprompt_disk_dir = "{folder}"\n' + args.config.replace("\\n", "\n")
@@ -122,7 +106,7 @@ def main() -> None:
         turn = 0
         print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'prefilled':>9} {'new':>6} {'seconds':>7}  note")
         for rec in reqs:
-            ids = _prompt_ids(tok, args.cli, rec["body"])
+            ids = prompt_ids(tok, args.cli, rec["body"])
             retry = prev is not None and ids == prev
             turn += 0 if retry else 1
             note = "retry" if retry else ""

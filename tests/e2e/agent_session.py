@@ -141,6 +141,25 @@ def codex_script(work: Path) -> Callable[[dict[str, Any]], Reply | None]:
     return answer
 
 
+def main_requests(cli: str) -> list[dict[str, Any]]:
+    """A recorded session's main-conversation requests, in order (those the script answered; the retried one twice)."""
+    recs = json.loads((FIXTURES / f"session-{cli}.json").read_text())["requests"]
+    path = "/v1/messages" if cli == "claude" else "/v1/responses"
+    return [r for r in recs if r["method"] == "POST" and r["path"].startswith(path) and isinstance(r["body"], dict) and r["body"].get("tools")]
+
+
+def prompt_ids(tok: Any, cli: str, body: dict[str, Any]) -> list[int]:
+    """The prompt the daemon renders for a recorded `body` (before server/turns.py's re-spelling, which keeps its text)."""
+    from deltafind.server.chat_plan import plan_chat
+    from deltafind.server.messages_request import to_chat as messages_to_chat
+    from deltafind.server.openai import chat_messages
+    from deltafind.server.responses_input import to_chat as responses_to_chat
+    from deltafind.server.schemas import parse_body
+
+    chat = parse_body(messages_to_chat(body) if cli == "claude" else responses_to_chat(body, []), chat=True)
+    return plan_chat(tok, chat, chat_messages(chat), True).prompt_ids
+
+
 def main() -> None:
     from tests.e2e.daemon_fixtures import Daemon
 
