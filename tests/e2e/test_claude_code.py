@@ -34,9 +34,10 @@ T0 = {"temperature": 0}
 
 @pytest.fixture(scope="module")
 def daemon(demo_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    # prompt state on a drive as well: the restart test's second session resumes from it
+    # prompt state on a drive as well: the restart test's second session resumes from it (64 MiB: the CLI's short
+    # prompts, ~46 KB a demo token, are written; the ping test's 2.4k-token ones are skipped)
     folder = tmp_path_factory.mktemp("prompts")
-    d = Daemon(demo_store, CONFIG + f'[cache]\nprompt_disk_bytes = "256MiB"\nprompt_disk_dir = "{folder}"\n').start()
+    d = Daemon(demo_store, CONFIG + f'[cache]\nprompt_disk_bytes = "64MiB"\nprompt_disk_dir = "{folder}"\n').start()
     yield d
     d.stop()
     d.cleanup()
