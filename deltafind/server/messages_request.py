@@ -53,6 +53,20 @@ def _block_text(content: Any, where: str) -> str:
     return "".join(parts)
 
 
+BILLING = "x-anthropic-billing-header:"  # Claude Code's first system block: attribution for Anthropic's billing
+
+
+def _system(content: Any) -> str:
+    """The top-level `system` text, without Claude Code's billing header (README "Claude Code"): a hash of
+    the request that changes between requests and sessions, at position 0, so it would defeat every
+    prefix reuse; it is addressed to Anthropic's billing, not to the model."""
+    if isinstance(content, list):
+        content = [b for b in content if not (isinstance(b, dict) and isinstance(b.get("text"), str) and b["text"].startswith(BILLING))]
+    elif isinstance(content, str) and content.startswith(BILLING):
+        content = content.split("\n", 1)[1] if "\n" in content else ""
+    return _block_text(content, "system")
+
+
 def _system_in_messages(messages: list[Any], i: int) -> None:
     """Anthropic's placement rules for a `role: "system"` message (a 400 where it answers one)."""
     where = f"messages[{i}]"
@@ -184,8 +198,8 @@ def to_chat(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
         if body.get(key) is not None:  # accepted and ignored (README "Claude Code": why each is a no-op here)
             _want(body[key], want, key, "an object")
     msgs: list[dict[str, Any]] = []
-    if body.get("system"):
-        msgs.append({"role": "system", "content": _block_text(body["system"], "system")})
+    if body.get("system") and (system := _system(body["system"])):
+        msgs.append({"role": "system", "content": system})
     messages = _want(body.get("messages"), list, "messages", "a list of messages")
     if not messages:
         raise bad_request("messages: at least one message is required", "messages")

@@ -12,9 +12,13 @@ import json
 import shutil
 import subprocess
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+# What a scripted proxy answers itself instead of forwarding: (status, headers, body).
+Reply = tuple[int, dict[str, str], bytes]
 
 SECRET_HEADERS = {"authorization", "x-api-key", "cookie", "proxy-authorization"}
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host", "content-length"}
@@ -39,11 +43,16 @@ def npm_cli(package: str, version: str, bin_name: str) -> Path | None:
 
 
 class LoggingProxy:
-    """`LoggingProxy(upstream_port).start()`; `records` holds one dict per request, in order."""
+    """`LoggingProxy(upstream_port).start()`; `records` holds one dict per request, in order.
 
-    def __init__(self, upstream_port: int) -> None:
+    `script(record)` may answer a request itself (a `Reply`) instead of forwarding it: a recorded session's
+    tool calls and errors, which a model with random weights would never write (tests/e2e/agent_session.py)."""
+
+    def __init__(self, upstream_port: int, script: Callable[[dict[str, Any]], Reply | None] | None = None) -> None:
         self.upstream_port = upstream_port
+        self.script = script
         self.records: list[dict[str, Any]] = []
+        self.answers: dict[int, bytes] = {}  # record index -> the answer's body as forwarded (not recorded in fixtures)
         self.lock = threading.Lock()
         proxy = self
 
@@ -63,7 +72,18 @@ class LoggingProxy:
                 headers = {k.lower(): v for k, v in self.headers.items() if k.lower() not in SECRET_HEADERS | HOP_HEADERS}
                 rec = {"method": self.command, "path": self.path, "headers": headers, "body": body}
                 with proxy.lock:
+                    index = len(proxy.records)
                     proxy.records.append(rec)
+                    reply = proxy.script(rec) if proxy.script is not None else None
+                if reply is not None:
+                    status, reply_headers, payload = reply
+                    rec["status"] = status
+                    self.send_response(status)
+                    for k, v in {**reply_headers, "Content-Length": str(len(payload))}.items():
+                        self.send_header(k, v)
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
                 up = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=900)
                 fwd = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
                 up.request(self.command, self.path, body=raw or None, headers=fwd)
@@ -80,14 +100,17 @@ class LoggingProxy:
                     return
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
+                got = []
                 while True:
                     piece = r.read1(65536)
                     if not piece:
                         break
+                    got.append(piece)
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
                     self.wfile.flush()
                 self.wfile.write(b"0\r\n\r\n")
                 up.close()
+                proxy.answers[index] = b"".join(got)
 
             do_GET = do_POST = do_HEAD = do_DELETE = _forward
 

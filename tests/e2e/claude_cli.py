@@ -14,10 +14,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.e2e.agent_proxy import FIXTURES, LoggingProxy, npm_cli
+from tests.e2e.agent_proxy import FIXTURES, LoggingProxy, Reply, npm_cli
 
 CLAUDE_VERSION = "2.1.197"
 # code.claude.com/docs/en/settings (environment variables): no telemetry, error reports, update checks
@@ -40,16 +41,21 @@ class ClaudeRun:
     stdout: str  # the answer (`claude -p` prints it)
     stderr: str
     records: list[dict]  # the requests it sent, as the proxy saw them
+    answers: dict[int, bytes]  # the daemon's answer to records[i], where forwarded
 
 
 def run_claude(exe: Path, daemon_port: int, model: str, prompt: str, *args: str, timeout: float = 600,
-               key_env: str = "ANTHROPIC_API_KEY", max_output_tokens: int | None = None) -> ClaudeRun:
+               key_env: str = "ANTHROPIC_API_KEY", max_output_tokens: int | None = None, files: dict[str, str] | None = None,
+               script: Callable[[Path], Callable[[dict], Reply | None]] | None = None) -> ClaudeRun:
     """One `claude -p PROMPT ARGS...` with a fresh config folder; `key_env` picks x-api-key or Authorization: Bearer,
-    `max_output_tokens` the max_tokens it asks for (else its own 32000, cut here to what the context leaves)."""
-    proxy = LoggingProxy(daemon_port).start()
+    `max_output_tokens` the max_tokens it asks for (else its own 32000, cut here to what the context leaves);
+    `files` go into its working folder, and `script(folder)` answers what the proxy should (agent_proxy.LoggingProxy)."""
     home = Path(tempfile.mkdtemp(prefix="claude-home-"))
     work = home / "work"
     work.mkdir()
+    for name, text in (files or {}).items():
+        (work / name).write_text(text)
+    proxy = LoggingProxy(daemon_port, script(work) if script else None).start()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE_"))}
     env.update(QUIET, **PATIENT, HOME=str(home), CLAUDE_CONFIG_DIR=str(home / "config"), ANTHROPIC_BASE_URL=f"http://127.0.0.1:{proxy.port}",
                ANTHROPIC_MODEL=model, ANTHROPIC_SMALL_FAST_MODEL=model, ANTHROPIC_DEFAULT_HAIKU_MODEL=model,
@@ -59,7 +65,7 @@ def run_claude(exe: Path, daemon_port: int, model: str, prompt: str, *args: str,
     try:
         proc = subprocess.run([str(exe), "-p", prompt, *args], capture_output=True, text=True, timeout=timeout, env=env,
                               cwd=work, stdin=subprocess.DEVNULL)
-        return ClaudeRun(proc.returncode, proc.stdout, proc.stderr, list(proxy.records))
+        return ClaudeRun(proc.returncode, proc.stdout, proc.stderr, list(proxy.records), dict(proxy.answers))
     finally:
         proxy.stop()
         shutil.rmtree(home, ignore_errors=True)

@@ -14,13 +14,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.e2e.agent_proxy import FIXTURES, LoggingProxy, npm_cli
+from tests.e2e.agent_proxy import FIXTURES, LoggingProxy, Reply, npm_cli
 
 CODEX_VERSION = "0.171.0"
-# The user's config the test uses: only documented keys (developers.openai.com/codex/config-reference).
+# The user's config the test uses: only documented keys (developers.openai.com/codex/config-reference). Sub-agent
+# and goal tools and web search off: its prompt on the demo's tokenizer goes from ~5.5k tokens to ~2k, a CI-sized prefill.
 CONFIG = """\
 model_provider = "deltafind"
 model = "{model}"
@@ -28,6 +30,10 @@ model_instructions_file = "{instructions}"
 check_for_update_on_startup = false
 approval_policy = "never"
 sandbox_mode = "read-only"
+web_search = "disabled"
+[features]
+multi_agent = false
+goals = false
 [analytics]
 enabled = false
 [feedback]
@@ -39,7 +45,7 @@ name = "deltafind"
 base_url = "{base_url}"
 wire_api = "responses"
 env_key = "DELTAFIND_API_KEY"
-request_max_retries = 0
+request_max_retries = {retries}
 stream_max_retries = 0
 stream_idle_timeout_ms = 900000
 """
@@ -62,15 +68,20 @@ class CodexRun:
     records: list[dict]  # the requests it sent, as the proxy saw them
 
 
-def run_codex(exe: Path, daemon_port: int, model: str, prompt: str, timeout: float = 600) -> CodexRun:
-    proxy = LoggingProxy(daemon_port).start()
+def run_codex(exe: Path, daemon_port: int, model: str, prompt: str, timeout: float = 600, retries: int = 0,
+              files: dict[str, str] | None = None, script: Callable[[Path], Callable[[dict], Reply | None]] | None = None) -> CodexRun:
+    """One `codex exec PROMPT`; `retries` is its request_max_retries, `files` go into its working folder and
+    `script(folder)` answers what the proxy should (agent_proxy.LoggingProxy)."""
     home = Path(tempfile.mkdtemp(prefix="codex-home-"))
     work = home / "work"
     work.mkdir()
+    for name, text in (files or {}).items():
+        (work / name).write_text(text)
+    proxy = LoggingProxy(daemon_port, script(work) if script else None).start()
     # Codex's own instructions are ~4k tokens; a short file keeps the prompt inside the demo's 8k context.
     (home / "instructions.md").write_text(INSTRUCTIONS)
     (home / "config.toml").write_text(CONFIG.format(model=model, base_url=f"http://127.0.0.1:{proxy.port}/v1",
-                                                    instructions=home / "instructions.md"))
+                                                    instructions=home / "instructions.md", retries=retries))
     last = home / "last.txt"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "CODEX_"))}
     env.update(CODEX_HOME=str(home), DELTAFIND_API_KEY="unused", NO_COLOR="1", RUST_LOG="error")

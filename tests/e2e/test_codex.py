@@ -1,5 +1,6 @@
 """The Codex CLI against the real daemon on the demo store: its recorded requests replayed (always),
-a live `codex exec` session where node is present (slow: its ~5.5k-token prompt), and the Responses
+a live `codex exec` session where node is present (~2k prompt tokens: tests/e2e/codex_cli.py turns off
+its sub-agent and goal tools and web search with its own config), and the Responses
 features it leans on: namespace tools, hosted tools ignored, model aliases, input_tokens, hang-ups,
 and 400s (not 500s) for wrong JSON types."""
 
@@ -120,7 +121,6 @@ def test_recorded_request_replayed_as_sent(daemon: Daemon, name: str, rec: dict)
     check_stream(sse(raw))
 
 
-@pytest.mark.slow
 def test_codex_exec_completes(daemon: Daemon) -> None:
     exe = codex_bin()
     if exe is None:

@@ -1,8 +1,11 @@
 """Anthropic request fields reach the prompt: effort and thinking on K3's template, a mid-conversation system message
-at its place. The K3 renderer (deltafind/tokenizer) is the independent judge of what each field means."""
+at its place, Claude Code's billing header not at all. The K3 renderer (deltafind/tokenizer) is the independent judge
+of what each field means. And the real CLIs' recorded sessions (Claude Code's Messages, Codex's Responses) render to
+prompts that each extend the previous one, the prefix the cache reuses (tests/bench/RESULTS.md)."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ from deltafind.server.openai import chat_messages
 from deltafind.server.schemas import parse_body
 from deltafind.tokenizer import Tokenizer
 from deltafind.tokenizer.kimi import write_k3_tokenizer
+from tests.e2e.agent_session import RETRY_AT, main_requests, prompt_ids
 
 
 @pytest.fixture(scope="module")
@@ -41,3 +45,27 @@ def test_a_mid_conversation_system_message_is_a_system_turn_at_its_place(k3: Tok
     assert text.index("Say hello.") < text.index("Answer in French.")
     plain = prompt(k3, messages=[{"role": "user", "content": "Say hello.\n\nAnswer in French."}])
     assert text != plain  # its own (system) turn, not text appended to the user's
+
+
+def test_claude_codes_billing_header_is_not_in_the_prompt(k3: Tokenizer) -> None:
+    """Claude Code's first system block hashes the request (tests/data/agents/session-claude.json): two sessions'
+    prompts must not differ there, at position 0, or they share no prefix; the rest of the system text stays."""
+    def system(header: str) -> list[dict]:
+        return [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.197.{header}; cc_entrypoint=sdk-cli;"},
+                {"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}}]
+
+    first, second = prompt(k3, system=system("93e")), prompt(k3, system=system("123"))
+    assert first == second == prompt(k3, system="You are terse.") and "billing" not in first
+    assert prompt(k3, system="x-anthropic-billing-header: cc_version=1.a; cch=1;\nYou are terse.") == first
+    assert "You are terse." in first and first != prompt(k3)
+
+
+@pytest.mark.parametrize("cli", ["claude", "codex"])
+def test_each_request_of_a_recorded_session_extends_the_previous_prompt(k3: Tokenizer, cli: str) -> None:
+    """Nothing per request (a header, a moved reminder, a reordered tool list) breaks the prefix between turns."""
+    reqs = main_requests(cli)
+    assert len(reqs) == 11 and reqs[RETRY_AT - 1]["status"] in (500, 529)  # 10 turns, one of them retried
+    prompts = [prompt_ids(k3, cli, r["body"]) for r in reqs]
+    assert prompts[RETRY_AT] == prompts[RETRY_AT - 1]  # the retry: the same prompt
+    for before, after in itertools.pairwise(prompts):
+        assert after[: len(before)] == before
