@@ -44,6 +44,20 @@ def test_api_keys_are_required_and_health_stays_open(keyed: Daemon) -> None:
     assert keyed.get("/metrics")[0] == 401
 
 
+def test_the_anthropic_x_api_key_header_is_a_key_too(keyed: Daemon) -> None:
+    """Claude Code sends `x-api-key` when ANTHROPIC_API_KEY is set: the official SDK with a right key is
+    served, a wrong one gets 401 in Anthropic's error shape."""
+    import anthropic
+
+    with anthropic.Anthropic(base_url=keyed.url, api_key="sekrit-1", max_retries=0) as ok:
+        r = ok.messages.create(model="test-model", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert r.usage.output_tokens <= 2
+    with anthropic.Anthropic(base_url=keyed.url, api_key="wrong", max_retries=0) as bad, \
+            pytest.raises(anthropic.AuthenticationError) as e:
+        bad.messages.create(model="test-model", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
+
+
 def test_body_limit_and_unknown_routes_are_openai_shaped(keyed: Daemon) -> None:
     auth = {"Authorization": "Bearer sekrit-1", "Content-Type": "application/json"}
     body = json.dumps({"model": "test-model", "prompt": "x" * 5000}).encode()
