@@ -14,6 +14,11 @@ decoding exactly --new-tokens (EOS ignored), which engine runs first alternating
   (cgroup v1 memory.limit_in_bytes or v2 memory.max, under this process's cgroup: run as root), the
   GGUF and the store dropped from the page cache first (pages charged elsewhere would not count);
   deltafind's expert cache gets --cap-cache-fraction of the cap, and it reads experts with O_DIRECT.
+  Greedy decoding of this random model repeats one token, which routes every step to the same 8
+  experts a layer: a working set that fits under the cap, unlike real text's. So under the cap both
+  engines sample at --cap-temperature (100: nearly uniform over the vocabulary, a new seed per call),
+  and every token routes anew. llama.cpp at its defaults (repacking K-quants into anonymous memory)
+  is tried first; the comparison runs it with use_extra_bufts off (--no-repack: all weights mmapped).
 
     python tests/bench/bench_moe_vs_llamacpp.py --root /tmp/dfmoe [--layers 8] [--rounds 3] [--new-tokens 32]
 """
@@ -102,10 +107,29 @@ class DeltafindEngine:
         self.settings = {"expert_cache_bytes": cache_bytes}
         self.model = Model.open(str(store), device="cpu", expert_cache_bytes=cache_bytes)
 
-    def generate(self, ids: list[int], n: int) -> list[int]:
+    def generate(self, ids: list[int], n: int, temperature: float = 0.0, seed: int = 0) -> list[int]:
         from deltafind.engine.sampler import SamplingParams
 
-        return list(self.model.stream(ids, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)))
+        params = SamplingParams(max_new_tokens=n, temperature=temperature, seed=seed, ignore_eos=True)
+        return list(self.model.stream(ids, params))
+
+
+def llamacpp_generate(engine: LlamaCppEngine, ids: list[int], n: int, temperature: float, seed: int) -> list[int]:
+    """LlamaCppEngine.generate, sampling at `temperature` (softmax of the last row, numpy's generator)."""
+    if temperature == 0.0:
+        return engine.generate(ids, n)
+    import numpy as np
+
+    llm, rng, out = engine.llm, np.random.default_rng(seed), []
+    llm.reset()
+    llm.eval(ids)
+    while True:
+        row = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(engine.n_vocab,)).astype(np.float64) / temperature
+        p = np.exp(row - row.max())
+        out.append(int(rng.choice(len(p), p=p / p.sum())))
+        if len(out) == n:
+            return out
+        llm.eval([out[-1]])
 
 
 def serve(a: argparse.Namespace) -> None:
@@ -141,7 +165,11 @@ def serve(a: argparse.Namespace) -> None:
     for line in sys.stdin:
         req = json.loads(line)
         t0, c0 = time.perf_counter(), time.process_time()
-        out = engine.generate(req["ids"], req["n"])
+        t, seed = req.get("temperature", 0.0), req.get("seed", 0)
+        if isinstance(engine, DeltafindEngine):
+            out = engine.generate(req["ids"], req["n"], t, seed)
+        else:
+            out = llamacpp_generate(engine, req["ids"], req["n"], t, seed)
         reply.write(json.dumps({"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "ids": out}) + "\n")
         reply.flush()
 
@@ -189,8 +217,9 @@ class Worker:
             raise WorkerDied(f"the {name} worker died while loading (exit status {self.proc.wait()}; killed by the memory cap?)")
         self.info = json.loads(hello)
 
-    def gen(self, ids: list[int], n: int) -> dict:
-        self.proc.stdin.write(json.dumps({"ids": ids, "n": n}) + "\n")
+    def gen(self, ids: list[int], n: int, temperature: float = 0.0) -> dict:
+        self.seed = getattr(self, "seed", 0) + 1  # sampled: every call draws new tokens (and routes anew)
+        self.proc.stdin.write(json.dumps({"ids": ids, "n": n, "temperature": temperature, "seed": self.seed}) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
@@ -202,16 +231,16 @@ class Worker:
         self.proc.wait(timeout=120)
 
 
-def decode_rounds(workers: list[Worker], ids: list[int], n: int, rounds: int, label: str) -> dict:
+def decode_rounds(workers: list[Worker], ids: list[int], n: int, rounds: int, label: str, temperature: float = 0.0) -> dict:
     """Median decode tok/s (wall and CPU) per engine, and each engine's greedy tokens."""
     out: dict[str, dict] = {w.name: {"tok_s": [], "cpu_tok_s": []} for w in workers}
     for w in workers:  # warm-up: load, fault the file in / make the experts resident
-        out[w.name]["ids"] = w.gen(ids, n)["ids"]
-        w.gen(ids, 1)
+        out[w.name]["ids"] = w.gen(ids, n, temperature)["ids"]
+        w.gen(ids, 1, temperature)
         log(f"{label} {w.name}: warmed")
     for r in range(rounds):
         for w in workers if r % 2 == 0 else workers[::-1]:
-            one, full = w.gen(ids, 1), w.gen(ids, n)
+            one, full = w.gen(ids, 1, temperature), w.gen(ids, n, temperature)
             if len(full["ids"]) != n:
                 sys.exit(f"{w.name} decoded {len(full['ids'])} tokens, not {n}")
             tok_s = (n - 1) / (full["wall"] - one["wall"])
@@ -243,6 +272,7 @@ def summarize(out: dict[str, dict]) -> dict:
     other = next(name for name in out if name != "deltafind")
     res["ratio"] = round(res["deltafind"]["tok_s"] / res[other]["tok_s"], 4)
     res["cpu_ratio"] = round(res["deltafind"]["cpu_tok_s"] / res[other]["cpu_tok_s"], 4)
+    res["distinct_tokens"] = {name: len(set(v["ids"])) for name, v in out.items()}
     res["greedy_same_prefix_tokens"] = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
     return res
 
@@ -261,6 +291,8 @@ def main() -> None:
     ap.add_argument("--cap-cache-fraction", type=float, default=0.25, help="deltafind's expert cache, of the cap")
     ap.add_argument("--cap-threads", type=int, default=2)
     ap.add_argument("--cap-new-tokens", type=int, default=8)
+    ap.add_argument("--cap-temperature", type=float, default=100.0,
+                    help="sampling temperature under the cap (0: greedy); see the module docstring")
     ap.add_argument("--only", default="decode,prefill,cap")
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # a worker process (internal)
     ap.add_argument("--gguf", type=Path, default=None, help=argparse.SUPPRESS)
@@ -322,7 +354,8 @@ def main() -> None:
         workers = [Worker("llamacpp_norepack", a, a.cap_threads, None, groups["llamacpp"]),
                    Worker("deltafind", a, a.cap_threads, cache, groups["deltafind"])]
         result["capped"]["llamacpp_norepack_settings"] = workers[0].info["settings"]
-        result["capped"].update(decode_rounds(workers, prompt, a.cap_new_tokens, a.rounds, "capped"))
+        result["capped"]["temperature"] = a.cap_temperature
+        result["capped"].update(decode_rounds(workers, prompt, a.cap_new_tokens, a.rounds, "capped", a.cap_temperature))
         for w in workers:
             w.close()
         for g in groups.values():
