@@ -55,7 +55,7 @@ def make_hf_checkpoint(family: str, folder: Path, seed: int = 0, dtype: str = "f
     model = T.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("e_score_correction_bias", "_proj.bias")):
+            if name.endswith("e_score_correction_bias") or (family == "qwen2" and name.endswith("_proj.bias")):
                 p.normal_(0, 0.5)  # the default init is zero, which would not test the bias (Qwen2's q/k/v too)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
