@@ -7,8 +7,8 @@ in its own worker process (bench_demo_vs_llamacpp.py's LlamaCppEngine at llama.c
 flash attention on, mmap on; the settings are printed), greedy from the same random token ids, each
 decoding exactly --new-tokens (EOS ignored), which engine runs first alternating by round; medians:
 
-- decode tok/s = (n_new - 1) / (t[generate n_new] - t[generate 1]) at 1 and 2 threads (all experts
-  resident: deltafind's expert cache unlimited, the GGUF in the page cache);
+- decode tok/s = (n_new - 1) / (t[generate n_new] - t[generate 1]) at 1 and 2 threads (the experts
+  routed to stay resident: deltafind's expert cache unlimited, the GGUF in the page cache);
 - the time of a 512-token prompt plus one token (`--prefill-tokens`) at --prefill-threads;
 - decode with each worker in its own memory cgroup capped at --cap-fraction (0.4) of the GGUF's size
   (cgroup v1 memory.limit_in_bytes or v2 memory.max, under this process's cgroup: run as root), the
@@ -280,7 +280,7 @@ def summarize(out: dict[str, dict]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", type=Path, required=True, help="where the GGUF and the store are made (once)")
-    ap.add_argument("--layers", type=int, default=8, help="of Qwen3-30B-A3B's 48 (8: a 3.1 GB GGUF)")
+    ap.add_argument("--layers", type=int, default=8, help="of Qwen3-30B-A3B's 48 (8: a 3.45 GB GGUF)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", default="1,2", help="decode thread counts when the model fits")
