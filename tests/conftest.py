@@ -42,6 +42,7 @@ def make_hf_checkpoint(family: str, folder: Path, seed: int = 0, dtype: str = "f
                 max_position_embeddings=256)
     configs = {
         "llama": (T.LlamaConfig, {}),
+        "qwen2": (T.Qwen2Config, {}),
         "qwen3": (T.Qwen3Config, {"head_dim": 16}),
         "qwen3_moe": (T.Qwen3MoeConfig, {"head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2}),
         "deepseek_v3": (T.DeepseekV3Config, {"moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
@@ -54,8 +55,8 @@ def make_hf_checkpoint(family: str, folder: Path, seed: int = 0, dtype: str = "f
     model = T.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("e_score_correction_bias"):
-                p.normal_(0, 0.5)  # the default init is zero, which would not test the bias
+            if name.endswith("e_score_correction_bias") or (family == "qwen2" and name.endswith("_proj.bias")):
+                p.normal_(0, 0.5)  # the default init is zero, which would not test the bias (Qwen2's q/k/v too)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.5)

@@ -43,8 +43,8 @@ def random_blocks(rng: np.random.Generator, kind: str, shape: tuple[int, ...], s
 class Builder:
     """Tensors and metadata of one random GGUF, then `write` (whole or in shards)."""
 
-    def __init__(self, arch: str, seed: int) -> None:
-        self.arch, self.rng = arch, np.random.default_rng(seed)
+    def __init__(self, arch: str, seed: int, vocab: int = VOCAB) -> None:
+        self.arch, self.rng, self.vocab = arch, np.random.default_rng(seed), vocab
         self.tensors: list[tuple[str, np.ndarray, Q | None]] = []
         self.kv: list[tuple[str, object]] = []
 
@@ -74,7 +74,7 @@ class Builder:
                 w.add_string(key, value)
             else:
                 w.add_float32(key, float(value))
-        _add_vocab(w)
+        _add_vocab(w, self.vocab)
         for name, arr, raw in self.tensors:
             w.add_tensor(name, arr, raw_dtype=raw)
         w.write_header_to_file()
@@ -84,21 +84,24 @@ class Builder:
         return sorted(path.parent.glob(f"{path.stem}-*-of-*.gguf")) if shards > 1 else [path]
 
 
-def _add_vocab(w: gguf.GGUFWriter) -> None:
-    """A byte-level BPE vocabulary of VOCAB tokens: the 256 bytes, some merges, an end-of-text token."""
+def _add_vocab(w: gguf.GGUFWriter, vocab: int) -> None:
+    """A byte-level BPE vocabulary of `vocab` tokens: the 256 bytes, some merges, control tokens that pad
+    it to a real model's size (bench_moe_vs_llamacpp.py), an end-of-text token."""
     from deltafind.tokenizer.bpe import spell_bytes
 
     tokens = [spell_bytes(bytes([b])) for b in range(256)]
     letters = [spell_bytes(c.encode()) for c in " etaoinshr"]
     merges = [f"{a} {b}" for a in letters for b in letters if a != b][: VOCAB - 257]
-    tokens += [m.replace(" ", "") for m in merges] + ["<|endoftext|>"]
+    tokens += [m.replace(" ", "") for m in merges]
+    pads = [f"<|pad{i}|>" for i in range(vocab - 1 - len(tokens))]
+    tokens += [*pads, "<|endoftext|>"]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
-    w.add_token_types([1] * (VOCAB - 1) + [3])  # the last one is a control token
+    w.add_token_types([1] * (vocab - 1 - len(pads)) + [3] * (len(pads) + 1))  # pads and the last one are control tokens
     w.add_token_merges(merges)
-    w.add_eos_token_id(VOCAB - 1)
-    w.add_bos_token_id(VOCAB - 1)
+    w.add_eos_token_id(vocab - 1)
+    w.add_bos_token_id(vocab - 1)
     w.add_add_bos_token(False)
 
 
@@ -161,6 +164,20 @@ def make_llama(seed: int = 0, rope_freqs: bool = True) -> Builder:
     for i in range(LAYERS):
         _gqa(b, i, qk_norm=False)
         _dense_mlp(b, i, up_kind="Q2_K" if i == 1 else "Q8_0")
+    return b
+
+
+def make_qwen2(seed: int = 0) -> Builder:
+    """Qwen2/2.5 as llama.cpp's converter writes it: llama's tensors, q/k/v biases, no rope permutation."""
+    b = Builder("qwen2", seed)
+    _attention_meta(b, HEADS, KV_HEADS, theta=1000000.0)
+    b.meta("feed_forward_length", FF)
+    _globals(b)
+    for i in range(LAYERS):
+        _gqa(b, i, qk_norm=False)
+        for name, rows in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
+            b.tensors.append((f"blk.{i}.attn_{name}.bias", (0.5 * b.rng.standard_normal(rows * HEAD_DIM)).astype(np.float32), None))
+        _dense_mlp(b, i, down_kind="IQ4_XS" if i == 1 else "Q6_K")
     return b
 
 
@@ -237,7 +254,7 @@ def make_deepseek2(seed: int = 0) -> Builder:
     return b
 
 
-MAKERS = {"llama": make_llama, "qwen3": make_qwen3, "qwen3moe": make_qwen3moe, "deepseek2": make_deepseek2}
+MAKERS = {"llama": make_llama, "qwen2": make_qwen2, "qwen3": make_qwen3, "qwen3moe": make_qwen3moe, "deepseek2": make_deepseek2}
 
 
 def widened(b: Builder) -> Builder:

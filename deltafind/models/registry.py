@@ -9,6 +9,7 @@ from deltafind.errors import UnsupportedModelError
 
 FAMILIES = {
     "llama": "deltafind.models.llama",
+    "qwen2": "deltafind.models.qwen2",
     "qwen3": "deltafind.models.qwen3",
     "qwen3_moe": "deltafind.models.qwen3_moe",
     "deepseek_v3": "deltafind.models.deepseek_v3",

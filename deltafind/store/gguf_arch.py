@@ -105,6 +105,10 @@ def _llama(meta: Meta, tensors: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+def _qwen2(meta: Meta, tensors: dict[str, Any]) -> dict[str, Any]:
+    return {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], **_common(meta)}
+
+
 def _qwen3(meta: Meta, tensors: dict[str, Any]) -> dict[str, Any]:
     return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], **_common(meta)}
 
@@ -157,6 +161,7 @@ def _deepseek2(meta: Meta, tensors: dict[str, Any]) -> dict[str, Any]:
 
 ARCHES = {
     "llama": Arch("llama", _GLOBAL + _ATTN + _GQA + _MLP, _llama, rope_permuted=True),
+    "qwen2": Arch("qwen2", _GLOBAL + _ATTN + _GQA + _MLP, _qwen2),  # q/k/v biases: `attn_q.bias`, named by suffix
     "qwen3": Arch("qwen3", _GLOBAL + _ATTN + _GQA + _QK_NORM + _MLP, _qwen3),
     "qwen3moe": Arch("qwen3_moe", _GLOBAL + _ATTN + _GQA + _QK_NORM + _MLP + _EXPERTS + _ROUTER, _qwen3moe),
     "deepseek2": Arch("deepseek_v3", _GLOBAL + _ATTN + _MLA + _MLP + _EXPERTS + _ROUTER + _SHARED

@@ -18,6 +18,7 @@ CASES = {
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "llama-gqa1-3layers": ("llama", {"num_key_value_heads": 1, "num_hidden_layers": 3}),
     "llama-rope-llama3": ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
     "qwen3_moe-norm": ("qwen3_moe", {"norm_topk_prob": True}),
     "qwen3_moe-nonorm-dense0": ("qwen3_moe", {"norm_topk_prob": False, "mlp_only_layers": [0]}),

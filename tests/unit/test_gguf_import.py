@@ -133,7 +133,7 @@ def test_mla_kv_b_is_rebuilt_from_its_split_halves(tmp_path: Path) -> None:
 def test_unsupported_architecture_is_refused_naming_the_supported_ones(tmp_path: Path) -> None:
     b = Builder("gemma3", 0)
     b.norm("output_norm.weight", 256)
-    with pytest.raises(UnsupportedModelError, match=r"'gemma3' is not supported \(supported: deepseek2, llama, qwen3, qwen3moe\)"):
+    with pytest.raises(UnsupportedModelError, match=r"'gemma3' is not supported \(supported: deepseek2, llama, qwen2, qwen3, qwen3moe\)"):
         open_source(b.write(tmp_path / "g.gguf")[0])
 
 
