@@ -14,6 +14,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import nn
 
+from deltafind.models.contract import FamilyModel, RoutedExperts
 from deltafind.models.ops.attention import AttnStep, attend
 from deltafind.models.ops.batch import Batch
 from deltafind.models.ops.moe import SlicedMLP, dispatch, predict_routed, swiglu
@@ -82,7 +83,7 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(t, hq * d))
 
 
-class RoutedMoE(nn.Module):
+class RoutedMoE(RoutedExperts):
     """Routed experts from the provider, chosen per token by `gate` (HF `mlp.gate`: ids [T, k], weights [T, k])."""
 
     def __init__(self, gate: nn.Module, layer_idx: int, experts: ExpertProvider, hidden_act: str) -> None:
@@ -148,7 +149,7 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
-class CausalLM(nn.Module):
+class CausalLM(FamilyModel):
     """embed -> layers -> norm -> lm_head, over a `Batch` of segments."""
 
     def __init__(self, args: Any, make_layer: Callable[[int], nn.Module], rope: Rope, experts: ExpertProvider) -> None:
@@ -159,21 +160,11 @@ class CausalLM(nn.Module):
         self.rope = rope
         self._chain = DecodeChain()  # a decode token's layers in one kernel call, where they all allow it (ops/step.py)
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.model.layers)
-
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, batch: Batch, all_logits: bool = False,
                 num_layers: int | None = None) -> torch.Tensor:
-        """Logits [T, V] for every token (all_logits) or each segment's last (`batch.logit_rows`).
-
-        Layers named in `batch.capture` leave their output [T, H] in `batch.captured`.
-        `num_layers` runs only the first N layers before the norm and head (the
-        layer-skip self-draft); only those layers' caches grow.
-        """
         x = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = rope_tables(*self.rope.cos_sin(batch.positions))  # [T, 1, D]: shaped once, not per layer
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltafind.models.contract import RoutedExperts
 from deltafind.models.ops.moe import dispatch, predict_routed
 from deltafind.models.ops.mxfp4 import can_fuse, fused_gate_up_situ, mxfp4_linear
 from deltafind.models.ops.norm import RMSNorm
@@ -67,7 +68,7 @@ def mxfp4_expert_forward(r: torch.Tensor, expert: Expert, beta: float = 4.0, lin
     return mxfp4_linear(h, *_pack(expert, "w2"))
 
 
-class LatentMoE(nn.Module):
+class LatentMoE(RoutedExperts):
     """`block_sparse_moe`: router, latent down/norm/up, provider experts, shared experts."""
 
     def __init__(self, hidden: int, latent: int, shared_width: int, router: SigmoidRouter, layer_idx: int,
