@@ -179,9 +179,8 @@ class SpineStreamer:
             for t in self.plan.layers[i]:
                 module_name, _, leaf = t.name.rpartition(".")
                 module = net.get_submodule(module_name)
-                is_param = leaf in module._parameters
-                placeholder = module._parameters[leaf] if is_param else module._buffers[leaf]
-                self._slots[t.name] = (module, leaf, is_param, placeholder)
+                is_param = leaf in dict(module.named_parameters(recurse=False))
+                self._slots[t.name] = (module, leaf, is_param, getattr(module, leaf))
 
     def enter(self, layer_idx: int) -> None:
         """Make layer `layer_idx` runnable; start reading the streamed layer after it."""
@@ -199,8 +198,8 @@ class SpineStreamer:
             finally:
                 self.wait_s += time.perf_counter() - t0
             for name, t in tensors.items():
-                module, leaf, is_param, _ = self._slots[name]
-                (module._parameters if is_param else module._buffers)[leaf] = nn.Parameter(t, requires_grad=False) if is_param else t
+                module, leaf, is_param, _ = self._slots[name]  # nn.Module.__setattr__ keeps a parameter a parameter, a buffer a buffer
+                setattr(module, leaf, nn.Parameter(t, requires_grad=False) if is_param else t)
         if nxt is not None and nxt not in self._held:
             self._start(nxt)
 
@@ -221,8 +220,8 @@ class SpineStreamer:
         if not fut.cancel():
             fut.exception()  # wait for a running read; its error (if any) already reached a request via enter
         for t in self.plan.layers[layer_idx]:
-            module, leaf, is_param, placeholder = self._slots[t.name]
-            (module._parameters if is_param else module._buffers)[leaf] = placeholder
+            module, leaf, _, placeholder = self._slots[t.name]
+            setattr(module, leaf, placeholder)
 
     def _read_layer(self, layer_idx: int) -> dict[str, torch.Tensor]:
         out = {}
