@@ -321,7 +321,8 @@ class Model:
 
     def take_uses(self) -> dict[tuple[int, int], int]:
         """The expert uses counted since the last take (on the engine thread: it owns the counts)."""
-        uses, self.experts.uses = dict(self.experts.uses), type(self.experts.uses)(int)
+        uses = dict(self.experts.uses)
+        self.experts.uses.clear()  # the store's own counter, emptied in place (never replaced)
         return uses
 
     def write_heat(self, uses: dict[tuple[int, int], int]) -> None:
