@@ -4,7 +4,8 @@ gthread keeps heartbeating the arbiter from its own loop while request threads
 and the engine thread work, so a long step never looks like a hung worker.
 gunicorn's own SIGHUP would start a second worker (a second model in memory);
 the arbiter forwards SIGHUP here instead and the running worker re-reads its config.
-Request heads are gathered in the main loop, not in pool threads (slow_clients.py).
+Request heads are gathered in the main loop, not in pool threads (slow_clients.py). Only
+ThreadWorker's overridable methods are used (gunicorn pinned to one major version; a unit test checks them).
 """
 
 from __future__ import annotations
@@ -19,18 +20,21 @@ from functools import partial
 from typing import Any
 
 import structlog
-from gunicorn import util
+from gunicorn.http import errors as http_errors
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
 from deltafind.daemon import notify
-from deltafind.daemon.slow_clients import DeadlineSocket, HeadReader, write_error
+from deltafind.daemon.slow_clients import DeadlineSocket, HeadReader, error_response
 from deltafind.log import get_logger
 
 log = get_logger(__name__)
 CANCEL_MARGIN_S = 1.0  # cancel this long before gunicorn's grace ends, so streams can close cleanly
-
-
 MAX_HEAD_BYTES = 64 << 10  # a bigger head goes to gunicorn's parser, which answers 431 past its limits
+# gunicorn's own answers to what its parser refuses (the statuses of its Worker.handle_error); first match wins
+ERROR_STATUS = ((http_errors.InvalidResponseHeader, 500), (http_errors.InvalidResponseHeaderName, 500),
+                (http_errors.ConfigurationProblem, 500), (http_errors.LimitRequestLine, 414),
+                (http_errors.LimitRequestHeaders, 431), (http_errors.UnsupportedTransferCoding, 501),
+                (http_errors.ExpectationFailed, 417), (http_errors.ForbiddenProxyRequest, 403), (http_errors.ParseException, 400))
 
 
 class Worker(ThreadWorker):
@@ -38,8 +42,17 @@ class Worker(ThreadWorker):
         server = self.app.settings.server
         self.heads = HeadReader(server.header_timeout_s, MAX_HEAD_BYTES)
         self.body_timeout_s = server.body_timeout_s
-        util.write_error = write_error  # gunicorn's own 400/408/414/431 answers, as OpenAI JSON (this process only)
         super().init_process()
+
+    def handle_error(self, req: Any, client: Any, addr: Any, exc: BaseException) -> None:
+        """gunicorn's own error answers (400/414/431/501/500...) as OpenAI JSON instead of its HTML page."""
+        status = next((s for kind, s in ERROR_STATUS if isinstance(exc, kind)), 500)
+        if status == 500:
+            log.error("request_failed", uri=getattr(req, "uri", None), exc_info=exc)
+        else:
+            log.warning("invalid_request", client=str(addr), status=status, error=str(exc))
+        with contextlib.suppress(OSError):
+            client.sendall(error_response(status, str(exc) if status != 500 else ""))
 
     # -- request heads, read without a thread ---------------------------------
 
@@ -51,7 +64,7 @@ class Worker(ThreadWorker):
                 raise
             return
         self.nr_conns += 1
-        self._read_head(TConn(self.cfg, client_sock, client_addr, listener.getsockname()))
+        self._read_head(TConn(self.cfg, DeadlineSocket(client_sock), client_addr, listener.getsockname()))
 
     def on_client_socket_readable(self, conn: Any, client: Any) -> None:
         self.poller.unregister(client)
@@ -85,16 +98,13 @@ class Worker(ThreadWorker):
 
     def handle(self, conn: Any) -> Any:
         structlog.contextvars.clear_contextvars()  # gunicorn's own errors must not log the thread's last request id
-        head = getattr(conn, "pending_head", None)
-        if head is not None:
-            conn.pending_head = None
-            conn.sock.setblocking(True)
-            conn.init()
-            conn.parser.unreader.unread(head)
-            conn.data_ready = True
-        if conn.parser is not None:  # the body (and a pipelined head) must arrive by this deadline
-            conn.parser.unreader.sock = DeadlineSocket(conn.sock, time.monotonic() + self.body_timeout_s)
-        return super().handle(conn)
+        head, conn.pending_head = getattr(conn, "pending_head", None), None
+        conn.data_ready = conn.data_ready or head is not None  # gthread need not wait for its first byte
+        conn.sock.arm(head or b"", time.monotonic() + self.body_timeout_s)  # the head, then the body by the deadline
+        try:
+            return super().handle(conn)
+        finally:
+            conn.sock.arm(b"", None)  # the next head is gathered without a deadline (HeadReader has its own)
 
     # -- signals ------------------------------------------------------------------
 
