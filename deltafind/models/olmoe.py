@@ -22,7 +22,7 @@ from deltafind.models.transformer import CausalLM, DecoderLayer, RoutedMoE, make
 from deltafind.store.provider import ExpertProvider
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelArgs(qwen3_moe.ModelArgs):
     clip_qkv: float | None = None
     ALIASES: ClassVar[dict[str, str]] = {"intermediate_size": "moe_intermediate_size"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -27,15 +28,33 @@ from deltafind.store.provider import Expert, ExpertProvider
 A = TypeVar("A")
 
 
-class FromConfig:
-    """`from_config` for a family's ModelArgs dataclass (which checks and derives in `__post_init__`).
+@dataclass(kw_only=True)
+class DecoderArgs:
+    """The config.json fields every family on this skeleton reads (contract.py's FamilyArgs among them); a
+    family's ModelArgs adds its own, may change a default, and checks and derives in `__post_init__`.
 
-    Keeps the config.json keys the dataclass has, takes `rope` in transformers 5's
-    normalised form, and fills a field the config leaves out from its `ALIASES`
-    spelling (another spelling -> the field's name).
+    `from_config` keeps the keys the dataclass has, takes `rope` in transformers 5's normalised form, and
+    fills a field the config leaves out from its `ALIASES` spelling (another spelling -> the field's name).
     """
 
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    rope: dict[str, Any] = dataclasses.field(default_factory=dict)
     ALIASES: ClassVar[dict[str, str]] = {}
+
+    def __post_init__(self) -> None:  # the fields HF configs leave implicit
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
 
     @classmethod
     def from_config(cls: type[A], config: dict[str, Any]) -> A:
@@ -182,10 +201,3 @@ def make_rope(args: Any, dim: int | None = None) -> Rope:
     with torch.device("cpu"):
         return Rope(args.rope, dim or args.head_dim, args.max_position_embeddings)
 
-
-def common_post_init(args: Any) -> None:
-    """Fill derived ModelArgs fields the HF configs leave implicit."""
-    if args.num_key_value_heads is None:
-        args.num_key_value_heads = args.num_attention_heads
-    if args.head_dim is None:
-        args.head_dim = args.hidden_size // args.num_attention_heads
