@@ -1,8 +1,7 @@
 """The model contract: all that the engine, drafts, cluster and daemon may ask of a family.
 
-Each family's `Model` (registry.py) is a `FamilyModel`, its `args` a `FamilyArgs`, its routed
-MoE modules `RoutedExperts`; tests/unit/test_model_contract.py checks every registered family.
-Code outside models/ uses these members only, never the modules under them.
+Each family's `Model` (registry.py) is a `FamilyModel`, its `args` a `FamilyArgs`, its routed MoE
+modules `RoutedExperts`; tests/unit/test_model_contract.py checks every registered family.
 """
 
 from __future__ import annotations
@@ -30,21 +29,18 @@ class FamilyArgs(Protocol):
 
 
 def token_widths(args: Any) -> tuple[int, int, int, int, int]:
-    """(hidden, experts per token, routed expert width, MLP width, heads): what one prompt token's
-    activations take, for engine/prefill.py. A dense family has no experts (0 per token)."""
-
+    """(hidden, experts per token (0: dense), routed expert width, MLP width, heads) for engine/prefill.py."""
     def first(*names: str, default: int = 0) -> int:
         return next((v for n in names if isinstance(v := getattr(args, n, None), int) and v > 0), default)
 
-    hidden = first("hidden_size", default=4096)
-    return (hidden, first("num_experts_per_tok", "num_experts_per_token"),
-            first("routed_expert_hidden_size", default=hidden),  # K3's experts run in a latent width
-            first("moe_intermediate_size", "intermediate_size", default=4 * hidden), first("num_attention_heads", default=32))
+    h = first("hidden_size", default=4096)
+    return (h, first("num_experts_per_tok", "num_experts_per_token"), first("routed_expert_hidden_size", default=h),
+            first("moe_intermediate_size", "intermediate_size", default=4 * h), first("num_attention_heads", default=32))
 
 
 class RoutedExperts(nn.Module):
-    """A layer's routed MoE: `gate` picks experts ([T, k] ids and weights), `run` computes one on its
-    rows; an expert node (deltafind/cluster) runs the very same `run`."""
+    """A routed MoE layer: `gate` picks experts (ids, weights [T, k]); `run` computes one on its rows,
+    the very function an expert node runs (deltafind/cluster)."""
 
     gate: nn.Module
     run: Run
@@ -52,14 +48,12 @@ class RoutedExperts(nn.Module):
 
 
 class FamilyModel(nn.Module):
-    """The base of every family's `Model`: embed -> `num_layers` layers -> `lm_head`, over a `Batch`.
-
-    A family keeps HF's names: the backbone at `model`, with `embed_tokens` and `layers`.
-    """
+    """A family's `Model`: HF's backbone at `model` (`embed_tokens`, `layers`), then `lm_head`."""
 
     args: FamilyArgs
     lm_head: nn.Linear  # its rows: the vocabulary the logits cover
-    layer_prefix: ClassVar[bool] = True  # forward(num_layers=N) runs only the first N layers (the self-draft)
+    layer_prefix: ClassVar[bool] = True  # forward(num_layers=N) runs the first N layers only (the self-draft)
+    recurrent = False  # some layers hold a state that cannot be rewound (K3's KDA): prefill keeps copies
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -77,14 +71,10 @@ class FamilyModel(nn.Module):
     def num_layers(self) -> int:
         return len(self.model.layers)
 
-    def forward(self, input_ids: torch.Tensor, batch: Any, all_logits: bool = False,
-                num_layers: int | None = None) -> torch.Tensor:
-        """fp32 logits [T, V] for every token (all_logits) or each segment's last (`batch.logit_rows`).
-
-        Layers named in `batch.capture` leave their output [T, H] in `batch.captured`; `num_layers`
-        (only where `layer_prefix`) runs the first N layers before the norm and head, and only
-        those layers' caches grow.
-        """
+    def forward(self, input_ids: torch.Tensor, batch: Any, all_logits: bool = False, num_layers: int | None = None) -> torch.Tensor:
+        """fp32 logits [T, V] for every token (all_logits) or each segment's last (`batch.logit_rows`); layers
+        named in `batch.capture` leave their output [T, H] in `batch.captured`; with `num_layers` only the first
+        N layers run (and grow their caches) before the norm and head."""
         raise NotImplementedError
 
     def routed_runs(self) -> dict[int, Run]:

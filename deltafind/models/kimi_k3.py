@@ -116,6 +116,7 @@ class Model(FamilyModel):
         check_load_dtype(experts.dtype)  # the quality guard's half that sees the load
         self.args, self.experts = args, experts
         self.model = Backbone(args, experts)
+        self.recurrent = any(isinstance(m, KimiDeltaAttention) for m in self.modules())
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, batch: Batch, all_logits: bool = False,

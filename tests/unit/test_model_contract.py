@@ -61,6 +61,7 @@ def test_family_keeps_the_model_contract(model_type: str) -> None:
     assert isinstance(net.lm_head, nn.Linear) and isinstance(net.embed_tokens, nn.Embedding)
     assert net.vocab_size == args.vocab_size and net.device.type == "meta"
     assert net.num_layers == args.num_hidden_layers
+    assert net.recurrent is (model_type == "kimi_k3"), f"{model_type}: `recurrent` must say whether a layer's state cannot be rewound"
     params = inspect.signature(net.forward).parameters
     assert list(params) == ["input_ids", "batch", "all_logits", "num_layers"], f"{model_type}: forward's signature left the contract"
     runs = net.routed_runs()
