@@ -47,10 +47,7 @@ class Worker(ThreadWorker):
     def handle_error(self, req: Any, client: Any, addr: Any, exc: BaseException) -> None:
         """gunicorn's own error answers (400/414/431/501/500...) as OpenAI JSON instead of its HTML page."""
         status = next((s for kind, s in ERROR_STATUS if isinstance(exc, kind)), 500)
-        if status == 500:
-            log.error("request_failed", uri=getattr(req, "uri", None), exc_info=exc)
-        else:
-            log.warning("invalid_request", client=str(addr), status=status, error=str(exc))
+        log.warning("http_error", client=str(addr), status=status, error=str(exc), exc_info=exc if status == 500 else None)
         with contextlib.suppress(OSError):
             client.sendall(error_response(status, str(exc) if status != 500 else ""))
 
@@ -85,7 +82,7 @@ class Worker(ThreadWorker):
             self.nr_conns -= 1
             conn.close()
             return
-        conn.pending_head = head
+        conn.sock.arm(head, None)  # what gunicorn's parser reads first
         self.enqueue_req(conn)
 
     def murder_pending(self) -> None:
@@ -98,9 +95,8 @@ class Worker(ThreadWorker):
 
     def handle(self, conn: Any) -> Any:
         structlog.contextvars.clear_contextvars()  # gunicorn's own errors must not log the thread's last request id
-        head, conn.pending_head = getattr(conn, "pending_head", None), None
-        conn.data_ready = conn.data_ready or head is not None  # gthread need not wait for its first byte
-        conn.sock.arm(head or b"", time.monotonic() + self.body_timeout_s)  # the head, then the body by the deadline
+        conn.data_ready = conn.data_ready or bool(conn.sock.pending)  # a gathered head: gthread need not wait for a byte
+        conn.sock.arm(b"", time.monotonic() + self.body_timeout_s)  # the body (and a pipelined head) by this deadline
         try:
             return super().handle(conn)
         finally:
