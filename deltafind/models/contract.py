@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
+from deltafind.models.ops.moe import predict_routed
 from deltafind.store.provider import Expert
 
 Run = Callable[[torch.Tensor, Expert], torch.Tensor]  # one routed expert on its rows: [n, H] -> [n, H]
@@ -45,6 +46,10 @@ class RoutedExperts(nn.Module):
     gate: nn.Module
     run: Run
     layer_idx: int
+
+    def predict(self, x: torch.Tensor) -> list[int]:
+        """Distinct experts the router picks for x (a prefetch hint; the route itself is recomputed)."""
+        return predict_routed(self.gate, x)
 
 
 class FamilyModel(nn.Module):

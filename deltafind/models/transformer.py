@@ -18,7 +18,7 @@ from torch import nn
 from deltafind.models.contract import FamilyModel, RoutedExperts
 from deltafind.models.ops.attention import AttnStep, attend
 from deltafind.models.ops.batch import Batch
-from deltafind.models.ops.moe import SlicedMLP, dispatch, predict_routed, swiglu
+from deltafind.models.ops.moe import SlicedMLP, dispatch, swiglu
 from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.rope import Rope, apply_rope, rope_parameters, rope_tables
 from deltafind.models.ops.step import DecodeChain, run_layers
@@ -110,9 +110,6 @@ class RoutedMoE(RoutedExperts):
         self.gate = gate
         self.layer_idx, self.provider = layer_idx, experts
         self.run = swiglu(hidden_act)
-
-    def predict(self, x: torch.Tensor) -> list[int]:
-        return predict_routed(self.gate, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, weight = self.gate(x)

@@ -45,10 +45,8 @@ class PieceStats:
         return {"kept": self.kept, "dropped": self.dropped, "kept_bytes": self.kept_bytes, "dropped_bytes": self.dropped_bytes}
 
 
-class ExpertRead(Future):  # type: ignore[type-arg]
-    """The future of one expert record's bytes; `record` is its read in flight (for `promote`), None once landed."""
-
-    record: RecordRead | None = None
+class ExpertRead(Future):  # type: ignore[type-arg]  # one expert record's bytes
+    record: RecordRead | None = None  # its read in flight, for `promote`; None once landed
 
 
 class RecordRead:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltafind.models.contract import RoutedExperts
-from deltafind.models.ops.moe import dispatch, predict_routed
+from deltafind.models.ops.moe import dispatch
 from deltafind.models.ops.mxfp4 import can_fuse, fused_gate_up_situ, mxfp4_linear
 from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.situ import SiTUMLP, situ
@@ -82,10 +82,6 @@ class LatentMoE(RoutedExperts):
         self.layer_idx, self.provider = layer_idx, provider
         self.beta, self.linear_beta = beta, linear_beta
         self.run = partial(mxfp4_expert_forward, beta=beta, linear_beta=linear_beta)  # an expert node runs it too
-
-    def predict(self, x: torch.Tensor) -> list[int]:
-        """Distinct experts the router picks for x (a prefetch hint; the route itself is recomputed)."""
-        return predict_routed(self.gate, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, weight = self.gate(x)

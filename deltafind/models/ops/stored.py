@@ -343,7 +343,7 @@ def adopt_stored(net: torch.nn.Module, compute: torch.dtype) -> int:
     changed = 0
     tags = {id(m.weight): m.quant for m in net.modules() if getattr(m, "quant", "")}
     for m in net.modules():
-        if type(m) not in STORED:
+        if not isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
             continue
         if id(m.weight) in tags:
             as_stored(m).quant = tags[id(m.weight)]  # a head tied to a block-stored embedding
@@ -353,11 +353,9 @@ def adopt_stored(net: torch.nn.Module, compute: torch.dtype) -> int:
     return changed
 
 
-STORED = {torch.nn.Linear: StoredLinear, torch.nn.Embedding: StoredEmbedding, StoredLinear: StoredLinear, StoredEmbedding: StoredEmbedding}
-
 
 def as_stored(m: torch.nn.Module) -> StoredLinear | StoredEmbedding:
     """`m` (a Linear or Embedding) as its stored-weight type, in place: the one place a weight's tag is
     declared on (the families built plain torch modules, and keep references to them)."""
-    m.__class__ = STORED[type(m)]
+    m.__class__ = StoredLinear if isinstance(m, torch.nn.Linear) else StoredEmbedding
     return m  # type: ignore[return-value]
