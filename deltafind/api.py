@@ -153,7 +153,7 @@ class Model:
         with safe_open(str(spine_path), "pt", device="cpu") as f:
             spine = load_resident(spine_path, plan, device, f.get_tensor)
         streamed = {t.name for i in plan.streamed for t in plan.layers[i]}
-        tied = getattr(args, "tie_word_embeddings", False)
+        tied = args.tie_word_embeddings
         if tied:
             spine.pop("lm_head.weight", None)
         quants = {t.name: t.quant for t in layout if t.quant}  # GGUF blocks stay blocks (models/ops/stored.py)
@@ -321,7 +321,8 @@ class Model:
 
     def take_uses(self) -> dict[tuple[int, int], int]:
         """The expert uses counted since the last take (on the engine thread: it owns the counts)."""
-        uses, self.experts.uses = dict(self.experts.uses), type(self.experts.uses)(int)
+        uses = dict(self.experts.uses)
+        self.experts.uses.clear()  # the store's own counter, emptied in place (never replaced)
         return uses
 
     def write_heat(self, uses: dict[tuple[int, int], int]) -> None:
@@ -373,7 +374,7 @@ def open_cross_draft(target: Tokenizer, stores: Sequence[str | Path], device: st
                 m.close()
         raise
     drafts = [CrossDraftModel(m.net, text_codec(m.tokenizer, add_bos=None), frozenset(m.eos_token_ids),
-                              min(max_context, getattr(m.net.args, "max_position_embeddings", max_context)))
+                              min(max_context, m.net.args.max_position_embeddings))
               for m in opened]
     name = "cross:" + ",".join(str(p) for p in stores)
     return CrossTokenizerSource(text_codec(target), drafts, name, closers=[] if open_model else [m.close for m in opened])

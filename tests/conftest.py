@@ -48,6 +48,7 @@ def make_hf_checkpoint(family: str, folder: Path, seed: int = 0, dtype: str = "f
         "deepseek_v3": (T.DeepseekV3Config, {"moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
                                              "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
                                              "qk_nope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 1, "num_key_value_heads": 4}),
+        "olmoe": (T.OlmoeConfig, {"intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2}),
     }
     cls, extra = configs[family]
     cfg = cls(**{**base, **extra, **overrides})

@@ -26,9 +26,9 @@ from torch import nn
 
 from deltafind.cluster import wire
 from deltafind.cluster.placement import Placement, check_placement, make_placement, read_placement
-from deltafind.cluster.runs import Run, routed_runs
 from deltafind.cluster.wire import ClusterError, GroupSpec
 from deltafind.log import get_logger
+from deltafind.models.contract import Run
 from deltafind.store.experts import StoreExperts
 from deltafind.store.heat import read_heat
 from deltafind.store.provider import Expert
@@ -81,7 +81,7 @@ class ClusterExperts:
 
     def start(self, net: nn.Module) -> None:
         """Place the routed experts of `net`, join the group and hand every node its placement."""
-        runs: Mapping[int, Run] = routed_runs(net)
+        runs: Mapping[int, Run] = net.routed_runs()
         self.routed = set(runs)
         counts = {layer: self.local.num_experts(layer) for layer in sorted(runs)}
         num_nodes = self.spec.world_size - 1

@@ -18,12 +18,12 @@ import torch
 
 from deltafind.cluster import wire
 from deltafind.cluster.placement import Placement
-from deltafind.cluster.runs import Run, routed_runs
 from deltafind.config import Settings
 from deltafind.device.select import start_device
 from deltafind.device.staging import make_stager, read_buffer_pool
 from deltafind.errors import ConfigError, StoreError
 from deltafind.log import get_logger
+from deltafind.models.contract import Run
 from deltafind.models.ops.stored import hold_dtype
 from deltafind.models.registry import family_module
 from deltafind.store.experts import StoreExperts
@@ -55,7 +55,7 @@ class ExpertNode:
         family = family_module(manifest.family)
         with torch.device("meta"):
             net = family.Model(family.ModelArgs.from_config(manifest.model_config), self.experts)
-        self.runs: dict[int, Run] = routed_runs(net)
+        self.runs: dict[int, Run] = net.routed_runs()
         self.mine: list[tuple[int, int]] = []
         self.link: wire.Pair = None  # this generation's group with the coordinator
 

@@ -99,8 +99,7 @@ class Runtime:
             self.model = Model.open(settings=self.settings)  # device resolved (auto: CUDA, MPS, CPU) and probed; [draft] opened
             prepare_vocabulary(self.model.tokenizer)  # structured output's vocabulary, built while warming up
             s = self.settings
-            args = getattr(self.model.net, "args", None)
-            context = int(getattr(args, "max_position_embeddings", 0) or 4096)
+            context = self.model.net.args.max_position_embeddings  # models/contract.py
             self.scheduler = Scheduler(self.model.net, self.model.eos_token_ids, self._limits(s, context),
                                        draft=self.model.draft, draft_policy=self.model.draft_policy)
             self.scheduler.core.prefix.disk = self._prompt_disk(s)  # before the first request

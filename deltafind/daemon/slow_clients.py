@@ -47,35 +47,34 @@ def error_response(status: int, message: str) -> bytes:
     return head.encode("latin-1") + body
 
 
-def write_error(sock: Any, status_int: int, reason: str, mesg: str) -> None:
-    """Drop-in for `gunicorn.util.write_error` (its HTML page): the same answer as OpenAI JSON."""
-    from gunicorn import util
+class DeadlineSocket(socket.socket):
+    """A connection's socket (it takes over the accepted one's descriptor): once `arm`ed for a request,
+    recv returns the head gathered in the main loop first, then may wait only until `deadline`;
+    the blocking mode is restored after every such read. A peek (`flags`) reads the socket itself."""
 
-    util.write_nonblock(sock, error_response(int(status_int), mesg or reason))
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__(sock.family, sock.type, sock.proto, fileno=sock.detach())
+        self.deadline: float | None = None
+        self.pending = b""
 
+    def arm(self, head: bytes, deadline: float | None) -> None:
+        self.pending, self.deadline = self.pending + head, deadline
 
-class DeadlineSocket:
-    """What the request parser reads from: each recv may wait only until `deadline`.
-
-    Writes go to the real socket, whose blocking mode is restored after every read.
-    """
-
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
-        self.sock, self.deadline = sock, deadline
-
-    def recv(self, size: int) -> bytes:
-        prior = self.sock.gettimeout()
+    def recv(self, size: int, flags: int = 0) -> bytes:
+        if self.pending and not flags:
+            data, self.pending = self.pending[:size], self.pending[size:]
+            return data
+        if self.deadline is None or flags:
+            return super().recv(size, flags)
+        prior = self.gettimeout()
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(errno.ETIMEDOUT, "request body read timed out")
-        self.sock.settimeout(left if prior is None else min(left, prior))
+        self.settimeout(left if prior is None else min(left, prior))
         try:
-            return self.sock.recv(size)
+            return super().recv(size)
         finally:
-            self.sock.settimeout(prior)
-
-    def __getattr__(self, name: str) -> Any:  # settimeout, gettimeout, fileno for gunicorn's body drain
-        return getattr(self.sock, name)
+            self.settimeout(prior)
 
 
 class ChunkTooLarge(InvalidChunkSize):

@@ -4,7 +4,8 @@ gthread keeps heartbeating the arbiter from its own loop while request threads
 and the engine thread work, so a long step never looks like a hung worker.
 gunicorn's own SIGHUP would start a second worker (a second model in memory);
 the arbiter forwards SIGHUP here instead and the running worker re-reads its config.
-Request heads are gathered in the main loop, not in pool threads (slow_clients.py).
+Request heads are gathered in the main loop, not in pool threads (slow_clients.py). Only
+ThreadWorker's overridable methods are used (gunicorn pinned to one major version; a unit test checks them).
 """
 
 from __future__ import annotations
@@ -19,18 +20,35 @@ from functools import partial
 from typing import Any
 
 import structlog
-from gunicorn import util
+from gunicorn.http import errors as http_errors
+from gunicorn.http.parser import RequestParser
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
 from deltafind.daemon import notify
-from deltafind.daemon.slow_clients import BoundedRequest, DeadlineSocket, HeadReader, write_error
+from deltafind.daemon.slow_clients import BoundedRequest, DeadlineSocket, HeadReader, error_response
 from deltafind.log import get_logger
 
 log = get_logger(__name__)
 CANCEL_MARGIN_S = 1.0  # cancel this long before gunicorn's grace ends, so streams can close cleanly
-
-
 MAX_HEAD_BYTES = 64 << 10  # a bigger head goes to gunicorn's parser, which answers 431 past its limits
+# gunicorn's own answers to what its parser refuses (the statuses of its Worker.handle_error); first match wins
+ERROR_STATUS = ((http_errors.InvalidResponseHeader, 500), (http_errors.InvalidResponseHeaderName, 500),
+                (http_errors.ConfigurationProblem, 500), (http_errors.LimitRequestLine, 414),
+                (http_errors.LimitRequestHeaders, 431), (http_errors.UnsupportedTransferCoding, 501),
+                (http_errors.ExpectationFailed, 417), (http_errors.ForbiddenProxyRequest, 403), (http_errors.ParseException, 400))
+
+
+class Conn(TConn):
+    """gthread's connection whose HTTP/1 parser builds `BoundedRequest`: a chunk past the body limit is a 400 at once."""
+
+    def __init__(self, max_body_bytes: int, *args: Any) -> None:
+        self.max_body_bytes = max_body_bytes
+        super().__init__(*args)
+
+    def init(self) -> None:
+        super().init()
+        if isinstance(self.parser, RequestParser):  # the class RequestParser builds each message with (a hooks test checks it)
+            self.parser.mesg_class = partial(BoundedRequest, self.max_body_bytes)
 
 
 class Worker(ThreadWorker):
@@ -39,8 +57,14 @@ class Worker(ThreadWorker):
         self.heads = HeadReader(server.header_timeout_s, MAX_HEAD_BYTES)
         self.body_timeout_s = server.body_timeout_s
         self.max_body_bytes = int(server.max_body_bytes)
-        util.write_error = write_error  # gunicorn's own 400/408/414/431 answers, as OpenAI JSON (this process only)
         super().init_process()
+
+    def handle_error(self, req: Any, client: Any, addr: Any, exc: BaseException) -> None:
+        """gunicorn's own error answers (400/414/431/501/500...) as OpenAI JSON instead of its HTML page."""
+        status = next((s for kind, s in ERROR_STATUS if isinstance(exc, kind)), 500)
+        log.warning("http_error", client=str(addr), status=status, error=str(exc), exc_info=exc if status == 500 else None)
+        with contextlib.suppress(OSError):
+            client.sendall(error_response(status, str(exc) if status != 500 else ""))
 
     # -- request heads, read without a thread ---------------------------------
 
@@ -52,7 +76,7 @@ class Worker(ThreadWorker):
                 raise
             return
         self.nr_conns += 1
-        self._read_head(TConn(self.cfg, client_sock, client_addr, listener.getsockname()))
+        self._read_head(Conn(self.max_body_bytes, self.cfg, DeadlineSocket(client_sock), client_addr, listener.getsockname()))
 
     def on_client_socket_readable(self, conn: Any, client: Any) -> None:
         self.poller.unregister(client)
@@ -73,7 +97,7 @@ class Worker(ThreadWorker):
             self.nr_conns -= 1
             conn.close()
             return
-        conn.pending_head = head
+        conn.sock.arm(head, None)  # what gunicorn's parser reads first
         self.enqueue_req(conn)
 
     def murder_pending(self) -> None:
@@ -86,17 +110,12 @@ class Worker(ThreadWorker):
 
     def handle(self, conn: Any) -> Any:
         structlog.contextvars.clear_contextvars()  # gunicorn's own errors must not log the thread's last request id
-        head = getattr(conn, "pending_head", None)
-        if head is not None:
-            conn.pending_head = None
-            conn.sock.setblocking(True)
-            conn.init()
-            conn.parser.unreader.unread(head)
-            conn.data_ready = True
-        if conn.parser is not None:  # the body (and a pipelined head) must arrive by this deadline
-            conn.parser.unreader.sock = DeadlineSocket(conn.sock, time.monotonic() + self.body_timeout_s)
-            conn.parser.mesg_class = partial(BoundedRequest, self.max_body_bytes)  # a chunk past the limit: 400 at once
-        return super().handle(conn)
+        conn.data_ready = conn.data_ready or bool(conn.sock.pending)  # a gathered head: gthread need not wait for a byte
+        conn.sock.arm(b"", time.monotonic() + self.body_timeout_s)  # the body (and a pipelined head) by this deadline
+        try:
+            return super().handle(conn)
+        finally:
+            conn.sock.arm(b"", None)  # the next head is gathered without a deadline (HeadReader has its own)
 
     # -- signals ------------------------------------------------------------------
 

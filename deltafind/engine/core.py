@@ -30,7 +30,7 @@ from deltafind.engine.step_budget import StepBudget
 from deltafind.errors import DeltafindError
 from deltafind.log import get_logger
 from deltafind.models.ops.batch import Batch, SequenceCache
-from deltafind.models.ops.kda_layer import KimiDeltaAttention, RollbackError
+from deltafind.models.ops.kda_layer import RollbackError
 
 log = get_logger(__name__)
 Events = list[tuple[int, Event]]  # (seq_id, event) in the order they happened
@@ -113,7 +113,7 @@ class EngineCore:
         self._rotate = 0
         self._unreleased = 0  # prompt tokens run since the heap was last trimmed
         # KDA state cannot be rewound: a prefill keeps copies of it where a later prompt may resume
-        self._recurrent = any(isinstance(m, KimiDeltaAttention) for m in getattr(net, "modules", list)())
+        self._recurrent = getattr(net, "recurrent", False)  # models/contract.py (a stand-in net may leave it out)
 
     @property
     def has_work(self) -> bool:

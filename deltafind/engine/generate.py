@@ -28,9 +28,8 @@ ONE_AT_A_TIME = SchedulerLimits(max_running=1, max_queue=1, max_step_tokens=1 <<
 
 def forward_step(model: torch.nn.Module, cache: SequenceCache, ids: Sequence[int], all_logits: bool = False) -> torch.Tensor:
     """Run `ids` after what `cache` holds; returns logits ([n, V] or [1, V])."""
-    device = model.model.embed_tokens.weight.device
-    batch = Batch.of([(cache, len(ids))], device=device)
-    return model(torch.tensor(list(ids), dtype=torch.long, device=device), batch, all_logits=all_logits)
+    batch = Batch.of([(cache, len(ids))], device=model.device)
+    return model(torch.tensor(list(ids), dtype=torch.long, device=model.device), batch, all_logits=all_logits)
 
 
 def generate(

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from deltafind.models.contract import token_widths
+
 RELEASE_AFTER_TOKENS = 2048  # prompt tokens run since the last release that make the next idle moment release
 ROWS_PER_TOKEN = 12  # hidden-width rows alive at once per token: residual, norms, q/k/v/o, mixture, outputs
 SAFETY = 0.5  # of the memory free at load: allocator slack, transients the estimate leaves out
@@ -48,21 +50,9 @@ class PrefillPlan:
         return max(1, min(t, self.cap or t))
 
 
-def _arg(args: Any, *names: str, default: int = 0) -> int:
-    for n in names:
-        v = getattr(args, n, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return default
-
-
 def plan_for(args: Any, budget_bytes: int, cap: int | None = None, itemsize: int = 4) -> PrefillPlan:
     """The prefill plan of a model whose config is `args` (any family's `ModelArgs`), in `itemsize`-byte activations."""
-    hidden = _arg(args, "hidden_size", default=4096)
-    k = _arg(args, "num_experts_per_tok", "num_experts_per_token")
-    routed = _arg(args, "routed_expert_hidden_size", default=hidden)  # K3's experts run in a latent width
-    inter = _arg(args, "moe_intermediate_size", "intermediate_size", default=4 * hidden)
-    heads = _arg(args, "num_attention_heads", default=32)
+    hidden, k, routed, inter, heads = token_widths(args)
     token = itemsize * (ROWS_PER_TOKEN * hidden + k * routed + 2 * inter)
     return PrefillPlan(max(budget_bytes, 0), token, itemsize * heads + 1, cap)  # fp32 scores + a bool mask
 

@@ -10,9 +10,9 @@ dense MLPs run as expert slices; shared experts stay resident.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -21,20 +21,15 @@ from torch import nn
 from deltafind.errors import UnsupportedModelError
 from deltafind.models.ops.mla import MLAttention
 from deltafind.models.ops.moe import DenseMLP, SlicedMLP, activation, swiglu
-from deltafind.models.transformer import CausalLM, DecoderLayer, FromConfig, RoutedMoE, make_rope
+from deltafind.models.transformer import CausalLM, DecoderArgs, DecoderLayer, RoutedMoE, make_rope
 from deltafind.store.provider import HF_WEIGHTS, ExpertProvider, WeightNames
 
 T = TypeVar("T")
 
 
-@dataclass
-class ModelArgs(FromConfig):
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
+@dataclass(kw_only=True)
+class ModelArgs(DecoderArgs):
     moe_intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
     n_routed_experts: int
     num_experts_per_tok: int
     # Defaults below are transformers' DeepseekV3Config defaults, so a config.json
@@ -55,16 +50,12 @@ class ModelArgs(FromConfig):
     topk_method: str = "noaux_tc"
     num_nextn_predict_layers: int = 0  # MTP layers stored after the last decoder layer; not run
     rope_interleave: bool = True
-    rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    hidden_act: str = "silu"
-    rope: dict[str, Any] = field(default_factory=dict)
     # transformers 5 spellings (its attribute_map) -> the names DeepSeek's config.json uses.
     ALIASES: ClassVar[dict[str, str]] = {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.scoring_func != "sigmoid" or self.topk_method != "noaux_tc":
             raise UnsupportedModelError(
                 f"deepseek_v3 routing scoring_func={self.scoring_func!r} topk_method={self.topk_method!r} "

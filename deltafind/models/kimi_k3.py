@@ -14,6 +14,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from deltafind.models.contract import FamilyModel
 from deltafind.models.kimi_k3_config import ModelArgs, check_load_dtype
 from deltafind.models.ops.attnres import AttnResStream
 from deltafind.models.ops.batch import Batch
@@ -105,25 +106,21 @@ class Backbone(nn.Module):
         self.output_attn_res_proj = ResWeights(h)
 
 
-class Model(nn.Module):
+class Model(FamilyModel):
     """embed -> 93 AttnRes-mixed layers -> output mixture -> norm -> lm_head, over a `Batch`."""
+
+    layer_prefix = False  # the output mixture reads every AttnRes block: no layer-skip self-draft
 
     def __init__(self, args: ModelArgs, experts: ExpertProvider) -> None:
         super().__init__()
         check_load_dtype(experts.dtype)  # the quality guard's half that sees the load
         self.args, self.experts = args, experts
         self.model = Backbone(args, experts)
+        self.recurrent = any(isinstance(m, KimiDeltaAttention) for m in self.modules())
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.model.layers)
-
-    def forward(self, input_ids: torch.Tensor, batch: Batch, all_logits: bool = False) -> torch.Tensor:
-        """Logits [T, V] (all_logits) or [num_segments, V] (each segment's last token), fp32.
-
-        Layers named in `batch.capture` leave their output h [T, H] in `batch.captured`.
-        """
+    def forward(self, input_ids: torch.Tensor, batch: Batch, all_logits: bool = False,
+                num_layers: int | None = None) -> torch.Tensor:
         m, eps, layers = self.model, self.args.rms_norm_eps, self.model.layers
         h0 = m.embed_tokens(input_ids)  # the compute dtype (a bf16 table stays bf16: models/ops/stored.py)
         dtype = torch.float32 if self.args.activation_dtype == "float32" else h0.dtype

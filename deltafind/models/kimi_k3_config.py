@@ -65,6 +65,7 @@ class ModelArgs:
     mla_use_output_gate: bool = True
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 1048576
+    tie_word_embeddings: bool = False  # CONTRACT
     quantization_config: dict[str, Any] | None = None
     # Named switches (docs/kimi-k3.md, "Switches"): set as text_config keys or from_config(**switches).
     kda_a_log_per_channel: bool = True

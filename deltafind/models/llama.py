@@ -5,41 +5,26 @@ The dense MLP of every layer runs as expert slices from the provider.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from deltafind.errors import UnsupportedModelError
 from deltafind.models.ops.moe import SlicedMLP, swiglu
 from deltafind.models.transformer import (
     Attention,
     CausalLM,
+    DecoderArgs,
     DecoderLayer,
-    FromConfig,
-    common_post_init,
     make_rope,
 )
 from deltafind.store.provider import HF_WEIGHTS, ExpertProvider, WeightNames
 
 
-@dataclass
-class ModelArgs(FromConfig):
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
+@dataclass(kw_only=True)
+class ModelArgs(DecoderArgs):
     mlp_bias: bool = False
-    hidden_act: str = "silu"
-    rope: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        common_post_init(self)
+        super().__post_init__()
         if self.mlp_bias:
             raise UnsupportedModelError("llama configs with mlp_bias=true are not supported yet")
 

@@ -8,7 +8,7 @@ the `decoder_sparse_step` grid are dense MLPs, run as expert slices.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -18,40 +18,23 @@ from deltafind.models.ops.moe import SlicedMLP, swiglu
 from deltafind.models.transformer import (
     Attention,
     CausalLM,
+    DecoderArgs,
     DecoderLayer,
-    FromConfig,
     RoutedMoE,
-    common_post_init,
     make_rope,
 )
 from deltafind.store.provider import HF_WEIGHTS, ExpertProvider, WeightNames
 
 
-@dataclass
-class ModelArgs(FromConfig):
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
+@dataclass(kw_only=True)
+class ModelArgs(DecoderArgs):
     moe_intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
     num_experts: int
     num_experts_per_tok: int
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    hidden_act: str = "silu"
-    rope: dict[str, Any] = field(default_factory=dict)
     ALIASES: ClassVar[dict[str, str]] = {"num_local_experts": "num_experts"}  # transformers 5's name
-
-    def __post_init__(self) -> None:
-        common_post_init(self)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (

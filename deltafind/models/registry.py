@@ -15,6 +15,7 @@ FAMILIES = {
     "deepseek_v3": "deltafind.models.deepseek_v3",
     "kimi_k2": "deepseek_v3",
     "kimi_k3": "deltafind.models.kimi_k3",
+    "olmoe": "deltafind.models.olmoe",
 }
 
 

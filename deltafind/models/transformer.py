@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
 
+from deltafind.models.contract import FamilyModel, RoutedExperts
 from deltafind.models.ops.attention import AttnStep, attend
 from deltafind.models.ops.batch import Batch
-from deltafind.models.ops.moe import SlicedMLP, dispatch, predict_routed, swiglu
+from deltafind.models.ops.moe import SlicedMLP, dispatch, swiglu
 from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.rope import Rope, apply_rope, rope_parameters, rope_tables
 from deltafind.models.ops.step import DecodeChain, run_layers
@@ -26,15 +28,33 @@ from deltafind.store.provider import Expert, ExpertProvider
 A = TypeVar("A")
 
 
-class FromConfig:
-    """`from_config` for a family's ModelArgs dataclass (which checks and derives in `__post_init__`).
+@dataclass(kw_only=True)
+class DecoderArgs:
+    """The config.json fields every family on this skeleton reads (contract.py's FamilyArgs among them); a
+    family's ModelArgs adds its own, may change a default, and checks and derives in `__post_init__`.
 
-    Keeps the config.json keys the dataclass has, takes `rope` in transformers 5's
-    normalised form, and fills a field the config leaves out from its `ALIASES`
-    spelling (another spelling -> the field's name).
+    `from_config` keeps the keys the dataclass has, takes `rope` in transformers 5's normalised form, and
+    fills a field the config leaves out from its `ALIASES` spelling (another spelling -> the field's name).
     """
 
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    rope: dict[str, Any] = dataclasses.field(default_factory=dict)
     ALIASES: ClassVar[dict[str, str]] = {}
+
+    def __post_init__(self) -> None:  # the fields HF configs leave implicit
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
 
     @classmethod
     def from_config(cls: type[A], config: dict[str, Any]) -> A:
@@ -82,7 +102,7 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(t, hq * d))
 
 
-class RoutedMoE(nn.Module):
+class RoutedMoE(RoutedExperts):
     """Routed experts from the provider, chosen per token by `gate` (HF `mlp.gate`: ids [T, k], weights [T, k])."""
 
     def __init__(self, gate: nn.Module, layer_idx: int, experts: ExpertProvider, hidden_act: str) -> None:
@@ -90,9 +110,6 @@ class RoutedMoE(nn.Module):
         self.gate = gate
         self.layer_idx, self.provider = layer_idx, experts
         self.run = swiglu(hidden_act)
-
-    def predict(self, x: torch.Tensor) -> list[int]:
-        return predict_routed(self.gate, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, weight = self.gate(x)
@@ -148,7 +165,7 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
-class CausalLM(nn.Module):
+class CausalLM(FamilyModel):
     """embed -> layers -> norm -> lm_head, over a `Batch` of segments."""
 
     def __init__(self, args: Any, make_layer: Callable[[int], nn.Module], rope: Rope, experts: ExpertProvider) -> None:
@@ -159,21 +176,11 @@ class CausalLM(nn.Module):
         self.rope = rope
         self._chain = DecodeChain()  # a decode token's layers in one kernel call, where they all allow it (ops/step.py)
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.model.layers)
-
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, batch: Batch, all_logits: bool = False,
                 num_layers: int | None = None) -> torch.Tensor:
-        """Logits [T, V] for every token (all_logits) or each segment's last (`batch.logit_rows`).
-
-        Layers named in `batch.capture` leave their output [T, H] in `batch.captured`.
-        `num_layers` runs only the first N layers before the norm and head (the
-        layer-skip self-draft); only those layers' caches grow.
-        """
         x = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = rope_tables(*self.rope.cos_sin(batch.positions))  # [T, 1, D]: shaped once, not per layer
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
@@ -191,10 +198,3 @@ def make_rope(args: Any, dim: int | None = None) -> Rope:
     with torch.device("cpu"):
         return Rope(args.rope, dim or args.head_dim, args.max_position_embeddings)
 
-
-def common_post_init(args: Any) -> None:
-    """Fill derived ModelArgs fields the HF configs leave implicit."""
-    if args.num_key_value_heads is None:
-        args.num_key_value_heads = args.num_attention_heads
-    if args.head_dim is None:
-        args.head_dim = args.hidden_size // args.num_attention_heads

@@ -46,7 +46,7 @@ from deltafind.store.manifest import (
     align_up,
     pack_name,
 )
-from deltafind.store.record_read import PieceStats, RecordRead
+from deltafind.store.record_read import ExpertRead, PieceStats, RecordRead
 
 log = get_logger(__name__)
 VERIFY_MODES = ("full", "fast", "off")
@@ -250,12 +250,11 @@ class PackReader:
 
     def promote(self, read: Future[Any]) -> None:
         """A speculative read is now needed: its chunks not yet started go with the demand reads."""
-        owner = getattr(read, "_record_read", None)
-        if owner is not None:
-            owner.promote()
+        if isinstance(read, ExpertRead) and read.record is not None:
+            read.record.promote()
 
     def _start(self, rec: ExpertRecord, speculative: bool, dtype: torch.dtype | None, pieces: int | None = None) -> Future[Any]:
-        fut: Future[Any] = Future()
+        fut = ExpertRead()
         remote = self.remote
         if remote is None or rec.key in remote.present:
             self._queue(remote.present[rec.key] if remote is not None else rec, fut, speculative, dtype, pieces)
@@ -276,12 +275,12 @@ class PackReader:
         fetched.add_done_callback(landed)
         return fut
 
-    def _queue(self, rec: ExpertRecord, fut: Future[Any], speculative: bool, dtype: torch.dtype | None, pieces: int | None) -> None:
+    def _queue(self, rec: ExpertRecord, fut: ExpertRead, speculative: bool, dtype: torch.dtype | None, pieces: int | None) -> None:
         extents = rec.extents()
         if any(e.drive >= len(self.queues) for e in extents):
             raise CorruptExpertError(f"expert {rec.expert} of layer {rec.layer}: drive {max(e.drive for e in extents)} is closed or unknown")
         read = RecordRead(self, rec, fut, dtype)
-        fut._record_read = read  # type: ignore[attr-defined]  # for promote()
+        fut.record = read
         read.queue(extents, speculative, pieces)
 
     def decode_when_read(self, rec: ExpertRecord, read: Future[Any], dtype: torch.dtype) -> Future[Decoded]:

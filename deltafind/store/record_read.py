@@ -45,12 +45,16 @@ class PieceStats:
         return {"kept": self.kept, "dropped": self.dropped, "kept_bytes": self.kept_bytes, "dropped_bytes": self.dropped_bytes}
 
 
+class ExpertRead(Future):  # type: ignore[type-arg]  # one expert record's bytes
+    record: RecordRead | None = None  # its read in flight, for `promote`; None once landed
+
+
 class RecordRead:
     """The thread that lands the last piece checks the bytes (and converts them, for
     `submit_decoded`) and completes the future; a cancelled read skips the pieces not yet
     started and recycles its buffer."""
 
-    def __init__(self, reader: Any, rec: ExpertRecord, fut: Future[Any], dtype: torch.dtype | None) -> None:
+    def __init__(self, reader: Any, rec: ExpertRecord, fut: ExpertRead, dtype: torch.dtype | None) -> None:
         # reader: the PackReader (store/reader.py) that owns the queues, buffers and checks; not imported (it imports this)
         self.reader, self.rec, self.fut, self.dtype = reader, rec, fut, dtype
         self.buf: Any = None
@@ -144,7 +148,7 @@ class RecordRead:
         # the speculative deque (and future <-> read <-> chunks was a cycle), which kept landed
         # buffers mapped after their experts were gone (tests/bench/RESULTS.md).
         self.buf, self.chunks, self.fut = None, [], None
-        fut._record_read = None  # type: ignore[attr-defined]
+        fut.record = None
         wanted = fut.set_running_or_notify_cancel()  # False: cancelled, nobody wants the bytes
         if self._speculative_read[0]:
             reader.pieces.count(*self._speculative_read, kept=wanted)

@@ -165,7 +165,7 @@ class SpineStreamer:
         self.path, self.plan, self.device = Path(path), plan, torch.device(device)
         self.streamed = plan.streamed
         self._next = {i: self.streamed[(k + 1) % len(self.streamed)] for k, i in enumerate(self.streamed)}
-        self._slots: dict[str, tuple[nn.Module, str, bool, torch.Tensor]] = {}  # name -> (module, leaf, is_param, placeholder)
+        self._slots: dict[str, tuple[nn.Module, str, torch.Tensor]] = {}  # name -> (module, leaf, placeholder)
         self._held: dict[int, Future[dict[str, torch.Tensor]]] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spine")
         self._fd = os.open(self.path, os.O_RDONLY)
@@ -179,9 +179,7 @@ class SpineStreamer:
             for t in self.plan.layers[i]:
                 module_name, _, leaf = t.name.rpartition(".")
                 module = net.get_submodule(module_name)
-                is_param = leaf in module._parameters
-                placeholder = module._parameters[leaf] if is_param else module._buffers[leaf]
-                self._slots[t.name] = (module, leaf, is_param, placeholder)
+                self._slots[t.name] = (module, leaf, getattr(module, leaf))
 
     def enter(self, layer_idx: int) -> None:
         """Make layer `layer_idx` runnable; start reading the streamed layer after it."""
@@ -199,8 +197,8 @@ class SpineStreamer:
             finally:
                 self.wait_s += time.perf_counter() - t0
             for name, t in tensors.items():
-                module, leaf, is_param, _ = self._slots[name]
-                (module._parameters if is_param else module._buffers)[leaf] = nn.Parameter(t, requires_grad=False) if is_param else t
+                module, leaf, placeholder = self._slots[name]  # nn.Module.__setattr__ registers a parameter or a buffer
+                setattr(module, leaf, nn.Parameter(t, requires_grad=False) if isinstance(placeholder, nn.Parameter) else t)
         if nxt is not None and nxt not in self._held:
             self._start(nxt)
 
@@ -221,8 +219,8 @@ class SpineStreamer:
         if not fut.cancel():
             fut.exception()  # wait for a running read; its error (if any) already reached a request via enter
         for t in self.plan.layers[layer_idx]:
-            module, leaf, is_param, placeholder = self._slots[t.name]
-            (module._parameters if is_param else module._buffers)[leaf] = placeholder
+            module, leaf, placeholder = self._slots[t.name]
+            setattr(module, leaf, placeholder)
 
     def _read_layer(self, layer_idx: int) -> dict[str, torch.Tensor]:
         out = {}

@@ -23,6 +23,8 @@ CASES = {
     "qwen3_moe-norm": ("qwen3_moe", {"norm_topk_prob": True}),
     "qwen3_moe-nonorm-dense0": ("qwen3_moe", {"norm_topk_prob": False, "mlp_only_layers": [0]}),
     "deepseek_v3-dense1-groups2": ("deepseek_v3", {}),
+    "olmoe-clip": ("olmoe", {"clip_qkv": 0.5}),
+    "olmoe-norm-gqa": ("olmoe", {"norm_topk_prob": True}),
     "deepseek_v3-groups4-top2-noqlora": ("deepseek_v3", {"n_group": 4, "topk_group": 2, "norm_topk_prob": False, "q_lora_rank": None, "num_hidden_layers": 3}),
 }
 

@@ -23,6 +23,7 @@ from deltafind.engine.draft.ngram import NgramSession, NgramSource
 from deltafind.engine.draft.policy import PolicyOptions, WidthController
 from deltafind.engine.draft.self_draft import SelfDraftSource
 from deltafind.engine.sampler import SamplingParams
+from deltafind.models.contract import FamilyModel
 
 G = SamplingParams()
 
@@ -100,8 +101,10 @@ def test_auto_turns_off_after_a_probe_that_accepts_nothing_then_probes_again_lat
 # -- building sources ----------------------------------------------------------------
 
 
-class _Net(torch.nn.Module):
+class _Net(FamilyModel):
     """Stands in for a model only where a source inspects it (its head's vocabulary size)."""
+
+    layer_prefix = False  # not a layer-skip model
 
     def __init__(self, vocab: int = 300) -> None:
         super().__init__()
@@ -163,7 +166,7 @@ def test_draft_settings_on_fails_auto_goes_on_without(tmp_path: Path) -> None:
 
 def test_self_draft_refuses_a_depth_it_cannot_run() -> None:
     class Deep(_Net):
-        num_layers = 4
+        num_layers, layer_prefix = 4, True
 
         def forward(self, input_ids, batch, all_logits=False, num_layers=None):
             raise NotImplementedError

@@ -90,12 +90,11 @@ class DSparkSource:
         args = dspark.ModelArgs.from_config(cfg)
         with torch.device("meta"):
             model = dspark.Model(args)
-        device = target.lm_head.weight.device
-        model.load_state_dict({n: t.to(device) for n, t in tensors.items()}, strict=True, assign=True)
+        model.load_state_dict({n: t.to(target.device) for n, t in tensors.items()}, strict=True, assign=True)
         model.eval()
         source = cls(model, max_context)
         source.check_target(target)
-        model.attach(target.model.embed_tokens.weight, target.lm_head)
+        model.attach(target.embed_tokens.weight, target.lm_head)
         return source
 
     def check_target(self, net: torch.nn.Module) -> None:

@@ -131,7 +131,7 @@ def store_source(path: Path, net: torch.nn.Module, target_store: Path | None, op
     admit_store(path, device)
     check_same_vocab(path, target_store)
     draft_net = open_store(path)
-    return StoreDraftSource(draft_net, f"store:{path}", net.lm_head.weight.shape[0])
+    return StoreDraftSource(draft_net, f"store:{path}", net.vocab_size)
 
 
 def cross_source(spec: str, open_cross: OpenCross | None, device: str | torch.device = "cpu") -> DraftSource:

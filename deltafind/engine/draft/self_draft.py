@@ -4,13 +4,12 @@ No second model and no second cache: the draft runs its tokens through the
 first N layers of the target's own cache and truncates it back before the
 verify pass. That is exact because those layers' cache entries for a position
 depend only on the tokens up to it, which the verify pass recomputes anyway
-(it appends over the truncated rows). Works for the families on
-`models/transformer.CausalLM` (their forward takes `num_layers`).
+(it appends over the truncated rows). Works for the families whose forward runs a layer
+prefix (`layer_prefix`, models/contract.py).
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 
 import torch
@@ -32,7 +31,7 @@ class SelfDraftSession:
     def __init__(self, net: torch.nn.Module, num_layers: int) -> None:
         self.net, self.num_layers = net, num_layers
         self.cache: SequenceCache | None = None
-        self.device = net.model.embed_tokens.weight.device
+        self.device = net.device
 
     def use_target_cache(self, cache: SequenceCache) -> None:
         self.cache = cache
@@ -85,7 +84,7 @@ class SelfDraftSource:
 
     @staticmethod
     def check_target(net: torch.nn.Module) -> None:
-        if "num_layers" not in inspect.signature(net.forward).parameters:
+        if not net.layer_prefix:
             raise DraftError(f"the self-draft needs a model whose forward runs a layer prefix; "
                              f"{type(net).__module__} has none (use --draft ngram, or dspark for Kimi K3)")
 

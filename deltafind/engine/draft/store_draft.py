@@ -22,7 +22,7 @@ class StoreDraftSession:
         self.net, self.vocab_size, self.max_positions = net, vocab_size, max_positions
         self.cache = SequenceCache(net.num_layers)
         self.seen: list[int] = []  # the tokens whose positions `cache` holds
-        self.device = net.model.embed_tokens.weight.device
+        self.device = net.device
 
     def _run(self, ids: Sequence[int]) -> torch.Tensor:
         batch = Batch.of([(self.cache, len(ids))], device=self.device)
@@ -70,7 +70,7 @@ class StoreDraftSource:
     capture_layers: tuple[int, ...] = ()
 
     def __init__(self, net: torch.nn.Module, name: str, target_vocab_size: int) -> None:
-        draft_vocab = net.lm_head.weight.shape[0]
+        draft_vocab = net.vocab_size
         if draft_vocab < target_vocab_size:
             raise DraftError(f"{name}: the draft's vocabulary ({draft_vocab}) is smaller than the target's "
                              f"({target_vocab_size}); a same-tokenizer draft must share the target's token ids")

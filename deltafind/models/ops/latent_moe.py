@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltafind.models.ops.moe import dispatch, predict_routed
+from deltafind.models.contract import RoutedExperts
+from deltafind.models.ops.moe import dispatch
 from deltafind.models.ops.mxfp4 import can_fuse, fused_gate_up_situ, mxfp4_linear
 from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.situ import SiTUMLP, situ
@@ -67,7 +68,7 @@ def mxfp4_expert_forward(r: torch.Tensor, expert: Expert, beta: float = 4.0, lin
     return mxfp4_linear(h, *_pack(expert, "w2"))
 
 
-class LatentMoE(nn.Module):
+class LatentMoE(RoutedExperts):
     """`block_sparse_moe`: router, latent down/norm/up, provider experts, shared experts."""
 
     def __init__(self, hidden: int, latent: int, shared_width: int, router: SigmoidRouter, layer_idx: int,
@@ -81,10 +82,6 @@ class LatentMoE(nn.Module):
         self.layer_idx, self.provider = layer_idx, provider
         self.beta, self.linear_beta = beta, linear_beta
         self.run = partial(mxfp4_expert_forward, beta=beta, linear_beta=linear_beta)  # an expert node runs it too
-
-    def predict(self, x: torch.Tensor) -> list[int]:
-        """Distinct experts the router picks for x (a prefetch hint; the route itself is recomputed)."""
-        return predict_routed(self.gate, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, weight = self.gate(x)

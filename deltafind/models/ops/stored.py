@@ -106,7 +106,7 @@ def int8_spine(net: torch.nn.Module) -> int:
     saved, done = 0, {}  # id(weight) -> (int8 parameter, tag): a tied head shares its embedding's
     for name, m in net.named_modules():
         if getattr(m, "weight", None) is not None and id(m.weight) in done:
-            m.weight, m.quant = done[id(m.weight)]
+            as_stored(m).weight, m.quant = done[id(m.weight)]
             continue
         weight = getattr(m, "weight", None)
         if (not isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) or weight is None or weight.device.type == "meta"
@@ -115,7 +115,7 @@ def int8_spine(net: torch.nn.Module) -> int:
         if getattr(m, "quant", "") or weight.dim() != 2 or not weight.is_floating_point() or weight.shape[1] % 32:
             continue  # GGUF blocks are already smaller than int8: only float matrices convert
         before = weight.numel() * weight.element_size()
-        m.weight = torch.nn.Parameter(to_row_int8(weight), requires_grad=False)
+        as_stored(m).weight = torch.nn.Parameter(to_row_int8(weight), requires_grad=False)
         m.quant = f"I8R/{weight.shape[1]}"
         done[id(weight)] = (m.weight, m.quant)
         saved += before - m.weight.numel()
@@ -267,9 +267,9 @@ def hold_dtype(stored: set[torch.dtype], compute: torch.dtype) -> torch.dtype:
 
 
 class StoredLinear(torch.nn.Linear):
-    """An `nn.Linear` whose weight stays as stored (bf16/fp16, or GGUF blocks with `quant`)."""
+    """An `nn.Linear` whose weight stays as stored (bf16/fp16, or GGUF blocks / row-int8 tagged `quant`)."""
 
-    quant = ""
+    quant = ""  # the weight's store tag (store/quant.py); "" for a float matrix
     _fused: FusedLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -305,7 +305,7 @@ def install_quantized(net: torch.nn.Module, quants: dict[str, str], tensors: dic
             if name in tensors:
                 module.weight = torch.nn.Parameter(dequantize(StoredWeight.tagged(tensors[name], tag)), requires_grad=False)
             continue
-        module.quant = tag
+        as_stored(module).quant = tag
         if name in tensors:
             module.weight = torch.nn.Parameter(tensors[name], requires_grad=False)
 
@@ -343,14 +343,19 @@ def adopt_stored(net: torch.nn.Module, compute: torch.dtype) -> int:
     changed = 0
     tags = {id(m.weight): m.quant for m in net.modules() if getattr(m, "quant", "")}
     for m in net.modules():
-        if not getattr(m, "quant", "") and id(getattr(m, "weight", None)) in tags:
-            m.quant = tags[id(m.weight)]  # a head tied to a block-stored embedding
-        if type(m) is torch.nn.Linear:
-            m.__class__ = StoredLinear
-        elif type(m) is torch.nn.Embedding:
-            m.__class__ = StoredEmbedding
-            m.compute_dtype = compute
-        else:
+        if not isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
             continue
+        if id(m.weight) in tags:
+            as_stored(m).quant = tags[id(m.weight)]  # a head tied to a block-stored embedding
+        if isinstance(as_stored(m), StoredEmbedding):
+            m.compute_dtype = compute
         changed += 1
     return changed
+
+
+
+def as_stored(m: torch.nn.Module) -> StoredLinear | StoredEmbedding:
+    """`m` (a Linear or Embedding) as its stored-weight type, in place: the one place a weight's tag is
+    declared on (the families built plain torch modules, and keep references to them)."""
+    m.__class__ = StoredLinear if isinstance(m, torch.nn.Linear) else StoredEmbedding
+    return m  # type: ignore[return-value]
