@@ -173,17 +173,17 @@ class RequestRun:
         elif isinstance(body, CompletionRequest) and body.logprobs is not None:
             self.want_lp = body.logprobs
 
-    def submit(self, plan: ChatPlan | None = None, prompts: list[list[int]] | None = None,
-               constraint: ConstraintFactory | None = None, clamp: bool = False) -> list[Choice]:
-        """Submit a chat `plan`'s prompt, or raw `prompts`, `n` times each: all of them or none.
+    def submit(self, prompts: ChatPlan | list[list[int]], constraint: ConstraintFactory | None = None,
+               clamp: bool = False) -> list[Choice]:
+        """Submit a chat plan's prompt, or raw prompts, `n` times each: all of them or none.
 
         `clamp`: a token limit past the context is cut to what remains (Anthropic's clients ask for 32k-64k).
         """
         engine, body, cfg = self.engine, self.body, self.state.config
+        plan = prompts if isinstance(prompts, ChatPlan) else None
         if plan is not None:  # an answer sent back in the history keeps the ids the model generated for it
             plan.respell(engine.turns.splice(engine.tokenizer, plan.prompt_ids))
             prompts, constraint = [plan.prompt_ids], plan.constraint
-        assert prompts is not None
         max_context = min(cfg.max_context or engine.context_length, engine.context_length)
         gen = []
         for ids in prompts:
@@ -241,8 +241,3 @@ class RequestRun:
                 c.handle.cancel()
         self.state.pace.observe(time.monotonic() - started)
         self.state.metrics.count_completion(sum(c.completion_tokens for c in self.choices))
-
-    def finish(self) -> None:
-        """Run a request that is not streamed to its end."""
-        for _ in self.events(stream=False):
-            pass

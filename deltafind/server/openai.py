@@ -15,7 +15,6 @@ from typing import Any
 
 import falcon
 
-from deltafind.engine.constraint import ConstraintFactory
 from deltafind.server.chat_plan import plan_chat
 from deltafind.server.choices import Choice, chat_logprobs, completion_logprobs, usage
 from deltafind.server.errors import ApiError, bad_request
@@ -30,7 +29,6 @@ from deltafind.server.lifecycle import (
 from deltafind.server.output import Delta
 from deltafind.server.schemas import ChatRequest, CompletionRequest, parse_body
 from deltafind.server.structured import Grammar, json_schema_grammar, response_format_schema
-from deltafind.tokenizer import Tokenizer
 
 
 def chat_messages(body: ChatRequest) -> list[dict[str, Any]]:
@@ -82,12 +80,6 @@ def chunk_deltas(deltas: list[Delta]) -> list[dict[str, Any]]:
     return out
 
 
-def completion_constraint(tokenizer: Tokenizer, body: CompletionRequest) -> ConstraintFactory | None:
-    """/v1/completions with `response_format`: the same enforced JSON as chat."""
-    schema, field = response_format_schema(body.response_format or {})
-    return None if schema is None else Grammar(tokenizer, json_schema_grammar(schema, field), field).factory()
-
-
 class Generate:
     """One resource for both endpoints; `chat` picks the wire format."""
 
@@ -100,18 +92,19 @@ class Generate:
         run = RequestRun(self.state, req, engine, body)
         if isinstance(body, ChatRequest):
             run.submit(plan_chat(engine.tokenizer, body, chat_messages(body)))
-        else:
-            run.submit(prompts=self._prompts(engine, body), constraint=completion_constraint(engine.tokenizer, body))
+        else:  # `response_format`: the same enforced JSON as chat
+            schema, field = response_format_schema(body.response_format or {})
+            grammar = None if schema is None else Grammar(engine.tokenizer, json_schema_grammar(schema, field), field).factory()
+            run.submit(self._prompts(engine, body), grammar)
         meta = {"id": ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
                 "model": engine.model_name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream_sse(resp, self._sse(run, meta, include_usage), sse_error)
             return
-        run.finish()
+        for _ in run.events(stream=False):
+            pass
         resp.media = self._response(run, meta)
-
-    # -- building blocks ------------------------------------------------------
 
     def _prompts(self, engine: ReadyEngine, body: CompletionRequest) -> list[list[int]]:
         tok = engine.tokenizer
