@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from deltafind.compose import draft_settings, open_model, settings_with
+from deltafind.compose import draft_settings, make_model, settings_with
 from deltafind.config import DraftSettings, Settings
 from deltafind.engine.draft.base import DraftError, DraftSource
 from deltafind.engine.draft.cross import CrossDraftModel, CrossTokenizerSource, TextCodec
@@ -71,7 +71,7 @@ class Model:
         (expert_bytes=None keeps every expert read), and prefetch (bool or PrefetchOptions), drives
         (DriveOptions per store drive), draft. `trace_path` appends a router trace (JSONL).
         """
-        return open_model(cls, settings_with(settings, store_dir, overrides), trace_path)
+        return make_model(cls, settings_with(settings, store_dir, overrides), trace_path)
 
     def open_draft(self, draft: DraftSettings) -> None:
         """The one draft opener: `[draft]` (mode, source, max_width) as this model's draft source and policy.

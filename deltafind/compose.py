@@ -1,7 +1,7 @@
 """The composition root: settings become the objects that run a model, for every entry point.
 
 `settings_with` turns Model.open's keywords into one `Settings` (each keyword named as its
-setting); `load_model` builds store, family, spine and experts from it; `server_config` and
+setting); `make_model` builds device, store, family, spine and experts from it; `server_config` and
 `scheduler_limits` build the daemon's server and engine parts. api.Model, `run`/`bench`
 and the daemon's runtime all come through here.
 """
@@ -42,6 +42,7 @@ from deltafind.models.registry import family_module
 from deltafind.store.experts import StoreExperts
 from deltafind.store.heat import hottest, read_heat
 from deltafind.store.manifest import SPINE_NAME, TOKENIZER_DIR, Manifest
+from deltafind.store.prefetch_gate import PrefetchOptions
 from deltafind.store.spine import SpineStreamer, load_resident, plan_spine, read_layout
 from deltafind.store.trace import TraceWriter
 from deltafind.tokenizer import Tokenizer
@@ -70,9 +71,9 @@ def settings_with(settings: Settings | None, store_dir: str | Path | None, overr
     """`settings` (default: `load_settings()` with drafting off) with Model.open's simple keywords on top."""
     nested: dict[str, dict[str, Any]] = {"model": {"store": Path(store_dir).expanduser()}} if store_dir else {}
     for key, value in overrides.items():
-        if key == "prefetch":  # a bool, or the gate's options (store/prefetch_gate.py) as [prefetch]'s keys
-            nested["prefetch"] = {"enabled": bool(value)} if isinstance(value, bool) else \
-                {k: getattr(value, k) for k in ("enabled", "max_in_flight", "recall_threshold")}
+        if key == "prefetch":  # a bool, or the gate's options as [prefetch]'s keys
+            keys = ("enabled", "max_in_flight", "recall_threshold")
+            nested["prefetch"] = {k: getattr(value, k) for k in keys} if isinstance(value, PrefetchOptions) else {"enabled": bool(value)}
         elif key == "drives":
             nested["drives"] = value  # type: ignore[assignment]  # DriveOptions, resolved below
         elif key == "draft":
@@ -102,19 +103,19 @@ def settings_with(settings: Settings | None, store_dir: str | Path | None, overr
         raise ConfigError(f"Model.open: {e}") from None
 
 
-def open_model(make: Callable[..., Any], settings: Settings, trace_path: str | Path | None = None) -> Any:
-    """`make` (api.Model) opened as `settings` say; a device that fails at start falls back to the CPU (logged)."""
+def make_model(handle: Callable[..., Any], settings: Settings, trace_path: str | Path | None = None) -> Any:
+    """`handle` (api.Model) opened as `settings` say; a device that fails at start falls back to the CPU (logged)."""
     if settings.device.threads:
         torch.set_num_threads(settings.device.threads)
     device = start_device(settings.device.kind)  # auto picks CUDA, then MPS, then CPU; an unusable one gives the CPU
     try:
-        model = load_model(make, settings, device, trace_path)
+        model = load_model(handle, settings, device, trace_path)
     except DEVICE_START_ERRORS as e:
         if device.type == "cpu":
             raise
         log.error("device_failed_at_start", device=str(device), error=f"{type(e).__name__}: {e}", fallback="cpu")
         release_device(device)
-        model = load_model(make, settings, torch.device("cpu"), trace_path)
+        model = load_model(handle, settings, torch.device("cpu"), trace_path)
     try:
         model.open_draft(settings.draft)
     except BaseException:
@@ -123,8 +124,8 @@ def open_model(make: Callable[..., Any], settings: Settings, trace_path: str | P
     return model
 
 
-def load_model(make: Callable[..., Any], settings: Settings, device: torch.device, trace_path: str | Path | None) -> Any:
-    """`make(...)` (api.Model) holding what `settings` describe on `device`: store, family, spine, experts."""
+def load_model(handle: Callable[..., Any], settings: Settings, device: torch.device, trace_path: str | Path | None) -> Any:
+    """`handle(...)` (api.Model) holding what `settings` describe on `device`: store, family, spine, experts."""
     from safetensors import safe_open
 
     store_dir = Path(settings.model.store).expanduser()  # type: ignore[arg-type]
@@ -188,7 +189,7 @@ def load_model(make: Callable[..., Any], settings: Settings, device: torch.devic
             log.info("mxfp4_compile", device=str(device))
     # Dense MLPs held whole within the expert budget, outside the LRU (store/resident.py); the LRU keeps the rest.
     experts.hold_dense([m.layer_idx for m in net.modules() if isinstance(m, SlicedMLP)])
-    model = make(store_dir, manifest, net, experts, Tokenizer.load(store_dir / TOKENIZER_DIR), settings)
+    model = handle(store_dir, manifest, net, experts, Tokenizer.load(store_dir / TOKENIZER_DIR), settings)
     if provider is not experts:
         model.cluster = provider
         try:

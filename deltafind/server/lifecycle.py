@@ -14,7 +14,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import falcon
 import structlog
@@ -33,7 +33,7 @@ from deltafind.server.turns import TurnMemory
 from deltafind.tokenizer import Tokenizer
 
 KEEPALIVE_S = 5.0  # a silent stream is timed out by clients and proxies: a ping or SSE comment this often
-Body = TypeVar("Body", ChatRequest, CompletionRequest)
+Body = TypeVar("Body", bound=ChatRequest | CompletionRequest)
 
 
 @dataclass(frozen=True)
@@ -159,11 +159,15 @@ def stream_sse(resp: falcon.Response, events: Iterator[bytes], error: Callable[[
     resp.stream = run()
 
 
-class RequestRun:
-    """One request's sequences from admission to their end, whatever API it came in by."""
+class RequestRun(Generic[Body]):
+    """One request from admission to its sequences' end, whatever API it came in by."""
 
-    def __init__(self, state: AppState, req: falcon.Request, engine: ReadyEngine, body: ChatRequest | CompletionRequest) -> None:
-        self.state, self.req, self.engine, self.body = state, req, engine, body
+    def __init__(self, state: AppState, req: falcon.Request, parse: Callable[[dict[str, Any]], Body]) -> None:
+        """Admit `req`: a loaded model, a JSON body within the limit that `parse` takes, for the model served here."""
+        self.state, self.req, self.engine = state, req, state.require_ready()
+        self.raw = read_json(req, state.config.max_body_bytes)
+        self.body = for_model(parse(self.raw), self.engine)
+        body = self.body
         self.mux: queue.Queue = queue.Queue()
         self.choices: list[Choice] = []
         self.prompt_tokens = 0

@@ -18,13 +18,7 @@ from pydantic_core import from_json
 
 from deltafind.server.chat_plan import plan_chat
 from deltafind.server.items import Block, Blocks, drive
-from deltafind.server.lifecycle import (
-    AppState,
-    RequestRun,
-    for_model,
-    read_json,
-    stream_sse,
-)
+from deltafind.server.lifecycle import AppState, RequestRun, stream_sse
 from deltafind.server.messages_request import to_chat
 from deltafind.server.openai import chat_messages
 from deltafind.server.schemas import parse_body
@@ -51,14 +45,12 @@ class Messages:
 
     def on_post_count_tokens(self, req: falcon.Request, resp: falcon.Response) -> None:
         """`{"input_tokens": N}`: the prompt /v1/messages would prefill for this request (tools and system included)."""
-        engine = self.state.require_ready()
-        chat = for_model(parse_body(to_chat(read_json(req, self.state.config.max_body_bytes), count_only=True), chat=True), engine)
-        resp.media = {"input_tokens": len(plan_chat(engine.tokenizer, chat, chat_messages(chat), True).prompt_ids)}
+        run = RequestRun(self.state, req, lambda raw: parse_body(to_chat(raw, count_only=True), chat=True))
+        resp.media = {"input_tokens": len(plan_chat(run.engine.tokenizer, run.body, chat_messages(run.body), True).prompt_ids)}
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        engine = self.state.require_ready()
-        chat = for_model(parse_body(to_chat(read_json(req, self.state.config.max_body_bytes)), chat=True), engine)
-        run = RequestRun(self.state, req, engine, chat)
+        run = RequestRun(self.state, req, lambda raw: parse_body(to_chat(raw), chat=True))
+        engine, chat = run.engine, run.body
         c = run.submit(plan_chat(engine.tokenizer, chat, chat_messages(chat), True), clamp=True)[0]
         blocks = Blocks()
         shell = {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant", "model": engine.model_name}

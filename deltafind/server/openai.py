@@ -18,14 +18,7 @@ import falcon
 from deltafind.server.chat_plan import plan_chat
 from deltafind.server.choices import Choice, chat_logprobs, completion_logprobs, usage
 from deltafind.server.errors import ApiError, bad_request
-from deltafind.server.lifecycle import (
-    AppState,
-    ReadyEngine,
-    RequestRun,
-    for_model,
-    read_json,
-    stream_sse,
-)
+from deltafind.server.lifecycle import AppState, ReadyEngine, RequestRun, stream_sse
 from deltafind.server.output import Delta
 from deltafind.server.schemas import ChatRequest, CompletionRequest, parse_body
 from deltafind.server.structured import Grammar, json_schema_grammar, response_format_schema
@@ -87,9 +80,8 @@ class Generate:
         self.state, self.chat = state, chat
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        engine = self.state.require_ready()
-        body = for_model(parse_body(read_json(req, self.state.config.max_body_bytes), self.chat), engine)
-        run = RequestRun(self.state, req, engine, body)
+        run = RequestRun(self.state, req, lambda raw: parse_body(raw, self.chat))
+        engine, body = run.engine, run.body
         if isinstance(body, ChatRequest):
             run.submit(plan_chat(engine.tokenizer, body, chat_messages(body)))
         else:  # `response_format`: the same enforced JSON as chat

@@ -21,14 +21,7 @@ import falcon
 from deltafind.server.chat_plan import plan_chat
 from deltafind.server.errors import ApiError, bad_request
 from deltafind.server.items import Block, Blocks, Step, drive
-from deltafind.server.lifecycle import (
-    AppState,
-    ReadyEngine,
-    RequestRun,
-    for_model,
-    read_json,
-    stream_sse,
-)
+from deltafind.server.lifecycle import AppState, RequestRun, stream_sse
 from deltafind.server.openai import chat_messages
 from deltafind.server.responses_input import namespaced, seal_reasoning, to_chat
 from deltafind.server.schemas import ChatRequest, parse_body
@@ -60,7 +53,7 @@ class Responses:
         self.kept: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
         self.lock = threading.Lock()
 
-    def _request(self, body: dict[str, Any], engine: ReadyEngine) -> ChatRequest:
+    def _request(self, body: dict[str, Any]) -> ChatRequest:
         history: list[dict[str, Any]] = []
         prev = body.get("previous_response_id")
         if prev is not None:
@@ -72,26 +65,22 @@ class Responses:
             if not history:
                 raise ApiError(404, f"previous_response_id: no response {prev!r} is kept by this server (send the whole input)",
                                "previous_response_id", "previous_response_not_found")
-        return for_model(parse_body(to_chat(body, history), chat=True), engine)
+        return parse_body(to_chat(body, history), chat=True)  # type: ignore[return-value]  # chat=True gives a ChatRequest
 
     def on_post_input_tokens(self, req: falcon.Request, resp: falcon.Response) -> None:
         """POST /v1/responses/input_tokens: the prompt's length, as a request with this body would see it."""
-        engine = self.state.require_ready()
-        body = read_json(req, self.state.config.max_body_bytes)
-        for key in ("stream", "max_output_tokens", "store", "include", "stream_options"):
-            body.pop(key, None)  # the reference endpoint takes the create body; these say nothing about the input
-        chat = self._request(body, engine)
-        plan = plan_chat(engine.tokenizer, chat, chat_messages(chat), True)
+        # The reference endpoint takes the create body; these keys say nothing about the input.
+        ignored = ("stream", "max_output_tokens", "store", "include", "stream_options")
+        run = RequestRun(self.state, req, lambda raw: self._request({k: v for k, v in raw.items() if k not in ignored}))
+        plan = plan_chat(run.engine.tokenizer, run.body, chat_messages(run.body), True)
         resp.media = {"object": "response.input_tokens", "input_tokens": len(plan.prompt_ids)}
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        engine = self.state.require_ready()
-        body = read_json(req, self.state.config.max_body_bytes)
-        chat = self._request(body, engine)
+        run = RequestRun(self.state, req, self._request)
+        engine, chat, body = run.engine, run.body, run.raw
         prev = body.get("previous_response_id")
         seal = isinstance(body.get("include"), list) and "reasoning.encrypted_content" in body["include"]
         spaces = namespaced(body.get("tools"))
-        run = RequestRun(self.state, req, engine, chat)
         c = run.submit(plan_chat(engine.tokenizer, chat, chat_messages(chat), True))[0]
         shell = {"id": "resp_" + uuid.uuid4().hex[:24], "object": "response", "created_at": int(time.time()),
                  "model": engine.model_name, "instructions": body.get("instructions"), "tools": body.get("tools") or [],
