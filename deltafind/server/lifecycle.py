@@ -1,9 +1,10 @@
 """One request's lifecycle, the same on every generating endpoint: admission, its events, its end.
 
-`RequestRun` submits a request's sequences (429/503 when full or draining), runs their events
-with a poll for a client that hung up (its slots freed within a second) and a keep-alive every
-KEEPALIVE_S when streamed, and at the end cancels what is left and records pace and metrics.
-openai.py, messages.py and responses.py only translate their schema to and from it.
+`RequestRun` admits a request (model loaded, body within the limit, parsed, this model named),
+submits its sequences (429/503 when full or draining), runs their events with a poll for a client
+that hung up (slots freed within a second) and a keep-alive every KEEPALIVE_S when streamed, then
+cancels what is left and records pace and metrics. openai.py, messages.py and responses.py only
+translate their schema to and from it.
 """
 
 from __future__ import annotations
