@@ -5,8 +5,8 @@
     ids = model.tokenizer.encode("The capital of France is")
     print(model.tokenizer.decode(model.generate(ids, max_new_tokens=16)))
 
-Wires store, model family, engine and tokenizer together from `Settings`: the one wiring
-point that `cli` (run, bench) and the daemon's runtime use too.
+`Model` is the handle a caller holds (generate, stream, snapshot, heat, close); what it holds
+is built from `Settings` by compose.py, the composition root every entry point shares.
 """
 
 from __future__ import annotations
@@ -19,45 +19,27 @@ from typing import Any
 
 import torch
 
-from deltafind.api_settings import draft_settings, settings_with
+from deltafind.compose import draft_settings, make_model, settings_with
 from deltafind.config import DraftSettings, Settings
-from deltafind.device.device_cache import DeviceExpertCache
-from deltafind.device.device_cache import spine_budget as device_spine_budget
-from deltafind.device.select import START_ERRORS as DEVICE_START_ERRORS
-from deltafind.device.select import DeviceError, start_device
-from deltafind.device.select import release as release_device
-from deltafind.device.staging import make_stager, read_buffer_pool
 from deltafind.engine.draft.base import DraftError, DraftSource
 from deltafind.engine.draft.cross import CrossDraftModel, CrossTokenizerSource, TextCodec
 from deltafind.engine.draft.load import source_from_settings
 from deltafind.engine.draft.policy import DraftStats, PolicyOptions
 from deltafind.engine.generate import ONE_AT_A_TIME, forward_step, generate
-from deltafind.engine.prefill import PrefillPlan, activation_budget, plan_for
+from deltafind.engine.prefill import PrefillPlan
 from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.stats import EngineStats, GenerationStats
 from deltafind.errors import StoreError
 from deltafind.log import get_logger
 from deltafind.models.ops.batch import SequenceCache
-from deltafind.models.ops.cpu_kernels import kernel_status, missing_note
-from deltafind.models.ops.moe import SlicedMLP
-from deltafind.models.ops.mxfp4 import use_compile
-from deltafind.models.ops.stored import (
-    adopt_stored,
-    hold_dtype,
-    install_quantized,
-    int8_spine,
-    stored_weight_names,
-)
-from deltafind.models.registry import family_module
-from deltafind.store.experts import PrefetchOptions, StoreExperts
+from deltafind.models.ops.cpu_kernels import kernel_status
+from deltafind.store.experts import StoreExperts, prefetch_options
 from deltafind.store.heat import hottest, read_heat, update_heat
-from deltafind.store.manifest import SPINE_NAME, TOKENIZER_DIR, Manifest
-from deltafind.store.spine import MemoryLock, SpineStreamer, load_resident, plan_spine, read_layout
-from deltafind.store.trace import TraceWriter
+from deltafind.store.manifest import Manifest
+from deltafind.store.spine import MemoryLock, SpineStreamer
 from deltafind.tokenizer import Tokenizer
 
 log = get_logger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Model:
@@ -84,119 +66,12 @@ class Model:
              trace_path: str | Path | None = None, **overrides: Any) -> Model:
         """Load the spine of the store at `store_dir` (else `[model] store`); experts stream on demand.
 
-        The one wiring point: everything comes from `settings` (default: `load_settings()`,
-        the config file and DELTAFIND_* variables), with `overrides` as simple keywords on top:
-        device, dtype, compile_kernels, threads ([device]); expert_cache_bytes (None: keep every
-        expert read), pin_bytes, spine_bytes, heat_decay, spine_int8, read_mode ([cache]); max_prefill_tokens
-        ([server]); prefetch (bool or
-        PrefetchOptions); drives (DriveOptions per store drive); draft, draft_max_width ([draft]).
-        `trace_path` appends a router trace (JSONL). A device that is unusable, or fails while
-        the model is placed on it, falls back to the CPU (logged).
+        Everything comes from `settings` (default: `load_settings()`, the config file and DELTAFIND_*
+        variables), with `overrides` on top: compose.SIMPLE_OVERRIDES's keywords, each its setting's name
+        (expert_bytes=None keeps every expert read), and prefetch (bool or PrefetchOptions), drives
+        (DriveOptions per store drive), draft. `trace_path` appends a router trace (JSONL).
         """
-        settings = settings_with(settings, store_dir, overrides)
-        if settings.device.threads:
-            torch.set_num_threads(settings.device.threads)
-        device = start_device(settings.device.kind)  # auto picks CUDA, then MPS, then CPU; an unusable one gives the CPU
-        try:
-            model = cls._load(settings, device, trace_path)
-        except DEVICE_START_ERRORS as e:
-            if device.type == "cpu":
-                raise
-            log.error("device_failed_at_start", device=str(device), error=f"{type(e).__name__}: {e}", fallback="cpu")
-            release_device(device)
-            model = cls._load(settings, torch.device("cpu"), trace_path)
-        try:
-            model.open_draft(settings.draft)
-        except BaseException:
-            model.close()
-            raise
-        return model
-
-    @classmethod
-    def _load(cls, settings: Settings, device: torch.device, trace_path: str | Path | None) -> Model:
-        from safetensors import safe_open
-
-        store_dir = Path(settings.model.store).expanduser()  # type: ignore[arg-type]
-        manifest = Manifest.load(store_dir)
-        torch_dtype = DTYPES[settings.device.dtype]
-        family = family_module(manifest.family)
-        args = family.ModelArgs.from_config(manifest.model_config)
-        c = settings.cache
-        cache_bytes = None if c.expert_bytes is None else int(c.expert_bytes)
-        trace = TraceWriter(Path(trace_path)) if trace_path else None
-        cache = DeviceExpertCache(device, cache_bytes) if device.type != "cpu" else None
-        # bf16/fp16 experts stay as stored in the cache (twice the experts per byte) and are computed on as stored
-        hold = hold_dtype({getattr(torch, t.dtype) for r in manifest.experts for t in r.tensors}, torch_dtype)
-        experts = StoreExperts.from_settings(settings, manifest, store_dir, hold, trace, stager=make_stager(device), cache=cache,
-                                             buffer_pool=read_buffer_pool(device))
-        if int(c.pin_bytes):
-            experts.resident.pin(hottest(read_heat(store_dir)), int(c.pin_bytes))
-        provider = experts
-        if settings.cluster.role == "coordinator":  # routed experts run on the expert nodes (deltafind/cluster)
-            from deltafind.cluster.coordinator import ClusterExperts
-            from deltafind.cluster.wire import group_spec
-
-            provider = ClusterExperts(experts, group_spec(settings.cluster, device), store_dir, settings.cluster.hot_replicas)
-        with torch.device("meta"):
-            net = family.Model(args, provider)
-        # Routing biases stay fp32 (as in HF: rounding them can flip expert choices); see store/spine.py.
-        spine_path = store_dir / SPINE_NAME
-        spine_bytes = None if c.spine_bytes is None else int(c.spine_bytes)
-        budget = device_spine_budget(device, spine_bytes)  # on a GPU: capped by its free memory, same prefix rule
-        try:
-            layout = read_layout(spine_path, torch_dtype, keep=stored_weight_names(net))
-            plan = plan_spine(layout, net.num_layers, budget)
-        except StoreError as e:
-            if budget == spine_bytes:
-                raise
-            raise DeviceError(f"{device} has too little free memory for the spine's always-resident part: {e}") from e
-        with safe_open(str(spine_path), "pt", device="cpu") as f:
-            spine = load_resident(spine_path, plan, device, f.get_tensor)
-        streamed = {t.name for i in plan.streamed for t in plan.layers[i]}
-        tied = args.tie_word_embeddings
-        if tied:
-            spine.pop("lm_head.weight", None)
-        quants = {t.name: t.quant for t in layout if t.quant}  # GGUF blocks stay blocks (models/ops/stored.py)
-        install_quantized(net, quants, {n: spine.pop(n) for n in list(spine) if n in quants})
-        missing, unexpected = net.load_state_dict(spine, strict=False, assign=True)
-        missing = [k for k in missing if not (tied and k == "lm_head.weight") and k not in streamed and k not in quants]
-        if missing or unexpected:
-            raise StoreError(f"{store_dir}: spine does not fit the {manifest.family} model (missing {missing[:5]}, unexpected {unexpected[:5]}); re-import the store")
-        if tied:
-            net.tie_weights()
-        adopt_stored(net, torch_dtype)  # bf16/fp16 matmul weights stay as stored; fp32 activations
-        if device.type == "cpu" and (note := missing_note()):
-            log.warning("cpu_kernels_missing", note=note)
-        if c.spine_int8:
-            log.warning("spine_int8", saved_bytes=int8_spine(net), note="row-int8 spine: NOT weight-exact ([cache] spine_int8)")
-        net.eval()
-        if cache is not None:
-            cache.resize(cache_bytes)  # device memory: capped by what is free now that the spine is placed
-            if settings.device.compile:
-                use_compile(True)
-                log.info("mxfp4_compile", device=str(device))
-        # Dense MLPs held whole within the expert budget, outside the LRU (store/resident.py); the LRU keeps the rest.
-        experts.hold_dense([m.layer_idx for m in net.modules() if isinstance(m, SlicedMLP)])
-        model = cls(store_dir, manifest, net, experts, Tokenizer.load(store_dir / TOKENIZER_DIR), settings)
-        if provider is not experts:
-            model.cluster = provider
-            try:
-                provider.start(net)  # joins the group: blocks until every expert node is up
-            except BaseException:
-                model.close()
-                raise
-        if plan.streamed:
-            model.spine = SpineStreamer(spine_path, plan, device)
-            model.spine.bind(net)
-            experts.spine = model.spine
-            log.info("spine_prefix_resident", resident_layers=plan.resident_layers, streamed_layers=len(plan.streamed),
-                     resident_bytes=plan.resident_bytes, window_bytes=plan.window_bytes, budget_bytes=spine_bytes)
-        model.memory_lock.lock([*net.parameters(), *net.buffers()])  # what is held now (int8 rows replaced their bf16)
-        # Prefill chunks as large as the memory left once the expert cache has filled its budget allows.
-        unfilled = max(experts.cache.budget_bytes - experts.cache.used_bytes, 0) if experts.cache.budget_bytes is not None else 0
-        model.prefill = plan_for(args, activation_budget(device, unfilled), settings.server.max_prefill_tokens,
-                                 torch.empty(0, dtype=torch_dtype).element_size())
-        return model
+        return make_model(cls, settings_with(settings, store_dir, overrides), trace_path)
 
     def open_draft(self, draft: DraftSettings) -> None:
         """The one draft opener: `[draft]` (mode, source, max_width) as this model's draft source and policy.
@@ -234,8 +109,7 @@ class Model:
                 log.warning("expert_bytes_below_dense_held", expert_bytes=int(c.expert_bytes), dense_held_bytes=ex.resident.dense_bytes,
                             fix="restart the daemon to hold fewer dense layers under the new [cache] expert_bytes")
         if any(k.startswith("prefetch.") for k in live):
-            p = settings.prefetch
-            ex.prefetch_options = PrefetchOptions(p.enabled, p.max_in_flight, p.recall_threshold)
+            ex.prefetch_options = prefetch_options(settings)
         if "cache.pin_bytes" in live:
             ex.resident.unpin()
             if int(c.pin_bytes):

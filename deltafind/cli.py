@@ -146,12 +146,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
         print(rebalance_nodes(Path(args.store), heat, args.nodes, args.node_read_mb_s, settings.cluster.hot_replicas))
     elif args.rebalance:
+        from deltafind.store.experts import drive_options
         from deltafind.store.manifest import Manifest
         from deltafind.store.placement import rebalance
-        from deltafind.store.reader import DriveOptions
 
-        drives = [DriveOptions(d.path, d.queue_depth, d.read_mb_s) for d in settings.drives] or None
-        before, after, moved = rebalance(Path(args.store), heat, drives, stripe=args.stripe)
+        before, after, moved = rebalance(Path(args.store), heat, drive_options(settings), stripe=args.stripe)
         share = lambda b: " / ".join(f"{h / max(1e-9, sum(b.heat_per_drive)):.0%}" for h in b.heat_per_drive)  # noqa: E731
         if args.stripe or Manifest.load(Path(args.store)).placement == "stripe":
             print(f"{'striped' if moved else 'placement kept'}: every large record is split over all {len(before.heat_per_drive)} drive(s)"

@@ -59,31 +59,14 @@ def store_arg(args: argparse.Namespace, settings: Any) -> Path:
     raise StoreError("no store given: pass --store DIR, set [model] store in the config, or run `deltafind setup --demo`")
 
 
-def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """`run`/`bench` flags as settings overrides, as `serve`'s are (None: flag not given)."""
-    from deltafind.api_settings import draft_settings
-
-    spec = getattr(args, "draft", None)
-    return {
-        "model": {"store": Path(args.store).expanduser() if getattr(args, "store", None) else None},
-        "device": {"kind": getattr(args, "device", None), "threads": getattr(args, "threads", None)},
-        "cache": {"expert_bytes": getattr(args, "cache_bytes", None), "spine_bytes": getattr(args, "spine_bytes", None)},
-        "prefetch": {"enabled": False if getattr(args, "no_prefetch", False) else None},
-        "draft": draft_settings(spec).model_dump(include={"mode", "source"}) if spec is not None else None,
-    }
-
-
 def _open_model(args: argparse.Namespace) -> Any:
-    """Settings from the config file, DELTAFIND_* variables and the flags; the demo store when none is named."""
+    """The config file and DELTAFIND_* variables, the flags on top as Model.open's keywords; the demo store when none is named."""
     from deltafind.api import Model
-    from deltafind.config import load_settings
 
-    overrides = model_overrides(args)
-    settings = load_settings(getattr(args, "config", None), overrides)
-    if settings.model.store is None:
-        overrides["model"]["store"] = store_arg(args, settings)
-        settings = load_settings(getattr(args, "config", None), overrides)
-    return Model.open(settings=settings, trace_path=getattr(args, "trace", None))
+    settings = cli_settings(args)
+    flags = {"device": args.device, "threads": args.threads, "expert_bytes": args.expert_bytes, "spine_bytes": args.spine_bytes,
+             "prefetch": False if args.no_prefetch else None, "draft": getattr(args, "draft", None)}
+    return Model.open(store_arg(args, settings), settings, trace_path=args.trace, **{k: v for k, v in flags.items() if v is not None})
 
 
 def _sampling(args: argparse.Namespace) -> Any:
@@ -235,7 +218,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 def _add_model_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", metavar="DIR", help="store folder (default: [model] store, else the demo store)")
-    p.add_argument("--cache-bytes", type=_byte_size, metavar="SIZE", help="expert cache budget, e.g. 2GiB or 0 (default: [cache] expert_bytes)")
+    p.add_argument("--expert-bytes", "--cache-bytes", dest="expert_bytes", type=_byte_size, metavar="SIZE",
+                   help="expert cache budget, e.g. 2GiB or 0 (default: [cache] expert_bytes; --cache-bytes is its old name)")
     p.add_argument("--spine-bytes", type=_byte_size, metavar="SIZE", help="spine memory budget; past it, layers stream from the drive (default: [cache] spine_bytes, unset = all resident)")
     p.add_argument("--threads", type=int, help="CPU threads for torch")
     p.add_argument("--device", metavar="KIND", help="auto, cpu, cuda, cuda:N or mps (default: [device] kind); an unusable device falls back to cpu, logged")

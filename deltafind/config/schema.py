@@ -24,6 +24,9 @@ from deltafind.config.service_sections import (
 )
 from deltafind.config.types import ByteSize
 
+# Validation context key: the Python API's pin tier may sit beside the LRU, past expert_bytes (compose.py).
+PIN_BESIDE_CACHE = "pin_beside_cache"
+
 
 class ModelSettings(Section):
     store: Path | None = Field(
@@ -178,7 +181,7 @@ class CacheSettings(Section):
     @classmethod
     def _pin_within_budget(cls, value: ByteSize, info: ValidationInfo) -> ByteSize:
         budget = info.data.get("expert_bytes")
-        if budget is not None and value > budget:
+        if budget is not None and value > budget and not (info.context or {}).get(PIN_BESIDE_CACHE):
             raise ValueError(
                 f"expected at most cache.expert_bytes ({budget.human()}): the pinned tier is "
                 "part of the expert cache"

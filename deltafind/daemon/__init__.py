@@ -1,5 +1,5 @@
 """The daemon: gunicorn app, worker, runtime wiring, sd_notify, service files, CLI glue.
 
-The only package that wires concrete objects (Model, Scheduler, app, control
-service) and touches systemd's variables.
+It runs what compose.py builds from settings (Model, scheduler limits, server config) with the
+app and the control service, and alone touches systemd's variables.
 """

@@ -115,7 +115,7 @@ class DaemonApp(BaseApplication):
                 self.cfg.set(key, value)
 
     def load(self) -> Any:
-        from deltafind.daemon.runtime import model_name, server_config
+        from deltafind.compose import model_name, server_config
 
         self.state = AppState(server_config(self.settings), model_name(self.settings))
         return create_app(self.state)

@@ -55,7 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from deltafind.config import DEFAULT_CONFIG_PATH
 
         config = DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else None
-    from deltafind.daemon.runtime import store_dir
+    from deltafind.compose import store_dir
 
     check_store_access(store_dir(settings))
     configure_logging(settings.logging.level, settings.logging.format)

@@ -3,8 +3,8 @@
 Runs inside the one gunicorn worker. A loader thread opens the store (the app
 answers 503 model_loading meanwhile, and gunicorn's heartbeat keeps flowing),
 runs a one-token warm-up, then hands the app a ReadyEngine and tells systemd
-READY=1. This is the one place that wires concrete objects: Model, Scheduler,
-app state and the control service.
+READY=1. It holds what compose.py (the composition root) builds from settings:
+Model, Scheduler, app state and the control service.
 """
 
 from __future__ import annotations
@@ -13,49 +13,22 @@ import json
 import os
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from deltafind import __version__
+from deltafind.compose import model_name, scheduler_limits, server_config, store_dir
 from deltafind.config import Settings, changed_keys, load_settings
 from deltafind.daemon import notify
 from deltafind.engine.sampler import SamplingParams
-from deltafind.engine.scheduler import Scheduler, SchedulerLimits, collect
+from deltafind.engine.scheduler import Scheduler, collect
 from deltafind.engine.sequence import GenRequest
-from deltafind.errors import ConfigError, DeltafindError, RequestError, StoreError
+from deltafind.errors import ConfigError, DeltafindError, RequestError
 from deltafind.log import configure_logging, get_logger
 from deltafind.server import AppState, ReadyEngine, ServerConfig
 from deltafind.server.structured import prepare_vocabulary
 
 log = get_logger(__name__)
-
-
-def read_key_file(path: Path | None) -> list[str]:
-    if path is None:
-        return []
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read server.api_key_file: {e.strerror or e}") from None
-    return [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
-
-
-def server_config(settings: Settings) -> ServerConfig:
-    s = settings.server
-    keys = tuple(dict.fromkeys([*s.api_keys, *read_key_file(s.api_key_file)]))
-    return ServerConfig(keys, int(s.max_body_bytes), s.max_tokens_default, s.max_context)
-
-
-def store_dir(settings: Settings) -> Path:
-    if settings.model.store is None:
-        raise StoreError("no store to serve: set [model] store in the config or pass --store DIR "
-                         "(`deltafind setup --demo` makes a demo store)")
-    return Path(settings.model.store).expanduser()
-
-
-def model_name(settings: Settings) -> str:
-    return settings.model.name or store_dir(settings).name
 
 
 class Runtime:
@@ -100,7 +73,7 @@ class Runtime:
             prepare_vocabulary(self.model.tokenizer)  # structured output's vocabulary, built while warming up
             s = self.settings
             context = self.model.net.args.max_position_embeddings  # models/contract.py
-            self.scheduler = Scheduler(self.model.net, self.model.eos_token_ids, self._limits(s, context),
+            self.scheduler = Scheduler(self.model.net, self.model.eos_token_ids, scheduler_limits(s, self.model, context),
                                        draft=self.model.draft, draft_policy=self.model.draft_policy)
             self.scheduler.core.prefix.disk = self._prompt_disk(s)  # before the first request
             notify.status("warming up")
@@ -142,14 +115,6 @@ class Runtime:
             notify.extend_timeout(60)
             if self._stop.wait(20):
                 return
-
-    def _limits(self, s: Settings, context: int) -> SchedulerLimits:
-        max_context = min(s.server.max_context or context, context)
-        cap = s.server.max_prefill_tokens  # else prefill chunks are as large as memory allows (engine/prefill.py)
-        prefill = replace(self.model.prefill, cap=cap) if self.model is not None else None
-        return SchedulerLimits(s.server.max_running, s.server.max_queue, max(cap or max_context, s.server.max_running),
-                               max_context, int(s.cache.prompt_bytes), prefill, s.cache.prompt_snapshot_tokens,
-                               step_target_s=s.server.step_target_s or None)
 
     def _turns_file(self, ready: Any, save: bool) -> None:
         """With prompt state on disk, the answers' spellings (server/turns.py) outlive a restart too: without
@@ -231,7 +196,7 @@ class Runtime:
         sched, model = self.scheduler, self.model
         if sched is None or model is None:
             return
-        sched.configure(self._limits(new, self.context_length))
+        sched.configure(scheduler_limits(new, model, self.context_length))
         if any(k.startswith("draft.") for k in live):
             from deltafind.engine.draft.policy import PolicyOptions
 

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import hmac
 import re
-import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import falcon
@@ -22,71 +19,15 @@ import structlog
 from deltafind.log import get_logger
 from deltafind.server import errors
 from deltafind.server import metrics as prom
-from deltafind.server.choices import Pace
 from deltafind.server.errors import ApiError
+from deltafind.server.lifecycle import AppState, ReadyEngine
 from deltafind.server.messages import Messages
-from deltafind.server.metrics import ServerMetrics
 from deltafind.server.openai import Generate
 from deltafind.server.responses import Responses
-from deltafind.server.turns import TurnMemory
 
 log = get_logger(__name__)
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 OPEN_PATHS = ("/health", "/")  # probes: Claude Code sends `HEAD /` without its key
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """The live-reloadable part of `[server]` the app reads on every request."""
-
-    api_keys: tuple[str, ...] = ()
-    max_body_bytes: int = 1 << 20
-    max_tokens_default: int | None = None  # None: the rest of the context
-    max_context: int | None = None
-
-
-@dataclass
-class ReadyEngine:
-    client: Any  # submit(GenRequest, mux) -> Handle, snapshot(), draining
-    tokenizer: Any
-    model_name: str
-    context_length: int
-    created: int = field(default_factory=lambda: int(time.time()))
-    store_snapshot: Callable[[], dict[str, Any]] = field(default=lambda: {})  # the store's figures, for /metrics
-    nodes: Callable[[], list[dict[str, Any]]] = field(default=list)  # a cluster's expert nodes (cheap: /health asks)
-    drive_problems: Callable[[], list[str]] = field(default=list)  # unhealthy drives, each named (cheap: /health asks)
-    turns: TurnMemory = field(default_factory=TurnMemory)  # finished answers' ids, so the next turn's prompt reuses them
-    aliases: tuple[str, ...] = ()  # [server] model_aliases: other names the model answers to
-
-
-class AppState:
-    """What the app reads per request; the daemon swaps `config` on reload and sets `engine` once loaded."""
-
-    def __init__(self, config: ServerConfig | None = None, model_name: str = "") -> None:
-        self.config = config or ServerConfig()
-        self.model_name = model_name
-        self.engine: ReadyEngine | None = None
-        self.load_status = "loading"  # loading | failed | ready
-        self.load_error: str | None = None
-        self.metrics = ServerMetrics()
-        self.pace = Pace()  # request durations, for Retry-After
-
-    def set_ready(self, engine: ReadyEngine) -> None:
-        self.engine, self.load_status = engine, "ready"
-
-    def set_failed(self, message: str) -> None:
-        self.load_status, self.load_error = "failed", message
-
-    def require_ready(self) -> ReadyEngine:
-        if self.engine is None:
-            if self.load_status == "failed":
-                raise ApiError(503, f"the model failed to load: {self.load_error}", None, "model_load_failed")
-            raise ApiError(503, "the model is loading; retry shortly", None, "model_loading", {"Retry-After": "5"})
-        return self.engine
-
-    @staticmethod
-    def request_id() -> str:
-        return str(structlog.contextvars.get_contextvars().get("request_id", ""))
 
 
 class _Resource:

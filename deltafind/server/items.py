@@ -2,19 +2,17 @@
 
 Both APIs stream an answer as blocks that open, grow and close: a reasoning
 block, a text block, one block per tool call. `Blocks` turns parser `Delta`s
-(server/output.py) into those lifecycle steps, and `drive` runs one submitted
-sequence to its end, yielding them (or keep-alive ticks). Wire formats stay in
+(server/output.py) into those steps, and `drive` runs a one-choice `RequestRun`
+to its end, yielding them (or keep-alive ticks). Wire formats stay in
 responses.py and messages.py.
 """
 
 from __future__ import annotations
 
-import queue
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
-from deltafind.server.choices import events
+from deltafind.server.lifecycle import RequestRun
 from deltafind.server.output import Delta
 
 
@@ -74,23 +72,15 @@ class Blocks:
         return [Step("close", block)]
 
 
-def drive(choice: Any, mux: queue.Queue, blocks: Blocks, keepalive: float | None,
-          gone: Callable[[], bool] | None = None) -> Iterator[list[Step] | None]:
-    """Run one submitted choice to its end: its block steps per event (None: `keepalive` passed quietly).
-
-    `gone`: see `choices.events`. Raises the choice's `failure()` when the sequence failed.
-    """
-    try:
-        for ev in events([choice], mux, keepalive, gone):
-            if ev is None:
-                yield None
-                continue
-            steps = blocks.feed(choice.take_deltas())
-            if ev[3]:  # finished
-                if choice.finish_reason == "error":
-                    raise choice.failure()
-                steps += blocks.finish()
-            if steps:
-                yield steps
-    finally:
-        choice.handle.cancel()  # a no-op once finished; frees the slot of a client that left
+def drive(run: RequestRun, blocks: Blocks, stream: bool) -> Iterator[list[Step] | None]:
+    """Run a one-choice request to its end: its block steps per event (None: a keep-alive is due; streamed only)."""
+    choice = run.choices[0]
+    for ev in run.events(stream):
+        if ev is None:
+            yield None
+            continue
+        steps = blocks.feed(choice.take_deltas())
+        if ev[3]:  # finished
+            steps += blocks.finish()
+        if steps:
+            yield steps

@@ -17,18 +17,10 @@ import falcon
 from pydantic_core import from_json
 
 from deltafind.server.chat_plan import plan_chat
-from deltafind.server.errors import ApiError
 from deltafind.server.items import Block, Blocks, drive
+from deltafind.server.lifecycle import AppState, RequestRun, stream_sse
 from deltafind.server.messages_request import to_chat
-from deltafind.server.openai import (
-    KEEPALIVE_S,
-    Generate,
-    chat_messages,
-    client_gone,
-    for_model,
-    read_json,
-    stream_sse,
-)
+from deltafind.server.openai import chat_messages
 from deltafind.server.schemas import parse_body
 
 STOP = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens"}
@@ -48,26 +40,23 @@ def _content(block: Block) -> dict[str, Any]:
 
 
 class Messages:
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: AppState) -> None:
         self.state = state
-        self.chat = Generate(state, chat=True)
 
     def on_post_count_tokens(self, req: falcon.Request, resp: falcon.Response) -> None:
         """`{"input_tokens": N}`: the prompt /v1/messages would prefill for this request (tools and system included)."""
-        engine = self.state.require_ready()
-        chat = for_model(parse_body(to_chat(read_json(req, self.state.config.max_body_bytes), count_only=True), chat=True), engine)
-        resp.media = {"input_tokens": len(plan_chat(engine.tokenizer, chat, chat_messages(chat), True).prompt_ids)}
+        run = RequestRun(self.state, req, lambda raw: parse_body(to_chat(raw, count_only=True), chat=True))
+        resp.media = {"input_tokens": len(plan_chat(run.engine.tokenizer, run.body, chat_messages(run.body), True).prompt_ids)}
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        engine = self.state.require_ready()
-        chat = for_model(parse_body(to_chat(read_json(req, self.state.config.max_body_bytes)), chat=True), engine)
-        choices, mux, prompt_tokens, _ = self.chat.submit(engine, chat, always_parse=True, clamp=True)
-        c = choices[0]
+        run = RequestRun(self.state, req, lambda raw: parse_body(to_chat(raw), chat=True))
+        engine, chat = run.engine, run.body
+        c = run.submit(plan_chat(engine.tokenizer, chat, chat_messages(chat), True), clamp=True)[0]
         blocks = Blocks()
         shell = {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant", "model": engine.model_name}
 
         def usage() -> dict[str, Any]:
-            return {"input_tokens": prompt_tokens - c.cached_tokens, "output_tokens": c.completion_tokens,
+            return {"input_tokens": run.prompt_tokens - c.cached_tokens, "output_tokens": c.completion_tokens,
                     "cache_read_input_tokens": c.cached_tokens, "cache_creation_input_tokens": 0}
 
         def stop() -> dict[str, Any]:
@@ -75,9 +64,8 @@ class Messages:
             return {"stop_reason": "stop_sequence" if hit else STOP.get(c.finish_reason or "stop", "end_turn"), "stop_sequence": hit}
 
         if not chat.stream:
-            for _ in drive(c, mux, blocks, keepalive=None, gone=lambda: client_gone(req)):
+            for _ in drive(run, blocks, stream=False):
                 pass
-            self.state.metrics.count_completion(c.completion_tokens)
             resp.media = {**shell, "content": [_content(b) for b in blocks.blocks], **stop(), "usage": usage()}
             return
 
@@ -86,30 +74,25 @@ class Messages:
 
         def stream() -> Iterator[bytes]:
             yield event("message_start", message={**shell, "content": [], "stop_reason": None, "stop_sequence": None,
-                                                   "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}})
+                                                   "usage": {"input_tokens": run.prompt_tokens, "output_tokens": 0}})
             # Then a ping every KEEPALIVE_S while the prompt waits or prefills: clients time out a silent stream.
-            try:
-                for batch in drive(c, mux, blocks, keepalive=KEEPALIVE_S, gone=lambda: client_gone(req)):
-                    if batch is None:
-                        yield event("ping")
-                        continue
-                    for s in batch:
-                        b = s.block
-                        if s.what == "open":
-                            start = _content(Block(b.kind, b.index, b.call_id, b.name))  # the block as it opens: empty
-                            yield event("content_block_start", index=b.index, content_block=start)
-                        elif s.what == "delta":
-                            delta = ({"type": "text_delta", "text": s.text} if b.kind == "text" else
-                                     {"type": "thinking_delta", "thinking": s.text} if b.kind == "reasoning" else
-                                     {"type": "input_json_delta", "partial_json": s.text})
-                            yield event("content_block_delta", index=b.index, delta=delta)
-                        else:
-                            yield event("content_block_stop", index=b.index)
-            except ApiError as e:
-                yield f"event: error\ndata: {json.dumps(e.anthropic_body())}\n\n".encode()
-                return
-            self.state.metrics.count_completion(c.completion_tokens)
+            for batch in drive(run, blocks, stream=True):
+                if batch is None:
+                    yield event("ping")
+                    continue
+                for s in batch:
+                    b = s.block
+                    if s.what == "open":
+                        start = _content(Block(b.kind, b.index, b.call_id, b.name))  # the block as it opens: empty
+                        yield event("content_block_start", index=b.index, content_block=start)
+                    elif s.what == "delta":
+                        delta = ({"type": "text_delta", "text": s.text} if b.kind == "text" else
+                                 {"type": "thinking_delta", "thinking": s.text} if b.kind == "reasoning" else
+                                 {"type": "input_json_delta", "partial_json": s.text})
+                        yield event("content_block_delta", index=b.index, delta=delta)
+                    else:
+                        yield event("content_block_stop", index=b.index)
             yield event("message_delta", delta=stop(), usage=usage())
             yield event("message_stop")
 
-        stream_sse(resp, stream())
+        stream_sse(resp, stream(), lambda e: f"event: error\ndata: {json.dumps(e.anthropic_body())}\n\n".encode())

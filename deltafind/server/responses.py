@@ -21,15 +21,8 @@ import falcon
 from deltafind.server.chat_plan import plan_chat
 from deltafind.server.errors import ApiError, bad_request
 from deltafind.server.items import Block, Blocks, Step, drive
-from deltafind.server.openai import (
-    KEEPALIVE_S,
-    Generate,
-    chat_messages,
-    client_gone,
-    for_model,
-    read_json,
-    stream_sse,
-)
+from deltafind.server.lifecycle import AppState, RequestRun, stream_sse
+from deltafind.server.openai import chat_messages
 from deltafind.server.responses_input import namespaced, seal_reasoning, to_chat
 from deltafind.server.schemas import ChatRequest, parse_body
 
@@ -55,13 +48,12 @@ def _item(block: Block, done: bool, seal: bool = False, spaces: dict[str, tuple[
 
 
 class Responses:
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: AppState) -> None:
         self.state = state
-        self.chat = Generate(state, chat=True)
         self.kept: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
         self.lock = threading.Lock()
 
-    def _request(self, body: dict[str, Any], engine: Any) -> ChatRequest:
+    def _request(self, body: dict[str, Any]) -> ChatRequest:
         history: list[dict[str, Any]] = []
         prev = body.get("previous_response_id")
         if prev is not None:
@@ -73,27 +65,23 @@ class Responses:
             if not history:
                 raise ApiError(404, f"previous_response_id: no response {prev!r} is kept by this server (send the whole input)",
                                "previous_response_id", "previous_response_not_found")
-        return for_model(parse_body(to_chat(body, history), chat=True), engine)
+        return parse_body(to_chat(body, history), chat=True)  # type: ignore[return-value]  # chat=True gives a ChatRequest
 
     def on_post_input_tokens(self, req: falcon.Request, resp: falcon.Response) -> None:
         """POST /v1/responses/input_tokens: the prompt's length, as a request with this body would see it."""
-        engine = self.state.require_ready()
-        body = read_json(req, self.state.config.max_body_bytes)
-        for key in ("stream", "max_output_tokens", "store", "include", "stream_options"):
-            body.pop(key, None)  # the reference endpoint takes the create body; these say nothing about the input
-        chat = self._request(body, engine)
-        plan = plan_chat(engine.tokenizer, chat, chat_messages(chat), True)
+        # The reference endpoint takes the create body; these keys say nothing about the input.
+        ignored = ("stream", "max_output_tokens", "store", "include", "stream_options")
+        run = RequestRun(self.state, req, lambda raw: self._request({k: v for k, v in raw.items() if k not in ignored}))
+        plan = plan_chat(run.engine.tokenizer, run.body, chat_messages(run.body), True)
         resp.media = {"object": "response.input_tokens", "input_tokens": len(plan.prompt_ids)}
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        engine = self.state.require_ready()
-        body = read_json(req, self.state.config.max_body_bytes)
-        chat = self._request(body, engine)
+        run = RequestRun(self.state, req, self._request)
+        engine, chat, body = run.engine, run.body, run.raw
         prev = body.get("previous_response_id")
         seal = isinstance(body.get("include"), list) and "reasoning.encrypted_content" in body["include"]
         spaces = namespaced(body.get("tools"))
-        choices, mux, prompt_tokens, _ = self.chat.submit(engine, chat, always_parse=True)
-        c = choices[0]
+        c = run.submit(plan_chat(engine.tokenizer, chat, chat_messages(chat), True))[0]
         shell = {"id": "resp_" + uuid.uuid4().hex[:24], "object": "response", "created_at": int(time.time()),
                  "model": engine.model_name, "instructions": body.get("instructions"), "tools": body.get("tools") or [],
                  "tool_choice": body.get("tool_choice") or "auto", "parallel_tool_calls": body.get("parallel_tool_calls", True),
@@ -105,18 +93,17 @@ class Responses:
 
         def final() -> dict[str, Any]:
             out = {**shell, "status": "completed", "output": [_item(b, True, seal, spaces) for b in blocks.blocks],
-                   "usage": {"input_tokens": prompt_tokens, "output_tokens": c.completion_tokens,
-                             "total_tokens": prompt_tokens + c.completion_tokens,
+                   "usage": {"input_tokens": run.prompt_tokens, "output_tokens": c.completion_tokens,
+                             "total_tokens": run.prompt_tokens + c.completion_tokens,
                              "input_tokens_details": {"cached_tokens": c.cached_tokens},
                              "output_tokens_details": {"reasoning_tokens": c.reasoning_tokens}}}
             if c.finish_reason == "length":
                 out["status"], out["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
-            self.state.metrics.count_completion(c.completion_tokens)
             self._keep(out["id"], chat_history, blocks.blocks)
             return out
 
         if not chat.stream:
-            for _ in drive(c, mux, blocks, keepalive=None, gone=lambda: client_gone(req)):
+            for _ in drive(run, blocks, stream=False):
                 pass
             resp.media = final()
             return
@@ -159,19 +146,15 @@ class Responses:
             start = {**shell, "status": "in_progress", "output": [], "usage": None}
             yield event("response.created", response=start)
             yield event("response.in_progress", response=start)
-            try:
-                for batch in drive(c, mux, blocks, keepalive=KEEPALIVE_S, gone=lambda: client_gone(req)):
-                    if batch is None:
-                        yield b": keep-alive\n\n"
-                        continue
-                    yield from steps(batch)
-            except ApiError as e:
-                yield event("error", code=e.code, message=e.message, param=e.param)
-                return
+            for batch in drive(run, blocks, stream=True):
+                if batch is None:
+                    yield b": keep-alive\n\n"
+                    continue
+                yield from steps(batch)
             done = final()
             yield event("response.completed" if done["status"] == "completed" else "response.incomplete", response=done)
 
-        stream_sse(resp, stream())
+        stream_sse(resp, stream(), lambda e: event("error", code=e.code, message=e.message, param=e.param))
 
     def _keep(self, rid: str, history: list[dict[str, Any]], blocks: list[Block]) -> None:
         answer: dict[str, Any] = {"role": "assistant", "content": "".join(b.text for b in blocks if b.kind == "text")}

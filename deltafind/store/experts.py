@@ -49,6 +49,17 @@ class ExpertStats:
     layers: dict[int, LayerRecall] = field(default_factory=lambda: defaultdict(LayerRecall))  # the gate's, per layer
 
 
+def prefetch_options(settings: Any) -> PrefetchOptions:
+    """`[prefetch]` as the gate's options: the one place they are built (at open and on reload)."""
+    p = settings.prefetch
+    return PrefetchOptions(p.enabled, p.max_in_flight, p.recall_threshold)
+
+
+def drive_options(settings: Any) -> list[DriveOptions] | None:
+    """`[[drives]]` as the reader's options (None: the drive folders the store records)."""
+    return [DriveOptions(d.path, d.queue_depth, d.read_mb_s) for d in settings.drives] or None
+
+
 class StoreExperts:
     """Experts of one store, read on demand through the drive pools and a byte-budgeted LRU."""
 
@@ -58,10 +69,9 @@ class StoreExperts:
                       buffer_pool: Callable[[int], Any] | None = None) -> StoreExperts:
         """The store's experts as `settings` ([cache], [prefetch], [[drives]]) say: the one place that reads
         those sections for a reader (Model.open, and an expert node of a cluster)."""
-        c, p = settings.cache, settings.prefetch
+        c = settings.cache
         return cls(manifest, store_dir, None if c.expert_bytes is None else int(c.expert_bytes), dtype,
-                   [DriveOptions(d.path, d.queue_depth, d.read_mb_s) for d in settings.drives] or None,
-                   PrefetchOptions(p.enabled, p.max_in_flight, p.recall_threshold), c.read_mode, trace,
+                   drive_options(settings), prefetch_options(settings), c.read_mode, trace,
                    stager=stager, cache=cache, buffer_pool=buffer_pool)
 
     def __init__(

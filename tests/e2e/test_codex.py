@@ -189,12 +189,17 @@ def test_wrong_types_on_chat_are_400_naming_the_field(daemon: Daemon, extra: dic
     assert status == 400 and r["error"]["param"] == param, r
 
 
-@pytest.mark.parametrize(("path", "stream"), [("/v1/responses", False), ("/v1/messages", False), ("/v1/responses", True),
-                                            ("/v1/messages", True), ("/v1/chat/completions", True)])
+HANG_UP_BODY = {"/v1/responses": lambda text: {"max_output_tokens": 400, "input": text},
+                "/v1/completions": lambda text: {"max_tokens": 400, "prompt": text},
+                "/v1/chat/completions": lambda text: {"max_tokens": 400, "messages": [{"role": "user", "content": text}]},
+                "/v1/messages": lambda text: {"max_tokens": 400, "messages": [{"role": "user", "content": text}]}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", list(HANG_UP_BODY))
 def test_a_hang_up_during_prefill_is_noticed_within_a_second(daemon: Daemon, path: str, stream: bool) -> None:
     text = f"{path} {stream}: the history of Paris. " * 60  # ~500 tokens, new to the prefix cache: still prefilling at 0.5 s
-    body = {"model": "test-model", "max_output_tokens": 400, "input": text} if path == "/v1/responses" else \
-        {"model": "test-model", "max_tokens": 400, "messages": [{"role": "user", "content": text}]}
+    body = {"model": "test-model", **HANG_UP_BODY[path](text)}
     raw = json.dumps({**body, "stream": stream}).encode()
     before = daemon.log_text(full=True).count('"client_gone"')
     with socket.create_connection(("127.0.0.1", daemon.port)) as s:

@@ -92,6 +92,18 @@ def test_seed_reproduces_and_n_gives_distinct_choices(client: openai.OpenAI) -> 
     assert many.usage.completion_tokens <= 24 and many.usage.prompt_tokens == a.usage.prompt_tokens
 
 
+def test_top_k_is_honoured_on_chat_and_completions(client: openai.OpenAI) -> None:
+    # top_k as llama.cpp's and vLLM's servers take it: top_k=1 samples the most likely token, greedy at any temperature.
+    kw = dict(model="test-model", max_tokens=8, seed=7)
+    greedy = client.completions.create(prompt="Once upon a time", temperature=0, **kw)
+    k1 = client.completions.create(prompt="Once upon a time", temperature=1.5, extra_body={"top_k": 1}, **kw)
+    assert k1.choices[0].text == greedy.choices[0].text
+    msgs = [{"role": "user", "content": "Tell me a story."}]
+    greedy_chat = client.chat.completions.create(messages=msgs, temperature=0, **kw)
+    k1_chat = client.chat.completions.create(messages=msgs, temperature=1.5, extra_body={"top_k": 1}, **kw)
+    assert k1_chat.choices[0].message.content == greedy_chat.choices[0].message.content
+
+
 def test_logprobs_chat_and_completions(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                        temperature=0, logprobs=True, top_logprobs=2)

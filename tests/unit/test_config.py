@@ -398,3 +398,16 @@ def test_live_marks_follow_the_design() -> None:
     restart = set(fields) - live
     assert {k for k in fields if k.split(".")[0] in ("model", "device", "control")} <= restart
     assert {"server.host", "server.port", "server.unix_socket", "logging.format"} <= restart
+
+
+def test_each_setting_has_one_name_in_toml_python_and_cli_with_the_old_names_as_aliases(tmp_path: Path) -> None:
+    from deltafind.cli import build_parser
+    from deltafind.compose import settings_with
+
+    new, old = (settings_with(None, tmp_path, {key: 123}) for key in ("expert_bytes", "expert_cache_bytes"))
+    assert new.cache.expert_bytes == old.cache.expert_bytes == 123
+    for flag in ("--expert-bytes", "--cache-bytes"):
+        assert build_parser().parse_args(["run", flag, "2KiB"]).expert_bytes == 2048
+    # The Python API's pin tier may sit beside an LRU smaller than it (a file may not: test above).
+    pinned = settings_with(None, tmp_path, {"expert_bytes": 0, "pin_bytes": 1000})
+    assert pinned.cache.pin_bytes == 1000 and pinned.cache.expert_bytes == 0

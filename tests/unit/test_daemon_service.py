@@ -83,7 +83,7 @@ def test_make_proto_reproduces_the_committed_stubs(tmp_path: Path) -> None:
 # README's architecture, top to bottom: a package imports only packages below its own row (and its own
 # package). The top row wires everything, so its members may import each other; so may the bottom row's.
 LAYERS = (
-    ("deltafind.cli", "deltafind.run_cli", "deltafind.daemon", "deltafind.api", "deltafind.api_settings", "deltafind"),
+    ("deltafind.cli", "deltafind.run_cli", "deltafind.daemon", "deltafind.api", "deltafind.compose", "deltafind"),
     ("deltafind.server", "deltafind.control"),
     ("deltafind.engine", "deltafind.cluster"),  # cluster: a provider over models/store/device, wired by api
     ("deltafind.models", "deltafind.device"),

@@ -160,6 +160,30 @@ def test_stop_string_across_a_utf8_boundary_is_never_sent(tokenizer: Tokenizer, 
     assert engine.cancelled  # the stop cancelled the sequence
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_failure_answers_in_each_endpoints_own_error_shape(tokenizer: Tokenizer, stream: bool) -> None:
+    engine = ScriptedEngine(tokenizer, "ab", reason="error")
+    c, state = make(tokenizer, engine)
+    msgs = [{"role": "user", "content": "x"}]
+    for path, body in (("/v1/chat/completions", chat()), ("/v1/completions", {"model": "m", "prompt": "x"}),
+                       ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": msgs}), ("/v1/responses", {"model": "m", "input": "x"})):
+        r = c.simulate_post(path, json={**body, "stream": stream})
+        if not stream:
+            assert r.status_code == 500, (path, r.text)
+            err = r.json["error"]
+            assert (err["type"] == "api_error" if path == "/v1/messages" else err["code"] == "engine_error"), (path, r.json)
+            continue
+        events = [e for e in r.text.split("\n\n") if e.strip()]
+        if path in ("/v1/chat/completions", "/v1/completions"):  # the error, then the stream's end (as vLLM sends them)
+            assert json.loads(events[-2][6:])["error"]["code"] == "engine_error" and events[-1] == "data: [DONE]", (path, events)
+        else:
+            kind, data = events[-1].split("\n")
+            error = json.loads(data[6:])
+            assert kind == "event: error" and error["type"] == "error", (path, events)
+            assert (error["error"]["type"] == "api_error" if path == "/v1/messages" else error["code"] == "engine_error")
+    assert state.metrics.snapshot()["completion_tokens"] == 0  # a failed answer counts no completion
+
+
 def test_chat_stream_shape_matches_the_openai_client(tokenizer: Tokenizer) -> None:
     c, _ = make(tokenizer, ScriptedEngine(tokenizer, "hey"))
     r = c.simulate_post("/v1/chat/completions", json=chat(stream=True, n=2, stream_options={"include_usage": True},
