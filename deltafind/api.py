@@ -25,13 +25,13 @@ from deltafind.engine.draft.base import DraftError, DraftSource
 from deltafind.engine.draft.cross import CrossDraftModel, CrossTokenizerSource, TextCodec
 from deltafind.engine.draft.load import source_from_settings
 from deltafind.engine.draft.policy import DraftStats, PolicyOptions
-from deltafind.engine.generate import ONE_AT_A_TIME, forward_step, generate
+from deltafind.engine.generate import ONE_AT_A_TIME, generate
 from deltafind.engine.prefill import PrefillPlan
 from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.stats import EngineStats, GenerationStats
 from deltafind.errors import StoreError
 from deltafind.log import get_logger
-from deltafind.models.ops.batch import SequenceCache
+from deltafind.models.ops.batch import SequenceCache, forward_step
 from deltafind.models.ops.cpu_kernels import kernel_status
 from deltafind.store.experts import StoreExperts, prefetch_options
 from deltafind.store.heat import hottest, read_heat, update_heat

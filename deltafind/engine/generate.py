@@ -20,16 +20,9 @@ from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.sequence import FinishEvent, GenRequest
 from deltafind.engine.stats import EngineStats, GenerationStats
 from deltafind.errors import DeltafindError
-from deltafind.models.ops.batch import Batch, SequenceCache
 
 # one sequence, no one waiting behind its prefill: no step time target, chunks only as memory needs
 ONE_AT_A_TIME = SchedulerLimits(max_running=1, max_queue=1, max_step_tokens=1 << 30, max_context=1 << 30, step_target_s=None)
-
-
-def forward_step(model: torch.nn.Module, cache: SequenceCache, ids: Sequence[int], all_logits: bool = False) -> torch.Tensor:
-    """Run `ids` after what `cache` holds; returns logits ([n, V] or [1, V])."""
-    batch = Batch.of([(cache, len(ids))], device=model.device)
-    return model(torch.tensor(list(ids), dtype=torch.long, device=model.device), batch, all_logits=all_logits)
 
 
 def generate(

@@ -47,8 +47,7 @@ def split_cost(store: Path) -> None:
     import torch
 
     from deltafind import Model
-    from deltafind.engine.generate import forward_step
-    from deltafind.models.ops.batch import SequenceCache
+    from deltafind.models.ops.batch import SequenceCache, forward_step
 
     m = Model.open(store, expert_cache_bytes=0, prefetch=False)
     body = ChatRequest(model="x", messages=[{"role": "system", "content": "You are a coding agent. Use the tools."},

@@ -30,9 +30,8 @@ from pathlib import Path
 import torch
 
 from deltafind import Model
-from deltafind.engine.generate import forward_step
 from deltafind.models import kimi_k3
-from deltafind.models.ops.batch import SequenceCache
+from deltafind.models.ops.batch import SequenceCache, forward_step
 from deltafind.models.ops.cpu_kernels import CPU, load_kernel
 from deltafind.models.ops.latent_moe import mxfp4_expert_forward
 from deltafind.models.ops.mxfp4 import BATCHED_MIN_TOKENS, dequantize, fused_linear

@@ -52,8 +52,7 @@ def row_costs(net, prompt: list[int], rounds: int) -> dict:
 
     import torch
 
-    from deltafind.engine.generate import forward_step
-    from deltafind.models.ops.batch import SequenceCache
+    from deltafind.models.ops.batch import SequenceCache, forward_step
 
     times: dict[int, list[float]] = {r: [] for r in (1, 2, 3, 4, 8)}
     with torch.inference_mode():

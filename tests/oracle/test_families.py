@@ -66,8 +66,7 @@ def test_greedy_tokens_match_transformers_generate(pair) -> None:
 
 
 def test_incremental_decode_equals_full_recompute(pair) -> None:
-    from deltafind.engine.generate import forward_step
-    from deltafind.models.ops.batch import SequenceCache
+    from deltafind.models.ops.batch import SequenceCache, forward_step
 
     ours, _ = pair
     ids = _ids(14, seed=3)

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from deltafind import Model
-from deltafind.engine.generate import forward_step
-from deltafind.models.ops.batch import SequenceCache
+from deltafind.models.ops.batch import SequenceCache, forward_step
 from deltafind.store.setup import setup_store
 from tests.conftest import TINY_VOCAB, make_hf_checkpoint
 

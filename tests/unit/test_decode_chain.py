@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from deltafind import Model
-from deltafind.engine.generate import forward_step
-from deltafind.models.ops.batch import Batch, SequenceCache
+from deltafind.models.ops.batch import Batch, SequenceCache, forward_step
 from deltafind.models.ops.cpu_kernels import CPU
 from deltafind.store.setup import setup_store
 from tests.conftest import make_hf_checkpoint

@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from deltafind import Model
-from deltafind.engine.generate import forward_step
 from deltafind.errors import UnsupportedModelError
 from deltafind.models import kimi_k3
 from deltafind.models.kimi_k3_config import ModelArgs, QualityRefused
-from deltafind.models.ops.batch import SequenceCache
+from deltafind.models.ops.batch import SequenceCache, forward_step
 from deltafind.models.ops.situ import situ
 from deltafind.models.ops.stored import adopt_stored
 from deltafind.store.manifest import Manifest

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from deltafind import Model
-from deltafind.engine.generate import forward_step
 from deltafind.models import kimi_k3
 from deltafind.models.ops.attnres import attn_res
-from deltafind.models.ops.batch import Batch, LayerCache, SequenceCache
+from deltafind.models.ops.batch import Batch, LayerCache, SequenceCache, forward_step
 from deltafind.models.ops.kda_layer import MAX_ROLLBACK_ROWS, KDAState, RollbackError
 from deltafind.store.setup import setup_store
 from deltafind.store.synthetic import open_synthetic

@@ -21,13 +21,12 @@ import torch
 
 from deltafind import Model
 from deltafind.engine.core import EngineCore, SchedulerLimits
-from deltafind.engine.generate import forward_step
 from deltafind.engine.prefix_cache import cache_nbytes
 from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.sequence import FinishEvent, GenRequest, TokenEvent
 from deltafind.errors import RequestError
 from deltafind.models import kimi_k3
-from deltafind.models.ops.batch import SequenceCache
+from deltafind.models.ops.batch import SequenceCache, forward_step
 from deltafind.store.setup import setup_store
 from deltafind.store.synthetic import open_synthetic
 from tests.conftest import make_hf_checkpoint

@@ -263,8 +263,7 @@ def test_a_proposal_outside_the_vocabulary_is_refused_not_run(stores: dict[str, 
 
 
 def test_self_draft_leaves_the_target_cache_as_a_plain_run_would(stores: dict[str, Model]) -> None:
-    from deltafind.engine.generate import forward_step
-    from deltafind.models.ops.batch import SequenceCache
+    from deltafind.models.ops.batch import SequenceCache, forward_step
 
     net = stores["llama"].net
     prompt = _prompts(4)[3]

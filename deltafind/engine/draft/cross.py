@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from deltafind.engine.draft.base import DraftError, Proposal
-from deltafind.engine.generate import forward_step
 from deltafind.engine.sampler import SamplingParams, greedy_tokens
 from deltafind.log import get_logger
-from deltafind.models.ops.batch import SequenceCache
+from deltafind.models.ops.batch import SequenceCache, forward_step
 
 log = get_logger(__name__)
 

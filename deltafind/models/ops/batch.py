@@ -8,6 +8,7 @@ serves every sequence in the step; attention runs per segment.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -142,3 +143,10 @@ class Batch:
         """Mark the segments' tokens as seen, after all layers ran."""
         for s in self.segments:
             s.cache.length += s.num_tokens
+
+
+def forward_step(model: torch.nn.Module, cache: SequenceCache, ids: Sequence[int], all_logits: bool = False) -> torch.Tensor:
+    """Run `ids` after what `cache` holds, outside any engine core (tests, and drafts that keep their own
+    caches); returns logits ([n, V] or [1, V])."""
+    batch = Batch.of([(cache, len(ids))], device=model.device)
+    return model(torch.tensor(list(ids), dtype=torch.long, device=model.device), batch, all_logits=all_logits)
