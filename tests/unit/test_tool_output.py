@@ -6,8 +6,11 @@ import json
 
 import pytest
 
-from deltafind.server.formats import DEEPSEEK_V3, HERMES, KIMI_K2, LLAMA3
-from deltafind.server.formats import KIMI_K3 as K3_XTML
+from deltafind.server.formats.deepseek_v3 import DEEPSEEK_V3
+from deltafind.server.formats.hermes import HERMES
+from deltafind.server.formats.kimi_k2 import KIMI_K2
+from deltafind.server.formats.kimi_k3 import KIMI_K3 as K3_XTML
+from deltafind.server.formats.llama3 import LLAMA3
 from deltafind.server.output import OutputParser
 
 K3_STRIP = ("<|open|>response<|sep|>", "<|close|>response<|sep|>", "<|close|>message<|sep|>", "<|end_of_msg|>")

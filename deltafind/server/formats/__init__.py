@@ -1,29 +1,26 @@
 """Chat formats, one file each (template.py: the base); the registry below picks one per tokenizer.
 
 A tokenizer that declares its format (`Tokenizer.chat_format`) gets that one;
-any other gets the first below whose `detect` knows its vocabulary or template.
-To add a format: one file with a `ChatFormat` subclass; import it here and place it in FORMATS.
+any other gets the first in FORMATS whose `detect` knows its vocabulary or template.
+To add a format: one file with a `ChatFormat` subclass and its instance, plus its line in REGISTRY.
 """
 
+import importlib
 from typing import Any
 
 from deltafind.errors import UnsupportedModelError
-from deltafind.server.formats.deepseek_v3 import DEEPSEEK_V3
-from deltafind.server.formats.hermes import HERMES
-from deltafind.server.formats.kimi_k2 import KIMI_K2
-from deltafind.server.formats.kimi_k3 import KIMI_K3
-from deltafind.server.formats.llama3 import LLAMA3
-from deltafind.server.formats.qwen3_coder import QWEN3_CODER
 from deltafind.server.formats.template import ChatFormat, Prompt, Request
 
-FORMATS: tuple[ChatFormat, ...] = (
-    KIMI_K3,
-    KIMI_K2,
-    DEEPSEEK_V3,
-    LLAMA3,
-    QWEN3_CODER,
-    HERMES,  # detects every template: the last
+REGISTRY = (  # "module:instance", in the order detection tries them
+    "kimi_k3:KIMI_K3",
+    "kimi_k2:KIMI_K2",
+    "deepseek_v3:DEEPSEEK_V3",
+    "llama3:LLAMA3",
+    "qwen3_coder:QWEN3_CODER",
+    "hermes:HERMES",  # detects every template: the last
 )
+FORMATS: tuple[ChatFormat, ...] = tuple(getattr(importlib.import_module(f"{__name__}.{module}"), name)
+                                        for module, name in (entry.split(":") for entry in REGISTRY))
 
 
 def pick_format(tokenizer: Any) -> ChatFormat:
@@ -35,4 +32,4 @@ def pick_format(tokenizer: Any) -> ChatFormat:
                                 f"{', '.join(f.name for f in FORMATS)}")
 
 
-__all__ = ["DEEPSEEK_V3", "FORMATS", "HERMES", "KIMI_K2", "KIMI_K3", "LLAMA3", "ChatFormat", "Prompt", "Request", "pick_format"]
+__all__ = ["FORMATS", "REGISTRY", "ChatFormat", "Prompt", "Request", "pick_format"]
