@@ -263,7 +263,7 @@ def _panel_weight(kind: str, rows: int, cols: int) -> StoredWeight:
 @pytest.mark.parametrize("kind", PANEL)
 def test_prefill_rows_equal_one_token_rows(kind: str) -> None:
     """A prefill batch takes stored_panel.h on AVX-512 (decoded once per panel, 4 x 5 register tiles, 80-token
-    passes): 83 tokens (a pass, then a tile and 3), 21 rows (a 16-row panel, then 4 and 1), and 2304 columns
+    passes): 83 tokens (a pass, then a tile and 3), 21 rows (five 4-row panels and 1), and 2304 columns
     (a 1024-column chunk twice, then 256; 72 groups) or 2144 (67 groups: an odd last chunk). Each token's row
     is bit-identical to the one it gets alone, and the batch matches the widened path."""
     cols = 2304 if kind.endswith("_K") else 2144

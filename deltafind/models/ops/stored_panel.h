@@ -18,10 +18,11 @@ namespace dfq {
 namespace {  // internal linkage: never called through the PLT
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-// Measured on Zen 4 (tests/bench/RESULTS.md): 4 x 5 beat 4 x 6, 4 x 4 and 5 x 4; 1024 columns beat 512.
+// Measured on Zen 4 under load (tests/bench/RESULTS.md): 4 x 5 beat 4 x 6, 4 x 4 and 5 x 4; a panel of 4 rows
+// (16 KB, in L1 while every tile of tokens passes) beat 8, 16 and 32; 1024 columns beat 512 and 2048.
 constexpr int kNR = 4, kNT = 5;  // rows x tokens in registers: 20 accumulators, 4 weight vectors, 5 of x
 constexpr int64_t kKC = 1024;    // columns decoded at a time, a multiple of 64 (even groups) and of 256 (K-quant blocks)
-constexpr int64_t kRB = 16;      // rows decoded at a time: a 64 KB panel, in L2
+constexpr int64_t kRB = kNR;     // rows decoded at a time
 constexpr int64_t kTB = 80;      // tokens per pass over a decoded panel (a multiple of kNT)
 constexpr int64_t kPanelMin = 8;  // fewer tokens take row512 (a decode per 4 tokens costs them less than a panel)
 
@@ -169,22 +170,24 @@ void panel_rows(const Part* first, int count, int64_t r0, int64_t r1, const floa
         const float* xb = (permuted ? xp + t0 * ldxp : x + t0 * ldx) + x_col;
         for (int64_t c0 = 0; c0 < part.cols; c0 += kKC) {
           const int64_t kc = std::min(kKC, part.cols - c0), ng = kc / 32;
+          for (int64_t r = 0; r < nr; ++r) panel_decode(part.kind, part.data + (rb + r) * part.row_bytes, c0, kc, w + r * kKC);
           // The bytes decoded next (the next chunk of these rows, or the next rows' first) are fetched into L2
-          // now: each row is a stream of a few KB, too short for the hardware prefetcher to ramp up on.
+          // a few lines per register tile: each row is a stream of a few KB, too short for the hardware
+          // prefetcher to ramp up on, and a burst of them all overflowed the misses the core keeps in flight.
           const bool last = c0 + kKC >= part.cols;
           const int64_t next_col = last ? 0 : c0 + kKC, next_row = last ? rb + kRB : rb;
-          const int64_t chunk_bytes = std::min(kKC, part.cols - next_col) * part.row_bytes / part.cols;
-          for (int64_t r = 0; r < nr; ++r) {
-            panel_decode(part.kind, part.data + (rb + r) * part.row_bytes, c0, kc, w + r * kKC);
-            if (next_row + r >= r1) continue;
-            const uint8_t* ahead = part.data + (next_row + r) * part.row_bytes + next_col * part.row_bytes / part.cols;
-            for (int64_t b = 0; b < chunk_bytes + 64; b += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + b), _MM_HINT_T1);
-          }
-          for (int64_t t = 0; t < tb; t += kNT)
-            for (int64_t i = 0; i < nr; i += kNR) {
+          const int64_t lines = std::min(kKC, part.cols - next_col) * part.row_bytes / part.cols / 64 + 2;
+          const int64_t todo = std::max<int64_t>(0, std::min(kRB, r1 - next_row)) * lines;
+          const int64_t per = todo / (((tb + kNT - 1) / kNT) * ((nr + kNR - 1) / kNR)) + 1;
+          const uint8_t* ahead = part.data + next_row * part.row_bytes + next_col * part.row_bytes / part.cols;
+          int64_t done = 0;
+          for (int64_t i = 0; i < nr; i += kNR)
+            for (int64_t t = 0; t < tb; t += kNT) {
               const Micro f = kMicro[std::min<int64_t>(kNR, nr - i) - 1][std::min<int64_t>(kNT, tb - t) - 1];
               // c0 is a multiple of kKC: a chunk starts at an even group, so parity within it is global
               f(w + i * kKC, kKC, xb + t * ldb + c0, ldb, ng, sets ? 2 : 1, acc + (i * tb + t) * 64, tb);
+              for (const int64_t end = std::min(todo, done + per); done < end; ++done)
+                _mm_prefetch(reinterpret_cast<const char*>(ahead + (done / lines) * part.row_bytes + (done % lines) * 64), _MM_HINT_T1);
             }
         }
         for (int64_t i = 0; sets && i < nr * tb; ++i)  // the sets added once per matrix, as row512 does
