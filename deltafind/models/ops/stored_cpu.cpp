@@ -347,9 +347,9 @@ int df_stored_parts(const Part* parts, int n, int stack_cols, const float* x, in
     need_lanes = need_lanes || dfq::reads_lanes(static_cast<int>(parts[p].kind));
   }
   const std::vector<float> xs = need_sums ? dfq::block_sums(x, T, ldx, x_cols) : std::vector<float>();
-  const std::vector<float> xp = need_lanes ? dfq::permute_x(x, T, ldx, x_cols) : std::vector<float>();
+  const dfq::Floats xp = need_lanes ? dfq::permute_x(x, T, ldx, x_cols) : dfq::Floats();
   const int64_t ldxs = x_cols / 32;
-  auto at = [](const std::vector<float>& v, int64_t i) { return v.empty() ? nullptr : v.data() + i; };  // null: unread
+  auto at = [](const auto& v, int64_t i) { return v.empty() ? nullptr : v.data() + i; };  // null: unread
   // Rows r0..r1 of `count` parts side by side (one part: a run of a stacked matrix's rows), in chunks of
   // rows whose weights stay in L1/L2 while every tile of tokens passes over them; within a chunk part by
   // part, each part's rows read in one run. Every row keeps its sums across the parts, so they add in the

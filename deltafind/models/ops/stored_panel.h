@@ -152,7 +152,7 @@ inline bool panel_takes(const Part* parts, int n, int64_t T) {
 template <class Reduce>
 void panel_rows(const Part* first, int count, int64_t r0, int64_t r1, const float* x, int64_t ldx, const float* xp,
                 int64_t ldxp, int64_t T, float* y, int64_t ldy, int64_t y_col, Reduce reduce) {
-  thread_local std::vector<float> acc_kept, w_kept;  // kept between calls, as rows_of's sums
+  thread_local Floats acc_kept, w_kept;  // kept between calls, as rows_of's sums
   acc_kept.resize(static_cast<size_t>(kRB * kTB * 64)), w_kept.resize(static_cast<size_t>(kRB * kKC));
   float *const acc = acc_kept.data(), *const w = w_kept.data();
   for (int64_t t0 = 0; t0 < T; t0 += kTB) {

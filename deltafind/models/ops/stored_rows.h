@@ -34,8 +34,8 @@ constexpr int perm(int l) { return 4 * (l % 4) + l / 4; }
 constexpr int64_t kScaleRun = 64;  // 32-weight groups whose scales are converted at a time
 
 // xp [T, C] contiguous: each 32 columns of x [T, C] (row stride ldx) in code-lane order.
-inline std::vector<float> permute_x(const float* x, int64_t T, int64_t ldx, int64_t C) {
-  std::vector<float> xp(static_cast<size_t>(T * C));
+inline Floats permute_x(const float* x, int64_t T, int64_t ldx, int64_t C) {
+  Floats xp(static_cast<size_t>(T * C));
   for (int64_t t = 0; t < T; ++t)
     for (int64_t g = 0; g < C; g += 32)
       for (int l = 0; l < 16; ++l) {
@@ -237,7 +237,7 @@ template <int K>
 constexpr bool wide() { return false; }
 template <int K>
 constexpr bool lanes() { return false; }
-inline std::vector<float> permute_x(const float*, int64_t, int64_t, int64_t) { return {}; }
+inline Floats permute_x(const float*, int64_t, int64_t, int64_t) { return {}; }
 template <int K, int NT>
 inline void row512(const uint8_t*, int64_t, const float*, int64_t, const float*, int64_t, float (*)[32]) {}
 #endif
