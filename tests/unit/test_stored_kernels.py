@@ -280,10 +280,11 @@ def test_prefill_rows_equal_one_token_rows(kind: str) -> None:
 @needs_kernel
 def test_prefill_parts_side_by_side_equal_one_token_rows() -> None:
     """A dense MLP's down slices in several formats, summed in one set of lanes, at prefill size: each token's
-    row alone equals its row in the batch; with a format the panel lacks (Q5_K) the call takes the row path."""
+    row alone equals its row in the batch; with a format the panel lacks (Q5_K) the call takes the row path.
+    The rows are 3584 and 2048 columns wide: the panel takes rows of 2048 and more (stored_panel.h)."""
     for kinds in (["Q4_1", "Q8_0", "BF16", "Q6_K", "Q4_K"], ["Q6_K", "Q5_K", "BF16"]):
-        side = [_weight(k, 40, 256 * (1 + i % 2), seed=20 + i) for i, k in enumerate(kinds)]
-        xs = torch.randn(23, sum(256 * (1 + i % 2) for i in range(len(kinds))), generator=torch.Generator().manual_seed(4))
+        side = [_weight(k, 40, 512 * (1 + i % 2), seed=20 + i) for i, k in enumerate(kinds)]
+        xs = torch.randn(23, sum(512 * (1 + i % 2) for i in range(len(kinds))), generator=torch.Generator().manual_seed(4))
         fused = FusedLinear(stack_cols=True)
         ours = fused(xs, [w for w, _ in side], [q for _, q in side])
         ref, c0 = torch.zeros(23, 40), 0

@@ -354,7 +354,7 @@ int df_stored_parts(const Part* parts, int n, int stack_cols, const float* x, in
   // rows whose weights stay in L1/L2 while every tile of tokens passes over them; within a chunk part by
   // part, each part's rows read in one run. Every row keeps its sums across the parts, so they add in the
   // same order as part after part within the row; its tokens' outputs land at column y_col + r of y.
-  const bool panel = dfq::panel_takes(parts, n, T);  // prefill on AVX-512: decoded once per panel (stored_panel.h)
+  const bool panel = dfq::panel_takes(parts, n, stack_cols, T);  // prefill on AVX-512: decoded once per panel (stored_panel.h)
   auto rows_of = [&](int64_t r0, int64_t r1, const Part* first, int count, int64_t y_col) {
     if (panel) {
       dfq::panel_rows(first, count, r0, r1, x, ldx, at(xp, 0), x_cols, T, y, ldy, y_col, reduce32);

@@ -25,6 +25,10 @@ constexpr int64_t kKC = 1024;    // columns decoded at a time, a multiple of 64 
 constexpr int64_t kRB = kNR;     // rows decoded at a time
 constexpr int64_t kTB = 80;      // tokens per pass over a decoded panel (a multiple of kNT)
 constexpr int64_t kPanelMin = 8;  // fewer tokens take row512 (a decode per 4 tokens costs them less than a panel)
+// Narrower rows take row512: a (token, row)'s fixed costs (its 64 accumulator lanes zeroed, loaded and stored per
+// tile, reduced at the end) outweighed the saved decodes at the demo's 576 columns (34 % of peak vs 40 %),
+// broke even at 1536 and gained a third at 3584.
+constexpr int64_t kPanelMinCols = 2048;
 
 // The kinds with a panel decode: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K and F16, BF16, row-int8 (I8R, 100).
 inline bool panel_kind(int64_t kind) {
@@ -138,12 +142,20 @@ constexpr std::array<std::array<Micro, kNT>, sizeof...(NR)> micro_all(std::integ
 }
 constexpr auto kMicro = micro_all(std::make_integer_sequence<int, kNR>());  // [rows - 1][tokens - 1]
 
-// Whether a df_stored_parts call of T tokens takes the panel: every part's kind has one.
-inline bool panel_takes(const Part* parts, int n, int64_t T) {
+// out[0, 32) = a[0, 32) + a[32, 64): a (token, row)'s two lane sets, lane by lane (row512's last add).
+inline void add_sets(const float* a, float* out) {
+  for (int h = 0; h < 2; ++h) _mm512_storeu_ps(out + 16 * h, _mm512_add_ps(_mm512_loadu_ps(a + 16 * h), _mm512_loadu_ps(a + 32 + 16 * h)));
+}
+
+// Whether a df_stored_parts call of T tokens takes the panel: every part's kind has one and its rows are wide.
+inline bool panel_takes(const Part* parts, int n, int stack_cols, int64_t T) {
   if (T < kPanelMin) return false;
-  for (int p = 0; p < n; ++p)
+  int64_t cols = stack_cols ? 0 : parts[0].cols;  // a row's width: all the parts side by side, or the narrowest
+  for (int p = 0; p < n; ++p) {
     if (!panel_kind(parts[p].kind)) return false;
-  return true;
+    cols = stack_cols ? cols + parts[p].cols : std::min(cols, parts[p].cols);
+  }
+  return cols >= kPanelMinCols;
 }
 
 // Rows [r0, r1) of `count` parts side by side (stored_cpu.cpp's rows_of) for all T tokens: x as given
@@ -164,7 +176,7 @@ void panel_rows(const Part* first, int count, int64_t r0, int64_t r1, const floa
       for (int p = 0; p < count; ++p) {
         const Part& part = first[p];
         const bool sets = two_sets(part.kind);
-        for (int64_t i = 0; sets && i < nr * tb; ++i) std::fill(acc + i * 64 + 32, acc + i * 64 + 64, 0.0f);
+        for (int64_t i = 0; sets && p > 0 && i < nr * tb; ++i) std::fill(acc + i * 64 + 32, acc + i * 64 + 64, 0.0f);
         const bool permuted = reads_lanes(static_cast<int>(part.kind));
         const int64_t ldb = permuted ? ldxp : ldx;
         const float* xb = (permuted ? xp + t0 * ldxp : x + t0 * ldx) + x_col;
@@ -190,19 +202,23 @@ void panel_rows(const Part* first, int count, int64_t r0, int64_t r1, const floa
                 _mm_prefetch(reinterpret_cast<const char*>(ahead + (done / lines) * part.row_bytes + (done % lines) * 64), _MM_HINT_T1);
             }
         }
-        for (int64_t i = 0; sets && i < nr * tb; ++i)  // the sets added once per matrix, as row512 does
-          for (int h = 0; h < 2; ++h)
-            _mm512_storeu_ps(acc + i * 64 + 16 * h, _mm512_add_ps(_mm512_loadu_ps(acc + i * 64 + 16 * h),
-                                                                  _mm512_loadu_ps(acc + i * 64 + 32 + 16 * h)));
+        // The sets added once per matrix, as row512 does (the last matrix's as its rows are reduced, below).
+        for (int64_t i = 0; sets && p + 1 < count && i < nr * tb; ++i) add_sets(acc + i * 64, acc + i * 64);
         x_col += part.cols;
       }
-      for (int64_t r = 0; r < nr; ++r)
-        for (int64_t t = 0; t < tb; ++t) y[(t0 + t) * ldy + y_col + rb + r] = reduce(acc + (r * tb + t) * 64);
+      const bool sets = two_sets(first[count - 1].kind);
+      alignas(64) float lanes[32];
+      for (int64_t t = 0; t < tb; ++t)  // y's rows in order
+        for (int64_t r = 0; r < nr; ++r) {
+          float* a = acc + (r * tb + t) * 64;
+          if (sets) add_sets(a, lanes);
+          y[(t0 + t) * ldy + y_col + rb + r] = reduce(sets ? lanes : a);
+        }
     }
   }
 }
 #else
-inline bool panel_takes(const Part*, int, int64_t) { return false; }
+inline bool panel_takes(const Part*, int, int, int64_t) { return false; }
 template <class Reduce>
 void panel_rows(const Part*, int, int64_t, int64_t, const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t,
                 int64_t, Reduce) {}
