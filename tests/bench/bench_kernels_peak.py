@@ -8,7 +8,7 @@ per cycle on every x86 core since the P6) timed for ~50 ms. A second probe times
 AVX-512/AVX2 FMA chains, the throughput the lane assumption predicts, and prints both.
 
 Kernels, on real K3 expert shapes (w1/w3: 3072 x 3584, w2: 3584 x 3072; bench_kimi_k3.py):
-`df_mxfp4_matmul`, `df_mxfp4_gate_up_situ`, the GGUF block kernels Q4_K and Q8_0 and the bf16 spine
+`df_mxfp4_matmul`, `df_mxfp4_gate_up_situ`, the GGUF block kernels Q4_K, Q6_K and Q8_0 and the bf16 spine
 (`df_stored_parts`), and torch's fp32 `F.linear` (MKL/oneDNN) as a ceiling. Each point is the median
 of `--rounds` timings; at one thread the timer is the thread's CPU time (a shared machine's lost time
 slices do not count; its cache and memory contention still do), at more it is wall time. One JSON line
@@ -154,7 +154,7 @@ def kernels(T: int, lib: ctypes.CDLL) -> dict[str, tuple[Callable[[int], object]
     out["mxfp4_gate_up_situ"] = (lambda n: lib.df_mxfp4_gate_up_situ(x.data_ptr(), T, p1.data_ptr(), s1.data_ptr(), p3.data_ptr(),
                                                                       s3.data_ptr(), R, C, 4.0, 25.0, h.data_ptr(), n), 4.0 * T * R * C)
     y = torch.empty(T, R)
-    for kind in ("Q4_K", "Q8_0", "BF16"):
+    for kind in ("Q4_K", "Q6_K", "Q8_0", "BF16"):
         w = (torch.randn(R, C, generator=g) * 0.05).bfloat16().view(torch.uint8) if kind == "BF16" else gguf_blocks(kind, R, C)
         part = (StoredPart * 1)(StoredPart(KINDS[kind], R, C, w.shape[1], w.data_ptr()))
         out[f"stored_{kind.lower()}"] = (lambda n, part=part, w=w: lib.df_stored_parts(part, 1, 0, x.data_ptr(), T, C, y.data_ptr(), R, n),

@@ -245,3 +245,54 @@ def test_the_avx2_and_default_builds_both_match_the_widened_path_for_any_batch(k
         torch.testing.assert_close(batch, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
         for t in range(6):
             assert torch.equal(_parts_matmul(lib, w, x[t : t + 1].contiguous(), threads=1), batch[t : t + 1])
+
+
+PANEL = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K", "BF16", "F16", "I8R"]
+
+
+def _panel_weight(kind: str, rows: int, cols: int) -> StoredWeight:
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 0.05
+    if kind in ("BF16", "F16"):
+        return StoredWeight.of(w.to(torch.bfloat16 if kind == "BF16" else torch.float16))
+    if kind == "I8R":
+        return StoredWeight.tagged(to_row_int8(w), f"I8R/{cols}")
+    return StoredWeight.of(gguf_blocks(kind, rows, cols, seed=rows), kind, cols)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", PANEL)
+def test_prefill_rows_equal_one_token_rows(kind: str) -> None:
+    """A prefill batch takes stored_panel.h on AVX-512 (decoded once per panel, 4 x 5 register tiles, 80-token
+    passes): 83 tokens (a pass, then a tile and 3), 21 rows (five 4-row panels and 1), and 2304 columns
+    (a 1024-column chunk twice, then 256; 72 groups) or 2144 (67 groups: an odd last chunk). Each token's row
+    is bit-identical to the one it gets alone, and the batch matches the widened path."""
+    cols = 2304 if kind.endswith("_K") else 2144
+    w = _panel_weight(kind, 21, cols)
+    x = torch.randn(83, cols, generator=torch.Generator().manual_seed(2))
+    batch = stored_linear(x, w)
+    oracle = dequantize(w) if kind == "I8R" else None
+    ref = F.linear(x, oracle) if oracle is not None else _widened(x, w)
+    torch.testing.assert_close(batch, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    for t in range(83):
+        assert torch.equal(stored_linear(x[t : t + 1], w), batch[t : t + 1]), f"token {t}"
+
+
+@needs_kernel
+def test_prefill_parts_side_by_side_equal_one_token_rows() -> None:
+    """A dense MLP's down slices in several formats, summed in one set of lanes, at prefill size: each token's
+    row alone equals its row in the batch; with a format the panel lacks (Q5_K) the call takes the row path.
+    The rows are 3584 and 2048 columns wide: the panel takes rows of 2048 and more (stored_panel.h)."""
+    for kinds in (["Q4_1", "Q8_0", "BF16", "Q6_K", "Q4_K"], ["Q6_K", "Q5_K", "BF16"]):
+        side = [_weight(k, 40, 512 * (1 + i % 2), seed=20 + i) for i, k in enumerate(kinds)]
+        xs = torch.randn(23, sum(512 * (1 + i % 2) for i in range(len(kinds))), generator=torch.Generator().manual_seed(4))
+        fused = FusedLinear(stack_cols=True)
+        ours = fused(xs, [w for w, _ in side], [q for _, q in side])
+        ref, c0 = torch.zeros(23, 40), 0
+        for w, q in side:
+            sw = StoredWeight.tagged(w, q) if q else StoredWeight.of(w)
+            ref += _widened(xs[:, c0 : c0 + sw.cols], sw)
+            c0 += sw.cols
+        assert ours is not None
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+        for t in range(23):
+            assert torch.equal(fused(xs[t : t + 1], [w for w, _ in side], [q for _, q in side]), ours[t : t + 1])

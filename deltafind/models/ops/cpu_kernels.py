@@ -26,7 +26,7 @@ from typing import Any
 HERE = Path(__file__).parent
 # -ffp-contract=off: a decode written as d*q + m must round twice, as the numpy oracle does.
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-fast-math", "-ffp-contract=off"]
-HEADERS = ("cpu_pool.h", "stored_blocks.h", "stored_iq.h", "stored_rows.h")
+HEADERS = ("cpu_pool.h", "stored_blocks.h", "stored_iq.h", "stored_panel.h", "stored_rows.h")
 
 
 def _cpu_tag() -> str:

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cpu_pool.h"
+#include "stored_blocks.h"  // dfq::Floats: x split into 64-byte-aligned rows, one cache line per zmm load
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -150,8 +151,8 @@ constexpr int kSplitTile = 4;
 constexpr bool kSplit = true;
 
 // xs [T, C]: per group of 32 columns, x's 16 even columns then its 16 odd ones.
-std::vector<float> split(const float* x, int64_t T, int64_t ldx, int64_t C) {
-  std::vector<float> xs(static_cast<size_t>(T * C));
+dfq::Floats split(const float* x, int64_t T, int64_t ldx, int64_t C) {
+  dfq::Floats xs(static_cast<size_t>(T * C));
   for (int64_t t = 0; t < T; ++t)
     for (int64_t c = 0; c < C; c += 2) {
       const int64_t g = c / 32 * 32, j = (c % 32) / 2;
@@ -209,12 +210,12 @@ void rows_split(const float* xs, int nt, const uint8_t* packed, const uint8_t* s
 }
 #else
 constexpr bool kSplit = false;
-std::vector<float> split(const float*, int64_t, int64_t, int64_t) { return {}; }
+dfq::Floats split(const float*, int64_t, int64_t, int64_t) { return {}; }
 void rows_split(const float*, int, const uint8_t*, const uint8_t*, int64_t, int64_t, int64_t, float*, int64_t) {}
 #endif
 
 // Rows [r0, r1) of W (packed, scale) for all T tokens of x: by the split x where the build takes it.
-void rows_all(const float* x, int64_t ldx, const std::vector<float>& xs, int64_t T, const uint8_t* packed, const uint8_t* scale,
+void rows_all(const float* x, int64_t ldx, const dfq::Floats& xs, int64_t T, const uint8_t* packed, const uint8_t* scale,
               int64_t r0, int64_t r1, int64_t C, float* y, int64_t ldy) {
   const int tile = kSplit ? kSplitTile : kTile;
   for (int64_t t0 = 0; t0 < T; t0 += tile) {
@@ -236,7 +237,7 @@ int df_mxfp4_matmul(const float* x, int64_t T, int64_t ldx, const uint8_t* packe
   if (C % 32 != 0) return 1;
   const int64_t rows_per_task = 64;
   const int tasks = static_cast<int>((R + rows_per_task - 1) / rows_per_task);
-  const std::vector<float> xs = kSplit ? split(x, T, ldx, C) : std::vector<float>();
+  const dfq::Floats xs = kSplit ? split(x, T, ldx, C) : dfq::Floats();
   pool().run(tasks, threads, [&](int i) {
     const int64_t r0 = i * rows_per_task, r1 = std::min<int64_t>(R, r0 + rows_per_task);
     rows_all(x, ldx, xs, T, packed, scale, r0, r1, C, y, ldy);
@@ -253,7 +254,7 @@ int df_mxfp4_gate_up_situ(const float* x, int64_t T, const uint8_t* p1, const ui
   const int64_t rows_per_task = 64;
   const int tasks = static_cast<int>((R + rows_per_task - 1) / rows_per_task);
   std::vector<float> g(static_cast<size_t>(T * R)), u(static_cast<size_t>(T * R));
-  const std::vector<float> xs = kSplit ? split(x, T, C, C) : std::vector<float>();
+  const dfq::Floats xs = kSplit ? split(x, T, C, C) : dfq::Floats();
   pool().run(tasks, threads, [&](int i) {
     const int64_t r0 = i * rows_per_task, r1 = std::min<int64_t>(R, r0 + rows_per_task);
     rows_all(x, C, xs, T, p1, s1, r0, r1, C, g.data(), R);

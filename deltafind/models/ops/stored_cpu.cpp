@@ -16,6 +16,7 @@
 
 #include "cpu_pool.h"
 #include "stored_iq.h"
+#include "stored_panel.h"
 #include "stored_rows.h"
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -346,14 +347,19 @@ int df_stored_parts(const Part* parts, int n, int stack_cols, const float* x, in
     need_lanes = need_lanes || dfq::reads_lanes(static_cast<int>(parts[p].kind));
   }
   const std::vector<float> xs = need_sums ? dfq::block_sums(x, T, ldx, x_cols) : std::vector<float>();
-  const std::vector<float> xp = need_lanes ? dfq::permute_x(x, T, ldx, x_cols) : std::vector<float>();
+  const dfq::Floats xp = need_lanes ? dfq::permute_x(x, T, ldx, x_cols) : dfq::Floats();
   const int64_t ldxs = x_cols / 32;
-  auto at = [](const std::vector<float>& v, int64_t i) { return v.empty() ? nullptr : v.data() + i; };  // null: unread
+  auto at = [](const auto& v, int64_t i) { return v.empty() ? nullptr : v.data() + i; };  // null: unread
   // Rows r0..r1 of `count` parts side by side (one part: a run of a stacked matrix's rows), in chunks of
   // rows whose weights stay in L1/L2 while every tile of tokens passes over them; within a chunk part by
   // part, each part's rows read in one run. Every row keeps its sums across the parts, so they add in the
   // same order as part after part within the row; its tokens' outputs land at column y_col + r of y.
+  const bool panel = dfq::panel_takes(parts, n, stack_cols, T);  // prefill on AVX-512: decoded once per panel (stored_panel.h)
   auto rows_of = [&](int64_t r0, int64_t r1, const Part* first, int count, int64_t y_col) {
+    if (panel) {
+      dfq::panel_rows(first, count, r0, r1, x, ldx, at(xp, 0), x_cols, T, y, ldy, y_col, reduce32);
+      return;
+    }
     int64_t row_bytes = 0;
     for (int p = 0; p < count; ++p) row_bytes += first[p].row_bytes;
     // Chunks keep a tile's weights in L1/L2 while the next tiles of tokens pass; a decode step (one tile)

@@ -12,8 +12,9 @@ namespace {  // internal linkage: never called through the PLT
 // CPUs with AVX-512 decode every weight exactly as decode() does (stored_cpu.cpp), through the group's
 // table of code values (16, or 32 for the 5-bit formats: one mul and one add per 16 values, decode()'s
 // operations in its order) indexed by the codes with vpermps, and dot them with fp32 FMAs: ~12
-// instructions per 32 Q4_1 weights where the factored AVX2 path takes ~25. Q6_K's 64 codes take the
-// AVX2 path, and so does Q5_K, whose 32-value tables per 32 weights ran 15 % slower than it.
+// instructions per 32 Q4_1 weights where the factored AVX2 path takes ~25. Q6_K's 64 codes are decoded by
+// arithmetic instead ((d*sc) * (code - 32), decode()'s two roundings); Q5_K takes the AVX2 path, its
+// 32-value tables per 32 weights ran 15 % slower than it.
 //
 // On Intel cores the table lookups, the codes' byte-to-lane widening and the scales' fp16 conversion and
 // broadcast all issue on one port (5), ~7 of a Q4_1 group's uops: the matmul ran at ~8.5 cycles per
@@ -26,15 +27,15 @@ namespace {  // internal linkage: never called through the PLT
 // Lanes [0, 16) of acc[t] take weights 0-15 of each group of 32 (in perm order for the 4-bit formats),
 // lanes [16, 32) weights 16-31; lane 16's m terms are not used (the m is in the table).
 template <int K>
-constexpr bool wide() { return K != 14 && K != 13; }
+constexpr bool wide() { return K != 13; }
 template <int K>
 constexpr bool lanes() { return K == 2 || K == 3 || K == 12; }  // Q4_0, Q4_1, Q4_K: codes shifted into lanes
 constexpr int perm(int l) { return 4 * (l % 4) + l / 4; }
 constexpr int64_t kScaleRun = 64;  // 32-weight groups whose scales are converted at a time
 
 // xp [T, C] contiguous: each 32 columns of x [T, C] (row stride ldx) in code-lane order.
-inline std::vector<float> permute_x(const float* x, int64_t T, int64_t ldx, int64_t C) {
-  std::vector<float> xp(static_cast<size_t>(T * C));
+inline Floats permute_x(const float* x, int64_t T, int64_t ldx, int64_t C) {
+  Floats xp(static_cast<size_t>(T * C));
   for (int64_t t = 0; t < T; ++t)
     for (int64_t g = 0; g < C; g += 32)
       for (int l = 0; l < 16; ++l) {
@@ -113,15 +114,15 @@ inline void fma2(__m512 w0, __m512 w1, const float* x, int64_t ldx, __m512 (*a)[
   }
 }
 
-// One 32-weight group of block b (scales dm[0], dm[1]) into lane set S.
-template <int K, int NT, int S>
-inline __attribute__((always_inline)) void group(const uint8_t* b, const float* dm, const float* x, int64_t ldx,
-                                                 const float* xp, int64_t ldxp, __m512 (*a)[4]) {
+// The exact weights of one 32-weight group of block b (scales dm[0], dm[1]): w0 takes weights 0-15 (in
+// perm order for the 4-bit formats), w1 weights 16-31. row512 dots them at once; the prefill panel
+// (stored_panel.h) stores them, so both see the same values in the same lanes.
+template <int K>
+inline __attribute__((always_inline)) void group_w(const uint8_t* b, const float* dm, __m512* w0, __m512* w1) {
   if constexpr (K == 8) {  // Q8_0: code * d (exact: 8 by 11 significant bits)
     const __m512 d = _mm512_set1_ps(dm[0]);
-    const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)))), d);
-    const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)))), d);
-    fma2<NT, S>(w0, w1, x, ldx, a);
+    *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)))), d);
+    *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)))), d);
   } else if constexpr (K == 6 || K == 7) {  // Q5_0, Q5_1: codes widened in order, 5th bits from the mask
     __m512 lo, hi;
     tables<K>(dm[0], has_min<K>() ? dm[1] : 0.0f, &lo, &hi);
@@ -130,14 +131,44 @@ inline __attribute__((always_inline)) void group(const uint8_t* b, const float* 
     const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (has_min<K>() ? 8 : 6))));
     const __m512i low4 = _mm512_set1_epi32(15), bit4 = _mm512_set1_epi32(16);
     const __m512i c0 = _mm512_and_si512(c, low4), c1 = _mm512_and_si512(_mm512_srli_epi32(c, 4), low4);
-    fma2<NT, S>(_mm512_permutex2var_ps(lo, _mm512_mask_or_epi32(c0, static_cast<__mmask16>(h), c0, bit4), hi),
-                _mm512_permutex2var_ps(lo, _mm512_mask_or_epi32(c1, static_cast<__mmask16>(h >> 16), c1, bit4), hi), x, ldx, a);
+    *w0 = _mm512_permutex2var_ps(lo, _mm512_mask_or_epi32(c0, static_cast<__mmask16>(h), c0, bit4), hi);
+    *w1 = _mm512_permutex2var_ps(lo, _mm512_mask_or_epi32(c1, static_cast<__mmask16>(h >> 16), c1, bit4), hi);
   } else {  // Q4_0, Q4_1: weight j's code in the low nibble of byte j, weight 16 + j's in the high
     __m512 lo, hi;
     tables<K>(dm[0], has_min<K>() ? dm[1] : 0.0f, &lo, &hi);
     const __m512i c = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (has_min<K>() ? 4 : 2))));
-    fma2<NT, S>(_mm512_permutexvar_ps(code_lanes(c, false), lo), _mm512_permutexvar_ps(code_lanes(c, true), lo), xp, ldxp, a);
+    *w0 = _mm512_permutexvar_ps(code_lanes(c, false), lo);
+    *w1 = _mm512_permutexvar_ps(code_lanes(c, true), lo);
   }
+}
+
+// Q4_K: groups 2j and 2j + 1 of block b (k4_scales' ds, dm), the low and high nibbles of the same 32 bytes:
+// w[0], w[1] group 2j's weights 0-15 and 16-31 in perm order, w[2], w[3] group 2j + 1's.
+inline __attribute__((always_inline)) void k4_pair(const uint8_t* b, int j, const float* ds, const float* dm, __m512 w[4]) {
+  const uint8_t* qs = b + 16 + 32 * j;
+  const __m512i c0 = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  const __m512i c1 = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
+  __m512 lo, hi;
+  tables<12>(ds[2 * j], dm[2 * j], &lo, &hi);
+  w[0] = _mm512_permutexvar_ps(code_lanes(c0, false), lo), w[1] = _mm512_permutexvar_ps(code_lanes(c1, false), lo);
+  tables<12>(ds[2 * j + 1], dm[2 * j + 1], &lo, &hi);
+  w[2] = _mm512_permutexvar_ps(code_lanes(c0, true), lo), w[3] = _mm512_permutexvar_ps(code_lanes(c1, true), lo);
+}
+
+// Q6_K: group k (0-3) of half h of block b, weights h*128 + k*32 + [0, 32) in order, decode_q6_k's
+// arithmetic: (d * sc) * (code - 32), the scale per 16 weights.
+inline __attribute__((always_inline)) void q6_group(const uint8_t* b, int h, int k, float d, __m512* w0, __m512* w1) {
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + h * 64 + (k % 2) * 32));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + h * 32));
+  const __m256i l4 = _mm256_and_si256(k / 2 ? _mm256_srli_epi16(lo, 4) : lo, _mm256_set1_epi8(15));
+  const __m256i h2 = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3));
+  const __m256i v = _mm256_or_si256(l4, _mm256_slli_epi16(h2, 4));
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const __m512i off = _mm512_set1_epi32(32);
+  const __m512 q0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(v)), off));
+  const __m512 q1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(v, 1)), off));
+  *w0 = _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(sc[h * 8 + k * 2])), q0);
+  *w1 = _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(sc[h * 8 + k * 2 + 1])), q1);
 }
 
 // acc[t] += row . x[t] for NT tokens; xp is x in code-lane order (Q4_0, Q4_1 and Q4_K read it).
@@ -156,16 +187,25 @@ inline __attribute__((always_inline)) void row512(const uint8_t* row, int64_t co
       alignas(32) float ds[8], dm[8];
       k4_scales(b, ds, dm);
       for (int j = 0; j < 4; ++j) {
-        const uint8_t* qs = b + 16 + 32 * j;
-        const __m512i c0 = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
-        const __m512i c1 = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
+        __m512 w[4];
+        k4_pair(b, j, ds, dm, w);
         const float* xg = xp + blk * 256 + 64 * j;
-        __m512 lo, hi;
-        tables<K>(ds[2 * j], dm[2 * j], &lo, &hi);
-        fma2<NT, 0>(_mm512_permutexvar_ps(code_lanes(c0, false), lo), _mm512_permutexvar_ps(code_lanes(c1, false), lo), xg, ldxp, a);
-        tables<K>(ds[2 * j + 1], dm[2 * j + 1], &lo, &hi);
-        fma2<NT, 1>(_mm512_permutexvar_ps(code_lanes(c0, true), lo), _mm512_permutexvar_ps(code_lanes(c1, true), lo), xg + 32, ldxp, a);
+        fma2<NT, 0>(w[0], w[1], xg, ldxp, a);
+        fma2<NT, 1>(w[2], w[3], xg + 32, ldxp, a);
       }
+    }
+  } else if constexpr (K == 14) {  // Q6_K: groups 4h + k, natural order
+    for (int64_t blk = 0; blk < cols / 256; ++blk) {
+      const uint8_t* b = row + blk * block_bytes(K);
+      const float d = h2f(rd16(b + 208));
+      for (int h = 0; h < 2; ++h)
+        for (int k = 0; k < 4; k += 2) {
+          __m512 w0, w1;
+          q6_group(b, h, k, d, &w0, &w1);
+          fma2<NT, 0>(w0, w1, x + blk * 256 + h * 128 + k * 32, ldx, a);
+          q6_group(b, h, k + 1, d, &w0, &w1);
+          fma2<NT, 1>(w0, w1, x + blk * 256 + h * 128 + k * 32 + 32, ldx, a);
+        }
     }
   } else {
     alignas(64) float dm[2 * kScaleRun];
@@ -176,10 +216,17 @@ inline __attribute__((always_inline)) void row512(const uint8_t* row, int64_t co
       int64_t k = 0;
       for (; k + 2 <= n; k += 2) {
         const int64_t col = 32 * (k0 + k);
-        group<K, NT, 0>(b + k * block_bytes(K), dm + 2 * k, x + col, ldx, xp + col, ldxp, a);
-        group<K, NT, 1>(b + (k + 1) * block_bytes(K), dm + 2 * k + 2, x + col + 32, ldx, xp + col + 32, ldxp, a);
+        __m512 w0, w1;
+        group_w<K>(b + k * block_bytes(K), dm + 2 * k, &w0, &w1);
+        fma2<NT, 0>(w0, w1, xp + col, ldxp, a);
+        group_w<K>(b + (k + 1) * block_bytes(K), dm + 2 * k + 2, &w0, &w1);
+        fma2<NT, 1>(w0, w1, xp + col + 32, ldxp, a);
       }
-      if (k < n) group<K, NT, 0>(b + k * block_bytes(K), dm + 2 * k, x + 32 * (k0 + k), ldx, xp + 32 * (k0 + k), ldxp, a);
+      if (k < n) {
+        __m512 w0, w1;
+        group_w<K>(b + k * block_bytes(K), dm + 2 * k, &w0, &w1);
+        fma2<NT, 0>(w0, w1, xp + 32 * (k0 + k), ldxp, a);
+      }
     }
   }
   for (int t = 0; t < NT; ++t)
@@ -190,7 +237,7 @@ template <int K>
 constexpr bool wide() { return false; }
 template <int K>
 constexpr bool lanes() { return false; }
-inline std::vector<float> permute_x(const float*, int64_t, int64_t, int64_t) { return {}; }
+inline Floats permute_x(const float*, int64_t, int64_t, int64_t) { return {}; }
 template <int K, int NT>
 inline void row512(const uint8_t*, int64_t, const float*, int64_t, const float*, int64_t, float (*)[32]) {}
 #endif
