@@ -187,7 +187,8 @@ def dspark_costs(store: Path, context: int, reps: int) -> dict:
     timed against the target's warm 1-row decode and 8-row verify pass, side by side."""
     from deltafind.engine.draft.dspark import DSparkSource
     from deltafind.models.ops.batch import Batch
-    from deltafind.store.dspark_import import DRAFT_DIR, write_synthetic_dspark
+    from deltafind.store.dspark import DRAFT_DIR
+    from deltafind.store.dspark_import import write_synthetic_dspark
 
     if not (store / DRAFT_DIR).is_dir():
         write_synthetic_dspark(store, seed=0)

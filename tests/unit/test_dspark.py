@@ -14,17 +14,8 @@ from safetensors.torch import save_file
 
 from deltafind.errors import StoreError
 from deltafind.models import dspark, kimi_k3
-from deltafind.store.dspark_import import (
-    CONFIG_NAME,
-    DRAFT_DIR,
-    REAL,
-    WEIGHTS_NAME,
-    import_dspark,
-    load_dspark,
-    roster,
-    synthetic_config,
-    write_synthetic_dspark,
-)
+from deltafind.store.dspark import CONFIG_NAME, DRAFT_DIR, REAL, WEIGHTS_NAME, load_dspark, roster
+from deltafind.store.dspark_import import import_dspark, synthetic_config, write_synthetic_dspark
 from deltafind.store.setup import setup_store
 from deltafind.store.synthetic import open_synthetic
 from tests.conftest import deltafind_cmd
@@ -312,7 +303,7 @@ def test_a_wrong_checkpoint_is_refused_naming_file_and_key(k3_store: Path, tmp_p
 
 
 def test_released_sizes_are_required_for_the_real_target() -> None:
-    from deltafind.store.dspark_import import check_config
+    from deltafind.store.dspark import check_config
     from deltafind.store.synthetic_k3 import REAL as K3_REAL
     from deltafind.store.synthetic_k3 import text_config
 

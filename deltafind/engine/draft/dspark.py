@@ -18,7 +18,7 @@ from deltafind.engine.draft.base import DraftError, Proposal
 from deltafind.engine.sampler import SamplingParams
 from deltafind.log import get_logger
 from deltafind.models import dspark
-from deltafind.store.dspark_import import load_dspark
+from deltafind.store.dspark import load_dspark
 
 log = get_logger(__name__)
 K3_DSPARK_MAX_CONTEXT = 8192  # docs/kimi-k3-drafting-io.md §7.6: committed positions DSpark drafts over
