@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from deltafind.errors import StoreError
 from deltafind.store.hub import HubSource, read_local_header
+from deltafind.store.hub_gguf import GGUFHubSource
 from deltafind.store.manifest import (
     SPINE_NAME,
     ExpertRecord,
@@ -50,7 +51,7 @@ def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | Non
                     **plan_options: Any) -> Manifest:
     """Write a streaming store of `source` (a hub checkpoint) into `store_dir`; `plan_options` go to
     `plan_tensors` as setup_store passes them."""
-    if not isinstance(source, HubSource) or not source.streaming:
+    if not isinstance(source, HubSource | GGUFHubSource) or not source.streaming:
         raise StoreError("--streaming installs from a hub: give --from ORG/NAME[@REVISION] (not --demo, --synthetic or a local path)")
     store_dir = Path(store_dir)
     drive_dirs, drive_strs = drive_folders(store_dir, drives)
@@ -81,7 +82,8 @@ def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | Non
             f, end = packs[drive]
             names = plan.routed.get((layer, expert))
             if names is not None:  # routed: its place is reserved, its bytes stay on the hub
-                length, entries = record_layout({p: source.tensors[n] for p, n in names.items()})
+                length, entries = record_layout({p: source.tensors[n] for p, n in names.items()},
+                                                {p: source.tensors[n].quant for p, n in names.items() if source.tensors[n].quant})
                 rec = ExpertRecord(layer, expert, drive, end, length, "", tuple(entries), None)
                 spans = [source.remote[names[e.name]] for e in entries]
                 remote.append([layer, expert, [[t.file, t.start, t.end] for t in spans]])
@@ -102,15 +104,18 @@ def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | Non
         for f, _ in packs:
             f.close()
 
-    spine_remote = [[source.remote[n].file, source.remote[n].start, source.remote[n].end, n] for n in plan.spine]
+    # only spine tensors stored as the hub holds them: `--fill` rebuilds a shard's sha256 from these (a GGUF's come from the hub)
+    spine_remote = [[source.remote[n].file, source.remote[n].start, source.remote[n].end, n] for n in plan.spine if n in source.remote]
     files = {f: {"size": source.repo.files[f].size, "sha256": source.repo.files[f].sha256} for f in source.shards}
     write_json_atomic(store_dir / REMOTE_NAME, {
         "repo_id": source.repo.repo_id, "commit": source.repo.commit, "endpoint": source.repo.endpoint,
         "files": files, "spine": spine_remote, "experts": remote,
     })
     (store_dir / PRESENT_NAME).touch()
-    return finish_store(store_dir, source, journal, records, store_id=store_id, drives=drive_strs, dense_slices=dense_slices,
+    manifest = finish_store(store_dir, source, journal, records, store_id=store_id, drives=drive_strs, dense_slices=dense_slices,
                         source={**params, "remote": REMOTE_NAME}, spine_sha256=spine_sha)
+    source.end_import()
+    return manifest
 
 
 def open_fetcher(store_dir: Path, manifest: Manifest) -> RemoteExperts:
