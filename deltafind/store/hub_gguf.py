@@ -117,7 +117,7 @@ def local_gguf(folder: Path, tag: str | None, where: str) -> Path:
 
 
 class GGUFHubSource(GGUFSource):
-    """A quant's shards on a hub read by range, for `setup --streaming` (the sole reader of them so).
+    """A quant's shards on a hub, read by range for `setup --streaming` (not downloaded whole).
 
     Each shard's header goes into a sparse local file of the shard's size, which gguf-py parses as it
     parses a whole file; a spine tensor's bytes are fetched into it when the import reads it. `remote`
@@ -145,7 +145,9 @@ class GGUFHubSource(GGUFSource):
         times longer until gguf-py's parse ends inside it (zeros past it would parse as garbage)."""
         import gguf
 
-        size = self.repo.files[name].size or 0
+        size = self.repo.files[name].size
+        if not size:
+            raise StoreError(f"{self.client.url(name)}: the hub lists no size for this file, so it cannot be read by range; drop --streaming")
         path = self.headers / Path(name).name
         n = min(size, HEADER_GUESS)
         while True:

@@ -5,8 +5,10 @@ dense slice, and for every routed expert a record whose place in the packs is
 reserved (sparse) and whose bytes stay in the hub's shards, mapped in
 `remote.json`; store/remote_experts.py fetches them on first use. `fill_store`
 fetches the rest, checks each shard against the sha256 the hub publishes
-(rebuilt from the store's bytes: a bad expert is found and refetched), and
-turns the store into an ordinary one.
+(rebuilt from the store's bytes, and the hub's for what the store changed, as
+a GGUF's spine: a bad expert is found and refetched), and turns the store into
+an ordinary one. The source is a `HubSource` or, from a GGUF repository, a
+`GGUFHubSource` (store/hub_gguf.py).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from deltafind.store.spine_writer import write_safetensors
 READ_CHUNK = 16 << 20
 
 
-def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | None = None, dense_slices: int | None = None, progress: bool = True,
+def setup_streaming(source: HubSource | GGUFHubSource, store_dir: Path, drives: list[Path] | None = None, dense_slices: int | None = None, progress: bool = True,
                     **plan_options: Any) -> Manifest:
     """Write a streaming store of `source` (a hub checkpoint) into `store_dir`; `plan_options` go to
     `plan_tensors` as setup_store passes them."""
@@ -59,6 +61,7 @@ def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | Non
     asked, dense_slices = dense_slices, dense_slices_for(source.tensors, plan, dense_slices)
     params = {"fingerprint": source.fingerprint(), "source": str(source.path), "drives": drive_strs, "dense_slices": dense_slices, "streaming": True}
     if (existing := existing_store(store_dir, params, any_slices=asked is None)) is not None:
+        source.end_import()
         return existing
     journal, store_id, _ = open_journal(store_dir, params)  # a rerun after an interruption keeps the store id and the spine so far
     tmp = store_dir / (SPINE_NAME + ".tmp")
