@@ -15,16 +15,13 @@ import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from deltafind.errors import StoreError
 from deltafind.store.gguf_source import GGUFSource
 from deltafind.store.remote import RangeClient, RemoteTensor
-
-if TYPE_CHECKING:
-    from deltafind.store.hub import HubRepo
 
 SPLIT = re.compile(r"^(?P<prefix>.+)-(?P<no>[0-9]{5})-of-(?P<count>[0-9]{5})$", re.I)
 TAG = re.compile(r"[-.]([A-Z0-9_]+)$", re.I)  # llama.cpp's quant tag: the last word of the name
@@ -128,7 +125,8 @@ class GGUFHubSource(GGUFSource):
 
     streaming = True
 
-    def __init__(self, repo: HubRepo, names: list[str], store_dir: Path, widen: bool = False) -> None:
+    def __init__(self, repo: Any, names: list[str], store_dir: Path, widen: bool = False) -> None:
+        """`repo`: store/hub.py's HubRepo (not imported: hub.py imports this module); `names`: the quant's shards."""
         self.repo, self.shards = repo, names
         self.client = RangeClient(repo.repo_id, repo.commit, repo.endpoint)
         self.headers = Path(store_dir) / HEADERS_DIR
