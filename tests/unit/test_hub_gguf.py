@@ -187,8 +187,10 @@ def test_a_streaming_install_fetches_each_expert_from_inside_its_shard(hub: Fake
     assert _generate(store, env) == want
     expert_gets = [r for n in MOE_SHARDS for r in hub.requests(n) if r.range]
     assert expert_gets and all(r.sent < sizes[n] for n in MOE_SHARDS for r in hub.requests(n) if r.range)  # ranges, never a whole shard
+    fetched_now = {(d["layer"], d["expert"]): d["sha256"] for d in map(json.loads, (store / "present.jsonl").read_text().splitlines())}
+    assert fetched_now and fetched_now.items() <= {r.key: r.sha256 for r in ref.experts}.items()  # byte for byte the whole import's records
     meta = json.loads((store / "remote.json").read_text())
-    present = {(d["layer"], d["expert"]) for d in map(json.loads, (store / "present.jsonl").read_text().splitlines())}
+    present = set(fetched_now)
     file, start, _ = next(p for layer, e, parts in meta["experts"] if (layer, e) not in present for p in parts)
     hub.faults.corrupt_at[file] = start + 10  # a flipped byte in an expert --fill fetches: caught by the shard's sha256
     proc = deltafind_cmd("setup", "--fill", "--store", str(store), "--quiet", env=env)
