@@ -158,7 +158,7 @@ def test_every_shard_of_a_split_quant_is_downloaded_and_the_first_goes_to_the_im
     assert resumed == ["bytes=0-", "bytes=4000-"]
 
 
-def test_a_missing_quant_or_streaming_is_refused_before_any_download(env: dict[str, str], hub: FakeHub, tmp_path: Path) -> None:
+def test_a_missing_quant_or_delete_source_is_refused_before_any_download(env: dict[str, str], hub: FakeHub, tmp_path: Path) -> None:
     proc = deltafind_cmd("setup", "--from", f"{REPO}:IQ1_S", "--store", str(tmp_path / "s"), env=env)
     assert proc.returncode != 0
     assert "'IQ1_S' is not in the repository; it has: Q2_K, Q4_K_M, Q8_0" in proc.stderr, proc.stderr
