@@ -6,7 +6,8 @@ huggingface_hub (its cache, resume, HF_ENDPOINT/HF_TOKEN/HF_HUB_OFFLINE,
 progress) and verifies it. `HubSource` is the `Source` setup imports from:
 tensor metadata from the shards' headers (fetched by range), tensors from
 shards downloaded one at a time, or by range for a streaming install. From a
-GGUF repository (`:QUANT`, picked by store/hub_gguf.py) `fetch_gguf` downloads whole files.
+GGUF repository (`:QUANT`, picked by store/hub_gguf.py) `fetch_gguf` downloads whole files,
+or, streaming, store/hub_gguf.py's `GGUFHubSource` reads them by range.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 from deltafind.errors import StoreError
 from deltafind.store.checkpoint import open_source
-from deltafind.store.hub_gguf import is_model_gguf, local_gguf, pick_quant
+from deltafind.store.hub_gguf import GGUFHubSource, is_model_gguf, local_gguf, pick_quant
 from deltafind.store.remote import RangeClient, RemoteTensor, parse_header, read_shard_header
 from deltafind.store.sources import Source, import_names, tensor_info
 from deltafind.store.spine_writer import write_safetensors
@@ -244,9 +245,11 @@ def open_checkpoint(spec: str, store_dir: Path, streaming: bool = False, delete_
     repo = resolve_repo(repo_id, revision)
     repo.progress = progress
     if quant or (not any(f.endswith(".safetensors") for f in repo.files) and any(is_model_gguf(f) for f in repo.files)):
-        if streaming or delete_source:  # today the GGUF import reads whole local files
-            raise StoreError(f"{spec}: --streaming and --delete-source are not supported for GGUF repositories yet; "
-                             "drop the flag to download the quant's files into the HF cache")
+        if delete_source:  # the GGUF import reads whole local files
+            raise StoreError(f"{spec}: --delete-source is not supported for GGUF repositories yet; "
+                             "drop it to download the quant's files into the HF cache, or use --streaming")
+        if streaming:
+            return GGUFHubSource(repo, pick_quant(repo.files, quant, repo.label), store_dir)
         return fetch_gguf(repo, quant)
     return HubSource(repo, store_dir, streaming=streaming, delete_source=delete_source)
 

@@ -5,8 +5,10 @@ dense slice, and for every routed expert a record whose place in the packs is
 reserved (sparse) and whose bytes stay in the hub's shards, mapped in
 `remote.json`; store/remote_experts.py fetches them on first use. `fill_store`
 fetches the rest, checks each shard against the sha256 the hub publishes
-(rebuilt from the store's bytes: a bad expert is found and refetched), and
-turns the store into an ordinary one.
+(rebuilt from the store's bytes, and the hub's for what the store changed, as
+a GGUF's spine: a bad expert is found and refetched), and turns the store into
+an ordinary one. The source is a `HubSource` or, from a GGUF repository, a
+`GGUFHubSource` (store/hub_gguf.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tqdm import tqdm
 
 from deltafind.errors import StoreError
 from deltafind.store.hub import HubSource, read_local_header
+from deltafind.store.hub_gguf import GGUFHubSource
 from deltafind.store.manifest import (
     SPINE_NAME,
     ExpertRecord,
@@ -46,11 +49,11 @@ from deltafind.store.spine_writer import write_safetensors
 READ_CHUNK = 16 << 20
 
 
-def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | None = None, dense_slices: int | None = None, progress: bool = True,
+def setup_streaming(source: HubSource | GGUFHubSource, store_dir: Path, drives: list[Path] | None = None, dense_slices: int | None = None, progress: bool = True,
                     **plan_options: Any) -> Manifest:
     """Write a streaming store of `source` (a hub checkpoint) into `store_dir`; `plan_options` go to
     `plan_tensors` as setup_store passes them."""
-    if not isinstance(source, HubSource) or not source.streaming:
+    if not isinstance(source, HubSource | GGUFHubSource) or not source.streaming:
         raise StoreError("--streaming installs from a hub: give --from ORG/NAME[@REVISION] (not --demo, --synthetic or a local path)")
     store_dir = Path(store_dir)
     drive_dirs, drive_strs = drive_folders(store_dir, drives)
@@ -58,6 +61,7 @@ def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | Non
     asked, dense_slices = dense_slices, dense_slices_for(source.tensors, plan, dense_slices)
     params = {"fingerprint": source.fingerprint(), "source": str(source.path), "drives": drive_strs, "dense_slices": dense_slices, "streaming": True}
     if (existing := existing_store(store_dir, params, any_slices=asked is None)) is not None:
+        source.end_import()
         return existing
     journal, store_id, _ = open_journal(store_dir, params)  # a rerun after an interruption keeps the store id and the spine so far
     tmp = store_dir / (SPINE_NAME + ".tmp")
@@ -81,7 +85,8 @@ def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | Non
             f, end = packs[drive]
             names = plan.routed.get((layer, expert))
             if names is not None:  # routed: its place is reserved, its bytes stay on the hub
-                length, entries = record_layout({p: source.tensors[n] for p, n in names.items()})
+                length, entries = record_layout({p: source.tensors[n] for p, n in names.items()},
+                                                {p: source.tensors[n].quant for p, n in names.items() if source.tensors[n].quant})
                 rec = ExpertRecord(layer, expert, drive, end, length, "", tuple(entries), None)
                 spans = [source.remote[names[e.name]] for e in entries]
                 remote.append([layer, expert, [[t.file, t.start, t.end] for t in spans]])
@@ -102,15 +107,18 @@ def setup_streaming(source: HubSource, store_dir: Path, drives: list[Path] | Non
         for f, _ in packs:
             f.close()
 
-    spine_remote = [[source.remote[n].file, source.remote[n].start, source.remote[n].end, n] for n in plan.spine]
+    # only spine tensors stored as the hub holds them: `--fill` rebuilds a shard's sha256 from these (a GGUF's come from the hub)
+    spine_remote = [[source.remote[n].file, source.remote[n].start, source.remote[n].end, n] for n in plan.spine if n in source.remote]
     files = {f: {"size": source.repo.files[f].size, "sha256": source.repo.files[f].sha256} for f in source.shards}
     write_json_atomic(store_dir / REMOTE_NAME, {
         "repo_id": source.repo.repo_id, "commit": source.repo.commit, "endpoint": source.repo.endpoint,
         "files": files, "spine": spine_remote, "experts": remote,
     })
     (store_dir / PRESENT_NAME).touch()
-    return finish_store(store_dir, source, journal, records, store_id=store_id, drives=drive_strs, dense_slices=dense_slices,
+    manifest = finish_store(store_dir, source, journal, records, store_id=store_id, drives=drive_strs, dense_slices=dense_slices,
                         source={**params, "remote": REMOTE_NAME}, spine_sha256=spine_sha)
+    source.end_import()
+    return manifest
 
 
 def open_fetcher(store_dir: Path, manifest: Manifest) -> RemoteExperts:

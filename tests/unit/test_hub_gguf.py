@@ -3,11 +3,14 @@
 The repository holds a tiny llama GGUF written by gguf-py (Q8_0 weights) beside other quants,
 one of them split in two by gguf-py's own splitter inside a folder named after the quant, as
 the large uploads are. A store made from the hub is compared with the import of the same
-file from disk; the quant is picked as llama.cpp's `-hf` picks it (common/download.cpp).
+file from disk; the quant is picked as llama.cpp's `-hf` picks it (common/download.cpp). A qwen3moe
+GGUF split in two installs `--streaming`: its experts come by range from inside the shards and
+decode as the whole import does.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,14 +19,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from deltafind import Model
 from deltafind.errors import StoreError
 from deltafind.store.hub_gguf import pick_quant
 from deltafind.store.manifest import Manifest
 from deltafind.store.setup import setup_store
 from tests.conftest import deltafind_cmd
+from tests.gguf_models import make_qwen3moe
 from tests.hub_server import COMMIT, TOKEN, FakeHub
 
 REPO = "org/tiny-GGUF"
+MOE = "org/moe-GGUF"
+MOE_SHARDS = [f"moe-Q4_K_M-{i:05d}-of-00002.gguf" for i in (1, 2)]
+PROMPT_IDS = [104, 101, 108, 108, 111, 32]  # greedy decodes 6 different tokens from it, not one repeated
+GENERATE = "import sys; from deltafind import Model; m = Model.open(sys.argv[1]); print(m.generate({ids}, max_new_tokens=8))"
 SPLIT = ["Q2_K/tiny-Q2_K-00001-of-00002.gguf", "Q2_K/tiny-Q2_K-00002-of-00002.gguf"]
 OPEN = ("import sys; from pathlib import Path; from deltafind.store.hub import open_checkpoint; "
         "[print(open_checkpoint(spec, Path(sys.argv[1]), progress=False)) for spec in sys.argv[2:]]")
@@ -93,8 +102,16 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def hub(repo: Path) -> FakeHub:
-    with FakeHub({REPO: repo}) as h:
+def moe_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A qwen3moe GGUF (Q4_K/IQ4_XS/IQ2_XXS/Q6_K experts) split in two, as gguf-split names the shards."""
+    folder = tmp_path_factory.mktemp("moe-repo")
+    assert [p.name for p in make_qwen3moe(seed=3).write(folder / "moe-Q4_K_M.gguf", shards=2)] == MOE_SHARDS
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hub(repo: Path, moe_repo: Path) -> FakeHub:
+    with FakeHub({REPO: repo, MOE: moe_repo}) as h:
         yield h
 
 
@@ -141,13 +158,48 @@ def test_every_shard_of_a_split_quant_is_downloaded_and_the_first_goes_to_the_im
     assert resumed == ["bytes=0-", "bytes=4000-"]
 
 
-def test_a_missing_quant_or_streaming_is_refused_before_any_download(env: dict[str, str], hub: FakeHub, tmp_path: Path) -> None:
+def test_a_missing_quant_or_delete_source_is_refused_before_any_download(env: dict[str, str], hub: FakeHub, tmp_path: Path) -> None:
     proc = deltafind_cmd("setup", "--from", f"{REPO}:IQ1_S", "--store", str(tmp_path / "s"), env=env)
     assert proc.returncode != 0
     assert "'IQ1_S' is not in the repository; it has: Q2_K, Q4_K_M, Q8_0" in proc.stderr, proc.stderr
     assert not (tmp_path / "s").exists() and not [r for r in hub.log if "/resolve/" in r.path]
-    proc = deltafind_cmd("setup", "--from", f"{REPO}:Q8_0", "--store", str(tmp_path / "s"), "--streaming", env=env)
-    assert proc.returncode != 0 and "not supported for GGUF repositories yet" in proc.stderr
+    proc = deltafind_cmd("setup", "--from", f"{REPO}:Q8_0", "--store", str(tmp_path / "s"), "--delete-source", env=env)
+    assert proc.returncode != 0 and "--delete-source is not supported for GGUF repositories yet" in proc.stderr
+
+
+def _generate(store: Path, env: dict[str, str]) -> list[int]:
+    proc = subprocess.run([sys.executable, "-c", GENERATE.format(ids=PROMPT_IDS), str(store)], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_streaming_install_fetches_each_expert_from_inside_its_shard(hub: FakeHub, env: dict[str, str], moe_repo: Path, tmp_path: Path) -> None:
+    ref = setup_store(moe_repo / MOE_SHARDS[0], tmp_path / "ref", progress=False)
+    want = Model.open(tmp_path / "ref").generate(PROMPT_IDS, max_new_tokens=8)
+    proc = deltafind_cmd("setup", "--from", f"{MOE}:Q4_K_M", "--store", str(tmp_path / "s"), "--streaming", "--quiet", env=env)
+    assert proc.returncode == 0, proc.stderr
+    store = tmp_path / "s"
+    assert Manifest.load(store).spine_sha256 == ref.spine_sha256  # q/k rows reordered as the whole import does
+    assert not (store / ".hub-gguf-headers").exists()
+    sizes = {n: (moe_repo / n).stat().st_size for n in MOE_SHARDS}
+    fetched = sum(r.sent for n in MOE_SHARDS for r in hub.requests(n) if r.range)
+    assert fetched < sum(sizes.values()) / 2  # headers and spine only: the experts stay on the hub
+    hub.log.clear()
+    assert _generate(store, env) == want
+    expert_gets = [r for n in MOE_SHARDS for r in hub.requests(n) if r.range]
+    assert expert_gets and all(r.sent < sizes[n] for n in MOE_SHARDS for r in hub.requests(n) if r.range)  # ranges, never a whole shard
+    fetched_now = {(d["layer"], d["expert"]): d["sha256"] for d in map(json.loads, (store / "present.jsonl").read_text().splitlines())}
+    assert fetched_now and fetched_now.items() <= {r.key: r.sha256 for r in ref.experts}.items()  # byte for byte the whole import's records
+    meta = json.loads((store / "remote.json").read_text())
+    present = set(fetched_now)
+    file, start, _ = next(p for layer, e, parts in meta["experts"] if (layer, e) not in present for p in parts)
+    hub.faults.corrupt_at[file] = start + 10  # a flipped byte in an expert --fill fetches: caught by the shard's sha256
+    proc = deltafind_cmd("setup", "--fill", "--store", str(store), "--quiet", env=env)
+    assert proc.returncode == 0, proc.stderr
+    got = Manifest.load(store)
+    assert file not in hub.faults.corrupt_at  # the flipped byte was served, and that expert refetched
+    assert not got.source.get("remote") and [(r.key, r.sha256) for r in got.experts] == [(r.key, r.sha256) for r in ref.experts]
 
 
 # llama.cpp's choice of files (common/download.cpp find_best_model / get_split_files), on file lists
