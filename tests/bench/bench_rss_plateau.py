@@ -1,8 +1,11 @@
 """Where the daemon's RSS settles after load, and what holds it: the worker's RSS split into anonymous
 memory (C heap, torch, caches) and file pages (mmap'd spine and packs), and glibc's arena count, at
 start, right after a mixed load (4 concurrent clients, a 1,500-token prompt among them) and after an idle pause.
+`--long 16384,32768` loads instead with one long prompt after another (random token ids, on e.g. a synthetic
+K3 store) and reports the peak and the residue: after-idle RSS - start RSS - what the caches say they hold.
 
     python tests/bench/bench_rss_plateau.py --store ~/.cache/deltafind/demo [--env MALLOC_ARENA_MAX=8] [--rounds 3]
+    python tests/bench/bench_rss_plateau.py --store K3_STORE --long 16384,32768
 
 `--env` starts the daemon with extra environment (one variant per flag, plus the default); one JSON line each.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import threading
 import time
@@ -18,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.bench.bench_grammar_bounds import worker_pid
+from tests.bench.bench_grammar_bounds import status_kib, worker_pid
 from tests.e2e.daemon_fixtures import Daemon
 
 
@@ -63,31 +67,54 @@ def load(d: Daemon, rounds: int) -> None:
         t.join()
 
 
+def long_prompts(d: Daemon, lengths: list[int], vocab: int) -> None:
+    """One prompt after another of random token ids below `vocab` (no text: a synthetic store's vocabulary is small)."""
+    rng = random.Random(0)
+    for n in lengths:
+        status, body = d.post_json("/v1/completions", {"model": "test-model", "max_tokens": 4,
+                                                       "prompt": [rng.randrange(vocab) for _ in range(n)]}, timeout=1800)
+        assert status == 200, (status, body)
+
+
+def holds(d: Daemon) -> dict:
+    """What the engine says its caches hold, MiB: the prompt-state (prefix) cache and the expert cache."""
+    snap = json.loads(d.ctl("status", "--json").stdout)["snapshot"]
+    return {"prefix_cache_mib": round(snap["engine"].get("prefix_bytes", 0) / 2**20, 1),
+            "expert_cache_mib": round(snap["store"].get("cache_used_bytes", 0) / 2**20, 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", required=True)
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for one more variant")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--idle-s", type=float, default=5)
+    ap.add_argument("--long", default="", help="comma-separated prompt lengths: the long-prompt load instead")
+    ap.add_argument("--vocab", type=int, default=480, help="token ids for --long are drawn below this")
+    ap.add_argument("--config", default="", help="TOML appended to the daemon's config")
     args = ap.parse_args()
     for variant in [None, *args.env]:
         env = dict([variant.split("=", 1)]) if variant else {}
-        d = Daemon(Path(args.store).expanduser(), "", env=env).start()
+        d = Daemon(Path(args.store).expanduser(), args.config, env=env).start()
         try:
             pid = worker_pid(d)
-            start = memory(pid)
+            start, held0 = memory(pid), holds(d)
             t0 = time.perf_counter()
-            load(d, args.rounds)
+            if args.long:
+                long_prompts(d, [int(n) for n in args.long.split(",")], args.vocab)
+            else:
+                load(d, args.rounds)
             seconds = time.perf_counter() - t0
             after = memory(pid)
             time.sleep(args.idle_s)
-            idle = memory(pid)
-            snap = json.loads(d.ctl("status", "--json").stdout)["snapshot"]
-            held = {"prefix_cache_mib": round(snap["engine"].get("prefix_bytes", 0) / 2**20, 1),
-                    "expert_cache_mib": round(snap["store"].get("cache_used_bytes", 0) / 2**20, 1)}
-            print(json.dumps({"env": variant or "default", "load_s": round(seconds, 1), "start": start,
-                              "after_load": after, "after_idle": idle, "engine_holds": held,
-                              "plateau_mib": round(idle["rss_mib"] - start["rss_mib"], 1)}), flush=True)
+            idle, held = memory(pid), holds(d)
+            grown = sum(held.values()) - sum(held0.values())  # the caches' growth since start
+            print(json.dumps({"env": variant or "default", "load": args.long or f"mixed x{args.rounds}",
+                              "load_s": round(seconds, 1), "start": start, "after_load": after, "after_idle": idle,
+                              "peak_rss_mib": round(status_kib(pid, "VmHWM") / 1024, 1),
+                              "engine_holds_at_start": held0, "engine_holds": held,
+                              "plateau_mib": round(idle["rss_mib"] - start["rss_mib"], 1),
+                              "residue_mib": round(idle["rss_mib"] - start["rss_mib"] - grown, 1)}), flush=True)
         finally:
             d.stop()
             d.cleanup()
