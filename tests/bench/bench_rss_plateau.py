@@ -5,9 +5,11 @@ start, right after a mixed load (4 concurrent clients, a 1,500-token prompt amon
 K3 store) and reports the peak and the residue: after-idle RSS - start RSS - what the caches say they hold.
 
     python tests/bench/bench_rss_plateau.py --store ~/.cache/deltafind/demo [--env MALLOC_ARENA_MAX=8] [--rounds 3]
-    python tests/bench/bench_rss_plateau.py --store K3_STORE --long 16384,32768
+    python tests/bench/bench_rss_plateau.py --store /tmp/k3wide --make-k3 --long 16384,32768
 
-`--env` starts the daemon with extra environment (one variant per flag, plus the default); one JSON line each.
+`--make-k3` first writes a synthetic K3 store there: the tiny shape with K3's real per-head attention and
+KDA state sizes (4 heads, hidden 512), so prompt state and activations have real proportions but a 48k-token
+load runs in minutes on 2 cores. `--env` starts the daemon with extra environment (one variant per flag, plus the default); one JSON line each.
 """
 
 from __future__ import annotations
@@ -67,6 +69,17 @@ def load(d: Daemon, rounds: int) -> None:
         t.join()
 
 
+def make_k3_store(dest: Path) -> None:
+    from deltafind.models import kimi_k3
+    from deltafind.store.setup import setup_store
+    from deltafind.store.synthetic import FAMILIES, open_synthetic
+
+    shapes = FAMILIES["kimi_k3"].shapes  # this process only: a bench shape beside the family's own
+    shapes.setdefault("rss-wide", {**shapes["tiny"], "hidden": 512, "heads": 4, "q_lora": 256, "kv_lora": 512,
+                                   "nope": 128, "rope": 64, "v": 128, "kda_heads": 4, "kda_dim": 128})
+    setup_store(open_synthetic("kimi_k3", "rss-wide"), dest, [dest / "drive0"], progress=False, names=kimi_k3.WEIGHTS)
+
+
 def long_prompts(d: Daemon, lengths: list[int], vocab: int) -> None:
     """One prompt after another of random token ids below `vocab` (no text: a synthetic store's vocabulary is small)."""
     rng = random.Random(0)
@@ -91,8 +104,11 @@ def main() -> None:
     ap.add_argument("--idle-s", type=float, default=5)
     ap.add_argument("--long", default="", help="comma-separated prompt lengths: the long-prompt load instead")
     ap.add_argument("--vocab", type=int, default=480, help="token ids for --long are drawn below this")
+    ap.add_argument("--make-k3", action="store_true", help="write the widened synthetic K3 store at --store first")
     ap.add_argument("--config", default="", help="TOML appended to the daemon's config")
     args = ap.parse_args()
+    if args.make_k3:
+        make_k3_store(Path(args.store).expanduser())
     for variant in [None, *args.env]:
         env = dict([variant.split("=", 1)]) if variant else {}
         d = Daemon(Path(args.store).expanduser(), args.config, env=env).start()
