@@ -80,13 +80,32 @@ def make_k3_store(dest: Path) -> None:
     setup_store(open_synthetic("kimi_k3", "rss-wide"), dest, [dest / "drive0"], progress=False, names=kimi_k3.WEIGHTS)
 
 
-def long_prompts(d: Daemon, lengths: list[int], vocab: int) -> None:
-    """One prompt after another of random token ids below `vocab` (no text: a synthetic store's vocabulary is small)."""
-    rng = random.Random(0)
-    for n in lengths:
-        status, body = d.post_json("/v1/completions", {"model": "test-model", "max_tokens": 4,
-                                                       "prompt": [rng.randrange(vocab) for _ in range(n)]}, timeout=1800)
-        assert status == 200, (status, body)
+def long_prompts(d: Daemon, lengths: list[int], vocab: int, side: bool) -> int:
+    """One prompt after another of random token ids below `vocab` (no text: a synthetic store's vocabulary is
+    small). With `side`, a second client meanwhile sends short repetitive prompts (an agent's side requests),
+    which the n-gram draft verifies in steps beside the long prefill chunks. Returns the side requests sent."""
+    rng, done, sent = random.Random(0), threading.Event(), [0]
+
+    def side_client() -> None:
+        while not done.is_set():
+            status, body = d.post_json("/v1/completions", {"model": "test-model", "max_tokens": 24,
+                                                           "prompt": [11, 12, 13, 14, 15, 16] * 8}, timeout=1800)
+            assert status == 200, (status, body)
+            sent[0] += 1
+
+    t = threading.Thread(target=side_client)
+    if side:
+        t.start()
+    try:
+        for n in lengths:
+            status, body = d.post_json("/v1/completions", {"model": "test-model", "max_tokens": 4,
+                                                           "prompt": [rng.randrange(vocab) for _ in range(n)]}, timeout=1800)
+            assert status == 200, (status, body)
+    finally:
+        done.set()
+        if side:
+            t.join()
+    return sent[0]
 
 
 def holds(d: Daemon) -> dict:
@@ -104,6 +123,7 @@ def main() -> None:
     ap.add_argument("--idle-s", type=float, default=5)
     ap.add_argument("--long", default="", help="comma-separated prompt lengths: the long-prompt load instead")
     ap.add_argument("--vocab", type=int, default=480, help="token ids for --long are drawn below this")
+    ap.add_argument("--side", action="store_true", help="with --long: short drafted requests run beside the long ones")
     ap.add_argument("--make-k3", action="store_true", help="write the widened synthetic K3 store at --store first")
     ap.add_argument("--config", default="", help="TOML appended to the daemon's config")
     args = ap.parse_args()
@@ -116,8 +136,9 @@ def main() -> None:
             pid = worker_pid(d)
             start, held0 = memory(pid), holds(d)
             t0 = time.perf_counter()
+            side = 0
             if args.long:
-                long_prompts(d, [int(n) for n in args.long.split(",")], args.vocab)
+                side = long_prompts(d, [int(n) for n in args.long.split(",")], args.vocab, args.side)
             else:
                 load(d, args.rounds)
             seconds = time.perf_counter() - t0
@@ -125,7 +146,7 @@ def main() -> None:
             time.sleep(args.idle_s)
             idle, held = memory(pid), holds(d)
             grown = sum(held.values()) - sum(held0.values())  # the caches' growth since start
-            print(json.dumps({"env": variant or "default", "load": args.long or f"mixed x{args.rounds}",
+            print(json.dumps({"env": variant or "default", "load": args.long or f"mixed x{args.rounds}", "side_requests": side,
                               "load_s": round(seconds, 1), "start": start, "after_load": after, "after_idle": idle,
                               "peak_rss_mib": round(status_kib(pid, "VmHWM") / 1024, 1),
                               "engine_holds_at_start": held0, "engine_holds": held,
