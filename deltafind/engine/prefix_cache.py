@@ -23,14 +23,16 @@ States = list[Any]  # the recurrent layers' states at one position, in layer ord
 
 
 def _tensor_bytes(objs: Iterable[Any], seen: set[int]) -> int:
+    """Bytes of the storages the objects' tensors keep alive, each once: a view (a slice of a step's
+    whole batch, say) holds its whole storage, so counting its own elements would undercount."""
     total = 0
     for obj in objs:
         for value in vars(obj).values():
             items = value if isinstance(value, (list, tuple)) else (value,)
             for t in items:
-                if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
-                    seen.add(t.data_ptr())
-                    total += t.numel() * t.element_size()
+                if isinstance(t, torch.Tensor) and (storage := t.untyped_storage()).data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
     return total
 
 
@@ -139,6 +141,9 @@ class PrefixCache:
         key = np.asarray(tokens, dtype=np.int64)
         if not len(key) or cache.length != len(key) or self.max_bytes <= 0:
             return None
+        for layer in cache.layers:
+            if is_recurrent(layer):  # an entry never rolls back (`restore` copies), so the last verify pass's rows go
+                layer.start_pass()
         new = Entry(key, cache, {p: s for p, s in (states or {}).items() if 0 < p < len(key)})
         new.count()
         held = False

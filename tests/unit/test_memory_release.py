@@ -3,7 +3,8 @@
 glibc keeps freed heap memory in the arena of the thread that allocated it (the engine
 thread), so without a trim the worker's RSS stays at its peak after long prompts are done.
 Checked against the real allocator (Linux/glibc only), then that the engine trims once idle
-after long prompts, not after short ones.
+after long prompts, not after short ones, and that a prompt-cache entry keeps no more memory
+alive than it counts against `[cache] prompt_bytes`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from structlog.testing import capture_logs
 from deltafind import Model
 from deltafind.engine.core import EngineCore, SchedulerLimits
 from deltafind.engine.prefill import RELEASE_AFTER_TOKENS, release_memory, rss_bytes
+from deltafind.engine.prefix_cache import PrefixCache
+from deltafind.models.ops.batch import SequenceCache
+from deltafind.models.ops.kda_layer import KDAState
 from tests.unit.test_prefix_checkpoint import _request, _run
 from tests.unit.test_prefix_checkpoint import model as model  # the K3 and qwen3_moe stores
 
@@ -51,3 +55,21 @@ def test_the_engine_releases_once_idle_after_long_prompts(model: Model) -> None:
         _run(core, _request([5, 6, 7], 0))  # short: no trim
     released = [e for e in logs if e["event"] == "memory_released"]
     assert len(released) == 1 and released[0]["rss_after"] <= released[0]["rss_before"]
+
+
+def test_a_prompt_cache_entry_holds_no_more_than_it_counts() -> None:
+    # A sequence whose last pass verified drafts in a step beside another prompt's long prefill chunk:
+    # its KDA state keeps that pass's rows (for `truncate`) as slices of the step's whole gate tensor.
+    step_gates = torch.ones(64 * MiB, dtype=torch.float32)  # 256 MiB, touched; mmap'd, so freed at once
+    state = KDAState()
+    state.conv, state.recurrent, state.length = [torch.zeros(3, 32) for _ in range(3)], torch.zeros(2, 16, 16), 4
+    state.kept_rows, state.kept_start, state.kept_inputs = 3, state.recurrent, [step_gates[:3]]
+    cache = SequenceCache(0)
+    cache.layers, cache.length = [state], 4
+    before = rss_bytes()
+    entry = PrefixCache(1 << 30).put([1, 2, 3, 4], cache)
+    assert entry is not None
+    del step_gates, state, cache
+    release_memory()
+    held = rss_bytes() - (before - 256 * MiB)  # what stays alive beyond what the process held before the step
+    assert held <= entry.nbytes + 16 * MiB, (held >> 20, entry.nbytes >> 20)
