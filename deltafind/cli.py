@@ -26,7 +26,7 @@ from deltafind.run_cli import (
 
 def _setup_dspark(args: argparse.Namespace) -> int:
     """`setup --dspark DIR` / `--synthetic dspark`: add K3's DSpark drafter to an existing K3 store."""
-    from deltafind.store.dspark_import import import_dspark, write_synthetic_dspark
+    from deltafind.importer.dspark_import import import_dspark, write_synthetic_dspark
 
     if not args.store:
         raise StoreError("setup --dspark needs --store K3STORE (the Kimi K3 store it drafts for)")
@@ -39,9 +39,9 @@ def _setup_dspark(args: argparse.Namespace) -> int:
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
+    from deltafind.importer.checkpoint import open_source
+    from deltafind.importer.setup import setup_store
     from deltafind.models.registry import family_module
-    from deltafind.store.checkpoint import open_source
-    from deltafind.store.setup import setup_store
 
     settings = cli_settings(args)  # a bad config fails here, before any work
     if args.node is not None:  # an expert node's own store (deltafind/cluster)
@@ -60,7 +60,7 @@ def cmd_setup(args: argparse.Namespace) -> int:
         source, store = demo_gguf_path(), Path(args.store or demo_store_dir()).expanduser()
         drives = args.drive or [store / "drive0", store / "drive1"]
     elif args.synthetic:
-        from deltafind.store.synthetic import open_synthetic
+        from deltafind.importer.synthetic import open_synthetic
 
         if not args.store:
             raise StoreError("setup --synthetic needs --store DIR")
@@ -68,7 +68,7 @@ def cmd_setup(args: argparse.Namespace) -> int:
     else:
         if not args.source or not args.store:
             raise StoreError("setup needs --from CHECKPOINT and --store DIR (or --demo, or --synthetic FAMILY)")
-        from deltafind.store.hub import open_checkpoint
+        from deltafind.importer.hub import open_checkpoint
 
         # --from is a local path, or ORG/NAME[:QUANT][@REVISION] on a hub
         store, drives = Path(args.store).expanduser(), args.drive
@@ -80,7 +80,7 @@ def cmd_setup(args: argparse.Namespace) -> int:
     family = family_module(str(config.get("model_type")))
     names = family.weight_names(family.ModelArgs.from_config(config))  # the family says which tensors are experts
     if args.streaming:
-        from deltafind.store.hub_streaming import setup_streaming
+        from deltafind.importer.hub_streaming import setup_streaming
 
         manifest = setup_streaming(source, store, [Path(d) for d in drives] if drives else None, args.dense_slices,
                                    progress=not args.quiet, names=names)
@@ -94,7 +94,7 @@ def cmd_setup(args: argparse.Namespace) -> int:
 
 def _setup_fill(args: argparse.Namespace) -> int:
     """`setup --fill`: fetch what a streaming install still lacks and verify it against the hub."""
-    from deltafind.store.hub_streaming import fill_store
+    from deltafind.importer.hub_streaming import fill_store
 
     if not args.store:
         raise StoreError("setup --fill needs --store DIR (a store made by `setup --streaming`)")
@@ -146,9 +146,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
         print(rebalance_nodes(Path(args.store), heat, args.nodes, args.node_read_mb_s, settings.cluster.hot_replicas))
     elif args.rebalance:
+        from deltafind.importer.placement import rebalance
         from deltafind.store.experts import drive_options
         from deltafind.store.manifest import Manifest
-        from deltafind.store.placement import rebalance
 
         before, after, moved = rebalance(Path(args.store), heat, drive_options(settings), stripe=args.stripe)
         share = lambda b: " / ".join(f"{h / max(1e-9, sum(b.heat_per_drive)):.0%}" for h in b.heat_per_drive)  # noqa: E731

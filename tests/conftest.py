@@ -27,7 +27,7 @@ EOS_ID = 256
 
 def write_tiny_tokenizer(folder: Path) -> None:
     """A byte-level BPE with no merges: 256 byte tokens plus <|eos|> (the synthetic stores' tokenizer)."""
-    from deltafind.store.synthetic_families import write_byte_tokenizer
+    from deltafind.importer.synthetic_families import write_byte_tokenizer
 
     write_byte_tokenizer(folder, {})
 

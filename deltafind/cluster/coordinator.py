@@ -29,9 +29,9 @@ from deltafind.cluster.placement import Placement, check_placement, make_placeme
 from deltafind.cluster.wire import ClusterError, GroupSpec
 from deltafind.log import get_logger
 from deltafind.models.contract import Run
+from deltafind.provider import Expert
 from deltafind.store.experts import StoreExperts
 from deltafind.store.heat import read_heat
-from deltafind.store.provider import Expert
 
 log = get_logger(__name__)
 _NO_HINT = object()

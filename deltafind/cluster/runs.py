@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from deltafind.models.registry import family_module
+from deltafind.provider import ExpertProvider
 from deltafind.store.manifest import Manifest
-from deltafind.store.provider import ExpertProvider
 
 
 class _Counts(ExpertProvider):

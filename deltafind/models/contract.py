@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from deltafind.models.ops.moe import predict_routed
-from deltafind.store.provider import Expert
+from deltafind.provider import Expert
 
 Run = Callable[[torch.Tensor, Expert], torch.Tensor]  # one routed expert on its rows: [n, H] -> [n, H]
 

@@ -22,7 +22,7 @@ from deltafind.errors import UnsupportedModelError
 from deltafind.models.ops.mla import MLAttention
 from deltafind.models.ops.moe import DenseMLP, SlicedMLP, activation, swiglu
 from deltafind.models.transformer import CausalLM, DecoderArgs, DecoderLayer, RoutedMoE, make_rope
-from deltafind.store.provider import HF_WEIGHTS, ExpertProvider, WeightNames
+from deltafind.provider import HF_WEIGHTS, ExpertProvider, WeightNames
 
 T = TypeVar("T")
 

@@ -25,7 +25,7 @@ from deltafind.models.ops.moe import GatedExpert, SlicedMLP
 from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.situ import situ
 from deltafind.models.ops.step import run_layers
-from deltafind.store.provider import HF_WEIGHTS, ExpertProvider, WeightNames
+from deltafind.provider import HF_WEIGHTS, ExpertProvider, WeightNames
 
 __all__ = ["MXFP4_RECORD", "WEIGHTS", "Model", "ModelArgs", "weight_names"]
 MXFP4_RECORD = tuple(f"{w}.weight_{k}" for w in ("w1", "w2", "w3") for k in ("packed", "scale"))  # the release's byte order

@@ -16,7 +16,7 @@ from deltafind.models.transformer import (
     DecoderLayer,
     make_rope,
 )
-from deltafind.store.provider import HF_WEIGHTS, ExpertProvider, WeightNames
+from deltafind.provider import HF_WEIGHTS, ExpertProvider, WeightNames
 
 
 @dataclass(kw_only=True)

@@ -19,7 +19,7 @@ from deltafind.models.ops.batch import Batch
 from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.rope import apply_rope
 from deltafind.models.transformer import CausalLM, DecoderLayer, RoutedMoE, make_rope
-from deltafind.store.provider import ExpertProvider
+from deltafind.provider import ExpertProvider
 
 
 @dataclass(kw_only=True)

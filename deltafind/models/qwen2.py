@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deltafind.models import llama
-from deltafind.store.provider import ExpertProvider
+from deltafind.provider import ExpertProvider
 
 
 @dataclass

@@ -23,7 +23,7 @@ from deltafind.models.transformer import (
     RoutedMoE,
     make_rope,
 )
-from deltafind.store.provider import HF_WEIGHTS, ExpertProvider, WeightNames
+from deltafind.provider import HF_WEIGHTS, ExpertProvider, WeightNames
 
 
 @dataclass(kw_only=True)

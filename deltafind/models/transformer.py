@@ -23,7 +23,7 @@ from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.rope import Rope, apply_rope, rope_parameters, rope_tables
 from deltafind.models.ops.step import DecodeChain, run_layers
 from deltafind.models.ops.stored import FusedLinear
-from deltafind.store.provider import Expert, ExpertProvider
+from deltafind.provider import Expert, ExpertProvider
 
 A = TypeVar("A")
 

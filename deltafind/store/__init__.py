@@ -1,1 +1,2 @@
-"""The expert store: on-disk layout, import (setup), readers, cache and provider."""
+"""The read path of an expert store: manifest, readers, drive queues, cache, prefetch, resident layers,
+heat and traces. What writes a store is `deltafind.importer`, which this package never imports."""

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from deltafind.errors import CorruptExpertError
+from deltafind.provider import Expert
 from deltafind.store.cache import ByteLRU, return_freed_memory
 from deltafind.store.manifest import ExpertRecord, Manifest
 from deltafind.store.prefetch_gate import LayerRecall, PrefetchGate, PrefetchOptions
-from deltafind.store.provider import Expert
 from deltafind.store.read_budget import ReadBudget
 from deltafind.store.reader import DriveOptions, PackReader, Stager, record_tensors
 from deltafind.store.resident import Resident

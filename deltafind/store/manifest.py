@@ -111,7 +111,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     pack_generation: int = 0  # which pack files hold the records (see pack_name)
     # "whole": each record on one drive (round-robin, or by heat after a rebalance); "stripe": records
-    # large enough are split over all drives (store/placement.py). Absent from a "whole" manifest, so
+    # large enough are split over all drives (importer/placement.py). Absent from a "whole" manifest, so
     # older deltafind still opens those and refuses striped ones ("malformed manifest").
     placement: str = "whole"
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from deltafind.provider import Expert
 from deltafind.store.manifest import ExpertRecord
-from deltafind.store.provider import Expert
 
 Key = tuple[int, int]
 

@@ -50,7 +50,7 @@ def make(root: Path) -> tuple[Path, Path]:
         model.save_pretrained(ckpt)
         write_tiny_tokenizer(ckpt)
     if not (store / "manifest.json").exists():
-        from deltafind.store.setup import setup_store
+        from deltafind.importer.setup import setup_store
 
         setup_store(ckpt, store, [store / "drive0"], progress=False)
     return ckpt, store

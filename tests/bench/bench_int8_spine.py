@@ -21,9 +21,9 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
 
 
 def k3_store(root: Path) -> Path:
+    from deltafind.importer.setup import setup_store
+    from deltafind.importer.synthetic import open_synthetic
     from deltafind.models import kimi_k3
-    from deltafind.store.setup import setup_store
-    from deltafind.store.synthetic import open_synthetic
 
     store = root / "k3-bench"
     if not (store / "manifest.json").exists():

@@ -30,16 +30,16 @@ from pathlib import Path
 import torch
 
 from deltafind import Model
+from deltafind.importer.setup import setup_store
+from deltafind.importer.synthetic import open_synthetic
 from deltafind.models import kimi_k3
 from deltafind.models.ops.batch import SequenceCache, forward_step
 from deltafind.models.ops.cpu_kernels import CPU, load_kernel
 from deltafind.models.ops.latent_moe import mxfp4_expert_forward
 from deltafind.models.ops.mxfp4 import BATCHED_MIN_TOKENS, dequantize, fused_linear
+from deltafind.provider import Expert
 from deltafind.store.manifest import Manifest
-from deltafind.store.provider import Expert
 from deltafind.store.reader import PackReader, record_tensors
-from deltafind.store.setup import setup_store
-from deltafind.store.synthetic import open_synthetic
 
 K3_MOE_LAYERS, K3_TOP_K, K3_EXPERT_BYTES = 92, 16, 17_547_264
 K3_SPINE_PARAMS = 56.74e9  # docs/kimi-k3-format.md §1.5 (non-expert text params)
@@ -134,7 +134,7 @@ def expert_per_core(threads: list[int], batch: int, reps: int, block: int = 6) -
     """One real-width K3 expert through `mxfp4_expert_forward` (what `LatentMoE.run` calls), at each
     thread count in turn (alternating, so all see the same moments of a shared machine). Wall time
     gives compute / read; process CPU time per expert is the per-core cost the extrapolation uses."""
-    from deltafind.store.synthetic import open_synthetic
+    from deltafind.importer.synthetic import open_synthetic
 
     source = open_synthetic("kimi_k3", "full-layer")  # real widths: hidden 7168, latent 3584, moe_inter 3072
     prefix = "model.layers.1.block_sparse_moe.experts.0."
@@ -186,9 +186,9 @@ def dspark_costs(store: Path, context: int, reps: int) -> dict:
     """DSpark (docs/kimi-k3-drafting-io.md §7) on this store's shape: one 7-wide proposal and one commit of 8 context rows,
     timed against the target's warm 1-row decode and 8-row verify pass, side by side."""
     from deltafind.engine.draft.dspark import DSparkSource
+    from deltafind.importer.dspark_import import write_synthetic_dspark
     from deltafind.models.ops.batch import Batch
     from deltafind.store.dspark import DRAFT_DIR
-    from deltafind.store.dspark_import import write_synthetic_dspark
 
     if not (store / DRAFT_DIR).is_dir():
         write_synthetic_dspark(store, seed=0)

@@ -27,9 +27,9 @@ K3_WIDE = {"layers": 2, "mla": [2], "experts": 16, "heads": 8, "kda_heads": 8, "
 
 
 def make_store(root: Path, family: str) -> Path:
-    import deltafind.store.synthetic_families  # noqa: F401 - registers the families
-    from deltafind.store.setup import setup_store
-    from deltafind.store.synthetic import FAMILIES, open_synthetic
+    import deltafind.importer.synthetic_families  # noqa: F401 - registers the families
+    from deltafind.importer.setup import setup_store
+    from deltafind.importer.synthetic import FAMILIES, open_synthetic
 
     store = root / family
     if not (store / "manifest.json").exists():

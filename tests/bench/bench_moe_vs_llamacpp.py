@@ -87,9 +87,9 @@ def make_gguf(path: Path, layers: int, seed: int = 0) -> None:
 
 
 def make_store(gguf: Path, store: Path) -> None:
+    from deltafind.importer.checkpoint import open_source
+    from deltafind.importer.setup import setup_store
     from deltafind.models.registry import family_module
-    from deltafind.store.checkpoint import open_source
-    from deltafind.store.setup import setup_store
 
     source = open_source(gguf)
     family = family_module(source.config["model_type"])

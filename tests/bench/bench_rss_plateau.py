@@ -70,9 +70,9 @@ def load(d: Daemon, rounds: int) -> None:
 
 
 def make_k3_store(dest: Path) -> None:
+    from deltafind.importer.setup import setup_store
+    from deltafind.importer.synthetic import FAMILIES, open_synthetic
     from deltafind.models import kimi_k3
-    from deltafind.store.setup import setup_store
-    from deltafind.store.synthetic import FAMILIES, open_synthetic
 
     shapes = FAMILIES["kimi_k3"].shapes  # this process only: a bench shape beside the family's own
     shapes.setdefault("rss-wide", {**shapes["tiny"], "hidden": 512, "heads": 4, "q_lora": 256, "kv_lora": 512,

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from deltafind.models.ops.moe import SlicedMLP, dispatch, swiglu
-from deltafind.store.provider import DictExpertProvider
+from deltafind.provider import DictExpertProvider
 
 
 def old_expert_forward(x: torch.Tensor, expert, act) -> torch.Tensor:  # moe.expert_forward before slices were dispatched as one matmul

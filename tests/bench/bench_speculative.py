@@ -34,9 +34,9 @@ RAW = ["The capital of France is", "Once upon a time", "def fib(n):", "1, 2, 3, 
 
 def synthetic_store(root: Path) -> Path:
     """A seeded qwen3_moe store whose experts stream from disk (bench_streaming.py's shape, 2 layers)."""
-    import deltafind.store.synthetic_families  # noqa: F401 - registers the families
-    from deltafind.store.setup import setup_store
-    from deltafind.store.synthetic import FAMILIES, open_synthetic
+    import deltafind.importer.synthetic_families  # noqa: F401 - registers the families
+    from deltafind.importer.setup import setup_store
+    from deltafind.importer.synthetic import FAMILIES, open_synthetic
 
     store = root / "q1"
     if not (store / "manifest.json").exists():

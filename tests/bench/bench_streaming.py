@@ -55,9 +55,9 @@ EFF_CAP_MB_S = 500.0  # per drive: 2 x 500 MB/s, under the ~1.5 GB/s floor of th
 
 
 def make_store(root: Path, drives: int, placement: str = "whole", layers: int = SHAPE["layers"]) -> Path:
-    import deltafind.store.synthetic_families  # noqa: F401 - registers the families
-    from deltafind.store.setup import setup_store
-    from deltafind.store.synthetic import FAMILIES, open_synthetic
+    import deltafind.importer.synthetic_families  # noqa: F401 - registers the families
+    from deltafind.importer.setup import setup_store
+    from deltafind.importer.synthetic import FAMILIES, open_synthetic
 
     name = f"q{drives}" + ("s" if placement == "stripe" else "") + (f"-{layers}l" if layers != SHAPE["layers"] else "")
     store = root / name

@@ -12,7 +12,7 @@ from tests.conftest import deltafind_cmd
 def test_demo_setup_made_a_two_drive_store(demo_store: Path) -> None:
     manifest = Manifest.load(demo_store)
     assert manifest.family == "llama" and len(manifest.drives) == 2
-    assert len(manifest.experts) == 30  # 30 layers, each MLP one record (1.7 MB: below two 8 MiB slices, store/plan.py)
+    assert len(manifest.experts) == 30  # 30 layers, each MLP one record (1.7 MB: below two 8 MiB slices, importer/plan.py)
     assert {r.drive for r in manifest.experts} == {0, 1}
 
 
@@ -39,7 +39,7 @@ def test_run_streams_through_a_zero_cache(demo_store: Path) -> None:
 def test_doctor_verifies_the_demo_store(demo_store: Path) -> None:
     proc = deltafind_cmd("doctor", "--store", str(demo_store), "--quiet")
     assert proc.returncode == 0, proc.stderr
-    assert "ok; 30 expert records" in proc.stdout  # one slice per dense MLP: each is 1.7 MB (store/plan.py)
+    assert "ok; 30 expert records" in proc.stdout  # one slice per dense MLP: each is 1.7 MB (importer/plan.py)
 
 
 def test_bench_prints_one_json_line(demo_store: Path) -> None:

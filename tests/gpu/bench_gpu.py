@@ -97,8 +97,8 @@ def decode(store: Path, device: str, cache: int | None, tokens: int, compile_ker
 def copy_hiding(store: Path, device: torch.device, k: int = 32, reps: int = 3) -> dict[str, Any]:
     from deltafind.device.staging import make_stager, read_buffer_pool
     from deltafind.models.ops.latent_moe import mxfp4_expert_forward
+    from deltafind.provider import Expert
     from deltafind.store.manifest import Manifest
-    from deltafind.store.provider import Expert
     from deltafind.store.reader import PackReader, record_tensors
 
     manifest = Manifest.load(store)

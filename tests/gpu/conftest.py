@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from deltafind.device.select import cuda_unavailable_reason, mps_unavailable_reason
+from deltafind.importer.setup import setup_store
+from deltafind.importer.synthetic import open_synthetic
 from deltafind.models.registry import family_module
-from deltafind.store.setup import setup_store
-from deltafind.store.synthetic import open_synthetic
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

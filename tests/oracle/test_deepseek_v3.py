@@ -23,7 +23,7 @@ from deltafind.models import deepseek_v3
 from deltafind.models.ops.batch import Batch, SequenceCache
 from deltafind.models.registry import family_module
 from deltafind.models.transformer import make_rope
-from deltafind.store.provider import DictExpertProvider
+from deltafind.provider import DictExpertProvider
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")

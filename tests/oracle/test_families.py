@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deltafind import Model
-from deltafind.store.setup import setup_store
+from deltafind.importer.setup import setup_store
 from tests.conftest import make_hf_checkpoint
 
 CASES = {

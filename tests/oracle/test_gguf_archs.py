@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 
 from deltafind import Model
+from deltafind.importer.checkpoint import open_source
+from deltafind.importer.setup import setup_store
 from deltafind.models.registry import family_module
-from deltafind.store.checkpoint import open_source
-from deltafind.store.setup import setup_store
 from tests.gguf_models import HEAD_KINDS, MAKERS, head_only, widened
 
 REF_PATH = Path(__file__).parents[1] / "data" / "gguf_arch_llamacpp_reference.npz"

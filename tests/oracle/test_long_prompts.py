@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from deltafind import Model
+from deltafind.importer.setup import setup_store
 from deltafind.models.ops.batch import SequenceCache, forward_step
-from deltafind.store.setup import setup_store
 from tests.conftest import TINY_VOCAB, make_hf_checkpoint
 
 PROMPT_TOKENS = 2048

@@ -86,12 +86,12 @@ LAYERS = (
     ("deltafind.cli", "deltafind.run_cli", "deltafind.daemon", "deltafind.api", "deltafind.compose", "deltafind"),
     ("deltafind.server", "deltafind.control"),
     ("deltafind.engine", "deltafind.cluster"),  # cluster: a provider over models/store/device, wired by api
-    ("deltafind.models", "deltafind.device"),
+    ("deltafind.models", "deltafind.device", "deltafind.importer"),  # importer: writes what store reads
     ("deltafind.store",),
-    ("deltafind.tokenizer", "deltafind.config", "deltafind.errors", "deltafind.log"),
+    ("deltafind.tokenizer", "deltafind.config", "deltafind.errors", "deltafind.log", "deltafind.provider"),
 )
-# models see only the provider contract and the block-format tags it carries (store/quant.py)
-NARROWER = {("deltafind.models", "deltafind.store"): ("deltafind.store.provider", "deltafind.store.quant")}
+# of the store, models see only the block-format tags the provider contract carries (store/quant.py)
+NARROWER = {("deltafind.models", "deltafind.store"): ("deltafind.store.quant",)}
 def _modules() -> dict[str, tuple[Path, bool]]:
     mods = {}
     for path in (ROOT / "deltafind").rglob("*.py"):

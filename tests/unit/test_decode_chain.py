@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from deltafind import Model
+from deltafind.importer.setup import setup_store
 from deltafind.models.ops.batch import Batch, SequenceCache, forward_step
 from deltafind.models.ops.cpu_kernels import CPU
-from deltafind.store.setup import setup_store
 from tests.conftest import make_hf_checkpoint
 
 PROMPT = [11, 42, 7, 99, 3, 150, 8]

@@ -18,11 +18,11 @@ from structlog.testing import capture_logs
 from deltafind.api import Model
 from deltafind.device import device_cache, select, staging
 from deltafind.errors import ConfigError
+from deltafind.importer.setup import setup_store
+from deltafind.importer.synthetic import open_synthetic
 from deltafind.models import kimi_k3
 from deltafind.models.ops import mxfp4
 from deltafind.models.ops.cpu_kernels import load_kernel
-from deltafind.store.setup import setup_store
-from deltafind.store.synthetic import open_synthetic
 
 GiB = 1 << 30
 no_accelerator = pytest.mark.skipif(

@@ -31,8 +31,8 @@ from deltafind.engine.draft.cross import (
 )
 from deltafind.engine.generate import generate
 from deltafind.engine.sampler import SamplingParams
+from deltafind.importer.setup import setup_store
 from deltafind.models import kimi_k3
-from deltafind.store.setup import setup_store
 from deltafind.tokenizer import Tokenizer, write_tokenizer_from_gguf
 from tests.conftest import make_hf_checkpoint
 
@@ -453,7 +453,7 @@ def test_draft_flag_cross_store_through_the_python_api(verify_models) -> None:
 def test_a_kimi_k3_draft_with_recurrent_state(verify_models, tmp_path: Path) -> None:
     """Any family drafts: a tiny K3 (KDA layers, its own tiktoken vocabulary) cannot cut its recurrent
     state back to an arbitrary prefix, so its session recomputes; output is unchanged, nothing fails."""
-    from deltafind.store.synthetic import open_synthetic
+    from deltafind.importer.synthetic import open_synthetic
 
     setup_store(open_synthetic("kimi_k3", "tiny"), tmp_path / "k3", progress=False, names=kimi_k3.WEIGHTS)
     k3 = Model.open(tmp_path / "k3")

@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import save_file
 
 from deltafind.errors import StoreError
+from deltafind.importer.dspark_import import import_dspark, synthetic_config, write_synthetic_dspark
+from deltafind.importer.setup import setup_store
+from deltafind.importer.synthetic import open_synthetic
 from deltafind.models import dspark, kimi_k3
 from deltafind.store.dspark import CONFIG_NAME, DRAFT_DIR, REAL, WEIGHTS_NAME, load_dspark, roster
-from deltafind.store.dspark_import import import_dspark, synthetic_config, write_synthetic_dspark
-from deltafind.store.setup import setup_store
-from deltafind.store.synthetic import open_synthetic
 from tests.conftest import deltafind_cmd
 
 F64 = torch.float64
@@ -303,9 +303,9 @@ def test_a_wrong_checkpoint_is_refused_naming_file_and_key(k3_store: Path, tmp_p
 
 
 def test_released_sizes_are_required_for_the_real_target() -> None:
+    from deltafind.importer.synthetic_k3 import REAL as K3_REAL
+    from deltafind.importer.synthetic_k3 import text_config
     from deltafind.store.dspark import check_config
-    from deltafind.store.synthetic_k3 import REAL as K3_REAL
-    from deltafind.store.synthetic_k3 import text_config
 
     text = text_config({**K3_REAL, "layers": 93, "experts": 896, "mla": [i for i in range(1, 94) if i % 4 == 0 or i == 93]})
     text.update(vocab_size=163840, bos_token_id=163584, eos_token_id=163586, pad_token_id=163839)

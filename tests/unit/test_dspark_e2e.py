@@ -18,11 +18,11 @@ from deltafind.engine.draft.policy import DraftStats, PolicyOptions
 from deltafind.engine.generate import generate
 from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.speculative import captured_rows
+from deltafind.importer.dspark_import import write_synthetic_dspark
+from deltafind.importer.setup import setup_store
+from deltafind.importer.synthetic import open_synthetic
 from deltafind.models import dspark, kimi_k3
 from deltafind.models.ops.batch import Batch, SequenceCache
-from deltafind.store.dspark_import import write_synthetic_dspark
-from deltafind.store.setup import setup_store
-from deltafind.store.synthetic import open_synthetic
 
 PROMPTS = [[5, 77, 300, 12, 480, 9, 101, 33, 250, 7, 64, 2], [400, 3], [9], [17, 17, 17, 17, 200, 201, 202, 17]]
 ON = PolicyOptions(mode="on")  # draft every step, so every width and cut is exercised

@@ -24,7 +24,7 @@ from deltafind.engine.generate import generate
 from deltafind.engine.sampler import SamplingParams, sampling_probs
 from deltafind.engine.scheduler import Scheduler, collect
 from deltafind.engine.sequence import FinishEvent, GenRequest, TokenEvent
-from deltafind.store.setup import setup_store
+from deltafind.importer.setup import setup_store
 from tests.conftest import make_hf_checkpoint
 from tests.unit.test_speculative import ALPHA, chi2_pvalue
 

@@ -21,9 +21,9 @@ from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.scheduler import Scheduler, SchedulerLimits, collect
 from deltafind.engine.sequence import GenRequest
 from deltafind.errors import CorruptExpertError
+from deltafind.importer.setup import setup_store
+from deltafind.importer.synthetic import open_synthetic
 from deltafind.models import kimi_k3
-from deltafind.store.setup import setup_store
-from deltafind.store.synthetic import open_synthetic
 from tests.conftest import make_hf_checkpoint
 
 PROMPTS = [[t] for t in (3, 17, 40, 66, 90, 111, 135, 160, 188, 201, 230, 249)]

@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from deltafind import Model
+from deltafind.importer.setup import setup_store
 from deltafind.models.ops.attention import AttnStep
 from deltafind.models.ops.batch import Batch, SequenceCache
 from deltafind.models.ops.cpu_kernels import CPU
 from deltafind.models.ops.moe import GatedExpert, SlicesPlan, swiglu
 from deltafind.models.ops.norm import RMSNorm
-from deltafind.store.provider import Expert
-from deltafind.store.setup import setup_store
+from deltafind.provider import Expert
 from tests.conftest import make_hf_checkpoint
 
 needs_kernel = pytest.mark.skipif(CPU.load() is None, reason=f"no C++ compiler: {CPU.build_error}")

@@ -1,4 +1,4 @@
-"""GGUF import (store/gguf_source.py): split files found and checked from any shard, every architecture
+"""GGUF import (importer/gguf_source.py): split files found and checked from any shard, every architecture
 named through gguf-py's tables, unsupported block types refused, and a partial store never reported ready.
 
 The GGUFs are written by gguf-py in llama.cpp's layout (tests/gguf_models.py); a split one is cut by
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from deltafind.errors import StoreError, UnsupportedModelError
-from deltafind.store.checkpoint import open_source
-from deltafind.store.gguf_arch import llama3_rope
+from deltafind.importer.checkpoint import open_source
+from deltafind.importer.gguf_arch import llama3_rope
+from deltafind.importer.setup import setup_store
 from deltafind.store.manifest import MANIFEST_NAME
-from deltafind.store.setup import setup_store
 from tests.gguf_models import MAKERS, Builder, make_llama
 
 

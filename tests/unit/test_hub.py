@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+from deltafind.importer.setup import setup_store
 from deltafind.store.doctor import check_store
 from deltafind.store.manifest import Manifest
-from deltafind.store.setup import setup_store
 from tests.conftest import deltafind_cmd, make_hf_checkpoint
 from tests.hub_server import COMMIT, TOKEN, FakeHub
 
@@ -183,7 +183,7 @@ def _copy(store: Path, tmp_path: Path) -> Path:
 
 
 def test_streaming_install_answers_with_the_same_tokens(hub: FakeHub, env: dict[str, str], reference, streaming_store: Path, tmp_path: Path) -> None:
-    from deltafind.store.hub_streaming import open_fetcher
+    from deltafind.importer.hub_streaming import open_fetcher
 
     store = _copy(streaming_store, tmp_path)
     manifest = Manifest.load(store)

@@ -21,9 +21,9 @@ import pytest
 
 from deltafind import Model
 from deltafind.errors import StoreError
-from deltafind.store.hub_gguf import pick_quant
+from deltafind.importer.hub_gguf import pick_quant
+from deltafind.importer.setup import setup_store
 from deltafind.store.manifest import Manifest
-from deltafind.store.setup import setup_store
 from tests.conftest import deltafind_cmd
 from tests.gguf_models import make_qwen3moe
 from tests.hub_server import COMMIT, TOKEN, FakeHub
@@ -34,7 +34,7 @@ MOE_SHARDS = [f"moe-Q4_K_M-{i:05d}-of-00002.gguf" for i in (1, 2)]
 PROMPT_IDS = [104, 101, 108, 108, 111, 32]  # greedy decodes 6 different tokens from it, not one repeated
 GENERATE = "import sys; from deltafind import Model; m = Model.open(sys.argv[1]); print(m.generate({ids}, max_new_tokens=8))"
 SPLIT = ["Q2_K/tiny-Q2_K-00001-of-00002.gguf", "Q2_K/tiny-Q2_K-00002-of-00002.gguf"]
-OPEN = ("import sys; from pathlib import Path; from deltafind.store.hub import open_checkpoint; "
+OPEN = ("import sys; from pathlib import Path; from deltafind.importer.hub import open_checkpoint; "
         "[print(open_checkpoint(spec, Path(sys.argv[1]), progress=False)) for spec in sys.argv[2:]]")
 
 

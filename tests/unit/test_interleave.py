@@ -19,7 +19,7 @@ from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.scheduler import Scheduler, SchedulerLimits, collect
 from deltafind.engine.sequence import FinishEvent, GenRequest
 from deltafind.engine.step_budget import FIRST_CHUNK, MIN_CHUNK, StepBudget
-from deltafind.store.setup import setup_store
+from deltafind.importer.setup import setup_store
 from tests.conftest import make_hf_checkpoint
 
 CONTEXT = 2048

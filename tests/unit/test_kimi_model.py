@@ -12,17 +12,17 @@ import torch
 
 from deltafind import Model
 from deltafind.errors import UnsupportedModelError
+from deltafind.importer.setup import setup_store
+from deltafind.importer.synthetic import open_synthetic, write_hf_folder
+from deltafind.importer.synthetic_k3 import REAL, text_config
 from deltafind.models import kimi_k3
 from deltafind.models.kimi_k3_config import ModelArgs, QualityRefused
 from deltafind.models.ops.batch import SequenceCache, forward_step
 from deltafind.models.ops.situ import situ
 from deltafind.models.ops.stored import adopt_stored
+from deltafind.provider import DictExpertProvider
 from deltafind.store.manifest import Manifest
-from deltafind.store.provider import DictExpertProvider
 from deltafind.store.reader import PackReader, record_tensors
-from deltafind.store.setup import setup_store
-from deltafind.store.synthetic import open_synthetic, write_hf_folder
-from deltafind.store.synthetic_k3 import REAL, text_config
 from tests.conftest import deltafind_cmd
 
 PROMPT = [5, 77, 300, 12, 480, 9, 101, 33, 250, 7, 64, 2]

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from deltafind import Model
+from deltafind.importer.setup import setup_store
+from deltafind.importer.synthetic import open_synthetic
 from deltafind.models import kimi_k3
 from deltafind.models.ops.attnres import attn_res
 from deltafind.models.ops.batch import Batch, LayerCache, SequenceCache, forward_step
 from deltafind.models.ops.kda_layer import MAX_ROLLBACK_ROWS, KDAState, RollbackError
-from deltafind.store.setup import setup_store
-from deltafind.store.synthetic import open_synthetic
 
 PROMPT = [5, 77, 300, 12, 480, 9, 101, 33, 250, 7, 64, 2]
 DRAFTS = [17, 400, 3, 99, 250, 61]  # k = 6: a 7-row verify pass

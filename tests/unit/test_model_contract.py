@@ -14,7 +14,7 @@ from torch import nn
 
 from deltafind.models.contract import FamilyArgs, FamilyModel, RoutedExperts, token_widths
 from deltafind.models.registry import FAMILIES, family_module
-from deltafind.store.provider import ExpertProvider
+from deltafind.provider import ExpertProvider
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)
@@ -25,7 +25,7 @@ def tiny_config(model_type: str) -> dict:
     import transformers as T
 
     if model_type == "kimi_k3":
-        from deltafind.store.synthetic_k3 import SHAPES, text_config
+        from deltafind.importer.synthetic_k3 import SHAPES, text_config
 
         return text_config(SHAPES["tiny"])
     cls, extra = {

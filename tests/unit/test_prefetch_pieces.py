@@ -9,10 +9,10 @@ import time
 import pytest
 
 from deltafind import Model
+from deltafind.importer.setup import setup_store
 from deltafind.store.drive_queue import split
 from deltafind.store.manifest import Manifest
 from deltafind.store.reader import DriveOptions, PackReader
-from deltafind.store.setup import setup_store
 from tests.conftest import make_hf_checkpoint
 
 PROMPT = [11, 42, 7, 99, 3, 150, 8]

@@ -14,10 +14,10 @@ import pytest
 
 from deltafind import Model
 from deltafind.engine.prefill import PrefillPlan, plan_for
+from deltafind.importer.setup import setup_store
+from deltafind.importer.synthetic_k3 import REAL, text_config
 from deltafind.models.kimi_k3_config import ModelArgs as K3Args
 from deltafind.store.experts import PrefetchOptions
-from deltafind.store.setup import setup_store
-from deltafind.store.synthetic_k3 import REAL, text_config
 from tests.conftest import make_hf_checkpoint
 
 PROMPT = [(7 * i + 3) % 200 + 1 for i in range(40)]

@@ -25,10 +25,10 @@ from deltafind.engine.prefix_cache import cache_nbytes
 from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.sequence import FinishEvent, GenRequest, TokenEvent
 from deltafind.errors import RequestError
+from deltafind.importer.setup import setup_store
+from deltafind.importer.synthetic import open_synthetic
 from deltafind.models import kimi_k3
 from deltafind.models.ops.batch import SequenceCache, forward_step
-from deltafind.store.setup import setup_store
-from deltafind.store.synthetic import open_synthetic
 from tests.conftest import make_hf_checkpoint
 
 HISTORY = [(i * 37 + 5) % 240 + 3 for i in range(23)]  # system + user turns

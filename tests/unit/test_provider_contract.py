@@ -1,4 +1,4 @@
-"""The model -> store contract (store/provider.py) as every family drives it (models/ops/step.py).
+"""The model -> store contract (deltafind/provider.py) as every family drives it (models/ops/step.py).
 
 Router traces are written by the store from what the model reports through the
 contract, so a family that skips a hook shows up here: each (token, MoE or

@@ -11,9 +11,9 @@ from pydantic import ByteSize
 from structlog.testing import capture_logs
 
 from deltafind import Model
+from deltafind.importer.setup import setup_store
 from deltafind.store.experts import PrefetchOptions
 from deltafind.store.resident import dense_prefix
-from deltafind.store.setup import setup_store
 from tests.conftest import make_hf_checkpoint
 
 PROMPT = [11, 42, 7, 99, 3, 150, 8]

@@ -15,8 +15,8 @@ from deltafind.engine.prefix_cache import PrefixCache
 from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.scheduler import Draining, QueueFull, Scheduler, SchedulerLimits, collect
 from deltafind.engine.sequence import FinishEvent, GenRequest, TokenEvent
+from deltafind.importer.setup import setup_store
 from deltafind.models.ops.batch import SequenceCache
-from deltafind.store.setup import setup_store
 from tests.conftest import make_hf_checkpoint
 
 V = 50

@@ -25,7 +25,7 @@ from deltafind.engine.draft.self_draft import SelfDraftSource
 from deltafind.engine.draft.store_draft import StoreDraftSource
 from deltafind.engine.generate import generate
 from deltafind.engine.sampler import SamplingParams, sampling_probs
-from deltafind.store.setup import setup_store
+from deltafind.importer.setup import setup_store
 from tests.conftest import make_hf_checkpoint
 
 ALPHA = 1e-3  # significance level of every chi-square test here

@@ -14,13 +14,13 @@ from safetensors import safe_open
 
 from deltafind import Model
 from deltafind.errors import CorruptExpertError, StoreError
+from deltafind.importer.plan import MAX_DENSE_SLICES, Plan, dense_slices_for
+from deltafind.importer.setup import setup_store
+from deltafind.importer.sources import TensorInfo
 from deltafind.store.cache import ByteLRU
 from deltafind.store.doctor import check_store
 from deltafind.store.manifest import ExpertRecord, Manifest, TensorEntry, pack_name
-from deltafind.store.plan import MAX_DENSE_SLICES, Plan, dense_slices_for
 from deltafind.store.reader import PackReader, record_tensors
-from deltafind.store.setup import setup_store
-from deltafind.store.sources import TensorInfo
 from tests.conftest import make_hf_checkpoint
 
 

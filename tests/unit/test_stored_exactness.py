@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from deltafind import Model
+from deltafind.importer.setup import setup_store
+from deltafind.importer.synthetic import open_synthetic
 from deltafind.models import kimi_k3
 from deltafind.models.ops.stored import StoredEmbedding, StoredLinear, widened
-from deltafind.store.setup import setup_store
-from deltafind.store.synthetic import open_synthetic
 from tests.conftest import make_hf_checkpoint
 
 HF = ["llama", "qwen3", "qwen3_moe", "deepseek_v3"]

@@ -12,11 +12,11 @@ import torch
 from deltafind import Model
 from deltafind.control.ctl import store_lines
 from deltafind.errors import CorruptExpertError, StoreError
+from deltafind.importer.setup import setup_store
 from deltafind.store.experts import PrefetchOptions
 from deltafind.store.heat import read_heat, update_heat
 from deltafind.store.manifest import Manifest, pack_name
 from deltafind.store.reader import DriveOptions, PackReader
-from deltafind.store.setup import setup_store
 from deltafind.store.trace import read_trace, summarize
 from tests.conftest import make_hf_checkpoint
 

@@ -14,12 +14,12 @@ import torch
 
 from deltafind import Model
 from deltafind.errors import CorruptExpertError
+from deltafind.importer.placement import rebalance
+from deltafind.importer.setup import setup_store
 from deltafind.store.doctor import check_store
 from deltafind.store.drive_queue import Chunk, DriveQueue, split
 from deltafind.store.manifest import Manifest, pack_name
-from deltafind.store.placement import rebalance
 from deltafind.store.reader import DriveOptions, PackReader
-from deltafind.store.setup import setup_store
 from tests.conftest import deltafind_cmd, make_hf_checkpoint
 
 PROMPT = [11, 42, 7, 99, 3, 150, 8]

@@ -13,11 +13,11 @@ import torch
 
 from deltafind import Model
 from deltafind.errors import StoreError
+from deltafind.importer.placement import LOCK_NAME, rebalance
+from deltafind.importer.setup import setup_store
 from deltafind.store.doctor import check_store
 from deltafind.store.heat import read_heat
 from deltafind.store.manifest import Manifest, pack_name
-from deltafind.store.placement import LOCK_NAME, rebalance
-from deltafind.store.setup import setup_store
 from deltafind.store.trace import heat_from_trace, read_trace
 from tests.conftest import deltafind_cmd, make_hf_checkpoint
 

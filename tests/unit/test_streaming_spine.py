@@ -10,12 +10,12 @@ import torch
 
 from deltafind import Model
 from deltafind.errors import StoreError
+from deltafind.importer.setup import setup_store
+from deltafind.importer.synthetic import open_synthetic
 from deltafind.models import kimi_k3
 from deltafind.models.ops.stored import stored_weight_names
 from deltafind.store.manifest import SPINE_NAME
-from deltafind.store.setup import setup_store
 from deltafind.store.spine import plan_spine, read_layout
-from deltafind.store.synthetic import open_synthetic
 from tests.conftest import make_hf_checkpoint
 
 PROMPT = [11, 42, 7, 99, 3, 150]

@@ -16,9 +16,9 @@ import pytest
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
+from deltafind.importer.synthetic_families import write_byte_tokenizer
 from deltafind.server.chat_plan import plan_chat
 from deltafind.server.errors import ApiError
-from deltafind.store.synthetic_families import write_byte_tokenizer
 from deltafind.tokenizer import Tokenizer
 from deltafind.tokenizer.bpe import BYTE_TO_UNICODE
 from deltafind.tokenizer.kimi import write_k3_tokenizer

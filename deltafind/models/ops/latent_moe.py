@@ -19,7 +19,7 @@ from deltafind.models.ops.moe import dispatch
 from deltafind.models.ops.mxfp4 import can_fuse, fused_gate_up_situ, mxfp4_linear
 from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.situ import SiTUMLP, situ
-from deltafind.store.provider import Expert, ExpertProvider
+from deltafind.provider import Expert, ExpertProvider
 
 
 class SigmoidRouter(nn.Module):

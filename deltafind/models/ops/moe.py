@@ -17,7 +17,7 @@ from torch import nn
 from deltafind.models.ops.cpu_kernels import CPU
 from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.stored import FusedLinear, linear
-from deltafind.store.provider import Expert, ExpertProvider
+from deltafind.provider import Expert, ExpertProvider
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,

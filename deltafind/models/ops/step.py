@@ -27,7 +27,7 @@ from deltafind.log import get_logger
 from deltafind.models.ops.attention import AttnStep
 from deltafind.models.ops.batch import Batch
 from deltafind.models.ops.cpu_kernels import CPU, DecodeLayer
-from deltafind.store.provider import ExpertProvider
+from deltafind.provider import ExpertProvider
 
 log = get_logger(__name__)
 Chain = Callable[[torch.Tensor], tuple[torch.Tensor, int]]  # x -> (x after layers [0, done), done)

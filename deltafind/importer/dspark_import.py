@@ -21,6 +21,9 @@ from typing import Any
 import torch
 
 from deltafind.errors import StoreError
+from deltafind.importer.sources import TensorInfo
+from deltafind.importer.spine_writer import write_safetensors
+from deltafind.importer.synthetic import Spec, draw, linear, norm
 from deltafind.store.dspark import (
     CONFIG_NAME,
     CONTRACT,
@@ -34,9 +37,6 @@ from deltafind.store.dspark import (
     target_config,
     text_config,
 )
-from deltafind.store.sources import TensorInfo
-from deltafind.store.spine_writer import write_safetensors
-from deltafind.store.synthetic import Spec, draw, linear, norm
 
 
 def _write(store: Path, cfg: dict[str, Any], tensors: dict[str, TensorInfo], load: Callable[[str], torch.Tensor]) -> Path:

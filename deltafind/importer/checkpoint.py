@@ -1,5 +1,5 @@
-"""Open a checkpoint for import by what is on disk: a HuggingFace folder (store/sources.py) or a GGUF
-file or any shard of a split one (store/gguf_source.py). The one place that tells them apart.
+"""Open a checkpoint for import by what is on disk: a HuggingFace folder (importer/sources.py) or a GGUF
+file or any shard of a split one (importer/gguf_source.py). The one place that tells them apart.
 """
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from deltafind.errors import StoreError
-from deltafind.store.gguf_source import GGUFSource
-from deltafind.store.sources import HFSource, Source
+from deltafind.importer.gguf_source import GGUFSource
+from deltafind.importer.sources import HFSource, Source
 
 
 def open_source(path: Path, widen: bool = False) -> Source:
-    """The reader for `path`: a HuggingFace folder, or a GGUF file or shard (store/gguf_source.py; `widen`:
+    """The reader for `path`: a HuggingFace folder, or a GGUF file or shard (importer/gguf_source.py; `widen`:
     import block types without a kernel as float32 instead of refusing them)."""
     path = Path(path)
     if not path.exists():

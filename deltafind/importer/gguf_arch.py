@@ -1,7 +1,7 @@
 """llama.cpp architectures deltafind imports from GGUF: metadata -> the family's config.json fields,
 and the transformers tensor names each family reads (gguf-py's TensorNameMap gives their GGUF names).
 
-Knows metadata keys and names, not files: store/gguf_source.py reads the shards and tensors.
+Knows metadata keys and names, not files: importer/gguf_source.py reads the shards and tensors.
 """
 
 from __future__ import annotations

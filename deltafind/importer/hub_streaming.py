@@ -8,7 +8,7 @@ fetches the rest, checks each shard against the sha256 the hub publishes
 (rebuilt from the store's bytes, and the hub's for what the store changed, as
 a GGUF's spine: a bad expert is found and refetched), and turns the store into
 an ordinary one. The source is a `HubSource` or, from a GGUF repository, a
-`GGUFHubSource` (store/hub_gguf.py).
+`GGUFHubSource` (importer/hub_gguf.py).
 """
 
 from __future__ import annotations
@@ -22,20 +22,10 @@ import xxhash
 from tqdm import tqdm
 
 from deltafind.errors import StoreError
-from deltafind.store.hub import HubSource, read_local_header
-from deltafind.store.hub_gguf import GGUFHubSource
-from deltafind.store.manifest import (
-    SPINE_NAME,
-    ExpertRecord,
-    Manifest,
-    align_up,
-    pack_name,
-    write_json_atomic,
-)
-from deltafind.store.plan import dense_slices_for, iter_expert_groups, plan_tensors
-from deltafind.store.reader import record_tensors
-from deltafind.store.remote_experts import PRESENT_NAME, REMOTE_NAME, RemoteExperts
-from deltafind.store.setup import (
+from deltafind.importer.hub import HubSource, read_local_header
+from deltafind.importer.hub_gguf import GGUFHubSource
+from deltafind.importer.plan import dense_slices_for, iter_expert_groups, plan_tensors
+from deltafind.importer.setup import (
     _open_packs,
     drive_folders,
     existing_store,
@@ -44,7 +34,17 @@ from deltafind.store.setup import (
     open_journal,
     record_layout,
 )
-from deltafind.store.spine_writer import write_safetensors
+from deltafind.importer.spine_writer import write_safetensors
+from deltafind.store.manifest import (
+    SPINE_NAME,
+    ExpertRecord,
+    Manifest,
+    align_up,
+    pack_name,
+    write_json_atomic,
+)
+from deltafind.store.reader import record_tensors
+from deltafind.store.remote_experts import PRESENT_NAME, REMOTE_NAME, RemoteExperts
 
 READ_CHUNK = 16 << 20
 

@@ -3,7 +3,7 @@
 `pick_quant` chooses the quant's files from a repository's file list as llama.cpp's
 common/download.cpp does: the tag matched case-insensitively, Q4_K_M then Q8_0 when none is
 given, every shard of a split file; unlike llama.cpp, an ambiguous tag is refused, not guessed.
-store/hub.py downloads and verifies the files and hands the first one's path to the GGUF import;
+importer/hub.py downloads and verifies the files and hands the first one's path to the GGUF import;
 `GGUFHubSource` reads them by range instead, for `setup --streaming`.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from deltafind.errors import StoreError
-from deltafind.store.gguf_source import GGUFSource
+from deltafind.importer.gguf_source import GGUFSource
 from deltafind.store.remote import RangeClient, RemoteTensor
 
 SPLIT = re.compile(r"^(?P<prefix>.+)-(?P<no>[0-9]{5})-of-(?P<count>[0-9]{5})$", re.I)
@@ -126,7 +126,7 @@ class GGUFHubSource(GGUFSource):
     streaming = True
 
     def __init__(self, repo: Any, names: list[str], store_dir: Path, widen: bool = False) -> None:
-        """`repo`: store/hub.py's HubRepo (not imported: hub.py imports this module); `names`: the quant's shards."""
+        """`repo`: importer/hub.py's HubRepo (not imported: hub.py imports this module); `names`: the quant's shards."""
         self.repo, self.shards = repo, names
         self.client = RangeClient(repo.repo_id, repo.commit, repo.endpoint)
         self.headers = Path(store_dir) / HEADERS_DIR

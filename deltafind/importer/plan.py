@@ -1,7 +1,7 @@
 """What an import makes of a checkpoint's tensors: the spine, routed expert records, and dense MLPs
 cut into slices (`Plan`, by the family's weight names), and each record's tensors in store order.
 
-store/setup.py (a local import) and store/hub_streaming.py (a hub's) write what this plans.
+importer/setup.py (a local import) and importer/hub_streaming.py (a hub's) write what this plans.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from deltafind.errors import StoreError
+from deltafind.importer.sources import Source, TensorInfo
 from deltafind.log import get_logger
-from deltafind.store.provider import HF_WEIGHTS, WeightNames
+from deltafind.provider import HF_WEIGHTS, WeightNames
 from deltafind.store.quant import BLOCKS, parse_quant, slice_cols
-from deltafind.store.sources import Source, TensorInfo
 
 log = get_logger(__name__)
 EXPERT_NAME = re.compile(r"\.experts\.\d+\.")  # how any family's routed experts read; never spine tensors

@@ -6,8 +6,8 @@ huggingface_hub (its cache, resume, HF_ENDPOINT/HF_TOKEN/HF_HUB_OFFLINE,
 progress) and verifies it. `HubSource` is the `Source` setup imports from:
 tensor metadata from the shards' headers (fetched by range), tensors from
 shards downloaded one at a time, or by range for a streaming install. From a
-GGUF repository (`:QUANT`, picked by store/hub_gguf.py) `fetch_gguf` downloads whole files,
-or, streaming, store/hub_gguf.py's `GGUFHubSource` reads them by range.
+GGUF repository (`:QUANT`, picked by importer/hub_gguf.py) `fetch_gguf` downloads whole files,
+or, streaming, importer/hub_gguf.py's `GGUFHubSource` reads them by range.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from deltafind.errors import StoreError
-from deltafind.store.checkpoint import open_source
-from deltafind.store.hub_gguf import GGUFHubSource, is_model_gguf, local_gguf, pick_quant
+from deltafind.importer.checkpoint import open_source
+from deltafind.importer.hub_gguf import GGUFHubSource, is_model_gguf, local_gguf, pick_quant
+from deltafind.importer.sources import Source, import_names, tensor_info
+from deltafind.importer.spine_writer import write_safetensors
 from deltafind.store.remote import RangeClient, RemoteTensor, parse_header, read_shard_header
-from deltafind.store.sources import Source, import_names, tensor_info
-from deltafind.store.spine_writer import write_safetensors
 
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?::(?P<quant>[\w.-]+))?(?:@(?P<rev>[\w./-]+))?$")
 INDEX = "model.safetensors.index.json"

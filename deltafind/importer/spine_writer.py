@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
+from deltafind.importer.sources import TensorInfo
 from deltafind.store.quant import SPINE_METADATA_KEY
-from deltafind.store.sources import TensorInfo
 
 _DTYPE_CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from deltafind.store.synthetic_families import Family, Spec, linear, norm
+from deltafind.importer.synthetic_families import Family, Spec, linear, norm
 
 F32 = torch.float32
 E2M1_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)

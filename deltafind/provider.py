@@ -2,8 +2,8 @@
 
 A model asks an `ExpertProvider` for the experts its router chose at one layer
 and gets tensors back; it never knows about drives, packs or caches. A family
-tells the store's import which checkpoint tensors are experts (`WeightNames`).
-This module must not import anything from the rest of `deltafind.store`.
+tells the importer which checkpoint tensors are experts (`WeightNames`).
+It sits below the store and the importer, which both use it, and imports nothing of deltafind.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _keep_all(tensors: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class WeightNames:
-    """How a family names the tensors of its checkpoints, for import (`store/setup.py`).
+    """How a family names the tensors of its checkpoints, for import (`importer/setup.py`).
 
     `routed` full-matches a routed expert's tensor, groups (layer, expert, part);
     `dense` a dense MLP's tensor (stored as slices), groups (layer, part); every

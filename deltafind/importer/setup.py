@@ -4,7 +4,7 @@ Resumable: a journal records each expert record once its pack bytes are on
 disk; a rerun truncates the packs to the last journaled record and goes on.
 Never holds more than one tensor group (one expert, or one dense MLP) beyond
 what it is writing. Which tensors are experts is the family's `WeightNames`
-(store/provider.py), sorted by store/plan.py; this module knows no model's names.
+(deltafind/provider.py), sorted by importer/plan.py; this module knows no model's names.
 """
 
 from __future__ import annotations
@@ -25,8 +25,13 @@ import xxhash
 from tqdm import tqdm
 
 from deltafind.errors import StoreError
+from deltafind.importer.checkpoint import open_source
+from deltafind.importer.placement import MIN_STRIPE_BYTES, place, stripe_extents, write_record
+from deltafind.importer.plan import dense_slices_for, iter_expert_groups, plan_tensors
+from deltafind.importer.sources import Source, TensorInfo
+from deltafind.importer.spine_writer import write_safetensors
 from deltafind.log import get_logger
-from deltafind.store.checkpoint import open_source
+from deltafind.provider import HF_WEIGHTS, WeightNames
 from deltafind.store.manifest import (
     ALIGN,
     FORMAT_VERSION,
@@ -41,11 +46,6 @@ from deltafind.store.manifest import (
     align_up,
     pack_name,
 )
-from deltafind.store.placement import MIN_STRIPE_BYTES, place, stripe_extents, write_record
-from deltafind.store.plan import dense_slices_for, iter_expert_groups, plan_tensors
-from deltafind.store.provider import HF_WEIGHTS, WeightNames
-from deltafind.store.sources import Source, TensorInfo
-from deltafind.store.spine_writer import write_safetensors
 
 log = get_logger(__name__)
 JOURNAL_NAME = "setup.journal"
@@ -131,7 +131,7 @@ def setup_store(
     """Import `source_path` (a path, or an open `Source` such as a synthetic one) into
     `store_dir`, each expert record split over all `drives` (`placement="stripe"`, records
     of at least 2 x `min_stripe_bytes`; smaller ones whole, round-robin) or whole, round-robin
-    (`"whole"`): store/placement.py. `names` is the family's
+    (`"whole"`): importer/placement.py. `names` is the family's
     (`family.weight_names(args)`; `deltafind setup` passes it). Dense MLPs are cut into
     `dense_slices` records each, or (None) as many as `plan.dense_slices_for` chooses by size.
 
@@ -192,7 +192,7 @@ def setup_store(
                 f.close()
 
         # The spine goes after the experts: a hub source frees each shard once its experts are in
-        # (its spine tensors staged), so peak disk stays near the store's size (store/hub.py).
+        # (its spine tensors staged), so peak disk stays near the store's size (importer/hub.py).
         spine_entry = next((d for d in done if d.get("kind") == "spine"), None)
         if spine_entry is None:
             tmp = store_dir / (SPINE_NAME + ".tmp")

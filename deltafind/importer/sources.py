@@ -1,4 +1,4 @@
-"""Checkpoint readers for setup: a HuggingFace folder here, a GGUF file in store/gguf_source.py.
+"""Checkpoint readers for setup: a HuggingFace folder here, a GGUF file in importer/gguf_source.py.
 
 Both present the same face: an HF-style config dict, tensor metadata (name ->
 dtype, shape) without loading anything, and `load(name)` for one tensor at a
@@ -52,7 +52,7 @@ class Source:
         """Setup is about to read: `spine` are the names it writes to the spine (the rest are experts)."""
 
     def end_import(self) -> None:
-        """Setup finished: a source may free what it fetched (store/hub.py's --delete-source)."""
+        """Setup finished: a source may free what it fetched (importer/hub.py's --delete-source)."""
 
 
 def stat_fingerprint(paths: list[Path], extra: bytes = b"") -> str:

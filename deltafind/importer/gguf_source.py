@@ -1,7 +1,7 @@
 """A GGUF checkpoint (llama.cpp), whole or split into shards, as a setup `Source` with transformers' names.
 
 Finds and checks every shard (`split.*` keys), names tensors through gguf-py's own tables for the
-architecture (store/gguf_arch.py), cuts llama.cpp's merged 3-D expert tensors into per-expert ones and
+architecture (importer/gguf_arch.py), cuts llama.cpp's merged 3-D expert tensors into per-expert ones and
 rebuilds MLA's `kv_b_proj` from its split halves. Block formats with a kernel (store/quant.py) stay as
 stored; others are refused, or dequantized to float32 when the caller asks (`widen`).
 """
@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 from deltafind.errors import StoreError, UnsupportedModelError
+from deltafind.importer.gguf_arch import Arch, arch_for
+from deltafind.importer.sources import Source, TensorInfo, stat_fingerprint
 from deltafind.log import get_logger
-from deltafind.store.gguf_arch import Arch, arch_for
 from deltafind.store.quant import BLOCKS, quant_tag, row_bytes
-from deltafind.store.sources import Source, TensorInfo, stat_fingerprint
 
 log = get_logger(__name__)
 SHARD = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")  # llama.cpp's llama_split_path
@@ -133,7 +133,7 @@ class GGUFSource(Source):
             base, dot, suffix = name.rpartition(".")
             hf = to_hf.get(base)
             if name == "rope_freqs.weight":
-                continue  # read into config (store/gguf_arch.py's llama3_rope)
+                continue  # read into config (importer/gguf_arch.py's llama3_rope)
             if hf is None:
                 if (m := re.match(r"blk\.(\d+)\.", name)) and int(m[1]) >= layers:
                     continue  # multi-token-prediction layers after the last decoder layer: not run

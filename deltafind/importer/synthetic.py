@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from deltafind.errors import StoreError
-from deltafind.store import synthetic_families, synthetic_k3
-from deltafind.store.sources import Source, TensorInfo
-from deltafind.store.synthetic_families import Family, Spec, draw, linear, norm
+from deltafind.importer import synthetic_families, synthetic_k3
+from deltafind.importer.sources import Source, TensorInfo
+from deltafind.importer.synthetic_families import Family, Spec, draw, linear, norm
 
 __all__ = ["FAMILIES", "Family", "Spec", "SyntheticSource", "draw", "linear", "norm", "open_synthetic", "write_hf_folder"]
 
