@@ -232,7 +232,8 @@ class RequestRun(Generic[Body]):
         """(choice, text, logprob entries, finished) per engine event until every choice has finished; None
         when KEEPALIVE_S passed quietly (streamed only).
 
-        Raises ApiError 499 when the client hung up, 500 when the engine failed a sequence; at any end the
+        Raises ApiError 499 when the client hung up, else the failed choice's own error (400 for a schema that
+        gave up mid-output, 500 when the engine failed); at any end the
         sequences left are cancelled (a no-op for finished ones; frees the slots of a client that left).
         """
         started = time.monotonic()
