@@ -151,7 +151,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
         from deltafind.store.manifest import Manifest
 
         before, after, moved = rebalance(Path(args.store), heat, drive_options(settings), stripe=args.stripe)
-        share = lambda b: " / ".join(f"{h / max(1e-9, sum(b.heat_per_drive)):.0%}" for h in b.heat_per_drive)  # noqa: E731
+
+        def share(b: Any) -> str:
+            return " / ".join(f"{h / max(1e-9, sum(b.heat_per_drive)):.0%}" for h in b.heat_per_drive)
+
         if args.stripe or Manifest.load(Path(args.store)).placement == "stripe":
             print(f"{'striped' if moved else 'placement kept'}: every large record is split over all {len(before.heat_per_drive)} drive(s)"
                   f"{'' if moved else ' already (or the store has one drive, or records too small to split)'}")

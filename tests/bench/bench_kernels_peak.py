@@ -102,7 +102,10 @@ def probe_lib() -> ctypes.CDLL:
 
 def cpu_flags() -> tuple[set[str], str, int | None]:
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    field = lambda key: next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith(key)), "")  # noqa: E731
+
+    def field(key: str) -> str:
+        return next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith(key)), "")
+
     family = field("cpu family")
     return set(field("flags").split()), field("model name") or field("vendor_id"), int(family) if family.isdigit() else None
 

@@ -145,10 +145,14 @@ def test_multi_turn_with_tools_renders_by_the_rules(tok: KimiTokenizer) -> None:
         {"role": "assistant", "content": 'Sunny & "warm".'},
     ]
     text = tok.render_chat(messages, tools=tools, tool_choice="required", response_format={"type": "json_object"})
-    msg = lambda role, body, **a: (  # noqa: E731
-        f'<|open|>message role="{role}"' + "".join(f' {k}="{v}"' for k, v in a.items()) + f"<|sep|>{body}<|close|>message<|sep|><|end_of_msg|>"
-    )
-    sysmsg = lambda kind, body: f'<|open|>message role="system" type="{kind}"<|sep|>{body}<|close|>message<|sep|><|end_of_msg|>'  # noqa: E731
+
+    def msg(role: str, body: str, **a: str) -> str:
+        attrs = "".join(f' {k}="{v}"' for k, v in a.items())
+        return f'<|open|>message role="{role}"{attrs}<|sep|>{body}<|close|>message<|sep|><|end_of_msg|>'
+
+    def sysmsg(kind: str, body: str) -> str:
+        return f'<|open|>message role="system" type="{kind}"<|sep|>{body}<|close|>message<|sep|><|end_of_msg|>'
+
     tools_json = '[{"function":{"name":"get","parameters":{"a":true,"b":1,"type":"object"}},"type":"function"}]'
     want = (
         sysmsg("tool-declare", "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n" + tools_json + "\n```")
