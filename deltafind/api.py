@@ -45,25 +45,50 @@ log = get_logger(__name__)
 class Model:
     """A store opened for inference: the resident spine plus streamed experts."""
 
-    def __init__(self, store_dir: Path, manifest: Manifest, net: torch.nn.Module, experts: StoreExperts, tokenizer: Tokenizer,
-                 settings: Settings) -> None:
-        self.store_dir, self.manifest, self.net, self.experts, self.tokenizer = store_dir, manifest, net, experts, tokenizer
+    def __init__(
+        self,
+        store_dir: Path,
+        manifest: Manifest,
+        net: torch.nn.Module,
+        experts: StoreExperts,
+        tokenizer: Tokenizer,
+        settings: Settings,
+    ) -> None:
+        self.store_dir, self.manifest, self.net, self.experts, self.tokenizer = (
+            store_dir,
+            manifest,
+            net,
+            experts,
+            tokenizer,
+        )
         self.settings = settings  # what it was opened with (reload: apply_live)
         self.last_stats = GenerationStats()
         self.spine: SpineStreamer | None = None  # streams the layers past the resident prefix
-        self.draft: DraftSource | None = None  # speculative decoding (engine/speculative.py), see open_draft
+        self.draft: DraftSource | None = (
+            None  # speculative decoding (engine/speculative.py), see open_draft
+        )
         self.draft_policy = PolicyOptions()
         self.last_draft_stats = DraftStats()
         self.last_engine_stats = EngineStats()
         self._draft_models: list[Model] = []
-        self._drafts_by_spec: dict[str, tuple[DraftSource | None, PolicyOptions]] = {}  # generate(draft=) builds each once
+        self._drafts_by_spec: dict[
+            str, tuple[DraftSource | None, PolicyOptions]
+        ] = {}  # generate(draft=) builds each once
         self.memory_lock = MemoryLock()
         self.cluster: Any = None  # the expert nodes' provider when [cluster] role = "coordinator"
-        self.prefill = PrefillPlan(1 << 62, 1, 0)  # set at load from the memory left (engine/prefill.py)
+        self.prefill = PrefillPlan(
+            1 << 62, 1, 0
+        )  # set at load from the memory left (engine/prefill.py)
 
     @classmethod
-    def open(cls, store_dir: str | Path | None = None, settings: Settings | None = None, *,
-             trace_path: str | Path | None = None, **overrides: Any) -> Model:
+    def open(
+        cls,
+        store_dir: str | Path | None = None,
+        settings: Settings | None = None,
+        *,
+        trace_path: str | Path | None = None,
+        **overrides: Any,
+    ) -> Model:
         """Load the spine of the store at `store_dir` (else `[model] store`); experts stream on demand.
 
         Everything comes from `settings` (default: `load_settings()`, the config file and DELTAFIND_*
@@ -80,7 +105,10 @@ class Model:
         Output never changes: the same tokens under greedy, the same distribution under sampling.
         A cross-tokenizer draft (`raw_only`) is for raw prompts: chat requests never use it.
         """
-        device, dtype = self.net.lm_head.weight.device, str(self.net.lm_head.weight.dtype).removeprefix("torch.")
+        device, dtype = (
+            self.net.lm_head.weight.device,
+            str(self.net.lm_head.weight.dtype).removeprefix("torch."),
+        )
 
         def open_model(path: Path) -> Model:
             m = Model.open(path, device=str(device), dtype=dtype, draft="off")
@@ -92,22 +120,40 @@ class Model:
 
         try:
             self.draft, self.draft_policy = source_from_settings(
-                draft, self.net, target_store=self.store_dir, open_store=lambda p: open_model(p).net, device=device,
-                open_cross=open_cross)
+                draft,
+                self.net,
+                target_store=self.store_dir,
+                open_store=lambda p: open_model(p).net,
+                device=device,
+                open_cross=open_cross,
+            )
         except DraftError as e:
-            raise StoreError(f"[draft] mode = \"on\" but source {draft.source!r} cannot draft: {e}; "
-                             "set [draft] mode = \"auto\" (or --draft off) to run without it") from e
+            raise StoreError(
+                f"[draft] mode = \"on\" but source {draft.source!r} cannot draft: {e}; "
+                "set [draft] mode = \"auto\" (or --draft off) to run without it"
+            ) from e
         if self.draft is not None:
-            log.info("draft_ready", source=self.draft.name, mode=self.draft_policy.mode, max_width=self.draft_policy.max_width)
+            log.info(
+                "draft_ready",
+                source=self.draft.name,
+                mode=self.draft_policy.mode,
+                max_width=self.draft_policy.max_width,
+            )
 
     def apply_live(self, settings: Settings, live: Sequence[str]) -> None:
         """Apply reloaded `[cache]`/`[prefetch]` keys named in `live` (call between engine steps)."""
         c, ex = settings.cache, self.experts
         if "cache.expert_bytes" in live:
             ex.set_cache_budget(None if c.expert_bytes is None else int(c.expert_bytes))
-            if c.expert_bytes is not None and int(c.expert_bytes) < ex.resident.dense_bytes:  # chosen at open
-                log.warning("expert_bytes_below_dense_held", expert_bytes=int(c.expert_bytes), dense_held_bytes=ex.resident.dense_bytes,
-                            fix="restart the daemon to hold fewer dense layers under the new [cache] expert_bytes")
+            if (
+                c.expert_bytes is not None and int(c.expert_bytes) < ex.resident.dense_bytes
+            ):  # chosen at open
+                log.warning(
+                    "expert_bytes_below_dense_held",
+                    expert_bytes=int(c.expert_bytes),
+                    dense_held_bytes=ex.resident.dense_bytes,
+                    fix="restart the daemon to hold fewer dense layers under the new [cache] expert_bytes",
+                )
         if any(k.startswith("prefetch.") for k in live):
             ex.prefetch_options = prefetch_options(settings)
         if "cache.pin_bytes" in live:
@@ -123,16 +169,34 @@ class Model:
     def forward_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """fp32 logits [len, vocab] for the whole sequence, computed without a cache."""
         with torch.inference_mode():
-            return forward_step(self.net, SequenceCache(self.net.num_layers), token_ids, all_logits=True).float()
+            return forward_step(
+                self.net, SequenceCache(self.net.num_layers), token_ids, all_logits=True
+            ).float()
 
     def stream(self, token_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
         """Yield new tokens as they are chosen (on the engine core, synchronously); figures land in
         `last_stats`, `last_draft_stats` and `last_engine_stats` (the core's snapshot source)."""
-        self.last_stats, self.last_draft_stats, self.last_engine_stats = GenerationStats(), DraftStats(), EngineStats()
-        limits = replace(ONE_AT_A_TIME, prefill=replace(self.prefill, cap=self.settings.server.max_prefill_tokens))
-        yield from generate(self.net, token_ids, params, self.eos_token_ids, self.last_stats, draft=self.draft, limits=limits,
-                            draft_policy=self.draft_policy, draft_stats=self.last_draft_stats,
-                            engine_stats=self.last_engine_stats)
+        self.last_stats, self.last_draft_stats, self.last_engine_stats = (
+            GenerationStats(),
+            DraftStats(),
+            EngineStats(),
+        )
+        limits = replace(
+            ONE_AT_A_TIME,
+            prefill=replace(self.prefill, cap=self.settings.server.max_prefill_tokens),
+        )
+        yield from generate(
+            self.net,
+            token_ids,
+            params,
+            self.eos_token_ids,
+            self.last_stats,
+            draft=self.draft,
+            limits=limits,
+            draft_policy=self.draft_policy,
+            draft_stats=self.last_draft_stats,
+            engine_stats=self.last_engine_stats,
+        )
 
     def generate(
         self,
@@ -146,7 +210,9 @@ class Model:
         draft: str | None = None,
     ) -> list[int]:
         """New token ids (EOS included when it ends the sequence); `draft` (a `--draft` value) for this call only."""
-        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop_token_ids))
+        params = SamplingParams(
+            max_new_tokens, temperature, top_p, top_k, seed, tuple(stop_token_ids)
+        )
         if draft is None:
             return list(self.stream(token_ids, params))
         saved = self.draft, self.draft_policy
@@ -166,27 +232,58 @@ class Model:
         e, layers = ex.stats, list(ex.stats.layers.values())
         needed = sum(r.needed for r in layers)
         out: dict[str, Any] = {
-            "cache_requested": e.requested, "cache_hits": e.cache_hits, "pinned_hits": e.pinned_hits,
+            "cache_requested": e.requested,
+            "cache_hits": e.cache_hits,
+            "pinned_hits": e.pinned_hits,
             "cache_hit_rate": (e.cache_hits + e.pinned_hits) / e.requested if e.requested else 0.0,
-            "cache_used_bytes": ex.cache.used_bytes, "cache_budget_bytes": ex.cache.budget_bytes or 0,
-            "cache_experts": len(ex.cache), "pinned_bytes": ex.resident.pinned_bytes, "experts_read": e.read,
-            "dense_held_layers": len(ex.resident.layers), "dense_held_bytes": ex.resident.dense_bytes,
-            "bytes_read": e.bytes_read, "io_wait_s": e.wait_s, "prefetch_issued": e.prefetch_issued,
-            "prefetch_used": e.prefetch_used, "prefetch_wasted": e.prefetch_wasted,
+            "cache_used_bytes": ex.cache.used_bytes,
+            "cache_budget_bytes": ex.cache.budget_bytes or 0,
+            "cache_experts": len(ex.cache),
+            "pinned_bytes": ex.resident.pinned_bytes,
+            "experts_read": e.read,
+            "dense_held_layers": len(ex.resident.layers),
+            "dense_held_bytes": ex.resident.dense_bytes,
+            "bytes_read": e.bytes_read,
+            "io_wait_s": e.wait_s,
+            "prefetch_issued": e.prefetch_issued,
+            "prefetch_used": e.prefetch_used,
+            "prefetch_wasted": e.prefetch_wasted,
             "prefetch_recall": sum(r.hits for r in layers) / needed if needed else 0.0,
-            "prefetch_gated": e.prefetch_gated, "prefetch_gate": ex.gate.snapshot(),  # per-layer recall/precision, drive load
-            "drives": [{"index": i, "path": str(path), "healthy": os.access(path, os.R_OK) and i not in ex.reader.problems,
-                        "problem": ex.reader.problems.get(i, ""), "reads": d.reads, "bytes_read": d.bytes, "read_gb_s": d.gb_s}
-                       for i, (path, d) in enumerate(zip(ex.reader.paths, ex.reader.stats, strict=True))],
+            "prefetch_gated": e.prefetch_gated,
+            "prefetch_gate": ex.gate.snapshot(),  # per-layer recall/precision, drive load
+            "drives": [
+                {
+                    "index": i,
+                    "path": str(path),
+                    "healthy": os.access(path, os.R_OK) and i not in ex.reader.problems,
+                    "problem": ex.reader.problems.get(i, ""),
+                    "reads": d.reads,
+                    "bytes_read": d.bytes,
+                    "read_gb_s": d.gb_s,
+                }
+                for i, (path, d) in enumerate(zip(ex.reader.paths, ex.reader.stats, strict=True))
+            ],
         }
-        remote, total = ex.reader.remote, self.manifest.expert_bytes()  # a streaming install fills as it serves
-        out.update(store_bytes_total=total, store_bytes_present=remote.present_bytes() if remote is not None else total,
-                   spine_int8=self.settings.cache.spine_int8, cpu_kernels=kernel_status())
+        remote, total = (
+            ex.reader.remote,
+            self.manifest.expert_bytes(),
+        )  # a streaming install fills as it serves
+        out.update(
+            store_bytes_total=total,
+            store_bytes_present=remote.present_bytes() if remote is not None else total,
+            spine_int8=self.settings.cache.spine_int8,
+            cpu_kernels=kernel_status(),
+        )
         if self.cluster is not None:
             out["nodes"] = self.cluster.status()
         if (sp := self.spine) is not None:
-            out["spine"] = {"resident_layers": sp.plan.resident_layers, "num_layers": sp.plan.num_layers,
-                            "layer_reads": sp.layers_read, "bytes_read": sp.bytes_read, "wait_s": sp.wait_s}
+            out["spine"] = {
+                "resident_layers": sp.plan.resident_layers,
+                "num_layers": sp.plan.num_layers,
+                "layer_reads": sp.layers_read,
+                "bytes_read": sp.bytes_read,
+                "wait_s": sp.wait_s,
+            }
         return out
 
     def save_heat(self) -> None:
@@ -227,12 +324,21 @@ def text_codec(tokenizer: Tokenizer, add_bos: bool | None = False) -> TextCodec:
     The target's codec leaves BOS out (the source sets a leading BOS aside itself);
     a draft's keeps its own BOS rule (`add_bos=None`), so it reads text as it was trained to.
     """
-    return TextCodec(lambda text: tokenizer.encode(text, add_bos=add_bos), lambda ids: tokenizer.decode(list(ids)),
-                     tokenizer.bos_token_id)
+    return TextCodec(
+        lambda text: tokenizer.encode(text, add_bos=add_bos),
+        lambda ids: tokenizer.decode(list(ids)),
+        tokenizer.bos_token_id,
+    )
 
 
-def open_cross_draft(target: Tokenizer, stores: Sequence[str | Path], device: str = "cpu", dtype: str = "float32",
-                     max_context: int = 8192, open_model: Callable[[Path], Model] | None = None) -> CrossTokenizerSource:
+def open_cross_draft(
+    target: Tokenizer,
+    stores: Sequence[str | Path],
+    device: str = "cpu",
+    dtype: str = "float32",
+    max_context: int = 8192,
+    open_model: Callable[[Path], Model] | None = None,
+) -> CrossTokenizerSource:
     """Spec 7.7's cross-tokenizer draft for raw completions: one store, or a probe store then a wide one.
 
     The drafts may be any family with any tokenizer; they meet the target only as text.
@@ -241,14 +347,26 @@ def open_cross_draft(target: Tokenizer, stores: Sequence[str | Path], device: st
     opened: list[Model] = []
     try:
         for path in stores:
-            opened.append(open_model(Path(path)) if open_model else Model.open(path, device=device, dtype=dtype))
+            opened.append(
+                open_model(Path(path))
+                if open_model
+                else Model.open(path, device=device, dtype=dtype)
+            )
     except BaseException:
         if open_model is None:
             for m in opened:
                 m.close()
         raise
-    drafts = [CrossDraftModel(m.net, text_codec(m.tokenizer, add_bos=None), frozenset(m.eos_token_ids),
-                              min(max_context, m.net.args.max_position_embeddings))
-              for m in opened]
+    drafts = [
+        CrossDraftModel(
+            m.net,
+            text_codec(m.tokenizer, add_bos=None),
+            frozenset(m.eos_token_ids),
+            min(max_context, m.net.args.max_position_embeddings),
+        )
+        for m in opened
+    ]
     name = "cross:" + ",".join(str(p) for p in stores)
-    return CrossTokenizerSource(text_codec(target), drafts, name, closers=[] if open_model else [m.close for m in opened])
+    return CrossTokenizerSource(
+        text_codec(target), drafts, name, closers=[] if open_model else [m.close for m in opened]
+    )

@@ -51,12 +51,22 @@ log = get_logger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 SIMPLE_OVERRIDES = {  # Model.open keyword -> (settings section, key)
-    "device": ("device", "kind"), "dtype": ("device", "dtype"), "compile_kernels": ("device", "compile"),
-    "threads": ("device", "threads"), "expert_bytes": ("cache", "expert_bytes"), "pin_bytes": ("cache", "pin_bytes"),
-    "spine_bytes": ("cache", "spine_bytes"), "heat_decay": ("cache", "heat_decay"), "draft_max_width": ("draft", "max_width"),
-    "spine_int8": ("cache", "spine_int8"), "read_mode": ("cache", "read_mode"),
+    "device": ("device", "kind"),
+    "dtype": ("device", "dtype"),
+    "compile_kernels": ("device", "compile"),
+    "threads": ("device", "threads"),
+    "expert_bytes": ("cache", "expert_bytes"),
+    "pin_bytes": ("cache", "pin_bytes"),
+    "spine_bytes": ("cache", "spine_bytes"),
+    "heat_decay": ("cache", "heat_decay"),
+    "draft_max_width": ("draft", "max_width"),
+    "spine_int8": ("cache", "spine_int8"),
+    "read_mode": ("cache", "read_mode"),
     "max_prefill_tokens": ("server", "max_prefill_tokens"),
-    "expert_cache_bytes": ("cache", "expert_bytes"),  # the old name of expert_bytes, kept for existing callers
+    "expert_cache_bytes": (
+        "cache",
+        "expert_bytes",
+    ),  # the old name of expert_bytes, kept for existing callers
 }
 
 
@@ -67,23 +77,35 @@ def draft_settings(spec: str, max_width: int | None = None) -> DraftSettings:
     return DraftSettings(**fields, **({"max_width": max_width} if max_width else {}))
 
 
-def settings_with(settings: Settings | None, store_dir: str | Path | None, overrides: dict[str, Any]) -> Settings:
+def settings_with(
+    settings: Settings | None, store_dir: str | Path | None, overrides: dict[str, Any]
+) -> Settings:
     """`settings` (default: `load_settings()` with drafting off) with Model.open's simple keywords on top."""
-    nested: dict[str, dict[str, Any]] = {"model": {"store": Path(store_dir).expanduser()}} if store_dir else {}
+    nested: dict[str, dict[str, Any]] = (
+        {"model": {"store": Path(store_dir).expanduser()}} if store_dir else {}
+    )
     for key, value in overrides.items():
         if key == "prefetch":  # a bool, or the gate's options as [prefetch]'s keys
             keys = ("enabled", "max_in_flight", "recall_threshold")
-            nested["prefetch"] = {k: getattr(value, k) for k in keys} if isinstance(value, PrefetchOptions) else {"enabled": bool(value)}
+            nested["prefetch"] = (
+                {k: getattr(value, k) for k in keys}
+                if isinstance(value, PrefetchOptions)
+                else {"enabled": bool(value)}
+            )
         elif key == "drives":
             nested["drives"] = value  # type: ignore[assignment]  # DriveOptions, resolved below
         elif key == "draft":
-            nested["draft"] = draft_settings(value).model_dump(include={"mode", "source"})  # max_width: draft_max_width
+            nested["draft"] = draft_settings(value).model_dump(
+                include={"mode", "source"}
+            )  # max_width: draft_max_width
         elif key in SIMPLE_OVERRIDES:
             section, name = SIMPLE_OVERRIDES[key]
             nested.setdefault(section, {})[name] = value
         else:
-            raise TypeError(f"Model.open() got an unexpected keyword {key!r} (expected one of "
-                            f"{', '.join([*SIMPLE_OVERRIDES, 'prefetch', 'drives', 'draft'])}, or settings=)")
+            raise TypeError(
+                f"Model.open() got an unexpected keyword {key!r} (expected one of "
+                f"{', '.join([*SIMPLE_OVERRIDES, 'prefetch', 'drives', 'draft'])}, or settings=)"
+            )
     if settings is None:
         nested.setdefault("draft", {"mode": "off"})  # the Python API drafts only when asked
     data = (settings or load_settings()).model_dump()
@@ -94,8 +116,10 @@ def settings_with(settings: Settings | None, store_dir: str | Path | None, overr
     if "drives" in nested:
         store = Path(data["model"]["store"]).expanduser()
         paths = Manifest.load(store).drive_paths(store)
-        data["drives"] = [{"path": d.path or paths[i], "queue_depth": d.queue_depth, "read_mb_s": d.read_mb_s}
-                          for i, d in enumerate(nested["drives"])]  # type: ignore[arg-type]
+        data["drives"] = [
+            {"path": d.path or paths[i], "queue_depth": d.queue_depth, "read_mb_s": d.read_mb_s}
+            for i, d in enumerate(nested["drives"])
+        ]  # type: ignore[arg-type]
     try:  # the API may pin past the LRU's budget (the pin tier sits beside it): config/schema.py's PIN_BESIDE_CACHE
         cache = CacheSettings.model_validate(data["cache"], context={PIN_BESIDE_CACHE: True})
         return Settings.model_validate({**data, "cache": cache})
@@ -103,17 +127,26 @@ def settings_with(settings: Settings | None, store_dir: str | Path | None, overr
         raise ConfigError(f"Model.open: {e}") from None
 
 
-def make_model(handle: Callable[..., Any], settings: Settings, trace_path: str | Path | None = None) -> Any:
+def make_model(
+    handle: Callable[..., Any], settings: Settings, trace_path: str | Path | None = None
+) -> Any:
     """`handle` (api.Model) opened as `settings` say; a device that fails at start falls back to the CPU (logged)."""
     if settings.device.threads:
         torch.set_num_threads(settings.device.threads)
-    device = start_device(settings.device.kind)  # auto picks CUDA, then MPS, then CPU; an unusable one gives the CPU
+    device = start_device(
+        settings.device.kind
+    )  # auto picks CUDA, then MPS, then CPU; an unusable one gives the CPU
     try:
         model = load_model(handle, settings, device, trace_path)
     except DEVICE_START_ERRORS as e:
         if device.type == "cpu":
             raise
-        log.error("device_failed_at_start", device=str(device), error=f"{type(e).__name__}: {e}", fallback="cpu")
+        log.error(
+            "device_failed_at_start",
+            device=str(device),
+            error=f"{type(e).__name__}: {e}",
+            fallback="cpu",
+        )
         release_device(device)
         model = load_model(handle, settings, torch.device("cpu"), trace_path)
     try:
@@ -124,7 +157,12 @@ def make_model(handle: Callable[..., Any], settings: Settings, trace_path: str |
     return model
 
 
-def load_model(handle: Callable[..., Any], settings: Settings, device: torch.device, trace_path: str | Path | None) -> Any:
+def load_model(
+    handle: Callable[..., Any],
+    settings: Settings,
+    device: torch.device,
+    trace_path: str | Path | None,
+) -> Any:
     """`handle(...)` (api.Model) holding what `settings` describe on `device`: store, family, spine, experts."""
     from safetensors import safe_open
 
@@ -138,58 +176,92 @@ def load_model(handle: Callable[..., Any], settings: Settings, device: torch.dev
     trace = TraceWriter(Path(trace_path)) if trace_path else None
     cache = DeviceExpertCache(device, cache_bytes) if device.type != "cpu" else None
     # bf16/fp16 experts stay as stored in the cache (twice the experts per byte) and are computed on as stored
-    hold = hold_dtype({getattr(torch, t.dtype) for r in manifest.experts for t in r.tensors}, torch_dtype)
-    experts = StoreExperts.from_settings(settings, manifest, store_dir, hold, trace, stager=make_stager(device), cache=cache,
-                                         buffer_pool=read_buffer_pool(device))
+    hold = hold_dtype(
+        {getattr(torch, t.dtype) for r in manifest.experts for t in r.tensors}, torch_dtype
+    )
+    experts = StoreExperts.from_settings(
+        settings,
+        manifest,
+        store_dir,
+        hold,
+        trace,
+        stager=make_stager(device),
+        cache=cache,
+        buffer_pool=read_buffer_pool(device),
+    )
     if int(c.pin_bytes):
         experts.resident.pin(hottest(read_heat(store_dir)), int(c.pin_bytes))
     provider = experts
-    if settings.cluster.role == "coordinator":  # routed experts run on the expert nodes (deltafind/cluster)
+    if (
+        settings.cluster.role == "coordinator"
+    ):  # routed experts run on the expert nodes (deltafind/cluster)
         from deltafind.cluster.coordinator import ClusterExperts
         from deltafind.cluster.wire import group_spec
 
-        provider = ClusterExperts(experts, group_spec(settings.cluster, device), store_dir, settings.cluster.hot_replicas)
+        provider = ClusterExperts(
+            experts, group_spec(settings.cluster, device), store_dir, settings.cluster.hot_replicas
+        )
     with torch.device("meta"):
         net = family.Model(args, provider)
     # Routing biases stay fp32 (as in HF: rounding them can flip expert choices); see store/spine.py.
     spine_path = store_dir / SPINE_NAME
     spine_bytes = None if c.spine_bytes is None else int(c.spine_bytes)
-    budget = device_spine_budget(device, spine_bytes)  # on a GPU: capped by its free memory, same prefix rule
+    budget = device_spine_budget(
+        device, spine_bytes
+    )  # on a GPU: capped by its free memory, same prefix rule
     try:
         layout = read_layout(spine_path, torch_dtype, keep=stored_weight_names(net))
         plan = plan_spine(layout, net.num_layers, budget)
     except StoreError as e:
         if budget == spine_bytes:
             raise
-        raise DeviceError(f"{device} has too little free memory for the spine's always-resident part: {e}") from e
+        raise DeviceError(
+            f"{device} has too little free memory for the spine's always-resident part: {e}"
+        ) from e
     with safe_open(str(spine_path), "pt", device="cpu") as f:
         spine = load_resident(spine_path, plan, device, f.get_tensor)
     streamed = {t.name for i in plan.streamed for t in plan.layers[i]}
     tied = args.tie_word_embeddings
     if tied:
         spine.pop("lm_head.weight", None)
-    quants = {t.name: t.quant for t in layout if t.quant}  # GGUF blocks stay blocks (models/ops/stored.py)
+    quants = {
+        t.name: t.quant for t in layout if t.quant
+    }  # GGUF blocks stay blocks (models/ops/stored.py)
     install_quantized(net, quants, {n: spine.pop(n) for n in list(spine) if n in quants})
     missing, unexpected = net.load_state_dict(spine, strict=False, assign=True)
-    missing = [k for k in missing if not (tied and k == "lm_head.weight") and k not in streamed and k not in quants]
+    missing = [
+        k
+        for k in missing
+        if not (tied and k == "lm_head.weight") and k not in streamed and k not in quants
+    ]
     if missing or unexpected:
-        raise StoreError(f"{store_dir}: spine does not fit the {manifest.family} model (missing {missing[:5]}, unexpected {unexpected[:5]}); re-import the store")
+        raise StoreError(
+            f"{store_dir}: spine does not fit the {manifest.family} model (missing {missing[:5]}, unexpected {unexpected[:5]}); re-import the store"
+        )
     if tied:
         net.tie_weights()
     adopt_stored(net, torch_dtype)  # bf16/fp16 matmul weights stay as stored; fp32 activations
     if device.type == "cpu" and (note := missing_note()):
         log.warning("cpu_kernels_missing", note=note)
     if c.spine_int8:
-        log.warning("spine_int8", saved_bytes=int8_spine(net), note="row-int8 spine: NOT weight-exact ([cache] spine_int8)")
+        log.warning(
+            "spine_int8",
+            saved_bytes=int8_spine(net),
+            note="row-int8 spine: NOT weight-exact ([cache] spine_int8)",
+        )
     net.eval()
     if cache is not None:
-        cache.resize(cache_bytes)  # device memory: capped by what is free now that the spine is placed
+        cache.resize(
+            cache_bytes
+        )  # device memory: capped by what is free now that the spine is placed
         if settings.device.compile:
             use_compile(True)
             log.info("mxfp4_compile", device=str(device))
     # Dense MLPs held whole within the expert budget, outside the LRU (store/resident.py); the LRU keeps the rest.
     experts.hold_dense([m.layer_idx for m in net.modules() if isinstance(m, SlicedMLP)])
-    model = handle(store_dir, manifest, net, experts, Tokenizer.load(store_dir / TOKENIZER_DIR), settings)
+    model = handle(
+        store_dir, manifest, net, experts, Tokenizer.load(store_dir / TOKENIZER_DIR), settings
+    )
     if provider is not experts:
         model.cluster = provider
         try:
@@ -201,20 +273,38 @@ def load_model(handle: Callable[..., Any], settings: Settings, device: torch.dev
         model.spine = SpineStreamer(spine_path, plan, device)
         model.spine.bind(net)
         experts.spine = model.spine
-        log.info("spine_prefix_resident", resident_layers=plan.resident_layers, streamed_layers=len(plan.streamed),
-                 resident_bytes=plan.resident_bytes, window_bytes=plan.window_bytes, budget_bytes=spine_bytes)
-    model.memory_lock.lock([*net.parameters(), *net.buffers()])  # what is held now (int8 rows replaced their bf16)
+        log.info(
+            "spine_prefix_resident",
+            resident_layers=plan.resident_layers,
+            streamed_layers=len(plan.streamed),
+            resident_bytes=plan.resident_bytes,
+            window_bytes=plan.window_bytes,
+            budget_bytes=spine_bytes,
+        )
+    model.memory_lock.lock(
+        [*net.parameters(), *net.buffers()]
+    )  # what is held now (int8 rows replaced their bf16)
     # Prefill chunks as large as the memory left once the expert cache has filled its budget allows.
-    unfilled = max(experts.cache.budget_bytes - experts.cache.used_bytes, 0) if experts.cache.budget_bytes is not None else 0
-    model.prefill = plan_for(args, activation_budget(device, unfilled), settings.server.max_prefill_tokens,
-                             torch.empty(0, dtype=torch_dtype).element_size())
+    unfilled = (
+        max(experts.cache.budget_bytes - experts.cache.used_bytes, 0)
+        if experts.cache.budget_bytes is not None
+        else 0
+    )
+    model.prefill = plan_for(
+        args,
+        activation_budget(device, unfilled),
+        settings.server.max_prefill_tokens,
+        torch.empty(0, dtype=torch_dtype).element_size(),
+    )
     return model
 
 
 def store_dir(settings: Settings) -> Path:
     if settings.model.store is None:
-        raise StoreError("no store to serve: set [model] store in the config or pass --store DIR "
-                         "(`deltafind setup --demo` makes a demo store)")
+        raise StoreError(
+            "no store to serve: set [model] store in the config or pass --store DIR "
+            "(`deltafind setup --demo` makes a demo store)"
+        )
     return Path(settings.model.store).expanduser()
 
 
@@ -231,16 +321,29 @@ def server_config(settings: Settings) -> Any:
     try:
         lines = Path(s.api_key_file).read_text().splitlines() if s.api_key_file is not None else []
     except OSError as e:
-        raise ConfigError(f"{s.api_key_file}: cannot read server.api_key_file: {e.strerror or e}") from None
+        raise ConfigError(
+            f"{s.api_key_file}: cannot read server.api_key_file: {e.strerror or e}"
+        ) from None
     keys += [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
-    return ServerConfig(tuple(dict.fromkeys(keys)), int(s.max_body_bytes), s.max_tokens_default, s.max_context)
+    return ServerConfig(
+        tuple(dict.fromkeys(keys)), int(s.max_body_bytes), s.max_tokens_default, s.max_context
+    )
 
 
 def scheduler_limits(s: Settings, model: Any, context: int) -> SchedulerLimits:
     """`[server]` and `[cache]` as the engine's limits for `model` (None: not loaded yet) with `context` tokens."""
     max_context = min(s.server.max_context or context, context)
-    cap = s.server.max_prefill_tokens  # else prefill chunks are as large as memory allows (engine/prefill.py)
+    cap = (
+        s.server.max_prefill_tokens
+    )  # else prefill chunks are as large as memory allows (engine/prefill.py)
     prefill = replace(model.prefill, cap=cap) if model is not None else None
-    return SchedulerLimits(s.server.max_running, s.server.max_queue, max(cap or max_context, s.server.max_running),
-                           max_context, int(s.cache.prompt_bytes), prefill, s.cache.prompt_snapshot_tokens,
-                           step_target_s=s.server.step_target_s or None)
+    return SchedulerLimits(
+        s.server.max_running,
+        s.server.max_queue,
+        max(cap or max_context, s.server.max_running),
+        max_context,
+        int(s.cache.prompt_bytes),
+        prefill,
+        s.cache.prompt_snapshot_tokens,
+        step_target_s=s.server.step_target_s or None,
+    )

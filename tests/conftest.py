@@ -32,23 +32,60 @@ def write_tiny_tokenizer(folder: Path) -> None:
     write_byte_tokenizer(folder, {})
 
 
-def make_hf_checkpoint(family: str, folder: Path, seed: int = 0, dtype: str = "float32", **overrides) -> Path:
+def make_hf_checkpoint(
+    family: str, folder: Path, seed: int = 0, dtype: str = "float32", **overrides
+) -> Path:
     """Save a tiny random transformers model of `family` to `folder` (fp32, or `dtype`)."""
     import torch
     import transformers as T
 
-    base = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, initializer_range=0.1, eos_token_id=EOS_ID, bos_token_id=None, pad_token_id=None,
-                max_position_embeddings=256)
+    base = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.1,
+        eos_token_id=EOS_ID,
+        bos_token_id=None,
+        pad_token_id=None,
+        max_position_embeddings=256,
+    )
     configs = {
         "llama": (T.LlamaConfig, {}),
         "qwen2": (T.Qwen2Config, {}),
         "qwen3": (T.Qwen3Config, {"head_dim": 16}),
-        "qwen3_moe": (T.Qwen3MoeConfig, {"head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2}),
-        "deepseek_v3": (T.DeepseekV3Config, {"moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
-                                             "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
-                                             "qk_nope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 1, "num_key_value_heads": 4}),
-        "olmoe": (T.OlmoeConfig, {"intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2}),
+        "qwen3_moe": (
+            T.Qwen3MoeConfig,
+            {
+                "head_dim": 16,
+                "moe_intermediate_size": 32,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+            },
+        ),
+        "deepseek_v3": (
+            T.DeepseekV3Config,
+            {
+                "moe_intermediate_size": 32,
+                "n_routed_experts": 8,
+                "num_experts_per_tok": 2,
+                "n_group": 2,
+                "topk_group": 1,
+                "q_lora_rank": 32,
+                "kv_lora_rank": 16,
+                "qk_rope_head_dim": 8,
+                "qk_nope_head_dim": 8,
+                "v_head_dim": 16,
+                "first_k_dense_replace": 1,
+                "num_key_value_heads": 4,
+            },
+        ),
+        "olmoe": (
+            T.OlmoeConfig,
+            {"intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2},
+        ),
     }
     cls, extra = configs[family]
     cfg = cls(**{**base, **extra, **overrides})
@@ -56,8 +93,12 @@ def make_hf_checkpoint(family: str, folder: Path, seed: int = 0, dtype: str = "f
     model = T.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("e_score_correction_bias") or (family == "qwen2" and name.endswith("_proj.bias")):
-                p.normal_(0, 0.5)  # the default init is zero, which would not test the bias (Qwen2's q/k/v too)
+            if name.endswith("e_score_correction_bias") or (
+                family == "qwen2" and name.endswith("_proj.bias")
+            ):
+                p.normal_(
+                    0, 0.5
+                )  # the default init is zero, which would not test the bias (Qwen2's q/k/v too)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.5)
@@ -84,13 +125,19 @@ def gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
         return torch.from_numpy(quantize(w, GGMLQuantizationType[kind]))
     per, size = BLOCKS[kind]
     raw = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
-    scale = (rng.standard_normal((rows, cols // per, 2)).astype(np.float16) * np.float16(0.01)).view(np.uint8)
+    scale = (
+        rng.standard_normal((rows, cols // per, 2)).astype(np.float16) * np.float16(0.01)
+    ).view(np.uint8)
     if kind == "Q6_K":
         raw[..., 208:210] = scale[..., :2]  # d
-    elif kind == "IQ1_M":  # d in the top nibbles of the last four u16 (its 3-bit scales keep their random bits)
+    elif (
+        kind == "IQ1_M"
+    ):  # d in the top nibbles of the last four u16 (its 3-bit scales keep their random bits)
         d = scale[..., :2].copy().view(np.uint16)
         for i in range(4):
-            raw[..., 49 + 2 * i] = (raw[..., 49 + 2 * i] & 0x0F) | ((((d >> (4 * i)) & 0xF).astype(np.uint8)[..., 0]) << 4)
+            raw[..., 49 + 2 * i] = (raw[..., 49 + 2 * i] & 0x0F) | (
+                (((d >> (4 * i)) & 0xF).astype(np.uint8)[..., 0]) << 4
+            )
     elif kind.startswith("IQ"):  # d first, then random codes, scales and signs
         raw[..., 0:2] = scale[..., :2]
     elif kind in ("Q2_K", "Q3_K"):  # d (and Q2_K's dmin) after the codes
@@ -118,10 +165,18 @@ def demo_gguf() -> Path:
     return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def deltafind_cmd(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def deltafind_cmd(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
     """Run the installed `deltafind` console script, as a user would."""
     exe = Path(sys.executable).with_name("deltafind")
-    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [str(exe), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.fixture(scope="session")

@@ -15,14 +15,32 @@ import numpy as np
 
 Q = gguf.GGMLQuantizationType
 # (offset, count) of each block's f16 scale fields, which must be finite and small
-_F16_FIELDS = {"Q4_K": [(0, 2)], "Q5_K": [(0, 2)], "Q6_K": [(208, 1)], "Q8_0": [(0, 1)], "Q2_K": [(80, 2)], "Q3_K": [(108, 1)],
-               "IQ4_NL": [(0, 1)], "IQ4_XS": [(0, 1)], "Q4_0": [(0, 1)], "Q5_0": [(0, 1)], "IQ2_XXS": [(0, 1)], "IQ3_XXS": [(0, 1)], "TQ2_0": [(64, 1)],
-               "IQ1_S": [(0, 1)], "IQ2_XS": [(0, 1)], "IQ2_S": [(0, 1)], "IQ3_S": [(0, 1)]}
+_F16_FIELDS = {
+    "Q4_K": [(0, 2)],
+    "Q5_K": [(0, 2)],
+    "Q6_K": [(208, 1)],
+    "Q8_0": [(0, 1)],
+    "Q2_K": [(80, 2)],
+    "Q3_K": [(108, 1)],
+    "IQ4_NL": [(0, 1)],
+    "IQ4_XS": [(0, 1)],
+    "Q4_0": [(0, 1)],
+    "Q5_0": [(0, 1)],
+    "IQ2_XXS": [(0, 1)],
+    "IQ3_XXS": [(0, 1)],
+    "TQ2_0": [(64, 1)],
+    "IQ1_S": [(0, 1)],
+    "IQ2_XS": [(0, 1)],
+    "IQ2_S": [(0, 1)],
+    "IQ3_S": [(0, 1)],
+}
 H, HEADS, KV_HEADS, HEAD_DIM, FF, VOCAB = 256, 4, 2, 64, 512, 320
 EXPERTS, TOP_K, EXPERT_FF, LAYERS = 8, 2, 256, 3
 
 
-def random_blocks(rng: np.random.Generator, kind: str, shape: tuple[int, ...], scale: float) -> np.ndarray:
+def random_blocks(
+    rng: np.random.Generator, kind: str, shape: tuple[int, ...], scale: float
+) -> np.ndarray:
     """Random `kind` blocks for a [..., rows, cols] matrix: uint8 [..., rows, row_bytes]."""
     per, size = gguf.GGML_QUANT_SIZES[Q[kind]]
     *lead, cols = shape
@@ -34,7 +52,9 @@ def random_blocks(rng: np.random.Generator, kind: str, shape: tuple[int, ...], s
     if kind == "IQ1_M":  # d lies in the top nibbles of the last four u16 (bytes 49, 51, 53, 55)
         d = (rng.uniform(0.5, 1.0, size=n_blocks) * scale).astype(np.float16).view(np.uint16)
         for i in range(4):
-            raw[:, 49 + 2 * i] = (raw[:, 49 + 2 * i] & 0x0F) | (((d >> (4 * i)) & 0xF).astype(np.uint8) << 4)
+            raw[:, 49 + 2 * i] = (raw[:, 49 + 2 * i] & 0x0F) | (
+                ((d >> (4 * i)) & 0xF).astype(np.uint8) << 4
+            )
     if kind == "Q6_K":  # int8 sub-block scales: keep them small and positive-ish
         raw[:, 192:208] = rng.integers(-8, 24, size=(n_blocks, 16)).astype(np.int8).view(np.uint8)
     return raw.reshape(*lead, cols // per * size)
@@ -51,16 +71,22 @@ class Builder:
     def meta(self, key: str, value: object) -> None:
         self.kv.append((f"{self.arch}.{key}", value))
 
-    def weight(self, name: str, shape: tuple[int, ...], kind: str = "F32", scale: float | None = None) -> None:
+    def weight(
+        self, name: str, shape: tuple[int, ...], kind: str = "F32", scale: float | None = None
+    ) -> None:
         scale = scale if scale is not None else 1.0 / np.sqrt(shape[-1])
         if kind in ("F32", "F16"):
-            arr = (self.rng.standard_normal(shape) * scale).astype(np.float32 if kind == "F32" else np.float16)
+            arr = (self.rng.standard_normal(shape) * scale).astype(
+                np.float32 if kind == "F32" else np.float16
+            )
             self.tensors.append((name, arr, None))
         else:  # block scale d such that the decoded weights have roughly `scale` spread
             self.tensors.append((name, random_blocks(self.rng, kind, shape, scale / 8), Q[kind]))
 
     def norm(self, name: str, n: int) -> None:
-        self.tensors.append((name, (1.0 + 0.1 * self.rng.standard_normal(n)).astype(np.float32), None))
+        self.tensors.append(
+            (name, (1.0 + 0.1 * self.rng.standard_normal(n)).astype(np.float32), None)
+        )
 
     def write(self, path: Path, shards: int = 1) -> list[Path]:
         per = -(-len(self.tensors) // shards) if shards > 1 else 0
@@ -98,7 +124,9 @@ def _add_vocab(w: gguf.GGUFWriter, vocab: int) -> None:
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
-    w.add_token_types([1] * (vocab - 1 - len(pads)) + [3] * (len(pads) + 1))  # pads and the last one are control tokens
+    w.add_token_types(
+        [1] * (vocab - 1 - len(pads)) + [3] * (len(pads) + 1)
+    )  # pads and the last one are control tokens
     w.add_token_merges(merges)
     w.add_eos_token_id(vocab - 1)
     w.add_bos_token_id(vocab - 1)
@@ -141,7 +169,9 @@ def _dense_mlp(b: Builder, i: int, up_kind: str = "Q8_0", down_kind: str = "Q6_K
     b.weight(f"blk.{i}.ffn_down.weight", (H, ff), down_kind)
 
 
-def _experts(b: Builder, i: int, gate_kind: str = "Q4_K", up_kind: str = "Q4_K", down_kind: str = "Q6_K") -> None:
+def _experts(
+    b: Builder, i: int, gate_kind: str = "Q4_K", up_kind: str = "Q4_K", down_kind: str = "Q6_K"
+) -> None:
     b.weight(f"blk.{i}.ffn_gate_inp.weight", (EXPERTS, H), "F32")
     b.weight(f"blk.{i}.ffn_gate_exps.weight", (EXPERTS, EXPERT_FF, H), gate_kind)
     b.weight(f"blk.{i}.ffn_up_exps.weight", (EXPERTS, EXPERT_FF, H), up_kind)
@@ -157,8 +187,12 @@ def make_llama(seed: int = 0, rope_freqs: bool = True) -> Builder:
     if rope_freqs:  # Llama 3.1's scaling as its converter writes it (factor 8, low 1, high 4, 8192)
         inv = 1.0 / 10000.0 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)
         wavelen = 2 * np.pi / inv
-        smooth = (64 / wavelen - 1) / (4 - 1)  # original context 64 so this small rope has a smooth band
-        f = np.where(wavelen < 64 / 4, 1.0, np.where(wavelen > 64 / 1, 8.0, 1 / ((1 - smooth) / 8 + smooth)))
+        smooth = (64 / wavelen - 1) / (
+            4 - 1
+        )  # original context 64 so this small rope has a smooth band
+        f = np.where(
+            wavelen < 64 / 4, 1.0, np.where(wavelen > 64 / 1, 8.0, 1 / ((1 - smooth) / 8 + smooth))
+        )
         b.meta("rope.scaling.original_context_length", 64)
         b.tensors.append(("rope_freqs.weight", f.astype(np.float32), None))
     for i in range(LAYERS):
@@ -176,7 +210,13 @@ def make_qwen2(seed: int = 0) -> Builder:
     for i in range(LAYERS):
         _gqa(b, i, qk_norm=False)
         for name, rows in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
-            b.tensors.append((f"blk.{i}.attn_{name}.bias", (0.5 * b.rng.standard_normal(rows * HEAD_DIM)).astype(np.float32), None))
+            b.tensors.append(
+                (
+                    f"blk.{i}.attn_{name}.bias",
+                    (0.5 * b.rng.standard_normal(rows * HEAD_DIM)).astype(np.float32),
+                    None,
+                )
+            )
         _dense_mlp(b, i, down_kind="IQ4_XS" if i == 1 else "Q6_K")
     return b
 
@@ -205,7 +245,9 @@ def make_qwen3moe(seed: int = 0) -> Builder:
     _globals(b)
     for i in range(LAYERS):
         _gqa(b, i, qk_norm=True)
-        _experts(b, i, up_kind="IQ4_XS" if i == 1 else "Q4_K", down_kind="IQ2_XXS" if i == 2 else "Q6_K")
+        _experts(
+            b, i, up_kind="IQ4_XS" if i == 1 else "Q4_K", down_kind="IQ2_XXS" if i == 2 else "Q6_K"
+        )
     return b
 
 
@@ -240,21 +282,35 @@ def make_deepseek2(seed: int = 0) -> Builder:
         b.weight(f"blk.{i}.attn_q_b.weight", (HEADS * (NOPE + ROPE), Q_LORA), "Q4_K")
         b.weight(f"blk.{i}.attn_kv_a_mqa.weight", (KV_LORA + ROPE, H), "Q6_K")
         b.norm(f"blk.{i}.attn_kv_a_norm.weight", KV_LORA)
-        b.weight(f"blk.{i}.attn_k_b.weight", (HEADS, KV_LORA, NOPE), "Q8_0", scale=1 / np.sqrt(KV_LORA))
+        b.weight(
+            f"blk.{i}.attn_k_b.weight", (HEADS, KV_LORA, NOPE), "Q8_0", scale=1 / np.sqrt(KV_LORA)
+        )
         b.weight(f"blk.{i}.attn_v_b.weight", (HEADS, V_DIM, KV_LORA), "Q8_0")
         b.weight(f"blk.{i}.attn_output.weight", (H, HEADS * V_DIM), "Q5_K")
         if i == 0:
             _dense_mlp(b, i)
             continue
         _experts(b, i, gate_kind="Q3_K" if i == 2 else "Q4_K")
-        b.tensors.append((f"blk.{i}.exp_probs_b.bias", (0.1 * b.rng.standard_normal(EXPERTS)).astype(np.float32), None))
+        b.tensors.append(
+            (
+                f"blk.{i}.exp_probs_b.bias",
+                (0.1 * b.rng.standard_normal(EXPERTS)).astype(np.float32),
+                None,
+            )
+        )
         b.weight(f"blk.{i}.ffn_gate_shexp.weight", (EXPERT_FF, H), "Q4_K")
         b.weight(f"blk.{i}.ffn_up_shexp.weight", (EXPERT_FF, H), "IQ4_NL")
         b.weight(f"blk.{i}.ffn_down_shexp.weight", (H, EXPERT_FF), "Q6_K")
     return b
 
 
-MAKERS = {"llama": make_llama, "qwen2": make_qwen2, "qwen3": make_qwen3, "qwen3moe": make_qwen3moe, "deepseek2": make_deepseek2}
+MAKERS = {
+    "llama": make_llama,
+    "qwen2": make_qwen2,
+    "qwen3": make_qwen3,
+    "qwen3moe": make_qwen3moe,
+    "deepseek2": make_deepseek2,
+}
 
 
 def widened(b: Builder) -> Builder:
@@ -263,11 +319,31 @@ def widened(b: Builder) -> Builder:
     out = Builder(b.arch, 0)
     out.kv = list(b.kv)
     for name, arr, raw in b.tensors:
-        out.tensors.append((name, arr.astype(np.float32) if raw is None else gguf.quants.dequantize(arr, raw).astype(np.float32), None))
+        out.tensors.append(
+            (
+                name,
+                arr.astype(np.float32)
+                if raw is None
+                else gguf.quants.dequantize(arr, raw).astype(np.float32),
+                None,
+            )
+        )
     return out
 
 
-HEAD_KINDS = ("Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")
+HEAD_KINDS = (
+    "Q2_K",
+    "Q3_K",
+    "IQ1_S",
+    "IQ1_M",
+    "IQ2_XXS",
+    "IQ2_XS",
+    "IQ2_S",
+    "IQ3_XXS",
+    "IQ3_S",
+    "IQ4_NL",
+    "IQ4_XS",
+)
 
 
 def head_only(kind: str, seed: int = 0) -> Builder:

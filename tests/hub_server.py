@@ -27,8 +27,12 @@ INFO = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>[^/?]
 
 @dataclass
 class Faults:
-    drop_after: dict[str, int] = field(default_factory=dict)  # file -> body bytes sent before the connection drops (once)
-    corrupt_at: dict[str, int] = field(default_factory=dict)  # file -> absolute offset flipped in the first response covering it
+    drop_after: dict[str, int] = field(
+        default_factory=dict
+    )  # file -> body bytes sent before the connection drops (once)
+    corrupt_at: dict[str, int] = field(
+        default_factory=dict
+    )  # file -> absolute offset flipped in the first response covering it
     fail: set[str] = field(default_factory=set)  # files answered with `fail_status`, always
     fail_status: int = 500
     rate_bytes_s: float | None = None  # throttle every body
@@ -58,9 +62,11 @@ class FakeHub:
                 if f.is_file():
                     data = f.read_bytes()
                     files[f.relative_to(folder).as_posix()] = {
-                        "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                        "size": len(data),
+                        "sha256": hashlib.sha256(data).hexdigest(),
                         "blob": hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest(),
-                        "lfs": f.suffix in (".safetensors", ".gguf"),  # the hub keeps weights in LFS
+                        "lfs": f.suffix
+                        in (".safetensors", ".gguf"),  # the hub keeps weights in LFS
                     }
             self.meta[name] = files
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -107,7 +113,10 @@ class FakeHub:
                 with hub._lock:
                     hub.log.append(req)
                 if hub.token and self.headers.get("Authorization") != f"Bearer {hub.token}":
-                    return self._reply(401, {"X-Error-Code": "RepoNotFound", "X-Error-Message": "Invalid credentials"})
+                    return self._reply(
+                        401,
+                        {"X-Error-Code": "RepoNotFound", "X-Error-Message": "Invalid credentials"},
+                    )
                 path = self.path.split("?", 1)[0]
                 if m := INFO.match(path):
                     return self._info(m["repo"], m["rev"])
@@ -117,20 +126,44 @@ class FakeHub:
 
             def _known(self, repo: str, rev: str | None) -> bool:
                 if repo not in hub.meta:
-                    self._reply(404, {"X-Error-Code": "RepoNotFound", "X-Error-Message": "Repository not found"})
+                    self._reply(
+                        404,
+                        {"X-Error-Code": "RepoNotFound", "X-Error-Message": "Repository not found"},
+                    )
                     return False
                 if rev not in (None, "main", COMMIT):
-                    self._reply(404, {"X-Error-Code": "RevisionNotFound", "X-Error-Message": "Invalid rev id"})
+                    self._reply(
+                        404,
+                        {"X-Error-Code": "RevisionNotFound", "X-Error-Message": "Invalid rev id"},
+                    )
                     return False
                 return True
 
             def _info(self, repo: str, rev: str | None) -> None:
                 if not self._known(repo, rev):
                     return
-                siblings = [{"rfilename": n, "size": m["size"], "blobId": m["blob"],
-                             **({"lfs": {"sha256": m["sha256"], "size": m["size"], "pointerSize": 134}} if m["lfs"] else {})}
-                            for n, m in hub.meta[repo].items()]
-                data = json.dumps({"id": repo, "modelId": repo, "sha": COMMIT, "private": False, "siblings": siblings}).encode()
+                siblings = [
+                    {
+                        "rfilename": n,
+                        "size": m["size"],
+                        "blobId": m["blob"],
+                        **(
+                            {"lfs": {"sha256": m["sha256"], "size": m["size"], "pointerSize": 134}}
+                            if m["lfs"]
+                            else {}
+                        ),
+                    }
+                    for n, m in hub.meta[repo].items()
+                ]
+                data = json.dumps(
+                    {
+                        "id": repo,
+                        "modelId": repo,
+                        "sha": COMMIT,
+                        "private": False,
+                        "siblings": siblings,
+                    }
+                ).encode()
                 self._reply(200, {"Content-Type": "application/json"}, data)
 
             def _file(self, repo: str, rev: str, name: str, req: Request, body: bool) -> None:
@@ -138,12 +171,19 @@ class FakeHub:
                     return
                 meta = hub.meta[repo].get(name)
                 if meta is None:
-                    return self._reply(404, {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": COMMIT})
+                    return self._reply(
+                        404, {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": COMMIT}
+                    )
                 if name in hub.faults.fail:
                     return self._reply(hub.faults.fail_status, {"X-Repo-Commit": COMMIT})
                 size = meta["size"]
                 etag = f'"{meta["sha256"] if meta["lfs"] else meta["blob"]}"'
-                headers = {"X-Repo-Commit": COMMIT, "ETag": etag, "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+                headers = {
+                    "X-Repo-Commit": COMMIT,
+                    "ETag": etag,
+                    "Accept-Ranges": "bytes",
+                    "Content-Type": "application/octet-stream",
+                }
                 if meta["lfs"]:
                     headers |= {"X-Linked-Etag": etag, "X-Linked-Size": str(size)}
                 start, end, code = 0, size, 200
@@ -177,13 +217,16 @@ class FakeHub:
                 step = 16384
                 try:
                     for i in range(0, limit, step):
-                        chunk = data[i:min(i + step, limit)]
+                        chunk = data[i : min(i + step, limit)]
                         if hub.faults.rate_bytes_s:
                             time.sleep(len(chunk) / hub.faults.rate_bytes_s)
                         self.wfile.write(chunk)
                         self.wfile.flush()
                         req.sent += len(chunk)
-                except (BrokenPipeError, ConnectionResetError):  # the client went away (a killed setup)
+                except (
+                    BrokenPipeError,
+                    ConnectionResetError,
+                ):  # the client went away (a killed setup)
                     self.close_connection = True
                     return
                 if drop is not None:

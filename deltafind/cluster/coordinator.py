@@ -60,13 +60,22 @@ class NodeState:
 class ClusterExperts:
     """Routed layers on the nodes, everything else from `local`; `start(net)` forms the group."""
 
-    def __init__(self, local: StoreExperts, spec: GroupSpec, store_dir: Path, hot_replicas: float = 0.0) -> None:
-        self.local, self.spec, self.store_dir, self.hot_replicas = local, spec, Path(store_dir), hot_replicas
+    def __init__(
+        self, local: StoreExperts, spec: GroupSpec, store_dir: Path, hot_replicas: float = 0.0
+    ) -> None:
+        self.local, self.spec, self.store_dir, self.hot_replicas = (
+            local,
+            spec,
+            Path(store_dir),
+            hot_replicas,
+        )
         self.dtype = local.dtype
         self.routed: set[int] = set()
         self.placement = Placement(spec.world_size - 1, {})
         self.nodes: dict[int, NodeState] = {}
-        self._ride: dict[int, Sequence[int] | None] = {}  # layer -> prediction to send with the previous layer's rows
+        self._ride: dict[
+            int, Sequence[int] | None
+        ] = {}  # layer -> prediction to send with the previous layer's rows
         self._store: Any = None  # where the nodes announce themselves (wire.meet)
         self._links: dict[int, wire.Pair] = {}  # node -> its group with us, this generation
         self._gen: dict[int, int] = {}  # node -> the generation we serve from
@@ -74,8 +83,12 @@ class ClusterExperts:
         self._closing = threading.Event()
         self._watcher: threading.Thread | None = None
         self._outbox: dict[int, list[Any]] = {}  # node -> sends that may still be running
-        self._hinted: dict[int, dict[int, int]] = {}  # layer -> predicted expert -> the node reading it
-        self._served: Counter[int] = Counter()  # node -> experts it ran: where a tie between copies goes
+        self._hinted: dict[
+            int, dict[int, int]
+        ] = {}  # layer -> predicted expert -> the node reading it
+        self._served: Counter[int] = (
+            Counter()
+        )  # node -> experts it ran: where a tie between copies goes
 
     # -- forming the cluster -------------------------------------------------------------------
 
@@ -89,11 +102,21 @@ class ClusterExperts:
         if placement is not None:
             check_placement(placement, counts, num_nodes, self.store_dir)
         else:
-            placement = make_placement(counts, num_nodes, read_heat(self.store_dir), None, self.hot_replicas)
+            placement = make_placement(
+                counts, num_nodes, read_heat(self.store_dir), None, self.hot_replicas
+            )
         self.placement = placement
-        self.nodes = {r: NodeState(r, len(placement.experts_of(r))) for r in range(1, num_nodes + 1)}
-        log.info("cluster_joining", rank=0, world_size=self.spec.world_size, address=self.spec.address, port=self.spec.port,
-                 backend=self.spec.backend)
+        self.nodes = {
+            r: NodeState(r, len(placement.experts_of(r))) for r in range(1, num_nodes + 1)
+        }
+        log.info(
+            "cluster_joining",
+            rank=0,
+            world_size=self.spec.world_size,
+            address=self.spec.address,
+            port=self.spec.port,
+            backend=self.spec.backend,
+        )
         self._store = wire.meet(self.spec)
         self._store.set("deltafind/protocol0", str(wire.PROTOCOL))
         deadline = time.monotonic() + self.spec.join_timeout_s
@@ -105,9 +128,16 @@ class ClusterExperts:
                 problems.append(str(e))
         if problems:
             raise ClusterError("the expert nodes did not join: " + "; ".join(problems))
-        self._watcher = threading.Thread(target=self._watch, name="deltafind-cluster-watch", daemon=True)
+        self._watcher = threading.Thread(
+            target=self._watch, name="deltafind-cluster-watch", daemon=True
+        )
         self._watcher.start()
-        log.info("cluster_ready", nodes=num_nodes, routed_layers=len(self.routed), experts=len(placement.owners))
+        log.info(
+            "cluster_ready",
+            nodes=num_nodes,
+            routed_layers=len(self.routed),
+            experts=len(placement.owners),
+        )
 
     # -- the provider contract -----------------------------------------------------------------
 
@@ -115,7 +145,9 @@ class ClusterExperts:
         return self.local.num_experts(layer_idx)
 
     def fetch(self, layer_idx: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, Expert]]:
-        return self.local.fetch(layer_idx, expert_ids)  # dense slices (routed layers go through run_experts)
+        return self.local.fetch(
+            layer_idx, expert_ids
+        )  # dense slices (routed layers go through run_experts)
 
     def dense_held(self, layer_idx: int) -> Sequence[Expert] | None:
         return self.local.dense_held(layer_idx)
@@ -129,7 +161,9 @@ class ClusterExperts:
     def enter_layer(self, layer_idx: int) -> None:
         self.local.enter_layer(layer_idx)
 
-    def observe_routes(self, layer_idx: int, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> None:
+    def observe_routes(
+        self, layer_idx: int, topk_idx: torch.Tensor, topk_weight: torch.Tensor
+    ) -> None:
         self.local.observe_routes(layer_idx, topk_idx, topk_weight)
 
     def prefetch(self, layer_idx: int, expert_ids: Sequence[int] | None) -> None:
@@ -143,29 +177,42 @@ class ClusterExperts:
 
     def _send_hints(self, layer_idx: int, expert_ids: Sequence[int] | None) -> None:
         for r, ids in self._hints(layer_idx, expert_ids).items():
-            self._send(r, [wire.OP_PREFETCH, -1, 0, 0, 0, 0, layer_idx, -1 if ids is None else len(ids)],
-                       torch.tensor(ids or [], dtype=torch.int64))
+            self._send(
+                r,
+                [wire.OP_PREFETCH, -1, 0, 0, 0, 0, layer_idx, -1 if ids is None else len(ids)],
+                torch.tensor(ids or [], dtype=torch.int64),
+            )
 
-    def run_experts(self, layer_idx: int, x: torch.Tensor, tokens: Mapping[int, torch.Tensor],
-                    run: Run) -> Iterator[tuple[int, torch.Tensor]]:
+    def run_experts(
+        self, layer_idx: int, x: torch.Tensor, tokens: Mapping[int, torch.Tensor], run: Run
+    ) -> Iterator[tuple[int, torch.Tensor]]:
         """(expert, its output on x[tokens[expert]]), each computed by a node holding it. A node gets
         each token's row once, with each expert's indices into them (a gather there is exact)."""
         with self._lock:
             out = self._exchange(layer_idx, x, tokens)
         yield from out.items()
 
-    def _exchange(self, layer_idx: int, x: torch.Tensor, tokens: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    def _exchange(
+        self, layer_idx: int, x: torch.Tensor, tokens: Mapping[int, torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
         hint = self._ride.pop(layer_idx + 1, _NO_HINT)
         hints = self._hints(layer_idx + 1, hint) if hint is not _NO_HINT else {}  # type: ignore[arg-type]
         # A predicted expert goes where its read was started (the prediction was balanced); the rest balance around them.
         fixed = {e: r for e, r in self._hinted.pop(layer_idx, {}).items() if self.nodes[r].alive}
-        by_node, orphans = self.placement.assign(layer_idx, tokens, self._rates(), fixed, self._served)
+        by_node, orphans = self.placement.assign(
+            layer_idx, tokens, self._rates(), fixed, self._served
+        )
         if orphans:
             e = orphans[0]
             owners = self.placement.owners.get((layer_idx, e), ())
-            why = "; ".join(f"node {r}: {self.nodes[r].last_error}" for r in owners) or "no node holds it"
-            raise ClusterError(f"expert {e} of layer {layer_idx} has no live copy ({why}); restart its nodes "
-                               "(`deltafind node`): the coordinator takes them back")
+            why = (
+                "; ".join(f"node {r}: {self.nodes[r].last_error}" for r in owners)
+                or "no node holds it"
+            )
+            raise ClusterError(
+                f"expert {e} of layer {layer_idx} has no live copy ({why}); restart its nodes "
+                "(`deltafind node`): the coordinator takes them back"
+            )
         for e in tokens:
             self.local.uses[(layer_idx, e)] += 1  # heat is the coordinator's: it sees every route
         for r, es in by_node.items():
@@ -173,10 +220,24 @@ class ClusterExperts:
         t0 = time.perf_counter()
         for r in sorted(set(by_node) | set(hints)):
             ids, pred = by_node.get(r, []), hints.get(r, [])
-            rows, index = _rows_once([tokens[e] for e in ids], x) if ids else (x[:0], x.new_empty(0, dtype=torch.int64))
-            header = [wire.OP_RUN if ids else wire.OP_PREFETCH, layer_idx, len(ids), rows.shape[0], x.shape[1],
-                      wire.dtype_code(x.dtype), layer_idx + 1 if r in hints else -1, -1 if pred is None else len(pred)]
-            head = torch.tensor([*ids, *(len(tokens[e]) for e in ids), *(pred or [])], dtype=torch.int64)
+            rows, index = (
+                _rows_once([tokens[e] for e in ids], x)
+                if ids
+                else (x[:0], x.new_empty(0, dtype=torch.int64))
+            )
+            header = [
+                wire.OP_RUN if ids else wire.OP_PREFETCH,
+                layer_idx,
+                len(ids),
+                rows.shape[0],
+                x.shape[1],
+                wire.dtype_code(x.dtype),
+                layer_idx + 1 if r in hints else -1,
+                -1 if pred is None else len(pred),
+            ]
+            head = torch.tensor(
+                [*ids, *(len(tokens[e]) for e in ids), *(pred or [])], dtype=torch.int64
+            )
             self._send(r, header, head, index.cpu(), rows)
         deadline = time.monotonic() + self.spec.timeout_s
         out: dict[int, torch.Tensor] = {}
@@ -193,8 +254,10 @@ class ClusterExperts:
             self.nodes[r].exchange_s += time.perf_counter() - t0
             self.nodes[r].layers += 1
         if errors:
-            raise ClusterError(f"layer {layer_idx}'s experts failed on the expert nodes ({'; '.join(errors)}); "
-                               "this request fails, the daemon keeps serving (deltafinctl status shows the nodes)")
+            raise ClusterError(
+                f"layer {layer_idx}'s experts failed on the expert nodes ({'; '.join(errors)}); "
+                "this request fails, the daemon keeps serving (deltafinctl status shows the nodes)"
+            )
         return out
 
     # -- nodes ---------------------------------------------------------------------------------
@@ -214,7 +277,9 @@ class ClusterExperts:
                     if layer == layer_idx and self.nodes[r].alive:
                         out[r] = None
             return out
-        queued, _ = self.placement.assign(layer_idx, ids, self._rates(), served=self._served)  # run_experts sends each to the copy that reads it
+        queued, _ = self.placement.assign(
+            layer_idx, ids, self._rates(), served=self._served
+        )  # run_experts sends each to the copy that reads it
         self._hinted[layer_idx] = {e: r for r, es in queued.items() for e in es}
         return dict(queued)
 
@@ -235,14 +300,18 @@ class ClusterExperts:
         """Node r's answer: its output [rows, dim] (or nothing for `shape` None); ClusterError on failure."""
         node = self.nodes[r]
         try:
-            (status, err_len, dtype, *stats), body = wire.recv_message(self._links[r], wire.REPLY, deadline)
+            (status, err_len, dtype, *stats), body = wire.recv_message(
+                self._links[r], wire.REPLY, deadline
+            )
             node.bytes_read, node.experts_read, node.cache_hits = stats[0], stats[1], stats[2]
             node.read_wait_s, node.read_mb_s = stats[3] / 1e6, stats[4] / 1e3
             if status != 0:
                 node.last_error = body.text(err_len)
                 raise ClusterError(node.last_error)
             y = body.take(shape, wire.DTYPES[dtype]) if shape else torch.empty(0)
-        except RuntimeError as e:  # gloo: the peer closed, or the deadline passed (the pair is closed then too)
+        except (
+            RuntimeError
+        ) as e:  # gloo: the peer closed, or the deadline passed (the pair is closed then too)
             self._down(r, f"no answer within {self.spec.timeout_s:g} s or connection lost ({e})")
             raise ClusterError(node.last_error) from None
         self._outbox[r] = [w for w in self._outbox.get(r, []) if not w.is_completed()]
@@ -268,7 +337,9 @@ class ClusterExperts:
             for r in self._links:
                 self._send(r, [wire.OP_STOP, 0, 0, 0, 0, 0, -1, 0])
             deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and any(not w.is_completed() for ws in self._outbox.values() for w in ws):
+            while time.monotonic() < deadline and any(
+                not w.is_completed() for ws in self._outbox.values() for w in ws
+            ):
                 time.sleep(0.01)
             self._outbox.clear()
             self._links.clear()
@@ -303,9 +374,13 @@ class ClusterExperts:
                     gen = wire.generation(self._store, r)
                     if gen <= self._gen[r]:
                         continue
-                    self._gen[r] = gen  # this generation is tried once; the node's next restart is another
+                    self._gen[r] = (
+                        gen  # this generation is tried once; the node's next restart is another
+                    )
                     with self._lock:
-                        if self.nodes[r].alive:  # restarted before an exchange noticed: the old link is gone
+                        if self.nodes[
+                            r
+                        ].alive:  # restarted before an exchange noticed: the old link is gone
                             self._down(r, f"restarted (generation {gen})")
                     self._welcome(r, gen, time.monotonic() + self.spec.join_timeout_s)
                 except (ClusterError, RuntimeError) as e:

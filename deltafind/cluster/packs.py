@@ -35,20 +35,26 @@ from deltafind.store.manifest import (
 from deltafind.store.reader import PackReader
 
 
-def node_placement(store: Path, manifest: Manifest, num_nodes: int | None, hot_replicas: float) -> Placement:
+def node_placement(
+    store: Path, manifest: Manifest, num_nodes: int | None, hot_replicas: float
+) -> Placement:
     """S's sidecar (checked), or a new one for `num_nodes` written beside the manifest."""
     counts = routed_counts(manifest)
     placement = read_placement(store)
     if placement is None:
         if not num_nodes:
-            raise StoreError(f"{store} has no cluster placement yet: pass --nodes N (expert nodes) to compute it")
+            raise StoreError(
+                f"{store} has no cluster placement yet: pass --nodes N (expert nodes) to compute it"
+            )
         placement = make_placement(counts, num_nodes, read_heat(store), None, hot_replicas)
         write_placement(store, placement)
     check_placement(placement, counts, num_nodes or placement.num_nodes, store)
     return placement
 
 
-def write_node_store(store: Path, rank: int, into: Path, num_nodes: int | None = None, hot_replicas: float = 0.0) -> tuple[int, int]:
+def write_node_store(
+    store: Path, rank: int, into: Path, num_nodes: int | None = None, hot_replicas: float = 0.0
+) -> tuple[int, int]:
     """Write node `rank`'s store into `into`; returns (experts, bytes)."""
     store, into = Path(store), Path(into)
     manifest = Manifest.load(store)
@@ -68,7 +74,11 @@ def write_node_store(store: Path, rank: int, into: Path, num_nodes: int | None =
     reader = PackReader(manifest, store, verify=True)
     try:
         with open(drive / pack_name(0), "wb") as f:
-            f.write(json.dumps({"magic": PACK_MAGIC, "store_id": manifest.store_id, "drive": 0}).encode().ljust(PACK_HEADER_BYTES, b"\0"))
+            f.write(
+                json.dumps({"magic": PACK_MAGIC, "store_id": manifest.store_id, "drive": 0})
+                .encode()
+                .ljust(PACK_HEADER_BYTES, b"\0")
+            )
             for r in records:
                 buf = reader.read(r)  # verified on the way
                 try:
@@ -82,7 +92,12 @@ def write_node_store(store: Path, rank: int, into: Path, num_nodes: int | None =
             os.fsync(f.fileno())
     finally:
         reader.close()
-    node = replace(manifest, drives=["drive0"], experts=placed, pack_generation=0,
-                   source={**manifest.source, "cluster_node": rank, "cluster_nodes": placement.num_nodes})
+    node = replace(
+        manifest,
+        drives=["drive0"],
+        experts=placed,
+        pack_generation=0,
+        source={**manifest.source, "cluster_node": rank, "cluster_nodes": placement.num_nodes},
+    )
     node.save(into)
     return len(placed), sum(r.length for r in placed)

@@ -35,8 +35,14 @@ class Placement:
     def layers(self) -> set[int]:
         return {layer for layer, _ in self.owners}
 
-    def assign(self, layer: int, experts: Iterable[int], rates: Mapping[int, float], fixed: Mapping[int, int] | None = None,
-               served: Mapping[int, int] | None = None) -> tuple[dict[int, list[int]], list[int]]:
+    def assign(
+        self,
+        layer: int,
+        experts: Iterable[int],
+        rates: Mapping[int, float],
+        fixed: Mapping[int, int] | None = None,
+        served: Mapping[int, int] | None = None,
+    ) -> tuple[dict[int, list[int]], list[int]]:
         """Each of a layer's experts to the live copy (a node in `rates`, with its read rate) expected to
         finish first: the fewest of the layer's experts queued there per unit of rate, then the fewest
         experts `served` so far per unit of rate (ties to the preferred copy alone sent every tie of every
@@ -54,7 +60,14 @@ class Placement:
             if e in fixed:
                 node = fixed[e]
             elif copies:
-                node = min(copies, key=lambda r: ((len(out.get(r, ())) + 1) / rates[r], served.get(r, 0) / rates[r], copies.index(r)))
+                node = min(
+                    copies,
+                    key=lambda r: (
+                        (len(out.get(r, ())) + 1) / rates[r],
+                        served.get(r, 0) / rates[r],
+                        copies.index(r),
+                    ),
+                )
             else:
                 orphans.append(e)
                 continue
@@ -62,16 +75,30 @@ class Placement:
         return out, orphans
 
     def to_json(self) -> dict[str, Any]:
-        return {"version": VERSION, "num_nodes": self.num_nodes,
-                "experts": [[layer, e, list(r)] for (layer, e), r in sorted(self.owners.items())]}
+        return {
+            "version": VERSION,
+            "num_nodes": self.num_nodes,
+            "experts": [[layer, e, list(r)] for (layer, e), r in sorted(self.owners.items())],
+        }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Placement:
-        return cls(int(data["num_nodes"]), {(int(layer), int(e)): tuple(int(r) for r in ranks) for layer, e, ranks in data["experts"]})
+        return cls(
+            int(data["num_nodes"]),
+            {
+                (int(layer), int(e)): tuple(int(r) for r in ranks)
+                for layer, e, ranks in data["experts"]
+            },
+        )
 
 
-def make_placement(counts: Mapping[int, int], num_nodes: int, heat: Mapping[Key, float] | None = None,
-                   rates: Sequence[float] | None = None, hot_replicas: float = 0.0) -> Placement:
+def make_placement(
+    counts: Mapping[int, int],
+    num_nodes: int,
+    heat: Mapping[Key, float] | None = None,
+    rates: Sequence[float] | None = None,
+    hot_replicas: float = 0.0,
+) -> Placement:
     """Place every expert of the routed layers `counts` (layer -> experts) on `num_nodes` nodes.
 
     `heat` (store/heat.py; missing experts count 1) and `rates` (each node's read rate, any unit;
@@ -93,7 +120,10 @@ def make_placement(counts: Mapping[int, int], num_nodes: int, heat: Mapping[Key,
             copies = 2 if i < hot else 1
             chosen: list[int] = []
             for _ in range(copies):
-                node = min((j for j in range(num_nodes) if j not in chosen), key=lambda j: ((load[j] + h / copies) / rates[j], j))
+                node = min(
+                    (j for j in range(num_nodes) if j not in chosen),
+                    key=lambda j: ((load[j] + h / copies) / rates[j], j),
+                )
                 load[node] += h / copies  # a replicated expert's reads split between its copies
                 chosen.append(node)
             owners[(layer, e)] = tuple(j + 1 for j in chosen)
@@ -108,10 +138,14 @@ def read_placement(store_dir: Path) -> Placement | None:
     except FileNotFoundError:
         return None
     except (OSError, json.JSONDecodeError) as e:
-        raise StoreError(f"{path}: unreadable ({e}); delete it or recompute it with `deltafind trace warm --rebalance --nodes N`") from e
+        raise StoreError(
+            f"{path}: unreadable ({e}); delete it or recompute it with `deltafind trace warm --rebalance --nodes N`"
+        ) from e
     if data.get("version") != VERSION:
-        raise StoreError(f"{path}: placement version {data.get('version')!r}, this deltafind reads {VERSION}; "
-                         "recompute it with `deltafind trace warm --rebalance --nodes N`")
+        raise StoreError(
+            f"{path}: placement version {data.get('version')!r}, this deltafind reads {VERSION}; "
+            "recompute it with `deltafind trace warm --rebalance --nodes N`"
+        )
     return Placement.from_json(data)
 
 
@@ -124,11 +158,21 @@ def write_placement(store_dir: Path, placement: Placement) -> Path:
     return path
 
 
-def check_placement(placement: Placement, counts: Mapping[int, int], num_nodes: int, where: Path) -> None:
+def check_placement(
+    placement: Placement, counts: Mapping[int, int], num_nodes: int, where: Path
+) -> None:
     """A sidecar must cover exactly these routed experts on exactly these nodes."""
     want = {(layer, e) for layer, n in counts.items() for e in range(n)}
-    if placement.num_nodes != num_nodes or set(placement.owners) != want or any(
-            not ranks or any(not 1 <= r <= num_nodes for r in ranks) for ranks in placement.owners.values()):
-        raise StoreError(f"{where / SIDECAR}: placed for {placement.num_nodes} nodes and {len(placement.owners)} experts, this "
-                         f"cluster has {num_nodes} nodes and {len(want)} routed experts; recompute it with "
-                         f"`deltafind trace warm --rebalance --nodes {num_nodes}` (or delete it)")
+    if (
+        placement.num_nodes != num_nodes
+        or set(placement.owners) != want
+        or any(
+            not ranks or any(not 1 <= r <= num_nodes for r in ranks)
+            for ranks in placement.owners.values()
+        )
+    ):
+        raise StoreError(
+            f"{where / SIDECAR}: placed for {placement.num_nodes} nodes and {len(placement.owners)} experts, this "
+            f"cluster has {num_nodes} nodes and {len(want)} routed experts; recompute it with "
+            f"`deltafind trace warm --rebalance --nodes {num_nodes}` (or delete it)"
+        )

@@ -38,7 +38,9 @@ REQUEST = 8
 # body: the outputs, one expert's rows after another (or the error's text)
 REPLY = 8
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8)
-FOREVER = timedelta(days=365)  # a node waits this long for the next request (a wait without one would use the group's)
+FOREVER = timedelta(
+    days=365
+)  # a node waits this long for the next request (a wait without one would use the group's)
 DEFAULT_PORT = 29500
 Pair = Any  # a gloo group of the coordinator (its rank 0) and one node (its rank 1)
 
@@ -61,18 +63,35 @@ class GroupSpec:
 def group_spec(cluster: ClusterSettings, device: torch.device) -> GroupSpec:
     """`[cluster]` (and $RANK/$WORLD_SIZE/$MASTER_ADDR/$MASTER_PORT, merged by the config) as a checked spec."""
     if cluster.world_size is None:
-        raise ConfigError("[cluster] world_size is unset (and $WORLD_SIZE too): set it to 1 + the number of expert nodes")
+        raise ConfigError(
+            "[cluster] world_size is unset (and $WORLD_SIZE too): set it to 1 + the number of expert nodes"
+        )
     rank = cluster.rank if cluster.rank is not None else 0
     if cluster.role == "coordinator" and rank != 0:
-        raise ConfigError(f"[cluster] role = \"coordinator\" needs rank 0, not {rank}: the expert nodes are ranks 1..{cluster.world_size - 1}")
+        raise ConfigError(
+            f"[cluster] role = \"coordinator\" needs rank 0, not {rank}: the expert nodes are ranks 1..{cluster.world_size - 1}"
+        )
     if cluster.role == "expert" and not 1 <= rank < cluster.world_size:
-        raise ConfigError(f"[cluster] role = \"expert\" needs a rank from 1 to {cluster.world_size - 1} (world_size - 1), not {rank}")
-    if cluster.backend == "nccl":  # device tensors on the wire need a machine with a GPU per rank to test them
-        raise ConfigError("[cluster] backend = \"nccl\" is refused: the exchange moves CPU tensors over gloo, and NCCL "
-                          "has never run on GPUs here, so it is not offered until it has; set backend = \"gloo\" (or auto)")
+        raise ConfigError(
+            f"[cluster] role = \"expert\" needs a rank from 1 to {cluster.world_size - 1} (world_size - 1), not {rank}"
+        )
+    if (
+        cluster.backend == "nccl"
+    ):  # device tensors on the wire need a machine with a GPU per rank to test them
+        raise ConfigError(
+            "[cluster] backend = \"nccl\" is refused: the exchange moves CPU tensors over gloo, and NCCL "
+            "has never run on GPUs here, so it is not offered until it has; set backend = \"gloo\" (or auto)"
+        )
     backend = "gloo"
-    return GroupSpec(rank, cluster.world_size, cluster.coordinator or "127.0.0.1", cluster.port or DEFAULT_PORT,
-                     backend, cluster.join_timeout_s, cluster.timeout_s)
+    return GroupSpec(
+        rank,
+        cluster.world_size,
+        cluster.coordinator or "127.0.0.1",
+        cluster.port or DEFAULT_PORT,
+        backend,
+        cluster.join_timeout_s,
+        cluster.timeout_s,
+    )
 
 
 def meet(spec: GroupSpec) -> dist.Store:
@@ -82,12 +101,21 @@ def meet(spec: GroupSpec) -> dist.Store:
     where = f"{spec.address}:{spec.port}"
     serve = spec.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     try:
-        return dist.TCPStore(spec.address, spec.port, None, serve, timedelta(seconds=spec.join_timeout_s), wait_for_workers=False)
+        return dist.TCPStore(
+            spec.address,
+            spec.port,
+            None,
+            serve,
+            timedelta(seconds=spec.join_timeout_s),
+            wait_for_workers=False,
+        )
     except (RuntimeError, ValueError, OSError) as e:
-        raise ClusterError(f"rank {spec.rank} of {spec.world_size}: the cluster's store at {where} "
-                           f"{'could not listen' if serve else 'did not answer within [cluster] join_timeout_s'} ({e}); "
-                           "check [cluster] coordinator/port (or MASTER_ADDR/MASTER_PORT), that the coordinator runs, "
-                           "and the firewall") from None
+        raise ClusterError(
+            f"rank {spec.rank} of {spec.world_size}: the cluster's store at {where} "
+            f"{'could not listen' if serve else 'did not answer within [cluster] join_timeout_s'} ({e}); "
+            "check [cluster] coordinator/port (or MASTER_ADDR/MASTER_PORT), that the coordinator runs, "
+            "and the firewall"
+        ) from None
 
 
 def announce(store: dist.Store, rank: int, wait_s: float) -> int:
@@ -106,14 +134,18 @@ def check_protocol(store: dist.Store, peer: int, me: int, wait_s: float = 0.0) -
         try:
             store.wait([key], timedelta(seconds=wait_s))
         except RuntimeError:
-            raise ClusterError(f"rank {me}: the coordinator did not announce its message layout within [cluster] "
-                               "join_timeout_s: it is not running, or runs an older deltafind (run the same version "
-                               "on every machine)") from None
+            raise ClusterError(
+                f"rank {me}: the coordinator did not announce its message layout within [cluster] "
+                "join_timeout_s: it is not running, or runs an older deltafind (run the same version "
+                "on every machine)"
+            ) from None
     theirs = int(store.get(key)) if store.check([key]) else 1
     if theirs != PROTOCOL:
         who = "the coordinator" if peer == 0 else f"expert node {peer}"
-        raise ClusterError(f"rank {me}: {who} speaks cluster message layout {theirs} and this deltafind speaks {PROTOCOL}; "
-                           "run the same deltafind version on every machine")
+        raise ClusterError(
+            f"rank {me}: {who} speaks cluster message layout {theirs} and this deltafind speaks {PROTOCOL}; "
+            "run the same deltafind version on every machine"
+        )
 
 
 def generation(store: dist.Store, rank: int, deadline: float | None = None) -> int:
@@ -123,19 +155,27 @@ def generation(store: dist.Store, rank: int, deadline: float | None = None) -> i
         try:
             store.wait([key], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
         except RuntimeError:
-            raise ClusterError(f"expert node {rank} did not join within [cluster] join_timeout_s; start it "
-                               "(`deltafind node`) with the coordinator's address and port") from None
+            raise ClusterError(
+                f"expert node {rank} did not join within [cluster] join_timeout_s; start it "
+                "(`deltafind node`) with the coordinator's address and port"
+            ) from None
     return int(store.add(key, 0))
 
 
 def pair(store: dist.Store, spec: GroupSpec, node: int, gen: int) -> Pair:
     """The gloo group of the coordinator and node `node`'s generation `gen` (blocks until both sides form it)."""
     try:
-        return dist.ProcessGroupGloo(dist.PrefixStore(f"deltafind/pair{node}/{gen}", store), 1 if spec.rank else 0, 2,
-                                     timedelta(seconds=spec.join_timeout_s))
+        return dist.ProcessGroupGloo(
+            dist.PrefixStore(f"deltafind/pair{node}/{gen}", store),
+            1 if spec.rank else 0,
+            2,
+            timedelta(seconds=spec.join_timeout_s),
+        )
     except (RuntimeError, ValueError, OSError) as e:
-        raise ClusterError(f"rank {spec.rank}: no connection with {'the coordinator' if spec.rank else f'node {node}'} "
-                           f"({e}); check the firewall between the machines") from None
+        raise ClusterError(
+            f"rank {spec.rank}: no connection with {'the coordinator' if spec.rank else f'node {node}'} "
+            f"({e}); check the firewall between the machines"
+        ) from None
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -177,9 +217,11 @@ class Body:
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         n = torch.Size(shape).numel() * dtype.itemsize
         if self.at + n > self.data.numel():
-            raise RuntimeError(f"a message body of {self.data.numel()} bytes is too short for {shape} {dtype} at byte {self.at}: "
-                               "the two sides run different deltafind versions; run the same one on every machine")
-        out = self.data[self.at:self.at + n].view(dtype).reshape(shape)
+            raise RuntimeError(
+                f"a message body of {self.data.numel()} bytes is too short for {shape} {dtype} at byte {self.at}: "
+                "the two sides run different deltafind versions; run the same one on every machine"
+            )
+        out = self.data[self.at : self.at + n].view(dtype).reshape(shape)
         self.at += _padded(n)
         return out
 
@@ -193,12 +235,18 @@ def recv_message(link: Pair, size: int, deadline: float | None) -> tuple[list[in
     return header, Body(recv(link, (nbytes,), torch.uint8, deadline))
 
 
-def recv(link: Pair, shape: tuple[int, ...], dtype: torch.dtype, deadline: float | None) -> torch.Tensor:
+def recv(
+    link: Pair, shape: tuple[int, ...], dtype: torch.dtype, deadline: float | None
+) -> torch.Tensor:
     """One tensor of exactly this shape and dtype from the other side of `link` (gloo checks the size)."""
     out = torch.empty(shape, dtype=dtype)
     if out.numel():
         work = link.recv([out], 1 - link.rank(), 0)
-        work.wait(FOREVER if deadline is None else timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        work.wait(
+            FOREVER
+            if deadline is None
+            else timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        )
     return out
 
 

@@ -274,9 +274,7 @@ class Settings(BaseSettings):
     prefetch: PrefetchSettings = Field(
         default_factory=PrefetchSettings, description="Reading experts ahead of need."
     )
-    draft: DraftSettings = Field(
-        default_factory=DraftSettings, description="Speculative decoding."
-    )
+    draft: DraftSettings = Field(default_factory=DraftSettings, description="Speculative decoding.")
     server: ServerSettings = Field(
         default_factory=ServerSettings, description="The OpenAI-compatible HTTP API."
     )

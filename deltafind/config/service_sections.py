@@ -255,5 +255,13 @@ class ClusterSettings(Section):
         # torchrun and the usual launchers name the group with these variables; a key in the file wins.
         if not isinstance(data, dict) or data.get("role", "off") == "off":
             return data
-        env = {"rank": "RANK", "world_size": "WORLD_SIZE", "coordinator": "MASTER_ADDR", "port": "MASTER_PORT"}
-        return {**{k: os.environ[v] for k, v in env.items() if os.environ.get(v)}, **{k: v for k, v in data.items() if v is not None}}
+        env = {
+            "rank": "RANK",
+            "world_size": "WORLD_SIZE",
+            "coordinator": "MASTER_ADDR",
+            "port": "MASTER_PORT",
+        }
+        return {
+            **{k: os.environ[v] for k, v in env.items() if os.environ.get(v)},
+            **{k: v for k, v in data.items() if v is not None},
+        }

@@ -58,16 +58,20 @@ def permission_error(path: Path) -> NoPermission:
     """Say which folder or socket keeps this user out, which permission is missing, and the fix."""
     for folder in reversed(path.parents):
         if folder.exists() and not os.access(folder, os.X_OK):
-            return NoPermission(f"cannot reach the control socket {path}: no search (x) permission on the folder {folder} "
-                                f"({_owner(folder)}) for {_who()}; join the folder's group, or run deltafinctl as the "
-                                "daemon's user (or with sudo)")
+            return NoPermission(
+                f"cannot reach the control socket {path}: no search (x) permission on the folder {folder} "
+                f"({_owner(folder)}) for {_who()}; join the folder's group, or run deltafinctl as the "
+                "daemon's user (or with sudo)"
+            )
     try:
         owner = _owner(path)
     except OSError:
         owner = "owner unknown"
-    return NoPermission(f"cannot connect to the control socket {path}: connecting needs write (w) permission on it "
-                        f"({owner}) for {_who()}; join the socket's group (set [control] group and mode = \"0660\") "
-                        "or run deltafinctl as the daemon's user (or with sudo)")
+    return NoPermission(
+        f"cannot connect to the control socket {path}: connecting needs write (w) permission on it "
+        f"({owner}) for {_who()}; join the socket's group (set [control] group and mode = \"0660\") "
+        "or run deltafinctl as the daemon's user (or with sudo)"
+    )
 
 
 async def _call(socket_path: Path, method: str, request: Any, timeout: float) -> Any:
@@ -78,7 +82,9 @@ async def _call(socket_path: Path, method: str, request: Any, timeout: float) ->
         channel.close()
 
 
-def call(socket_path: Path | str, method: str, request: Any, timeout: float = 30.0) -> dict[str, Any]:
+def call(
+    socket_path: Path | str, method: str, request: Any, timeout: float = 30.0
+) -> dict[str, Any]:
     """Run one RPC; the reply as a dict (every field, defaults included)."""
     path = Path(socket_path)
     try:
@@ -86,13 +92,17 @@ def call(socket_path: Path | str, method: str, request: Any, timeout: float = 30
     except PermissionError:
         raise permission_error(path) from None
     except OSError:  # missing, or a path through a file
-        raise NoDaemon(f"no daemon running: no control socket at {path} (is deltafind running? see [control] socket or --socket)") from None
+        raise NoDaemon(
+            f"no daemon running: no control socket at {path} (is deltafind running? see [control] socket or --socket)"
+        ) from None
     try:
         reply = asyncio.run(_call(path, method, request, timeout))
     except PermissionError:
         raise permission_error(path) from None
     except (ConnectionRefusedError, FileNotFoundError, StreamTerminatedError, OSError) as e:
-        raise NoDaemon(f"no daemon running on {path}: {e.strerror if isinstance(e, OSError) and e.strerror else e}") from None
+        raise NoDaemon(
+            f"no daemon running on {path}: {e.strerror if isinstance(e, OSError) and e.strerror else e}"
+        ) from None
     except GRPCError as e:
         raise ControlFailed(f"{method.lower()} failed: {e.message}") from None
     except asyncio.TimeoutError:

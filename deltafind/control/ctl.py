@@ -20,14 +20,26 @@ from deltafind.errors import DeltafindError
 
 
 def _global_options(p: argparse.ArgumentParser, default: object) -> None:
-    p.add_argument("--config", metavar="FILE", default=default,
-                   help="TOML config, for [control] socket (default /etc/deltafind/deltafind.toml)")
-    p.add_argument("--socket", metavar="PATH", default=default, help="control socket (default: [control] socket)")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        default=default,
+        help="TOML config, for [control] socket (default /etc/deltafind/deltafind.toml)",
+    )
+    p.add_argument(
+        "--socket",
+        metavar="PATH",
+        default=default,
+        help="control socket (default: [control] socket)",
+    )
     p.add_argument("--json", action="store_true", default=default, help="print the reply as JSON")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="deltafinctl", description="Control a running deltafind daemon over its control socket.")
+    p = argparse.ArgumentParser(
+        prog="deltafinctl",
+        description="Control a running deltafind daemon over its control socket.",
+    )
     _global_options(p, None)
     p.set_defaults(json=False)
     # The same flags after the subcommand too (`deltafinctl status --json`, as with systemctl and kubectl);
@@ -35,15 +47,33 @@ def build_parser() -> argparse.ArgumentParser:
     after = argparse.ArgumentParser(add_help=False)
     _global_options(after, argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("status", parents=[after], help="model, readiness, queue, tok/s, cache, drives, config")
-    sub.add_parser("reload", parents=[after], help="re-read the config and apply what can change live")
-    d = sub.add_parser("drain", parents=[after], help="stop taking new requests (running ones finish)")
-    d.add_argument("--grace", type=float, default=0.0, metavar="S", help="cancel what still runs after S seconds (default: never)")
+    sub.add_parser(
+        "status", parents=[after], help="model, readiness, queue, tok/s, cache, drives, config"
+    )
+    sub.add_parser(
+        "reload", parents=[after], help="re-read the config and apply what can change live"
+    )
+    d = sub.add_parser(
+        "drain", parents=[after], help="stop taking new requests (running ones finish)"
+    )
+    d.add_argument(
+        "--grace",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="cancel what still runs after S seconds (default: never)",
+    )
     sub.add_parser("resume", parents=[after], help="take new requests again after drain")
-    t = sub.add_parser("trace", parents=[after], help="start or stop writing a router trace (JSONL)")
+    t = sub.add_parser(
+        "trace", parents=[after], help="start or stop writing a router trace (JSONL)"
+    )
     t.add_argument("action", choices=["start", "stop"])
-    t.add_argument("path", nargs="?", help="new trace file for start: a name, created in the daemon's [control] trace_dir "
-                   "(default trace-DATE-TIME.jsonl)")
+    t.add_argument(
+        "path",
+        nargs="?",
+        help="new trace file for start: a name, created in the daemon's [control] trace_dir "
+        "(default trace-DATE-TIME.jsonl)",
+    )
     return p
 
 
@@ -72,49 +102,79 @@ def store_lines(s: dict[str, Any]) -> list[str]:
     if gate := s.get("prefetch_gate"):
         lines += prefetch_lines(gate)
     for d in s["drives"]:
-        lines.append(f"drive {d['index']}    {'ok' if d['healthy'] else 'UNREADABLE'} {d['path']}: {d['reads']} reads, "
-                     f"{_mib(d['bytes_read'])}, {d['read_gb_s']:.2f} GB/s")
+        lines.append(
+            f"drive {d['index']}    {'ok' if d['healthy'] else 'UNREADABLE'} {d['path']}: {d['reads']} reads, "
+            f"{_mib(d['bytes_read'])}, {d['read_gb_s']:.2f} GB/s"
+        )
     for n in s.get("nodes", ()):  # expert nodes of a cluster (deltafind/cluster)
-        lines.append(f"node {n['rank']}     {'ok' if n['alive'] else 'DOWN'}: {n['experts']} experts, {n['experts_read']} read "
-                     f"({_mib(n['bytes_read'])}, {n['read_mb_s']:.1f} MB/s), {n['layers']} layers exchanged"
-                     + (f", last error: {n['last_error']}" if n["last_error"] else ""))
+        lines.append(
+            f"node {n['rank']}     {'ok' if n['alive'] else 'DOWN'}: {n['experts']} experts, {n['experts_read']} read "
+            f"({_mib(n['bytes_read'])}, {n['read_mb_s']:.1f} MB/s), {n['layers']} layers exchanged"
+            + (f", last error: {n['last_error']}" if n["last_error"] else "")
+        )
     if sp := s.get("spine"):
-        lines.append(f"spine      {sp['resident_layers']} of {sp['num_layers']} layers resident, {sp['layer_reads']} layer "
-                     f"reads ({_mib(sp['bytes_read'])}), waited {sp['wait_s']:.3f} s")
+        lines.append(
+            f"spine      {sp['resident_layers']} of {sp['num_layers']} layers resident, {sp['layer_reads']} layer "
+            f"reads ({_mib(sp['bytes_read'])}), waited {sp['wait_s']:.3f} s"
+        )
     if (k := s.get("cpu_kernels")) and not k["built"]:
         lines.append(f"kernels    {k['note']}")
     if s.get("spine_int8"):
-        lines.append("spine      row-int8 ([cache] spine_int8): NOT weight-exact, the logits drift from the released weights'")
+        lines.append(
+            "spine      row-int8 ([cache] spine_int8): NOT weight-exact, the logits drift from the released weights'"
+        )
     if s.get("store_bytes_total") and s["store_bytes_present"] < s["store_bytes_total"]:
-        lines.append(f"store      streaming install: {_mib(s['store_bytes_present'])} of {_mib(s['store_bytes_total'])} of experts on disk "
-                     f"({100 * s['store_bytes_present'] / s['store_bytes_total']:.1f}%); the rest is fetched on first use")
+        lines.append(
+            f"store      streaming install: {_mib(s['store_bytes_present'])} of {_mib(s['store_bytes_total'])} of experts on disk "
+            f"({100 * s['store_bytes_present'] / s['store_bytes_total']:.1f}%); the rest is fetched on first use"
+        )
     return lines
 
 
 def prefetch_lines(gate: dict[str, Any]) -> list[str]:
     """The prefetch gate's per-layer recall and precision (and reads it started or held), eight layers a line."""
-    cells = [f"{r['layer']}: r {100 * r['recall']:.0f}% p {100 * r['precision']:.0f}% ({r['issued']}/{r['issued'] + r['held']})"
-             for r in gate["layers"] if r["predicted"] or r["needed"]]
-    return [f"prefetch   by layer, recall/precision (reads started/predicted) {'; '.join(cells[i : i + 8])}"
-            for i in range(0, len(cells), 8)] + ([f"prefetch   {gate['gated']} layer decisions started no read (no drive slack, window not yet timed, or precision under the threshold)"]
-               if gate.get("gated") else [])
+    cells = [
+        f"{r['layer']}: r {100 * r['recall']:.0f}% p {100 * r['precision']:.0f}% ({r['issued']}/{r['issued'] + r['held']})"
+        for r in gate["layers"]
+        if r["predicted"] or r["needed"]
+    ]
+    return [
+        f"prefetch   by layer, recall/precision (reads started/predicted) {'; '.join(cells[i : i + 8])}"
+        for i in range(0, len(cells), 8)
+    ] + (
+        [
+            f"prefetch   {gate['gated']} layer decisions started no read (no drive slack, window not yet timed, or precision under the threshold)"
+        ]
+        if gate.get("gated")
+        else []
+    )
 
 
 def draft_line(source: str, mode: str, d: dict[str, Any]) -> str:
     """A draft's counters (DraftStats.as_dict) as one line of text."""
-    return (f"draft {source} ({mode}): {d['accepted']} of {d['proposed']} proposed accepted "
-            f"({100 * d['acceptance_rate']:.1f}%), {d['steps']} verify passes, saved ~{d['saved_s']:.2f} s"
-            + (f", {d['failures']} failed" if d["failures"] else ""))
+    return (
+        f"draft {source} ({mode}): {d['accepted']} of {d['proposed']} proposed accepted "
+        f"({100 * d['acceptance_rate']:.1f}%), {d['steps']} verify passes, saved ~{d['saved_s']:.2f} s"
+        + (f", {d['failures']} failed" if d["failures"] else "")
+    )
 
 
 def summary(s: dict[str, Any]) -> str:
     state = "draining" if s["draining"] else s["load_status"]
-    loaded = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s["config_loaded_at"])) if s["config_loaded_at"] else "-"
-    lines = [f"model      {s['model']} ({state}), pid {s['pid']}, up {s['uptime_s']:.0f} s, deltafind {s['version']}"]
+    loaded = (
+        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s["config_loaded_at"]))
+        if s["config_loaded_at"]
+        else "-"
+    )
+    lines = [
+        f"model      {s['model']} ({state}), pid {s['pid']}, up {s['uptime_s']:.0f} s, deltafind {s['version']}"
+    ]
     snap = s.get("snapshot") or {}
     if e := snap.get("engine"):  # none while the model loads
-        lines.append(f"requests   {s['running']}/{s['max_running']} running, {s['waiting']} waiting (queue {s['max_queue']}), "
-                     f"{e['tok_s']:.1f} tok/s, {e['generated_tokens']} tokens in {e['steps']} steps")
+        lines.append(
+            f"requests   {s['running']}/{s['max_running']} running, {s['waiting']} waiting (queue {s['max_queue']}), "
+            f"{e['tok_s']:.1f} tok/s, {e['generated_tokens']} tokens in {e['steps']} steps"
+        )
     if store := snap.get("store"):
         lines += store_lines(store)
     if e and e["draft_source"]:
@@ -140,16 +200,24 @@ def run(args: argparse.Namespace) -> int:
     elif args.command == "reload":
         reply = client.reload(sock)
         if not reply["ok"]:
-            print(json.dumps(reply) if args.json else f"deltafinctl: reload refused, nothing changed:\n{reply['message']}",
-                  file=sys.stdout if args.json else sys.stderr)
+            print(
+                json.dumps(reply)
+                if args.json
+                else f"deltafinctl: reload refused, nothing changed:\n{reply['message']}",
+                file=sys.stdout if args.json else sys.stderr,
+            )
             return 1
-        text = reply["message"] + (f"\napplied: {', '.join(reply['applied'])}" if reply["applied"] else "\nno live change")
+        text = reply["message"] + (
+            f"\napplied: {', '.join(reply['applied'])}" if reply["applied"] else "\nno live change"
+        )
     elif args.command in ("drain", "resume"):
         reply = client.drain(sock, args.grace) if args.command == "drain" else client.resume(sock)
         text = f"{'draining' if reply['draining'] else 'serving'}: {reply['running']} running, {reply['waiting']} waiting"
     else:
         # a name is the daemon's to place (in its [control] trace_dir); a path is sent as given
-        reply = client.trace(sock, args.action == "start", (args.path or "") if args.action == "start" else "")
+        reply = client.trace(
+            sock, args.action == "start", (args.path or "") if args.action == "start" else ""
+        )
         text = f"trace {'writing ' + reply['path'] if reply['active'] else 'stopped'}"
     print(json.dumps(reply) if args.json else text)
     return 0

@@ -62,8 +62,14 @@ class ControlService(ControlBase):
     async def Reload(self, stream: Stream[pb.ReloadRequest, pb.ReloadReply]) -> None:
         await stream.recv_message()
         r = await self._call(self.target.reload)
-        await stream.send_message(pb.ReloadReply(ok=r["ok"], message=r["message"], applied=r["applied"],
-                                                 restart_needed=r["restart_needed"]))
+        await stream.send_message(
+            pb.ReloadReply(
+                ok=r["ok"],
+                message=r["message"],
+                applied=r["applied"],
+                restart_needed=r["restart_needed"],
+            )
+        )
 
     async def Drain(self, stream: Stream[pb.DrainRequest, pb.StatusReply]) -> None:
         req = await stream.recv_message()
@@ -79,7 +85,9 @@ class ControlService(ControlBase):
     async def Trace(self, stream: Stream[pb.TraceRequest, pb.TraceReply]) -> None:
         req = await stream.recv_message()
         assert req is not None
-        r = await self._call(self.target.trace, req.action == pb.TraceRequest.START, req.path or None)
+        r = await self._call(
+            self.target.trace, req.action == pb.TraceRequest.START, req.path or None
+        )
         await stream.send_message(pb.TraceReply(active=r["active"], path=r["path"]))
 
 
@@ -94,7 +102,9 @@ def bind_socket(path: Path, mode: int, group: str | None) -> socket.socket:
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(str(path))
-            raise DeltafindError(f"{path}: another daemon answers on this control socket; stop it or set [control] socket")
+            raise DeltafindError(
+                f"{path}: another daemon answers on this control socket; stop it or set [control] socket"
+            )
         except (ConnectionRefusedError, FileNotFoundError):
             path.unlink()  # stale, left by a daemon that died
         finally:
@@ -135,18 +145,30 @@ def check_folder(folder: Path, mode: int, gid: int | None) -> None:
     """Warn when a folder we did not make keeps out the group (or others) that `mode` lets in."""
     st = folder.stat()
     need = folder_mode(mode) & 0o055
-    group_ok = not need & 0o050 or (st.st_mode & 0o010 and (gid is None or st.st_gid == gid)) or st.st_mode & 0o001
+    group_ok = (
+        not need & 0o050
+        or (st.st_mode & 0o010 and (gid is None or st.st_gid == gid))
+        or st.st_mode & 0o001
+    )
     other_ok = not need & 0o005 or st.st_mode & 0o001
     if not (group_ok and other_ok):
-        log.warning("control_folder_closed", folder=str(folder), folder_mode=oct(stat.S_IMODE(st.st_mode)), folder_gid=st.st_gid,
-                    socket_mode=oct(mode), group_gid=gid,
-                    fix="chgrp the folder to the socket's group and chmod g+x (or o+x) it, or set [control] socket elsewhere")
+        log.warning(
+            "control_folder_closed",
+            folder=str(folder),
+            folder_mode=oct(stat.S_IMODE(st.st_mode)),
+            folder_gid=st.st_gid,
+            socket_mode=oct(mode),
+            group_gid=gid,
+            fix="chgrp the folder to the socket's group and chmod g+x (or o+x) it, or set [control] socket elsewhere",
+        )
 
 
 class ControlServer:
     """grpclib on its own thread and event loop (signal handlers stay gunicorn's)."""
 
-    def __init__(self, target: Any, path: Path, mode: int = 0o600, group: str | None = None) -> None:
+    def __init__(
+        self, target: Any, path: Path, mode: int = 0o600, group: str | None = None
+    ) -> None:
         self.target, self.path, self.mode, self.group = target, Path(path), mode, group
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: Server | None = None

@@ -84,7 +84,9 @@ class _Arbiter(Arbiter):
 
 
 class DaemonApp(BaseApplication):
-    def __init__(self, settings: Settings, config_path: Path | None, overrides: dict[str, Any]) -> None:
+    def __init__(
+        self, settings: Settings, config_path: Path | None, overrides: dict[str, Any]
+    ) -> None:
         self.settings, self.config_path, self.overrides = settings, config_path, overrides
         self.runtime: Any = None
         self.state: AppState | None = None

@@ -15,25 +15,55 @@ from deltafind.errors import StoreError
 
 
 def add_subcommands(sub: Any) -> None:
-    p = sub.add_parser("serve", help="run the daemon: the OpenAI API and the control socket (the default command)")
+    p = sub.add_parser(
+        "serve", help="run the daemon: the OpenAI API and the control socket (the default command)"
+    )
     add_serve_options(p)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("install-service", help="write the systemd unit (Linux) or launchd plist (macOS) for this install")
-    p.add_argument("--config", metavar="FILE", help="config the service runs with (default /etc/deltafind/deltafind.toml)")
-    p.add_argument("--user", action="store_true", help="a per-user service (systemd --user, a LaunchAgent) instead of system-wide")
-    p.add_argument("--platform", choices=["linux", "darwin"], help="write for this platform (default: this machine's)")
-    p.add_argument("--output", metavar="DIR", help="write into DIR instead of the platform's service folder")
-    p.add_argument("--print", dest="print_only", action="store_true", help="print the file instead of writing it")
+    p = sub.add_parser(
+        "install-service",
+        help="write the systemd unit (Linux) or launchd plist (macOS) for this install",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="config the service runs with (default /etc/deltafind/deltafind.toml)",
+    )
+    p.add_argument(
+        "--user",
+        action="store_true",
+        help="a per-user service (systemd --user, a LaunchAgent) instead of system-wide",
+    )
+    p.add_argument(
+        "--platform",
+        choices=["linux", "darwin"],
+        help="write for this platform (default: this machine's)",
+    )
+    p.add_argument(
+        "--output", metavar="DIR", help="write into DIR instead of the platform's service folder"
+    )
+    p.add_argument(
+        "--print",
+        dest="print_only",
+        action="store_true",
+        help="print the file instead of writing it",
+    )
     p.set_defaults(func=cmd_install_service)
 
 
 def add_serve_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="TOML config (default /etc/deltafind/deltafind.toml when it exists)")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML config (default /etc/deltafind/deltafind.toml when it exists)",
+    )
     p.add_argument("--store", metavar="DIR", help="store to serve (overrides [model] store)")
     p.add_argument("--host", help="HTTP address (overrides [server] host)")
     p.add_argument("--port", type=int, help="HTTP port (overrides [server] port)")
-    p.add_argument("--control-socket", metavar="PATH", help="control socket (overrides [control] socket)")
+    p.add_argument(
+        "--control-socket", metavar="PATH", help="control socket (overrides [control] socket)"
+    )
 
 
 def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
@@ -75,10 +105,19 @@ def check_store_access(store: Path) -> None:
     try:
         found = manifest.is_file()
     except PermissionError:
-        folder = next((p for p in reversed([store, *store.parents]) if p.exists() and not os.access(p, os.X_OK)), store)
+        folder = next(
+            (
+                p
+                for p in reversed([store, *store.parents])
+                if p.exists() and not os.access(p, os.X_OK)
+            ),
+            store,
+        )
         raise StoreError(no_permission(folder, "search (x)")) from None
     if not found:
-        raise StoreError(f"{store}: not a deltafind store (no manifest.json); create it with `deltafind setup`")
+        raise StoreError(
+            f"{store}: not a deltafind store (no manifest.json); create it with `deltafind setup`"
+        )
     if not os.access(manifest, os.R_OK):
         raise StoreError(no_permission(manifest, "read"))
 

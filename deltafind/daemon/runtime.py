@@ -32,8 +32,19 @@ log = get_logger(__name__)
 
 
 class Runtime:
-    def __init__(self, settings: Settings, config_path: Path | None, overrides: dict[str, Any], state: AppState) -> None:
-        self.settings, self.config_path, self.overrides, self.state = settings, config_path, overrides, state
+    def __init__(
+        self,
+        settings: Settings,
+        config_path: Path | None,
+        overrides: dict[str, Any],
+        state: AppState,
+    ) -> None:
+        self.settings, self.config_path, self.overrides, self.state = (
+            settings,
+            config_path,
+            overrides,
+            state,
+        )
         self.config_loaded_at = self.started_at = time.time()
         self.model: Any = None
         self.scheduler: Scheduler | None = None
@@ -69,31 +80,58 @@ class Runtime:
             extender.start()
             from deltafind.api import Model
 
-            self.model = Model.open(settings=self.settings)  # device resolved (auto: CUDA, MPS, CPU) and probed; [draft] opened
-            prepare_vocabulary(self.model.tokenizer)  # structured output's vocabulary, built while warming up
+            self.model = Model.open(
+                settings=self.settings
+            )  # device resolved (auto: CUDA, MPS, CPU) and probed; [draft] opened
+            prepare_vocabulary(
+                self.model.tokenizer
+            )  # structured output's vocabulary, built while warming up
             s = self.settings
             context = self.model.net.args.max_position_embeddings  # models/contract.py
-            self.scheduler = Scheduler(self.model.net, self.model.eos_token_ids, scheduler_limits(s, self.model, context),
-                                       draft=self.model.draft, draft_policy=self.model.draft_policy)
+            self.scheduler = Scheduler(
+                self.model.net,
+                self.model.eos_token_ids,
+                scheduler_limits(s, self.model, context),
+                draft=self.model.draft,
+                draft_policy=self.model.draft_policy,
+            )
             self.scheduler.core.prefix.disk = self._prompt_disk(s)  # before the first request
             notify.status("warming up")
             tok = self.model.tokenizer
             first = (tok.encode("Hi") or [tok.bos_token_id or 0])[:1]
-            _, fin = collect(self.scheduler.submit(GenRequest(tuple(first), SamplingParams(max_new_tokens=1))), timeout=600)
+            _, fin = collect(
+                self.scheduler.submit(GenRequest(tuple(first), SamplingParams(max_new_tokens=1))),
+                timeout=600,
+            )
             if fin.reason == "error":
                 raise DeltafindError(f"warm-up failed: {fin.error}")
             self.context_length = context
-            cluster = self.model.cluster  # expert nodes (deltafind/cluster): /health says degraded while one is down
-            ready = ReadyEngine(self.scheduler, tok, model_name(s), context, store_snapshot=self.store_snapshot,
-                                nodes=cluster.status if cluster is not None else list,
-                                drive_problems=lambda: list(self.model.experts.reader.problems.values()),
-                                aliases=tuple(s.server.model_aliases))
+            cluster = (
+                self.model.cluster
+            )  # expert nodes (deltafind/cluster): /health says degraded while one is down
+            ready = ReadyEngine(
+                self.scheduler,
+                tok,
+                model_name(s),
+                context,
+                store_snapshot=self.store_snapshot,
+                nodes=cluster.status if cluster is not None else list,
+                drive_problems=lambda: list(self.model.experts.reader.problems.values()),
+                aliases=tuple(s.server.model_aliases),
+            )
             self._turns_file(ready, save=False)
             self.state.set_ready(ready)
-            log.info("model_ready", store=str(store_dir(s)), family=self.model.manifest.family,
-                     load_s=round(time.monotonic() - t0, 2), context=context)
+            log.info(
+                "model_ready",
+                store=str(store_dir(s)),
+                family=self.model.manifest.family,
+                load_s=round(time.monotonic() - t0, 2),
+                context=context,
+            )
             notify.ready(f"serving {model_name(s)}")
-            threading.Thread(target=self._save_heat_periodically, name="deltafind-heat", daemon=True).start()
+            threading.Thread(
+                target=self._save_heat_periodically, name="deltafind-heat", daemon=True
+            ).start()
         except Exception as e:
             code = e.exit_code if isinstance(e, DeltafindError) and e.exit_code in (3, 4) else 4
             log.error("model_load_failed", error=str(e), exc_info=not isinstance(e, DeltafindError))
@@ -101,7 +139,9 @@ class Runtime:
             notify.status(f"model load failed: {e}")
             for h in __import__("logging").getLogger().handlers:
                 h.flush()
-            os._exit(code)  # gunicorn's arbiter halts on exit code 3 (boot error) or 4 (app load error)
+            os._exit(
+                code
+            )  # gunicorn's arbiter halts on exit code 3 (boot error) or 4 (app load error)
 
     def _save_heat_periodically(self) -> None:
         while not self._stop.wait(self.settings.cache.heat_save_s):
@@ -127,9 +167,14 @@ class Runtime:
             if save:
                 ready.turns.save(path, disk.key)
             elif path.exists():
-                log.info("prompt_turns_loaded", sequences=ready.turns.load(ready.tokenizer, path, disk.key))
+                log.info(
+                    "prompt_turns_loaded",
+                    sequences=ready.turns.load(ready.tokenizer, path, disk.key),
+                )
         except Exception as e:  # a torn file: the next turns are encoded afresh, nothing worse
-            log.warning("prompt_turns_not_carried", file=str(path), error=f"{type(e).__name__}: {e}")
+            log.warning(
+                "prompt_turns_not_carried", file=str(path), error=f"{type(e).__name__}: {e}"
+            )
 
     def _prompt_disk(self, s: Settings) -> Any:
         """The prompt-state files ([cache] prompt_disk_bytes), keyed by what their state depends on; None when off."""
@@ -142,15 +187,28 @@ class Runtime:
         from deltafind.store.manifest import MANIFEST_NAME
 
         store, device = store_dir(s), next(model.net.parameters()).device
-        directory = Path(c.prompt_disk_dir).expanduser() if c.prompt_disk_dir else store / "prompt-cache"
+        directory = (
+            Path(c.prompt_disk_dir).expanduser() if c.prompt_disk_dir else store / "prompt-cache"
+        )
         sha = lambda b: hashlib.sha256(b).hexdigest()  # noqa: E731
-        identity = {"family": model.manifest.family, "manifest": sha((store / MANIFEST_NAME).read_bytes()),
-                    "chat_template": sha(model.tokenizer.chat_template_source.encode()), "dtype": s.device.dtype,
-                    "spine_int8": str(c.spine_int8), "device": device.type, "deltafind": __version__}
+        identity = {
+            "family": model.manifest.family,
+            "manifest": sha((store / MANIFEST_NAME).read_bytes()),
+            "chat_template": sha(model.tokenizer.chat_template_source.encode()),
+            "dtype": s.device.dtype,
+            "spine_int8": str(c.spine_int8),
+            "device": device.type,
+            "deltafind": __version__,
+        }
         try:
             return PromptDisk(directory, int(c.prompt_disk_bytes), identity, device)
         except OSError as e:
-            log.warning("prompt_disk_off", dir=str(directory), error=str(e), fix="set [cache] prompt_disk_dir to a writable folder")
+            log.warning(
+                "prompt_disk_off",
+                dir=str(directory),
+                error=str(e),
+                fix="set [cache] prompt_disk_dir to a writable folder",
+            )
             return None
 
     def healthy(self) -> bool:
@@ -168,15 +226,29 @@ class Runtime:
                     new_server = server_config(new)
                 except ConfigError as e:
                     log.warning("reload_rejected", error=str(e))
-                    return {"ok": False, "message": str(e), "applied": [], "restart_needed": self.pending_restart}
+                    return {
+                        "ok": False,
+                        "message": str(e),
+                        "applied": [],
+                        "restart_needed": self.pending_restart,
+                    }
                 live, restart = changed_keys(self.settings, new)
                 self.settings = self._merge(self.settings, new, live)
                 self._apply(self.settings, new_server, live)
                 self.pending_restart = sorted(set(restart))
                 self.config_loaded_at = time.time()
                 log.info("reloaded", applied=live, restart_needed=self.pending_restart)
-                msg = "reloaded" + (f"; restart to apply {', '.join(self.pending_restart)}" if self.pending_restart else "")
-                return {"ok": True, "message": msg, "applied": live, "restart_needed": self.pending_restart}
+                msg = "reloaded" + (
+                    f"; restart to apply {', '.join(self.pending_restart)}"
+                    if self.pending_restart
+                    else ""
+                )
+                return {
+                    "ok": True,
+                    "message": msg,
+                    "applied": live,
+                    "restart_needed": self.pending_restart,
+                }
             finally:
                 notify.ready(f"serving {model_name(self.settings)}")
 
@@ -186,11 +258,17 @@ class Runtime:
         for key in live:
             section, _, sub = key.partition(".")
             base = update.get(section, getattr(old, section))
-            update[section] = base.model_copy(update={sub: getattr(getattr(new, section), sub)}) if sub else getattr(new, section)
+            update[section] = (
+                base.model_copy(update={sub: getattr(getattr(new, section), sub)})
+                if sub
+                else getattr(new, section)
+            )
         return old.model_copy(update=update)
 
     def _apply(self, new: Settings, new_server: ServerConfig, live: list[str]) -> None:
-        self.state.config = new_server  # keys, body limit, max_tokens default, max_context (key file re-read too)
+        self.state.config = (
+            new_server  # keys, body limit, max_tokens default, max_context (key file re-read too)
+        )
         if "logging.level" in live:
             configure_logging(new.logging.level, new.logging.format)
         sched, model = self.scheduler, self.model
@@ -201,10 +279,15 @@ class Runtime:
             from deltafind.engine.draft.policy import PolicyOptions
 
             d = new.draft
-            sched.configure_draft(PolicyOptions(mode="auto" if d.mode == "off" else d.mode, max_width=d.max_width),
-                                  enabled=d.mode != "off")
+            sched.configure_draft(
+                PolicyOptions(mode="auto" if d.mode == "off" else d.mode, max_width=d.max_width),
+                enabled=d.mode != "off",
+            )
             if d.mode != "off" and sched.core.draft is None:
-                log.warning("draft_reload_needs_restart", reason="started with [draft] mode = \"off\"; no source is loaded")
+                log.warning(
+                    "draft_reload_needs_restart",
+                    reason="started with [draft] mode = \"off\"; no source is loaded",
+                )
 
         sched.call(lambda: model.apply_live(new, live))
 
@@ -254,7 +337,9 @@ class Runtime:
         old = self.scheduler.call(swap)
         if old is not None:
             old.close(wait_s=0)  # its own thread writes what is left
-        self._trace = writer or self._trace  # after a stop, status still shows the last trace (and its error)
+        self._trace = (
+            writer or self._trace
+        )  # after a stop, status still shows the last trace (and its error)
         self.trace_path = str(writer.path) if writer else None
         log.info("trace", active=start, path=self.trace_path)
         return {"active": start, "path": self.trace_path or ""}
@@ -268,7 +353,13 @@ class Runtime:
         t = self._trace
         if t is None:
             return {}
-        return {"path": str(t.path), "active": t.active, "bytes": t.bytes, "dropped": t.dropped, "error": t.error or ""}
+        return {
+            "path": str(t.path),
+            "active": t.active,
+            "bytes": t.bytes,
+            "dropped": t.dropped,
+            "error": t.error or "",
+        }
 
     def _check_trace_path(self, path: Path) -> None:
         """Never a trace inside the store, a drive folder or over the config (a trace_dir set there would corrupt them)."""
@@ -277,27 +368,45 @@ class Runtime:
         guarded = [store, *(p.resolve() for p in self.model.manifest.drive_paths(store))]
         for folder in guarded:
             if target == folder or folder in target.parents:
-                raise RequestError(f"{path}: refusing to write a trace inside the store or a drive folder ({folder}); "
-                                   "pick a path outside it, e.g. /var/tmp/deltafind-trace.jsonl", "path")
+                raise RequestError(
+                    f"{path}: refusing to write a trace inside the store or a drive folder ({folder}); "
+                    "pick a path outside it, e.g. /var/tmp/deltafind-trace.jsonl",
+                    "path",
+                )
         if self.config_path is not None and target == Path(self.config_path).resolve():
-            raise RequestError(f"{path}: refusing to write a trace over the daemon's config; pick another path", "path")
+            raise RequestError(
+                f"{path}: refusing to write a trace over the daemon's config; pick another path",
+                "path",
+            )
 
     def status(self) -> dict[str, Any]:
         """The daemon's own figures and the engine's queue (a figure not known yet, while loading, is left to the
         reply's zero), then the engine's and the store's whole snapshots."""
         s = self.settings
         out: dict[str, Any] = {
-            "model": model_name(s), "version": __version__, "pid": os.getpid(), "uptime_s": time.time() - self.started_at,
-            "ready": self.state.engine is not None, "load_status": self.state.load_status,
-            "config_path": str(self.config_path or ""), "config_loaded_at": self.config_loaded_at,
+            "model": model_name(s),
+            "version": __version__,
+            "pid": os.getpid(),
+            "uptime_s": time.time() - self.started_at,
+            "ready": self.state.engine is not None,
+            "load_status": self.state.load_status,
+            "config_path": str(self.config_path or ""),
+            "config_loaded_at": self.config_loaded_at,
             "restart_needed": list(self.pending_restart),
             "trace_path": self.trace_path if self._trace is not None and self._trace.active else "",
         }
         engine: dict[str, Any] = {}
         if self.scheduler is not None:
             engine = self.scheduler.snapshot()
-            out.update({k: engine[k] for k in ("running", "waiting", "draining", "max_running", "max_queue")})
-        out["snapshot_json"] = json.dumps({"engine": engine, "store": self.store_snapshot(), "trace": self.trace_state()})
+            out.update(
+                {
+                    k: engine[k]
+                    for k in ("running", "waiting", "draining", "max_running", "max_queue")
+                }
+            )
+        out["snapshot_json"] = json.dumps(
+            {"engine": engine, "store": self.store_snapshot(), "trace": self.trace_state()}
+        )
         return out
 
     def store_snapshot(self) -> dict[str, Any]:

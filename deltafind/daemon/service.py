@@ -43,7 +43,9 @@ def render_unit(config: Path | None, user: bool = False) -> str:
     cfg = f" --config {shlex.quote(str(config.resolve()))}" if config else ""
     rw, ro = _paths(config)
     if not _UNIT_TEMPLATE.is_file():
-        raise ConfigError(f"the unit template {_UNIT_TEMPLATE} is missing from this install; reinstall deltafind")
+        raise ConfigError(
+            f"the unit template {_UNIT_TEMPLATE} is missing from this install; reinstall deltafind"
+        )
     out = []
     for line in _UNIT_TEMPLATE.read_text().splitlines():
         key = line.split("=", 1)[0]
@@ -52,13 +54,34 @@ def render_unit(config: Path | None, user: bool = False) -> str:
         elif key == "ExecReload":
             line = f"ExecReload={ctl}{cfg} reload"
         elif key == "ReadWritePaths":
-            line = "ReadWritePaths=" + " ".join(["/var/lib/deltafind", *map(str, rw)]) if not user else \
-                "ReadWritePaths=" + " ".join(map(str, rw)) if rw else ""
+            line = (
+                "ReadWritePaths=" + " ".join(["/var/lib/deltafind", *map(str, rw)])
+                if not user
+                else "ReadWritePaths=" + " ".join(map(str, rw))
+                if rw
+                else ""
+            )
         elif key == "ReadOnlyPaths":
-            line = "ReadOnlyPaths=" + " ".join(map(str, ro or [Path("/etc/deltafind")])) if not user else ""
-        elif user and key in ("User", "Group", "StateDirectory", "WorkingDirectory", "CapabilityBoundingSet",
-                              "ProtectKernelTunables", "ProtectKernelModules", "ProtectKernelLogs", "ProtectControlGroups",
-                              "ProtectClock", "ProtectHostname", "ProtectHome", "LimitMEMLOCK"):
+            line = (
+                "ReadOnlyPaths=" + " ".join(map(str, ro or [Path("/etc/deltafind")]))
+                if not user
+                else ""
+            )
+        elif user and key in (
+            "User",
+            "Group",
+            "StateDirectory",
+            "WorkingDirectory",
+            "CapabilityBoundingSet",
+            "ProtectKernelTunables",
+            "ProtectKernelModules",
+            "ProtectKernelLogs",
+            "ProtectControlGroups",
+            "ProtectClock",
+            "ProtectHostname",
+            "ProtectHome",
+            "LimitMEMLOCK",
+        ):
             continue  # a user manager cannot drop to another user or set these
         elif user and key == "WantedBy":
             line = "WantedBy=default.target"
@@ -68,13 +91,19 @@ def render_unit(config: Path | None, user: bool = False) -> str:
     return "\n".join(out) + "\n"
 
 
-HIDDEN = {"ProtectHome=yes": ("/home", "/root", "/run/user"), "PrivateTmp=yes": ("/tmp", "/var/tmp")}
+HIDDEN = {
+    "ProtectHome=yes": ("/home", "/root", "/run/user"),
+    "PrivateTmp=yes": ("/tmp", "/var/tmp"),
+}
 
 
 def hidden_paths(unit: str, config: Path | None) -> list[str]:
     """Warnings for the venv, store, drives or config that the unit's sandboxing would hide from the service."""
     rw, ro = _paths(config)
-    named = [("the venv", Path(sys.prefix).resolve()), ("deltafind's scripts", _scripts()[0].parent.resolve())]
+    named = [
+        ("the venv", Path(sys.prefix).resolve()),
+        ("deltafind's scripts", _scripts()[0].parent.resolve()),
+    ]
     named += [("the store or a drive", p) for p in rw] + [("the config folder", p) for p in ro]
     out = []
     lines = {line.strip() for line in unit.splitlines()}
@@ -84,8 +113,10 @@ def hidden_paths(unit: str, config: Path | None) -> list[str]:
         for what, path in named:
             root = next((r for r in roots if path == Path(r) or Path(r) in path.parents), None)
             if root is not None:
-                out.append(f"{setting} hides {root} from the service, so {what} ({path}) will not be found; move it "
-                           f"(e.g. under /opt or /var/lib/deltafind) or relax {setting.split('=')[0]}= in the unit")
+                out.append(
+                    f"{setting} hides {root} from the service, so {what} ({path}) will not be found; move it "
+                    f"(e.g. under /opt or /var/lib/deltafind) or relax {setting.split('=')[0]}= in the unit"
+                )
     return list(dict.fromkeys(out))
 
 
@@ -111,7 +142,9 @@ def render_plist(config: Path | None, user: bool = True) -> bytes:
 
 def target_path(platform: str, user: bool) -> Path:
     if platform == "darwin":
-        return (Path.home() / "Library" / "LaunchAgents" if user else Path("/Library/LaunchDaemons")) / f"{LABEL}.plist"
+        return (
+            Path.home() / "Library" / "LaunchAgents" if user else Path("/Library/LaunchDaemons")
+        ) / f"{LABEL}.plist"
     if user:
         base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
         return base / "systemd" / "user" / "deltafind.service"
@@ -141,7 +174,10 @@ def install(args: argparse.Namespace) -> tuple[str, Path]:
         path.write_bytes(data)
         if platform == "darwin" and not args.output:
             (Path.home() / "Library" / "Logs" / "deltafind").mkdir(parents=True, exist_ok=True)
-        hint = f"launchctl load -w {path}" if platform == "darwin" else \
-            f"systemctl {'--user ' if args.user else ''}daemon-reload && systemctl {'--user ' if args.user else ''}enable --now deltafind"
+        hint = (
+            f"launchctl load -w {path}"
+            if platform == "darwin"
+            else f"systemctl {'--user ' if args.user else ''}daemon-reload && systemctl {'--user ' if args.user else ''}enable --now deltafind"
+        )
         print(f"next: {hint}", file=sys.stderr)
     return text, path

@@ -34,7 +34,12 @@ from deltafind.server.errors import ApiError
 log = get_logger(__name__)
 HEAD_END = b"\r\n\r\n"
 RECV_BYTES = 65536
-CODES = {408: "request_timeout", 414: "uri_too_long", 431: "headers_too_large", 501: "unsupported_transfer_coding"}
+CODES = {
+    408: "request_timeout",
+    414: "uri_too_long",
+    431: "headers_too_large",
+    501: "unsupported_transfer_coding",
+}
 
 
 def error_response(status: int, message: str) -> bytes:
@@ -42,8 +47,10 @@ def error_response(status: int, message: str) -> bytes:
     code = CODES.get(status, "invalid_request" if status < 500 else "internal_error")
     reason = HTTPStatus(status).phrase
     body = json.dumps(ApiError(status, message or reason, None, code).body()).encode()
-    head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
     return head.encode("latin-1") + body
 
 
@@ -83,8 +90,10 @@ class ChunkTooLarge(InvalidChunkSize):
         self.declared, self.limit = declared, limit
 
     def __str__(self) -> str:
-        return (f"the chunked body declares {self.declared} bytes so far; the limit is {self.limit} bytes "
-                "(server.max_body_bytes)")
+        return (
+            f"the chunked body declares {self.declared} bytes so far; the limit is {self.limit} bytes "
+            "(server.max_body_bytes)"
+        )
 
 
 HEX_DIGITS = re.compile(rb"[0-9a-fA-F]*")
@@ -188,8 +197,18 @@ class HeadReader:
     def time_out(self, conn: Any) -> None:
         """Answer 408 (when the client sent anything) and close."""
         if conn.head:
-            log.info("request_head_timeout", client=str(conn.client), bytes=len(conn.head), timeout_s=self.timeout_s)
+            log.info(
+                "request_head_timeout",
+                client=str(conn.client),
+                bytes=len(conn.head),
+                timeout_s=self.timeout_s,
+            )
             with contextlib.suppress(OSError):
-                conn.sock.send(error_response(408, f"the request headers did not arrive within {self.timeout_s:g} s "
-                                                   "(server.header_timeout_s)"))
+                conn.sock.send(
+                    error_response(
+                        408,
+                        f"the request headers did not arrive within {self.timeout_s:g} s "
+                        "(server.header_timeout_s)",
+                    )
+                )
         conn.close()

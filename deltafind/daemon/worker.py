@@ -30,12 +30,21 @@ from deltafind.log import get_logger
 
 log = get_logger(__name__)
 CANCEL_MARGIN_S = 1.0  # cancel this long before gunicorn's grace ends, so streams can close cleanly
-MAX_HEAD_BYTES = 64 << 10  # a bigger head goes to gunicorn's parser, which answers 431 past its limits
+MAX_HEAD_BYTES = (
+    64 << 10
+)  # a bigger head goes to gunicorn's parser, which answers 431 past its limits
 # gunicorn's own answers to what its parser refuses (the statuses of its Worker.handle_error); first match wins
-ERROR_STATUS = ((http_errors.InvalidResponseHeader, 500), (http_errors.InvalidResponseHeaderName, 500),
-                (http_errors.ConfigurationProblem, 500), (http_errors.LimitRequestLine, 414),
-                (http_errors.LimitRequestHeaders, 431), (http_errors.UnsupportedTransferCoding, 501),
-                (http_errors.ExpectationFailed, 417), (http_errors.ForbiddenProxyRequest, 403), (http_errors.ParseException, 400))
+ERROR_STATUS = (
+    (http_errors.InvalidResponseHeader, 500),
+    (http_errors.InvalidResponseHeaderName, 500),
+    (http_errors.ConfigurationProblem, 500),
+    (http_errors.LimitRequestLine, 414),
+    (http_errors.LimitRequestHeaders, 431),
+    (http_errors.UnsupportedTransferCoding, 501),
+    (http_errors.ExpectationFailed, 417),
+    (http_errors.ForbiddenProxyRequest, 403),
+    (http_errors.ParseException, 400),
+)
 
 
 class Conn(TConn):
@@ -47,7 +56,9 @@ class Conn(TConn):
 
     def init(self) -> None:
         super().init()
-        if isinstance(self.parser, RequestParser):  # the class RequestParser builds each message with (a hooks test checks it)
+        if isinstance(
+            self.parser, RequestParser
+        ):  # the class RequestParser builds each message with (a hooks test checks it)
             self.parser.mesg_class = partial(BoundedRequest, self.max_body_bytes)
 
 
@@ -62,7 +73,13 @@ class Worker(ThreadWorker):
     def handle_error(self, req: Any, client: Any, addr: Any, exc: BaseException) -> None:
         """gunicorn's own error answers (400/414/431/501/500...) as OpenAI JSON instead of its HTML page."""
         status = next((s for kind, s in ERROR_STATUS if isinstance(exc, kind)), 500)
-        log.warning("http_error", client=str(addr), status=status, error=str(exc), exc_info=exc if status == 500 else None)
+        log.warning(
+            "http_error",
+            client=str(addr),
+            status=status,
+            error=str(exc),
+            exc_info=exc if status == 500 else None,
+        )
         with contextlib.suppress(OSError):
             client.sendall(error_response(status, str(exc) if status != 500 else ""))
 
@@ -76,7 +93,15 @@ class Worker(ThreadWorker):
                 raise
             return
         self.nr_conns += 1
-        self._read_head(Conn(self.max_body_bytes, self.cfg, DeadlineSocket(client_sock), client_addr, listener.getsockname()))
+        self._read_head(
+            Conn(
+                self.max_body_bytes,
+                self.cfg,
+                DeadlineSocket(client_sock),
+                client_addr,
+                listener.getsockname(),
+            )
+        )
 
     def on_client_socket_readable(self, conn: Any, client: Any) -> None:
         self.poller.unregister(client)
@@ -102,7 +127,9 @@ class Worker(ThreadWorker):
 
     def murder_pending(self) -> None:
         super().murder_pending()
-        for conn in self.heads.expired(time.monotonic()) + ([] if self.alive else self.heads.idle()):
+        for conn in self.heads.expired(time.monotonic()) + (
+            [] if self.alive else self.heads.idle()
+        ):
             with contextlib.suppress(OSError, KeyError, ValueError):
                 self.poller.unregister(conn.sock)
             self.nr_conns -= 1
@@ -110,12 +137,18 @@ class Worker(ThreadWorker):
 
     def handle(self, conn: Any) -> Any:
         structlog.contextvars.clear_contextvars()  # gunicorn's own errors must not log the thread's last request id
-        conn.data_ready = conn.data_ready or bool(conn.sock.pending)  # a gathered head: gthread need not wait for a byte
-        conn.sock.arm(b"", time.monotonic() + self.body_timeout_s)  # the body (and a pipelined head) by this deadline
+        conn.data_ready = conn.data_ready or bool(
+            conn.sock.pending
+        )  # a gathered head: gthread need not wait for a byte
+        conn.sock.arm(
+            b"", time.monotonic() + self.body_timeout_s
+        )  # the body (and a pipelined head) by this deadline
         try:
             return super().handle(conn)
         finally:
-            conn.sock.arm(b"", None)  # the next head is gathered without a deadline (HeadReader has its own)
+            conn.sock.arm(
+                b"", None
+            )  # the next head is gathered without a deadline (HeadReader has its own)
 
     # -- signals ------------------------------------------------------------------
 
@@ -137,7 +170,9 @@ class Worker(ThreadWorker):
         if self.alive and rt is not None:
             grace = max(0.0, float(self.cfg.graceful_timeout) - CANCEL_MARGIN_S)
             # Not in the handler itself: it may interrupt a thread holding a lock drain needs.
-            threading.Thread(target=self._drain, args=(rt, grace), name="deltafind-stop", daemon=True).start()
+            threading.Thread(
+                target=self._drain, args=(rt, grace), name="deltafind-stop", daemon=True
+            ).start()
         super().handle_exit(sig, frame)
 
     @staticmethod

@@ -60,8 +60,15 @@ class DeviceExpertCache(ByteLRU[Any, Any]):
         super().__init__(budget_bytes if info is None else cache_budget(budget_bytes, *info))
         self.evicted_for_headroom = 0
         if info is not None:
-            log.info("device_expert_cache", device=str(device), configured_bytes=budget_bytes, budget_bytes=self.budget_bytes,
-                     free_bytes=info[0], total_bytes=info[1], headroom_bytes=headroom_bytes(info[1]))
+            log.info(
+                "device_expert_cache",
+                device=str(device),
+                configured_bytes=budget_bytes,
+                budget_bytes=self.budget_bytes,
+                free_bytes=info[0],
+                total_bytes=info[1],
+                headroom_bytes=headroom_bytes(info[1]),
+            )
 
     def put(self, key: Any, value: Any, nbytes: int) -> None:
         if self.budget_bytes == 0:
@@ -100,6 +107,13 @@ def spine_budget(device: torch.device, configured: int | None) -> int | None:
         return configured
     budget = cache_budget(configured, *info)
     if configured is None or budget < configured:
-        log.info("device_spine_budget", device=str(device), configured_bytes=configured, budget_bytes=budget,
-                 free_bytes=info[0], total_bytes=info[1], headroom_bytes=headroom_bytes(info[1]))
+        log.info(
+            "device_spine_budget",
+            device=str(device),
+            configured_bytes=configured,
+            budget_bytes=budget,
+            free_bytes=info[0],
+            total_bytes=info[1],
+            headroom_bytes=headroom_bytes(info[1]),
+        )
     return budget

@@ -48,29 +48,46 @@ def resolve_device(kind: str) -> torch.device:
     """The torch.device for a `[device] kind` value; DeviceError when it is unavailable, ConfigError when malformed."""
     kind = kind.strip().lower()
     if not KIND_RE.fullmatch(kind):
-        raise ConfigError(f"[device] kind = {kind!r}: expected auto, cpu, cuda, cuda:N (N = GPU index) or mps")
+        raise ConfigError(
+            f"[device] kind = {kind!r}: expected auto, cpu, cuda, cuda:N (N = GPU index) or mps"
+        )
     if kind == "cpu":
         return torch.device("cpu")
     if kind == "auto":
         no_cuda = cuda_unavailable_reason()
         if no_cuda is None:
             dev = torch.device("cuda", torch.cuda.current_device())
-            log.info("device_selected", kind="auto", device=str(dev), name=torch.cuda.get_device_name(dev), reason="cuda available")
+            log.info(
+                "device_selected",
+                kind="auto",
+                device=str(dev),
+                name=torch.cuda.get_device_name(dev),
+                reason="cuda available",
+            )
             return dev
         no_mps = mps_unavailable_reason()
         if no_mps is None:
             log.info("device_selected", kind="auto", device="mps", reason="no cuda: " + no_cuda)
             return torch.device("mps")
-        log.info("device_selected", kind="auto", device="cpu", reason=f"no cuda: {no_cuda}; no mps: {no_mps}")
+        log.info(
+            "device_selected",
+            kind="auto",
+            device="cpu",
+            reason=f"no cuda: {no_cuda}; no mps: {no_mps}",
+        )
         return torch.device("cpu")
     if kind.startswith("cuda"):
         why = cuda_unavailable_reason()
         if why is not None:
-            raise DeviceError(f"[device] kind = {kind!r}, but {why}; install a CUDA build of torch or set kind = \"cpu\" (or \"auto\")")
+            raise DeviceError(
+                f"[device] kind = {kind!r}, but {why}; install a CUDA build of torch or set kind = \"cpu\" (or \"auto\")"
+            )
         index = int(kind.partition(":")[2] or torch.cuda.current_device())
         count = torch.cuda.device_count()
         if index >= count:
-            raise DeviceError(f"[device] kind = {kind!r}, but only {count} CUDA device(s) are visible (cuda:0..cuda:{count - 1})")
+            raise DeviceError(
+                f"[device] kind = {kind!r}, but only {count} CUDA device(s) are visible (cuda:0..cuda:{count - 1})"
+            )
         return torch.device("cuda", index)
     why = mps_unavailable_reason()
     if why is not None:
@@ -84,10 +101,19 @@ def probe(device: torch.device) -> None:
         a = torch.arange(64, dtype=torch.float32, device=device).view(8, 8)
         got = float((a @ a).sum().cpu())
     except (RuntimeError, AssertionError) as e:  # torch.AcceleratorError and OOM are RuntimeErrors
-        raise DeviceError(f"{device}: a test computation failed ({type(e).__name__}: {e}); check the driver or set [device] kind = \"cpu\"") from e
-    want = float((torch.arange(64, dtype=torch.float64).view(8, 8) @ torch.arange(64, dtype=torch.float64).view(8, 8)).sum())
+        raise DeviceError(
+            f"{device}: a test computation failed ({type(e).__name__}: {e}); check the driver or set [device] kind = \"cpu\""
+        ) from e
+    want = float(
+        (
+            torch.arange(64, dtype=torch.float64).view(8, 8)
+            @ torch.arange(64, dtype=torch.float64).view(8, 8)
+        ).sum()
+    )
     if got != want:
-        raise DeviceError(f"{device}: a test computation returned {got}, expected {want}; the device is unreliable")
+        raise DeviceError(
+            f"{device}: a test computation returned {got}, expected {want}; the device is unreliable"
+        )
 
 
 def exact_fp32(device: torch.device) -> None:

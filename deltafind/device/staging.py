@@ -32,7 +32,9 @@ ALIGN = 4096  # O_DIRECT needs page-aligned buffers
 class StagingStats:
     copies: int = 0  # records moved to the device
     bytes: int = 0
-    copy_s: float = 0.0  # time the copies took (CUDA: event-timed on the copy stream, when timing is on)
+    copy_s: float = (
+        0.0  # time the copies took (CUDA: event-timed on the copy stream, when timing is on)
+    )
 
 
 def _convert(t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
@@ -46,9 +48,14 @@ class HostStager:
         self.device = torch.device("cpu")
         self.stats = StagingStats()
 
-    def stage(self, views: Mapping[str, torch.Tensor], dtype: torch.dtype, release: Callable[[], None]) -> tuple[dict[str, torch.Tensor], bool]:
+    def stage(
+        self, views: Mapping[str, torch.Tensor], dtype: torch.dtype, release: Callable[[], None]
+    ) -> tuple[dict[str, torch.Tensor], bool]:
         tensors = {n: t.to(dtype=_convert(t, dtype)) for n, t in views.items()}
-        aliased = any(t.data_ptr() == v.data_ptr() for t, v in zip(tensors.values(), views.values(), strict=True))
+        aliased = any(
+            t.data_ptr() == v.data_ptr()
+            for t, v in zip(tensors.values(), views.values(), strict=True)
+        )
         if not aliased:
             release()
         return tensors, aliased
@@ -64,11 +71,16 @@ class SyncStager:
         self.device = device
         self.stats = StagingStats()
 
-    def stage(self, views: Mapping[str, torch.Tensor], dtype: torch.dtype, release: Callable[[], None]) -> tuple[dict[str, torch.Tensor], bool]:
+    def stage(
+        self, views: Mapping[str, torch.Tensor], dtype: torch.dtype, release: Callable[[], None]
+    ) -> tuple[dict[str, torch.Tensor], bool]:
         t0 = time.perf_counter()
         # non_blocking=False: the copy no longer needs the host memory when .to returns; copy=True so
         # the result never aliases the buffer, whatever the device (the CPU too, as tests run it)
-        tensors = {n: t.to(device=self.device, dtype=_convert(t, dtype), copy=True) for n, t in views.items()}
+        tensors = {
+            n: t.to(device=self.device, dtype=_convert(t, dtype), copy=True)
+            for n, t in views.items()
+        }
         self.stats.copy_s += time.perf_counter() - t0
         self.stats.copies += 1
         self.stats.bytes += sum(v.numel() * v.element_size() for v in views.values())
@@ -98,7 +110,9 @@ class CudaStager:
         self._pending: deque[tuple[Any, Any, Callable[[], None]]] = deque()
         self._lock = threading.Lock()
 
-    def stage(self, views: Mapping[str, torch.Tensor], dtype: torch.dtype, release: Callable[[], None]) -> tuple[dict[str, torch.Tensor], bool]:
+    def stage(
+        self, views: Mapping[str, torch.Tensor], dtype: torch.dtype, release: Callable[[], None]
+    ) -> tuple[dict[str, torch.Tensor], bool]:
         self._reap(block=False)
         compute = torch.cuda.current_stream(self.device)
         start = torch.cuda.Event(enable_timing=True) if self.timing else None

@@ -43,9 +43,15 @@ class SchedulerLimits:
     max_step_tokens: int = 256  # prefill chunk budget per step, decode tokens included
     max_context: int = 2048
     prefix_cache_bytes: int = 0
-    prefill: PrefillPlan | None = None  # a prefill chunk's size from activation memory (None: max_step_tokens only)
-    snapshot_tokens: int = 4096  # recurrent (KDA) state is kept every this many prompt tokens, for prefix reuse
-    step_target_s: float | None = 0.5  # a prefilling step's wall-time target (engine/step_budget.py); None: off
+    prefill: PrefillPlan | None = (
+        None  # a prefill chunk's size from activation memory (None: max_step_tokens only)
+    )
+    snapshot_tokens: int = (
+        4096  # recurrent (KDA) state is kept every this many prompt tokens, for prefix reuse
+    )
+    step_target_s: float | None = (
+        0.5  # a prefilling step's wall-time target (engine/step_budget.py); None: off
+    )
 
 
 @dataclass
@@ -75,13 +81,17 @@ class PlanItem:
 @dataclass
 class StepPlan:
     items: list[PlanItem]
-    ended: Events = field(default_factory=list)  # sequences that ended while planning (nothing to run)
+    ended: Events = field(
+        default_factory=list
+    )  # sequences that ended while planning (nothing to run)
 
 
 @dataclass
 class StepOutput:
     logits: torch.Tensor  # [sum(rows), V]
-    captured: dict[int, torch.Tensor]  # target layer -> hidden rows [num_tokens, H], for drafts that need them
+    captured: dict[
+        int, torch.Tensor
+    ]  # target layer -> hidden rows [num_tokens, H], for drafts that need them
     starts: list[int]  # flat index of each item's first token
     seconds: float
 
@@ -96,8 +106,14 @@ def _device_of(net: Any) -> torch.device:
 class EngineCore:
     """Sequences waiting and running, and the three steps that move them; no threads, no queues."""
 
-    def __init__(self, net: Any, eos_token_ids: Seq_[int] = (), limits: SchedulerLimits | None = None,
-                 draft: Any = None, draft_policy: PolicyOptions | None = None) -> None:
+    def __init__(
+        self,
+        net: Any,
+        eos_token_ids: Seq_[int] = (),
+        limits: SchedulerLimits | None = None,
+        draft: Any = None,
+        draft_policy: PolicyOptions | None = None,
+    ) -> None:
         self.net, self.draft = net, draft
         self.draft_policy = draft_policy or PolicyOptions()
         self.draft_enabled = True
@@ -108,12 +124,16 @@ class EngineCore:
         self.budget = StepBudget(self.limits.step_target_s)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._vocab = getattr(getattr(net, "lm_head", None), "weight", torch.empty(0, 0)).shape[0] or None
+        self._vocab = (
+            getattr(getattr(net, "lm_head", None), "weight", torch.empty(0, 0)).shape[0] or None
+        )
         self._device = _device_of(net)
         self._rotate = 0
         self._unreleased = 0  # prompt tokens run since the heap was last trimmed
         # KDA state cannot be rewound: a prefill keeps copies of it where a later prompt may resume
-        self._recurrent = getattr(net, "recurrent", False)  # models/contract.py (a stand-in net may leave it out)
+        self._recurrent = getattr(
+            net, "recurrent", False
+        )  # models/contract.py (a stand-in net may leave it out)
 
     @property
     def has_work(self) -> bool:
@@ -151,7 +171,12 @@ class EngineCore:
                     return ended + self._fail(plan, e)
                 # A verify pass that failed (out of memory on the wider batch, say): the step runs again
                 # without drafts, and those sequences go on target-only.
-                log.warning("draft_failed", during="verify", error=f"{type(e).__name__}: {e}", fallback="target_only")
+                log.warning(
+                    "draft_failed",
+                    during="verify",
+                    error=f"{type(e).__name__}: {e}",
+                    fallback="target_only",
+                )
                 drafts_dropped = True
                 for it in plan.items:
                     if it.proposal is not None:
@@ -185,7 +210,12 @@ class EngineCore:
             try:
                 s.cache.truncate(it.base)
             except RollbackError as e:
-                log.info("sequence_recomputed", request_id=s.req.request_id or None, tokens=it.base, reason=str(e))
+                log.info(
+                    "sequence_recomputed",
+                    request_id=s.req.request_id or None,
+                    tokens=it.base,
+                    reason=str(e),
+                )
                 s.cache.truncate(0)
                 if it.proposal is not None:
                     self._drop_draft(it)
@@ -215,7 +245,11 @@ class EngineCore:
         prefill = budget if prefill is None else min(budget, prefill)
         for s in running:
             if s.pending > 1 and prefill > 0:
-                fits = self.limits.prefill.tokens(s.num_computed) if self.limits.prefill is not None else prefill
+                fits = (
+                    self.limits.prefill.tokens(s.num_computed)
+                    if self.limits.prefill is not None
+                    else prefill
+                )
                 n = min(s.pending, prefill, fits, self._next_snapshot(s) - s.num_computed)
                 items.append(PlanItem(s, n, s.num_computed, prefill=True))
                 budget -= n
@@ -248,7 +282,11 @@ class EngineCore:
                 s.start_constraint()
             except Exception as e:  # a broken constraint fails its own request only
                 s.exception = e
-                ended.append(self._finish(s, "error", f"the output constraint failed: {type(e).__name__}: {e}"))
+                ended.append(
+                    self._finish(
+                        s, "error", f"the output constraint failed: {type(e).__name__}: {e}"
+                    )
+                )
                 continue
             found = self.prefix.take(s.tokens)
             if found is not None:
@@ -278,10 +316,19 @@ class EngineCore:
         """At a mark of `_next_snapshot`, or the prompt's end (a next turn may diverge right after it), keep
         the recurrent state; it is bounded with the prefix-cache entry the sequence leaves at its end."""
         at, every = s.num_computed, self.limits.snapshot_tokens
-        marked = at in (s.req.checkpoint, s.num_prompt - 1, s.num_prompt) or (every > 0 and at % every == 0)
-        if self._recurrent and self.prefix.max_bytes > 0 and s.cached_tokens < at <= s.num_prompt and marked:
+        marked = at in (s.req.checkpoint, s.num_prompt - 1, s.num_prompt) or (
+            every > 0 and at % every == 0
+        )
+        if (
+            self._recurrent
+            and self.prefix.max_bytes > 0
+            and s.cached_tokens < at <= s.num_prompt
+            and marked
+        ):
             s.states[at] = snapshot(s.cache)
-            trim_states(s.states, self.prefix.state_budget())  # never more than the caches they go to could hold
+            trim_states(
+                s.states, self.prefix.state_budget()
+            )  # never more than the caches they go to could hold
 
     def _start_draft(self, s: Sequence, reused: bool) -> None:
         if self.draft is None or not self.draft_enabled:
@@ -291,10 +338,18 @@ class EngineCore:
             log.debug("draft_skipped", reason="prefix_reused", request_id=s.req.request_id or None)
             return
         if s.req.chat and getattr(self.draft, "raw_only", False):
-            log.debug("draft_skipped", reason="raw_only_source", request_id=s.req.request_id or None)
+            log.debug(
+                "draft_skipped", reason="raw_only_source", request_id=s.req.request_id or None
+            )
             return
-        drafter = speculative.Drafter(self.draft, s.req.prompt_ids, self.draft_policy, self.stats.draft,
-                                      s.req.request_id, self._vocab)
+        drafter = speculative.Drafter(
+            self.draft,
+            s.req.prompt_ids,
+            self.draft_policy,
+            self.stats.draft,
+            s.req.request_id,
+            self._vocab,
+        )
         if drafter.active:
             drafter.use_target_cache(s.cache)
             s.drafter = drafter
@@ -305,14 +360,25 @@ class EngineCore:
         """One forward pass over every item of the plan."""
         ids = [t for it in plan.items for t in it.input_ids()]
         rows = [it.rows for it in plan.items]
-        capture = sorted({layer for it in plan.items if it.seq.drafter is not None for layer in it.seq.drafter.capture_layers})
+        capture = sorted(
+            {
+                layer
+                for it in plan.items
+                if it.seq.drafter is not None
+                for layer in it.seq.drafter.capture_layers
+            }
+        )
         t0 = time.perf_counter()
         with torch.inference_mode():
-            batch = Batch.of([(it.seq.cache, it.num_tokens) for it in plan.items], device=self._device)
+            batch = Batch.of(
+                [(it.seq.cache, it.num_tokens) for it in plan.items], device=self._device
+            )
             batch.capture = tuple(capture)
             if any(r > 1 for r in rows):
                 batch.logit_rows = tuple(rows)
-            logits = self.net(torch.tensor(ids, dtype=torch.long, device=self._device), batch)  # [sum(rows), V]
+            logits = self.net(
+                torch.tensor(ids, dtype=torch.long, device=self._device), batch
+            )  # [sum(rows), V]
         seconds = time.perf_counter() - t0
         self.budget.observe(sum(it.num_tokens for it in plan.items if it.prefill), seconds)
         return StepOutput(logits, batch.captured, [seg.start for seg in batch.segments], seconds)
@@ -331,11 +397,21 @@ class EngineCore:
                 events.extend((s.seq_id, e) for e in emitted)
                 self._observe_tokens(s, len(emitted))
             except Exception as e:  # this sequence's failure; the others' outputs stand
-                log.warning("sequence_failed", request_id=s.req.request_id or None, error=f"{type(e).__name__}: {e}")
-                s.finished, s.error, s.exception = "error", f"generation failed: {type(e).__name__}: {e}", e
+                log.warning(
+                    "sequence_failed",
+                    request_id=s.req.request_id or None,
+                    error=f"{type(e).__name__}: {e}",
+                )
+                s.finished, s.error, s.exception = (
+                    "error",
+                    f"generation failed: {type(e).__name__}: {e}",
+                    e,
+                )
             row += it.rows
         if any(it.proposal is not None for it in plan.items):
-            self.stats.draft.verify_s += out.seconds  # step seconds that verified drafts (once per step)
+            self.stats.draft.verify_s += (
+                out.seconds
+            )  # step seconds that verified drafts (once per step)
         for it in plan.items:
             s = it.seq
             if s.drafter is not None and s.finished != "error" and s.num_computed > s.num_prompt:
@@ -347,13 +423,17 @@ class EngineCore:
                 self.running.remove(s)
                 events.append(self._finish(s, s.finished, s.error))
         self._unreleased += prompt
-        if self._unreleased >= RELEASE_AFTER_TOKENS and not self.has_work:  # idle after long prompts
+        if (
+            self._unreleased >= RELEASE_AFTER_TOKENS and not self.has_work
+        ):  # idle after long prompts
             self._unreleased = 0
             if got := release_memory():  # {} where the C library has no malloc_trim
                 log.info("memory_released", **got)
         return events
 
-    def _advance(self, it: PlanItem, logits: torch.Tensor, out: StepOutput, start: int) -> list[Event]:
+    def _advance(
+        self, it: PlanItem, logits: torch.Tensor, out: StepOutput, start: int
+    ) -> list[Event]:
         s = it.seq
         if it.proposal is not None:
             return self._verify(it, logits, out, start)
@@ -371,7 +451,9 @@ class EngineCore:
             s.drafter.hold_capture(self._rows(s, out, flat))
         return []
 
-    def _verify(self, it: PlanItem, logits: torch.Tensor, out: StepOutput, start: int) -> list[Event]:
+    def _verify(
+        self, it: PlanItem, logits: torch.Tensor, out: StepOutput, start: int
+    ) -> list[Event]:
         """Accept a prefix of the proposal from its k+1 rows of logits [k+1, V]; emit, then truncate the cache."""
         s, prop = it.seq, it.proposal
         assert prop is not None
@@ -383,7 +465,9 @@ class EngineCore:
             events.append(s.record(token, logits[j]))
             if s.finished is not None:
                 break
-        kept = len(events)  # rows kept: the pending token and the drafts emitted before the last token
+        kept = len(
+            events
+        )  # rows kept: the pending token and the drafts emitted before the last token
         s.num_computed = it.base + kept
         if s.cache.length > s.num_computed:
             s.cache.truncate(s.num_computed)
@@ -410,18 +494,30 @@ class EngineCore:
     def _fail(self, plan: StepPlan, e: Exception, items: list[PlanItem] | None = None) -> Events:
         """End `items` (default: every item of the plan) with `e`; they leave the plan and the running list."""
         items = plan.items if items is None else items
-        log.error("engine_step_failed", sequences=len(items), of_sequences=len(plan.items),
-                  tokens=sum(it.num_tokens for it in items), error=f"{type(e).__name__}: {e}",
-                  request_ids=[it.seq.req.request_id for it in items if it.seq.req.request_id] or None,
-                  exc_info=not isinstance(e, DeltafindError))
+        log.error(
+            "engine_step_failed",
+            sequences=len(items),
+            of_sequences=len(plan.items),
+            tokens=sum(it.num_tokens for it in items),
+            error=f"{type(e).__name__}: {e}",
+            request_ids=[it.seq.req.request_id for it in items if it.seq.req.request_id] or None,
+            exc_info=not isinstance(e, DeltafindError),
+        )
         self.stats.errors += 1
         for it in items:
             self.running.remove(it.seq)
             it.seq.exception = e
         plan.items = [it for it in plan.items if all(it is not x for x in items)]
-        return [self._finish(it.seq, "error", f"the engine failed on this step: {type(e).__name__}: {e}") for it in items]
+        return [
+            self._finish(
+                it.seq, "error", f"the engine failed on this step: {type(e).__name__}: {e}"
+            )
+            for it in items
+        ]
 
-    def _finish(self, s: Sequence, reason: str, error: str | None = None) -> tuple[int, FinishEvent]:
+    def _finish(
+        self, s: Sequence, reason: str, error: str | None = None
+    ) -> tuple[int, FinishEvent]:
         if reason != "error" and s.cache is not None and s.num_computed:
             # the cache holds exactly the tokens run so far, with the snapshots kept on the way
             self.prefix.put(s.tokens[: s.num_computed], s.cache, s.states)

@@ -22,13 +22,23 @@ from deltafind.engine.stats import EngineStats, GenerationStats
 from deltafind.errors import DeltafindError
 
 # one sequence, no one waiting behind its prefill: no step time target, chunks only as memory needs
-ONE_AT_A_TIME = SchedulerLimits(max_running=1, max_queue=1, max_step_tokens=1 << 30, max_context=1 << 30, step_target_s=None)
+ONE_AT_A_TIME = SchedulerLimits(
+    max_running=1, max_queue=1, max_step_tokens=1 << 30, max_context=1 << 30, step_target_s=None
+)
 
 
 def generate(
-    net: torch.nn.Module, prompt_ids: Sequence[int], params: SamplingParams, eos_token_ids: Sequence[int] = (),
-    stats: GenerationStats | None = None, draft: Any = None, draft_policy: PolicyOptions | None = None,
-    draft_stats: DraftStats | None = None, *, request: GenRequest | None = None, limits: SchedulerLimits | None = None,
+    net: torch.nn.Module,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    eos_token_ids: Sequence[int] = (),
+    stats: GenerationStats | None = None,
+    draft: Any = None,
+    draft_policy: PolicyOptions | None = None,
+    draft_stats: DraftStats | None = None,
+    *,
+    request: GenRequest | None = None,
+    limits: SchedulerLimits | None = None,
     engine_stats: EngineStats | None = None,
 ) -> Iterator[int]:
     """Yield new token ids for `prompt_ids` under `params` (or for `request`, when given).

@@ -26,8 +26,12 @@ import torch
 
 from deltafind.models.contract import token_widths
 
-RELEASE_AFTER_TOKENS = 2048  # prompt tokens run since the last release that make the next idle moment release
-ROWS_PER_TOKEN = 12  # hidden-width rows alive at once per token: residual, norms, q/k/v/o, mixture, outputs
+RELEASE_AFTER_TOKENS = (
+    2048  # prompt tokens run since the last release that make the next idle moment release
+)
+ROWS_PER_TOKEN = (
+    12  # hidden-width rows alive at once per token: residual, norms, q/k/v/o, mixture, outputs
+)
 SAFETY = 0.5  # of the memory free at load: allocator slack, transients the estimate leaves out
 
 
@@ -50,11 +54,15 @@ class PrefillPlan:
         return max(1, min(t, self.cap or t))
 
 
-def plan_for(args: Any, budget_bytes: int, cap: int | None = None, itemsize: int = 4) -> PrefillPlan:
+def plan_for(
+    args: Any, budget_bytes: int, cap: int | None = None, itemsize: int = 4
+) -> PrefillPlan:
     """The prefill plan of a model whose config is `args` (any family's `ModelArgs`), in `itemsize`-byte activations."""
     hidden, k, routed, inter, heads = token_widths(args)
     token = itemsize * (ROWS_PER_TOKEN * hidden + k * routed + 2 * inter)
-    return PrefillPlan(max(budget_bytes, 0), token, itemsize * heads + 1, cap)  # fp32 scores + a bool mask
+    return PrefillPlan(
+        max(budget_bytes, 0), token, itemsize * heads + 1, cap
+    )  # fp32 scores + a bool mask
 
 
 def free_bytes(device: torch.device) -> int:
@@ -63,7 +71,9 @@ def free_bytes(device: torch.device) -> int:
         return int(torch.cuda.mem_get_info(device)[0])
     try:
         with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+            return next(
+                int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")
+            )
     except (OSError, StopIteration):
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
@@ -102,4 +112,8 @@ def release_memory() -> dict[str, float]:
         return {}
     t0, before = time.perf_counter(), rss_bytes()
     _LIBC.malloc_trim(0)
-    return {"rss_before": before, "rss_after": rss_bytes(), "seconds": round(time.perf_counter() - t0, 4)}
+    return {
+        "rss_before": before,
+        "rss_after": rss_bytes(),
+        "seconds": round(time.perf_counter() - t0, 4),
+    }

@@ -30,7 +30,10 @@ def _tensor_bytes(objs: Iterable[Any], seen: set[int]) -> int:
         for value in vars(obj).values():
             items = value if isinstance(value, (list, tuple)) else (value,)
             for t in items:
-                if isinstance(t, torch.Tensor) and (storage := t.untyped_storage()).data_ptr() not in seen:
+                if (
+                    isinstance(t, torch.Tensor)
+                    and (storage := t.untyped_storage()).data_ptr() not in seen
+                ):
                     seen.add(storage.data_ptr())
                     total += storage.nbytes()
     return total
@@ -70,7 +73,9 @@ class Entry:
 
     tokens: np.ndarray  # int64 [n]
     cache: SequenceCache
-    states: dict[int, States] = field(default_factory=dict)  # position -> states there (recurrent caches only)
+    states: dict[int, States] = field(
+        default_factory=dict
+    )  # position -> states there (recurrent caches only)
     nbytes: int = 0
 
     @property
@@ -105,24 +110,32 @@ class Entry:
             for p, st in other.states.items():
                 self.states.setdefault(p, st)
             if len(other.tokens) < len(self.tokens):
-                self.states.setdefault(len(other.tokens), [la for la in other.cache.layers if is_recurrent(la)])
+                self.states.setdefault(
+                    len(other.tokens), [la for la in other.cache.layers if is_recurrent(la)]
+                )
         self.count()
 
     def count(self) -> None:
         """Set `nbytes`: the cache's tensors and the snapshots', each buffer once."""
         seen: set[int] = set()
-        self.nbytes = _tensor_bytes(self.cache.layers, seen) + sum(_tensor_bytes(st, seen) for st in self.states.values())
+        self.nbytes = _tensor_bytes(self.cache.layers, seen) + sum(
+            _tensor_bytes(st, seen) for st in self.states.values()
+        )
 
 
 class PrefixCache:
     def __init__(self, max_bytes: int = 0, max_entries: int = 64) -> None:
         self.max_bytes, self.max_entries = max_bytes, max_entries
-        self._entries: OrderedDict[int, Entry] = OrderedDict()  # id(entry) -> entry, least recent first
+        self._entries: OrderedDict[int, Entry] = (
+            OrderedDict()
+        )  # id(entry) -> entry, least recent first
         self.used_bytes = 0
         self.hits = 0
         self.misses = 0
         self.reused_tokens = 0
-        self.disk: Any = None  # engine/prompt_disk.PromptDisk: entries written to a drive, read back on a miss
+        self.disk: Any = (
+            None  # engine/prompt_disk.PromptDisk: entries written to a drive, read back on a miss
+        )
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -134,7 +147,9 @@ class PrefixCache:
     def entries(self) -> list[Entry]:
         return list(self._entries.values())
 
-    def put(self, tokens: Sequence[int], cache: SequenceCache, states: dict[int, States] | None = None) -> Entry | None:
+    def put(
+        self, tokens: Sequence[int], cache: SequenceCache, states: dict[int, States] | None = None
+    ) -> Entry | None:
         """Keep `cache`, which holds exactly `tokens` (and `states` at earlier positions), for later prompts
         that share a prefix with them. An entry whose tokens are a prefix of these is merged in, and
         these merge into an entry that extends them. Returns the entry that now holds them."""
@@ -142,7 +157,9 @@ class PrefixCache:
         if not len(key) or cache.length != len(key) or self.max_bytes <= 0:
             return None
         for layer in cache.layers:
-            if is_recurrent(layer):  # an entry never rolls back (`restore` copies), so the last verify pass's rows go
+            if is_recurrent(
+                layer
+            ):  # an entry never rolls back (`restore` copies), so the last verify pass's rows go
                 layer.start_pass()
         new = Entry(key, cache, {p: s for p, s in (states or {}).items() if 0 < p < len(key)})
         new.count()
@@ -162,7 +179,9 @@ class PrefixCache:
         if self.disk is not None:  # its own budget: it may take what memory cannot
             self.disk.save(new)
         if not held:
-            if new.nbytes > self.max_bytes and new.recurrent:  # snapshots over the budget: keep the latest that fit
+            if (
+                new.nbytes > self.max_bytes and new.recurrent
+            ):  # snapshots over the budget: keep the latest that fit
                 trim_states(new.states, self.max_bytes - cache_nbytes(new.cache))
                 new.count()
             if new.nbytes > self.max_bytes:
@@ -216,7 +235,9 @@ class PrefixCache:
         self.used_bytes -= e.nbytes
 
     def _evict(self) -> None:
-        while self._entries and (self.used_bytes > self.max_bytes or len(self._entries) > self.max_entries):
+        while self._entries and (
+            self.used_bytes > self.max_bytes or len(self._entries) > self.max_entries
+        ):
             self._drop(next(iter(self._entries.values())))
 
     def resize(self, max_bytes: int) -> None:

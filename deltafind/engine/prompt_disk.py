@@ -39,7 +39,9 @@ QUEUE = 4  # entries waiting to be written; more are skipped (the next turn writ
 
 def identity_key(identity: dict[str, str]) -> str:
     """The key a file must carry to be read: a hash of the format and everything in `identity`."""
-    return hashlib.sha256(json.dumps({"format": FORMAT, **identity}, sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps({"format": FORMAT, **identity}, sort_keys=True).encode()
+    ).hexdigest()
 
 
 def _checksum(tensors: dict[str, torch.Tensor]) -> str:
@@ -85,16 +87,26 @@ class _File:
 class PromptDisk:
     """The prompt-state files of one store in `directory`, within `max_bytes`."""
 
-    def __init__(self, directory: Path, max_bytes: int, identity: dict[str, str], device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        directory: Path,
+        max_bytes: int,
+        identity: dict[str, str],
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.dir, self.max_bytes, self.key = Path(directory), max_bytes, identity_key(identity)
         self.device = torch.device(device)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._files: OrderedDict[Path, _File] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
-        self._queue: queue.Queue[tuple[np.ndarray, list[Any], dict[int, list[Any]]]] = queue.Queue(QUEUE)
+        self._queue: queue.Queue[tuple[np.ndarray, list[Any], dict[int, list[Any]]]] = queue.Queue(
+            QUEUE
+        )
         self.loads = self.writes = self.dropped = 0
         self._scan()
-        self._writer = threading.Thread(target=self._write_loop, name="deltafind-prompt-disk", daemon=True)
+        self._writer = threading.Thread(
+            target=self._write_loop, name="deltafind-prompt-disk", daemon=True
+        )
         self._writer.start()
 
     @property
@@ -114,17 +126,35 @@ class PromptDisk:
                 with safe_open(str(path), framework="pt") as f:
                     meta = f.metadata() or {}
                     if meta.get("format") != FORMAT or meta.get("identity") != self.key:
-                        self._drop(path, "stale: written for another model, store, chat template or format")
+                        self._drop(
+                            path, "stale: written for another model, store, chat template or format"
+                        )
                         continue
                     tokens = f.get_tensor("tokens").numpy()
-                found.append((path.stat().st_mtime, _File(path, tokens, tuple(json.loads(meta["positions"])),
-                                                         meta["recurrent"] == "1", path.stat().st_size)))
+                found.append(
+                    (
+                        path.stat().st_mtime,
+                        _File(
+                            path,
+                            tokens,
+                            tuple(json.loads(meta["positions"])),
+                            meta["recurrent"] == "1",
+                            path.stat().st_size,
+                        ),
+                    )
+                )
             except Exception as e:  # a torn or foreign file: not ours to trust
                 self._drop(path, f"unreadable: {type(e).__name__}: {e}")
         for _, f in sorted(found, key=lambda x: x[0]):
             self._files[f.path] = f
         self._evict()
-        log.info("prompt_disk_opened", dir=str(self.dir), files=len(self._files), bytes=self.used_bytes, max_bytes=self.max_bytes)
+        log.info(
+            "prompt_disk_opened",
+            dir=str(self.dir),
+            files=len(self._files),
+            bytes=self.used_bytes,
+            max_bytes=self.max_bytes,
+        )
 
     def _drop(self, path: Path, reason: str) -> None:
         self.dropped += 1
@@ -176,7 +206,10 @@ class PromptDisk:
                 cache.layers.append(layer)
         cache.length = n
         rec = [i for i, la in enumerate(cache.layers) if is_recurrent(la)]
-        states = {p: [_state(tensors, f"at{p}.{i}", p) for i in rec] for p in json.loads(meta["positions"])}
+        states = {
+            p: [_state(tensors, f"at{p}.{i}", p) for i in rec]
+            for p in json.loads(meta["positions"])
+        }
         entry = Entry(tokens.numpy().astype(np.int64), cache, states)
         entry.count()
         with self._lock:
@@ -210,7 +243,9 @@ class PromptDisk:
             try:
                 self._write(*job)
             except Exception as e:  # a full or failing drive: the entry stays in memory only
-                log.warning("prompt_disk_write_failed", dir=str(self.dir), error=f"{type(e).__name__}: {e}")
+                log.warning(
+                    "prompt_disk_write_failed", dir=str(self.dir), error=f"{type(e).__name__}: {e}"
+                )
             finally:
                 self._queue.task_done()
 
@@ -233,9 +268,18 @@ class PromptDisk:
         if sum(t.numel() * t.element_size() for t in tensors.values()) > self.max_bytes:
             return  # over the whole budget: not worth a write
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-        meta = {"format": FORMAT, "identity": self.key, "layers": json.dumps(kinds), "positions": json.dumps(sorted(states)),
-                "recurrent": "1" if rec else "0", "checksum": _checksum(tensors)}
-        path = self.dir / f"{hashlib.sha256(tokens.astype(np.int64).tobytes()).hexdigest()[:32]}{SUFFIX}"
+        meta = {
+            "format": FORMAT,
+            "identity": self.key,
+            "layers": json.dumps(kinds),
+            "positions": json.dumps(sorted(states)),
+            "recurrent": "1" if rec else "0",
+            "checksum": _checksum(tensors),
+        }
+        path = (
+            self.dir
+            / f"{hashlib.sha256(tokens.astype(np.int64).tobytes()).hexdigest()[:32]}{SUFFIX}"
+        )
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         save_file(tensors, str(tmp), metadata=meta)
         size = tmp.stat().st_size
@@ -248,9 +292,14 @@ class PromptDisk:
             self._files.pop(path, None)
             self._files[path] = new
             # a file this one extends, whose positions it holds too, is superseded
-            gone = [f.path for f in self._files.values() if f.path != path and len(f.tokens) <= n
-                    and np.array_equal(f.tokens, tokens[: len(f.tokens)])
-                    and (not f.recurrent or {len(f.tokens), *f.positions} <= {n, *new.positions})]
+            gone = [
+                f.path
+                for f in self._files.values()
+                if f.path != path
+                and len(f.tokens) <= n
+                and np.array_equal(f.tokens, tokens[: len(f.tokens)])
+                and (not f.recurrent or {len(f.tokens), *f.positions} <= {n, *new.positions})
+            ]
         for g in gone:
             g.unlink(missing_ok=True)
             with self._lock:

@@ -27,9 +27,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
-            raise RequestError(f"max_new_tokens must be >= 0 (got {self.max_new_tokens})", "max_tokens")
+            raise RequestError(
+                f"max_new_tokens must be >= 0 (got {self.max_new_tokens})", "max_tokens"
+            )
         if not 0.0 <= self.temperature <= 100.0:
-            raise RequestError(f"temperature must be in [0, 100] (got {self.temperature})", "temperature")
+            raise RequestError(
+                f"temperature must be in [0, 100] (got {self.temperature})", "temperature"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p must be in (0, 1] (got {self.top_p})", "top_p")
         if self.top_k < 0:
@@ -40,7 +44,9 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     """The seeded generator a sampling request draws from (None under greedy)."""
     if params.temperature == 0.0:
         return None
-    return torch.Generator().manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+    return torch.Generator().manual_seed(
+        params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    )
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
@@ -52,7 +58,9 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     return torch.argmax(logits, dim=-1).reshape(-1).tolist()
 
 
-def make_sampler(params: SamplingParams, generator: torch.Generator | None = None) -> Callable[[torch.Tensor], int]:
+def make_sampler(
+    params: SamplingParams, generator: torch.Generator | None = None
+) -> Callable[[torch.Tensor], int]:
     """A callable from logits [V] to a token id; draws from `generator` (default: a new seeded one)."""
     if params.temperature == 0.0:
         return lambda logits: greedy_tokens(logits)[0]
@@ -76,7 +84,10 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     logits = logits.detach().to("cpu", torch.float64)
     best = logits.max()
     if not bool(torch.isfinite(best)):
-        raise RequestError(f"no token can be sampled: the best logit is {float(best)} (every token forbidden?)", "logits")
+        raise RequestError(
+            f"no token can be sampled: the best logit is {float(best)} (every token forbidden?)",
+            "logits",
+        )
     logits = (logits - best) / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]

@@ -43,8 +43,14 @@ class Draining(DeltafindError):
 class Scheduler:
     """Owns the model's forward passes; all other threads talk through submit/cancel/status."""
 
-    def __init__(self, net: Any, eos_token_ids: Sequence[int] = (), limits: SchedulerLimits | None = None,
-                 draft: Any = None, draft_policy: PolicyOptions | None = None) -> None:
+    def __init__(
+        self,
+        net: Any,
+        eos_token_ids: Sequence[int] = (),
+        limits: SchedulerLimits | None = None,
+        draft: Any = None,
+        draft_policy: PolicyOptions | None = None,
+    ) -> None:
         """`draft` (a `DraftSource`) turns on speculative decoding under `draft_policy`."""
         self.core = EngineCore(net, eos_token_ids, limits, draft, draft_policy)
         self._cv = threading.Condition()
@@ -54,7 +60,9 @@ class Scheduler:
         self._ids = itertools.count()
         self._draining = False
         self._stopped = False
-        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps, for tok/s
+        self._recent: deque[tuple[float, int]] = (
+            deque()
+        )  # (time, tokens) of recent steps, for tok/s
         self._thread = threading.Thread(target=self._loop, name="deltafind-engine", daemon=True)
         self._thread.start()
 
@@ -77,11 +85,15 @@ class Scheduler:
         """
         with self._cv:
             if self._draining or self._stopped:
-                raise Draining("the server is draining and takes no new requests; retry on another instance or later")
+                raise Draining(
+                    "the server is draining and takes no new requests; retry on another instance or later"
+                )
             running, waiting = self._counts()
             lim = self.core.limits
             if waiting >= lim.max_queue + max(0, lim.max_running - running):
-                raise QueueFull(f"the server is busy ({running} running, {waiting} waiting); retry shortly")
+                raise QueueFull(
+                    f"the server is busy ({running} running, {waiting} waiting); retry shortly"
+                )
             seq_id = next(self._ids)
             handle = Handle(seq_id, self._wake, mux)
             self._handles[seq_id] = handle
@@ -120,6 +132,7 @@ class Scheduler:
 
     def configure(self, limits: SchedulerLimits) -> None:
         """Apply new limits (reload); running sequences keep their own."""
+
         def apply() -> None:
             self.core.limits = limits
             self.core.prefix.resize(limits.prefix_cache_bytes)
@@ -128,6 +141,7 @@ class Scheduler:
 
     def configure_draft(self, policy: PolicyOptions | None, enabled: bool = True) -> None:
         """New draft policy (reload): sequences admitted from now on use it; False stops drafting."""
+
         def apply() -> None:
             if policy is not None:
                 self.core.draft_policy = policy
@@ -171,15 +185,26 @@ class Scheduler:
             tokens = sum(n for _, n in self._recent)
             running, waiting = self._counts()
             c, lim = self.core, self.core.limits
-            return {"running": running, "waiting": waiting, "draining": self._draining,
-                    "tok_s": tokens / span if span > 0.5 else 0.0, "max_running": lim.max_running, "max_queue": lim.max_queue,
-                    "prefix_hits": c.prefix.hits, "prefix_misses": c.prefix.misses, "prefix_bytes": c.prefix.used_bytes,
-                    "prefix_reused_tokens": c.prefix.reused_tokens,
-                    # the next prefill chunk by the step time target (None: no target)
-                    "prefill_chunk_tokens": c.budget.prefill_tokens(), "step_target_s": c.budget.target_s,
-                    "draft_source": getattr(c.draft, "name", "") or "",
-                    "draft_mode": c.draft_policy.mode if c.draft is not None and c.draft_enabled else "off",
-                    **c.stats.snapshot()}
+            return {
+                "running": running,
+                "waiting": waiting,
+                "draining": self._draining,
+                "tok_s": tokens / span if span > 0.5 else 0.0,
+                "max_running": lim.max_running,
+                "max_queue": lim.max_queue,
+                "prefix_hits": c.prefix.hits,
+                "prefix_misses": c.prefix.misses,
+                "prefix_bytes": c.prefix.used_bytes,
+                "prefix_reused_tokens": c.prefix.reused_tokens,
+                # the next prefill chunk by the step time target (None: no target)
+                "prefill_chunk_tokens": c.budget.prefill_tokens(),
+                "step_target_s": c.budget.target_s,
+                "draft_source": getattr(c.draft, "name", "") or "",
+                "draft_mode": c.draft_policy.mode
+                if c.draft is not None and c.draft_enabled
+                else "off",
+                **c.stats.snapshot(),
+            }
 
     def close(self, timeout: float = 10.0) -> None:
         """Cancel everything and stop the engine thread."""
@@ -218,7 +243,9 @@ class Scheduler:
             if core.has_work:
                 stepped = core.step()
                 with self._cv:
-                    self._recent.append((time.monotonic(), sum(not isinstance(e, FinishEvent) for _, e in stepped)))
+                    self._recent.append(
+                        (time.monotonic(), sum(not isinstance(e, FinishEvent) for _, e in stepped))
+                    )
                 events += stepped
             self._deliver(events)
 

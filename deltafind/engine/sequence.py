@@ -43,7 +43,9 @@ class GenRequest:
     frequency_penalty: float = 0.0
     request_id: str = ""
     chat: bool = False  # a chat turn: raw-only drafts (cross-tokenizer, docs/kimi-k3-drafting-io.md §7.7) stay off
-    constraint: ConstraintFactory | None = field(default=None, compare=False)  # structured output, one per sequence
+    constraint: ConstraintFactory | None = field(
+        default=None, compare=False
+    )  # structured output, one per sequence
     checkpoint: int = 0
 
     def __post_init__(self) -> None:
@@ -55,7 +57,10 @@ class GenRequest:
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise RequestError(f"{name} must be in [-2, 2] (got {getattr(self, name)})", name)
         if not 0 <= self.checkpoint < len(self.prompt_ids):
-            raise RequestError(f"checkpoint must be in [0, {len(self.prompt_ids)}) (got {self.checkpoint})", "checkpoint")
+            raise RequestError(
+                f"checkpoint must be in [0, {len(self.prompt_ids)}) (got {self.checkpoint})",
+                "checkpoint",
+            )
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,9 @@ class FinishEvent:
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
-    exception: BaseException | None = field(default=None, compare=False, repr=False)  # re-raised by a synchronous caller
+    exception: BaseException | None = field(
+        default=None, compare=False, repr=False
+    )  # re-raised by a synchronous caller
 
 
 Event = TokenEvent | FinishEvent
@@ -83,7 +90,9 @@ Event = TokenEvent | FinishEvent
 class Handle:
     """A request thread's end of one sequence: events in order, then one FinishEvent."""
 
-    def __init__(self, seq_id: int, on_cancel: object, mux: queue.Queue[tuple[int, Event]] | None = None) -> None:
+    def __init__(
+        self, seq_id: int, on_cancel: object, mux: queue.Queue[tuple[int, Event]] | None = None
+    ) -> None:
         self.seq_id = seq_id
         self.events: queue.Queue[Event] = queue.Queue()
         self._mux = mux
@@ -137,7 +146,9 @@ class Sequence:
         self.num_computed = 0  # tokens already fed to the model (the cache holds them)
         self.cached_tokens = 0
         self.cache: SequenceCache | None = None
-        self.states: dict[int, list[Any]] = {}  # prompt position -> recurrent state snapshot (engine/prefix_cache)
+        self.states: dict[
+            int, list[Any]
+        ] = {}  # prompt position -> recurrent state snapshot (engine/prefix_cache)
         self.generator = make_generator(req.params)  # the sampler's and the verifier's draws
         self.sample = make_sampler(req.params, self.generator)
         self.drafter: Any = None  # engine/speculative.Drafter while this sequence drafts
@@ -167,7 +178,9 @@ class Sequence:
 
     def choose(self, logits: torch.Tensor) -> TokenEvent:
         """Sample the next token from this step's last-token logits [V] and record it."""
-        return self.record(self.sample(apply_constraint(self.scores(logits), self.constraint)), logits)
+        return self.record(
+            self.sample(apply_constraint(self.scores(logits), self.constraint)), logits
+        )
 
     def scores(self, logits: torch.Tensor, after: Sequence_[int] = ()) -> torch.Tensor:
         """The logits [V] the sampler sees: penalties for tokens generated so far (plus `after`)."""
@@ -181,8 +194,12 @@ class Sequence:
             scores[ids] -= req.presence_penalty + req.frequency_penalty * n
         return scores
 
-    def verify_rows(self, logits: torch.Tensor, tokens: list[int], q: torch.Tensor | None,
-                    ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+    def verify_rows(
+        self,
+        logits: torch.Tensor,
+        tokens: list[int],
+        q: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
         """The scores [k+1, V] the verifier sees for `[pending, *tokens]`, and the drafts it may accept.
 
         Row i carries the penalties of the drafts before it and the constraint's mask after
@@ -195,7 +212,9 @@ class Sequence:
                 rows.append(apply_constraint(self.scores(logits[i], tokens[:i]), c))
                 if c is not None and i < len(tokens):
                     if not c.advance(tokens[i]):
-                        rows.append(self.scores(logits[i + 1], tokens[: i + 1]))  # never read: tokens[i] is rejected
+                        rows.append(
+                            self.scores(logits[i + 1], tokens[: i + 1])
+                        )  # never read: tokens[i] is rejected
                         tokens = tokens[: i + 1]
                         q = None if q is None else q[: i + 1]
                         break
@@ -209,7 +228,10 @@ class Sequence:
         """Append a chosen token (sampled here, or emitted by the verifier) and check for the end."""
         req = self.req
         if self.constraint is not None and not self.constraint.advance(token):
-            raise RequestError(f"the output constraint refused token {token}, which it had allowed", "response_format")
+            raise RequestError(
+                f"the output constraint refused token {token}, which it had allowed",
+                "response_format",
+            )
         event = TokenEvent(token)
         if req.logprobs is not None:
             # Logprobs of the model's distribution (before penalties and temperature), as OpenAI reports.
@@ -228,4 +250,6 @@ class Sequence:
         return event
 
     def finish_event(self, reason: str, error: str | None = None) -> FinishEvent:
-        return FinishEvent(reason, self.num_prompt, self.num_generated, self.cached_tokens, error, self.exception)
+        return FinishEvent(
+            reason, self.num_prompt, self.num_generated, self.cached_tokens, error, self.exception
+        )

@@ -37,7 +37,10 @@ log = get_logger(__name__)
 
 
 def accept(
-    logits: torch.Tensor, tokens: Sequence[int], q: torch.Tensor | None, params: SamplingParams,
+    logits: torch.Tensor,
+    tokens: Sequence[int],
+    q: torch.Tensor | None,
+    params: SamplingParams,
     generator: torch.Generator | None,
 ) -> list[int]:
     """Tokens to emit for target `logits` [k+1, V] over `[pending, *tokens]`: accepted drafts + one.
@@ -80,7 +83,9 @@ def accept(
     return out
 
 
-def captured_rows(batch: Any, layers: Sequence[int], rows: slice | torch.Tensor) -> torch.Tensor | None:
+def captured_rows(
+    batch: Any, layers: Sequence[int], rows: slice | torch.Tensor
+) -> torch.Tensor | None:
     """`batch.captured` (a Batch's, or a StepOutput's) as [n, len(layers) * H] for flat `rows`, in `layers` order."""
     if not layers:
         return None
@@ -94,9 +99,21 @@ class Drafter:
     drafting off for this request (with a log line) instead of failing it.
     """
 
-    def __init__(self, source: DraftSource, prompt_ids: Sequence[int], options: PolicyOptions,
-                 stats: DraftStats | None = None, request_id: str = "", vocab_size: int | None = None) -> None:
-        self.source, self.options, self.request_id, self.vocab_size = source, options, request_id, vocab_size
+    def __init__(
+        self,
+        source: DraftSource,
+        prompt_ids: Sequence[int],
+        options: PolicyOptions,
+        stats: DraftStats | None = None,
+        request_id: str = "",
+        vocab_size: int | None = None,
+    ) -> None:
+        self.source, self.options, self.request_id, self.vocab_size = (
+            source,
+            options,
+            request_id,
+            vocab_size,
+        )
         self.stats = stats if stats is not None else DraftStats()
         self.stats.source = source.name
         self.control = WidthController(options)
@@ -122,8 +139,13 @@ class Drafter:
     def width(self, generated: int) -> int:
         return self.control.next_width(generated) if self.session is not None else 0
 
-    def propose(self, history: Sequence[int], width: int, params: SamplingParams,
-                generator: torch.Generator | None) -> Proposal | None:
+    def propose(
+        self,
+        history: Sequence[int],
+        width: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Proposal | None:
         """Up to `width` checked tokens, or None (decode target-only this step)."""
         if self.session is None or width <= 0:
             return None
@@ -133,7 +155,12 @@ class Drafter:
         if self._cache is not None and length is not None and self._cache.length != length:
             # a source must leave the target's cache as it found it; restore and stop trusting it
             self._cache.truncate(min(length, self._cache.length))
-            self._fail("propose", DraftError(f"the draft left the target cache at {self._cache.length}, not {length}"))
+            self._fail(
+                "propose",
+                DraftError(
+                    f"the draft left the target cache at {self._cache.length}, not {length}"
+                ),
+            )
             return None
         self.stats.draft_s += time.perf_counter() - t0
         if prop is None or not prop.tokens:
@@ -182,18 +209,31 @@ class Drafter:
             try:
                 session.close()
             except Exception as e:
-                log.warning("draft_close_failed", source=self.source.name, error=f"{type(e).__name__}: {e}")
+                log.warning(
+                    "draft_close_failed", source=self.source.name, error=f"{type(e).__name__}: {e}"
+                )
 
     def _check(self, prop: Proposal, width: int, params: SamplingParams) -> None:
         k = len(prop.tokens)
         if k > width:
             raise DraftError(f"proposed {k} tokens for width {width}")
         if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in prop.tokens):
-            raise DraftError(f"proposed a token outside the target's vocabulary of {self.vocab_size}")
+            raise DraftError(
+                f"proposed a token outside the target's vocabulary of {self.vocab_size}"
+            )
         q = prop.q
-        if q is not None and params.temperature > 0.0 and (
-                q.dim() != 2 or q.shape[0] != k or (self.vocab_size is not None and q.shape[1] != self.vocab_size)):
-            raise DraftError(f"q has shape {tuple(prop.q.shape)}, expected [{k}, {self.vocab_size}]")
+        if (
+            q is not None
+            and params.temperature > 0.0
+            and (
+                q.dim() != 2
+                or q.shape[0] != k
+                or (self.vocab_size is not None and q.shape[1] != self.vocab_size)
+            )
+        ):
+            raise DraftError(
+                f"q has shape {tuple(prop.q.shape)}, expected [{k}, {self.vocab_size}]"
+            )
 
     def _guard(self, what: str, fn: Any, *args: Any) -> Any:
         try:
@@ -204,8 +244,14 @@ class Drafter:
 
     def _fail(self, what: str, e: BaseException) -> None:
         self.stats.failures += 1
-        log.warning("draft_failed", source=self.source.name, during=what, error=f"{type(e).__name__}: {e}",
-                    request_id=self.request_id or None, fallback="target_only")
+        log.warning(
+            "draft_failed",
+            source=self.source.name,
+            during=what,
+            error=f"{type(e).__name__}: {e}",
+            request_id=self.request_id or None,
+            fallback="target_only",
+        )
         session, self.session = self.session, None
         if session is not None:
             with contextlib.suppress(Exception):

@@ -18,7 +18,10 @@ STEP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 HISTOGRAMS = {  # name -> (buckets, help)
     "step_seconds": (STEP_BUCKETS_S, "Time of one forward step."),
-    "time_to_first_token_seconds": (LATENCY_BUCKETS_S, "Time from submission to a request's first token."),
+    "time_to_first_token_seconds": (
+        LATENCY_BUCKETS_S,
+        "Time from submission to a request's first token.",
+    ),
     "inter_token_latency_seconds": (LATENCY_BUCKETS_S, "Time between two tokens of one request."),
     "queue_time_seconds": (LATENCY_BUCKETS_S, "Time a request waited for a free slot."),
     "request_duration_seconds": (LATENCY_BUCKETS_S, "Time from submission to a request's end."),
@@ -41,7 +44,12 @@ class Histogram:
         self.count += 1
 
     def as_dict(self) -> dict[str, Any]:
-        return {"buckets": list(self.bounds), "counts": list(self.counts), "sum": round(self.sum, 6), "count": self.count}
+        return {
+            "buckets": list(self.bounds),
+            "counts": list(self.counts),
+            "sum": round(self.sum, 6),
+            "count": self.count,
+        }
 
 
 @dataclass
@@ -53,9 +61,13 @@ class EngineStats:
     max_batch: int = 0
     errors: int = 0  # steps whose forward pass failed
     draft: DraftStats = field(default_factory=DraftStats)  # summed over every drafting sequence
-    hist: dict[str, Histogram] = field(default_factory=lambda: {k: Histogram(b) for k, (b, _) in HISTOGRAMS.items()})
+    hist: dict[str, Histogram] = field(
+        default_factory=lambda: {k: Histogram(b) for k, (b, _) in HISTOGRAMS.items()}
+    )
 
-    def record_step(self, seconds: float, sequences: int, prompt_tokens: int, generated: int) -> None:
+    def record_step(
+        self, seconds: float, sequences: int, prompt_tokens: int, generated: int
+    ) -> None:
         self.steps += 1
         self.hist["step_seconds"].observe(seconds)
         self.max_batch = max(self.max_batch, sequences)
@@ -63,9 +75,16 @@ class EngineStats:
         self.generated_tokens += generated
 
     def snapshot(self) -> dict[str, Any]:
-        return {"steps": self.steps, "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
-                "finished": dict(self.finished), "max_batch": self.max_batch, "step_errors": self.errors,
-                "draft": self.draft.as_dict(), "histograms": {k: h.as_dict() for k, h in self.hist.items()}}
+        return {
+            "steps": self.steps,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "finished": dict(self.finished),
+            "max_batch": self.max_batch,
+            "step_errors": self.errors,
+            "draft": self.draft.as_dict(),
+            "histograms": {k: h.as_dict() for k, h in self.hist.items()},
+        }
 
 
 @dataclass

@@ -21,14 +21,18 @@ from dataclasses import dataclass
 FIRST_CHUNK = 64  # tokens of the first prefill step, before anything is measured
 MIN_CHUNK = 64  # fewest prompt tokens a prefilling step runs (the kernels' rate falls off below)
 ALONE_FACTOR = 4  # with no stream decoding beside the prompt, its steps aim at this many targets
-SMOOTHING = 0.5  # weight of the newest step in the running estimates (they follow a context that grows)
+SMOOTHING = (
+    0.5  # weight of the newest step in the running estimates (they follow a context that grows)
+)
 
 
 @dataclass
 class StepBudget:
     """Prefill tokens per step: (target_s - fixed_s) / token_s, at least fixed_s / token_s."""
 
-    target_s: float | None = 0.5  # None or 0: no time target (chunks as large as memory and the cap allow)
+    target_s: float | None = (
+        0.5  # None or 0: no time target (chunks as large as memory and the cap allow)
+    )
     fixed_s: float | None = None  # seconds of a step without prefill (running estimate)
     token_s: float | None = None  # seconds each prompt token adds to a step (running estimate)
     last_tokens: int = 0  # prefill tokens of the last step that prefilled

@@ -16,12 +16,15 @@ def open_source(path: Path, widen: bool = False) -> Source:
     import block types without a kernel as float32 instead of refusing them)."""
     path = Path(path)
     if not path.exists():
-        raise StoreError(f"{path}: no such file or folder (--from takes a HuggingFace model folder or a .gguf file)")
+        raise StoreError(
+            f"{path}: no such file or folder (--from takes a HuggingFace model folder or a .gguf file)"
+        )
     if path.is_file():
         with open(path, "rb") as f:
             magic = f.read(4)
         if magic != b"GGUF":
-            raise StoreError(f"{path}: not a GGUF file (bad magic {magic!r}); --from takes a HuggingFace model folder or a .gguf file")
+            raise StoreError(
+                f"{path}: not a GGUF file (bad magic {magic!r}); --from takes a HuggingFace model folder or a .gguf file"
+            )
         return GGUFSource(path, widen)
     return HFSource(path)
-

@@ -39,7 +39,12 @@ from deltafind.store.dspark import (
 )
 
 
-def _write(store: Path, cfg: dict[str, Any], tensors: dict[str, TensorInfo], load: Callable[[str], torch.Tensor]) -> Path:
+def _write(
+    store: Path,
+    cfg: dict[str, Any],
+    tensors: dict[str, TensorInfo],
+    load: Callable[[str], torch.Tensor],
+) -> Path:
     """Write the draft folder under a temporary name, then swap it in with renames."""
     parent = store / DRAFT_DIR.parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -77,7 +82,9 @@ def import_dspark(src: str | Path, store: str | Path) -> Path:
     want = roster(cfg)
     weights = src / WEIGHTS_NAME
     if not weights.is_file():
-        raise StoreError(f"{weights} is missing; a DSpark folder holds config.json and model.safetensors")
+        raise StoreError(
+            f"{weights} is missing; a DSpark folder holds config.json and model.safetensors"
+        )
     try:
         handle = safe_open(str(weights), "pt", device="cpu")
     except Exception as e:  # safetensors raises its own error types
@@ -90,33 +97,58 @@ def import_dspark(src: str | Path, store: str | Path) -> Path:
         for name, (_, shape) in have.items():
             if name == SKIPPED:
                 if shape != (cfg["vocab_size"], cfg["hidden_size"]):
-                    raise StoreError(f"{weights}: {name} has shape {list(shape)}, expected [{cfg['vocab_size']}, {cfg['hidden_size']}]")
+                    raise StoreError(
+                        f"{weights}: {name} has shape {list(shape)}, expected [{cfg['vocab_size']}, {cfg['hidden_size']}]"
+                    )
             elif name not in want:
-                raise StoreError(f"{weights}: unexpected tensor {name}; this is not a Kimi K3 DSpark checkpoint")
+                raise StoreError(
+                    f"{weights}: unexpected tensor {name}; this is not a Kimi K3 DSpark checkpoint"
+                )
         for name, shape in want.items():
             if name not in have:
                 raise StoreError(f"{weights}: tensor {name} is missing; re-download the checkpoint")
             if have[name] != ("BF16", shape):
-                raise StoreError(f"{weights}: {name} is {have[name][0]} {list(have[name][1])}, expected BF16 {list(shape)}")
+                raise StoreError(
+                    f"{weights}: {name} is {have[name][0]} {list(have[name][1])}, expected BF16 {list(shape)}"
+                )
         infos = {n: TensorInfo(torch.bfloat16, s) for n, s in want.items()}
         return _write(store, cfg, infos, f.get_tensor)
 
 
 def _spread(num_layers: int, count: int) -> list[int]:
     """`count` target layers spread like K3's [2, 23, 47, 71, 89] over 93 (repeats only when too few layers)."""
-    return [min(num_layers - 1, round(i * (num_layers - 1) / 92)) for i in REAL["target_layer_ids"][:count]]
+    return [
+        min(num_layers - 1, round(i * (num_layers - 1) / 92))
+        for i in REAL["target_layer_ids"][:count]
+    ]
 
 
 def synthetic_config(target: dict[str, Any]) -> dict[str, Any]:
     """A DSpark config of the released format, sized to a (synthetic) K3 target."""
     t = text_config(target)
     h, n, vocab = t["hidden_size"], t["num_hidden_layers"], t["vocab_size"]
-    cfg = {**copy.deepcopy(REAL), **copy.deepcopy(CONTRACT), "hidden_size": h, "intermediate_size": 2 * h, "target_hidden_size": h, "target_num_hidden_layers": n,
-           "num_attention_heads": max(2, round(t["num_attention_heads"] * 2 / 3)), "q_lora_rank": t["q_lora_rank"],
-           "kv_lora_rank": t["kv_lora_rank"], "qk_nope_head_dim": t["qk_nope_head_dim"], "qk_rope_head_dim": t["qk_rope_head_dim"],
-           "v_head_dim": t["v_head_dim"], "vocab_size": vocab, "draft_vocab_size": vocab, "mask_token_id": vocab - 3,
-           "bos_token_id": t["bos_token_id"], "eos_token_id": t["eos_token_id"], "pad_token_id": t["pad_token_id"],
-           "markov_rank": min(256, max(8, h // 4)), "target_layer_ids": REAL["target_layer_ids"] if n == 93 else _spread(n, 5)}
+    cfg = {
+        **copy.deepcopy(REAL),
+        **copy.deepcopy(CONTRACT),
+        "hidden_size": h,
+        "intermediate_size": 2 * h,
+        "target_hidden_size": h,
+        "target_num_hidden_layers": n,
+        "num_attention_heads": max(2, round(t["num_attention_heads"] * 2 / 3)),
+        "q_lora_rank": t["q_lora_rank"],
+        "kv_lora_rank": t["kv_lora_rank"],
+        "qk_nope_head_dim": t["qk_nope_head_dim"],
+        "qk_rope_head_dim": t["qk_rope_head_dim"],
+        "v_head_dim": t["v_head_dim"],
+        "vocab_size": vocab,
+        "draft_vocab_size": vocab,
+        "mask_token_id": vocab - 3,
+        "bos_token_id": t["bos_token_id"],
+        "eos_token_id": t["eos_token_id"],
+        "pad_token_id": t["pad_token_id"],
+        "markov_rank": min(256, max(8, h // 4)),
+        "target_layer_ids": REAL["target_layer_ids"] if n == 93 else _spread(n, 5),
+    }
     cfg["num_key_value_heads"] = cfg["num_attention_heads"]
     return cfg
 
@@ -131,7 +163,9 @@ def synthetic_specs(cfg: dict[str, Any]) -> dict[str, Spec]:
         elif name.startswith("markov_head."):
             specs[name] = linear(*shape, gain=4.0)  # a Markov bias of about the logits' size
         else:
-            specs[name] = linear(*shape, gain=0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0)
+            specs[name] = linear(
+                *shape, gain=0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+            )
     return specs
 
 

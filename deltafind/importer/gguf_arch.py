@@ -15,21 +15,49 @@ import numpy as np
 
 from deltafind.errors import UnsupportedModelError
 
-Meta = Callable[..., Any]  # meta(key, default=REQUIRED) -> a GGUF field's value, the arch prefix added
+Meta = Callable[
+    ..., Any
+]  # meta(key, default=REQUIRED) -> a GGUF field's value, the arch prefix added
 
-_ATTN = ("model.layers.{bid}.input_layernorm", "model.layers.{bid}.post_attention_layernorm", "model.layers.{bid}.self_attn.o_proj")
-_GQA = ("model.layers.{bid}.self_attn.q_proj", "model.layers.{bid}.self_attn.k_proj", "model.layers.{bid}.self_attn.v_proj")
+_ATTN = (
+    "model.layers.{bid}.input_layernorm",
+    "model.layers.{bid}.post_attention_layernorm",
+    "model.layers.{bid}.self_attn.o_proj",
+)
+_GQA = (
+    "model.layers.{bid}.self_attn.q_proj",
+    "model.layers.{bid}.self_attn.k_proj",
+    "model.layers.{bid}.self_attn.v_proj",
+)
 _QK_NORM = ("model.layers.{bid}.self_attn.q_norm", "model.layers.{bid}.self_attn.k_norm")
-_MLP = ("model.layers.{bid}.mlp.gate_proj", "model.layers.{bid}.mlp.up_proj", "model.layers.{bid}.mlp.down_proj")
+_MLP = (
+    "model.layers.{bid}.mlp.gate_proj",
+    "model.layers.{bid}.mlp.up_proj",
+    "model.layers.{bid}.mlp.down_proj",
+)
 # llama.cpp keeps a layer's experts as one 3-D tensor (`ffn_gate_exps`); these become mlp.experts.{e}.*_proj.
-_EXPERTS = ("model.layers.{bid}.mlp.experts.gate_proj", "model.layers.{bid}.mlp.experts.up_proj", "model.layers.{bid}.mlp.experts.down_proj")
+_EXPERTS = (
+    "model.layers.{bid}.mlp.experts.gate_proj",
+    "model.layers.{bid}.mlp.experts.up_proj",
+    "model.layers.{bid}.mlp.experts.down_proj",
+)
 _ROUTER = ("model.layers.{bid}.mlp.gate",)
-_MLA = ("model.layers.{bid}.self_attn.q_proj", "model.layers.{bid}.self_attn.q_a_proj", "model.layers.{bid}.self_attn.q_a_layernorm",
-        "model.layers.{bid}.self_attn.q_b_proj", "model.layers.{bid}.self_attn.kv_a_proj_with_mqa",
-        "model.layers.{bid}.self_attn.kv_a_layernorm", "model.layers.{bid}.self_attn.kv_b_proj",
-        "model.layers.{bid}.self_attn.k_b_proj", "model.layers.{bid}.self_attn.v_b_proj")
-_SHARED = ("model.layers.{bid}.mlp.shared_experts.gate_proj", "model.layers.{bid}.mlp.shared_experts.up_proj",
-           "model.layers.{bid}.mlp.shared_experts.down_proj")
+_MLA = (
+    "model.layers.{bid}.self_attn.q_proj",
+    "model.layers.{bid}.self_attn.q_a_proj",
+    "model.layers.{bid}.self_attn.q_a_layernorm",
+    "model.layers.{bid}.self_attn.q_b_proj",
+    "model.layers.{bid}.self_attn.kv_a_proj_with_mqa",
+    "model.layers.{bid}.self_attn.kv_a_layernorm",
+    "model.layers.{bid}.self_attn.kv_b_proj",
+    "model.layers.{bid}.self_attn.k_b_proj",
+    "model.layers.{bid}.self_attn.v_b_proj",
+)
+_SHARED = (
+    "model.layers.{bid}.mlp.shared_experts.gate_proj",
+    "model.layers.{bid}.mlp.shared_experts.up_proj",
+    "model.layers.{bid}.mlp.shared_experts.down_proj",
+)
 _GLOBAL = ("model.embed_tokens", "model.norm", "lm_head")
 
 
@@ -38,8 +66,12 @@ class Arch:
     """One llama.cpp architecture: the family it becomes and how its metadata reads."""
 
     family: str  # deltafind's model_type
-    hf_names: tuple[str, ...]  # transformers module names ({bid} = layer), mapped to GGUF by gguf-py
-    config: Callable[[Meta, dict[str, Any]], dict[str, Any]]  # (meta, tensors' numpy views by GGUF name) -> config.json
+    hf_names: tuple[
+        str, ...
+    ]  # transformers module names ({bid} = layer), mapped to GGUF by gguf-py
+    config: Callable[
+        [Meta, dict[str, Any]], dict[str, Any]
+    ]  # (meta, tensors' numpy views by GGUF name) -> config.json
     rope_permuted: bool = False  # llama.cpp's converter interleaved q/k rows (undone at import)
 
 
@@ -70,7 +102,9 @@ def llama3_rope(factors: np.ndarray, theta: float, dim: int, original: int) -> d
     f = np.asarray(factors, dtype=np.float64)
     inv = 1.0 / theta ** (np.arange(0, dim, 2) / dim)
     if len(f) != len(inv):
-        raise UnsupportedModelError(f"rope_freqs has {len(f)} values for a rope of {dim} dims; expected {len(inv)}")
+        raise UnsupportedModelError(
+            f"rope_freqs has {len(f)} values for a rope of {dim} dims; expected {len(inv)}"
+        )
     factor = float(f.max())
     medium = (np.abs(f - 1) > 1e-6) & (np.abs(f - factor) > 1e-6 * factor)
     inv_wavelen = inv / (2 * math.pi)
@@ -83,25 +117,46 @@ def llama3_rope(factors: np.ndarray, theta: float, dim: int, original: int) -> d
         hi_min = inv_wavelen[np.abs(f - 1) <= 1e-6].min(initial=inv_wavelen.max() * 2)
         lo_max = inv_wavelen[np.abs(f - 1) > 1e-6].max(initial=0.0)
         low, high = original * lo_max * 1.0001, original * hi_min * 0.9999
-    params = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(low), "high_freq_factor": float(high),
-              "original_max_position_embeddings": original}
+    params = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": float(low),
+        "high_freq_factor": float(high),
+        "original_max_position_embeddings": original,
+    }
     wavelen = 1 / inv_wavelen
-    check = np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, np.nan))
+    check = np.where(
+        wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, np.nan)
+    )
     band = np.isnan(check)
-    check[band] = 1 / ((1 - (original / wavelen[band] - low) / (high - low)) / factor + (original / wavelen[band] - low) / (high - low))
+    check[band] = 1 / (
+        (1 - (original / wavelen[band] - low) / (high - low)) / factor
+        + (original / wavelen[band] - low) / (high - low)
+    )
     if not np.allclose(check, f, rtol=1e-4):
-        raise UnsupportedModelError("rope_freqs is not a Llama 3 frequency scaling (the only one deltafind reads from GGUF)")
+        raise UnsupportedModelError(
+            "rope_freqs is not a Llama 3 frequency scaling (the only one deltafind reads from GGUF)"
+        )
     return params
 
 
 def _llama(meta: Meta, tensors: dict[str, Any]) -> dict[str, Any]:
     cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **_common(meta)}
     if "rope_freqs.weight" in tensors:
-        dim = int(meta("rope.dimension_count", cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]))
+        dim = int(
+            meta(
+                "rope.dimension_count",
+                cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+            )
+        )
         original = int(meta("rope.scaling.original_context_length", 8192))
-        cfg["rope_scaling"] = llama3_rope(tensors["rope_freqs.weight"], cfg["rope_theta"], dim, original)
+        cfg["rope_scaling"] = llama3_rope(
+            tensors["rope_freqs.weight"], cfg["rope_theta"], dim, original
+        )
     if meta("expert_count", 0):
-        raise UnsupportedModelError("llama GGUFs with experts (Mixtral-style) are not supported; deltafind runs dense llama")
+        raise UnsupportedModelError(
+            "llama GGUFs with experts (Mixtral-style) are not supported; deltafind runs dense llama"
+        )
     return cfg
 
 
@@ -116,9 +171,13 @@ def _qwen3(meta: Meta, tensors: dict[str, Any]) -> dict[str, Any]:
 def _qwen3moe(meta: Meta, tensors: dict[str, Any]) -> dict[str, Any]:
     cfg = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], **_common(meta)}
     cfg.setdefault("intermediate_size", int(meta("expert_feed_forward_length")))
-    return {**cfg, "moe_intermediate_size": int(meta("expert_feed_forward_length")), "num_experts": int(meta("expert_count")),
-            "num_experts_per_tok": int(meta("expert_used_count")),
-            "norm_topk_prob": True}  # llama.cpp's qwen3moe always renormalises the top-k (src/models/qwen3moe.cpp)
+    return {
+        **cfg,
+        "moe_intermediate_size": int(meta("expert_feed_forward_length")),
+        "num_experts": int(meta("expert_count")),
+        "num_experts_per_tok": int(meta("expert_used_count")),
+        "norm_topk_prob": True,
+    }  # llama.cpp's qwen3moe always renormalises the top-k (src/models/qwen3moe.cpp)
 
 
 _SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
@@ -130,20 +189,35 @@ def _deepseek2(meta: Meta, tensors: dict[str, Any]) -> dict[str, Any]:
     nextn = int(meta("nextn_predict_layers", 0))
     rope_dim, k_mla = int(meta("rope.dimension_count")), int(meta("attention.key_length_mla"))
     if int(meta("expert_gating_func", 0)) != _SIGMOID:
-        raise UnsupportedModelError("deepseek2 GGUFs with softmax routing (DeepSeek-V2) are not supported; deltafind runs "
-                                    "DeepSeek-V3/R1 and Kimi K2 (expert_gating_func = sigmoid)")
-    cfg.update({
-        "num_hidden_layers": cfg["num_hidden_layers"] - nextn, "num_nextn_predict_layers": 0,
-        "num_key_value_heads": cfg["num_attention_heads"],  # the converter writes 1 (MLA as MQA); HF counts heads
-        "q_lora_rank": meta("attention.q_lora_rank", None), "kv_lora_rank": int(meta("attention.kv_lora_rank")),
-        "qk_rope_head_dim": rope_dim, "qk_nope_head_dim": k_mla - rope_dim, "v_head_dim": int(meta("attention.value_length_mla")),
-        "first_k_dense_replace": int(meta("leading_dense_block_count", 0)),
-        "moe_intermediate_size": int(meta("expert_feed_forward_length")), "n_routed_experts": int(meta("expert_count")),
-        "num_experts_per_tok": int(meta("expert_used_count")), "n_shared_experts": int(meta("expert_shared_count", 0)),
-        "routed_scaling_factor": float(meta("expert_weights_scale", 1.0)), "norm_topk_prob": bool(meta("expert_weights_norm", False)),
-        "n_group": int(meta("expert_group_count", 0)) or 1, "topk_group": int(meta("expert_group_used_count", 0)) or 1,
-        "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-    })
+        raise UnsupportedModelError(
+            "deepseek2 GGUFs with softmax routing (DeepSeek-V2) are not supported; deltafind runs "
+            "DeepSeek-V3/R1 and Kimi K2 (expert_gating_func = sigmoid)"
+        )
+    cfg.update(
+        {
+            "num_hidden_layers": cfg["num_hidden_layers"] - nextn,
+            "num_nextn_predict_layers": 0,
+            "num_key_value_heads": cfg[
+                "num_attention_heads"
+            ],  # the converter writes 1 (MLA as MQA); HF counts heads
+            "q_lora_rank": meta("attention.q_lora_rank", None),
+            "kv_lora_rank": int(meta("attention.kv_lora_rank")),
+            "qk_rope_head_dim": rope_dim,
+            "qk_nope_head_dim": k_mla - rope_dim,
+            "v_head_dim": int(meta("attention.value_length_mla")),
+            "first_k_dense_replace": int(meta("leading_dense_block_count", 0)),
+            "moe_intermediate_size": int(meta("expert_feed_forward_length")),
+            "n_routed_experts": int(meta("expert_count")),
+            "num_experts_per_tok": int(meta("expert_used_count")),
+            "n_shared_experts": int(meta("expert_shared_count", 0)),
+            "routed_scaling_factor": float(meta("expert_weights_scale", 1.0)),
+            "norm_topk_prob": bool(meta("expert_weights_norm", False)),
+            "n_group": int(meta("expert_group_count", 0)) or 1,
+            "topk_group": int(meta("expert_group_used_count", 0)) or 1,
+            "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc",
+        }
+    )
     cfg.setdefault("intermediate_size", cfg["moe_intermediate_size"])
     if cfg["q_lora_rank"] is not None:
         cfg["q_lora_rank"] = int(cfg["q_lora_rank"])
@@ -151,26 +225,46 @@ def _deepseek2(meta: Meta, tensors: dict[str, Any]) -> dict[str, Any]:
         # the converter writes 0.1 x mscale_all_dim (llama.cpp's src/models/deepseek2.cpp undoes it) and not
         # mscale; llama.cpp's attention scaling is HF's with mscale = mscale_all_dim (DeepSeek-V3's and Kimi K2's)
         mscale_all_dim = float(meta("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
-        cfg["rope_scaling"] = {"rope_type": "yarn", "factor": float(meta("rope.scaling.factor")),
-                               "original_max_position_embeddings": int(meta("rope.scaling.original_context_length")),
-                               "beta_fast": float(meta("rope.scaling.yarn_beta_fast", 32.0)),
-                               "beta_slow": float(meta("rope.scaling.yarn_beta_slow", 1.0)),
-                               "mscale": mscale_all_dim, "mscale_all_dim": mscale_all_dim}
+        cfg["rope_scaling"] = {
+            "rope_type": "yarn",
+            "factor": float(meta("rope.scaling.factor")),
+            "original_max_position_embeddings": int(meta("rope.scaling.original_context_length")),
+            "beta_fast": float(meta("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(meta("rope.scaling.yarn_beta_slow", 1.0)),
+            "mscale": mscale_all_dim,
+            "mscale_all_dim": mscale_all_dim,
+        }
     return cfg
 
 
 ARCHES = {
     "llama": Arch("llama", _GLOBAL + _ATTN + _GQA + _MLP, _llama, rope_permuted=True),
-    "qwen2": Arch("qwen2", _GLOBAL + _ATTN + _GQA + _MLP, _qwen2),  # q/k/v biases: `attn_q.bias`, named by suffix
+    "qwen2": Arch(
+        "qwen2", _GLOBAL + _ATTN + _GQA + _MLP, _qwen2
+    ),  # q/k/v biases: `attn_q.bias`, named by suffix
     "qwen3": Arch("qwen3", _GLOBAL + _ATTN + _GQA + _QK_NORM + _MLP, _qwen3),
-    "qwen3moe": Arch("qwen3_moe", _GLOBAL + _ATTN + _GQA + _QK_NORM + _MLP + _EXPERTS + _ROUTER, _qwen3moe),
-    "deepseek2": Arch("deepseek_v3", _GLOBAL + _ATTN + _MLA + _MLP + _EXPERTS + _ROUTER + _SHARED
-                      + ("model.layers.{bid}.mlp.gate.e_score_correction",), _deepseek2),
+    "qwen3moe": Arch(
+        "qwen3_moe", _GLOBAL + _ATTN + _GQA + _QK_NORM + _MLP + _EXPERTS + _ROUTER, _qwen3moe
+    ),
+    "deepseek2": Arch(
+        "deepseek_v3",
+        _GLOBAL
+        + _ATTN
+        + _MLA
+        + _MLP
+        + _EXPERTS
+        + _ROUTER
+        + _SHARED
+        + ("model.layers.{bid}.mlp.gate.e_score_correction",),
+        _deepseek2,
+    ),
 }
 
 
 def arch_for(name: str, where: str) -> Arch:
     arch = ARCHES.get(name)
     if arch is None:
-        raise UnsupportedModelError(f"{where}: GGUF architecture {name!r} is not supported (supported: {', '.join(sorted(ARCHES))})")
+        raise UnsupportedModelError(
+            f"{where}: GGUF architecture {name!r} is not supported (supported: {', '.join(sorted(ARCHES))})"
+        )
     return arch

@@ -22,7 +22,9 @@ from deltafind.log import get_logger
 from deltafind.store.quant import BLOCKS, quant_tag, row_bytes
 
 log = get_logger(__name__)
-SHARD = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")  # llama.cpp's llama_split_path
+SHARD = re.compile(
+    r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$"
+)  # llama.cpp's llama_split_path
 _REQUIRED = object()
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -33,10 +35,14 @@ def shard_paths(path: Path) -> list[Path]:
     if m is None:
         return [path]
     count = int(m["count"])
-    paths = [path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    paths = [
+        path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)
+    ]
     missing = [p.name for p in paths if not p.exists()]
     if missing:
-        raise StoreError(f"{path}: split GGUF shard(s) missing: {', '.join(missing)} (all {count} shards must lie in {path.parent})")
+        raise StoreError(
+            f"{path}: split GGUF shard(s) missing: {', '.join(missing)} (all {count} shards must lie in {path.parent})"
+        )
     return paths
 
 
@@ -66,17 +72,25 @@ class GGUFSource(Source):
         def meta(key: str, default: Any = _REQUIRED) -> Any:
             value = self._field(prefix + key, default)
             if value is _REQUIRED:
-                raise StoreError(f"{self.first}: GGUF metadata {prefix + key} is missing; the file is not a complete {arch_name} GGUF")
+                raise StoreError(
+                    f"{self.first}: GGUF metadata {prefix + key} is missing; the file is not a complete {arch_name} GGUF"
+                )
             return value
 
         by_name = {t.name: t for r in readers for t in r.tensors}
-        self.config = self.arch.config(meta, {n: t.data for n, t in by_name.items() if n == "rope_freqs.weight"})
-        self.config.update({
-            "vocab_size": int(meta("vocab_size", None) or len(self._field("tokenizer.ggml.tokens", []))),
-            "tie_word_embeddings": "output.weight" not in by_name,
-            "bos_token_id": self._field("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": self._field("tokenizer.ggml.eos_token_id"),
-        })
+        self.config = self.arch.config(
+            meta, {n: t.data for n, t in by_name.items() if n == "rope_freqs.weight"}
+        )
+        self.config.update(
+            {
+                "vocab_size": int(
+                    meta("vocab_size", None) or len(self._field("tokenizer.ggml.tokens", []))
+                ),
+                "tie_word_embeddings": "output.weight" not in by_name,
+                "bos_token_id": self._field("tokenizer.ggml.bos_token_id"),
+                "eos_token_id": self._field("tokenizer.ggml.eos_token_id"),
+            }
+        )
         self._map_tensors(by_name)
 
     def _open(self, path: Path) -> Any:
@@ -87,6 +101,7 @@ class GGUFSource(Source):
 
     def _check_split(self, readers: list[Any]) -> None:
         """Each shard says it is shard i of len(readers), and together they hold split.tensors.count tensors."""
+
         def get(r: Any, key: str) -> Any:
             f = r.fields.get(key)
             return None if f is None else f.contents()
@@ -95,18 +110,24 @@ class GGUFSource(Source):
         if len(readers) == 1 and (count or 1) == 1:
             return
         if len(readers) == 1:
-            raise StoreError(f"{self.path}: is shard {get(readers[0], 'split.no')} of a {count}-file split GGUF but is not named "
-                             "NAME-0000i-of-0000N.gguf; keep gguf-split's file names so the other shards can be found")
+            raise StoreError(
+                f"{self.path}: is shard {get(readers[0], 'split.no')} of a {count}-file split GGUF but is not named "
+                "NAME-0000i-of-0000N.gguf; keep gguf-split's file names so the other shards can be found"
+            )
         total = get(readers[0], "split.tensors.count")
         for i, (p, r) in enumerate(zip(self.files, readers, strict=True)):
             no, n, t = get(r, "split.no"), get(r, "split.count"), get(r, "split.tensors.count")
             if (no, n, t) != (i, len(readers), total):
-                raise StoreError(f"{p}: split.no={no} split.count={n} split.tensors.count={t}, expected {i}, {len(readers)}, {total} "
-                                 "(a shard of another split, or of another model); re-download that shard")
+                raise StoreError(
+                    f"{p}: split.no={no} split.count={n} split.tensors.count={t}, expected {i}, {len(readers)}, {total} "
+                    "(a shard of another split, or of another model); re-download that shard"
+                )
         found = sum(len(r.tensors) for r in readers)
         if found != total:
-            raise StoreError(f"{self.path}: the {len(readers)} shards hold {found} tensors, split.tensors.count says {total}; "
-                             "a shard is truncated or from another split; re-download the shards")
+            raise StoreError(
+                f"{self.path}: the {len(readers)} shards hold {found} tensors, split.tensors.count says {total}; "
+                "a shard is truncated or from another split; re-download the shards"
+            )
 
     def _field(self, key: str, default: Any = None) -> Any:
         field = self.reader.fields.get(key)
@@ -115,7 +136,9 @@ class GGUFSource(Source):
     def _map_tensors(self, by_name: dict[str, Any]) -> None:
         """Name every tensor as transformers does, through gguf-py's TensorNameMap for this architecture."""
         gguf = self._gguf
-        enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[str(self._field("general.architecture"))]
+        enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[
+            str(self._field("general.architecture"))
+        ]
         n_blocks = int(self._field(f"{gguf.MODEL_ARCH_NAMES[enum]}.block_count"))
         tmap = gguf.get_tensor_name_map(enum, n_blocks)
         to_hf = {}
@@ -128,7 +151,9 @@ class GGUFSource(Source):
         self.tensors: dict[str, TensorInfo] = {}
         self._load: dict[str, tuple[Any, ...]] = {}
         halves: dict[str, dict[str, Any]] = {}
-        self._wide: list[tuple[str, str, int, int]] = []  # (GGUF name, kind, stored bytes, float32 bytes) without a kernel
+        self._wide: list[
+            tuple[str, str, int, int]
+        ] = []  # (GGUF name, kind, stored bytes, float32 bytes) without a kernel
         for name, t in by_name.items():
             base, dot, suffix = name.rpartition(".")
             hf = to_hf.get(base)
@@ -137,9 +162,11 @@ class GGUFSource(Source):
             if hf is None:
                 if (m := re.match(r"blk\.(\d+)\.", name)) and int(m[1]) >= layers:
                     continue  # multi-token-prediction layers after the last decoder layer: not run
-                raise UnsupportedModelError(f"{self.path}: GGUF tensor {name!r} has no place in deltafind's {self.arch.family} "
-                                            f"(architecture {self._field('general.architecture')}): the file holds a part deltafind "
-                                            "does not run; import the model's HuggingFace folder instead")
+                raise UnsupportedModelError(
+                    f"{self.path}: GGUF tensor {name!r} has no place in deltafind's {self.arch.family} "
+                    f"(architecture {self._field('general.architecture')}): the file holds a part deltafind "
+                    "does not run; import the model's HuggingFace folder instead"
+                )
             # transformers' DeepSeek names the router's bias `gate.e_score_correction_bias`
             hf = hf + ("_" if hf.endswith("e_score_correction") else dot) + suffix
             if hf.endswith(("k_b_proj.weight", "v_b_proj.weight")):
@@ -160,31 +187,49 @@ class GGUFSource(Source):
         stored, wide = sum(s for *_, s, _ in self._wide), sum(w for *_, w in self._wide)
         cost = f"{wide:,} bytes as float32 instead of {stored:,} as stored ({wide / max(stored, 1):.1f}x)"
         if self.widen:
-            log.warning("gguf_widened", kinds=kinds, tensors=len({n for n, *_ in self._wide}), stored_bytes=stored, widened_bytes=wide)
+            log.warning(
+                "gguf_widened",
+                kinds=kinds,
+                tensors=len({n for n, *_ in self._wide}),
+                stored_bytes=stored,
+                widened_bytes=wide,
+            )
             return
         name, kind = self._wide[0][:2]
         raise UnsupportedModelError(
             f"{self.path}: tensor {name} is {kind}, a block type deltafind has no kernel for (kept as stored: "
             f"{', '.join([*_FLOATS, *BLOCKS])}; without a kernel in this file: {', '.join(kinds)}); `deltafind setup --widen-unsupported` "
-            f"imports such tensors as float32: {cost}")
+            f"imports such tensors as float32: {cost}"
+        )
 
     def _add(self, hf: str, t: Any, expert: int | None) -> None:
         kind = t.tensor_type.name
-        shape = tuple(int(s) for s in reversed(t.shape.tolist()))[1 if expert is not None else 0:]
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))[1 if expert is not None else 0 :]
         if kind in BLOCKS and len(shape) == 2 and shape[1] % BLOCKS[kind][0] == 0:
-            info = TensorInfo(torch.uint8, (shape[0], row_bytes(kind, shape[1])), quant_tag(kind, shape[1]))
+            info = TensorInfo(
+                torch.uint8, (shape[0], row_bytes(kind, shape[1])), quant_tag(kind, shape[1])
+            )
         elif kind in _FLOATS:
             info = TensorInfo(_FLOATS[kind], shape)
         else:  # no kernel: float32 if the caller asked (`widen`), refused after every tensor is seen
             info = TensorInfo(torch.float32, shape)
-            self._wide.append((t.name, kind, int(t.n_bytes) // (int(t.shape[-1]) if expert is not None else 1), info.nbytes))
+            self._wide.append(
+                (
+                    t.name,
+                    kind,
+                    int(t.n_bytes) // (int(t.shape[-1]) if expert is not None else 1),
+                    info.nbytes,
+                )
+            )
         self.tensors[hf] = info
         self._load[hf] = (t, expert)
 
     def _add_kv_b(self, hf: str, parts: dict[str, Any]) -> None:
         """llama.cpp stores MLA's kv_b_proj as k_b [heads, kv_lora, nope] (transposed) and v_b [heads, v, kv_lora]."""
         if set(parts) != {"k_b_proj", "v_b_proj"}:
-            raise StoreError(f"{self.path}: {hf} has only {sorted(parts)} of its GGUF halves attn_k_b/attn_v_b")
+            raise StoreError(
+                f"{self.path}: {hf} has only {sorted(parts)} of its GGUF halves attn_k_b/attn_v_b"
+            )
         heads, lora = int(self.config["num_attention_heads"]), int(self.config["kv_lora_rank"])
         nope, v = int(self.config["qk_nope_head_dim"]), int(self.config["v_head_dim"])
         self.tensors[hf] = TensorInfo(torch.float32, (heads * (nope + v), lora))
@@ -202,7 +247,11 @@ class GGUFSource(Source):
         entry, info = self._load[name], self.tensors[name]
         if entry[0] == "kv_b":
             _, kb, vb, heads, lora, nope, v = entry
-            k = torch.from_numpy(self._array(kb, None).astype(np.float32)).reshape(heads, lora, nope).transpose(1, 2)
+            k = (
+                torch.from_numpy(self._array(kb, None).astype(np.float32))
+                .reshape(heads, lora, nope)
+                .transpose(1, 2)
+            )
             vv = torch.from_numpy(self._array(vb, None).astype(np.float32)).reshape(heads, v, lora)
             return torch.cat([k, vv], dim=1).reshape(info.shape).contiguous()
         t, expert = entry
@@ -210,7 +259,9 @@ class GGUFSource(Source):
             arr = np.asarray(t.data if expert is None else t.data[expert], dtype=np.uint8)
         else:
             arr = self._array(t, expert)
-        w = torch.from_numpy(np.array(arr)).reshape(info.shape)  # a copy: the file is mapped read-only
+        w = torch.from_numpy(np.array(arr)).reshape(
+            info.shape
+        )  # a copy: the file is mapped read-only
         if info.dtype == torch.bfloat16:
             w = w.view(torch.bfloat16)
         if self.arch.rope_permuted and name.endswith("self_attn.q_proj.weight"):
@@ -226,4 +277,3 @@ class GGUFSource(Source):
         from deltafind.tokenizer import write_tokenizer_from_gguf
 
         return write_tokenizer_from_gguf(self.first, dest)
-

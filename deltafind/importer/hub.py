@@ -33,7 +33,9 @@ from deltafind.importer.sources import Source, import_names, tensor_info
 from deltafind.importer.spine_writer import write_safetensors
 from deltafind.store.remote import RangeClient, RemoteTensor, parse_header, read_shard_header
 
-HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?::(?P<quant>[\w.-]+))?(?:@(?P<rev>[\w./-]+))?$")
+HUB_ID = re.compile(
+    r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?::(?P<quant>[\w.-]+))?(?:@(?P<rev>[\w./-]+))?$"
+)
 INDEX = "model.safetensors.index.json"
 STAGING_DIR = ".hub-staging"  # spine tensors of shards already freed by --delete-source
 HASH_CHUNK = 16 << 20
@@ -68,10 +70,14 @@ class HubRepo:
         else:
             names = sorted(f for f in self.files if f.endswith(".safetensors") and "/" not in f)
         if not names:
-            raise StoreError(f"{self.label}: no *.safetensors files at the top of the repository (pytorch .bin checkpoints are not supported)")
+            raise StoreError(
+                f"{self.label}: no *.safetensors files at the top of the repository (pytorch .bin checkpoints are not supported)"
+            )
         missing = [n for n in names if n not in self.files]
         if missing:
-            raise StoreError(f"{self.label}: {INDEX} lists {missing[:3]}, which the repository does not have")
+            raise StoreError(
+                f"{self.label}: {INDEX} lists {missing[:3]}, which the repository does not have"
+            )
         return names
 
     def download(self, filename: str) -> Path:
@@ -79,7 +85,11 @@ class HubRepo:
         if filename in self.verified and (path := self.cached(filename)) is not None:
             return path
         meta = self.files.get(filename)
-        fetch = self._download_lfs if meta is not None and meta.sha256 and meta.size is not None else self._download_small
+        fetch = (
+            self._download_lfs
+            if meta is not None and meta.sha256 and meta.size is not None
+            else self._download_small
+        )
         path = fetch(filename)
         problem = self._check(filename, path)
         if problem:  # a corrupt or stale copy: drop it and fetch it once more from the start
@@ -89,7 +99,9 @@ class HubRepo:
             problem = self._check(filename, path)
             if problem:
                 _drop_cached(path)
-                raise StoreError(f"{self.label} {filename}: {problem} twice; the hub or a proxy serves corrupt bytes — try again later or another HF_ENDPOINT")
+                raise StoreError(
+                    f"{self.label} {filename}: {problem} twice; the hub or a proxy serves corrupt bytes — try again later or another HF_ENDPOINT"
+                )
         self.verified.add(filename)
         return path
 
@@ -104,11 +116,16 @@ class HubRepo:
         meta = self.files[filename]
         assert meta.sha256 and meta.size is not None
         repo_dir = _cache_folder(self.repo_id)
-        blob, link = repo_dir / "blobs" / meta.sha256, repo_dir / "snapshots" / self.commit / filename
+        blob, link = (
+            repo_dir / "blobs" / meta.sha256,
+            repo_dir / "snapshots" / self.commit / filename,
+        )
         if not blob.exists():
             blob.parent.mkdir(parents=True, exist_ok=True)
             part = blob.with_name(blob.name + ".deltafind-partial")
-            RangeClient(self.repo_id, self.commit, self.endpoint).download(filename, part, meta.size, self.progress)
+            RangeClient(self.repo_id, self.commit, self.endpoint).download(
+                filename, part, meta.size, self.progress
+            )
             os.replace(part, blob)
         if not link.is_symlink():
             link.parent.mkdir(parents=True, exist_ok=True)
@@ -124,10 +141,18 @@ class HubRepo:
             return f"size {size}, the hub says {meta.size}"
         if meta.sha256:
             got = _file_digest(path, hashlib.sha256())
-            return None if got == meta.sha256 else f"sha256 {got[:16]}…, the hub says {meta.sha256[:16]}…"
+            return (
+                None
+                if got == meta.sha256
+                else f"sha256 {got[:16]}…, the hub says {meta.sha256[:16]}…"
+            )
         if meta.blob_id:
             got = _file_digest(path, hashlib.sha1(f"blob {size}\0".encode(), usedforsecurity=False))
-            return None if got == meta.blob_id else f"git blob id {got[:12]}…, the hub says {meta.blob_id[:12]}…"
+            return (
+                None
+                if got == meta.blob_id
+                else f"git blob id {got[:12]}…, the hub says {meta.blob_id[:12]}…"
+            )
         return None
 
     def drop(self, filename: str) -> None:
@@ -191,16 +216,25 @@ def resolve_repo(repo_id: str, revision: str | None) -> HubRepo:
     try:
         info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
     except GatedRepoError as e:
-        raise StoreError(f"{where}: the repository is gated; accept its terms on the hub and set HF_TOKEN") from e
+        raise StoreError(
+            f"{where}: the repository is gated; accept its terms on the hub and set HF_TOKEN"
+        ) from e
     except RepositoryNotFoundError as e:
-        raise StoreError(f"{where}: no such repository, or it is private (set HF_TOKEN to a token that can read it)") from e
+        raise StoreError(
+            f"{where}: no such repository, or it is private (set HF_TOKEN to a token that can read it)"
+        ) from e
     except RevisionNotFoundError as e:
         raise StoreError(f"{where}: no such revision (give a branch, tag or commit after @)") from e
     except HfHubHTTPError as e:
         raise StoreError(f"{where}: the hub answered {e}") from e
     except OSError as e:  # connection refused, DNS, TLS: httpx's errors are OSErrors underneath
-        raise StoreError(f"{where}: cannot reach the hub ({e}); check the network or HF_ENDPOINT") from e
-    files = {s.rfilename: HubFile(s.size, s.lfs.sha256 if s.lfs else None, s.blob_id) for s in info.siblings or []}
+        raise StoreError(
+            f"{where}: cannot reach the hub ({e}); check the network or HF_ENDPOINT"
+        ) from e
+    files = {
+        s.rfilename: HubFile(s.size, s.lfs.sha256 if s.lfs else None, s.blob_id)
+        for s in info.siblings or []
+    }
     _remember_ref(repo_id, revision or "main", str(info.sha))
     return HubRepo(repo_id, str(info.sha), files, constants.ENDPOINT)
 
@@ -215,14 +249,22 @@ def _remember_ref(repo_id: str, revision: str, commit: str) -> None:
     ref.write_text(commit)
 
 
-def open_checkpoint(spec: str, store_dir: Path, streaming: bool = False, delete_source: bool = False, progress: bool = True) -> Path | Source:
+def open_checkpoint(
+    spec: str,
+    store_dir: Path,
+    streaming: bool = False,
+    delete_source: bool = False,
+    progress: bool = True,
+) -> Path | Source:
     """`--from` as given: a local folder/GGUF path (as before), or a hub repo id; a GGUF repository
     (`:QUANT` given, or GGUF files and no *.safetensors) gives the local path of the quant's first shard."""
     path = Path(spec).expanduser()
     ref = None if path.exists() else parse_hub_ref(spec)
     if ref is None:
         if streaming or delete_source:
-            raise StoreError(f"{spec}: --streaming and --delete-source take a hub repo id (ORG/NAME[@REVISION]), not a local path")
+            raise StoreError(
+                f"{spec}: --streaming and --delete-source take a hub repo id (ORG/NAME[@REVISION]), not a local path"
+            )
         return path
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
@@ -234,20 +276,31 @@ def open_checkpoint(spec: str, store_dir: Path, streaming: bool = False, delete_
     repo_id, revision, quant = ref
     if constants.is_offline_mode():
         if streaming:
-            raise StoreError(f"{spec}: a streaming install fetches experts from the hub, but HF_HUB_OFFLINE is set; unset it")
+            raise StoreError(
+                f"{spec}: a streaming install fetches experts from the hub, but HF_HUB_OFFLINE is set; unset it"
+            )
         try:  # everything must already be in the HF cache
             folder = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
         except LocalEntryNotFoundError as e:
-            raise StoreError(f"{spec}: not in the Hugging Face cache and HF_HUB_OFFLINE is set; unset HF_HUB_OFFLINE to download it") from e
+            raise StoreError(
+                f"{spec}: not in the Hugging Face cache and HF_HUB_OFFLINE is set; unset HF_HUB_OFFLINE to download it"
+            ) from e
         if quant or not any(folder.glob("*.safetensors")):
-            return local_gguf(folder, quant, f"{spec} in the Hugging Face cache (HF_HUB_OFFLINE is set)")
+            return local_gguf(
+                folder, quant, f"{spec} in the Hugging Face cache (HF_HUB_OFFLINE is set)"
+            )
         return open_source(folder)
     repo = resolve_repo(repo_id, revision)
     repo.progress = progress
-    if quant or (not any(f.endswith(".safetensors") for f in repo.files) and any(is_model_gguf(f) for f in repo.files)):
+    if quant or (
+        not any(f.endswith(".safetensors") for f in repo.files)
+        and any(is_model_gguf(f) for f in repo.files)
+    ):
         if delete_source:  # the GGUF import reads whole local files
-            raise StoreError(f"{spec}: --delete-source is not supported for GGUF repositories yet; "
-                             "drop it to download the quant's files into the HF cache, or use --streaming")
+            raise StoreError(
+                f"{spec}: --delete-source is not supported for GGUF repositories yet; "
+                "drop it to download the quant's files into the HF cache, or use --streaming"
+            )
         if streaming:
             return GGUFHubSource(repo, pick_quant(repo.files, quant, repo.label), store_dir)
         return fetch_gguf(repo, quant)
@@ -259,7 +312,10 @@ def fetch_gguf(repo: HubRepo, tag: str | None) -> Path:
     names = pick_quant(repo.files, tag, repo.label)
     size = sum(repo.files[n].size or 0 for n in names)
     if repo.progress:
-        print(f"deltafind: {repo.label}: {len(names)} GGUF file(s), {size / 2**30:.2f} GiB: {', '.join(names)}", file=sys.stderr)
+        print(
+            f"deltafind: {repo.label}: {len(names)} GGUF file(s), {size / 2**30:.2f} GiB: {', '.join(names)}",
+            file=sys.stderr,
+        )
     paths = [repo.download(n) for n in names]
     return paths[0]
 
@@ -273,7 +329,9 @@ class HubSource(Source):
     stays near the store's size. Streaming mode reads each tensor by range.
     """
 
-    def __init__(self, repo: HubRepo, store_dir: Path, streaming: bool = False, delete_source: bool = False) -> None:
+    def __init__(
+        self, repo: HubRepo, store_dir: Path, streaming: bool = False, delete_source: bool = False
+    ) -> None:
         self.repo, self.streaming, self.delete_source = repo, streaming, delete_source
         self.client = RangeClient(repo.repo_id, repo.commit, repo.endpoint)
         self.path = Path(repo.label)
@@ -285,7 +343,10 @@ class HubSource(Source):
             self.data_start[f], tensors = self._header(f)
             raw.update(tensors)
         self.remote = {name: raw[orig] for orig, name in import_names(self.config, raw).items()}
-        self.tensors = {name: tensor_info(f"{repo.label} {t.file}", t.name, t.dtype, t.shape) for name, t in self.remote.items()}
+        self.tensors = {
+            name: tensor_info(f"{repo.label} {t.file}", t.name, t.dtype, t.shape)
+            for name, t in self.remote.items()
+        }
         self.staging = Path(store_dir) / STAGING_DIR
         self._handles: dict[str, Any] = {}
         self._staged: dict[str, Any] = {}  # spine tensor -> handle of its staging file
@@ -295,10 +356,16 @@ class HubSource(Source):
 
     def _header(self, filename: str) -> tuple[int, dict[str, RemoteTensor]]:
         local = self.repo.cached(filename)
-        return read_shard_header(self.client, filename) if local is None else read_local_header(local, filename)
+        return (
+            read_shard_header(self.client, filename)
+            if local is None
+            else read_local_header(local, filename)
+        )
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(f"{self.repo.label}\n".encode() + json.dumps(self.config, sort_keys=True).encode()).hexdigest()
+        return hashlib.sha256(
+            f"{self.repo.label}\n".encode() + json.dumps(self.config, sort_keys=True).encode()
+        ).hexdigest()
 
     def begin_import(self, spine: list[str]) -> None:
         self._spine = set(spine)
@@ -319,7 +386,11 @@ class HubSource(Source):
         if self.streaming:
             data = bytearray(self.client.get(t.file, t.start, t.end))
             dtype = self.tensors[name].dtype
-            return torch.frombuffer(data, dtype=dtype).reshape(t.shape) if data else torch.empty(t.shape, dtype=dtype)
+            return (
+                torch.frombuffer(data, dtype=dtype).reshape(t.shape)
+                if data
+                else torch.empty(t.shape, dtype=dtype)
+            )
         out = self._shard(t.file).get_tensor(t.name)
         pending = self._pending.get(t.file)
         if pending is not None:
@@ -344,7 +415,7 @@ class HubSource(Source):
         """Download the next shard setup will need while this one is imported (one at a time)."""
         if self._ahead:
             return
-        for name in self.shards[self.shards.index(current) + 1:]:
+        for name in self.shards[self.shards.index(current) + 1 :]:
             if name not in self._handles and self._pending.get(name):
                 fut: Future[Path] = Future()
 
@@ -363,7 +434,11 @@ class HubSource(Source):
         """Copy the shard's spine tensors into the store's staging folder, so the shard can go."""
         from safetensors import safe_open
 
-        names = {n: self.tensors[n] for n in self._spine if self.remote[n].file == filename and n not in self._staged}
+        names = {
+            n: self.tensors[n]
+            for n in self._spine
+            if self.remote[n].file == filename and n not in self._staged
+        }
         if not names:
             return
         self.staging.mkdir(exist_ok=True)

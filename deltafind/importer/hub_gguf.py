@@ -25,10 +25,21 @@ from deltafind.store.remote import RangeClient, RemoteTensor
 
 SPLIT = re.compile(r"^(?P<prefix>.+)-(?P<no>[0-9]{5})-of-(?P<count>[0-9]{5})$", re.I)
 TAG = re.compile(r"[-.]([A-Z0-9_]+)$", re.I)  # llama.cpp's quant tag: the last word of the name
-SIDECARS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")  # GGUFs that are not the model
+SIDECARS = (
+    "mmproj",
+    "imatrix",
+    "mtp-",
+    "eagle3-",
+    "dflash-",
+    "dspark-",
+)  # GGUFs that are not the model
 DEFAULT_TAGS = ("Q4_K_M", "Q8_0")
-HEADERS_DIR = ".hub-gguf-headers"  # sparse local shards of a streaming install, gone once it is written
-HEADER_GUESS = 256 << 10  # first prefix fetched; a large model's header (its vocabulary) takes a few MiB: 3-4 tries
+HEADERS_DIR = (
+    ".hub-gguf-headers"  # sparse local shards of a streaming install, gone once it is written
+)
+HEADER_GUESS = (
+    256 << 10
+)  # first prefix fetched; a large model's header (its vocabulary) takes a few MiB: 3-4 tries
 
 
 @dataclass
@@ -44,8 +55,10 @@ class GGUFModel:
         missing = [n for n in range(1, self.count + 1) if n not in self.shards]
         if missing:
             names = ", ".join(f"{self.prefix}-{n:05d}-of-{self.count:05d}.gguf" for n in missing)
-            raise StoreError(f"{where}: the split file {self.prefix} has {self.count} shards but {names} is not there; "
-                             "a part of a model cannot be imported (pick another quant or @REVISION; offline, unset HF_HUB_OFFLINE)")
+            raise StoreError(
+                f"{where}: the split file {self.prefix} has {self.count} shards but {names} is not there; "
+                "a part of a model cannot be imported (pick another quant or @REVISION; offline, unset HF_HUB_OFFLINE)"
+            )
         return [self.shards[n] for n in range(1, self.count + 1)]
 
 
@@ -68,7 +81,7 @@ def gguf_models(files: Iterable[str]) -> list[GGUFModel]:
     common = _common_prefix(names) if len(names) > 1 else ""
     for m, name in zip(found, names, strict=True):
         tag = TAG.search(name)
-        m.label = name[len(common):] or (tag[1] if tag else name)
+        m.label = name[len(common) :] or (tag[1] if tag else name)
     return found
 
 
@@ -87,8 +100,10 @@ def pick_quant(files: Iterable[str], tag: str | None, where: str) -> list[str]:
     """The files of the quant `tag` (None: llama.cpp's default), first shard first."""
     models = gguf_models(files)
     if not models:
-        raise StoreError(f"{where}: no model .gguf files in the repository; :QUANT picks a quant of a GGUF repository "
-                         "(for a safetensors repository give ORG/NAME[@REVISION] without it)")
+        raise StoreError(
+            f"{where}: no model .gguf files in the repository; :QUANT picks a quant of a GGUF repository "
+            "(for a safetensors repository give ORG/NAME[@REVISION] without it)"
+        )
     have = ", ".join(m.label for m in models)
     for t in [tag] if tag else DEFAULT_TAGS:
         # llama.cpp: the tag followed by `.` or `-`, anywhere in the path, any case
@@ -98,12 +113,22 @@ def pick_quant(files: Iterable[str], tag: str | None, where: str) -> list[str]:
         if len(hits) == 1 or len(exact) == 1:
             return (hits if len(hits) == 1 else exact)[0].files(where)
         if hits:
-            raise StoreError(f"{where}: quant {t!r} matches {len(hits)} files ({', '.join(m.prefix for m in hits)}); "
-                             f"give one of the repository's quants exactly: {have}")
-    if tag is None and len(models) == 1:  # llama.cpp falls back to the model file when no tag is given
+            raise StoreError(
+                f"{where}: quant {t!r} matches {len(hits)} files ({', '.join(m.prefix for m in hits)}); "
+                f"give one of the repository's quants exactly: {have}"
+            )
+    if (
+        tag is None and len(models) == 1
+    ):  # llama.cpp falls back to the model file when no tag is given
         return models[0].files(where)
-    asked = f"quant {tag!r}" if tag else f"no quant given, and neither default ({' nor '.join(DEFAULT_TAGS)})"
-    raise StoreError(f"{where}: {asked} is not in the repository; it has: {have} (give one as ORG/NAME:QUANT)")
+    asked = (
+        f"quant {tag!r}"
+        if tag
+        else f"no quant given, and neither default ({' nor '.join(DEFAULT_TAGS)})"
+    )
+    raise StoreError(
+        f"{where}: {asked} is not in the repository; it has: {have} (give one as ORG/NAME:QUANT)"
+    )
 
 
 def local_gguf(folder: Path, tag: str | None, where: str) -> Path:
@@ -136,7 +161,11 @@ class GGUFHubSource(GGUFSource):
         local = [self._sparse(n) for n in names]
         super().__init__(local[0], widen)
         self.path = Path(f"{repo.label}:{names[0]}")
-        self.remote = {hf: self._span(hf, t, e) for hf, (t, e, *_) in self._load.items() if not isinstance(t, str) and e is not None}
+        self.remote = {
+            hf: self._span(hf, t, e)
+            for hf, (t, e, *_) in self._load.items()
+            if not isinstance(t, str) and e is not None
+        }
 
     def _sparse(self, name: str) -> Path:
         """A sparse local copy of shard `name` holding its header: a prefix fetched and parsed, four
@@ -145,7 +174,9 @@ class GGUFHubSource(GGUFSource):
 
         size = self.repo.files[name].size
         if not size:
-            raise StoreError(f"{self.client.url(name)}: the hub lists no size for this file, so it cannot be read by range; drop --streaming")
+            raise StoreError(
+                f"{self.client.url(name)}: the hub lists no size for this file, so it cannot be read by range; drop --streaming"
+            )
         path = self.headers / Path(name).name
         n = min(size, HEADER_GUESS)
         while True:
@@ -157,9 +188,13 @@ class GGUFHubSource(GGUFSource):
                     return path
             except Exception as e:  # a header cut short: gguf-py raises what it meets
                 if n >= size:
-                    raise StoreError(f"{self.client.url(name)}: not a readable GGUF file ({e})") from e
+                    raise StoreError(
+                        f"{self.client.url(name)}: not a readable GGUF file ({e})"
+                    ) from e
             if n >= size:
-                raise StoreError(f"{self.client.url(name)}: its GGUF header runs past the end of the file; the file is truncated")
+                raise StoreError(
+                    f"{self.client.url(name)}: its GGUF header runs past the end of the file; the file is truncated"
+                )
             n = min(size, n * 4)
 
     def _open(self, path: Path) -> Any:
@@ -185,11 +220,20 @@ class GGUFHubSource(GGUFSource):
 
     def _span(self, hf: str, t: Any, expert: int) -> RemoteTensor:
         if any(t.name == wide for wide, *_ in self._wide):
-            raise StoreError(f"{self.path}: expert tensor {t.name} is {t.tensor_type.name}, which deltafind widens to float32 at import; "
-                             "a streaming install fetches experts as stored: drop --streaming to import this quant whole")
+            raise StoreError(
+                f"{self.path}: expert tensor {t.name} is {t.tensor_type.name}, which deltafind widens to float32 at import; "
+                "a streaming install fetches experts as stored: drop --streaming to import this quant whole"
+            )
         per = int(t.n_bytes) // int(t.shape[-1])
         start = int(t.data_offset) + expert * per
-        return RemoteTensor(self._file_of[t.name], t.name, t.tensor_type.name, self.tensors[hf].shape, start, start + per)
+        return RemoteTensor(
+            self._file_of[t.name],
+            t.name,
+            t.tensor_type.name,
+            self.tensors[hf].shape,
+            start,
+            start + per,
+        )
 
     def load(self, name: str) -> torch.Tensor:
         entry = self._load[name]

@@ -49,25 +49,49 @@ from deltafind.store.remote_experts import PRESENT_NAME, REMOTE_NAME, RemoteExpe
 READ_CHUNK = 16 << 20
 
 
-def setup_streaming(source: HubSource | GGUFHubSource, store_dir: Path, drives: list[Path] | None = None, dense_slices: int | None = None, progress: bool = True,
-                    **plan_options: Any) -> Manifest:
+def setup_streaming(
+    source: HubSource | GGUFHubSource,
+    store_dir: Path,
+    drives: list[Path] | None = None,
+    dense_slices: int | None = None,
+    progress: bool = True,
+    **plan_options: Any,
+) -> Manifest:
     """Write a streaming store of `source` (a hub checkpoint) into `store_dir`; `plan_options` go to
     `plan_tensors` as setup_store passes them."""
     if not isinstance(source, HubSource | GGUFHubSource) or not source.streaming:
-        raise StoreError("--streaming installs from a hub: give --from ORG/NAME[@REVISION] (not --demo, --synthetic or a local path)")
+        raise StoreError(
+            "--streaming installs from a hub: give --from ORG/NAME[@REVISION] (not --demo, --synthetic or a local path)"
+        )
     store_dir = Path(store_dir)
     drive_dirs, drive_strs = drive_folders(store_dir, drives)
     plan = plan_tensors(source.tensors, **plan_options)
     asked, dense_slices = dense_slices, dense_slices_for(source.tensors, plan, dense_slices)
-    params = {"fingerprint": source.fingerprint(), "source": str(source.path), "drives": drive_strs, "dense_slices": dense_slices, "streaming": True}
+    params = {
+        "fingerprint": source.fingerprint(),
+        "source": str(source.path),
+        "drives": drive_strs,
+        "dense_slices": dense_slices,
+        "streaming": True,
+    }
     if (existing := existing_store(store_dir, params, any_slices=asked is None)) is not None:
         source.end_import()
         return existing
-    journal, store_id, _ = open_journal(store_dir, params)  # a rerun after an interruption keeps the store id and the spine so far
+    journal, store_id, _ = open_journal(
+        store_dir, params
+    )  # a rerun after an interruption keeps the store id and the spine so far
     tmp = store_dir / (SPINE_NAME + ".tmp")
     spine = {n: source.tensors[n] for n in plan.spine}
-    with tqdm(total=sum(i.nbytes for i in spine.values()), unit="B", unit_scale=True, unit_divisor=1024, desc="spine",
-              disable=not progress, mininterval=1.0) as bar:
+    with tqdm(
+        total=sum(i.nbytes for i in spine.values()),
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="spine",
+        disable=not progress,
+        mininterval=1.0,
+    ) as bar:
+
         def load(name: str) -> Any:
             t = source.load(name)
             bar.update(spine[name].nbytes)
@@ -80,13 +104,21 @@ def setup_streaming(source: HubSource | GGUFHubSource, store_dir: Path, drives: 
     packs = _open_packs(drive_dirs, store_id, [])
     try:
         groups = list(iter_expert_groups(source, plan, dense_slices))
-        for i, (layer, expert, load) in enumerate(tqdm(groups, unit="expert", desc="records", disable=not progress)):
+        for i, (layer, expert, load) in enumerate(
+            tqdm(groups, unit="expert", desc="records", disable=not progress)
+        ):
             drive = i % len(drive_dirs)
             f, end = packs[drive]
             names = plan.routed.get((layer, expert))
             if names is not None:  # routed: its place is reserved, its bytes stay on the hub
-                length, entries = record_layout({p: source.tensors[n] for p, n in names.items()},
-                                                {p: source.tensors[n].quant for p, n in names.items() if source.tensors[n].quant})
+                length, entries = record_layout(
+                    {p: source.tensors[n] for p, n in names.items()},
+                    {
+                        p: source.tensors[n].quant
+                        for p, n in names.items()
+                        if source.tensors[n].quant
+                    },
+                )
                 rec = ExpertRecord(layer, expert, drive, end, length, "", tuple(entries), None)
                 spans = [source.remote[names[e.name]] for e in entries]
                 remote.append([layer, expert, [[t.file, t.start, t.end] for t in spans]])
@@ -95,8 +127,16 @@ def setup_streaming(source: HubSource | GGUFHubSource, store_dir: Path, drives: 
                 length = len(payload)
                 f.seek(end)
                 f.write(payload)
-                rec = ExpertRecord(layer, expert, drive, end, length, hashlib.sha256(payload).hexdigest(), tuple(entries),
-                                   xxhash.xxh3_64_hexdigest(payload))
+                rec = ExpertRecord(
+                    layer,
+                    expert,
+                    drive,
+                    end,
+                    length,
+                    hashlib.sha256(payload).hexdigest(),
+                    tuple(entries),
+                    xxhash.xxh3_64_hexdigest(payload),
+                )
             records.append(rec)
             packs[drive] = (f, end + align_up(length))
         for f, end in packs:
@@ -108,21 +148,47 @@ def setup_streaming(source: HubSource | GGUFHubSource, store_dir: Path, drives: 
             f.close()
 
     # only spine tensors stored as the hub holds them: `--fill` rebuilds a shard's sha256 from these (a GGUF's come from the hub)
-    spine_remote = [[source.remote[n].file, source.remote[n].start, source.remote[n].end, n] for n in plan.spine if n in source.remote]
-    files = {f: {"size": source.repo.files[f].size, "sha256": source.repo.files[f].sha256} for f in source.shards}
-    write_json_atomic(store_dir / REMOTE_NAME, {
-        "repo_id": source.repo.repo_id, "commit": source.repo.commit, "endpoint": source.repo.endpoint,
-        "files": files, "spine": spine_remote, "experts": remote,
-    })
+    spine_remote = [
+        [source.remote[n].file, source.remote[n].start, source.remote[n].end, n]
+        for n in plan.spine
+        if n in source.remote
+    ]
+    files = {
+        f: {"size": source.repo.files[f].size, "sha256": source.repo.files[f].sha256}
+        for f in source.shards
+    }
+    write_json_atomic(
+        store_dir / REMOTE_NAME,
+        {
+            "repo_id": source.repo.repo_id,
+            "commit": source.repo.commit,
+            "endpoint": source.repo.endpoint,
+            "files": files,
+            "spine": spine_remote,
+            "experts": remote,
+        },
+    )
     (store_dir / PRESENT_NAME).touch()
-    manifest = finish_store(store_dir, source, journal, records, store_id=store_id, drives=drive_strs, dense_slices=dense_slices,
-                        source={**params, "remote": REMOTE_NAME}, spine_sha256=spine_sha)
+    manifest = finish_store(
+        store_dir,
+        source,
+        journal,
+        records,
+        store_id=store_id,
+        drives=drive_strs,
+        dense_slices=dense_slices,
+        source={**params, "remote": REMOTE_NAME},
+        spine_sha256=spine_sha,
+    )
     source.end_import()
     return manifest
 
 
 def open_fetcher(store_dir: Path, manifest: Manifest) -> RemoteExperts:
-    paths = [d / pack_name(i, manifest.pack_generation) for i, d in enumerate(manifest.drive_paths(store_dir))]
+    paths = [
+        d / pack_name(i, manifest.pack_generation)
+        for i, d in enumerate(manifest.drive_paths(store_dir))
+    ]
     return RemoteExperts(store_dir, manifest, paths, record_tensors)
 
 
@@ -136,10 +202,19 @@ def fill_store(store_dir: Path, progress: bool = True) -> Manifest:
     try:
         missing = fetcher.missing()
         total = sum(fetcher.records[k].length for k in missing)
-        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="fill", disable=not progress) as bar:
+        with tqdm(
+            total=total,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc="fill",
+            disable=not progress,
+        ) as bar:
             errors = fetcher.fetch_all(missing, progress=bar)
         if errors:
-            raise StoreError(f"{store_dir}: {len(errors)} expert(s) could not be fetched, first: {errors[0]}; run `deltafind setup --fill` again to retry")
+            raise StoreError(
+                f"{store_dir}: {len(errors)} expert(s) could not be fetched, first: {errors[0]}; run `deltafind setup --fill` again to retry"
+            )
         for file, meta in fetcher.meta["files"].items():
             _verify_shard(store_dir, manifest, fetcher, file, meta)
         records = [fetcher.present[r.key] for r in manifest.experts]
@@ -153,7 +228,9 @@ def fill_store(store_dir: Path, progress: bool = True) -> Manifest:
     return manifest
 
 
-def _verify_shard(store_dir: Path, manifest: Manifest, fetcher: RemoteExperts, file: str, meta: dict[str, Any]) -> None:
+def _verify_shard(
+    store_dir: Path, manifest: Manifest, fetcher: RemoteExperts, file: str, meta: dict[str, Any]
+) -> None:
     """Rebuild `file` from the store (the hub for what the store leaves out) and check its sha256;
     on a mismatch refetch the shard's experts once and check again."""
     if not meta.get("sha256"):
@@ -167,19 +244,34 @@ def _verify_shard(store_dir: Path, manifest: Manifest, fetcher: RemoteExperts, f
             return
         if attempt == 0:
             fetcher.fetch_all(keys, force=True)
-    raise StoreError(f"{fetcher.client.url(file)}: the store's bytes of this shard do not match the sha256 the hub publishes, even after refetching its experts; run `deltafind setup --fill` again, or re-install")
+    raise StoreError(
+        f"{fetcher.client.url(file)}: the store's bytes of this shard do not match the sha256 the hub publishes, even after refetching its experts; run `deltafind setup --fill` again, or re-install"
+    )
 
 
-def _shard_sha256(store_dir: Path, manifest: Manifest, fetcher: RemoteExperts, file: str, size: int) -> str:
+def _shard_sha256(
+    store_dir: Path, manifest: Manifest, fetcher: RemoteExperts, file: str, size: int
+) -> str:
     """sha256 of `file` as the store holds it: experts from the packs, spine tensors from the spine,
     everything else (header, tensors the store leaves out) by range from the hub."""
     pieces: list[tuple[int, int, Any]] = []  # (start, end, read() -> bytes)
-    packs = [d / pack_name(i, manifest.pack_generation) for i, d in enumerate(manifest.drive_paths(store_dir))]
+    packs = [
+        d / pack_name(i, manifest.pack_generation)
+        for i, d in enumerate(manifest.drive_paths(store_dir))
+    ]
     for key, parts in fetcher.parts.items():
         rec = fetcher.present[key]
         for entry, p in zip(rec.tensors, parts, strict=True):
             if p.file == file:
-                pieces.append((p.start, p.end, lambda rec=rec, entry=entry: _pread(packs[rec.drive], rec.offset + entry.offset, entry.nbytes)))
+                pieces.append(
+                    (
+                        p.start,
+                        p.end,
+                        lambda rec=rec, entry=entry: _pread(
+                            packs[rec.drive], rec.offset + entry.offset, entry.nbytes
+                        ),
+                    )
+                )
     spine = store_dir / SPINE_NAME
     _, local = read_local_header(spine, SPINE_NAME)
     for f, start, end, name in fetcher.meta["spine"]:
@@ -201,5 +293,3 @@ def _pread(path: Path, offset: int, n: int) -> bytes:
     with open(path, "rb") as f:
         f.seek(offset)
         return f.read(n)
-
-

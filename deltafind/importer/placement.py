@@ -51,7 +51,9 @@ PACK_FILE = re.compile(r"^experts-(\d+)(?:\.g(\d+))?\.pack$")
 MIN_STRIPE_BYTES = 1 << 20
 
 
-def stripe_extents(size: int, ends: list[int], first: int, min_stripe: int = MIN_STRIPE_BYTES) -> tuple[Extent, ...]:
+def stripe_extents(
+    size: int, ends: list[int], first: int, min_stripe: int = MIN_STRIPE_BYTES
+) -> tuple[Extent, ...]:
     """Pieces of a record of `size` aligned bytes over the drives, starting at drive `first`
     (rotated per record so the shorter last piece does not always land on one drive);
     appends at `ends` (each drive's pack end), which it advances."""
@@ -68,7 +70,12 @@ def stripe_extents(size: int, ends: list[int], first: int, min_stripe: int = MIN
 
 def place(rec: ExpertRecord, extents: tuple[Extent, ...]) -> ExpertRecord:
     """`rec` at `extents` (one extent: a whole record)."""
-    return replace(rec, drive=extents[0].drive, offset=extents[0].offset, stripes=extents if len(extents) > 1 else ())
+    return replace(
+        rec,
+        drive=extents[0].drive,
+        offset=extents[0].offset,
+        stripes=extents if len(extents) > 1 else (),
+    )
 
 
 def write_record(files: Sequence[Any], rec: ExpertRecord, payload: bytes | memoryview) -> None:
@@ -85,7 +92,9 @@ def write_record(files: Sequence[Any], rec: ExpertRecord, payload: bytes | memor
         pos += e.nbytes
 
 
-def plan_placement(records: Sequence[ExpertRecord], heat: Mapping[tuple[int, int], float], num_drives: int) -> dict[tuple[int, int], int]:
+def plan_placement(
+    records: Sequence[ExpertRecord], heat: Mapping[tuple[int, int], float], num_drives: int
+) -> dict[tuple[int, int], int]:
     """Drive for each expert. Per layer, hottest first, onto the drive with the least heat of
     that layer so far (plus a little of its overall heat), among drives still under an even
     share of that layer's bytes — so capacity stays balanced and cold experts fill the rest."""
@@ -93,8 +102,13 @@ def plan_placement(records: Sequence[ExpertRecord], heat: Mapping[tuple[int, int
     drive_heat = [0.0] * num_drives
     out: dict[tuple[int, int], int] = {}
     for layer in layers:
-        recs = sorted((r for r in records if r.layer == layer), key=lambda r: (-heat.get(r.key, 0.0), r.expert))
-        cap = sum(align_up(r.length) for r in recs) / num_drives + max(align_up(r.length) for r in recs)
+        recs = sorted(
+            (r for r in records if r.layer == layer),
+            key=lambda r: (-heat.get(r.key, 0.0), r.expert),
+        )
+        cap = sum(align_up(r.length) for r in recs) / num_drives + max(
+            align_up(r.length) for r in recs
+        )
         lh, lb = [0.0] * num_drives, [0] * num_drives
         for r in recs:
             h, size = max(heat.get(r.key, 0.0), 0.0), align_up(r.length)
@@ -121,20 +135,29 @@ class Balance:
         return max(self.heat_per_drive) / mean if mean else 1.0
 
 
-def balance(records: Sequence[ExpertRecord], heat: Mapping[tuple[int, int], float], num_drives: int, where: Mapping[tuple[int, int], int] | None = None) -> Balance:
+def balance(
+    records: Sequence[ExpertRecord],
+    heat: Mapping[tuple[int, int], float],
+    num_drives: int,
+    where: Mapping[tuple[int, int], int] | None = None,
+) -> Balance:
     h, b = [0.0] * num_drives, [0] * num_drives
     for r in records:
         if where is not None:
             h[where[r.key]] += heat.get(r.key, 0.0)
             b[where[r.key]] += align_up(r.length)
             continue
-        for e in r.extents():  # a striped record's heat lands on each drive in proportion to its piece
+        for (
+            e
+        ) in r.extents():  # a striped record's heat lands on each drive in proportion to its piece
             h[e.drive] += heat.get(r.key, 0.0) * e.nbytes / align_up(r.length)
             b[e.drive] += e.nbytes
     return Balance(h, b)
 
 
-def _drive_dirs(manifest: Manifest, store_dir: Path, drives: Sequence[DriveOptions] | None) -> list[Path]:
+def _drive_dirs(
+    manifest: Manifest, store_dir: Path, drives: Sequence[DriveOptions] | None
+) -> list[Path]:
     recorded = manifest.drive_paths(store_dir)
     opts = list(drives or [])
     return [(opts[i].path if i < len(opts) and opts[i].path else d) for i, d in enumerate(recorded)]
@@ -189,14 +212,31 @@ def rebalance(
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise StoreError(f"{store_dir}: another `trace warm --rebalance` is running on this store; wait for it to finish") from None
-        return _rebalance_locked(store_dir, heat, drives, min_gain, fault or (lambda _stage: None), stripe, min_stripe_bytes)
+            raise StoreError(
+                f"{store_dir}: another `trace warm --rebalance` is running on this store; wait for it to finish"
+            ) from None
+        return _rebalance_locked(
+            store_dir,
+            heat,
+            drives,
+            min_gain,
+            fault or (lambda _stage: None),
+            stripe,
+            min_stripe_bytes,
+        )
     finally:
         os.close(lock_fd)
 
 
-def _rebalance_locked(store_dir: Path, heat: Mapping[tuple[int, int], float], drives: Sequence[DriveOptions] | None,
-                      min_gain: float, fault: Callable[[str], None], stripe: bool, min_stripe: int) -> tuple[Balance, Balance, bool]:
+def _rebalance_locked(
+    store_dir: Path,
+    heat: Mapping[tuple[int, int], float],
+    drives: Sequence[DriveOptions] | None,
+    min_gain: float,
+    fault: Callable[[str], None],
+    stripe: bool,
+    min_stripe: int,
+) -> tuple[Balance, Balance, bool]:
     manifest = Manifest.load(store_dir)
     dirs = _drive_dirs(manifest, store_dir, drives)
     n = len(dirs)
@@ -211,14 +251,19 @@ def _rebalance_locked(store_dir: Path, heat: Mapping[tuple[int, int], float], dr
             return before, before, False
     else:
         if not any(heat.get(r.key, 0.0) > 0 for r in manifest.experts):
-            raise StoreError(f"{store_dir}: no expert heat to balance by; record a trace (`deltafind run --trace FILE`) and pass it to `trace warm`")
+            raise StoreError(
+                f"{store_dir}: no expert heat to balance by; record a trace (`deltafind run --trace FILE`) and pass it to `trace warm`"
+            )
         where = plan_placement(manifest.experts, heat, n)
         after = balance(manifest.experts, heat, n, where)
         if n == 1 or before.heat_imbalance - after.heat_imbalance < min_gain:
             return before, before, False
         new_records = _new_layout(manifest.experts, where, n)
     gen = manifest.pack_generation + 1
-    need = [PACK_HEADER_BYTES + sum(e.nbytes for r in new_records for e in r.extents() if e.drive == d) for d in range(n)]
+    need = [
+        PACK_HEADER_BYTES + sum(e.nbytes for r in new_records for e in r.extents() if e.drive == d)
+        for d in range(n)
+    ]
     by_device: dict[int, tuple[Path, int]] = {}
     for d, path in enumerate(dirs):
         dev = os.stat(path).st_dev
@@ -226,13 +271,17 @@ def _rebalance_locked(store_dir: Path, heat: Mapping[tuple[int, int], float], dr
     for path, nbytes in by_device.values():
         free = shutil.disk_usage(path).free
         if free < nbytes * 1.02:
-            raise StoreError(f"{path}: needs {nbytes} bytes free for the rebalanced pack(s) beside the old ones, has {free}; free space or skip --rebalance")
+            raise StoreError(
+                f"{path}: needs {nbytes} bytes free for the rebalanced pack(s) beside the old ones, has {free}; free space or skip --rebalance"
+            )
     reader = PackReader(manifest, store_dir, verify=True, drives=list(drives) if drives else None)
     files = []
     try:
         for d in range(n):
             f = open(dirs[d] / pack_name(d, gen), "wb")  # noqa: SIM115 - closed below
-            header = json.dumps({"magic": PACK_MAGIC, "store_id": manifest.store_id, "drive": d, "generation": gen}).encode()
+            header = json.dumps(
+                {"magic": PACK_MAGIC, "store_id": manifest.store_id, "drive": d, "generation": gen}
+            ).encode()
             f.write(header.ljust(PACK_HEADER_BYTES, b"\0"))
             files.append(f)
         old = {r.key: r for r in manifest.experts}
@@ -255,14 +304,26 @@ def _rebalance_locked(store_dir: Path, heat: Mapping[tuple[int, int], float], dr
         _fsync_dir(d)
     fault("written")
     placement = "stripe" if any(r.stripes for r in new_records) else "whole"
-    replace(manifest, experts=sorted(new_records, key=lambda r: r.key), pack_generation=gen, placement=placement).save(store_dir)  # the commit point
+    replace(
+        manifest,
+        experts=sorted(new_records, key=lambda r: r.key),
+        pack_generation=gen,
+        placement=placement,
+    ).save(store_dir)  # the commit point
     fault("committed")
     _remove_stale(dirs, manifest.store_id, gen)
-    log.info("placement_rebalanced", generation=gen, heat_before=before.heat_per_drive, heat_after=after.heat_per_drive)
+    log.info(
+        "placement_rebalanced",
+        generation=gen,
+        heat_before=before.heat_per_drive,
+        heat_after=after.heat_per_drive,
+    )
     return before, after, True
 
 
-def _new_layout(records: Sequence[ExpertRecord], where: Mapping[tuple[int, int], int], n: int) -> list[ExpertRecord]:
+def _new_layout(
+    records: Sequence[ExpertRecord], where: Mapping[tuple[int, int], int], n: int
+) -> list[ExpertRecord]:
     ends = [PACK_HEADER_BYTES] * n
     out = []
     for r in sorted(records, key=lambda r: r.key):
@@ -272,10 +333,15 @@ def _new_layout(records: Sequence[ExpertRecord], where: Mapping[tuple[int, int],
     return out
 
 
-def striped_layout(records: Sequence[ExpertRecord], n: int, min_stripe: int = MIN_STRIPE_BYTES) -> list[ExpertRecord]:
+def striped_layout(
+    records: Sequence[ExpertRecord], n: int, min_stripe: int = MIN_STRIPE_BYTES
+) -> list[ExpertRecord]:
     """Every record split over the `n` drives (those under 2 x `min_stripe` whole, round-robin)."""
     ends = [PACK_HEADER_BYTES] * n
-    return [place(r, stripe_extents(align_up(r.length), ends, i % n, min_stripe)) for i, r in enumerate(sorted(records, key=lambda r: r.key))]
+    return [
+        place(r, stripe_extents(align_up(r.length), ends, i % n, min_stripe))
+        for i, r in enumerate(sorted(records, key=lambda r: r.key))
+    ]
 
 
 def _fsync_dir(path: Path) -> None:

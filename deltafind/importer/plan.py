@@ -19,14 +19,20 @@ from deltafind.provider import HF_WEIGHTS, WeightNames
 from deltafind.store.quant import BLOCKS, parse_quant, slice_cols
 
 log = get_logger(__name__)
-EXPERT_NAME = re.compile(r"\.experts\.\d+\.")  # how any family's routed experts read; never spine tensors
-Parts = tuple[dict[str, torch.Tensor], dict[str, str]]  # a record's tensors, and quant tags (store/quant.py)
+EXPERT_NAME = re.compile(
+    r"\.experts\.\d+\."
+)  # how any family's routed experts read; never spine tensors
+Parts = tuple[
+    dict[str, torch.Tensor], dict[str, str]
+]  # a record's tensors, and quant tags (store/quant.py)
 
 
 @dataclass(frozen=True)
 class Plan:
     spine: list[str]
-    routed: dict[tuple[int, int], dict[str, str]]  # (layer, expert) -> part -> tensor name, in record order
+    routed: dict[
+        tuple[int, int], dict[str, str]
+    ]  # (layer, expert) -> part -> tensor name, in record order
     dense: dict[int, dict[str, str]]  # layer -> part -> tensor name (sliced into N experts)
 
 
@@ -35,7 +41,12 @@ def plan_tensors(tensors: dict[str, TensorInfo], names: WeightNames = HF_WEIGHTS
     kept = names.sanitize(tensors)
     if len(kept) < len(tensors):
         dropped = sorted(set(tensors) - set(kept))
-        log.warning("setup_skipped_tensors", count=len(dropped), first=dropped[:3], why="the family's sanitize drops them")
+        log.warning(
+            "setup_skipped_tensors",
+            count=len(dropped),
+            first=dropped[:3],
+            why="the family's sanitize drops them",
+        )
     spine, routed, dense = [], {}, {}
     for name in kept:
         if m := names.routed.fullmatch(name):
@@ -43,15 +54,21 @@ def plan_tensors(tensors: dict[str, TensorInfo], names: WeightNames = HF_WEIGHTS
         elif m := names.dense.fullmatch(name):
             dense.setdefault(int(m[1]), {})[m[2]] = name
         elif EXPERT_NAME.search(name):
-            raise StoreError(f"{name}: an expert tensor the family's weight names do not claim; import with the "
-                             "family's names (`deltafind setup` passes them; setup_store(names=...))")
+            raise StoreError(
+                f"{name}: an expert tensor the family's weight names do not claim; import with the "
+                "family's names (`deltafind setup` passes them; setup_store(names=...))"
+            )
         else:
             spine.append(name)
     for key, parts in {**routed, **{(k, -1): v for k, v in dense.items()}}.items():
         layout = next((lay for lay in names.layouts if set(parts) == set(lay)), None)
         if layout is None:
-            raise StoreError(f"layer {key[0]}: expert tensors incomplete, found only {sorted(parts)}")
-        (routed if key[1] >= 0 else dense)[key if key[1] >= 0 else key[0]] = {p: parts[p] for p in layout}
+            raise StoreError(
+                f"layer {key[0]}: expert tensors incomplete, found only {sorted(parts)}"
+            )
+        (routed if key[1] >= 0 else dense)[key if key[1] >= 0 else key[0]] = {
+            p: parts[p] for p in layout
+        }
     for (layer, expert), parts in routed.items():
         _check_mxfp4(layer, expert, {p: tensors[n] for p, n in parts.items()})
     return Plan(spine, routed, dense)
@@ -61,8 +78,16 @@ def _check_mxfp4(layer: int, expert: int, parts: dict[str, TensorInfo]) -> None:
     """MXFP4 packs must be uint8 and shaped [R, C/2] + [R, C/32], as compressed-tensors writes them."""
     for name in [p.removesuffix(".weight_packed") for p in parts if p.endswith(".weight_packed")]:
         packed, scale = parts[f"{name}.weight_packed"], parts.get(f"{name}.weight_scale")
-        ok = scale is not None and packed.dtype == scale.dtype == torch.uint8 and len(packed.shape) == len(scale.shape) == 2
-        if not ok or scale.shape != (packed.shape[0], packed.shape[1] * 2 // 32) or (packed.shape[1] * 2) % 32:
+        ok = (
+            scale is not None
+            and packed.dtype == scale.dtype == torch.uint8
+            and len(packed.shape) == len(scale.shape) == 2
+        )
+        if (
+            not ok
+            or scale.shape != (packed.shape[0], packed.shape[1] * 2 // 32)
+            or (packed.shape[1] * 2) % 32
+        ):
             got = "no scale" if scale is None else f"scale {scale.dtype}{list(scale.shape)}"
             raise StoreError(
                 f"layer {layer} expert {expert} {name}: MXFP4 pack {packed.dtype}{list(packed.shape)} with {got} "
@@ -70,7 +95,9 @@ def _check_mxfp4(layer: int, expert: int, parts: dict[str, TensorInfo]) -> None:
             )
 
 
-def iter_expert_groups(source: Source, plan: Plan, dense_slices: int) -> Iterator[tuple[int, int, Callable[[], Parts]]]:
+def iter_expert_groups(
+    source: Source, plan: Plan, dense_slices: int
+) -> Iterator[tuple[int, int, Callable[[], Parts]]]:
     """(layer, expert, loader) in store order; dense layers yield `dense_slices` slices.
 
     A loader gives the record's tensors and the quant tags of those kept as GGUF blocks.
@@ -84,7 +111,12 @@ def iter_expert_groups(source: Source, plan: Plan, dense_slices: int) -> Iterato
             def load_slice(i: int, names: dict[str, str] = names, cache: dict = cache) -> Parts:
                 if not cache:  # load the layer's MLP once, slice it N ways
                     for part, name in names.items():
-                        cache[part] = _split(source.load(name), source.tensors[name].quant, dense_slices, part == "down_proj")
+                        cache[part] = _split(
+                            source.load(name),
+                            source.tensors[name].quant,
+                            dense_slices,
+                            part == "down_proj",
+                        )
                 out = {part: cache[part][i] for part in names}
                 if i == dense_slices - 1:
                     cache.clear()
@@ -94,11 +126,23 @@ def iter_expert_groups(source: Source, plan: Plan, dense_slices: int) -> Iterato
                 yield layer, i, lambda i=i, f=load_slice: f(i)
         for layer_idx, expert in sorted(k for k in plan.routed if k[0] == layer):
             names = plan.routed[(layer_idx, expert)]
-            yield layer, expert, lambda names=names: ({p: source.load(n) for p, n in names.items()},
-                                                      {p: source.tensors[n].quant for p, n in names.items() if source.tensors[n].quant})
+            yield (
+                layer,
+                expert,
+                lambda names=names: (
+                    {p: source.load(n) for p, n in names.items()},
+                    {
+                        p: source.tensors[n].quant
+                        for p, n in names.items()
+                        if source.tensors[n].quant
+                    },
+                ),
+            )
 
 
-DENSE_SLICE_BYTES = 8 << 20  # the least bytes of a dense slice when the count is chosen (`dense_slices_for`)
+DENSE_SLICE_BYTES = (
+    8 << 20
+)  # the least bytes of a dense slice when the count is chosen (`dense_slices_for`)
 MAX_DENSE_SLICES = 8
 
 

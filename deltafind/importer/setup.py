@@ -58,29 +58,48 @@ def _check_scales(layer: int, expert: int, parts: dict[str, torch.Tensor]) -> No
     # E8M0 bytes 0 and 255 mean 2^-127 and inf/NaN; K3's scales lie strictly between (docs/kimi-k3-format.md §5.2).
     for name, t in parts.items():
         if name.endswith("weight_scale") and t.numel() and bool(((t == 0) | (t == 255)).any()):
-            raise StoreError(f"layer {layer} expert {expert} {name}: E8M0 scale byte 0 or 255, outside what the checkpoint uses; re-download it")
+            raise StoreError(
+                f"layer {layer} expert {expert} {name}: E8M0 scale byte 0 or 255, outside what the checkpoint uses; re-download it"
+            )
 
 
-def record_layout(infos: dict[str, TensorInfo], quants: dict[str, str] | None = None) -> tuple[int, list[TensorEntry]]:
+def record_layout(
+    infos: dict[str, TensorInfo], quants: dict[str, str] | None = None
+) -> tuple[int, list[TensorEntry]]:
     """An expert record's length and where each tensor goes: back to back in `infos` order, TENSOR_ALIGN-aligned."""
     entries, offset = [], 0
     for name, info in infos.items():
         offset = align_up(offset, TENSOR_ALIGN)
-        entries.append(TensorEntry(name, str(info.dtype).removeprefix("torch."), info.shape, offset, info.nbytes, (quants or {}).get(name, "")))
+        entries.append(
+            TensorEntry(
+                name,
+                str(info.dtype).removeprefix("torch."),
+                info.shape,
+                offset,
+                info.nbytes,
+                (quants or {}).get(name, ""),
+            )
+        )
         offset += info.nbytes
     return offset, entries
 
 
-def expert_record_bytes(parts: dict[str, torch.Tensor], quants: dict[str, str] | None = None) -> tuple[bytes, list[TensorEntry]]:
+def expert_record_bytes(
+    parts: dict[str, torch.Tensor], quants: dict[str, str] | None = None
+) -> tuple[bytes, list[TensorEntry]]:
     """One expert's tensors as one record payload, laid out by `record_layout` (zeros in the gaps).
 
     Any dtype goes in byte for byte; K3's six MXFP4 tensors (all multiples of 64
     bytes) come out as exactly the released 17,547,264-byte blob.
     """
-    length, entries = record_layout({n: TensorInfo(t.dtype, tuple(t.shape)) for n, t in parts.items()}, quants)
+    length, entries = record_layout(
+        {n: TensorInfo(t.dtype, tuple(t.shape)) for n, t in parts.items()}, quants
+    )
     payload = bytearray(length)
     for e, t in zip(entries, parts.values(), strict=True):
-        payload[e.offset : e.offset + e.nbytes] = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        payload[e.offset : e.offset + e.nbytes] = (
+            t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        )
     return bytes(payload), entries
 
 
@@ -141,11 +160,20 @@ def setup_store(
     store_dir = Path(store_dir)
     with store_lock(store_dir), _disk_errors(store_dir):
         source = source_path if isinstance(source_path, Source) else open_source(Path(source_path))
-        source_str = str(source.path) if isinstance(source_path, Source) else str(Path(source_path).resolve())
+        source_str = (
+            str(source.path)
+            if isinstance(source_path, Source)
+            else str(Path(source_path).resolve())
+        )
         plan = plan_tensors(source.tensors, names)
         asked, dense_slices = dense_slices, dense_slices_for(source.tensors, plan, dense_slices)
         drive_dirs, drive_strs = drive_folders(store_dir, drives)
-        params = {"fingerprint": source.fingerprint(), "source": source_str, "drives": drive_strs, "dense_slices": dense_slices}
+        params = {
+            "fingerprint": source.fingerprint(),
+            "source": source_str,
+            "drives": drive_strs,
+            "dense_slices": dense_slices,
+        }
 
         if (store_dir / MANIFEST_NAME).exists():
             _replace_older_format(store_dir, params, any_slices=asked is None)
@@ -159,7 +187,13 @@ def setup_store(
         try:
             groups = list(iter_expert_groups(source, plan, dense_slices))
             written = 0
-            with tqdm(total=len(groups), initial=len(done_keys), unit="expert", desc="experts", disable=not progress) as bar:
+            with tqdm(
+                total=len(groups),
+                initial=len(done_keys),
+                unit="expert",
+                desc="experts",
+                disable=not progress,
+            ) as bar:
                 for i, (layer, expert, load) in enumerate(groups):
                     if (layer, expert) in done_keys:
                         continue
@@ -168,9 +202,25 @@ def setup_store(
                     payload, entries = expert_record_bytes(parts, quants)
                     ends = [end for _, end in packs]
                     size = align_up(len(payload))
-                    extents = stripe_extents(size, ends, i % len(ends), min_stripe_bytes if placement == "stripe" else size + 1)
-                    rec = place(ExpertRecord(layer, expert, 0, 0, len(payload), hashlib.sha256(payload).hexdigest(), tuple(entries),
-                                             xxhash.xxh3_64_hexdigest(payload)), extents)
+                    extents = stripe_extents(
+                        size,
+                        ends,
+                        i % len(ends),
+                        min_stripe_bytes if placement == "stripe" else size + 1,
+                    )
+                    rec = place(
+                        ExpertRecord(
+                            layer,
+                            expert,
+                            0,
+                            0,
+                            len(payload),
+                            hashlib.sha256(payload).hexdigest(),
+                            tuple(entries),
+                            xxhash.xxh3_64_hexdigest(payload),
+                        ),
+                        extents,
+                    )
                     with _naming(*(f.name for f, _ in packs)):
                         write_record([f for f, _ in packs], rec, payload)
                     packs = [(f, end) for (f, _), end in zip(packs, ends, strict=True)]
@@ -197,7 +247,9 @@ def setup_store(
         if spine_entry is None:
             tmp = store_dir / (SPINE_NAME + ".tmp")
             with _naming(tmp):
-                spine_sha = write_safetensors(tmp, {n: source.tensors[n] for n in plan.spine}, source.load)
+                spine_sha = write_safetensors(
+                    tmp, {n: source.tensors[n] for n in plan.spine}, source.load
+                )
             os.replace(tmp, store_dir / SPINE_NAME)
             journal.add({"kind": "spine", "sha256": spine_sha})
             journal.sync()
@@ -205,9 +257,18 @@ def setup_store(
             spine_sha = spine_entry["sha256"]
 
         with _naming(store_dir / MANIFEST_NAME):
-            manifest = finish_store(store_dir, source, journal, records, store_id=store_id, drives=drive_strs, dense_slices=dense_slices,
-                                    source=params, spine_sha256=spine_sha,
-                                    placement="stripe" if any(r.stripes for r in records) else "whole")
+            manifest = finish_store(
+                store_dir,
+                source,
+                journal,
+                records,
+                store_id=store_id,
+                drives=drive_strs,
+                dense_slices=dense_slices,
+                source=params,
+                spine_sha256=spine_sha,
+                placement="stripe" if any(r.stripes for r in records) else "whole",
+            )
         check_written(store_dir)
         source.end_import()
         return manifest
@@ -223,8 +284,10 @@ def store_lock(store_dir: Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            raise StoreError(f"{store_dir}: another setup (pid {holder}) is writing this store; wait for it to finish "
-                             "(or stop it; a stopped setup resumes when run again)") from None
+            raise StoreError(
+                f"{store_dir}: another setup (pid {holder}) is writing this store; wait for it to finish "
+                "(or stop it; a stopped setup resumes when run again)"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
@@ -269,23 +332,32 @@ def check_written(store_dir: Path) -> None:
     manifest = Manifest.load(store_dir)
     with safe_open(str(store_dir / SPINE_NAME), "pt") as f:
         names = list(f.keys())
-    present = {r.layer for r in manifest.experts} | {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")}
+    present = {r.layer for r in manifest.experts} | {
+        int(n.split(".")[2]) for n in names if n.startswith("model.layers.")
+    }
     layers = int(manifest.model_config.get("num_hidden_layers") or 0)
     missing = [i for i in range(layers) if i not in present]
     if missing:
         (store_dir / MANIFEST_NAME).unlink()
-        raise StoreError(f"{store_dir}: the import wrote no tensors for layers {missing[:8]} of the {layers} its config counts; "
-                         "the checkpoint is incomplete (a missing shard?): fix it and run setup again")
+        raise StoreError(
+            f"{store_dir}: the import wrote no tensors for layers {missing[:8]} of the {layers} its config counts; "
+            "the checkpoint is incomplete (a missing shard?): fix it and run setup again"
+        )
 
 
 def drive_folders(store_dir: Path, drives: list[Path] | None) -> tuple[list[Path], list[str]]:
     """The drive folders (default `store_dir/drive0`) and how the manifest names them (relative when inside the store)."""
     dirs = [Path(d) for d in drives] if drives else [store_dir / "drive0"]
     root = store_dir.resolve()
-    return dirs, [os.path.relpath(d.resolve(), root) if d.resolve().is_relative_to(root) else str(d.resolve()) for d in dirs]
+    return dirs, [
+        os.path.relpath(d.resolve(), root) if d.resolve().is_relative_to(root) else str(d.resolve())
+        for d in dirs
+    ]
 
 
-def existing_store(store_dir: Path, params: dict[str, Any], any_slices: bool = False) -> Manifest | None:
+def existing_store(
+    store_dir: Path, params: dict[str, Any], any_slices: bool = False
+) -> Manifest | None:
     """The store `store_dir` already holds from the same `params` (None if none); StoreError if it holds another.
     `any_slices`: the slice count was not asked for, so a store of any count will do (one made before the
     count was chosen by size)."""
@@ -300,7 +372,9 @@ def existing_store(store_dir: Path, params: dict[str, Any], any_slices: bool = F
     return existing
 
 
-def open_journal(store_dir: Path, params: dict[str, Any]) -> tuple[_Journal, str, list[dict[str, Any]]]:
+def open_journal(
+    store_dir: Path, params: dict[str, Any]
+) -> tuple[_Journal, str, list[dict[str, Any]]]:
     """This import's journal, the store id and the steps already done (a rerun after an interruption resumes)."""
     store_dir.mkdir(parents=True, exist_ok=True)
     journal = _Journal(store_dir / JOURNAL_NAME)
@@ -316,14 +390,25 @@ def open_journal(store_dir: Path, params: dict[str, Any]) -> tuple[_Journal, str
     return journal, header["store_id"], done
 
 
-def finish_store(store_dir: Path, checkpoint: Source, journal: _Journal, records: list[ExpertRecord], **fields: Any) -> Manifest:
+def finish_store(
+    store_dir: Path,
+    checkpoint: Source,
+    journal: _Journal,
+    records: list[ExpertRecord],
+    **fields: Any,
+) -> Manifest:
     """Write the tokenizer, config.json and last the manifest (`fields` and what `checkpoint` says),
     which makes the store whole; drop the journal."""
     config = checkpoint.config
     tokenizer_files = checkpoint.write_tokenizer(store_dir / TOKENIZER_DIR)
     (store_dir / "config.json").write_text(json.dumps(config, indent=1))
-    manifest = Manifest(family=str(config.get("model_type")), model_config=config, tokenizer_files=tokenizer_files,
-                        experts=sorted(records, key=lambda r: r.key), **fields)
+    manifest = Manifest(
+        family=str(config.get("model_type")),
+        model_config=config,
+        tokenizer_files=tokenizer_files,
+        experts=sorted(records, key=lambda r: r.key),
+        **fields,
+    )
     manifest.save(store_dir)
     journal.path.unlink(missing_ok=True)
     return manifest
@@ -334,7 +419,9 @@ def _same_source(made: dict[str, Any], params: dict[str, Any], any_slices: bool)
     return all(made.get(k) == v or (any_slices and k == "dense_slices") for k, v in params.items())
 
 
-def _replace_older_format(store_dir: Path, params: dict[str, Any], any_slices: bool = False) -> None:
+def _replace_older_format(
+    store_dir: Path, params: dict[str, Any], any_slices: bool = False
+) -> None:
     """A store of an older format from the same source and drives is removed, to be imported again."""
     try:
         old = json.loads((store_dir / MANIFEST_NAME).read_text())
@@ -352,7 +439,9 @@ def _replace_older_format(store_dir: Path, params: dict[str, Any], any_slices: b
         (store_dir / name).unlink(missing_ok=True)
 
 
-def _open_packs(drive_dirs: list[Path], store_id: str, records: list[ExpertRecord]) -> list[tuple[Any, int]]:
+def _open_packs(
+    drive_dirs: list[Path], store_id: str, records: list[ExpertRecord]
+) -> list[tuple[Any, int]]:
     """Open (or create) each drive's pack, truncated to the end of its last journaled record."""
     packs = []
     for idx, d in enumerate(drive_dirs):
@@ -364,11 +453,16 @@ def _open_packs(drive_dirs: list[Path], store_id: str, records: list[ExpertRecor
             with open(path, "rb") as f:
                 got = f.read(PACK_HEADER_BYTES).rstrip(b"\0")
             if got != header:
-                raise StoreError(f"{path}: this drive already holds a pack of another store; give each store its own drive folder")
+                raise StoreError(
+                    f"{path}: this drive already holds a pack of another store; give each store its own drive folder"
+                )
         else:
             with open(path, "wb") as f:
                 f.write(header.ljust(PACK_HEADER_BYTES, b"\0"))
-        end = max([e.offset + e.nbytes for r in records for e in r.extents() if e.drive == idx], default=PACK_HEADER_BYTES)
+        end = max(
+            [e.offset + e.nbytes for r in records for e in r.extents() if e.drive == idx],
+            default=PACK_HEADER_BYTES,
+        )
         f = open(path, "r+b")  # noqa: SIM115 - closed by setup_store
         f.truncate(end)
         packs.append((f, end))

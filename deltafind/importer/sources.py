@@ -81,7 +81,9 @@ def tensor_info(where: str, name: str, dtype_code: str, shape: tuple[int, ...]) 
     """A safetensors header entry as setup imports it."""
     dtype = SAFETENSORS_DTYPES.get(dtype_code)
     if dtype is None:
-        raise UnsupportedModelError(f"{where}: tensor {name} has dtype {dtype_code}, which setup cannot import yet")
+        raise UnsupportedModelError(
+            f"{where}: tensor {name} has dtype {dtype_code}, which setup cannot import yet"
+        )
     return TensorInfo(dtype, shape)
 
 
@@ -95,7 +97,9 @@ class HFSource(Source):
         self.path = Path(path)
         cfg = self.path / "config.json"
         if not cfg.exists():
-            raise StoreError(f"{self.path}: no config.json; --from must be a HuggingFace model folder or a .gguf file")
+            raise StoreError(
+                f"{self.path}: no config.json; --from must be a HuggingFace model folder or a .gguf file"
+            )
         self.config = json.loads(cfg.read_text())
         index = self.path / "model.safetensors.index.json"
         if index.exists():
@@ -104,7 +108,9 @@ class HFSource(Source):
         else:
             self.files = sorted(self.path.glob("*.safetensors"))
         if not self.files:
-            raise StoreError(f"{self.path}: no *.safetensors files (pytorch .bin checkpoints are not supported; convert them with transformers' save_pretrained)")
+            raise StoreError(
+                f"{self.path}: no *.safetensors files (pytorch .bin checkpoints are not supported; convert them with transformers' save_pretrained)"
+            )
         self._handles: dict[Path, Any] = {}
         self._where: dict[str, tuple[Path, str]] = {}
         self.tensors = {}

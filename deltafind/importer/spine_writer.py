@@ -15,13 +15,25 @@ from deltafind.importer.sources import TensorInfo
 from deltafind.store.quant import SPINE_METADATA_KEY
 
 _DTYPE_CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
     torch.bool: "BOOL",
 }
 
 
-def write_safetensors(path: Path, tensors: dict[str, TensorInfo], load: Callable[[str], torch.Tensor], resume: bool = False) -> str:
+def write_safetensors(
+    path: Path,
+    tensors: dict[str, TensorInfo],
+    load: Callable[[str], torch.Tensor],
+    resume: bool = False,
+) -> str:
     """Write `tensors` (metadata known up front) to `path`; return the file's sha256.
 
     `resume`: keep the whole tensors an interrupted write of the same header left in `path`
@@ -36,7 +48,11 @@ def write_safetensors(path: Path, tensors: dict[str, TensorInfo], load: Callable
     names = sorted(tensors)
     for name in names:
         info = tensors[name]
-        header[name] = {"dtype": _DTYPE_CODES[info.dtype], "shape": list(info.shape), "data_offsets": [offset, offset + info.nbytes]}
+        header[name] = {
+            "dtype": _DTYPE_CODES[info.dtype],
+            "shape": list(info.shape),
+            "data_offsets": [offset, offset + info.nbytes],
+        }
         offset += info.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -47,10 +63,12 @@ def write_safetensors(path: Path, tensors: dict[str, TensorInfo], load: Callable
         if kept < 0:
             f.write(head)
             h.update(head)
-        for name in names[max(kept, 0):]:
+        for name in names[max(kept, 0) :]:
             t = load(name).to(tensors[name].dtype).contiguous()
             if tuple(t.shape) != tensors[name].shape:
-                raise ValueError(f"tensor {name}: shape {tuple(t.shape)} differs from its metadata {tensors[name].shape}")
+                raise ValueError(
+                    f"tensor {name}: shape {tuple(t.shape)} differs from its metadata {tensors[name].shape}"
+                )
             data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
             f.write(data)
             h.update(data)

@@ -20,7 +20,17 @@ from deltafind.importer import synthetic_families, synthetic_k3
 from deltafind.importer.sources import Source, TensorInfo
 from deltafind.importer.synthetic_families import Family, Spec, draw, linear, norm
 
-__all__ = ["FAMILIES", "Family", "Spec", "SyntheticSource", "draw", "linear", "norm", "open_synthetic", "write_hf_folder"]
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "Spec",
+    "SyntheticSource",
+    "draw",
+    "linear",
+    "norm",
+    "open_synthetic",
+    "write_hf_folder",
+]
 
 SYNTHETIC_VERSION = 1
 
@@ -33,10 +43,14 @@ class SyntheticSource(Source):
 
     def __init__(self, family: str, shape: str, seed: int = 0) -> None:
         if family not in FAMILIES:
-            raise StoreError(f"no synthetic layout for family {family!r} (have: {', '.join(sorted(FAMILIES))})")
+            raise StoreError(
+                f"no synthetic layout for family {family!r} (have: {', '.join(sorted(FAMILIES))})"
+            )
         fam = FAMILIES[family]
         if shape not in fam.shapes:
-            raise StoreError(f"synthetic {family} has no shape {shape!r} (have: {', '.join(fam.shapes)})")
+            raise StoreError(
+                f"synthetic {family} has no shape {shape!r} (have: {', '.join(fam.shapes)})"
+            )
         self.family, self.shape, self.seed = family, shape, seed
         self.dims = fam.shapes[shape]
         self.path = Path(f"synthetic:{family}:{shape}:seed{seed}")
@@ -48,7 +62,9 @@ class SyntheticSource(Source):
         return draw(self.specs[name], f"{self.seed}:{name}")
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(f"{self.path}:v{SYNTHETIC_VERSION}:{json.dumps(self.config, sort_keys=True)}".encode()).hexdigest()
+        return hashlib.sha256(
+            f"{self.path}:v{SYNTHETIC_VERSION}:{json.dumps(self.config, sort_keys=True)}".encode()
+        ).hexdigest()
 
     def write_tokenizer(self, dest: Path) -> list[str]:
         return self._write_tokenizer(Path(dest), self.dims)
@@ -58,7 +74,13 @@ def open_synthetic(family: str, shape: str, seed: int = 0) -> SyntheticSource:
     return SyntheticSource(family, shape, seed)
 
 
-def write_hf_folder(source: Source, folder: Path, num_shards: int = 2, prefix: str = "", extra: dict[str, torch.Tensor] | None = None) -> Path:
+def write_hf_folder(
+    source: Source,
+    folder: Path,
+    num_shards: int = 2,
+    prefix: str = "",
+    extra: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """Write `source` as an HF folder: config.json, model-*-of-*.safetensors + index, tokenizer files.
 
     Names get `prefix` (e.g. "language_model." for K3's layout); `extra` tensors
@@ -72,7 +94,11 @@ def write_hf_folder(source: Source, folder: Path, num_shards: int = 2, prefix: s
     per = math.ceil(len(names) / num_shards)
     shards: list[list[str]] = []
     for name in names:  # start a new shard only at a layer boundary
-        if not shards or (len(shards[-1]) >= per and _layer_key(name)[0] != _layer_key(shards[-1][-1])[0] and len(shards) < num_shards):
+        if not shards or (
+            len(shards[-1]) >= per
+            and _layer_key(name)[0] != _layer_key(shards[-1][-1])[0]
+            and len(shards) < num_shards
+        ):
             shards.append([])
         shards[-1].append(name)
     weight_map, total = {}, 0
@@ -84,7 +110,9 @@ def write_hf_folder(source: Source, folder: Path, num_shards: int = 2, prefix: s
         save_file(tensors, str(folder / fname), metadata={"format": "pt"})
         weight_map.update({k: fname for k in tensors})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
     (folder / "config.json").write_text(json.dumps(source.config, indent=1))
     source.write_tokenizer(folder)
     return folder
@@ -92,4 +120,7 @@ def write_hf_folder(source: Source, folder: Path, num_shards: int = 2, prefix: s
 
 def _layer_key(name: str) -> tuple[int, str]:
     parts = name.split(".")
-    return (int(parts[2]) if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() else -1, name)
+    return (
+        int(parts[2]) if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() else -1,
+        name,
+    )

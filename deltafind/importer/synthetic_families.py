@@ -55,7 +55,9 @@ def draw(spec: Spec, seed: int | str) -> torch.Tensor:
         seed = int.from_bytes(hashlib.sha256(seed.encode()).digest()[:8], "little") & (2**63 - 1)
     g = torch.Generator().manual_seed(seed)
     if spec.kind == "bytes":
-        return torch.randint(int(spec.lo), int(spec.hi) + 1, spec.shape, dtype=torch.uint8, generator=g)
+        return torch.randint(
+            int(spec.lo), int(spec.hi) + 1, spec.shape, dtype=torch.uint8, generator=g
+        )
     if spec.kind == "normal":
         t = torch.randn(spec.shape, generator=g) * spec.std
     elif spec.kind == "ones":
@@ -84,7 +86,9 @@ def write_byte_tokenizer(dest: Path, dims: dict[str, Any]) -> list[str]:
         "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|eos|>{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
-    (dest / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>", "chat_template": template, "add_bos_token": False}))
+    (dest / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|eos|>", "chat_template": template, "add_bos_token": False})
+    )
     return ["tokenizer.json", "tokenizer_config.json"]
 
 
@@ -105,16 +109,33 @@ def _attention(p: str, d: dict[str, Any], qk_norm: bool) -> dict[str, Spec]:
 
 
 def _mlp(p: str, h: int, inter: int) -> dict[str, Spec]:
-    return {f"{p}gate_proj.weight": linear(inter, h), f"{p}up_proj.weight": linear(inter, h), f"{p}down_proj.weight": linear(h, inter)}
+    return {
+        f"{p}gate_proj.weight": linear(inter, h),
+        f"{p}up_proj.weight": linear(inter, h),
+        f"{p}down_proj.weight": linear(h, inter),
+    }
 
 
 def _config(model_type: str, arch: str, d: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {
-        "model_type": model_type, "architectures": [arch], "vocab_size": d["vocab"], "hidden_size": d["hidden"],
-        "intermediate_size": d["inter"], "num_hidden_layers": d["layers"], "num_attention_heads": d["heads"],
-        "num_key_value_heads": d["kv_heads"], "head_dim": d["head_dim"], "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "max_position_embeddings": 2048, "tie_word_embeddings": False, "hidden_act": "silu",
-        "eos_token_id": BYTE_VOCAB, "bos_token_id": None, "torch_dtype": "bfloat16", **extra,
+        "model_type": model_type,
+        "architectures": [arch],
+        "vocab_size": d["vocab"],
+        "hidden_size": d["hidden"],
+        "intermediate_size": d["inter"],
+        "num_hidden_layers": d["layers"],
+        "num_attention_heads": d["heads"],
+        "num_key_value_heads": d["kv_heads"],
+        "head_dim": d["head_dim"],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "eos_token_id": BYTE_VOCAB,
+        "bos_token_id": None,
+        "torch_dtype": "bfloat16",
+        **extra,
     }
 
 
@@ -145,18 +166,48 @@ def build_qwen3_moe(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Spec]]
         specs[p + "mlp.gate.weight"] = linear(d["experts"], d["hidden"])
         for e in range(d["experts"]):
             specs.update(_mlp(f"{p}mlp.experts.{e}.", d["hidden"], d["moe_inter"]))
-    cfg = _config("qwen3_moe", "Qwen3MoeForCausalLM", d, moe_intermediate_size=d["moe_inter"], num_experts=d["experts"],
-                  num_experts_per_tok=d["top_k"], norm_topk_prob=True, mlp_only_layers=sorted(d["dense_layers"]))
+    cfg = _config(
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        d,
+        moe_intermediate_size=d["moe_inter"],
+        num_experts=d["experts"],
+        num_experts_per_tok=d["top_k"],
+        norm_topk_prob=True,
+        mlp_only_layers=sorted(d["dense_layers"]),
+    )
     return cfg, specs
 
 
-_TINY = {"vocab": BYTE_VOCAB + 44, "hidden": 64, "inter": 96, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 16}
+_TINY = {
+    "vocab": BYTE_VOCAB + 44,
+    "hidden": 64,
+    "inter": 96,
+    "layers": 2,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 16,
+}
 FAMILIES = {
     "llama": Family({"tiny": _TINY}, build_llama, write_byte_tokenizer),
     "qwen3_moe": Family(
-        {"tiny": {**_TINY, "experts": 8, "top_k": 2, "moe_inter": 32, "dense_layers": {0}},
-         "bench": {**_TINY, "hidden": 2048, "heads": 16, "kv_heads": 4, "head_dim": 128, "layers": 4, "inter": 6144,
-                   "experts": 64, "top_k": 8, "moe_inter": 768, "dense_layers": set()}},
-        build_qwen3_moe, write_byte_tokenizer,
+        {
+            "tiny": {**_TINY, "experts": 8, "top_k": 2, "moe_inter": 32, "dense_layers": {0}},
+            "bench": {
+                **_TINY,
+                "hidden": 2048,
+                "heads": 16,
+                "kv_heads": 4,
+                "head_dim": 128,
+                "layers": 4,
+                "inter": 6144,
+                "experts": 64,
+                "top_k": 8,
+                "moe_inter": 768,
+                "dense_layers": set(),
+            },
+        },
+        build_qwen3_moe,
+        write_byte_tokenizer,
     ),
 }

@@ -15,7 +15,9 @@ from torch import nn
 from deltafind.models.ops.moe import predict_routed
 from deltafind.provider import Expert
 
-Run = Callable[[torch.Tensor, Expert], torch.Tensor]  # one routed expert on its rows: [n, H] -> [n, H]
+Run = Callable[
+    [torch.Tensor, Expert], torch.Tensor
+]  # one routed expert on its rows: [n, H] -> [n, H]
 
 
 class FamilyArgs(Protocol):
@@ -31,12 +33,20 @@ class FamilyArgs(Protocol):
 
 def token_widths(args: Any) -> tuple[int, int, int, int, int]:
     """(hidden, experts per token (0: dense), routed expert width, MLP width, heads) for engine/prefill.py."""
+
     def first(*names: str, default: int = 0) -> int:
-        return next((v for n in names if isinstance(v := getattr(args, n, None), int) and v > 0), default)
+        return next(
+            (v for n in names if isinstance(v := getattr(args, n, None), int) and v > 0), default
+        )
 
     h = first("hidden_size", default=4096)
-    return (h, first("num_experts_per_tok", "num_experts_per_token"), first("routed_expert_hidden_size", default=h),
-            first("moe_intermediate_size", "intermediate_size", default=4 * h), first("num_attention_heads", default=32))
+    return (
+        h,
+        first("num_experts_per_tok", "num_experts_per_token"),
+        first("routed_expert_hidden_size", default=h),
+        first("moe_intermediate_size", "intermediate_size", default=4 * h),
+        first("num_attention_heads", default=32),
+    )
 
 
 class RoutedExperts(nn.Module):
@@ -57,8 +67,12 @@ class FamilyModel(nn.Module):
 
     args: FamilyArgs
     lm_head: nn.Linear  # its rows: the vocabulary the logits cover
-    layer_prefix: ClassVar[bool] = True  # forward(num_layers=N) runs the first N layers only (the self-draft)
-    recurrent = False  # some layers hold a state that cannot be rewound (K3's KDA): prefill keeps copies
+    layer_prefix: ClassVar[bool] = (
+        True  # forward(num_layers=N) runs the first N layers only (the self-draft)
+    )
+    recurrent = (
+        False  # some layers hold a state that cannot be rewound (K3's KDA): prefill keeps copies
+    )
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -76,7 +90,13 @@ class FamilyModel(nn.Module):
     def num_layers(self) -> int:
         return len(self.model.layers)
 
-    def forward(self, input_ids: torch.Tensor, batch: Any, all_logits: bool = False, num_layers: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: Any,
+        all_logits: bool = False,
+        num_layers: int | None = None,
+    ) -> torch.Tensor:
         """fp32 logits [T, V] for every token (all_logits) or each segment's last (`batch.logit_rows`); layers
         named in `batch.capture` leave their output [T, H] in `batch.captured`; with `num_layers` only the first
         N layers run (and grow their caches) before the norm and head."""

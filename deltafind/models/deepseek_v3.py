@@ -52,7 +52,10 @@ class ModelArgs(DecoderArgs):
     rope_interleave: bool = True
     max_position_embeddings: int = 4096
     # transformers 5 spellings (its attribute_map) -> the names DeepSeek's config.json uses.
-    ALIASES: ClassVar[dict[str, str]] = {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}
+    ALIASES: ClassVar[dict[str, str]] = {
+        "num_local_experts": "n_routed_experts",
+        "num_mtp_layers": "num_nextn_predict_layers",
+    }
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -100,7 +103,9 @@ class NoAuxRouter(nn.Module):
             # A group's score is the sum of its best two experts (DeepSeek's noaux_tc).
             grouped = choice.view(t, self.num_groups, group_size)
             group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
-            group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+            group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[
+                1
+            ]  # [T, topk_group]
             keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
             keep = keep[:, :, None].expand_as(grouped).reshape(t, self.num_experts)  # [T, E]
             choice = choice.masked_fill(~keep, float("-inf"))
@@ -131,7 +136,11 @@ class MoE(RoutedMoE):
 class Model(CausalLM):
     def __init__(self, args: ModelArgs, experts: ExpertProvider) -> None:
         def make_layer(i: int) -> DecoderLayer:
-            mlp = MoE(args, i, experts) if args.is_moe_layer(i) else SlicedMLP(i, experts, swiglu(args.hidden_act))
+            mlp = (
+                MoE(args, i, experts)
+                if args.is_moe_layer(i)
+                else SlicedMLP(i, experts, swiglu(args.hidden_act))
+            )
             return DecoderLayer(args, MLAttention(args, i), mlp)
 
         super().__init__(args, make_layer, make_rope(args, dim=args.qk_rope_head_dim), experts)

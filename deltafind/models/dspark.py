@@ -53,10 +53,14 @@ class ModelArgs:
         names = [n for n in cls.__dataclass_fields__ if n != "rope"]
         missing = [n for n in names if n not in cfg]
         if missing:
-            raise UnsupportedModelError(f"DSpark config.json lacks {', '.join(missing)}; re-import the checkpoint with `deltafind setup --dspark`")
+            raise UnsupportedModelError(
+                f"DSpark config.json lacks {', '.join(missing)}; re-import the checkpoint with `deltafind setup --dspark`"
+            )
         rope = rope_parameters(cfg)
         if rope["rope_type"] != "yarn":
-            raise UnsupportedModelError(f"DSpark rope_type is {rope['rope_type']!r}; docs/kimi-k3-drafting-io.md §7.5 needs yarn")
+            raise UnsupportedModelError(
+                f"DSpark rope_type is {rope['rope_type']!r}; docs/kimi-k3-drafting-io.md §7.5 needs yarn"
+            )
         values = {n: cfg[n] for n in names}
         values["target_layer_ids"] = tuple(int(i) for i in cfg["target_layer_ids"])
         return cls(**values, rope=rope)
@@ -91,7 +95,9 @@ class YarnRope:
     """cos/sin of YaRN's inverse frequencies (docs/kimi-k3-drafting-io.md §7.5) at absolute positions."""
 
     def __init__(self, args: ModelArgs) -> None:
-        self.inv_freq, self.scale = inv_freq_and_scale(args.rope, args.qk_rope_head_dim, args.max_position_embeddings)
+        self.inv_freq, self.scale = inv_freq_and_scale(
+            args.rope, args.qk_rope_head_dim, args.max_position_embeddings
+        )
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angle = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [T, d/2]
@@ -108,7 +114,9 @@ class Context:
     def truncate(self, length: int) -> None:
         """Forget context rows from `length` on (the target rolled back, or the session restarts)."""
         if not 0 <= length <= self.length:
-            raise ValueError(f"DSpark context holds {self.length} rows; cannot truncate to {length}")
+            raise ValueError(
+                f"DSpark context holds {self.length} rows; cannot truncate to {length}"
+            )
         for layer in self.layers:
             layer.truncate(length)
         self.length = length
@@ -131,34 +139,49 @@ class MLA(nn.Module):
         self.q_a_proj = nn.Linear(h, args.q_lora_rank, bias=False)
         self.q_a_layernorm = _norm(args.q_lora_rank)
         self.q_b_proj = nn.Linear(args.q_lora_rank, nh * args.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            h, args.kv_lora_rank + args.qk_rope_head_dim, bias=False
+        )
         self.kv_a_layernorm = _norm(args.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(args.kv_lora_rank, nh * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
+        self.kv_b_proj = nn.Linear(
+            args.kv_lora_rank, nh * (args.qk_nope_head_dim + args.v_head_dim), bias=False
+        )
         self.o_proj = nn.Linear(nh * args.v_head_dim, h, bias=False)
 
-    def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def latent(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(normalised latent [T, kv_lora], rotated pe [T, rope]) of rows x [T, H]."""
         a = self.args
         kv = self.kv_a_proj_with_mqa(x)  # [T, kv_lora + rope]
         lat = rmsnorm_bf16(kv[:, : a.kv_lora_rank], self.kv_a_layernorm.weight, a.rms_norm_eps)
         return lat, yarn_rotate(kv[:, a.kv_lora_rank :], cos, sin)
 
-    def forward(self, n: torch.Tensor, ctx: LayerCache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, n: torch.Tensor, ctx: LayerCache, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         """Query rows n [R, H] attend to every context row and every query row -> [R, H]."""
         a, r = self.args, n.shape[0]
         nh, dn, dv, kvr = a.num_attention_heads, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank
-        q = self.q_b_proj(rmsnorm_bf16(self.q_a_proj(n), self.q_a_layernorm.weight, a.rms_norm_eps)).view(r, nh, a.qk_head_dim)
+        q = self.q_b_proj(
+            rmsnorm_bf16(self.q_a_proj(n), self.q_a_layernorm.weight, a.rms_norm_eps)
+        ).view(r, nh, a.qk_head_dim)
         q_nope, q_pe = q[..., :dn], yarn_rotate(q[..., dn:], cos, sin)  # [R, NH, dn], [R, NH, rope]
         lat_q, pe_q = self.latent(n, cos, sin)
         if ctx.length:
             lat_c, pe_c = ctx.view()  # [L, kv_lora], [L, rope]
-            lat, pe = torch.cat([lat_c, lat_q]), torch.cat([pe_c, pe_q])  # [L+R, kv_lora], [L+R, rope]
+            lat, pe = (
+                torch.cat([lat_c, lat_q]),
+                torch.cat([pe_c, pe_q]),
+            )  # [L+R, kv_lora], [L+R, rope]
         else:
             lat, pe = lat_q, pe_q  # query rows are never kept (docs/kimi-k3-drafting-io.md §7.4.6)
         wkv = self.kv_b_proj.weight.view(nh, dn + dv, kvr)
         w_uk, w_uv = wkv[:, :dn], wkv[:, dn:]  # [NH, dn, kv_lora], [NH, dv, kv_lora]
         q_lat = torch.einsum("rhd,hdc->rhc", q_nope, w_uk)  # [R, NH, kv_lora]
-        scores = torch.einsum("rhc,lc->hrl", q_lat, lat) + torch.einsum("rhp,lp->hrl", q_pe, pe)  # [NH, R, L+R]
+        scores = torch.einsum("rhc,lc->hrl", q_lat, lat) + torch.einsum(
+            "rhp,lp->hrl", q_pe, pe
+        )  # [NH, R, L+R]
         p = torch.softmax(scores.float() * a.softmax_scale(), dim=-1).to(BF16)
         o_lat = torch.einsum("hrl,lc->rhc", p, lat)  # [R, NH, kv_lora]
         out = torch.einsum("rhc,hvc->rhv", o_lat, w_uv)  # [R, NH, dv]
@@ -171,13 +194,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = _norm(args.hidden_size)
         self.post_attention_layernorm = _norm(args.hidden_size)
         self.self_attn = MLA(args)
-        self.mlp = DenseMLP(args.hidden_size, args.intermediate_size, F.silu)  # down(silu(gate x) * up x): SiLU, not SiTU
+        self.mlp = DenseMLP(
+            args.hidden_size, args.intermediate_size, F.silu
+        )  # down(silu(gate x) * up x): SiLU, not SiTU
 
 
 class MarkovHead(nn.Module):
     def __init__(self, vocab: int, rank: int) -> None:
         super().__init__()
-        self.markov_w1 = nn.Linear(rank, vocab, bias=False)  # weight [V, rank]: the previous token's embedding
+        self.markov_w1 = nn.Linear(
+            rank, vocab, bias=False
+        )  # weight [V, rank]: the previous token's embedding
         self.markov_w2 = nn.Linear(rank, vocab, bias=False)  # weight [V, rank]: the output factor
 
 
@@ -202,7 +229,9 @@ class Model(nn.Module):
         super().__init__()
         self.args = args
         h = args.hidden_size
-        self.context_proj = nn.Linear(len(args.target_layer_ids) * args.target_hidden_size, h, bias=False)
+        self.context_proj = nn.Linear(
+            len(args.target_layer_ids) * args.target_hidden_size, h, bias=False
+        )
         self.context_norm, self.final_norm = _norm(h), _norm(h)
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_hidden_layers))
         self.markov_head = MarkovHead(args.vocab_size, args.markov_rank)
@@ -227,7 +256,9 @@ class Model(nn.Module):
         a = self.args
         pos = torch.arange(ctx.length, ctx.length + rows.shape[0], device=rows.device)
         cos, sin = self.rope.cos_sin(pos)
-        c = rmsnorm_bf16(self.context_proj(rows.to(BF16)), self.context_norm.weight, a.rms_norm_eps)  # [n, H]
+        c = rmsnorm_bf16(
+            self.context_proj(rows.to(BF16)), self.context_norm.weight, a.rms_norm_eps
+        )  # [n, H]
         for layer, cache in zip(self.layers, ctx.layers, strict=True):
             cache.append(*layer.self_attn.latent(c, cos, sin))
         ctx.length += rows.shape[0]
@@ -238,13 +269,18 @@ class Model(nn.Module):
         a, embed = self.args, self._target[0]
         ids = torch.tensor([pending] + [a.mask_token_id] * (BLOCK - 1), device=embed.device)
         hidden = F.embedding(ids, embed).to(BF16)  # [7, H]
-        cos, sin = self.rope.cos_sin(torch.arange(ctx.length, ctx.length + BLOCK, device=embed.device))
+        cos, sin = self.rope.cos_sin(
+            torch.arange(ctx.length, ctx.length + BLOCK, device=embed.device)
+        )
         residual: torch.Tensor | None = None
         for layer, cache in zip(self.layers, ctx.layers, strict=True):
             acc = hidden if residual is None else residual + hidden
             n = rmsnorm_bf16(acc, layer.input_layernorm.weight, a.rms_norm_eps)
             acc = acc + layer.self_attn(n, cache, cos, sin)
-            hidden, residual = layer.mlp(rmsnorm_bf16(acc, layer.post_attention_layernorm.weight, a.rms_norm_eps)), acc
+            hidden, residual = (
+                layer.mlp(rmsnorm_bf16(acc, layer.post_attention_layernorm.weight, a.rms_norm_eps)),
+                acc,
+            )
         assert residual is not None
         return rmsnorm_bf16(residual + hidden, self.final_norm.weight, a.rms_norm_eps)
 

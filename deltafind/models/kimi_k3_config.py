@@ -18,7 +18,13 @@ from deltafind.errors import UnsupportedModelError
 
 TOP_K = 16
 SHARED_EXPERTS = 2
-MXFP4_SCHEME = {"num_bits": 4, "type": "float", "group_size": 32, "strategy": "group", "symmetric": True}
+MXFP4_SCHEME = {
+    "num_bits": 4,
+    "type": "float",
+    "group_size": 32,
+    "strategy": "group",
+    "symmetric": True,
+}
 # Keys whose value is part of the model's definition (anything else is a different model).
 CONTRACT = {
     "hidden_act": "situ",
@@ -81,17 +87,26 @@ class ModelArgs:
         text = _text_config(config)
         for key, want in CONTRACT.items():
             if key in text and text[key] != want:
-                raise UnsupportedModelError(f"kimi_k3 config has {key}={text[key]!r}; K3 is defined with {want!r}")
+                raise UnsupportedModelError(
+                    f"kimi_k3 config has {key}={text[key]!r}; K3 is defined with {want!r}"
+                )
         names = {f.name for f in dataclasses.fields(cls)} - {"mla_layers"}
         values = {k: v for k, v in text.items() if k in names}
         values.update(switches)
         check_quality(values)
         args = cls(**values)
         args.mla_layers = frozenset(_schedule(args))
-        if args.kda_prefill not in ("chunked", "recurrent") or args.kda_l2norm not in ("clamp", "add_eps"):
-            raise UnsupportedModelError(f"kda_prefill={args.kda_prefill!r} / kda_l2norm={args.kda_l2norm!r} are not switch values")
+        if args.kda_prefill not in ("chunked", "recurrent") or args.kda_l2norm not in (
+            "clamp",
+            "add_eps",
+        ):
+            raise UnsupportedModelError(
+                f"kda_prefill={args.kda_prefill!r} / kda_l2norm={args.kda_l2norm!r} are not switch values"
+            )
         if args.activation_dtype not in ("float32", "model"):
-            raise UnsupportedModelError(f"activation_dtype={args.activation_dtype!r}: use float32 or model (the spine's dtype)")
+            raise UnsupportedModelError(
+                f"activation_dtype={args.activation_dtype!r}: use float32 or model (the spine's dtype)"
+            )
         return args
 
     def is_mla_layer(self, layer_idx: int) -> bool:
@@ -105,12 +120,18 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
     if config.get("model_type") == "kimi_k3" or "text_config" in config:
         text = config.get("text_config")
         if not isinstance(text, dict):
-            raise UnsupportedModelError("kimi_k3 config.json has no text_config object; is this the K3 checkpoint's config?")
+            raise UnsupportedModelError(
+                "kimi_k3 config.json has no text_config object; is this the K3 checkpoint's config?"
+            )
         if text.get("model_type", "kimi_linear") != "kimi_linear":
-            raise UnsupportedModelError(f"kimi_k3 text_config.model_type is {text.get('model_type')!r}, expected 'kimi_linear'")
+            raise UnsupportedModelError(
+                f"kimi_k3 text_config.model_type is {text.get('model_type')!r}, expected 'kimi_linear'"
+            )
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if key in config and key in text and config[key] != text[key]:
-                raise UnsupportedModelError(f"kimi_k3 config: root {key}={config[key]} differs from text_config's {text[key]}")
+                raise UnsupportedModelError(
+                    f"kimi_k3 config: root {key}={config[key]} differs from text_config's {text[key]}"
+                )
         return text
     return config
 
@@ -142,11 +163,17 @@ def check_quality(values: dict[str, Any]) -> None:
         )
     q = values.get("quantization_config")
     if q is None:
-        raise QualityRefused("kimi_k3 config has no quantization_config: K3's routed experts ship as MXFP4, and "
-                             "deltafind runs them only in that exact form (re-import from the released checkpoint)")
+        raise QualityRefused(
+            "kimi_k3 config has no quantization_config: K3's routed experts ship as MXFP4, and "
+            "deltafind runs them only in that exact form (re-import from the released checkpoint)"
+        )
     weights = (q.get("config_groups") or {}).get("group_0", {}).get("weights", {})
     formats = {q.get("format"), (q.get("config_groups") or {}).get("group_0", {}).get("format")}
-    bad = [f"{key}={weights.get(key)!r}" for key, want in MXFP4_SCHEME.items() if weights.get(key) != want]
+    bad = [
+        f"{key}={weights.get(key)!r}"
+        for key, want in MXFP4_SCHEME.items()
+        if weights.get(key) != want
+    ]
     if q.get("quant_method") != "compressed-tensors" or formats != {"mxfp4-pack-quantized"} or bad:
         raise QualityRefused(
             "kimi_k3 quantization_config is not the released compressed-tensors mxfp4-pack-quantized scheme "

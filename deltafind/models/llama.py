@@ -32,7 +32,11 @@ class ModelArgs(DecoderArgs):
 class Model(CausalLM):
     def __init__(self, args: ModelArgs, experts: ExpertProvider) -> None:
         def make_layer(i: int) -> DecoderLayer:
-            return DecoderLayer(args, Attention(args, i, qk_norm=self.qk_norm), SlicedMLP(i, experts, swiglu(args.hidden_act)))
+            return DecoderLayer(
+                args,
+                Attention(args, i, qk_norm=self.qk_norm),
+                SlicedMLP(i, experts, swiglu(args.hidden_act)),
+            )
 
         super().__init__(args, make_layer, make_rope(args), experts)
 

@@ -34,15 +34,30 @@ class Attention(nn.Module):
     def __init__(self, args: Any, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx, self.clip = layer_idx, args.clip_qkv
-        self.num_heads, self.num_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
-        h, hq, hkv, bias = args.hidden_size, self.num_heads * args.head_dim, self.num_kv_heads * args.head_dim, args.attention_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+        )
+        h, hq, hkv, bias = (
+            args.hidden_size,
+            self.num_heads * args.head_dim,
+            self.num_kv_heads * args.head_dim,
+            args.attention_bias,
+        )
         self.q_proj, self.k_proj = nn.Linear(h, hq, bias=bias), nn.Linear(h, hkv, bias=bias)
         self.v_proj, self.o_proj = nn.Linear(h, hkv, bias=bias), nn.Linear(hq, h, bias=bias)
         self.q_norm, self.k_norm = RMSNorm(hq, args.rms_norm_eps), RMSNorm(hkv, args.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        q, k, v = self.q_norm(self.q_proj(x)), self.k_norm(self.k_proj(x)), self.v_proj(x)  # [T, H*D]
+        q, k, v = (
+            self.q_norm(self.q_proj(x)),
+            self.k_norm(self.k_proj(x)),
+            self.v_proj(x),
+        )  # [T, H*D]
         if self.clip is not None:
             q, k, v = (y.clamp(-self.clip, self.clip) for y in (q, k, v))
         q = apply_rope(q.view(t, self.num_heads, d), cos, sin)  # [T, Hq, D]
@@ -54,7 +69,11 @@ class Attention(nn.Module):
 class Model(CausalLM):
     def __init__(self, args: ModelArgs, experts: ExpertProvider) -> None:
         def make_layer(i: int) -> DecoderLayer:
-            return DecoderLayer(args, Attention(args, i), RoutedMoE(qwen3_moe.Router(args), i, experts, args.hidden_act))
+            return DecoderLayer(
+                args,
+                Attention(args, i),
+                RoutedMoE(qwen3_moe.Router(args), i, experts, args.hidden_act),
+            )
 
         super().__init__(args, make_layer, make_rope(args), experts)
 

@@ -34,7 +34,9 @@ class ModelArgs(DecoderArgs):
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
-    ALIASES: ClassVar[dict[str, str]] = {"num_local_experts": "num_experts"}  # transformers 5's name
+    ALIASES: ClassVar[dict[str, str]] = {
+        "num_local_experts": "num_experts"
+    }  # transformers 5's name
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (
@@ -63,8 +65,11 @@ class Router(nn.Module):
 class Model(CausalLM):
     def __init__(self, args: ModelArgs, experts: ExpertProvider) -> None:
         def make_layer(i: int) -> DecoderLayer:
-            mlp = (RoutedMoE(Router(args), i, experts, args.hidden_act) if args.is_moe_layer(i)
-                   else SlicedMLP(i, experts, swiglu(args.hidden_act)))
+            mlp = (
+                RoutedMoE(Router(args), i, experts, args.hidden_act)
+                if args.is_moe_layer(i)
+                else SlicedMLP(i, experts, swiglu(args.hidden_act))
+            )
             return DecoderLayer(args, Attention(args, i, qk_norm=True), mlp)
 
         super().__init__(args, make_layer, make_rope(args), experts)

@@ -58,7 +58,10 @@ class DecoderArgs:
 
     @classmethod
     def from_config(cls: type[A], config: dict[str, Any]) -> A:
-        config = {**{name: config[alias] for alias, name in cls.ALIASES.items() if alias in config}, **config}  # type: ignore[attr-defined]
+        config = {
+            **{name: config[alias] for alias, name in cls.ALIASES.items() if alias in config},
+            **config,
+        }  # type: ignore[attr-defined]
         names = {f.name for f in dataclasses.fields(cls)} - {"rope"}  # type: ignore[arg-type]
         return cls(**{k: v for k, v in config.items() if k in names}, rope=rope_parameters(config))
 
@@ -82,10 +85,14 @@ class Attention(nn.Module):
         self.qk_norm = qk_norm
         self._qkv = FusedLinear()  # q, k and v in one stored-format matmul where the kernel applies
 
-    def forward(self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         mods = (self.q_proj, self.k_proj, self.v_proj)
-        qkv = self._qkv(x, [m.weight for m in mods], [getattr(m, "quant", "") for m in mods])  # [T, (Hq + 2 Hkv) D]
+        qkv = self._qkv(
+            x, [m.weight for m in mods], [getattr(m, "quant", "") for m in mods]
+        )  # [T, (Hq + 2 Hkv) D]
         if qkv is None:  # the per-matrix path (widened weights, GPU, no compiler)
             qkv = torch.cat([m(x) for m in mods], dim=1)
         elif self.q_proj.bias is not None:
@@ -105,7 +112,9 @@ class Attention(nn.Module):
 class RoutedMoE(RoutedExperts):
     """Routed experts from the provider, chosen per token by `gate` (HF `mlp.gate`: ids [T, k], weights [T, k])."""
 
-    def __init__(self, gate: nn.Module, layer_idx: int, experts: ExpertProvider, hidden_act: str) -> None:
+    def __init__(
+        self, gate: nn.Module, layer_idx: int, experts: ExpertProvider, hidden_act: str
+    ) -> None:
         super().__init__()
         self.gate = gate
         self.layer_idx, self.provider = layer_idx, experts
@@ -124,12 +133,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = mlp
         # One decode token's attention half in one kernel call; a plain attribute (not a submodule)
-        self._attn_step = AttnStep(self.input_layernorm, attn) if isinstance(attn, Attention) else None
+        self._attn_step = (
+            AttnStep(self.input_layernorm, attn) if isinstance(attn, Attention) else None
+        )
         # The MLP and its norm as plain attributes too: a submodule through nn.Module.__getattr__ costs
         # ~1 us a lookup, and each decode token made four a layer (the modules are never reassigned)
         self._ffn = (mlp, self.post_attention_layernorm, isinstance(mlp, SlicedMLP))
 
-    def attend(self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         if self._attn_step is not None and (y := self._attn_step(x, batch, cos, sin)) is not None:
             return y
         return x + self.self_attn(self.input_layernorm(x), batch, cos, sin)
@@ -137,16 +150,26 @@ class DecoderLayer(nn.Module):
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         mlp, norm, sliced = self._ffn
         if sliced:
-            return mlp.forward(h, norm)  # the norm and the sum inside its kernel call (a module with no hooks)
+            return mlp.forward(
+                h, norm
+            )  # the norm and the sum inside its kernel call (a module with no hooks)
         return h + mlp(norm(h))
 
-    def chain_parts(self, slices: Sequence[Expert], caches: Sequence[Any], cols: int, d: int) -> tuple[Any, ...] | None:
+    def chain_parts(
+        self, slices: Sequence[Expert], caches: Sequence[Any], cols: int, d: int
+    ) -> tuple[Any, ...] | None:
         """What ops/step.py's DecodeChain runs this layer with for one token of hidden size `cols` and rope
         dim `d`, its dense MLP held as `slices`: (attention plan, (gate/up, down) parts, norm, activation,
         cache row), or None where the layer's kernels do not take it."""
         step, (mlp, norm, sliced) = self._attn_step, self._ffn
-        if (step is None or not sliced or (attn := step.plan()) is None or attn.d != d
-                or (parts := mlp.run.held_parts(slices, norm, cols)) is None or (row := step.cache_row(caches)) is None):
+        if (
+            step is None
+            or not sliced
+            or (attn := step.plan()) is None
+            or attn.d != d
+            or (parts := mlp.run.held_parts(slices, norm, cols)) is None
+            or (row := step.cache_row(caches)) is None
+        ):
             return None
         return attn, parts, norm, mlp.run.act, row
 
@@ -160,7 +183,11 @@ class Backbone(nn.Module):
     def __init__(self, args: Any, make_layer: Callable[[int], nn.Module]) -> None:
         super().__init__()
         # _weight: no random init (on the meta device it imported torch._dynamo: +69 MiB RSS, RESULTS.md)
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=torch.empty(args.vocab_size, args.hidden_size))
+        self.embed_tokens = nn.Embedding(
+            args.vocab_size,
+            args.hidden_size,
+            _weight=torch.empty(args.vocab_size, args.hidden_size),
+        )
         self.layers = nn.ModuleList(make_layer(i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -168,28 +195,51 @@ class Backbone(nn.Module):
 class CausalLM(FamilyModel):
     """embed -> layers -> norm -> lm_head, over a `Batch` of segments."""
 
-    def __init__(self, args: Any, make_layer: Callable[[int], nn.Module], rope: Rope, experts: ExpertProvider) -> None:
+    def __init__(
+        self, args: Any, make_layer: Callable[[int], nn.Module], rope: Rope, experts: ExpertProvider
+    ) -> None:
         super().__init__()
         self.args, self.experts = args, experts
         self.model = Backbone(args, make_layer)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rope = rope
-        self._chain = DecodeChain()  # a decode token's layers in one kernel call, where they all allow it (ops/step.py)
+        self._chain = (
+            DecodeChain()
+        )  # a decode token's layers in one kernel call, where they all allow it (ops/step.py)
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, batch: Batch, all_logits: bool = False,
-                num_layers: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: Batch,
+        all_logits: bool = False,
+        num_layers: int | None = None,
+    ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, H]
-        cos, sin = rope_tables(*self.rope.cos_sin(batch.positions))  # [T, 1, D]: shaped once, not per layer
+        cos, sin = rope_tables(
+            *self.rope.cos_sin(batch.positions)
+        )  # [T, 1, D]: shaped once, not per layer
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
 
-        first = layers[0].mlp.predict(x) if isinstance(layers[0].mlp, SlicedMLP) else None  # else the last route
-        x = run_layers(self.experts, batch, layers, x, first, lambda i, layer, x: layer.attend(x, batch, cos, sin),
-                       lambda i, layer, h: layer.feed_forward(h), lambda x: self._chain(layers, self.experts, x, batch, cos, sin))
+        first = (
+            layers[0].mlp.predict(x) if isinstance(layers[0].mlp, SlicedMLP) else None
+        )  # else the last route
+        x = run_layers(
+            self.experts,
+            batch,
+            layers,
+            x,
+            first,
+            lambda i, layer, x: layer.attend(x, batch, cos, sin),
+            lambda i, layer, h: layer.feed_forward(h),
+            lambda x: self._chain(layers, self.experts, x, batch, cos, sin),
+        )
         batch.advance()
-        if not all_logits and (batch.logit_rows or any(s.num_tokens != 1 for s in batch.segments)):  # else x is their last
+        if not all_logits and (
+            batch.logit_rows or any(s.num_tokens != 1 for s in batch.segments)
+        ):  # else x is their last
             x = x[batch.last_token_index().to(x.device)]
         return self.lm_head(self.model.norm(x)).float()
 
@@ -197,4 +247,3 @@ class CausalLM(FamilyModel):
 def make_rope(args: Any, dim: int | None = None) -> Rope:
     with torch.device("cpu"):
         return Rope(args.rope, dim or args.head_dim, args.max_position_embeddings)
-

@@ -51,7 +51,9 @@ class RequestContext(_Resource):
         if keys and req.path not in OPEN_PATHS:
             check_key(req.get_header("Authorization"), req.get_header("X-Api-Key"), keys)
 
-    def process_response(self, req: falcon.Request, resp: falcon.Response, resource: Any, req_succeeded: bool) -> None:
+    def process_response(
+        self, req: falcon.Request, resp: falcon.Response, resource: Any, req_succeeded: bool
+    ) -> None:
         self.state.metrics.count_request(req.path, str(resp.status))
 
 
@@ -66,8 +68,13 @@ def check_key(header: str | None, api_key: str | None, keys: tuple[str, ...]) ->
         for key in keys:  # every key, every time: the time taken does not depend on which matched
             ok |= hmac.compare_digest(t.encode(), key.encode())
     if not ok:
-        raise ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer KEY` or `x-api-key: KEY`.", None,
-                       "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        raise ApiError(
+            401,
+            "Incorrect or missing API key: send `Authorization: Bearer KEY` or `x-api-key: KEY`.",
+            None,
+            "invalid_api_key",
+            {"WWW-Authenticate": "Bearer"},
+        )
 
 
 class Health(_Resource):
@@ -75,14 +82,26 @@ class Health(_Resource):
         s = self.state
         draining = s.engine is not None and s.engine.client.draining
         status = "draining" if draining else s.load_status
-        down = [n["rank"] for n in (s.engine.nodes() if status == "ready" and s.engine else ()) if not n["alive"]]
+        down = [
+            n["rank"]
+            for n in (s.engine.nodes() if status == "ready" and s.engine else ())
+            if not n["alive"]
+        ]
         drives = s.engine.drive_problems() if status == "ready" and s.engine else []
         resp.status = 200 if status == "ready" else 503
         if down or drives:  # still serving what the live nodes and readable packs hold
-            resp.media = {"status": "degraded", "model": s.model_name, **({"nodes_down": down} if down else {}),
-                          **({"drives": drives} if drives else {})}
+            resp.media = {
+                "status": "degraded",
+                "model": s.model_name,
+                **({"nodes_down": down} if down else {}),
+                **({"drives": drives} if drives else {}),
+            }
             return
-        resp.media = {"status": status, "model": s.model_name, **({"error": s.load_error} if s.load_error else {})}
+        resp.media = {
+            "status": status,
+            "model": s.model_name,
+            **({"error": s.load_error} if s.load_error else {}),
+        }
         if status == "loading":
             resp.set_header("Retry-After", "5")
 
@@ -93,9 +112,21 @@ class Root(_Resource):
     """`/`: what answers here. Clients probe it before their first request (Claude Code sends `HEAD /`)."""
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        resp.media = {"object": "deltafind", "model": self.state.model_name, "status": self.state.load_status,
-                      "endpoints": ["/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-                                    "/v1/messages/count_tokens", "/health", "/metrics"]}
+        resp.media = {
+            "object": "deltafind",
+            "model": self.state.model_name,
+            "status": self.state.load_status,
+            "endpoints": [
+                "/v1/models",
+                "/v1/chat/completions",
+                "/v1/completions",
+                "/v1/responses",
+                "/v1/messages",
+                "/v1/messages/count_tokens",
+                "/health",
+                "/metrics",
+            ],
+        }
 
     on_head = on_get
 
@@ -106,7 +137,10 @@ class Models(_Resource):
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         e = self.state.require_ready()
-        resp.media = {"object": "list", "data": [self._card(e, n) for n in (e.model_name, *e.aliases)]}
+        resp.media = {
+            "object": "list",
+            "data": [self._card(e, n) for n in (e.model_name, *e.aliases)],
+        }
 
     def on_get_one(self, req: falcon.Request, resp: falcon.Response, model: str) -> None:
         e = self.state.require_ready()

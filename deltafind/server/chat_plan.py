@@ -29,12 +29,18 @@ class ChatPlan:
     constraint: ConstraintFactory | None
     make_parser: Callable[[], OutputParser] | None
     tool_choice: str
-    history_end: int = 0  # prompt tokens up to the end of the history, when per-request messages follow it (K3)
+    history_end: int = (
+        0  # prompt tokens up to the end of the history, when per-request messages follow it (K3)
+    )
 
     def respell(self, ids: list[int]) -> None:
         """Take `ids` (server/turns.py's re-spelling of the prompt's start) as the prompt; history_end follows."""
         tail = len(self.prompt_ids) - self.history_end
-        keep = self.history_end and len(ids) >= tail and ids[len(ids) - tail :] == self.prompt_ids[self.history_end :]
+        keep = (
+            self.history_end
+            and len(ids) >= tail
+            and ids[len(ids) - tail :] == self.prompt_ids[self.history_end :]
+        )
         self.prompt_ids, self.history_end = ids, len(ids) - tail if keep else 0
 
 
@@ -44,12 +50,18 @@ def _thinking(body: Any, kwargs: dict[str, Any]) -> bool:
     for key in ("enable_thinking", "thinking"):
         if key in kwargs:
             if not isinstance(kwargs[key], bool):
-                raise bad_request(f"chat_template_kwargs.{key}: must be true or false", f"chat_template_kwargs.{key}", "invalid_value")
+                raise bad_request(
+                    f"chat_template_kwargs.{key}: must be true or false",
+                    f"chat_template_kwargs.{key}",
+                    "invalid_value",
+                )
             on = kwargs[key]
     return on and body.reasoning_effort not in ("none", "minimal")
 
 
-def plan_chat(tokenizer: Any, body: Any, messages: list[dict[str, Any]], always_parse: bool = False) -> ChatPlan:
+def plan_chat(
+    tokenizer: Any, body: Any, messages: list[dict[str, Any]], always_parse: bool = False
+) -> ChatPlan:
     """Render `messages` with the request's tools, reasoning and response format in the model's chat format
     (server/formats); build the constraint.
 
@@ -59,8 +71,11 @@ def plan_chat(tokenizer: Any, body: Any, messages: list[dict[str, Any]], always_
     mode, forced = check_tool_choice(body.tool_choice, tools)
     schema, field = response_format_schema(body.response_format or {})
     if schema is not None and mode == "required":
-        raise bad_request("response_format: cannot be combined with a required or named tool_choice", "response_format",
-                          "invalid_value")
+        raise bad_request(
+            "response_format: cannot be combined with a required or named tool_choice",
+            "response_format",
+            "invalid_value",
+        )
     kwargs = dict(body.chat_template_kwargs or {})
     fmt = pick_format(tokenizer)
     thinking = _thinking(body, kwargs)
@@ -71,28 +86,45 @@ def plan_chat(tokenizer: Any, body: Any, messages: list[dict[str, Any]], always_
     use = [t for t in tools if forced is None or t.name == forced]
     parallel = body.parallel_tool_calls is not False and forced is None
     try:
-        prompt = fmt.render(tokenizer, Request(messages, tools, mode, thinking, body.reasoning_effort, kwargs, body.response_format))
+        prompt = fmt.render(
+            tokenizer,
+            Request(
+                messages, tools, mode, thinking, body.reasoning_effort, kwargs, body.response_format
+            ),
+        )
     except RequestError as e:  # the template refused this conversation (raise_exception)
         raise bad_request(str(e), "messages", "invalid_messages") from None
-    except StoreError as e:  # the store's template is broken, too slow or too big: not the client's fault
-        raise ApiError(500, f"the served model's chat template failed: {e}", None, "chat_template_error") from None
+    except (
+        StoreError
+    ) as e:  # the store's template is broken, too slow or too big: not the client's fault
+        raise ApiError(
+            500, f"the served model's chat template failed: {e}", None, "chat_template_error"
+        ) from None
     except DeltafindError as e:  # the model has no chat template: use /v1/completions
         raise bad_request(str(e), "messages", "invalid_messages") from None
     constraint = None
     if mode != "none" and schema is None:
-        for t in use:  # each schema on its own first, so a 400 names the tool whose schema is unusable
+        for (
+            t
+        ) in use:  # each schema on its own first, so a 400 names the tool whose schema is unusable
             Grammar(tokenizer, json_schema_grammar(t.parameters, t.field), t.field)
     if mode == "required":
         prefix = fmt.answer_prefix(tokenizer, thinking, calls=True)
-        constraint = Grammar(tokenizer, fmt.call_grammar(tokenizer, use, parallel, prefix), "tools").factory()
+        constraint = Grammar(
+            tokenizer, fmt.call_grammar(tokenizer, use, parallel, prefix), "tools"
+        ).factory()
     elif schema is not None:
-        constraint = Grammar(tokenizer, fmt.schema_grammar(tokenizer, thinking, schema, field), field).factory()
+        constraint = Grammar(
+            tokenizer, fmt.schema_grammar(tokenizer, thinking, schema, field), field
+        ).factory()
     elif mode == "auto" and use and fmt.start:  # free text, but a call once started is valid
         grammar = Grammar(tokenizer, fmt.call_grammar(tokenizer, use, parallel), "tools")
         constraint = grammar.triggered_factory(tokenizer, fmt.start)
     think = fmt.think(tokenizer)
     make_parser = None
     if tools or think is not None or fmt.strip or always_parse:
+
         def make_parser() -> OutputParser:
             return OutputParser(fmt if tools else None, think, prompt.in_think, fmt.strip, tools)
+
     return ChatPlan(prompt.ids, constraint, make_parser, mode, prompt.history_end)

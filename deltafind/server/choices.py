@@ -29,7 +29,9 @@ log = get_logger(__name__)
 # after the drain grace) says so: "length" would read as reaching max_tokens.
 FINISH = {"stop": "stop", "length": "length", "cancelled": "cancelled"}
 MAX_RETRY_AFTER_S = 120
-POLL_S = 0.5  # how often a request looks for a client that hung up: its slot is freed within a second
+POLL_S = (
+    0.5  # how often a request looks for a client that hung up: its slot is freed within a second
+)
 
 
 @dataclass
@@ -50,7 +52,9 @@ class Choice:
     cached_tokens: int = 0
     parser: Any = None  # server/output.OutputParser: reasoning and tool calls out of a chat answer
     deltas: list[Any] = field(default_factory=list)  # the parser's output not yet sent
-    turns: Any = None  # server/turns.TurnMemory: told the whole sequence when it ends, for the next turn
+    turns: Any = (
+        None  # server/turns.TurnMemory: told the whole sequence when it ends, for the next turn
+    )
     prompt_ids: Sequence[int] = ()
     ids: list[int] = field(default_factory=list)  # every token generated, even past a stop string
 
@@ -138,8 +142,12 @@ class Pace:
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil(self.request_s * rounds)))
 
 
-def events(choices: list[Choice], mux: queue.Queue, keepalive: float | None,
-           gone: Callable[[], bool] | None = None) -> Iterator[tuple[Choice, str, list, bool] | None]:
+def events(
+    choices: list[Choice],
+    mux: queue.Queue,
+    keepalive: float | None,
+    gone: Callable[[], bool] | None = None,
+) -> Iterator[tuple[Choice, str, list, bool] | None]:
     """(choice, text, logprob entries, finished) per engine event on `mux` until every choice has finished;
     None when `keepalive` seconds passed quietly.
 
@@ -157,12 +165,18 @@ def events(choices: list[Choice], mux: queue.Queue, keepalive: float | None,
         except queue.Empty:
             event = None
         now = time.monotonic()
-        if gone is not None and now >= next_poll:  # by the clock: a fast model never leaves the queue quiet
+        if (
+            gone is not None and now >= next_poll
+        ):  # by the clock: a fast model never leaves the queue quiet
             next_poll = now + POLL_S
             if gone():
                 log.info("client_gone", choices=len(choices))
-                raise ApiError(499, "the client closed the connection before the answer was ready", None,
-                               "client_closed_request")
+                raise ApiError(
+                    499,
+                    "the client closed the connection before the answer was ready",
+                    None,
+                    "client_closed_request",
+                )
         if event is None:
             if keepalive is not None and now - quiet_since >= keepalive:
                 quiet_since = now
@@ -176,7 +190,9 @@ def events(choices: list[Choice], mux: queue.Queue, keepalive: float | None,
         yield c, text, entries, done
 
 
-def submit_all(engine: Any, reqs: list[GenRequest], mux: queue.Queue, pace: Pace | None = None) -> list[Handle]:
+def submit_all(
+    engine: Any, reqs: list[GenRequest], mux: queue.Queue, pace: Pace | None = None
+) -> list[Handle]:
     """Submit every request or none (n > 1 and prompt lists are all-or-nothing)."""
     handles: list[Handle] = []
     try:
@@ -191,7 +207,14 @@ def submit_all(engine: Any, reqs: list[GenRequest], mux: queue.Queue, pace: Pace
         if pace is not None:
             st = engine.snapshot()
             retry = max(retry, pace.retry_after_s(st["running"], st["waiting"], st["max_running"]))
-        raise ApiError(429, str(e), None, "rate_limit_exceeded", {"Retry-After": str(retry)}, "rate_limit_error") from None
+        raise ApiError(
+            429,
+            str(e),
+            None,
+            "rate_limit_exceeded",
+            {"Retry-After": str(retry)},
+            "rate_limit_error",
+        ) from None
     return handles
 
 
@@ -200,11 +223,17 @@ def chat_logprobs(tokenizer: Any, entries: list[tuple[int, float, tuple]]) -> di
         text = tokenizer.decode([tid])
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
-    return {"content": [{**one(t, lp), "top_logprobs": [one(a, b) for a, b in top]} for t, lp, top in entries],
-            "refusal": None}
+    return {
+        "content": [
+            {**one(t, lp), "top_logprobs": [one(a, b) for a, b in top]} for t, lp, top in entries
+        ],
+        "refusal": None,
+    }
 
 
-def completion_logprobs(tokenizer: Any, entries: list[tuple[int, float, tuple]], offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    tokenizer: Any, entries: list[tuple[int, float, tuple]], offset: int
+) -> dict[str, Any]:
     tokens, lps, tops, offsets = [], [], [], []
     for t, lp, top in entries:
         text = tokenizer.decode([t])
@@ -219,8 +248,11 @@ def completion_logprobs(tokenizer: Any, entries: list[tuple[int, float, tuple]],
 def usage(choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
     completion = sum(c.completion_tokens for c in choices)
     cached = max((c.cached_tokens for c in choices), default=0)
-    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                           "total_tokens": prompt_tokens + completion}
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
     if cached:
         out["prompt_tokens_details"] = {"cached_tokens": cached}
     return out

@@ -53,7 +53,9 @@ class Blocks:
                 kind = {"content": "text"}.get(d.kind, d.kind)
                 if self._open is None or self._open.kind != kind or kind == "call":
                     steps += self.finish()
-                    self._open = Block(kind, len(self.blocks), d.call_id, d.text if kind == "call" else "")
+                    self._open = Block(
+                        kind, len(self.blocks), d.call_id, d.text if kind == "call" else ""
+                    )
                     self.blocks.append(self._open)
                     steps.append(Step("open", self._open))
                     if kind == "call":

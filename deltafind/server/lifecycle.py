@@ -33,7 +33,9 @@ from deltafind.server.schemas import ChatRequest, CompletionRequest, load_json
 from deltafind.server.turns import TurnMemory
 from deltafind.tokenizer import Tokenizer
 
-KEEPALIVE_S = 5.0  # a silent stream is timed out by clients and proxies: a ping or SSE comment this often
+KEEPALIVE_S = (
+    5.0  # a silent stream is timed out by clients and proxies: a ping or SSE comment this often
+)
 Body = TypeVar("Body", bound=ChatRequest | CompletionRequest)
 
 
@@ -54,10 +56,18 @@ class ReadyEngine:
     model_name: str
     context_length: int
     created: int = field(default_factory=lambda: int(time.time()))
-    store_snapshot: Callable[[], dict[str, Any]] = field(default=lambda: {})  # the store's figures, for /metrics
-    nodes: Callable[[], list[dict[str, Any]]] = field(default=list)  # a cluster's expert nodes (cheap: /health asks)
-    drive_problems: Callable[[], list[str]] = field(default=list)  # unhealthy drives, each named (cheap: /health asks)
-    turns: TurnMemory = field(default_factory=TurnMemory)  # finished answers' ids, so the next turn's prompt reuses them
+    store_snapshot: Callable[[], dict[str, Any]] = field(
+        default=lambda: {}
+    )  # the store's figures, for /metrics
+    nodes: Callable[[], list[dict[str, Any]]] = field(
+        default=list
+    )  # a cluster's expert nodes (cheap: /health asks)
+    drive_problems: Callable[[], list[str]] = field(
+        default=list
+    )  # unhealthy drives, each named (cheap: /health asks)
+    turns: TurnMemory = field(
+        default_factory=TurnMemory
+    )  # finished answers' ids, so the next turn's prompt reuses them
     aliases: tuple[str, ...] = ()  # [server] model_aliases: other names the model answers to
 
 
@@ -82,8 +92,16 @@ class AppState:
     def require_ready(self) -> ReadyEngine:
         if self.engine is None:
             if self.load_status == "failed":
-                raise ApiError(503, f"the model failed to load: {self.load_error}", None, "model_load_failed")
-            raise ApiError(503, "the model is loading; retry shortly", None, "model_loading", {"Retry-After": "5"})
+                raise ApiError(
+                    503, f"the model failed to load: {self.load_error}", None, "model_load_failed"
+                )
+            raise ApiError(
+                503,
+                "the model is loading; retry shortly",
+                None,
+                "model_loading",
+                {"Retry-After": "5"},
+            )
         return self.engine
 
     @staticmethod
@@ -113,31 +131,55 @@ def read_json(req: falcon.Request, limit: int) -> dict[str, Any]:
     (server.body_timeout_s), answered 408; a client that hangs up mid-body, 400.
     """
     if req.content_length is not None and req.content_length > limit:
-        raise ApiError(413, f"the request body is {req.content_length} bytes; the limit is {limit} (server.max_body_bytes)",
-                       None, "body_too_large")
+        raise ApiError(
+            413,
+            f"the request body is {req.content_length} bytes; the limit is {limit} (server.max_body_bytes)",
+            None,
+            "body_too_large",
+        )
     # bounded_stream reads a missing Content-Length as an empty body; the WSGI server decodes chunked itself.
     chunked = "chunked" in (req.get_header("Transfer-Encoding") or "").lower()
     try:
         raw = (req.stream if chunked else req.bounded_stream).read(limit + 1)
     except TimeoutError:
-        raise ApiError(408, "the request body did not arrive in time (server.body_timeout_s); send it without pauses",
-                       None, "request_timeout") from None
+        raise ApiError(
+            408,
+            "the request body did not arrive in time (server.body_timeout_s); send it without pauses",
+            None,
+            "request_timeout",
+        ) from None
     except Exception as e:
-        raise ApiError(400, f"the request body could not be read: {type(e).__name__}: {e}", None, "invalid_body") from None
+        raise ApiError(
+            400,
+            f"the request body could not be read: {type(e).__name__}: {e}",
+            None,
+            "invalid_body",
+        ) from None
     if len(raw) > limit:
-        raise ApiError(413, f"the request body is over the limit of {limit} bytes (server.max_body_bytes)", None, "body_too_large")
+        raise ApiError(
+            413,
+            f"the request body is over the limit of {limit} bytes (server.max_body_bytes)",
+            None,
+            "body_too_large",
+        )
     return load_json(raw)
 
 
 def for_model(body: Body, engine: ReadyEngine) -> Body:
     """`body` when it asks for the model served here (by its name or an alias), else a 404 naming the one that is."""
     if body.model != engine.model_name and body.model not in engine.aliases:
-        raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{engine.model_name}` (GET /v1/models)",
-                       "model", "model_not_found")
+        raise ApiError(
+            404,
+            f"The model `{body.model}` does not exist; this server serves `{engine.model_name}` (GET /v1/models)",
+            "model",
+            "model_not_found",
+        )
     return body
 
 
-def stream_sse(resp: falcon.Response, events: Iterator[bytes], error: Callable[[ApiError], bytes]) -> None:
+def stream_sse(
+    resp: falcon.Response, events: Iterator[bytes], error: Callable[[ApiError], bytes]
+) -> None:
     """Answer with `events`, a not yet started generator, as a Server-Sent Events stream.
 
     An ApiError it raises ends the stream with `error(e)`, the event in the endpoint's API's shape; a
@@ -163,7 +205,9 @@ def stream_sse(resp: falcon.Response, events: Iterator[bytes], error: Callable[[
 class RequestRun(Generic[Body]):
     """One request from admission to its sequences' end, whatever API it came in by."""
 
-    def __init__(self, state: AppState, req: falcon.Request, parse: Callable[[dict[str, Any]], Body]) -> None:
+    def __init__(
+        self, state: AppState, req: falcon.Request, parse: Callable[[dict[str, Any]], Body]
+    ) -> None:
         """Admit `req`: a loaded model, a JSON body within the limit that `parse` takes, for the model served here."""
         self.state, self.req, self.engine = state, req, state.require_ready()
         self.raw = read_json(req, state.config.max_body_bytes)
@@ -172,21 +216,29 @@ class RequestRun(Generic[Body]):
         self.mux: queue.Queue = queue.Queue()
         self.choices: list[Choice] = []
         self.prompt_tokens = 0
-        self.want_lp: int | None = None  # top logprobs asked for (0: the chosen token's only); None: none
+        self.want_lp: int | None = (
+            None  # top logprobs asked for (0: the chosen token's only); None: none
+        )
         if isinstance(body, ChatRequest) and body.logprobs:
             self.want_lp = body.top_logprobs or 0
         elif isinstance(body, CompletionRequest) and body.logprobs is not None:
             self.want_lp = body.logprobs
 
-    def submit(self, prompts: ChatPlan | list[list[int]], constraint: ConstraintFactory | None = None,
-               clamp: bool = False) -> list[Choice]:
+    def submit(
+        self,
+        prompts: ChatPlan | list[list[int]],
+        constraint: ConstraintFactory | None = None,
+        clamp: bool = False,
+    ) -> list[Choice]:
         """Submit a chat plan's prompt, or raw prompts, `n` times each: all of them or none.
 
         `clamp`: a token limit past the context is cut to what remains (Anthropic's clients ask for 32k-64k).
         """
         engine, body, cfg = self.engine, self.body, self.state.config
         plan = prompts if isinstance(prompts, ChatPlan) else None
-        if plan is not None:  # an answer sent back in the history keeps the ids the model generated for it
+        if (
+            plan is not None
+        ):  # an answer sent back in the history keeps the ids the model generated for it
             plan.respell(engine.turns.splice(engine.tokenizer, plan.prompt_ids))
             prompts, constraint = [plan.prompt_ids], plan.constraint
         max_context = min(cfg.max_context or engine.context_length, engine.context_length)
@@ -196,18 +248,42 @@ class RequestRun(Generic[Body]):
             for i in range(body.n or 1):
                 seed = None if body.seed is None else body.seed + i
                 try:
-                    params = SamplingParams(max_new, 1.0 if body.temperature is None else body.temperature,
-                                            1.0 if body.top_p is None else body.top_p, body.top_k or 0, seed)
-                    gen.append(GenRequest(tuple(ids), params, self.want_lp, body.presence_penalty or 0.0,
-                                          body.frequency_penalty or 0.0, self.state.request_id(), chat=plan is not None,
-                                          constraint=constraint, checkpoint=plan.history_end if plan else 0))
+                    params = SamplingParams(
+                        max_new,
+                        1.0 if body.temperature is None else body.temperature,
+                        1.0 if body.top_p is None else body.top_p,
+                        body.top_k or 0,
+                        seed,
+                    )
+                    gen.append(
+                        GenRequest(
+                            tuple(ids),
+                            params,
+                            self.want_lp,
+                            body.presence_penalty or 0.0,
+                            body.frequency_penalty or 0.0,
+                            self.state.request_id(),
+                            chat=plan is not None,
+                            constraint=constraint,
+                            checkpoint=plan.history_end if plan else 0,
+                        )
+                    )
                 except RequestError as e:
                     raise bad_request(str(e), e.param, "invalid_value") from None
         handles = submit_all(engine.client, gen, self.mux, self.state.pace)
         turns = engine.turns if plan is not None else None
-        self.choices = [Choice(k, h, engine.tokenizer, body.stops, parser=plan.make_parser() if plan and plan.make_parser else None,
-                               turns=turns, prompt_ids=prompts[0] if turns is not None else ())
-                        for k, h in enumerate(handles)]
+        self.choices = [
+            Choice(
+                k,
+                h,
+                engine.tokenizer,
+                body.stops,
+                parser=plan.make_parser() if plan and plan.make_parser else None,
+                turns=turns,
+                prompt_ids=prompts[0] if turns is not None else (),
+            )
+            for k, h in enumerate(handles)
+        ]
         self.prompt_tokens = sum(len(ids) for ids in prompts)
         self.state.metrics.count_prompt(self.prompt_tokens)
         return self.choices
@@ -223,10 +299,15 @@ class RequestRun(Generic[Body]):
             raise bad_request(
                 f"This model's maximum context length is {max_context} tokens. However, you requested {need} tokens "
                 f"({prompt_len} in the {param}, {asked or 1} in the completion). Please reduce the length of the {param} "
-                "or the completion.", param, "context_length_exceeded")
+                "or the completion.",
+                param,
+                "context_length_exceeded",
+            )
         if asked is not None:
             return asked
-        return room if default is None else min(default, room)  # the reference APIs: the rest of the context
+        return (
+            room if default is None else min(default, room)
+        )  # the reference APIs: the rest of the context
 
     def events(self, stream: bool) -> Iterator[tuple[Choice, str, list, bool] | None]:
         """(choice, text, logprob entries, finished) per engine event until every choice has finished; None
@@ -238,7 +319,12 @@ class RequestRun(Generic[Body]):
         """
         started = time.monotonic()
         try:
-            for ev in events(self.choices, self.mux, KEEPALIVE_S if stream else None, gone=lambda: client_gone(self.req)):
+            for ev in events(
+                self.choices,
+                self.mux,
+                KEEPALIVE_S if stream else None,
+                gone=lambda: client_gone(self.req),
+            ):
                 if ev is not None and ev[3] and ev[0].finish_reason == "error":
                     raise ev[0].failure()  # 400 for a schema that gave up mid-output, else 500
                 yield ev

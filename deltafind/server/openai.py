@@ -28,7 +28,10 @@ def chat_messages(body: ChatRequest) -> list[dict[str, Any]]:
     """The request's messages as template dicts (`developer` is `system`; text parts joined)."""
     out = []
     for m in body.messages:
-        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        d: dict[str, Any] = {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": m.text(),
+        }
         if m.name:
             d["name"] = m.name
         if m.tool_calls:
@@ -49,7 +52,11 @@ def chat_message(choice: Choice, text: str) -> dict[str, Any]:
         return {"role": "assistant", "content": text, "refusal": None}
     calls = [c.openai() for c in p.tool_calls]
     content = "".join(p.content)
-    msg: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None, "refusal": None}
+    msg: dict[str, Any] = {
+        "role": "assistant",
+        "content": content if content or not calls else None,
+        "refusal": None,
+    }
     if p.reasoning:
         msg["reasoning_content"] = msg["reasoning"] = "".join(p.reasoning)
     if calls:
@@ -66,8 +73,18 @@ def chunk_deltas(deltas: list[Delta]) -> list[dict[str, Any]]:
         elif d.kind == "reasoning":
             out.append({"reasoning_content": d.text, "reasoning": d.text})
         elif d.kind == "call":
-            out.append({"tool_calls": [{"index": d.index, "id": d.call_id, "type": "function",
-                                        "function": {"name": d.text, "arguments": ""}}]})
+            out.append(
+                {
+                    "tool_calls": [
+                        {
+                            "index": d.index,
+                            "id": d.call_id,
+                            "type": "function",
+                            "function": {"name": d.text, "arguments": ""},
+                        }
+                    ]
+                }
+            )
         else:
             out.append({"tool_calls": [{"index": d.index, "function": {"arguments": d.text}}]})
     return out
@@ -86,10 +103,17 @@ class Generate:
             run.submit(plan_chat(engine.tokenizer, body, chat_messages(body)))
         else:  # `response_format`: the same enforced JSON as chat
             schema, field = response_format_schema(body.response_format or {})
-            grammar = None if schema is None else Grammar(engine.tokenizer, json_schema_grammar(schema, field), field).factory()
+            grammar = (
+                None
+                if schema is None
+                else Grammar(engine.tokenizer, json_schema_grammar(schema, field), field).factory()
+            )
             run.submit(self._prompts(engine, body), grammar)
-        meta = {"id": ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
-                "model": engine.model_name}
+        meta = {
+            "id": ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24],
+            "created": int(time.time()),
+            "model": engine.model_name,
+        }
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream_sse(resp, self._sse(run, meta, include_usage), sse_error)
@@ -105,11 +129,17 @@ class Generate:
             if isinstance(p, str):
                 ids = tok.encode(p)
                 if not ids:
-                    raise bad_request("prompt: the prompt is empty (no tokens)", "prompt", "invalid_value")
+                    raise bad_request(
+                        "prompt: the prompt is empty (no tokens)", "prompt", "invalid_value"
+                    )
             else:
                 bad = next((t for t in p if t >= tok.vocab_size), None)
                 if bad is not None:
-                    raise bad_request(f"prompt[{i}]: token id {bad} is not below the vocabulary size {tok.vocab_size}", "prompt", "invalid_value")
+                    raise bad_request(
+                        f"prompt[{i}]: token id {bad} is not below the vocabulary size {tok.vocab_size}",
+                        "prompt",
+                        "invalid_value",
+                    )
                 ids = list(p)
             out.append(ids)
         return out
@@ -120,14 +150,27 @@ class Generate:
         for c in run.choices:
             text = "".join(c.text)
             if self.chat:
-                item = {"index": c.index, "message": chat_message(c, text),
-                        "logprobs": chat_logprobs(tok, c.logprobs) if want_lp else None, "finish_reason": c.finish_reason}
+                item = {
+                    "index": c.index,
+                    "message": chat_message(c, text),
+                    "logprobs": chat_logprobs(tok, c.logprobs) if want_lp else None,
+                    "finish_reason": c.finish_reason,
+                }
             else:
-                item = {"index": c.index, "text": text, "logprobs": completion_logprobs(tok, c.logprobs, 0) if want_lp else None,
-                        "finish_reason": c.finish_reason}
+                item = {
+                    "index": c.index,
+                    "text": text,
+                    "logprobs": completion_logprobs(tok, c.logprobs, 0) if want_lp else None,
+                    "finish_reason": c.finish_reason,
+                }
             out.append(item)
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**meta, "object": obj, "choices": out, "usage": usage(run.choices, run.prompt_tokens)}
+        return {
+            **meta,
+            "object": obj,
+            "choices": out,
+            "usage": usage(run.choices, run.prompt_tokens),
+        }
 
     def _sse(self, run: RequestRun, meta: dict, include_usage: bool) -> Iterator[bytes]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -135,36 +178,65 @@ class Generate:
         offsets = {c.index: 0 for c in run.choices}
 
         def chunk(items: list[dict], **extra: Any) -> bytes:
-            data = {**meta, "object": obj, "choices": items, **({"usage": None} if include_usage else {}), **extra}
+            data = {
+                **meta,
+                "object": obj,
+                "choices": items,
+                **({"usage": None} if include_usage else {}),
+                **extra,
+            }
             return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
 
-        def item(c: Choice, text: str | None, entries: list, finish: str | None, delta: dict | None = None) -> dict:
+        def item(
+            c: Choice,
+            text: str | None,
+            entries: list,
+            finish: str | None,
+            delta: dict | None = None,
+        ) -> dict:
             if self.chat:
                 delta = delta if delta is not None else {} if text is None else {"content": text}
                 lp = chat_logprobs(tok, entries) if want_lp and entries else None
                 return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-            lp = completion_logprobs(tok, entries, offsets[c.index]) if want_lp and entries else None
+            lp = (
+                completion_logprobs(tok, entries, offsets[c.index]) if want_lp and entries else None
+            )
             offsets[c.index] += len(text or "")
             return {"index": c.index, "text": text or "", "logprobs": lp, "finish_reason": finish}
 
         if self.chat:
             for c in run.choices:
-                yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])
+                yield chunk(
+                    [
+                        {
+                            "index": c.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
         for ev in run.events(stream=True):
             if ev is None:
                 yield b": keep-alive\n\n"
                 continue
             c, text, entries, done = ev
             if c.parser is not None:
-                for k, delta in enumerate(chunk_deltas(c.take_deltas()) or ([{}] if entries else [])):
+                for k, delta in enumerate(
+                    chunk_deltas(c.take_deltas()) or ([{}] if entries else [])
+                ):
                     yield chunk([item(c, None, entries if k == 0 else [], None, delta)])
             elif text or entries:
                 yield chunk([item(c, text, entries, None)])
             if done:
                 yield chunk([item(c, None, [], c.finish_reason)])
         if include_usage:
-            data = {**meta, "object": obj, "choices": [], "usage": usage(run.choices, run.prompt_tokens)}
+            data = {
+                **meta,
+                "object": obj,
+                "choices": [],
+                "usage": usage(run.choices, run.prompt_tokens),
+            }
             yield b"data: " + json.dumps(data).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
 

@@ -38,7 +38,11 @@ class ToolCall:
     closed: bool = False  # the arguments object is complete
 
     def openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": "".join(self.arguments)}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": "".join(self.arguments)},
+        }
 
 
 def _hold(buf: str, markers: list[str]) -> int:
@@ -82,9 +86,20 @@ class _JsonScan:
 class OutputParser:
     """Split one choice's streamed text; `feed` per piece, `finish` once at the end."""
 
-    def __init__(self, fmt: ChatFormat | None = None, think: tuple[str, str] | None = None, in_think: bool = False,
-                 strip: tuple[str, ...] = (), tools: Iterable[ToolSpec] = ()) -> None:
-        self.fmt, self.think, self.strip, self.tools = fmt, think, list(strip), {t.name: t for t in tools}
+    def __init__(
+        self,
+        fmt: ChatFormat | None = None,
+        think: tuple[str, str] | None = None,
+        in_think: bool = False,
+        strip: tuple[str, ...] = (),
+        tools: Iterable[ToolSpec] = (),
+    ) -> None:
+        self.fmt, self.think, self.strip, self.tools = (
+            fmt,
+            think,
+            list(strip),
+            {t.name: t for t in tools},
+        )
         self.r_state = "in" if think and in_think else ("maybe" if think else "out")
         self.rbuf = self.cbuf = ""
         self.mode = "content"
@@ -118,7 +133,7 @@ class OutputParser:
             s = self.rbuf.lstrip()
             open_ = self.think[0]  # type: ignore[index]
             if s.startswith(open_):
-                self.r_state, self.rbuf = "in", s[len(open_):]
+                self.r_state, self.rbuf = "in", s[len(open_) :]
             elif (s and not open_.startswith(s)) or final:
                 self.r_state = "out"
             else:
@@ -129,16 +144,18 @@ class OutputParser:
             if idx < 0:
                 keep = 0 if final else _hold(self.rbuf, [close])
                 self._emit(out, "reasoning", self.rbuf[: len(self.rbuf) - keep])
-                self.rbuf = self.rbuf[len(self.rbuf) - keep:]
+                self.rbuf = self.rbuf[len(self.rbuf) - keep :]
                 return
             self._emit(out, "reasoning", self.rbuf[:idx])
-            self.rbuf, self.r_state, self._lstrip = self.rbuf[idx + len(close):], "out", True
+            self.rbuf, self.r_state, self._lstrip = self.rbuf[idx + len(close) :], "out", True
         rest, self.rbuf = self.rbuf, ""
         self._content(rest, out, final)
 
     # -- content and calls -----------------------------------------------------
 
-    def _emit(self, out: list[Delta], kind: str, text: str, index: int = 0, call_id: str = "") -> None:
+    def _emit(
+        self, out: list[Delta], kind: str, text: str, index: int = 0, call_id: str = ""
+    ) -> None:
         if kind == "content":
             if self._lstrip:
                 text = text.lstrip()
@@ -160,11 +177,15 @@ class OutputParser:
         fmt = self.fmt
         if self.mode == "calls":
             return self._calls(out, final)
-        if fmt is not None and fmt.leads and not self._any_content and not self.calls:  # the call is the whole answer
+        if (
+            fmt is not None and fmt.leads and not self._any_content and not self.calls
+        ):  # the call is the whole answer
             s = self.cbuf.lstrip()
             if not s and not final:
                 return False
-            if s.startswith(fmt.leads) or (s and not final and any(x.startswith(s) for x in fmt.leads)):
+            if s.startswith(fmt.leads) or (
+                s and not final and any(x.startswith(s) for x in fmt.leads)
+            ):
                 self.mode, self.cbuf = "calls", s
                 return True
         starts = [fmt.start] if fmt is not None and fmt.start else []
@@ -172,14 +193,16 @@ class OutputParser:
         if marker is None:
             keep = 0 if final else _hold(self.cbuf, self.strip + starts)
             self._emit(out, "content", self.cbuf[: len(self.cbuf) - keep])
-            self.cbuf = self.cbuf[len(self.cbuf) - keep:]
+            self.cbuf = self.cbuf[len(self.cbuf) - keep :]
             return False
         self._emit(out, "content", self.cbuf[:idx])
         if marker in self.strip:
-            self.cbuf = self.cbuf[idx + len(marker):]
+            self.cbuf = self.cbuf[idx + len(marker) :]
         else:
             self.mode = "calls"
-            self.cbuf = self.cbuf[idx + (len(marker) if fmt and marker == fmt.section_open else 0):]
+            self.cbuf = self.cbuf[
+                idx + (len(marker) if fmt and marker == fmt.section_open else 0) :
+            ]
         return True
 
     def _calls(self, out: list[Delta], final: bool) -> bool:
@@ -188,7 +211,7 @@ class OutputParser:
         if self.cur is None:
             s = self.cbuf.lstrip()
             if fmt.section_close and s.startswith(fmt.section_close):
-                self.cbuf, self.mode = s[len(fmt.section_close):], "content"
+                self.cbuf, self.mode = s[len(fmt.section_close) :], "content"
                 return True
             if s.startswith(fmt.openers):
                 m = fmt.header.match(s)
@@ -197,18 +220,29 @@ class OutputParser:
                         self._fallback(s, out)
                         self.cbuf = ""
                     return False
-                self.cur = ToolCall(len(self.calls), "call_" + uuid.uuid4().hex[:24], m.group("name").strip())
+                self.cur = ToolCall(
+                    len(self.calls), "call_" + uuid.uuid4().hex[:24], m.group("name").strip()
+                )
                 self.calls.append(self.cur)
                 self.scan = _JsonScan()
-                self.cbuf = s[m.end():]
+                self.cbuf = s[m.end() :]
                 self._emit(out, "call", self.cur.name, self.cur.index, self.cur.id)
                 return True
-            if not s or (not final and any(x.startswith(s) for x in (*fmt.openers, fmt.section_close or ""))):
+            if not s or (
+                not final and any(x.startswith(s) for x in (*fmt.openers, fmt.section_close or ""))
+            ):
                 return False
             if fmt.section_open is None:  # text after standalone calls is content again
                 self.mode, self.cbuf = "content", s
                 return True
-            nxt = min((i for i in (s.find(fmt.call_open or "\0"), s.find(fmt.section_close or "\0")) if i > 0), default=-1)
+            nxt = min(
+                (
+                    i
+                    for i in (s.find(fmt.call_open or "\0"), s.find(fmt.section_close or "\0"))
+                    if i > 0
+                ),
+                default=-1,
+            )
             self.cbuf = s[nxt:] if nxt > 0 else ""  # junk between calls inside a section
             return nxt > 0
         call = self.cur
@@ -223,7 +257,7 @@ class OutputParser:
             args = fmt.elements(self.cbuf[:idx], self.tools.get(call.name))
             self._emit(out, "args", json.dumps(args, ensure_ascii=False), call.index)
             call.arguments.append(json.dumps(args, ensure_ascii=False))
-            call.closed, self.cur, self.cbuf = True, None, self.cbuf[idx + len(fmt.call_close):]
+            call.closed, self.cur, self.cbuf = True, None, self.cbuf[idx + len(fmt.call_close) :]
             return True
         if not call.closed:
             n = self.scan.feed(self.cbuf)
@@ -239,7 +273,7 @@ class OutputParser:
             if final:
                 self.cur, self.cbuf = None, ""
             return False
-        self.cur, self.cbuf = None, self.cbuf[idx + len(fmt.call_close):]
+        self.cur, self.cbuf = None, self.cbuf[idx + len(fmt.call_close) :]
         return True
 
     def _fallback(self, block: str, out: list[Delta]) -> None:
@@ -250,12 +284,21 @@ class OutputParser:
             self._emit(out, "content", block)
             return
         args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(args, dict):
+        if (
+            not isinstance(obj, dict)
+            or not isinstance(obj.get("name"), str)
+            or not isinstance(args, dict)
+        ):
             self._emit(out, "content", block)
             return
-        call = ToolCall(len(self.calls), "call_" + uuid.uuid4().hex[:24], obj["name"], [json.dumps(args, ensure_ascii=False)],
-                        "json", True)
+        call = ToolCall(
+            len(self.calls),
+            "call_" + uuid.uuid4().hex[:24],
+            obj["name"],
+            [json.dumps(args, ensure_ascii=False)],
+            "json",
+            True,
+        )
         self.calls.append(call)
         self._emit(out, "call", call.name, call.index, call.id)
         self._emit(out, "args", call.arguments[0], call.index)
-

@@ -29,22 +29,46 @@ from deltafind.server.schemas import ChatRequest, parse_body
 MAX_KEPT = 256
 
 
-def _item(block: Block, done: bool, seal: bool = False, spaces: dict[str, tuple[str, str]] | None = None) -> dict[str, Any]:
+def _item(
+    block: Block, done: bool, seal: bool = False, spaces: dict[str, tuple[str, str]] | None = None
+) -> dict[str, Any]:
     status = "completed" if done else "in_progress"
     if block.kind == "reasoning":
-        item = {"type": "reasoning", "id": f"rs_{block.index}", "summary": [],
-                "content": [{"type": "reasoning_text", "text": block.text}] if done else [], "status": status}
-        if seal and done:  # include: ["reasoning.encrypted_content"] (a store: false client replays it)
+        item = {
+            "type": "reasoning",
+            "id": f"rs_{block.index}",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": block.text}] if done else [],
+            "status": status,
+        }
+        if (
+            seal and done
+        ):  # include: ["reasoning.encrypted_content"] (a store: false client replays it)
             item["encrypted_content"] = seal_reasoning(block.text)
         return item
     if block.kind == "call":
-        item = {"type": "function_call", "id": f"fc_{block.call_id[5:]}", "call_id": block.call_id, "name": block.name,
-                "arguments": block.text if done else "", "status": status}
-        if spaces and block.name in spaces:  # a namespace's function: its call names both, as the reference API's
+        item = {
+            "type": "function_call",
+            "id": f"fc_{block.call_id[5:]}",
+            "call_id": block.call_id,
+            "name": block.name,
+            "arguments": block.text if done else "",
+            "status": status,
+        }
+        if (
+            spaces and block.name in spaces
+        ):  # a namespace's function: its call names both, as the reference API's
             item["namespace"], item["name"] = spaces[block.name]
         return item
-    return {"type": "message", "id": f"msg_{block.index}", "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": block.text, "annotations": [], "logprobs": []}] if done else []}
+    return {
+        "type": "message",
+        "id": f"msg_{block.index}",
+        "role": "assistant",
+        "status": status,
+        "content": [{"type": "output_text", "text": block.text, "annotations": [], "logprobs": []}]
+        if done
+        else [],
+    }
 
 
 class Responses:
@@ -58,20 +82,31 @@ class Responses:
         prev = body.get("previous_response_id")
         if prev is not None:
             if not isinstance(prev, str):
-                raise bad_request("previous_response_id: expected a string (a response id)", "previous_response_id",
-                                  "invalid_value")
+                raise bad_request(
+                    "previous_response_id: expected a string (a response id)",
+                    "previous_response_id",
+                    "invalid_value",
+                )
             with self.lock:
                 history = list(self.kept.get(prev) or [])
             if not history:
-                raise ApiError(404, f"previous_response_id: no response {prev!r} is kept by this server (send the whole input)",
-                               "previous_response_id", "previous_response_not_found")
+                raise ApiError(
+                    404,
+                    f"previous_response_id: no response {prev!r} is kept by this server (send the whole input)",
+                    "previous_response_id",
+                    "previous_response_not_found",
+                )
         return parse_body(to_chat(body, history), chat=True)  # type: ignore[return-value]  # chat=True gives a ChatRequest
 
     def on_post_input_tokens(self, req: falcon.Request, resp: falcon.Response) -> None:
         """POST /v1/responses/input_tokens: the prompt's length, as a request with this body would see it."""
         # The reference endpoint takes the create body; these keys say nothing about the input.
         ignored = ("stream", "max_output_tokens", "store", "include", "stream_options")
-        run = RequestRun(self.state, req, lambda raw: self._request({k: v for k, v in raw.items() if k not in ignored}))
+        run = RequestRun(
+            self.state,
+            req,
+            lambda raw: self._request({k: v for k, v in raw.items() if k not in ignored}),
+        )
         plan = plan_chat(run.engine.tokenizer, run.body, chat_messages(run.body), True)
         resp.media = {"object": "response.input_tokens", "input_tokens": len(plan.prompt_ids)}
 
@@ -79,26 +114,51 @@ class Responses:
         run = RequestRun(self.state, req, self._request)
         engine, chat, body = run.engine, run.body, run.raw
         prev = body.get("previous_response_id")
-        seal = isinstance(body.get("include"), list) and "reasoning.encrypted_content" in body["include"]
+        seal = (
+            isinstance(body.get("include"), list)
+            and "reasoning.encrypted_content" in body["include"]
+        )
         spaces = namespaced(body.get("tools"))
         c = run.submit(plan_chat(engine.tokenizer, chat, chat_messages(chat), True))[0]
-        shell = {"id": "resp_" + uuid.uuid4().hex[:24], "object": "response", "created_at": int(time.time()),
-                 "model": engine.model_name, "instructions": body.get("instructions"), "tools": body.get("tools") or [],
-                 "tool_choice": body.get("tool_choice") or "auto", "parallel_tool_calls": body.get("parallel_tool_calls", True),
-                 "temperature": body.get("temperature"), "top_p": body.get("top_p"), "metadata": body.get("metadata") or {},
-                 "max_output_tokens": body.get("max_output_tokens"), "text": body.get("text") or {"format": {"type": "text"}},
-                 "previous_response_id": prev, "error": None, "incomplete_details": None}
+        shell = {
+            "id": "resp_" + uuid.uuid4().hex[:24],
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": engine.model_name,
+            "instructions": body.get("instructions"),
+            "tools": body.get("tools") or [],
+            "tool_choice": body.get("tool_choice") or "auto",
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "temperature": body.get("temperature"),
+            "top_p": body.get("top_p"),
+            "metadata": body.get("metadata") or {},
+            "max_output_tokens": body.get("max_output_tokens"),
+            "text": body.get("text") or {"format": {"type": "text"}},
+            "previous_response_id": prev,
+            "error": None,
+            "incomplete_details": None,
+        }
         blocks = Blocks()
         chat_history = [m.model_dump(exclude_none=True) for m in chat.messages]
 
         def final() -> dict[str, Any]:
-            out = {**shell, "status": "completed", "output": [_item(b, True, seal, spaces) for b in blocks.blocks],
-                   "usage": {"input_tokens": run.prompt_tokens, "output_tokens": c.completion_tokens,
-                             "total_tokens": run.prompt_tokens + c.completion_tokens,
-                             "input_tokens_details": {"cached_tokens": c.cached_tokens},
-                             "output_tokens_details": {"reasoning_tokens": c.reasoning_tokens}}}
+            out = {
+                **shell,
+                "status": "completed",
+                "output": [_item(b, True, seal, spaces) for b in blocks.blocks],
+                "usage": {
+                    "input_tokens": run.prompt_tokens,
+                    "output_tokens": c.completion_tokens,
+                    "total_tokens": run.prompt_tokens + c.completion_tokens,
+                    "input_tokens_details": {"cached_tokens": c.cached_tokens},
+                    "output_tokens_details": {"reasoning_tokens": c.reasoning_tokens},
+                },
+            }
             if c.finish_reason == "length":
-                out["status"], out["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
+                out["status"], out["incomplete_details"] = (
+                    "incomplete",
+                    {"reason": "max_output_tokens"},
+                )
             self._keep(out["id"], chat_history, blocks.blocks)
             return out
 
@@ -118,29 +178,78 @@ class Responses:
                 b, ids = s.block, {"output_index": s.block.index}
                 item_id = _item(b, False)["id"]
                 if s.what == "open":
-                    yield event("response.output_item.added", **ids, item=_item(b, False, seal, spaces))
+                    yield event(
+                        "response.output_item.added", **ids, item=_item(b, False, seal, spaces)
+                    )
                     if b.kind == "text":
-                        yield event("response.content_part.added", **ids, item_id=item_id, content_index=0,
-                                    part={"type": "output_text", "text": "", "annotations": []})
+                        yield event(
+                            "response.content_part.added",
+                            **ids,
+                            item_id=item_id,
+                            content_index=0,
+                            part={"type": "output_text", "text": "", "annotations": []},
+                        )
                 elif s.what == "delta":
                     if b.kind == "text":
-                        yield event("response.output_text.delta", **ids, item_id=item_id, content_index=0, delta=s.text,
-                                    logprobs=[])
+                        yield event(
+                            "response.output_text.delta",
+                            **ids,
+                            item_id=item_id,
+                            content_index=0,
+                            delta=s.text,
+                            logprobs=[],
+                        )
                     elif b.kind == "reasoning":
-                        yield event("response.reasoning_text.delta", **ids, item_id=item_id, content_index=0, delta=s.text)
+                        yield event(
+                            "response.reasoning_text.delta",
+                            **ids,
+                            item_id=item_id,
+                            content_index=0,
+                            delta=s.text,
+                        )
                     else:
-                        yield event("response.function_call_arguments.delta", **ids, item_id=item_id, delta=s.text)
+                        yield event(
+                            "response.function_call_arguments.delta",
+                            **ids,
+                            item_id=item_id,
+                            delta=s.text,
+                        )
                 else:
                     if b.kind == "text":
-                        yield event("response.output_text.done", **ids, item_id=item_id, content_index=0, text=b.text, logprobs=[])
-                        yield event("response.content_part.done", **ids, item_id=item_id, content_index=0,
-                                    part={"type": "output_text", "text": b.text, "annotations": []})
+                        yield event(
+                            "response.output_text.done",
+                            **ids,
+                            item_id=item_id,
+                            content_index=0,
+                            text=b.text,
+                            logprobs=[],
+                        )
+                        yield event(
+                            "response.content_part.done",
+                            **ids,
+                            item_id=item_id,
+                            content_index=0,
+                            part={"type": "output_text", "text": b.text, "annotations": []},
+                        )
                     elif b.kind == "reasoning":
-                        yield event("response.reasoning_text.done", **ids, item_id=item_id, content_index=0, text=b.text)
+                        yield event(
+                            "response.reasoning_text.done",
+                            **ids,
+                            item_id=item_id,
+                            content_index=0,
+                            text=b.text,
+                        )
                     else:
-                        yield event("response.function_call_arguments.done", **ids, item_id=item_id, name=b.name,
-                                    arguments=b.text)
-                    yield event("response.output_item.done", **ids, item=_item(b, True, seal, spaces))
+                        yield event(
+                            "response.function_call_arguments.done",
+                            **ids,
+                            item_id=item_id,
+                            name=b.name,
+                            arguments=b.text,
+                        )
+                    yield event(
+                        "response.output_item.done", **ids, item=_item(b, True, seal, spaces)
+                    )
 
         def stream() -> Iterator[bytes]:
             start = {**shell, "status": "in_progress", "output": [], "usage": None}
@@ -152,14 +261,25 @@ class Responses:
                     continue
                 yield from steps(batch)
             done = final()
-            yield event("response.completed" if done["status"] == "completed" else "response.incomplete", response=done)
+            yield event(
+                "response.completed" if done["status"] == "completed" else "response.incomplete",
+                response=done,
+            )
 
-        stream_sse(resp, stream(), lambda e: event("error", code=e.code, message=e.message, param=e.param))
+        stream_sse(
+            resp, stream(), lambda e: event("error", code=e.code, message=e.message, param=e.param)
+        )
 
     def _keep(self, rid: str, history: list[dict[str, Any]], blocks: list[Block]) -> None:
-        answer: dict[str, Any] = {"role": "assistant", "content": "".join(b.text for b in blocks if b.kind == "text")}
-        calls = [{"id": b.call_id, "type": "function", "function": {"name": b.name, "arguments": b.text}}
-                 for b in blocks if b.kind == "call"]
+        answer: dict[str, Any] = {
+            "role": "assistant",
+            "content": "".join(b.text for b in blocks if b.kind == "text"),
+        }
+        calls = [
+            {"id": b.call_id, "type": "function", "function": {"name": b.name, "arguments": b.text}}
+            for b in blocks
+            if b.kind == "call"
+        ]
         if calls:
             answer["tool_calls"] = calls
         reasoning = "".join(b.text for b in blocks if b.kind == "reasoning")

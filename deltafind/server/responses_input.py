@@ -17,53 +17,124 @@ from deltafind.log import get_logger
 from deltafind.server.errors import ApiError, bad_request
 
 log = get_logger(__name__)
-PASSED = {"model", "temperature", "top_p", "stream", "parallel_tool_calls", "user", "metadata", "tool_choice"}
+PASSED = {
+    "model",
+    "temperature",
+    "top_p",
+    "stream",
+    "parallel_tool_calls",
+    "user",
+    "metadata",
+    "tool_choice",
+}
 # Accepted and without effect here (storage, tracing, caching hints, client bookkeeping).
-IGNORED = {"store", "include", "truncation", "service_tier", "prompt_cache_key", "safety_identifier", "background",
-           "stream_options", "max_tool_calls", "prompt_cache_retention", "top_logprobs", "conversation", "prompt",
-           "client_metadata"}
-KNOWN = PASSED | IGNORED | {"input", "instructions", "tools", "max_output_tokens", "text", "reasoning", "previous_response_id"}
+IGNORED = {
+    "store",
+    "include",
+    "truncation",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+    "background",
+    "stream_options",
+    "max_tool_calls",
+    "prompt_cache_retention",
+    "top_logprobs",
+    "conversation",
+    "prompt",
+    "client_metadata",
+}
+KNOWN = (
+    PASSED
+    | IGNORED
+    | {
+        "input",
+        "instructions",
+        "tools",
+        "max_output_tokens",
+        "text",
+        "reasoning",
+        "previous_response_id",
+    }
+)
 # The reference API's hosted tools: it runs them itself; a server that cannot offers the model the rest.
-HOSTED = {"web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11", "file_search",
-          "computer", "computer_use", "computer_use_preview", "code_interpreter", "image_generation", "mcp", "local_shell",
-          "shell", "apply_patch", "custom", "tool_search"}
-BLOB_PREFIX = "dfr1:"  # version 1: base64 of {"text": reasoning}; not secret (the client sent the prompt)
+HOSTED = {
+    "web_search",
+    "web_search_preview",
+    "web_search_2025_08_26",
+    "web_search_preview_2025_03_11",
+    "file_search",
+    "computer",
+    "computer_use",
+    "computer_use_preview",
+    "code_interpreter",
+    "image_generation",
+    "mcp",
+    "local_shell",
+    "shell",
+    "apply_patch",
+    "custom",
+    "tool_search",
+}
+BLOB_PREFIX = (
+    "dfr1:"  # version 1: base64 of {"text": reasoning}; not secret (the client sent the prompt)
+)
 
 
 def seal_reasoning(text: str) -> str:
     """A reasoning item's `encrypted_content`: the text, so a `store: false` client can replay it."""
-    return BLOB_PREFIX + base64.b64encode(json.dumps({"text": text}, ensure_ascii=False).encode()).decode()
+    return (
+        BLOB_PREFIX
+        + base64.b64encode(json.dumps({"text": text}, ensure_ascii=False).encode()).decode()
+    )
 
 
 def open_reasoning(blob: Any, where: str) -> str:
     """The reasoning text of an `encrypted_content` this server wrote, or a 400 naming the item."""
     if isinstance(blob, str) and blob.startswith(BLOB_PREFIX):
         try:
-            text = json.loads(base64.b64decode(blob[len(BLOB_PREFIX):], validate=True))["text"]
+            text = json.loads(base64.b64decode(blob[len(BLOB_PREFIX) :], validate=True))["text"]
             if isinstance(text, str):
                 return text
         except (binascii.Error, ValueError, KeyError, TypeError):
             pass
-    raise bad_request(f"{where}: this encrypted_content was not written by this server (send reasoning items back "
-                      "as this server returned them, or drop them)", where, "invalid_encrypted_content")
+    raise bad_request(
+        f"{where}: this encrypted_content was not written by this server (send reasoning items back "
+        "as this server returned them, or drop them)",
+        where,
+        "invalid_encrypted_content",
+    )
 
 
 def _text(content: Any, where: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
-        raise bad_request(f"{where}: expected a string or a list of text parts", where, "invalid_value")
+        raise bad_request(
+            f"{where}: expected a string or a list of text parts", where, "invalid_value"
+        )
     out = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text", "refusal", "reasoning_text",
-                                                                  "summary_text"):
+        if not isinstance(part, dict) or part.get("type") not in (
+            "input_text",
+            "output_text",
+            "text",
+            "refusal",
+            "reasoning_text",
+            "summary_text",
+        ):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise bad_request(f"{where}[{j}]: {kind!r} content is not supported (text only)", f"{where}[{j}].type",
-                              "unsupported_content")
+            raise bad_request(
+                f"{where}[{j}]: {kind!r} content is not supported (text only)",
+                f"{where}[{j}].type",
+                "unsupported_content",
+            )
         key = "refusal" if part["type"] == "refusal" else "text"
         value = part.get(key)
         if not isinstance(value, str):
-            raise bad_request(f"{where}[{j}].{key}: expected a string", f"{where}[{j}].{key}", "invalid_value")
+            raise bad_request(
+                f"{where}[{j}].{key}: expected a string", f"{where}[{j}].{key}", "invalid_value"
+            )
         out.append(value)
     return "".join(out)
 
@@ -86,7 +157,11 @@ def namespaced(tools: Any) -> dict[str, tuple[str, str]]:
     """The name the model sees for each namespaced function -> (namespace, name), to split its calls again."""
     out = {}
     for t in tools if isinstance(tools, list) else []:
-        if isinstance(t, dict) and t.get("type") == "namespace" and isinstance(t.get("tools"), list):
+        if (
+            isinstance(t, dict)
+            and t.get("type") == "namespace"
+            and isinstance(t.get("tools"), list)
+        ):
             for f in t["tools"]:
                 if isinstance(f, dict) and isinstance(f.get("name"), str):
                     out[call_name(f["name"], t["name"])] = (t["name"], f["name"])
@@ -112,17 +187,28 @@ def to_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise bad_request(f"{where}.role: {role!r} is not one of user, assistant, system, developer", f"{where}.role",
-                                  "invalid_value")
+                raise bad_request(
+                    f"{where}.role: {role!r} is not one of user, assistant, system, developer",
+                    f"{where}.role",
+                    "invalid_value",
+                )
             msg = {"role": role, "content": _text(item.get("content"), f"{where}.content")}
             if role == "assistant" and reasoning is not None:
                 msg["reasoning_content"], reasoning = reasoning, None
             msgs.append(msg)
         elif kind == "function_call":
-            name = call_name(_string(item, "name", where), _string(item, "namespace", where, required=False))  # type: ignore[arg-type]
+            name = call_name(
+                _string(item, "name", where), _string(item, "namespace", where, required=False)
+            )  # type: ignore[arg-type]
             args = _string(item, "arguments", where, required=False) or "{}"
-            call_id = _string(item, "call_id", where, required=False) or _string(item, "id", where, required=False)
-            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            call_id = _string(item, "call_id", where, required=False) or _string(
+                item, "id", where, required=False
+            )
+            call = {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": args},
+            }
             last = msgs[-1] if msgs else None
             if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": ""}
@@ -132,8 +218,13 @@ def to_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             last.setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             out = item.get("output")
-            msgs.append({"role": "tool", "tool_call_id": _string(item, "call_id", where, required=False),
-                         "content": out if isinstance(out, str) else _text(out, f"{where}.output")})
+            msgs.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": _string(item, "call_id", where, required=False),
+                    "content": out if isinstance(out, str) else _text(out, f"{where}.output"),
+                }
+            )
         elif kind == "reasoning":
             if item.get("encrypted_content") is not None:
                 reasoning = open_reasoning(item["encrypted_content"], f"{where}.encrypted_content")
@@ -142,8 +233,12 @@ def to_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             else:
                 reasoning = _text(item.get("summary") or [], f"{where}.summary")
         else:
-            raise bad_request(f"{where}.type: {kind!r} items are not supported (message, function_call, "
-                              "function_call_output, reasoning)", f"{where}.type", "unsupported_parameter")
+            raise bad_request(
+                f"{where}.type: {kind!r} items are not supported (message, function_call, "
+                "function_call_output, reasoning)",
+                f"{where}.type",
+                "unsupported_parameter",
+            )
     return msgs
 
 
@@ -169,7 +264,11 @@ def to_tools(tools: Any) -> list[dict[str, Any]]:
             ns = _string(t, "name", where)
             inner = t.get("tools")
             if not isinstance(inner, list):
-                raise bad_request(f"{where}.tools: expected a list of function tools", f"{where}.tools", "invalid_value")
+                raise bad_request(
+                    f"{where}.tools: expected a list of function tools",
+                    f"{where}.tools",
+                    "invalid_value",
+                )
             for j, f in enumerate(inner):
                 if isinstance(f, dict) and f.get("type") == "function":
                     out.append(_function(f, f"{where}.tools[{j}]", ns))
@@ -178,8 +277,12 @@ def to_tools(tools: Any) -> list[dict[str, Any]]:
         elif kind in HOSTED:
             skipped.append(kind)
         else:
-            raise bad_request(f"{where}.type: {kind!r} is not a tool type (function, namespace, or a hosted tool such as "
-                              "web_search)", f"{where}.type", "invalid_value")
+            raise bad_request(
+                f"{where}.type: {kind!r} is not a tool type (function, namespace, or a hosted tool such as "
+                "web_search)",
+                f"{where}.type",
+                "invalid_value",
+            )
     if skipped:  # the reference API runs these itself; here the model is not offered them
         log.info("hosted_tools_ignored", tools=skipped)
     return out
@@ -189,7 +292,9 @@ def to_chat(body: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, An
     """The chat completions request equivalent to a Responses request."""
     for key in body:
         if key not in KNOWN:
-            raise ApiError(400, f"Unrecognized request argument supplied: {key}", key, "unknown_parameter")
+            raise ApiError(
+                400, f"Unrecognized request argument supplied: {key}", key, "unknown_parameter"
+            )
     chat = {k: body[k] for k in PASSED if body.get(k) is not None}
     chat["messages"] = [*history, *to_messages(body)]
     if body.get("max_output_tokens") is not None:
@@ -199,15 +304,25 @@ def to_chat(body: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, An
         chat["tools"] = tools
     choice = chat.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
-        chat["tool_choice"] = {"type": "function", "function": {"name": call_name(choice["name"], choice.get("namespace"))}}
+        chat["tool_choice"] = {
+            "type": "function",
+            "function": {"name": call_name(choice["name"], choice.get("namespace"))},
+        }
     elif not tools and choice in ("auto", "none"):
         del chat["tool_choice"]  # every tool was hosted: nothing left to choose from
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-        chat["response_format"] = {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
+        chat["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt},
+        }
     elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
         chat["response_format"] = {"type": "json_object"}
-    effort = (body.get("reasoning") or {}).get("effort") if isinstance(body.get("reasoning"), dict) else None
+    effort = (
+        (body.get("reasoning") or {}).get("effort")
+        if isinstance(body.get("reasoning"), dict)
+        else None
+    )
     if effort is not None:
         chat["reasoning_effort"] = effort
     return chat

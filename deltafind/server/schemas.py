@@ -21,22 +21,44 @@ MAX_SEED = 2**63 - 1
 
 # Known OpenAI fields this server cannot honour: a clear "not supported", not "unknown".
 UNSUPPORTED = {
-    "functions": "function calling (use tools)", "function_call": "function calling", "audio": "audio output",
-    "modalities": "output modalities", "prediction": "predicted outputs", "web_search_options": "web search",
-    "service_tier": "service tiers", "suffix": "suffix (insertion)",
-    "verbosity": "verbosity", "prompt_cache_key": "prompt cache keys", "safety_identifier": "safety identifiers",
+    "functions": "function calling (use tools)",
+    "function_call": "function calling",
+    "audio": "audio output",
+    "modalities": "output modalities",
+    "prediction": "predicted outputs",
+    "web_search_options": "web search",
+    "service_tier": "service tiers",
+    "suffix": "suffix (insertion)",
+    "verbosity": "verbosity",
+    "prompt_cache_key": "prompt cache keys",
+    "safety_identifier": "safety identifiers",
 }
 # Defaults that SDKs (LangChain, LiteLLM, agent frameworks) send on every request: these values,
 # and null for any UNSUPPORTED field, ask for nothing, so the field is dropped before validation.
-NO_OP: dict[str, tuple[Any, ...]] = {"tools": ([],), "functions": ([],), "service_tier": ("auto", "default"),
-                                     "modalities": (["text"],)}
+NO_OP: dict[str, tuple[Any, ...]] = {
+    "tools": ([],),
+    "functions": ([],),
+    "service_tier": ("auto", "default"),
+    "modalities": (["text"],),
+}
 # Accepted only at their no-op value.
-NEUTRAL = {"logit_bias": ({}, None), "store": (False, None), "echo": (False, None),
-           "best_of": (1, None)}
+NEUTRAL = {
+    "logit_bias": ({}, None),
+    "store": (False, None),
+    "echo": (False, None),
+    "best_of": (1, None),
+}
 # Template variables the server sets itself (the request's messages and tools, K3's choice and format):
 # a `chat_template_kwargs` key of that name would collide with them.
-RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "self", "tool_choice", "response_format",
-                            "thinking_effort")
+RESERVED_TEMPLATE_KWARGS = (
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "self",
+    "tool_choice",
+    "response_format",
+    "thinking_effort",
+)
 
 
 class _Strict(BaseModel):
@@ -70,7 +92,9 @@ class Message(_Strict):
         for j, c in enumerate(calls or []):
             fn = c.get("function")
             if not isinstance(fn, dict):
-                raise ValueError(f"item {j}: `function` must be an object with `name` and `arguments`")
+                raise ValueError(
+                    f"item {j}: `function` must be an object with `name` and `arguments`"
+                )
             if not isinstance(fn.get("name"), str):
                 raise ValueError(f"item {j}: `function.name` must be a string")
             if not isinstance(fn.get("arguments", "{}"), str | dict):
@@ -82,7 +106,9 @@ class Message(_Strict):
     def text(self) -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return (
+            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        )
 
 
 Stop = Annotated[str, Field(min_length=1, max_length=256)]
@@ -94,7 +120,9 @@ class _Common(_Strict):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=1)] | None = None  # not OpenAI's: vLLM's extension, and Anthropic's /v1/messages
+    top_k: Annotated[int, Field(ge=1)] | None = (
+        None  # not OpenAI's: vLLM's extension, and Anthropic's /v1/messages
+    )
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -103,8 +131,13 @@ class _Common(_Strict):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
-    metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
-                        Field(max_length=16)] | None = None
+    metadata: (
+        Annotated[
+            dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+            Field(max_length=16),
+        ]
+        | None
+    ) = None
     # Accepted only at their no-op values (checked before validation), typed loosely here.
     logit_bias: dict[str, Any] | None = None
     store: bool | None = None
@@ -137,7 +170,9 @@ class ChatRequest(_Common):
     def _no_reserved_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
         bad = next((k for k in kwargs or {} if k in RESERVED_TEMPLATE_KWARGS), None)
         if bad is not None:
-            raise ValueError(f"{bad!r} is set by the server from the request itself; remove the key")
+            raise ValueError(
+                f"{bad!r} is set by the server from the request itself; remove the key"
+            )
         return kwargs
 
     @model_validator(mode="after")
@@ -148,16 +183,23 @@ class ChatRequest(_Common):
 
     @property
     def token_limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 class CompletionRequest(_Common):
-    prompt: Annotated[str, Field(max_length=4_000_000)] | TokenIds | \
-        Annotated[list[str], Field(min_length=1, max_length=MAX_N)] | \
-        Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_N)]
+    prompt: (
+        Annotated[str, Field(max_length=4_000_000)]
+        | TokenIds
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_N)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_N)]
+    )
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool | None = None
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
@@ -184,17 +226,25 @@ def load_json(raw: bytes) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise bad_request(f"the request body is not valid UTF-8 (byte {e.start})", None, "invalid_json") from None
+        raise bad_request(
+            f"the request body is not valid UTF-8 (byte {e.start})", None, "invalid_json"
+        ) from None
     try:
         body = json.loads(text, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+        raise bad_request(
+            f"the request body is not valid JSON: {e}", None, "invalid_json"
+        ) from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None, "invalid_json")
     try:  # "\ud800" escapes decode to lone surrogates, which no tokenizer can encode
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
-        raise bad_request("the request body has an invalid \\u escape (a lone UTF-16 surrogate)", None, "invalid_json") from None
+        raise bad_request(
+            "the request body has an invalid \\u escape (a lone UTF-16 surrogate)",
+            None,
+            "invalid_json",
+        ) from None
     except (ValueError, RecursionError):
         raise bad_request("the request body is nested too deeply", None, "invalid_json") from None
     return body
@@ -211,7 +261,9 @@ def _drop_no_ops(body: dict[str, Any]) -> None:
     """Null asks for nothing, whatever the field (SDKs send their defaults as null); so do the NO_OP values,
     also on an endpoint that lacks the feature (`tools: []` on /v1/completions)."""
     for key in list(body):
-        if body[key] is None or any(type(body[key]) is type(v) and body[key] == v for v in NO_OP.get(key, ())):
+        if body[key] is None or any(
+            type(body[key]) is type(v) and body[key] == v for v in NO_OP.get(key, ())
+        ):
             del body[key]
 
 
@@ -219,27 +271,44 @@ def _precheck(body: dict[str, Any], chat: bool) -> None:
     _drop_no_ops(body)
     for key, what in UNSUPPORTED.items():
         if key in body:
-            raise bad_request(f"{key}: {what} is not supported by this server; remove the field", key, "unsupported_parameter")
+            raise bad_request(
+                f"{key}: {what} is not supported by this server; remove the field",
+                key,
+                "unsupported_parameter",
+            )
     for key, allowed in NEUTRAL.items():
         if key in body and body[key] not in allowed:
-            raise bad_request(f"{key}: only {json.dumps(allowed[0])} is supported (got {json.dumps(body[key])[:80]})", key,
-                              "unsupported_parameter")
+            raise bad_request(
+                f"{key}: only {json.dumps(allowed[0])} is supported (got {json.dumps(body[key])[:80]})",
+                key,
+                "unsupported_parameter",
+            )
     if not chat or not isinstance(body.get("messages"), list):
         return
     for i, m in enumerate(body["messages"]):
         if not isinstance(m, dict):
             continue
         if m.get("role") == "function":
-            raise bad_request(f"messages[{i}].role: 'function' messages are not supported (use 'tool')",
-                              f"messages[{i}].role", "unsupported_parameter")
+            raise bad_request(
+                f"messages[{i}].role: 'function' messages are not supported (use 'tool')",
+                f"messages[{i}].role",
+                "unsupported_parameter",
+            )
         for key in ("function_call", "audio"):
             if m.get(key) is not None:
-                raise bad_request(f"messages[{i}].{key} is not supported by this server", f"messages[{i}].{key}", "unsupported_parameter")
+                raise bad_request(
+                    f"messages[{i}].{key} is not supported by this server",
+                    f"messages[{i}].{key}",
+                    "unsupported_parameter",
+                )
         if isinstance(m.get("content"), list):
             for j, part in enumerate(m["content"]):
                 if isinstance(part, dict) and part.get("type") not in (None, "text"):
-                    raise bad_request(f"messages[{i}].content[{j}]: {part.get('type')!r} content is not supported (text only)",
-                                      f"messages[{i}].content[{j}].type", "unsupported_content")
+                    raise bad_request(
+                        f"messages[{i}].content[{j}]: {part.get('type')!r} content is not supported (text only)",
+                        f"messages[{i}].content[{j}].type",
+                        "unsupported_content",
+                    )
 
 
 _BRANCH = re.compile(r"[\w-]*\[.*\]|constrained-\w+|function-\w+|str|int|float|bool|list|dict|none")
@@ -272,4 +341,9 @@ def parse_body(body: dict[str, Any], chat: bool) -> ChatRequest | CompletionRequ
         # Prefer the branch whose type fit the input: its complaint is about the value.
         err = next((x for x in errors if not str(x["type"]).endswith("_type")), errors[0])
         message, param = _describe(err)
-        raise ApiError(400, message, param, "unknown_parameter" if err["type"] == "extra_forbidden" else "invalid_value") from None
+        raise ApiError(
+            400,
+            message,
+            param,
+            "unknown_parameter" if err["type"] == "extra_forbidden" else "invalid_value",
+        ) from None

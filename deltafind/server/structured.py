@@ -33,7 +33,9 @@ log = get_logger(__name__)
 _VOCABS: weakref.WeakKeyDictionary[Any, llg.LLTokenizer] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 # Grammar work off the engine thread (matchers, masks): a few threads, as llguidance runs them without the GIL.
-_MASKS = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="deltafind-mask")
+_MASKS = ThreadPoolExecutor(
+    max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="deltafind-mask"
+)
 # llguidance's own bounds on a grammar's size, lexer fuel (regex work, so time and memory per compile and per
 # token) and parser items; errors without the parser-state dump, which is noise to a client (README, structured output).
 LIMITS = llg.LLParserLimits(verbose_errors=False)
@@ -52,11 +54,18 @@ def vocabulary(tokenizer: Any) -> llg.LLTokenizer:
         lt = _VOCABS.get(tokenizer)
         if lt is None:
             t0 = time.perf_counter()
-            lt = llg.LLTokenizer(tokenizer.backend_json(), n_vocab=tokenizer.vocab_size,
-                                 eos_token=list(tokenizer.eos_token_ids))
+            lt = llg.LLTokenizer(
+                tokenizer.backend_json(),
+                n_vocab=tokenizer.vocab_size,
+                eos_token=list(tokenizer.eos_token_ids),
+            )
             _VOCABS[tokenizer] = lt
-            log.info("grammar_vocabulary_built", tokens=tokenizer.vocab_size, seconds=round(time.perf_counter() - t0, 2),
-                     thread=threading.current_thread().name)
+            log.info(
+                "grammar_vocabulary_built",
+                tokens=tokenizer.vocab_size,
+                seconds=round(time.perf_counter() - t0, 2),
+                thread=threading.current_thread().name,
+            )
         return lt
 
 
@@ -66,6 +75,7 @@ def prepare_vocabulary(tokenizer: Any) -> threading.Thread:
 
     llguidance holds the GIL while it builds: started during loading, it overlaps the warm-up's I/O.
     """
+
     def build() -> None:
         try:
             vocabulary(tokenizer)
@@ -95,21 +105,28 @@ class GrammarConstraint:
         self._job: Future[torch.Tensor] | None = _MASKS.submit(self._start, template)
 
     def _start(self, template: llg.LLMatcher) -> torch.Tensor:
-        self._m = template.deep_copy()  # the compiled grammar and lexer are shared, the parse state is this sequence's
+        self._m = (
+            template.deep_copy()
+        )  # the compiled grammar and lexer are shared, the parse state is this sequence's
         return self._compute()
 
     def _compute(self) -> torch.Tensor:
         assert self._m is not None
         bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
         self._check()
-        return torch.from_numpy(np.unpackbits(bits, count=self._n, bitorder="little").view(np.bool_))
+        return torch.from_numpy(
+            np.unpackbits(bits, count=self._n, bitorder="little").view(np.bool_)
+        )
 
     def _check(self) -> None:
         """Raise ConstraintError when the matcher gave up (a limit hit on the way; it then allows only EOS)."""
         assert self._m is not None
         if self._m.is_error():
-            raise ConstraintError(f"{self._field}: the output constraint gave up after {self._count} tokens: "
-                                  f"{explain(self._m.get_error())}", self._field)
+            raise ConstraintError(
+                f"{self._field}: the output constraint gave up after {self._count} tokens: "
+                f"{explain(self._m.get_error())}",
+                self._field,
+            )
 
     def _settle(self) -> torch.Tensor | None:
         """The pending job's mask (None when none is pending); its failure is raised here, on the caller's thread."""
@@ -140,7 +157,9 @@ class GrammarConstraint:
         self._count += 1
         self._stopped = m.is_stopped()
         if not self._stopped:
-            self._job = _MASKS.submit(self._compute)  # the next mask, while the engine runs the next forward
+            self._job = _MASKS.submit(
+                self._compute
+            )  # the next mask, while the engine runs the next forward
         return True
 
     def rollback(self, n: int) -> None:
@@ -172,7 +191,9 @@ class TriggeredConstraint:
         self._tokens: list[int] = []
         self._start = -1  # index of the first token the grammar consumed (-1: not triggered)
         self._inner: Any = None  # a GrammarConstraint once triggered
-        self._lookback = len(marker.encode()) + 1  # tokens searched back for the marker's first one (bytes at worst)
+        self._lookback = (
+            len(marker.encode()) + 1
+        )  # tokens searched back for the marker's first one (bytes at worst)
 
     def allowed(self) -> torch.Tensor | None:
         return None if self._inner is None else self._inner.allowed()
@@ -184,7 +205,7 @@ class TriggeredConstraint:
             self._tokens.append(token)
             return True
         self._tokens.append(token)
-        if self._marker in self._decode(self._tokens[-self._lookback:]):
+        if self._marker in self._decode(self._tokens[-self._lookback :]):
             for k in range(1, min(len(self._tokens), self._lookback) + 1):
                 if self._decode(self._tokens[-k:]).startswith(self._marker):
                     inner = self._make()
@@ -219,9 +240,15 @@ class Grammar:
         self.vocab = vocabulary(tokenizer)
         self.vocab_size = tokenizer.vocab_size
         self.field = field
-        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.vocab, limits=LIMITS)
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
+            grammar, self.vocab, limits=LIMITS
+        )
         if is_error:
-            raise bad_request(f"{field}: the schema cannot be enforced: {explain(messages[0])}", field, "invalid_schema")
+            raise bad_request(
+                f"{field}: the schema cannot be enforced: {explain(messages[0])}",
+                field,
+                "invalid_schema",
+            )
         self._matcher = llg.LLMatcher(self.vocab, grammar, log_level=0, limits=LIMITS)
         probe = self._matcher.deep_copy()
         probe.compute_bitmask()
@@ -229,7 +256,9 @@ class Grammar:
             probe.consume_tokens(probe.compute_ff_tokens())
         if self._matcher.is_error() or probe.is_error():
             error = self._matcher.get_error() or probe.get_error()
-            raise bad_request(f"{field}: the schema cannot be enforced: {explain(error)}", field, "invalid_schema")
+            raise bad_request(
+                f"{field}: the schema cannot be enforced: {explain(error)}", field, "invalid_schema"
+            )
 
     def factory(self) -> ConstraintFactory:
         return lambda: GrammarConstraint(self._matcher, self.vocab_size, self.field)
@@ -243,27 +272,43 @@ def explain(error: str) -> str:
     """llguidance's error, first line, with what it means for the schema and the fix."""
     line = (error.strip().splitlines() or ["unknown error"])[0][:300]
     if "NoExtension" in line:
-        return (f"no value satisfies it ({line}): a `$ref` that only leads back to itself, or a cycle of `$ref`s "
-                "with no way out, never reaches a value; give the recursion a base case")
-    return (f"{line}: it is past the grammar engine's limits (regex work, lexer states, grammar size); use smaller "
-            "repetition counts (`{n}`, `minLength`/`maxLength`), fewer `enum`/`anyOf` alternatives or a smaller schema")
+        return (
+            f"no value satisfies it ({line}): a `$ref` that only leads back to itself, or a cycle of `$ref`s "
+            "with no way out, never reaches a value; give the recursion a base case"
+        )
+    return (
+        f"{line}: it is past the grammar engine's limits (regex work, lexer states, grammar size); use smaller "
+        "repetition counts (`{n}`, `minLength`/`maxLength`), fewer `enum`/`anyOf` alternatives or a smaller schema"
+    )
 
 
 def _style(schema: dict[str, Any]) -> dict[str, Any]:
     """JSON_STYLE, lenient where `lenient_schema` made it so (only that option of a schema's x-guidance is read)."""
     own = schema.get("x-guidance")
-    return {**JSON_STYLE, "lenient": True} if isinstance(own, dict) and own.get("lenient") is True else JSON_STYLE
+    return (
+        {**JSON_STYLE, "lenient": True}
+        if isinstance(own, dict) and own.get("lenient") is True
+        else JSON_STYLE
+    )
 
 
 def json_schema_grammar(schema: dict[str, Any] | bool, field: str) -> str:
     """llguidance grammar text for one JSON schema (a 400 naming `field` when it is not usable)."""
     if not isinstance(schema, dict | bool):
-        raise bad_request(f"{field}: a JSON schema must be an object (got {type(schema).__name__})", field, "invalid_schema")
+        raise bad_request(
+            f"{field}: a JSON schema must be an object (got {type(schema).__name__})",
+            field,
+            "invalid_schema",
+        )
     try:
-        return llg.LLMatcher.grammar_from_json_schema(schema if isinstance(schema, dict) else {} if schema else {"not": {}},
-                                                      overrides=_style(schema) if isinstance(schema, dict) else JSON_STYLE)
+        return llg.LLMatcher.grammar_from_json_schema(
+            schema if isinstance(schema, dict) else {} if schema else {"not": {}},
+            overrides=_style(schema) if isinstance(schema, dict) else JSON_STYLE,
+        )
     except (ValueError, TypeError) as e:
-        raise bad_request(f"{field}: the schema cannot be compiled: {e}", field, "invalid_schema") from None
+        raise bad_request(
+            f"{field}: the schema cannot be compiled: {e}", field, "invalid_schema"
+        ) from None
 
 
 def lenient_schema(schema: dict[str, Any], field: str) -> dict[str, Any]:
@@ -272,16 +317,21 @@ def lenient_schema(schema: dict[str, Any], field: str) -> dict[str, Any]:
 
     A schema that fails even so (not a valid JSON schema) is a 400 naming `field`.
     """
-    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(json_schema_grammar(schema, field), None,
-                                                                      limits=LIMITS)
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
+        json_schema_grammar(schema, field), None, limits=LIMITS
+    )
     if not is_error:
         return schema
     lenient = {**schema, "x-guidance": {**JSON_STYLE, "lenient": True}}
-    still, messages2 = llg.LLMatcher.validate_grammar_with_warnings(json_schema_grammar(lenient, field), None,
-                                                                    limits=LIMITS)
+    still, messages2 = llg.LLMatcher.validate_grammar_with_warnings(
+        json_schema_grammar(lenient, field), None, limits=LIMITS
+    )
     if still:
-        raise bad_request(f"{field}: the schema cannot be enforced: {messages2[0] if messages2 else messages[0]}", field,
-                          "invalid_schema")
+        raise bad_request(
+            f"{field}: the schema cannot be enforced: {messages2[0] if messages2 else messages[0]}",
+            field,
+            "invalid_schema",
+        )
     log.info("schema_lenient", field=field, unsupported=messages[0][:200] if messages else "")
     return lenient
 
@@ -306,12 +356,21 @@ def response_format_schema(response_format: dict[str, Any]) -> tuple[dict[str, A
     if kind == "json_schema":
         js = response_format.get("json_schema")
         if not isinstance(js, dict) or ("schema" not in js and "name" not in js):
-            raise bad_request("response_format.json_schema: required object with `name` and `schema`",
-                              "response_format.json_schema", "invalid_value")
+            raise bad_request(
+                "response_format.json_schema: required object with `name` and `schema`",
+                "response_format.json_schema",
+                "invalid_value",
+            )
         schema = js.get("schema", {})
         if not isinstance(schema, dict):
-            raise bad_request("response_format.json_schema.schema: must be a JSON object",
-                              "response_format.json_schema.schema", "invalid_schema")
+            raise bad_request(
+                "response_format.json_schema.schema: must be a JSON object",
+                "response_format.json_schema.schema",
+                "invalid_schema",
+            )
         return schema, "response_format.json_schema.schema"
-    raise bad_request(f"response_format.type: {kind!r} is not one of text, json_object, json_schema",
-                      "response_format.type", "invalid_value")
+    raise bad_request(
+        f"response_format.type: {kind!r} is not one of text, json_object, json_schema",
+        "response_format.type",
+        "invalid_value",
+    )

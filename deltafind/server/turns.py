@@ -69,7 +69,11 @@ class TurnMemory:
         with self._lock:
             arrs = [arr for arr, _ in self._entries.values()]
         tmp = Path(f"{path}.tmp{os.getpid()}")
-        save_file({f"seq{i:05d}": torch.from_numpy(a.copy()) for i, a in enumerate(arrs)}, str(tmp), metadata={"key": key})
+        save_file(
+            {f"seq{i:05d}": torch.from_numpy(a.copy()) for i, a in enumerate(arrs)},
+            str(tmp),
+            metadata={"key": key},
+        )
         os.replace(tmp, path)
 
     def load(self, tokenizer: Any, path: Path, key: str) -> int:
@@ -90,7 +94,11 @@ class TurnMemory:
             return list(prompt_ids)
         prompt_text = tokenizer.decode(list(prompt_ids))
         # The sequence this conversation continues: the longest whose text the prompt's text extends.
-        found = [(arr, text) for arr, text in entries if len(text) < len(prompt_text) and prompt_text.startswith(text)]
+        found = [
+            (arr, text)
+            for arr, text in entries
+            if len(text) < len(prompt_text) and prompt_text.startswith(text)
+        ]
         prompt = np.asarray(prompt_ids, dtype=np.int32)
         for arr, text in sorted(found, key=lambda e: -len(e[1]))[:4]:
             shared = _common_prefix(prompt, arr)
@@ -100,7 +108,9 @@ class TurnMemory:
             if k is None:
                 continue  # the prompt has no token boundary where that text ends
             out = [*arr.tolist(), *prompt_ids[k:]]
-            if tokenizer.decode(out) == prompt_text:  # same text, other spelling; else leave the prompt alone
+            if (
+                tokenizer.decode(out) == prompt_text
+            ):  # same text, other spelling; else leave the prompt alone
                 return out
         return list(prompt_ids)
 
@@ -109,7 +119,9 @@ def _boundary(tokenizer: Any, ids: Sequence[int], lo: int, text: str) -> int | N
     """The k in [lo, len(ids)] whose ids[:k] decode to exactly `text`, or None (no token boundary there)."""
     target = len(text)
     hi = len(ids)
-    while lo < hi:  # the first k whose decoded length reaches the target (lengths grow with k, give or take U+FFFD)
+    while (
+        lo < hi
+    ):  # the first k whose decoded length reaches the target (lengths grow with k, give or take U+FFFD)
         mid = (lo + hi) // 2
         if len(tokenizer.decode(list(ids[:mid]))) < target:
             lo = mid + 1

@@ -90,7 +90,11 @@ class ByteLRU(Generic[K, V]):
             self._evict()
 
     def _evict(self) -> None:
-        while self.budget_bytes is not None and self._items and self.used_bytes + self.reserved_bytes > self.budget_bytes:
+        while (
+            self.budget_bytes is not None
+            and self._items
+            and self.used_bytes + self.reserved_bytes > self.budget_bytes
+        ):
             _, (_, n) = self._items.popitem(last=False)
             self.used_bytes -= n
 

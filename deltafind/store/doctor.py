@@ -34,7 +34,9 @@ def _drive_problems(manifest: Manifest, store_dir: Path) -> dict[int, str]:
         if (closed := _unsearchable(folder)) is not None:
             out[idx] = f"drive {idx} ({folder}): " + no_permission(closed, "search (x)")
         elif not folder.is_dir():
-            out[idx] = f"drive {idx} ({folder}) is missing: mount it, or fix the store's drive list in [[drives]]"
+            out[idx] = (
+                f"drive {idx} ({folder}) is missing: mount it, or fix the store's drive list in [[drives]]"
+            )
         elif not os.access(pack, os.F_OK):
             out[idx] = f"drive {idx}: {pack} is missing; is the right drive mounted at {folder}?"
         elif not os.access(pack, os.R_OK):
@@ -67,7 +69,9 @@ def check_store(store_dir: Path, progress: bool = True) -> DoctorReport:
             while chunk := f.read(1 << 22):
                 h.update(chunk)
         if h.hexdigest() != manifest.spine_sha256:
-            report.problems.append(f"{spine}: checksum mismatch (the spine is corrupt; re-run setup)")
+            report.problems.append(
+                f"{spine}: checksum mismatch (the spine is corrupt; re-run setup)"
+            )
     except PermissionError:
         report.problems.append(no_permission(spine, "read"))
     except OSError as e:
@@ -76,8 +80,10 @@ def check_store(store_dir: Path, progress: bool = True) -> DoctorReport:
     if missing:  # report every drive that is gone, not only the first
         report.problems += list(missing.values())
         skipped = sum(1 for r in manifest.experts if any(e.drive in missing for e in r.extents()))
-        report.problems.append(f"{skipped} expert record(s) on drive(s) {', '.join(map(str, sorted(missing)))} not verified; "
-                               "fix the drives above and run doctor again")
+        report.problems.append(
+            f"{skipped} expert record(s) on drive(s) {', '.join(map(str, sorted(missing)))} not verified; "
+            "fix the drives above and run doctor again"
+        )
         return report
     try:
         reader = PackReader(manifest, store_dir)

@@ -19,7 +19,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-CHUNK_BYTES = 1 << 20  # measured on this VM: 1 MiB reads at queue depth 8 reach the drive's rate (RESULTS.md)
+CHUNK_BYTES = (
+    1 << 20
+)  # measured on this VM: 1 MiB reads at queue depth 8 reach the drive's rate (RESULTS.md)
 
 
 @dataclass
@@ -77,9 +79,19 @@ class DriveStats:
             self.max_read_bytes = max(self.max_read_bytes, nbytes)
 
     def as_dict(self) -> dict[str, float | int]:
-        return {"reads": self.reads, "bytes": self.bytes, "gb_s": round(self.gb_s, 4), "mean_read_bytes": self.bytes // max(1, self.reads),
-                "max_read_bytes": self.max_read_bytes, "mean_queue_depth": round(self.mean_depth, 2), "max_queue_depth": self.max_depth,
-                "idle_s": round(self.idle_s, 4), "idle_gaps": self.idle_gaps, "span_s": round(self.span_s, 4), "misaligned_reads": self.misaligned}
+        return {
+            "reads": self.reads,
+            "bytes": self.bytes,
+            "gb_s": round(self.gb_s, 4),
+            "mean_read_bytes": self.bytes // max(1, self.reads),
+            "max_read_bytes": self.max_read_bytes,
+            "mean_queue_depth": round(self.mean_depth, 2),
+            "max_queue_depth": self.max_depth,
+            "idle_s": round(self.idle_s, 4),
+            "idle_gaps": self.idle_gaps,
+            "span_s": round(self.span_s, 4),
+            "misaligned_reads": self.misaligned,
+        }
 
 
 class TokenBucket:
@@ -110,8 +122,17 @@ class Chunk:
 
     __slots__ = ("offset", "owner", "pos", "queue", "size", "speculative", "taken")
 
-    def __init__(self, queue: DriveQueue, offset: int, size: int, pos: int, owner: ChunkOwner) -> None:
-        self.queue, self.offset, self.size, self.pos, self.owner, self.taken = queue, offset, size, pos, owner, False
+    def __init__(
+        self, queue: DriveQueue, offset: int, size: int, pos: int, owner: ChunkOwner
+    ) -> None:
+        self.queue, self.offset, self.size, self.pos, self.owner, self.taken = (
+            queue,
+            offset,
+            size,
+            pos,
+            owner,
+            False,
+        )
         self.speculative = False  # taken from the speculative queue (counts against its slots)
 
 
@@ -128,7 +149,9 @@ def split(offset: int, nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> list[tupl
 class DriveQueue:
     """`queue_depth` threads reading one drive's chunks: demand first, then speculative, each FIFO."""
 
-    def __init__(self, idx: int, fd: int, queue_depth: int, read_mb_s: float | None, drop_behind: bool) -> None:
+    def __init__(
+        self, idx: int, fd: int, queue_depth: int, read_mb_s: float | None, drop_behind: bool
+    ) -> None:
         self.idx, self.fd, self.drop_behind = idx, fd, drop_behind
         # Speculative chunks may hold at most a quarter of the slots, so a demand read arriving
         # behind a prefetch finds the drive's queue mostly free (it waits for at most these).
@@ -140,7 +163,10 @@ class DriveQueue:
         self._speculative: deque[Chunk] = deque()
         self._cv = threading.Condition()
         self._closed = False
-        self._threads = [threading.Thread(target=self._work, name=f"drive{idx}-{i}", daemon=True) for i in range(queue_depth)]
+        self._threads = [
+            threading.Thread(target=self._work, name=f"drive{idx}-{i}", daemon=True)
+            for i in range(queue_depth)
+        ]
         for t in self._threads:
             t.start()
 
@@ -220,4 +246,3 @@ class DriveQueue:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join()
-

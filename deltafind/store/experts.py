@@ -46,7 +46,9 @@ class ExpertStats:
     prefetch_used: int = 0
     prefetch_wasted: int = 0
     prefetch_gated: int = 0
-    layers: dict[int, LayerRecall] = field(default_factory=lambda: defaultdict(LayerRecall))  # the gate's, per layer
+    layers: dict[int, LayerRecall] = field(
+        default_factory=lambda: defaultdict(LayerRecall)
+    )  # the gate's, per layer
 
 
 def prefetch_options(settings: Any) -> PrefetchOptions:
@@ -64,15 +66,34 @@ class StoreExperts:
     """Experts of one store, read on demand through the drive pools and a byte-budgeted LRU."""
 
     @classmethod
-    def from_settings(cls, settings: Any, manifest: Manifest, store_dir: Path, dtype: torch.dtype, trace: TraceWriter | None = None, *,
-                      stager: Stager, cache: ByteLRU[tuple[int, int], Expert] | None = None,
-                      buffer_pool: Callable[[int], Any] | None = None) -> StoreExperts:
+    def from_settings(
+        cls,
+        settings: Any,
+        manifest: Manifest,
+        store_dir: Path,
+        dtype: torch.dtype,
+        trace: TraceWriter | None = None,
+        *,
+        stager: Stager,
+        cache: ByteLRU[tuple[int, int], Expert] | None = None,
+        buffer_pool: Callable[[int], Any] | None = None,
+    ) -> StoreExperts:
         """The store's experts as `settings` ([cache], [prefetch], [[drives]]) say: the one place that reads
         those sections for a reader (Model.open, and an expert node of a cluster)."""
         c = settings.cache
-        return cls(manifest, store_dir, None if c.expert_bytes is None else int(c.expert_bytes), dtype,
-                   drive_options(settings), prefetch_options(settings), c.read_mode, trace,
-                   stager=stager, cache=cache, buffer_pool=buffer_pool)
+        return cls(
+            manifest,
+            store_dir,
+            None if c.expert_bytes is None else int(c.expert_bytes),
+            dtype,
+            drive_options(settings),
+            prefetch_options(settings),
+            c.read_mode,
+            trace,
+            stager=stager,
+            cache=cache,
+            buffer_pool=buffer_pool,
+        )
 
     def __init__(
         self,
@@ -93,39 +114,71 @@ class StoreExperts:
         """`stager` picks the device; `cache` defaults to `ByteLRU(cache_bytes)`, `buffer_pool` to the reader's mmaps."""
         self.manifest = manifest
         return_freed_memory()
-        self.reader = PackReader(manifest, Path(store_dir), verify=verify, drives=drives, read_mode=read_mode, buffer_pool=buffer_pool)
+        self.reader = PackReader(
+            manifest,
+            Path(store_dir),
+            verify=verify,
+            drives=drives,
+            read_mode=read_mode,
+            buffer_pool=buffer_pool,
+        )
         self.cache = ByteLRU(cache_bytes) if cache is None else cache
         self._records: dict[tuple[int, int], ExpertRecord] = {r.key: r for r in manifest.experts}
-        self.resident = Resident(self._records, self._load)  # held outside the LRU: dense layers, the pin tier
+        self.resident = Resident(
+            self._records, self._load
+        )  # held outside the LRU: dense layers, the pin tier
         self.stager, self.dtype, self.device = stager, dtype, stager.device
         # CPU compute: demand reads are widened to the compute dtype on the drive threads, so it
         # overlaps the matmuls (measured in tests/bench/RESULTS.md); a device copies as stored.
         self._decode_on_reader = self.device.type == "cpu"
         # Host reads in flight (buffer + widened copy) count against the expert budget, so experts
         # held plus reads on their way stay within `cache_bytes` (measured peak RSS: RESULTS.md).
-        self.budget = ReadBudget(self.cache, dtype, self._decode_on_reader and cache_bytes is not None)
+        self.budget = ReadBudget(
+            self.cache, dtype, self._decode_on_reader and cache_bytes is not None
+        )
         self._reserved: dict[tuple[int, int], int] = {}  # reservations of prefetches in flight
-        self._deferred: dict[int, list[int]] = {}  # layer -> predicted experts waiting for the previous fetch
-        self._early: list[int] | None = None  # the next step's layer-0 prediction, issued by this step's last fetch
+        self._deferred: dict[
+            int, list[int]
+        ] = {}  # layer -> predicted experts waiting for the previous fetch
+        self._early: list[int] | None = (
+            None  # the next step's layer-0 prediction, issued by this step's last fetch
+        )
         stored = {getattr(torch, t.dtype) for r in manifest.experts for t in r.tensors}
         if not any(d.is_floating_point and d != dtype for d in stored):
-            self.reader.widened.max_free_bytes = 0  # nothing to widen (MXFP4 packs, or stored as computed)
-        if self.budget.bounded:  # the pool's free buffers count against the budget, so never more than it (at 8 records
+            self.reader.widened.max_free_bytes = (
+                0  # nothing to widen (MXFP4 packs, or stored as computed)
+            )
+        if (
+            self.budget.bounded
+        ):  # the pool's free buffers count against the budget, so never more than it (at 8 records
             # per drive they were 352 MB against a K3-width store's 256 MB: RSS past the budget, RESULTS.md)
-            self.reader.buffers.max_free_bytes = min(self.reader.buffers.max_free_bytes, self.cache.budget_bytes)
-        if self.budget.reserving:  # the reader's buffer pools are host memory the budget must cover too
-            self.cache.reserve(self.reader.buffers.max_free_bytes + self.reader.widened.max_free_bytes)
+            self.reader.buffers.max_free_bytes = min(
+                self.reader.buffers.max_free_bytes, self.cache.budget_bytes
+            )
+        if (
+            self.budget.reserving
+        ):  # the reader's buffer pools are host memory the budget must cover too
+            self.cache.reserve(
+                self.reader.buffers.max_free_bytes + self.reader.widened.max_free_bytes
+            )
         self.gate = PrefetchGate(prefetch or PrefetchOptions(enabled=False), len(self.reader.paths))
         self._counts = manifest.expert_counts()
-        self._first_layer, self._last_layer = min(self._counts, default=-1), max(self._counts, default=-1)
+        self._first_layer, self._last_layer = (
+            min(self._counts, default=-1),
+            max(self._counts, default=-1),
+        )
         self._inflight: dict[tuple[int, int], Future] = {}
         self._last_route: dict[int, list[int]] = {}
-        self._predicted: dict[int, tuple[set[int], set[int]]] = {}  # layer -> (predicted, of them not held when issued)
+        self._predicted: dict[
+            int, tuple[set[int], set[int]]
+        ] = {}  # layer -> (predicted, of them not held when issued)
         self.uses: dict[tuple[int, int], int] = defaultdict(int)  # for the heat histogram
         self.stats = ExpertStats(layers=self.gate.layers)
         self.trace = trace
         self._step: tuple[Sequence[int], Sequence[int]] = ([], [])
-        self.spine: SpineStreamer | None = None  # the spine's streamed layers, when they do not all fit
+        self.spine: SpineStreamer | None = (
+            None  # the spine's streamed layers, when they do not all fit
+        )
 
     @property
     def prefetch_options(self) -> PrefetchOptions:
@@ -141,7 +194,9 @@ class StoreExperts:
     def record(self, layer_idx: int, expert_idx: int) -> ExpertRecord:
         rec = self._records.get((layer_idx, expert_idx))
         if rec is None:
-            raise CorruptExpertError(f"expert {expert_idx} of layer {layer_idx} is not in this store's manifest")
+            raise CorruptExpertError(
+                f"expert {expert_idx} of layer {layer_idx} is not in this store's manifest"
+            )
         return rec
 
     def fetch(self, layer_idx: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, Expert]]:
@@ -150,7 +205,9 @@ class StoreExperts:
         self._observe(layer_idx, wanted)
         self._fetch_missing(layer_idx, wanted)
         pending: dict[Future, int] = {}
-        speculative: set[Future] = set()  # prefetched reads: started earlier, maybe for another request
+        speculative: set[Future] = (
+            set()
+        )  # prefetched reads: started earlier, maybe for another request
         held: dict[int, int] = {}  # expert -> bytes reserved in the cache for its read
         waiting: dict[int, deque[int]] = defaultdict(deque)  # drive -> demand reads not started yet
         ready: list[tuple[int, Expert]] = []
@@ -159,7 +216,9 @@ class StoreExperts:
         for key in keys:
             self.uses[key] += 1
         resident = self.resident.experts
-        cached = iter(self.cache.get_many([k for k in keys if k not in resident]))  # one lock for the layer
+        cached = iter(
+            self.cache.get_many([k for k in keys if k not in resident])
+        )  # one lock for the layer
         for e, key in zip(wanted, keys, strict=True):
             if (expert := resident.get(key)) is not None:
                 self.stats.pinned_hits += 1
@@ -192,23 +251,33 @@ class StoreExperts:
                 self.stats.wait_s += time.perf_counter() - t0
                 for fut in done:
                     e = pending.pop(fut)
-                    self._start_demand(layer_idx, waiting[self.record(layer_idx, e).drive], pending, held)
+                    self._start_demand(
+                        layer_idx, waiting[self.record(layer_idx, e).drive], pending, held
+                    )
                     if fut in speculative and fut.exception() is not None:
                         # A prefetch may have been read for an earlier, failed request (a record
                         # since repaired, a transient error): only a read made now decides.
                         speculative.discard(fut)
                         pending[self._demand_read(layer_idx, e)] = e
                         continue
-                    self.budget.unreserve(held.pop(e, 0))  # it lands now: the cache counts it as an entry
+                    self.budget.unreserve(
+                        held.pop(e, 0)
+                    )  # it lands now: the cache counts it as an entry
                     rec = self.record(layer_idx, e)
                     try:
                         got = fut.result()
-                        expert = self._decode(rec, got[1], got[0], got[2]) if isinstance(got, tuple) else self._decode(rec, got)  # a tuple: decoded on the drive thread
+                        expert = (
+                            self._decode(rec, got[1], got[0], got[2])
+                            if isinstance(got, tuple)
+                            else self._decode(rec, got)
+                        )  # a tuple: decoded on the drive thread
                     except Exception as err:
                         if (failed := self._failed(rec, err)) is err:
                             raise
                         raise failed from err
-                    self.cache.put(rec.key, expert, expert.nbytes)  # the held tiers' loads keep theirs outside the LRU
+                    self.cache.put(
+                        rec.key, expert, expert.nbytes
+                    )  # the held tiers' loads keep theirs outside the LRU
                     yield e, expert
         finally:
             for fut in pending:  # an error or an abandoned generator: reads still running are waste
@@ -229,7 +298,11 @@ class StoreExperts:
 
     def held_chain(self, num_layers: int) -> list[list[Expert]] | None:
         chain = self.resident.chain
-        return chain if num_layers <= len(chain) and self.spine is None and self.trace is None else None
+        return (
+            chain
+            if num_layers <= len(chain) and self.spine is None and self.trace is None
+            else None
+        )
 
     def _issue_next(self, layer_idx: int) -> None:
         """Layer `layer_idx` has its reads queued: start the prediction for the next layer held back
@@ -237,14 +310,20 @@ class StoreExperts:
         self._deferred.pop(layer_idx, None)  # a prediction that never got its turn
         if (nxt := self._deferred.pop(layer_idx + 1, None)) is not None:
             self._issue(layer_idx + 1, nxt)
-        elif layer_idx == self._last_layer and self._first_layer == 0 and self.prefetch_options.enabled \
-                and 0 not in self.resident.layers:
+        elif (
+            layer_idx == self._last_layer
+            and self._first_layer == 0
+            and self.prefetch_options.enabled
+            and 0 not in self.resident.layers
+        ):
             # The next step's layer 0 is predicted by this step's route there: issued now, its
             # pieces fill the drives' idle time over lm_head, sampling and layer 0's attention.
             self._early = self._predict(0, self._last_route.get(0, []))
             self._issue(0, self._early)
 
-    def _start_demand(self, layer_idx: int, waiting: deque[int], pending: dict[Future, int], held: dict[int, int]) -> None:
+    def _start_demand(
+        self, layer_idx: int, waiting: deque[int], pending: dict[Future, int], held: dict[int, int]
+    ) -> None:
         """Start `waiting` reads (all on one drive); under a cache budget only while that drive has
         fewer than RECORDS_AHEAD of this fetch's reads unconsumed: its queue stays full, and a layer's
         reads landing faster than its experts run no longer pile up in buffers outside the budget
@@ -252,7 +331,11 @@ class StoreExperts:
         if not waiting:
             return
         drive = self.record(layer_idx, waiting[0]).drive
-        busy = sum(self.record(layer_idx, e).drive == drive for e in pending.values()) if self.budget.bounded else 0
+        busy = (
+            sum(self.record(layer_idx, e).drive == drive for e in pending.values())
+            if self.budget.bounded
+            else 0
+        )
         limit = RECORDS_AHEAD if self.budget.bounded else len(waiting)
         while waiting and busy < limit:
             e = waiting.popleft()
@@ -264,12 +347,18 @@ class StoreExperts:
 
     def prefetch(self, layer_idx: int, expert_ids: Sequence[int] | None) -> None:
         """Start reads for experts predicted at `layer_idx` (None: the previous token's route there)."""
-        if not self.prefetch_options.enabled or layer_idx not in self._counts or layer_idx in self.resident.layers:
+        if (
+            not self.prefetch_options.enabled
+            or layer_idx not in self._counts
+            or layer_idx in self.resident.layers
+        ):
             return
         if expert_ids is None and layer_idx == 0 and self._early is not None:
             self._early = None  # issued at the end of the previous step (fetch), window and all
             return
-        ids = self._predict(layer_idx, self._last_route.get(layer_idx, []) if expert_ids is None else expert_ids)
+        ids = self._predict(
+            layer_idx, self._last_route.get(layer_idx, []) if expert_ids is None else expert_ids
+        )
         if layer_idx - 1 in self._counts:
             # The model asks before fetching layer_idx - 1: queued now, these reads would sit ahead
             # of that layer's demand reads in the drive queues (measured: prefetch on was 0.70x of
@@ -289,7 +378,13 @@ class StoreExperts:
         """A streaming install: start fetching the layer's missing experts together, so neighbours
         in a shard share one range request (store/remote_experts.py)."""
         if (remote := self.reader.remote) is not None:
-            remote.submit([(layer_idx, e) for e in ids if (layer_idx, e) not in remote.present and (layer_idx, e) in self._records])
+            remote.submit(
+                [
+                    (layer_idx, e)
+                    for e in ids
+                    if (layer_idx, e) not in remote.present and (layer_idx, e) in self._records
+                ]
+            )
 
     def _issue(self, layer_idx: int, ids: list[int]) -> None:
         """Start the reads the gate admits among `ids` (best first) that are not held or read already."""
@@ -298,23 +393,39 @@ class StoreExperts:
         # Held predictions are the least recently used: a read reserved now evicted exactly them (tests/bench/RESULTS.md).
         self.cache.touch(keys)
         # a striped record loads each of its drives by its share: the gate weighs it on all of them
-        todo = [(k, self._records[k].loads()) for k in keys
-                if k not in self._inflight and k not in self.resident.experts and k not in self.cache and k in self._records]
-        if (predicted := self._predicted.get(layer_idx)) is not None:  # not held: what reads fetch (gate.observe)
-            predicted[1].update([k[1] for k, _ in todo] + [k[1] for k in keys if k in self._inflight])
+        todo = [
+            (k, self._records[k].loads())
+            for k in keys
+            if k not in self._inflight
+            and k not in self.resident.experts
+            and k not in self.cache
+            and k in self._records
+        ]
+        if (
+            predicted := self._predicted.get(layer_idx)
+        ) is not None:  # not held: what reads fetch (gate.observe)
+            predicted[1].update(
+                [k[1] for k, _ in todo] + [k[1] for k in keys if k in self._inflight]
+            )
         todo = todo[: self.budget.fitting([self._records[k] for k, _ in todo])]
         gated = self.gate.gated
         share = {k: max(n for _, n in loads) for k, loads in todo}
-        for key, nbytes in self.gate.admit(layer_idx, todo, self.prefetch_options.max_in_flight - len(self._inflight)):
+        for key, nbytes in self.gate.admit(
+            layer_idx, todo, self.prefetch_options.max_in_flight - len(self._inflight)
+        ):
             rec = self._records[key]
             # only the pieces that fit the drive's idle window, the rest once the router confirms it
             pieces = None if nbytes >= share[key] else max(1, nbytes // self.gate.piece_bytes)
             self._reserved[key] = self.budget.reserve(rec)
-            self._inflight[key] = self._track(rec, self.reader.submit(rec, speculative=True, pieces=pieces), nbytes, True)
+            self._inflight[key] = self._track(
+                rec, self.reader.submit(rec, speculative=True, pieces=pieces), nbytes, True
+            )
             self.stats.prefetch_issued += 1
         self.stats.prefetch_gated += self.gate.gated - gated
 
-    def _track(self, rec: ExpertRecord, fut: Future, share: int | None = None, speculative: bool = False) -> Future:
+    def _track(
+        self, rec: ExpertRecord, fut: Future, share: int | None = None, speculative: bool = False
+    ) -> Future:
         """Count the read on every drive it loads (a striped record: each stripe on its own drive;
         `share`: the bytes per drive a prefetch of only its first pieces queues)."""
         for drive, nbytes in rec.loads():
@@ -335,9 +446,13 @@ class StoreExperts:
         if self.spine is not None:
             self.spine.enter(layer_idx)
 
-    def observe_routes(self, layer_idx: int, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> None:
+    def observe_routes(
+        self, layer_idx: int, topk_idx: torch.Tensor, topk_weight: torch.Tensor
+    ) -> None:
         if self.trace is not None:
-            self.trace.routes(layer_idx, *self._step, topk_idx.tolist(), topk_weight.float().tolist())
+            self.trace.routes(
+                layer_idx, *self._step, topk_idx.tolist(), topk_weight.float().tolist()
+            )
 
     def _observe(self, layer_idx: int, wanted: list[int]) -> None:
         self._last_route[layer_idx] = wanted
@@ -348,9 +463,13 @@ class StoreExperts:
         """The error of a read that failed, as a CorruptExpertError naming the record (pack, offset) and
         carrying `expert_key` (layer, expert): the model fails only the rows that routed that expert."""
         if not isinstance(err, CorruptExpertError):
-            where = ", ".join(f"{self.reader.paths[x.drive]} at offset {x.offset}" for x in rec.extents())
-            err = CorruptExpertError(f"expert {rec.expert} of layer {rec.layer}: reading {where} failed: "
-                                     f"{type(err).__name__}: {err}; run `deltafind doctor` to check the drive and the store")
+            where = ", ".join(
+                f"{self.reader.paths[x.drive]} at offset {x.offset}" for x in rec.extents()
+            )
+            err = CorruptExpertError(
+                f"expert {rec.expert} of layer {rec.layer}: reading {where} failed: "
+                f"{type(err).__name__}: {err}; run `deltafind doctor` to check the drive and the store"
+            )
         err.expert_key = rec.key  # type: ignore[attr-defined]
         return err
 
@@ -374,8 +493,13 @@ class StoreExperts:
         if not fut.cancelled() and fut.exception() is None:
             self.reader.release(fut.result())
 
-    def _decode(self, rec: ExpertRecord, buf: object, views: dict[str, torch.Tensor] | None = None,
-                pooled: list[torch.Tensor] | None = None) -> Expert:
+    def _decode(
+        self,
+        rec: ExpertRecord,
+        buf: object,
+        views: dict[str, torch.Tensor] | None = None,
+        pooled: list[torch.Tensor] | None = None,
+    ) -> Expert:
         """`buf` holds the record (None: `views` were decoded already and no longer need it);
         `pooled` tensors of `views` go back to the reader's pool when the expert is dropped."""
         self.stats.read += 1
@@ -388,7 +512,9 @@ class StoreExperts:
         tensors, aliased = self.stager.stage(views, self.dtype, release)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         expert = Expert(tensors, nbytes, {t.name: t.quant for t in rec.tensors if t.quant})
-        if pooled and all(any(t is p for p in pooled) for t in tensors.values() if t.is_floating_point()):
+        if pooled and all(
+            any(t is p for p in pooled) for t in tensors.values() if t.is_floating_point()
+        ):
             weakref.finalize(expert, self.reader.widened.put_all, pooled)
         if aliased and buf is not None:
             # tensors are views over the read buffer: recycle it once the expert is gone
@@ -403,14 +529,18 @@ class StoreExperts:
 
     def set_cache_budget(self, expert_bytes: int | None) -> None:
         """`[cache] expert_bytes`: what the held dense layers leave of it is the LRU's."""
-        self.cache.resize(None if expert_bytes is None else max(expert_bytes - self.resident.dense_bytes, 0))
+        self.cache.resize(
+            None if expert_bytes is None else max(expert_bytes - self.resident.dense_bytes, 0)
+        )
 
     def _load(self, recs: Sequence[ExpertRecord]) -> list[Expert]:
         """`recs` read and decoded for the held tiers (outside the LRU), RECORDS_AHEAD reads a drive in flight."""
         ahead, out = RECORDS_AHEAD * len(self.reader.paths), []
         reads = [self.reader.submit(r) for r in recs[:ahead]]
         for i, rec in enumerate(recs):
-            reads += [self.reader.submit(r) for r in recs[i + ahead : i + ahead + 1]]  # the next one, while this decodes
+            reads += [
+                self.reader.submit(r) for r in recs[i + ahead : i + ahead + 1]
+            ]  # the next one, while this decodes
             out.append(self._decode(rec, reads[i].result()))
             self.cache.pop(rec.key)  # an LRU copy of an expert held now
         return out

@@ -31,11 +31,15 @@ def read_heat(store_dir: Path) -> dict[tuple[int, int], float]:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError, AttributeError) as e:
-        log.warning("heat_file_unreadable", path=str(path), error=str(e), action="starting from empty heat")
+        log.warning(
+            "heat_file_unreadable", path=str(path), error=str(e), action="starting from empty heat"
+        )
         return {}
 
 
-def update_heat(store_dir: Path, uses: Mapping[tuple[int, int], float], decay: float = 0.99) -> dict[tuple[int, int], float]:
+def update_heat(
+    store_dir: Path, uses: Mapping[tuple[int, int], float], decay: float = 0.99
+) -> dict[tuple[int, int], float]:
     """Merge `uses` into the store's heat file (old counts times `decay`); returns the new heat."""
     store_dir = Path(store_dir)
     lock_fd = os.open(store_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
@@ -45,7 +49,14 @@ def update_heat(store_dir: Path, uses: Mapping[tuple[int, int], float], decay: f
         for k, n in uses.items():
             heat[k] = heat.get(k, 0.0) + float(n)
         heat = {k: v for k, v in heat.items() if v >= 1e-3}  # bounded: forget what has cooled off
-        write_json_atomic(store_dir / HEAT_NAME, {"version": 1, "decay": decay, "heat": {f"{layer}:{e}": round(v, 4) for (layer, e), v in sorted(heat.items())}})
+        write_json_atomic(
+            store_dir / HEAT_NAME,
+            {
+                "version": 1,
+                "decay": decay,
+                "heat": {f"{layer}:{e}": round(v, 4) for (layer, e), v in sorted(heat.items())},
+            },
+        )
         return heat
     finally:
         fcntl.flock(lock_fd, fcntl.LOCK_UN)

@@ -29,7 +29,11 @@ PLACEMENTS = ("whole", "stripe")
 
 def pack_name(drive_idx: int, generation: int = 0) -> str:
     """A drive's pack file; `trace warm --rebalance` writes generation N+1 beside N, then switches."""
-    return f"experts-{drive_idx}.pack" if generation == 0 else f"experts-{drive_idx}.g{generation}.pack"
+    return (
+        f"experts-{drive_idx}.pack"
+        if generation == 0
+        else f"experts-{drive_idx}.g{generation}.pack"
+    )
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
@@ -43,7 +47,9 @@ class TensorEntry:
     shape: tuple[int, ...]
     offset: int  # from the record start
     nbytes: int
-    quant: str = ""  # GGUF blocks: "KIND/COLS" (store/quant.py); the tensor is uint8 [rows, row_bytes]
+    quant: str = (
+        ""  # GGUF blocks: "KIND/COLS" (store/quant.py); the tensor is uint8 [rows, row_bytes]
+    )
 
 
 class Extent(NamedTuple):
@@ -83,7 +89,9 @@ class ExpertRecord:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        d["tensors"] = [{k: v for k, v in asdict(t).items() if k != "quant" or v} for t in self.tensors]
+        d["tensors"] = [
+            {k: v for k, v in asdict(t).items() if k != "quant" or v} for t in self.tensors
+        ]
         if self.stripes:
             d["stripes"] = [list(e) for e in self.stripes]
         else:
@@ -92,9 +100,29 @@ class ExpertRecord:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ExpertRecord:
-        tensors = tuple(TensorEntry(t["name"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"], t.get("quant", "")) for t in d["tensors"])
+        tensors = tuple(
+            TensorEntry(
+                t["name"],
+                t["dtype"],
+                tuple(t["shape"]),
+                t["offset"],
+                t["nbytes"],
+                t.get("quant", ""),
+            )
+            for t in d["tensors"]
+        )
         stripes = tuple(Extent(*e) for e in d.get("stripes", ()))
-        return cls(d["layer"], d["expert"], d["drive"], d["offset"], d["length"], d["sha256"], tensors, d.get("xxh3"), stripes)
+        return cls(
+            d["layer"],
+            d["expert"],
+            d["drive"],
+            d["offset"],
+            d["length"],
+            d["sha256"],
+            tensors,
+            d.get("xxh3"),
+            stripes,
+        )
 
 
 @dataclass
@@ -145,26 +173,40 @@ class Manifest:
         if not os.access(store_dir, os.X_OK) and Path(store_dir).is_dir():
             raise StoreError(no_permission(Path(store_dir), "search (x)"))
         if not path.exists():
-            hint = " (setup did not finish: run `deltafind setup` again to resume)" if (Path(store_dir) / "setup.journal").exists() else ""
-            raise StoreError(f"{store_dir}: not a deltafind store: {MANIFEST_NAME} is missing{hint}; create one with `deltafind setup --from CHECKPOINT --store {store_dir}`")
+            hint = (
+                " (setup did not finish: run `deltafind setup` again to resume)"
+                if (Path(store_dir) / "setup.journal").exists()
+                else ""
+            )
+            raise StoreError(
+                f"{store_dir}: not a deltafind store: {MANIFEST_NAME} is missing{hint}; create one with `deltafind setup --from CHECKPOINT --store {store_dir}`"
+            )
         try:
             d = json.loads(path.read_text())
         except PermissionError:
             raise StoreError(no_permission(path, "read")) from None
         except (OSError, json.JSONDecodeError) as e:
-            raise StoreError(f"{path}: unreadable manifest ({e}); re-run `deltafind setup` into a fresh --store") from e
+            raise StoreError(
+                f"{path}: unreadable manifest ({e}); re-run `deltafind setup` into a fresh --store"
+            ) from e
         version = d.get("format_version")
         if version != FORMAT_VERSION:
-            raise StoreError(f"{path}: store format_version {version!r}, this deltafind reads {FORMAT_VERSION}; re-import the model: "
-                             f"run the same `deltafind setup` again (it replaces a store of an older format from the same source)")
+            raise StoreError(
+                f"{path}: store format_version {version!r}, this deltafind reads {FORMAT_VERSION}; re-import the model: "
+                f"run the same `deltafind setup` again (it replaces a store of an older format from the same source)"
+            )
         if d.get("placement", "whole") not in PLACEMENTS:
-            raise StoreError(f"{path}: unknown expert placement {d['placement']!r} (this deltafind knows {', '.join(PLACEMENTS)}); "
-                             "upgrade deltafind, or re-run `deltafind setup` into a fresh --store")
+            raise StoreError(
+                f"{path}: unknown expert placement {d['placement']!r} (this deltafind knows {', '.join(PLACEMENTS)}); "
+                "upgrade deltafind, or re-run `deltafind setup` into a fresh --store"
+            )
         try:
             d["experts"] = [ExpertRecord.from_json(r) for r in d["experts"]]
             return cls(**d)
         except (KeyError, TypeError) as e:
-            raise StoreError(f"{path}: malformed manifest ({e}); re-run `deltafind setup` into a fresh --store") from e
+            raise StoreError(
+                f"{path}: malformed manifest ({e}); re-run `deltafind setup` into a fresh --store"
+            ) from e
 
 
 def current_umask() -> int:
@@ -193,9 +235,11 @@ def no_permission(path: Path, permission: str) -> str:
         where = f"owner {owner}, mode {stat.S_IMODE(st.st_mode):04o}"
     except (OSError, KeyError):
         where = "owner and mode unreadable"
-    return (f"{path}: permission denied: user {getpass.getuser()} has no {permission} permission on it ({where}); "
-            f"grant it (for example `chmod -R a+rX {path.parent if path.is_file() else path}`, or add the service user to "
-            "the owning group), or run as the user that owns the store")
+    return (
+        f"{path}: permission denied: user {getpass.getuser()} has no {permission} permission on it ({where}); "
+        f"grant it (for example `chmod -R a+rX {path.parent if path.is_file() else path}`, or add the service user to "
+        "the owning group), or run as the user that owns the store"
+    )
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

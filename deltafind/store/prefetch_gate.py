@@ -44,7 +44,9 @@ class PrefetchOptions:
     enabled: bool = True
     max_in_flight: int = 32
     recall_threshold: float = 0.3  # below this measured precision a layer stops speculating
-    warmup: int = 4  # observations before the threshold may close a layer (a short reply must benefit too)
+    warmup: int = (
+        4  # observations before the threshold may close a layer (a short reply must benefit too)
+    )
 
 
 @dataclass
@@ -60,7 +62,9 @@ class LayerRecall:
     # (held ones hit more; learning it only from reads started paid for the lesson, tests/bench/RESULTS.md)
     read_ema: float | None = None
     issued: int = 0  # reads the gate started
-    held: int = 0  # predicted reads the gate did not start (no slack, low precision, window unknown)
+    held: int = (
+        0  # predicted reads the gate did not start (no slack, low precision, window unknown)
+    )
 
     @property
     def recall(self) -> float:
@@ -71,10 +75,18 @@ class LayerRecall:
         return self.hits / self.predicted if self.predicted else 0.0
 
     def as_dict(self, layer: int) -> dict[str, Any]:
-        return {"layer": layer, "recall": round(self.recall, 4), "precision": round(self.precision, 4),
-                "precision_ema": round(self.ema, 4), "read_precision_ema": None if self.read_ema is None else round(self.read_ema, 4),
-                "predicted": self.predicted, "hits": self.hits, "needed": self.needed,
-                "issued": self.issued, "held": self.held}
+        return {
+            "layer": layer,
+            "recall": round(self.recall, 4),
+            "precision": round(self.precision, 4),
+            "precision_ema": round(self.ema, 4),
+            "read_precision_ema": None if self.read_ema is None else round(self.read_ema, 4),
+            "predicted": self.predicted,
+            "hits": self.hits,
+            "needed": self.needed,
+            "issued": self.issued,
+            "held": self.held,
+        }
 
 
 @dataclass
@@ -84,8 +96,12 @@ class DriveLoad:
     queued_bytes: int = 0
     queued_reads: int = 0
     demand_bytes: int = 0  # of queued_bytes, the demand reads': the decoder waits for these
-    held_back_bytes: int = 0  # demand reads of a fetch not queued yet (under a cache budget it keeps 2 ahead)
-    demand_done_at: float | None = 0.0  # when its last demand read landed (None: demand queued or held back now)
+    held_back_bytes: int = (
+        0  # demand reads of a fetch not queued yet (under a cache budget it keeps 2 ahead)
+    )
+    demand_done_at: float | None = (
+        0.0  # when its last demand read landed (None: demand queued or held back now)
+    )
     busy_since: float = 0.0
     busy_bytes: float = 0.0
     busy_s: float = 0.0
@@ -104,16 +120,22 @@ class PrefetchGate:
     layers: dict[int, LayerRecall] = field(default_factory=lambda: defaultdict(LayerRecall))
     drives: list[DriveLoad] = field(init=False)
     gated: int = 0  # decisions that started none of a non-empty prediction
-    piece_bytes: int = CHUNK_BYTES  # the drives' read size: a prefetch may start only its first pieces
+    piece_bytes: int = (
+        CHUNK_BYTES  # the drives' read size: a prefetch may start only its first pieces
+    )
 
     def __post_init__(self) -> None:
         self.drives = [DriveLoad() for _ in range(self.num_drives)]
         self._lock = threading.Lock()  # drive threads report completions
         # (layer, width) -> (average, last) of the window's compute part: from the last drive's demand running out to the fetch
         self._windows: OrderedDict[tuple[int, int], tuple[float, float]] = OrderedDict()
-        self._by_width: OrderedDict[int, tuple[float, float]] = OrderedDict()  # width -> the window last measured at it
+        self._by_width: OrderedDict[int, tuple[float, float]] = (
+            OrderedDict()
+        )  # width -> the window last measured at it
         self._decided_at: dict[int, float] = {}  # layer -> when the gate decided for it
-        self._reads: dict[tuple[int, int], list[int]] = {}  # (id of a read not landed, drive) -> its entry (`track`)
+        self._reads: dict[
+            tuple[int, int], list[int]
+        ] = {}  # (id of a read not landed, drive) -> its entry (`track`)
         self._width = 0  # tokens in this step: a prefill chunk's window is not a decode step's
 
     # -- what happens --------------------------------------------------------
@@ -143,14 +165,22 @@ class PrefetchGate:
             for kept in (self._windows, self._by_width):
                 while len(kept) > MAX_WINDOWS:
                     kept.popitem(last=False)
-        if any(d.held_back_bytes for d in self.drives):  # written on this thread only (`hold_back`): no lock to look
+        if any(
+            d.held_back_bytes for d in self.drives
+        ):  # written on this thread only (`hold_back`): no lock to look
             with self._lock:  # what the previous fetch held back is its own: done or abandoned, it is no one's now
                 for d in self.drives:
                     d.held_back_bytes = 0
                     if d.demand_bytes == 0 and d.demand_done_at is None:
                         d.demand_done_at = now
 
-    def observe(self, layer_idx: int, predicted: set[int], wanted: Sequence[int], read: set[int] | frozenset[int] = frozenset()) -> None:
+    def observe(
+        self,
+        layer_idx: int,
+        predicted: set[int],
+        wanted: Sequence[int],
+        read: set[int] | frozenset[int] = frozenset(),
+    ) -> None:
         """A prediction for `layer_idx` met the router's choice; `read`: the predicted experts that were not held
         (a read started for them, or would have)."""
         r = self._layer(layer_idx)
@@ -172,7 +202,10 @@ class PrefetchGate:
         """A read of `nbytes` was queued on `drive` (demand, or a prefetch): count it until it lands."""
         if not 0 <= drive < self.num_drives:
             return
-        entry = [nbytes, 0 if speculative else nbytes]  # bytes queued, of them demand: `promote` may grow both
+        entry = [
+            nbytes,
+            0 if speculative else nbytes,
+        ]  # bytes queued, of them demand: `promote` may grow both
         with self._lock:
             d = self.drives[drive]
             if d.queued_reads == 0:
@@ -229,12 +262,17 @@ class PrefetchGate:
 
     # -- the decision --------------------------------------------------------
 
-    def admit(self, layer_idx: int, candidates: Iterable[tuple[Any, Sequence[tuple[int, int]]]], room: int) -> list[tuple[Any, int]]:
+    def admit(
+        self, layer_idx: int, candidates: Iterable[tuple[Any, Sequence[tuple[int, int]]]], room: int
+    ) -> list[tuple[Any, int]]:
         """The candidates (key, [(drive, bytes) it loads]), best first, whose reads should start now, each
         with the bytes per drive to read before the router confirms it (less than its share: only its
         first pieces); at most `room`. A striped record is weighed on every drive it loads."""
         with self._lock:
-            work = [(d.queued_bytes + d.held_back_bytes, d.demand_bytes + d.held_back_bytes, d.rate) for d in self.drives]
+            work = [
+                (d.queued_bytes + d.held_back_bytes, d.demand_bytes + d.held_back_bytes, d.rate)
+                for d in self.drives
+            ]
         drain = max((demand / rate for _, demand, rate in work if rate is not None), default=0.0)
         self._decided_at[layer_idx] = time.perf_counter()
         cands = list(candidates)
@@ -246,7 +284,9 @@ class PrefetchGate:
         seen = self._windows.get((layer_idx, self._width)) or self._by_width.get(self._width)
         if seen is None or room <= 0:  # no window yet: this width was never timed
             return self._hold(r, len(cands))
-        window = min(seen) + drain  # the shorter of average and last compute part: never an optimistic slack
+        window = (
+            min(seen) + drain
+        )  # the shorter of average and last compute part: never an optimistic slack
         slack = [window * rate - n if rate is not None else 0.0 for n, _, rate in work]
         p, out = r.ema if r.read_ema is None else min(r.ema, r.read_ema), []
         # A layer whose predictions miss too often reads no whole records, only pieces inside the slack:
@@ -259,7 +299,9 @@ class PrefetchGate:
             gain = p * sum(min(n, f) for (_, n), f in zip(loads, free, strict=True))
             loss = (1 - p) * sum(max(0.0, n - f) for (_, n), f in zip(loads, free, strict=True))
             share = max(n for _, n in loads)
-            if not closed and gain >= loss:  # a sure hit past the slack is read anyway: it may start now
+            if (
+                not closed and gain >= loss
+            ):  # a sure hit past the slack is read anyway: it may start now
                 take = share
             else:
                 take = min(share, int(min(free) // self.piece_bytes) * self.piece_bytes)
@@ -288,9 +330,18 @@ class PrefetchGate:
     def snapshot(self) -> dict[str, Any]:
         """Per-layer recall and precision and per-drive load, JSON-ready (the store snapshot's `prefetch_gate`)."""
         with self._lock:
-            drives = [{"drive": i, "queued_bytes": d.queued_bytes, "held_back_bytes": d.held_back_bytes,
-                       "rate_gb_s": round((d.rate or 0.0) / 1e9, 4)}
-                      for i, d in enumerate(self.drives)]
+            drives = [
+                {
+                    "drive": i,
+                    "queued_bytes": d.queued_bytes,
+                    "held_back_bytes": d.held_back_bytes,
+                    "rate_gb_s": round((d.rate or 0.0) / 1e9, 4),
+                }
+                for i, d in enumerate(self.drives)
+            ]
             layers = sorted(self.layers.items())
-        return {"layers": [r.as_dict(layer) for layer, r in layers], "drives": drives,
-                "gated": self.gated}
+        return {
+            "layers": [r.as_dict(layer) for layer, r in layers],
+            "drives": drives,
+            "gated": self.gated,
+        }

@@ -14,11 +14,30 @@ import torch
 from deltafind.errors import StoreError
 
 # kind -> (weights per block, bytes per block), as gguf.GGML_QUANT_SIZES has them
-BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
-          "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
-          "IQ1_S": (256, 50), "IQ1_M": (256, 56), "IQ2_XXS": (256, 66), "IQ2_XS": (256, 74), "IQ2_S": (256, 82),
-          "IQ3_XXS": (256, 98), "IQ3_S": (256, 110), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136)}
-SPINE_METADATA_KEY = "deltafind.quant"  # in spine.safetensors' __metadata__: JSON {tensor name: tag}
+BLOCKS = {
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q8_0": (32, 34),
+    "Q2_K": (256, 84),
+    "Q3_K": (256, 110),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+    "IQ1_S": (256, 50),
+    "IQ1_M": (256, 56),
+    "IQ2_XXS": (256, 66),
+    "IQ2_XS": (256, 74),
+    "IQ2_S": (256, 82),
+    "IQ3_XXS": (256, 98),
+    "IQ3_S": (256, 110),
+    "IQ4_NL": (32, 18),
+    "IQ4_XS": (256, 136),
+}
+SPINE_METADATA_KEY = (
+    "deltafind.quant"  # in spine.safetensors' __metadata__: JSON {tensor name: tag}
+)
 
 
 def quant_tag(kind: str, cols: int) -> str:
@@ -29,7 +48,9 @@ def parse_quant(tag: str) -> tuple[str, int]:
     """(kind, cols) of a tag; StoreError naming the tag when it is not one."""
     kind, _, cols = tag.partition("/")
     if kind not in BLOCKS or not cols.isdigit() or int(cols) % BLOCKS[kind][0]:
-        raise StoreError(f"quantized tensor tag {tag!r} is not KIND/COLS with KIND in {sorted(BLOCKS)}; re-import the store")
+        raise StoreError(
+            f"quantized tensor tag {tag!r} is not KIND/COLS with KIND in {sorted(BLOCKS)}; re-import the store"
+        )
     return kind, int(cols)
 
 
@@ -43,6 +64,10 @@ def slice_cols(raw: torch.Tensor, tag: str, start: int, stop: int) -> tuple[torc
     kind, _ = parse_quant(tag)
     per, size = BLOCKS[kind]
     if start % per or stop % per:
-        raise StoreError(f"cannot split {kind} blocks of {per} weights at columns {start}..{stop}; "
-                         f"choose --dense-slices so each slice is a multiple of {per} columns")
-    return raw[:, start // per * size : stop // per * size].contiguous(), quant_tag(kind, stop - start)
+        raise StoreError(
+            f"cannot split {kind} blocks of {per} weights at columns {start}..{stop}; "
+            f"choose --dense-slices so each slice is a multiple of {per} columns"
+        )
+    return raw[:, start // per * size : stop // per * size].contiguous(), quant_tag(
+        kind, stop - start
+    )

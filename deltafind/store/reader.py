@@ -58,7 +58,9 @@ class Stager(Protocol):
 
     device: torch.device
 
-    def stage(self, views: Mapping[str, torch.Tensor], dtype: torch.dtype, release: Callable[[], None]) -> tuple[dict[str, torch.Tensor], bool]:
+    def stage(
+        self, views: Mapping[str, torch.Tensor], dtype: torch.dtype, release: Callable[[], None]
+    ) -> tuple[dict[str, torch.Tensor], bool]:
         """Device tensors (floats in `dtype`) and whether they alias the buffer; else `release` is called once it is free."""
 
     def drain(self) -> None:
@@ -104,7 +106,9 @@ class TensorPool:
     in page faults (kernel time) than the widening itself (measured: RESULTS.md)."""
 
     def __init__(self, max_free_bytes: int) -> None:
-        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = defaultdict(
+            list
+        )
         self._free_bytes = 0
         self.max_free_bytes = max_free_bytes
         self._lock = threading.Lock()
@@ -127,7 +131,9 @@ class TensorPool:
                     self._free_bytes += n
 
 
-Decoded = tuple[dict[str, torch.Tensor], Any, list[torch.Tensor]]  # tensors, the buffer they view (or None), pooled widened tensors
+Decoded = tuple[
+    dict[str, torch.Tensor], Any, list[torch.Tensor]
+]  # tensors, the buffer they view (or None), pooled widened tensors
 
 
 class PackReader:
@@ -139,32 +145,54 @@ class PackReader:
     `release` when its tensors are no longer used.
     """
 
-    def __init__(self, manifest: Manifest, store_dir: Path, verify: bool | str = True, drives: list[DriveOptions] | None = None,
-                 read_mode: str = "direct", buffer_pool: Callable[[int], Any] | None = None) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        store_dir: Path,
+        verify: bool | str = True,
+        drives: list[DriveOptions] | None = None,
+        read_mode: str = "direct",
+        buffer_pool: Callable[[int], Any] | None = None,
+    ) -> None:
         self.verify = {True: "full", False: "off"}.get(verify, verify)  # type: ignore[call-overload]
         if self.verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)} (got {verify!r})")
         if read_mode not in READ_MODES:
-            raise ValueError(f"read_mode must be one of {', '.join(READ_MODES)} (got {read_mode!r})")
+            raise ValueError(
+                f"read_mode must be one of {', '.join(READ_MODES)} (got {read_mode!r})"
+            )
         self.read_mode = read_mode
         self.remote: Any = None  # RemoteExperts of a streaming install (store/remote_experts.py)
-        self._learned: dict[tuple[int, int], str] = {}  # xxh3 of sha256-verified bytes, for records without one
+        self._learned: dict[
+            tuple[int, int], str
+        ] = {}  # xxh3 of sha256-verified bytes, for records without one
         recorded = manifest.drive_paths(store_dir)
         opts = drives or []
         if opts and len(opts) != len(recorded):
-            raise StoreError(f"{store_dir}: the config lists {len(opts)} drive(s) but the store was striped over {len(recorded)}: list all {len(recorded)} in [[drives]], in the store's order ({', '.join(map(str, recorded))})")
+            raise StoreError(
+                f"{store_dir}: the config lists {len(opts)} drive(s) but the store was striped over {len(recorded)}: list all {len(recorded)} in [[drives]], in the store's order ({', '.join(map(str, recorded))})"
+            )
         self.options = [opts[i] if i < len(opts) else DriveOptions() for i in range(len(recorded))]
-        self.paths = [(o.path or d) / pack_name(i, manifest.pack_generation) for i, (o, d) in enumerate(zip(self.options, recorded, strict=True))]
+        self.paths = [
+            (o.path or d) / pack_name(i, manifest.pack_generation)
+            for i, (o, d) in enumerate(zip(self.options, recorded, strict=True))
+        ]
         # One buffer per record a drive can have in flight, reused: fresh mmaps cost their page
         # faults on every read (measured: twice the CPU per token with two spares per drive). The
         # expert cache counts these bytes against its budget (StoreExperts).
         max_record = max((align_up(r.length) for r in manifest.experts), default=0)
-        self.buffers = (buffer_pool or BufferPool)(max_record * sum(o.queue_depth for o in self.options))
-        self.widened = TensorPool(max_record * 4 * len(self.options))  # about two bf16 -> fp32 experts per drive
+        self.buffers = (buffer_pool or BufferPool)(
+            max_record * sum(o.queue_depth for o in self.options)
+        )
+        self.widened = TensorPool(
+            max_record * 4 * len(self.options)
+        )  # about two bf16 -> fp32 experts per drive
         self._fds: list[int] = []
         self.direct: list[bool] = []
         self.queues: list[DriveQueue] = []
-        self.pieces = PieceStats()  # a prefetch's pieces read before the router chose: kept or dropped
+        self.pieces = (
+            PieceStats()
+        )  # a prefetch's pieces read before the router chose: kept or dropped
         for idx, path in enumerate(self.paths):
             try:
                 self._open(idx, path, manifest.store_id, read_mode)
@@ -173,9 +201,15 @@ class PackReader:
                 raise
         from deltafind.store.remote_experts import open_remote
 
-        self.remote = open_remote(manifest, store_dir, self.paths, record_tensors)  # a streaming install: missing records come from the hub
-        self.problems: dict[int, str] = {} if self.remote is not None else self._short_packs(manifest)
-        self._decoder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="decode")  # confirmed prefetches
+        self.remote = open_remote(
+            manifest, store_dir, self.paths, record_tensors
+        )  # a streaming install: missing records come from the hub
+        self.problems: dict[int, str] = (
+            {} if self.remote is not None else self._short_packs(manifest)
+        )
+        self._decoder = ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="decode"
+        )  # confirmed prefetches
 
     def _short_packs(self, manifest: Manifest) -> dict[int, str]:
         """Each drive whose pack ends before the manifest's last record on it (a copy cut short, a full disk):
@@ -188,26 +222,40 @@ class PackReader:
         for idx, (fd, path, end) in enumerate(zip(self._fds, self.paths, ends, strict=True)):
             size = os.fstat(fd).st_size
             if size < end:
-                out[idx] = (f"drive {idx}: {path} is truncated: {size} bytes, but the manifest places records up to byte "
-                            f"{end}; records past its end cannot be read: restore the pack, or re-run setup to rewrite it")
-                log.error("pack_truncated", drive=idx, path=str(path), bytes=size, expected_bytes=end)
+                out[idx] = (
+                    f"drive {idx}: {path} is truncated: {size} bytes, but the manifest places records up to byte "
+                    f"{end}; records past its end cannot be read: restore the pack, or re-run setup to rewrite it"
+                )
+                log.error(
+                    "pack_truncated", drive=idx, path=str(path), bytes=size, expected_bytes=end
+                )
         return out
 
     def _open(self, idx: int, path: Path, store_id: str, read_mode: str) -> None:
         if not path.parent.is_dir():
-            raise StoreError(f"drive {idx} ({path.parent}) is missing: mount it, or fix the store's drive list in [[drives]]")
+            raise StoreError(
+                f"drive {idx} ({path.parent}) is missing: mount it, or fix the store's drive list in [[drives]]"
+            )
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as e:
-            raise StoreError(f"drive {idx}: cannot open {path} ({e.strerror}); is the drive mounted and readable?") from e
+            raise StoreError(
+                f"drive {idx}: cannot open {path} ({e.strerror}); is the drive mounted and readable?"
+            ) from e
         head = os.pread(fd, PACK_HEADER_BYTES, 0).rstrip(b"\0")
         try:
             meta = json.loads(head)
         except json.JSONDecodeError:
             meta = {}
-        if meta.get("magic") != PACK_MAGIC or meta.get("store_id") != store_id or meta.get("drive") != idx:
+        if (
+            meta.get("magic") != PACK_MAGIC
+            or meta.get("store_id") != store_id
+            or meta.get("drive") != idx
+        ):
             os.close(fd)
-            raise StoreError(f"drive {idx}: {path} is not this store's pack (drive order changed, or a different store's drive?)")
+            raise StoreError(
+                f"drive {idx}: {path} is not this store's pack (drive order changed, or a different store's drive?)"
+            )
         direct = read_mode == "direct"
         use_direct = False
         if direct and hasattr(os, "O_DIRECT"):
@@ -216,7 +264,13 @@ class PackReader:
                 os.close(fd)
                 fd, use_direct = dfd, True
             except OSError as e:
-                log.warning("o_direct_unavailable", drive=idx, path=str(path), error=e.strerror, fallback="buffered+fadvise_dontneed")
+                log.warning(
+                    "o_direct_unavailable",
+                    drive=idx,
+                    path=str(path),
+                    error=e.strerror,
+                    fallback="buffered+fadvise_dontneed",
+                )
         elif direct and sys.platform == "darwin":
             import fcntl
 
@@ -226,7 +280,9 @@ class PackReader:
             log.warning("o_direct_unavailable", drive=idx, path=str(path), fallback="buffered")
         self._fds.append(fd)
         self.direct.append(use_direct)
-        drop_behind = direct and not use_direct and hasattr(os, "posix_fadvise")  # "direct" asked: keep the page cache out
+        drop_behind = (
+            direct and not use_direct and hasattr(os, "posix_fadvise")
+        )  # "direct" asked: keep the page cache out
         o = self.options[idx]
         self.queues.append(DriveQueue(idx, fd, o.queue_depth, o.read_mb_s, drop_behind))
 
@@ -234,7 +290,9 @@ class PackReader:
     def stats(self) -> list[DriveStats]:
         return [q.stats for q in self.queues]
 
-    def submit(self, rec: ExpertRecord, speculative: bool = False, pieces: int | None = None) -> Future[Any]:
+    def submit(
+        self, rec: ExpertRecord, speculative: bool = False, pieces: int | None = None
+    ) -> Future[Any]:
         """Read `rec` (a buffer holding it at offset 0). `speculative`: a prefetch, queued behind demand
         reads; `pieces`: of a prefetch, only the first that many pieces per drive go to the drives
         until `promote` (store/record_read.py)."""
@@ -253,11 +311,23 @@ class PackReader:
         if isinstance(read, ExpertRead) and read.record is not None:
             read.record.promote()
 
-    def _start(self, rec: ExpertRecord, speculative: bool, dtype: torch.dtype | None, pieces: int | None = None) -> Future[Any]:
+    def _start(
+        self,
+        rec: ExpertRecord,
+        speculative: bool,
+        dtype: torch.dtype | None,
+        pieces: int | None = None,
+    ) -> Future[Any]:
         fut = ExpertRead()
         remote = self.remote
         if remote is None or rec.key in remote.present:
-            self._queue(remote.present[rec.key] if remote is not None else rec, fut, speculative, dtype, pieces)
+            self._queue(
+                remote.present[rec.key] if remote is not None else rec,
+                fut,
+                speculative,
+                dtype,
+                pieces,
+            )
             return fut
         fetched = remote.submit([rec.key])[rec.key]  # fetched and written into its place first
 
@@ -275,15 +345,26 @@ class PackReader:
         fetched.add_done_callback(landed)
         return fut
 
-    def _queue(self, rec: ExpertRecord, fut: ExpertRead, speculative: bool, dtype: torch.dtype | None, pieces: int | None) -> None:
+    def _queue(
+        self,
+        rec: ExpertRecord,
+        fut: ExpertRead,
+        speculative: bool,
+        dtype: torch.dtype | None,
+        pieces: int | None,
+    ) -> None:
         extents = rec.extents()
         if any(e.drive >= len(self.queues) for e in extents):
-            raise CorruptExpertError(f"expert {rec.expert} of layer {rec.layer}: drive {max(e.drive for e in extents)} is closed or unknown")
+            raise CorruptExpertError(
+                f"expert {rec.expert} of layer {rec.layer}: drive {max(e.drive for e in extents)} is closed or unknown"
+            )
         read = RecordRead(self, rec, fut, dtype)
         fut.record = read
         read.queue(extents, speculative, pieces)
 
-    def decode_when_read(self, rec: ExpertRecord, read: Future[Any], dtype: torch.dtype) -> Future[Decoded]:
+    def decode_when_read(
+        self, rec: ExpertRecord, read: Future[Any], dtype: torch.dtype
+    ) -> Future[Decoded]:
         """Convert an already-submitted read (a prefetch the router confirmed) off the caller's
         thread, once it lands; no decode thread waits on a read meanwhile."""
         out: Future[Decoded] = Future()
@@ -365,9 +446,14 @@ class PackReader:
     def io_stats(self) -> dict[str, Any]:
         """Per drive: reads (chunks), sizes, queue depth, idle gaps; buffer reuse; the read mode."""
         pool = self.buffers
-        return {"read_mode": self.read_mode, "o_direct": self.direct, "drives": [s.as_dict() for s in self.stats],
-                "buffers_reused": getattr(pool, "reused", None), "buffers_allocated": getattr(pool, "allocated", None),
-                "prefetch_pieces": self.pieces.as_dict()}
+        return {
+            "read_mode": self.read_mode,
+            "o_direct": self.direct,
+            "drives": [s.as_dict() for s in self.stats],
+            "buffers_reused": getattr(pool, "reused", None),
+            "buffers_allocated": getattr(pool, "allocated", None),
+            "prefetch_pieces": self.pieces.as_dict(),
+        }
 
     def close(self) -> None:
         for q in getattr(self, "queues", []):
@@ -387,5 +473,9 @@ def record_tensors(rec: ExpertRecord, buf: object) -> dict[str, torch.Tensor]:
     for t in rec.tensors:
         dtype = getattr(torch, t.dtype)
         count = t.nbytes // torch.empty(0, dtype=dtype).element_size()
-        out[t.name] = torch.frombuffer(buf, dtype=dtype, count=count, offset=t.offset).view(t.shape) if count else torch.empty(t.shape, dtype=dtype)
+        out[t.name] = (
+            torch.frombuffer(buf, dtype=dtype, count=count, offset=t.offset).view(t.shape)
+            if count
+            else torch.empty(t.shape, dtype=dtype)
+        )
     return out

@@ -39,10 +39,18 @@ class PieceStats:
             if kept:
                 self.kept, self.kept_bytes = self.kept + pieces, self.kept_bytes + nbytes
             else:
-                self.dropped, self.dropped_bytes = self.dropped + pieces, self.dropped_bytes + nbytes
+                self.dropped, self.dropped_bytes = (
+                    self.dropped + pieces,
+                    self.dropped_bytes + nbytes,
+                )
 
     def as_dict(self) -> dict[str, int]:
-        return {"kept": self.kept, "dropped": self.dropped, "kept_bytes": self.kept_bytes, "dropped_bytes": self.dropped_bytes}
+        return {
+            "kept": self.kept,
+            "dropped": self.dropped,
+            "kept_bytes": self.kept_bytes,
+            "dropped_bytes": self.dropped_bytes,
+        }
 
 
 class ExpertRead(Future):  # type: ignore[type-arg]  # one expert record's bytes
@@ -54,18 +62,24 @@ class RecordRead:
     `submit_decoded`) and completes the future; a cancelled read skips the pieces not yet
     started and recycles its buffer."""
 
-    def __init__(self, reader: Any, rec: ExpertRecord, fut: ExpertRead, dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, reader: Any, rec: ExpertRecord, fut: ExpertRead, dtype: torch.dtype | None
+    ) -> None:
         # reader: the PackReader (store/reader.py) that owns the queues, buffers and checks; not imported (it imports this)
         self.reader, self.rec, self.fut, self.dtype = reader, rec, fut, dtype
         self.buf: Any = None
         self.error: BaseException | None = None
         self.chunks: list[Chunk] = []
-        self.waiting: dict[int, list[Chunk]] = {}  # drive -> a prefetch's pieces past its admitted ones
+        self.waiting: dict[
+            int, list[Chunk]
+        ] = {}  # drive -> a prefetch's pieces past its admitted ones
         self._left = 0
         self._speculative_read = [0, 0]  # pieces read from a speculative queue: count, bytes
         self._lock = threading.Lock()
 
-    def queue(self, extents: tuple[Extent, ...], speculative: bool, pieces: int | None = None) -> None:
+    def queue(
+        self, extents: tuple[Extent, ...], speculative: bool, pieces: int | None = None
+    ) -> None:
         pos, by_drive = 0, {}
         for e in extents:
             q = self.reader.queues[e.drive]
@@ -115,7 +129,9 @@ class RecordRead:
                 with self._lock:
                     if self.buf is None:
                         self.buf = self.reader.buffers.get(align_up(self.rec.length))
-                n = chunk.queue.read_into(chunk, memoryview(self.buf)[chunk.pos : chunk.pos + chunk.size])
+                n = chunk.queue.read_into(
+                    chunk, memoryview(self.buf)[chunk.pos : chunk.pos + chunk.size]
+                )
                 if chunk.speculative:
                     with self._lock:
                         self._speculative_read[0] += 1
@@ -125,17 +141,21 @@ class RecordRead:
             except _Short as e:
                 self.error = CorruptExpertError(
                     f"expert {self.rec.expert} of layer {self.rec.layer}: short read on drive {chunk.queue.idx} ({e.args[0]} of {chunk.size} bytes "
-                    f"at offset {chunk.offset}); the pack {self.reader.paths[chunk.queue.idx]} is truncated — re-run setup")
+                    f"at offset {chunk.offset}); the pack {self.reader.paths[chunk.queue.idx]} is truncated — re-run setup"
+                )
             except OSError as e:
                 self.error = CorruptExpertError(
                     f"expert {self.rec.expert} of layer {self.rec.layer}: read failed on drive {chunk.queue.idx} "
-                    f"({self.reader.paths[chunk.queue.idx]}: {e.strerror})")
+                    f"({self.reader.paths[chunk.queue.idx]}: {e.strerror})"
+                )
             except BaseException as e:
                 self.error = e
         self._landed()
 
     def abandon(self, chunk: Chunk) -> None:
-        self.error = self.error or CorruptExpertError(f"expert {self.rec.expert} of layer {self.rec.layer}: the reader closed before it was read")
+        self.error = self.error or CorruptExpertError(
+            f"expert {self.rec.expert} of layer {self.rec.layer}: the reader closed before it was read"
+        )
         self._landed()
 
     def _landed(self) -> None:

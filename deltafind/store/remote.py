@@ -41,7 +41,14 @@ class RemoteTensor:
 class RangeClient:
     """Ranges of files of `repo_id` at `commit` (a pinned revision: the bytes never change under us)."""
 
-    def __init__(self, repo_id: str, commit: str, endpoint: str | None = None, retries: int = RETRIES, backoff_s: float = BACKOFF_S) -> None:
+    def __init__(
+        self,
+        repo_id: str,
+        commit: str,
+        endpoint: str | None = None,
+        retries: int = RETRIES,
+        backoff_s: float = BACKOFF_S,
+    ) -> None:
         from huggingface_hub import constants
 
         self.repo_id, self.commit = repo_id, commit
@@ -61,27 +68,40 @@ class RangeClient:
 
         url = self.url(filename)
         where = f"{url} bytes {start}-{end - 1}"
-        headers = {**build_hf_headers(), "Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
+        headers = {
+            **build_hf_headers(),
+            "Range": f"bytes={start}-{end - 1}",
+            "Accept-Encoding": "identity",
+        }
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(min(self.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S))
             try:
-                r = get_session().get(url, headers=headers, follow_redirects=True, timeout=TIMEOUT_S)
+                r = get_session().get(
+                    url, headers=headers, follow_redirects=True, timeout=TIMEOUT_S
+                )
                 hf_raise_for_status(r)
                 return _check_range(r, start, end)
             except OfflineModeIsEnabled as e:
-                raise RemoteError(f"{where}: HF_HUB_OFFLINE is set, so it cannot be fetched; unset it, or complete the store first with `deltafind setup --fill`") from e
+                raise RemoteError(
+                    f"{where}: HF_HUB_OFFLINE is set, so it cannot be fetched; unset it, or complete the store first with `deltafind setup --fill`"
+                ) from e
             except HfHubHTTPError as e:
                 code = e.response.status_code if e.response is not None else None
                 if code in PERMANENT:
-                    hint = " (set HF_TOKEN to a token that can read this repository)" if code in (401, 403) else ""
+                    hint = (
+                        " (set HF_TOKEN to a token that can read this repository)"
+                        if code in (401, 403)
+                        else ""
+                    )
                     raise RemoteError(f"{where}: HTTP {code}{hint}") from e
                 last = e
             except (httpx2.HTTPError, _BadRange) as e:
                 last = e
-        raise RemoteError(f"{where}: {type(last).__name__}: {last} (gave up after {self.retries + 1} tries)") from last
-
+        raise RemoteError(
+            f"{where}: {type(last).__name__}: {last} (gave up after {self.retries + 1} tries)"
+        ) from last
 
     def download(self, filename: str, dest: Path, size: int, progress: bool = True) -> None:
         """Append the rest of `filename` to `dest` until it holds `size` bytes: a rerun after a kill,
@@ -98,19 +118,39 @@ class RangeClient:
             have = 0
         last: Exception | None = None
         failures = 0
-        with tqdm(total=size, initial=have, unit="B", unit_scale=True, unit_divisor=1024, desc=filename, disable=not progress,
-                  mininterval=1.0) as bar:
+        with tqdm(
+            total=size,
+            initial=have,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=filename,
+            disable=not progress,
+            mininterval=1.0,
+        ) as bar:
             while have < size:
                 if failures > self.retries:
-                    raise RemoteError(f"{url}: {type(last).__name__}: {last} (gave up after {failures} tries; run setup again to resume from byte {have})") from last
+                    raise RemoteError(
+                        f"{url}: {type(last).__name__}: {last} (gave up after {failures} tries; run setup again to resume from byte {have})"
+                    ) from last
                 if failures:
                     time.sleep(min(self.backoff_s * 2 ** (failures - 1), MAX_BACKOFF_S))
-                headers = {**build_hf_headers(), "Range": f"bytes={have}-", "Accept-Encoding": "identity"}
+                headers = {
+                    **build_hf_headers(),
+                    "Range": f"bytes={have}-",
+                    "Accept-Encoding": "identity",
+                }
                 try:
-                    with get_session().stream("GET", url, headers=headers, follow_redirects=True, timeout=TIMEOUT_S) as r:
+                    with get_session().stream(
+                        "GET", url, headers=headers, follow_redirects=True, timeout=TIMEOUT_S
+                    ) as r:
                         hf_raise_for_status(r)
-                        if r.status_code != 206 or not r.headers.get("Content-Range", "").startswith(f"bytes {have}-"):
-                            raise _BadRange(f"HTTP {r.status_code} with Content-Range {r.headers.get('Content-Range')!r}, asked for bytes {have}-")
+                        if r.status_code != 206 or not r.headers.get(
+                            "Content-Range", ""
+                        ).startswith(f"bytes {have}-"):
+                            raise _BadRange(
+                                f"HTTP {r.status_code} with Content-Range {r.headers.get('Content-Range')!r}, asked for bytes {have}-"
+                            )
                         with open(dest, "ab") as f:
                             for chunk in r.iter_bytes():
                                 f.write(chunk)
@@ -138,7 +178,9 @@ class _BadRange(Exception):
 def _check_range(r: object, start: int, end: int) -> bytes:
     status, headers, body = r.status_code, r.headers, r.content  # type: ignore[attr-defined]
     if status != 206:
-        raise _BadRange(f"HTTP {status} instead of 206 Partial Content (the server ignored the Range header)")
+        raise _BadRange(
+            f"HTTP {status} instead of 206 Partial Content (the server ignored the Range header)"
+        )
     got = headers.get("Content-Range", "")
     if not got.startswith(f"bytes {start}-{end - 1}/"):
         raise _BadRange(f"Content-Range {got!r}, asked for bytes {start}-{end - 1}")
@@ -166,5 +208,7 @@ def parse_header(filename: str, hlen: int, raw: bytes) -> tuple[int, dict[str, R
         if name == "__metadata__":
             continue
         a, b = meta["data_offsets"]
-        out[name] = RemoteTensor(filename, name, meta["dtype"], tuple(meta["shape"]), base + a, base + b)
+        out[name] = RemoteTensor(
+            filename, name, meta["dtype"], tuple(meta["shape"]), base + a, base + b
+        )
     return base, out

@@ -32,7 +32,9 @@ from deltafind.store.remote import RangeClient, RemoteError
 log = get_logger(__name__)
 REMOTE_NAME = "remote.json"
 PRESENT_NAME = "present.jsonl"
-COALESCE = 8  # experts per range request (docs/kimi-k3-drafting-io.md §9.2: 8 by default, at most 32)
+COALESCE = (
+    8  # experts per range request (docs/kimi-k3-drafting-io.md §9.2: 8 by default, at most 32)
+)
 MAX_COALESCE = 32
 PARALLEL = 8  # range transfers at once
 MAX_GAP_BYTES = 1 << 20  # neighbours further apart than this are fetched separately
@@ -50,7 +52,9 @@ class Part:
 Views = Callable[[ExpertRecord, Any], dict[str, torch.Tensor]]  # the reader's record_tensors
 
 
-def open_remote(manifest: Manifest, store_dir: Path, pack_paths: list[Path], views: Views) -> RemoteExperts | None:
+def open_remote(
+    manifest: Manifest, store_dir: Path, pack_paths: list[Path], views: Views
+) -> RemoteExperts | None:
     """The fetcher of a streaming store; None for a store whose experts are all on disk."""
     if not manifest.source.get("remote"):
         return None
@@ -60,21 +64,35 @@ def open_remote(manifest: Manifest, store_dir: Path, pack_paths: list[Path], vie
 class RemoteExperts:
     """Fetches missing records into the packs; thread-safe (the drive threads call `ensure`)."""
 
-    def __init__(self, store_dir: Path, manifest: Manifest, pack_paths: list[Path], views: Views, coalesce: int = COALESCE,
-                 parallel: int = PARALLEL, client: RangeClient | None = None) -> None:
+    def __init__(
+        self,
+        store_dir: Path,
+        manifest: Manifest,
+        pack_paths: list[Path],
+        views: Views,
+        coalesce: int = COALESCE,
+        parallel: int = PARALLEL,
+        client: RangeClient | None = None,
+    ) -> None:
         path = store_dir / REMOTE_NAME
         try:
             meta = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
-            raise StoreError(f"{path}: unreadable ({e}); this streaming store cannot fetch its missing experts — run `deltafind setup --streaming` into a fresh --store") from e
+            raise StoreError(
+                f"{path}: unreadable ({e}); this streaming store cannot fetch its missing experts — run `deltafind setup --streaming` into a fresh --store"
+            ) from e
         self.client = client or RangeClient(meta["repo_id"], meta["commit"], meta["endpoint"])
         self.meta, self.views = meta, views
         self.coalesce = max(1, min(coalesce, MAX_COALESCE))
         self.records = {r.key: r for r in manifest.experts}
-        self.parts: dict[Key, list[Part]] = {(layer, e): [Part(*p) for p in parts] for layer, e, parts in meta["experts"]}
+        self.parts: dict[Key, list[Part]] = {
+            (layer, e): [Part(*p) for p in parts] for layer, e, parts in meta["experts"]
+        }
         self.present: dict[Key, ExpertRecord] = {k: r for k, r in self.records.items() if r.xxh3}
         self._order: dict[str, list[Key]] = {}
-        for key in sorted(self.parts, key=lambda k: (self.parts[k][0].file, min(p.start for p in self.parts[k]))):
+        for key in sorted(
+            self.parts, key=lambda k: (self.parts[k][0].file, min(p.start for p in self.parts[k]))
+        ):
             self._order.setdefault(self.parts[key][0].file, []).append(key)
         self._pos = {k: i for keys in self._order.values() for i, k in enumerate(keys)}
         self._journal = store_dir / PRESENT_NAME
@@ -131,7 +149,9 @@ class RemoteExperts:
             self._refresh()
             for key in dict.fromkeys(keys):
                 if key not in self.parts:
-                    raise CorruptExpertError(f"expert {key[1]} of layer {key[0]}: neither on disk nor in {REMOTE_NAME}; re-run `deltafind setup`")
+                    raise CorruptExpertError(
+                        f"expert {key[1]} of layer {key[0]}: neither on disk nor in {REMOTE_NAME}; re-run `deltafind setup`"
+                    )
                 if key in self._inflight:
                     out[key] = self._inflight[key]
                 elif not force and key in self.present:
@@ -151,9 +171,14 @@ class RemoteExperts:
         groups: list[list[Key]] = []
         for key in sorted(keys, key=lambda k: (self.parts[k][0].file, self._pos[k])):
             last = groups[-1][-1] if groups else None
-            if (last is not None and len(groups[-1]) < self.coalesce and self.parts[last][0].file == self.parts[key][0].file
-                    and self._pos[key] == self._pos[last] + 1
-                    and min(p.start for p in self.parts[key]) - max(p.end for p in self.parts[last]) <= MAX_GAP_BYTES):
+            if (
+                last is not None
+                and len(groups[-1]) < self.coalesce
+                and self.parts[last][0].file == self.parts[key][0].file
+                and self._pos[key] == self._pos[last] + 1
+                and min(p.start for p in self.parts[key]) - max(p.end for p in self.parts[last])
+                <= MAX_GAP_BYTES
+            ):
                 groups[-1].append(key)
             else:
                 groups.append([key])
@@ -167,11 +192,19 @@ class RemoteExperts:
                 payload = self._assemble(key, pieces.__getitem__)
                 problem = self._check(key, payload)
                 if problem:  # a corrupt transfer: fetch this one alone, once more
-                    log.warning("expert_fetch_corrupt", layer=key[0], expert=key[1], problem=problem, url=url)
+                    log.warning(
+                        "expert_fetch_corrupt",
+                        layer=key[0],
+                        expert=key[1],
+                        problem=problem,
+                        url=url,
+                    )
                     payload = self._assemble(key, self._get_parts(self.parts[key]).__getitem__)
                     problem = self._check(key, payload)
                     if problem:
-                        raise RemoteError(f"{url}: the bytes of expert {key[1]} of layer {key[0]} fail their check twice ({problem})")
+                        raise RemoteError(
+                            f"{url}: the bytes of expert {key[1]} of layer {key[0]} fail their check twice ({problem})"
+                        )
                 self._finish(key, futs[key], self._publish(key, payload))
         except Exception as e:
             for key in group:
@@ -189,17 +222,23 @@ class RemoteExperts:
         i = 0
         while i < len(ordered):
             j, end = i + 1, ordered[i].end
-            while j < len(ordered) and ordered[j].file == ordered[i].file and ordered[j].start - end <= MAX_GAP_BYTES:
+            while (
+                j < len(ordered)
+                and ordered[j].file == ordered[i].file
+                and ordered[j].start - end <= MAX_GAP_BYTES
+            ):
                 end = max(end, ordered[j].end)
                 j += 1
             start = ordered[i].start
             blob = self.client.get(ordered[i].file, start, end)
             for p in ordered[i:j]:
-                out[p] = blob[p.start - start:p.end - start]
+                out[p] = blob[p.start - start : p.end - start]
             i = j
         return out
 
-    def _finish(self, key: Key, fut: Future[ExpertRecord], result: ExpertRecord | BaseException) -> None:
+    def _finish(
+        self, key: Key, fut: Future[ExpertRecord], result: ExpertRecord | BaseException
+    ) -> None:
         with self._lock:
             if self._inflight.get(key) is fut:
                 del self._inflight[key]
@@ -215,8 +254,10 @@ class RemoteExperts:
         for entry, part in zip(rec.tensors, self.parts[key], strict=True):
             data = piece(part)
             if len(data) != entry.nbytes:
-                raise RemoteError(f"{self.client.url(part.file)} bytes {part.start}-{part.end - 1}: {len(data)} bytes for {entry.name}, the record holds {entry.nbytes}")
-            out[entry.offset:entry.offset + entry.nbytes] = data
+                raise RemoteError(
+                    f"{self.client.url(part.file)} bytes {part.start}-{part.end - 1}: {len(data)} bytes for {entry.name}, the record holds {entry.nbytes}"
+                )
+            out[entry.offset : entry.offset + entry.nbytes] = data
         return bytes(out)
 
     def _check(self, key: Key, payload: bytes) -> str | None:
@@ -233,12 +274,23 @@ class RemoteExperts:
         rec = self.records[key]
         fd = self._fds[rec.drive]
         if os.pwrite(fd, payload, rec.offset) != len(payload):
-            raise StoreError(f"expert {key[1]} of layer {key[0]}: short write into its pack (disk full?)")
+            raise StoreError(
+                f"expert {key[1]} of layer {key[0]}: short write into its pack (disk full?)"
+            )
         os.fsync(fd)
-        full = replace(rec, sha256=hashlib.sha256(payload).hexdigest(), xxh3=xxhash.xxh3_64_hexdigest(payload))
-        line = json.dumps({"layer": rec.layer, "expert": rec.expert, "sha256": full.sha256, "xxh3": full.xxh3}) + "\n"
+        full = replace(
+            rec, sha256=hashlib.sha256(payload).hexdigest(), xxh3=xxhash.xxh3_64_hexdigest(payload)
+        )
+        line = (
+            json.dumps(
+                {"layer": rec.layer, "expert": rec.expert, "sha256": full.sha256, "xxh3": full.xxh3}
+            )
+            + "\n"
+        )
         with self._lock:
-            with open(self._journal, "a") as f:  # one short O_APPEND write: whole lines even with two writers
+            with open(
+                self._journal, "a"
+            ) as f:  # one short O_APPEND write: whole lines even with two writers
                 f.write(line)
                 f.flush()
                 os.fsync(f.fileno())

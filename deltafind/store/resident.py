@@ -43,11 +43,17 @@ class Resident:
     """Experts held in memory outside the LRU: of the store's `records`, read and decoded by `load(records)`
     (several reads in flight: holding a large model's dense layers at open is one pass over the drives)."""
 
-    def __init__(self, records: Mapping[Key, ExpertRecord], load: Callable[[Sequence[ExpertRecord]], list[Expert]]) -> None:
+    def __init__(
+        self,
+        records: Mapping[Key, ExpertRecord],
+        load: Callable[[Sequence[ExpertRecord]], list[Expert]],
+    ) -> None:
         self._records, self._load = records, load
         self.experts: dict[Key, Expert] = {}  # every held key, both tiers
         self.layers: dict[int, list[Expert]] = {}  # dense layers held whole: their slices in order
-        self.chain: list[list[Expert]] = []  # layers 0, 1, ... while held: a model may run them in one call
+        self.chain: list[
+            list[Expert]
+        ] = []  # layers 0, 1, ... while held: a model may run them in one call
         self.dense_bytes = 0
         self.pinned_bytes = 0
         self._pinned: set[Key] = set()
@@ -57,11 +63,20 @@ class Resident:
         in expert order; returns the bytes held."""
         wanted: set[int] = set(layers)
         by_layer: dict[int, list[ExpertRecord]] = {}
-        for key in sorted(k for k in self._records if k[0] in wanted):  # layer order, then slice order
+        for key in sorted(
+            k for k in self._records if k[0] in wanted
+        ):  # layer order, then slice order
             by_layer.setdefault(key[0], []).append(self._records[key])
-        chosen = [i for i in dense_prefix([(i, sum(r.length for r in recs)) for i, recs in by_layer.items()], budget_bytes)
-                  if i not in self.layers]
-        loaded = iter(self._load([r for i in chosen for r in by_layer[i] if r.key not in self.experts]))
+        chosen = [
+            i
+            for i in dense_prefix(
+                [(i, sum(r.length for r in recs)) for i, recs in by_layer.items()], budget_bytes
+            )
+            if i not in self.layers
+        ]
+        loaded = iter(
+            self._load([r for i in chosen for r in by_layer[i] if r.key not in self.experts])
+        )
         for i in chosen:
             slices = [self.experts.get(r.key) or next(loaded) for r in by_layer[i]]
             for r, expert in zip(by_layer[i], slices, strict=True):

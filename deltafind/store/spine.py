@@ -38,8 +38,16 @@ log = get_logger(__name__)
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 ROUTER = re.compile(r"\.(?:mlp|block_sparse_moe)\.gate\.(?:weight|e_score_correction_bias)$")
 SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 HELD_LAYERS = 2  # the streamed layer computing plus the one being read
 
@@ -63,7 +71,9 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
-def target_dtype(name: str, stored: torch.dtype, compute: torch.dtype, keep: bool = False) -> torch.dtype:
+def target_dtype(
+    name: str, stored: torch.dtype, compute: torch.dtype, keep: bool = False
+) -> torch.dtype:
     """The in-memory dtype: floats take the compute dtype, except routing biases, which stay fp32
     (as in HF: rounding them can flip expert choices), and `keep` tensors (matmul weights the model
     computes on as stored, models/ops/stored.py), which stay bf16/fp16; integers stay as stored."""
@@ -82,19 +92,32 @@ def read_layout(path: Path, compute: torch.dtype, keep: Collection[str] = ()) ->
             n = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(n))
     except (OSError, ValueError) as e:
-        raise StoreError(f"{path}: unreadable spine header ({e}); run `deltafind doctor` and re-import the store") from e
+        raise StoreError(
+            f"{path}: unreadable spine header ({e}); run `deltafind doctor` and re-import the store"
+        ) from e
     try:
         quants = json.loads(header.get("__metadata__", {}).get(SPINE_METADATA_KEY, "{}"))
     except ValueError as e:
-        raise StoreError(f"{path}: unreadable {SPINE_METADATA_KEY} metadata ({e}); re-import the store") from e
+        raise StoreError(
+            f"{path}: unreadable {SPINE_METADATA_KEY} metadata ({e}); re-import the store"
+        ) from e
     out = []
     for name, meta in header.items():
         if name == "__metadata__":
             continue
         start, end = meta["data_offsets"]
         dtype = SAFETENSORS_DTYPES[meta["dtype"]]
-        out.append(SpineTensor(name, dtype, tuple(meta["shape"]), 8 + n + start, end - start,
-                               target_dtype(name, dtype, compute, name in keep), quants.get(name, "")))
+        out.append(
+            SpineTensor(
+                name,
+                dtype,
+                tuple(meta["shape"]),
+                8 + n + start,
+                end - start,
+                target_dtype(name, dtype, compute, name in keep),
+                quants.get(name, ""),
+            )
+        )
     return out
 
 
@@ -119,13 +142,19 @@ class SpinePlan:
     @property
     def resident_bytes(self) -> int:
         own = sum(t.resident_bytes for t in self.always)
-        return own + sum(t.resident_bytes for i in range(self.resident_layers) for t in self.layers.get(i, []))
+        return own + sum(
+            t.resident_bytes for i in range(self.resident_layers) for t in self.layers.get(i, [])
+        )
 
     def resident_names(self) -> set[str]:
-        return {t.name for t in self.always} | {t.name for i in range(self.resident_layers) for t in self.layers.get(i, [])}
+        return {t.name for t in self.always} | {
+            t.name for i in range(self.resident_layers) for t in self.layers.get(i, [])
+        }
 
 
-def plan_spine(tensors: Iterable[SpineTensor], num_layers: int, budget_bytes: int | None) -> SpinePlan:
+def plan_spine(
+    tensors: Iterable[SpineTensor], num_layers: int, budget_bytes: int | None
+) -> SpinePlan:
     """Keep the largest prefix of layers resident within `budget_bytes` (None: everything)."""
     always: list[SpineTensor] = []
     layers: dict[int, list[SpineTensor]] = {}
@@ -164,8 +193,12 @@ class SpineStreamer:
     def __init__(self, path: Path, plan: SpinePlan, device: str | torch.device = "cpu") -> None:
         self.path, self.plan, self.device = Path(path), plan, torch.device(device)
         self.streamed = plan.streamed
-        self._next = {i: self.streamed[(k + 1) % len(self.streamed)] for k, i in enumerate(self.streamed)}
-        self._slots: dict[str, tuple[nn.Module, str, torch.Tensor]] = {}  # name -> (module, leaf, placeholder)
+        self._next = {
+            i: self.streamed[(k + 1) % len(self.streamed)] for k, i in enumerate(self.streamed)
+        }
+        self._slots: dict[
+            str, tuple[nn.Module, str, torch.Tensor]
+        ] = {}  # name -> (module, leaf, placeholder)
         self._held: dict[int, Future[dict[str, torch.Tensor]]] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spine")
         self._fd = os.open(self.path, os.O_RDONLY)
@@ -197,8 +230,16 @@ class SpineStreamer:
             finally:
                 self.wait_s += time.perf_counter() - t0
             for name, t in tensors.items():
-                module, leaf, placeholder = self._slots[name]  # nn.Module.__setattr__ registers a parameter or a buffer
-                setattr(module, leaf, nn.Parameter(t, requires_grad=False) if isinstance(placeholder, nn.Parameter) else t)
+                module, leaf, placeholder = self._slots[
+                    name
+                ]  # nn.Module.__setattr__ registers a parameter or a buffer
+                setattr(
+                    module,
+                    leaf,
+                    nn.Parameter(t, requires_grad=False)
+                    if isinstance(placeholder, nn.Parameter)
+                    else t,
+                )
         if nxt is not None and nxt not in self._held:
             self._start(nxt)
 
@@ -228,11 +269,17 @@ class SpineStreamer:
             raw = torch.empty(t.nbytes, dtype=torch.uint8)
             n = os.preadv(self._fd, [raw.numpy()], t.offset)  # straight into the tensor's storage
             if n != t.nbytes:
-                raise StoreError(f"{self.path}: short read of {t.name} ({n} of {t.nbytes} bytes); the spine is truncated — run `deltafind doctor`")
-            stored = raw.view(t.dtype).view(t.shape) if t.nbytes else torch.empty(t.shape, dtype=t.dtype)
+                raise StoreError(
+                    f"{self.path}: short read of {t.name} ({n} of {t.nbytes} bytes); the spine is truncated — run `deltafind doctor`"
+                )
+            stored = (
+                raw.view(t.dtype).view(t.shape) if t.nbytes else torch.empty(t.shape, dtype=t.dtype)
+            )
             out[t.name] = stored.to(device=self.device, dtype=t.target)
             self.bytes_read += t.nbytes
-        if hasattr(os, "posix_fadvise"):  # streaming exists because RAM is short: do not keep a page-cache copy
+        if hasattr(
+            os, "posix_fadvise"
+        ):  # streaming exists because RAM is short: do not keep a page-cache copy
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
         self.layers_read += 1
         return out
@@ -281,8 +328,14 @@ class MemoryLock:
         if not self.refused:
             self.refused = True
             limit = "unlimited" if soft == resource.RLIM_INFINITY else soft
-            log.warning("mlock_unavailable", what=what, bytes=want, rlimit_memlock=limit, reason=why,
-                        fix="raise LimitMEMLOCK= in the service unit (or `ulimit -l`); the spine may be paged out under pressure")
+            log.warning(
+                "mlock_unavailable",
+                what=what,
+                bytes=want,
+                rlimit_memlock=limit,
+                reason=why,
+                fix="raise LimitMEMLOCK= in the service unit (or `ulimit -l`); the spine may be paged out under pressure",
+            )
         return self.locked_bytes
 
     def unlock(self) -> None:
@@ -311,8 +364,12 @@ def _libc() -> ctypes.CDLL | None:
     return _LIBC[0]
 
 
-def load_resident(path: Path, plan: SpinePlan, device: str | torch.device, load: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+def load_resident(
+    path: Path, plan: SpinePlan, device: str | torch.device, load: Callable[[str], torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """The resident tensors, each converted to its in-memory dtype on `device`."""
     names = plan.resident_names()
-    targets = {t.name: t.target for t in plan.always} | {t.name: t.target for ts in plan.layers.values() for t in ts}
+    targets = {t.name: t.target for t in plan.always} | {
+        t.name: t.target for ts in plan.layers.values() for t in ts
+    }
     return {name: load(name).to(device=device, dtype=targets[name]) for name in sorted(names)}

@@ -26,12 +26,23 @@ class TraceWriter:
     """Buffers trace lines from the engine thread; its own thread writes them, so a slow, full or failing
     file never stalls or fails a step: a write error stops the trace (`error`), logged, and generation goes on."""
 
-    def __init__(self, path: Path, max_bytes: int = 256 << 20, flush_s: float = 0.5, *, fd: int | None = None,
-                 max_pending: int = 1 << 16) -> None:
+    def __init__(
+        self,
+        path: Path,
+        max_bytes: int = 256 << 20,
+        flush_s: float = 0.5,
+        *,
+        fd: int | None = None,
+        max_pending: int = 1 << 16,
+    ) -> None:
         self.path = Path(path)
         self.max_bytes, self.flush_s, self.max_pending = max_bytes, flush_s, max_pending
         # Without `fd` (the Python API's own file), append; the daemon hands a file it created new.
-        self._fd = fd if fd is not None else os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self._fd = (
+            fd
+            if fd is not None
+            else os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        )
         self.bytes = os.fstat(self._fd).st_size
         self.full = False
         self.error: str | None = None
@@ -62,11 +73,25 @@ class TraceWriter:
             self._pending.append(line)
             self.bytes += len(line) + 1
 
-    def routes(self, layer_idx: int, seqs: Sequence[int], positions: Sequence[int], ids: list[list[int]], weights: list[list[float]]) -> None:
+    def routes(
+        self,
+        layer_idx: int,
+        seqs: Sequence[int],
+        positions: Sequence[int],
+        ids: list[list[int]],
+        weights: list[list[float]],
+    ) -> None:
         """One line per token t of a step: its sequence `seqs[t]` and position (-1 where unknown), the layer's experts and weights."""
         for t, (e, w) in enumerate(zip(ids, weights, strict=True)):
-            self.write({"seq": seqs[t] if t < len(seqs) else -1, "pos": positions[t] if t < len(positions) else -1,
-                        "layer": layer_idx, "experts": e, "weights": [round(x, 5) for x in w]})
+            self.write(
+                {
+                    "seq": seqs[t] if t < len(seqs) else -1,
+                    "pos": positions[t] if t < len(positions) else -1,
+                    "layer": layer_idx,
+                    "experts": e,
+                    "weights": [round(x, 5) for x in w],
+                }
+            )
 
     def _run(self) -> None:
         while True:
@@ -79,11 +104,15 @@ class TraceWriter:
                 if lines:
                     data = ("\n".join(lines) + "\n").encode()
                     while data:
-                        data = data[os.write(self._fd, data):]
+                        data = data[os.write(self._fd, data) :]
             except OSError as e:
                 self.error = f"{self.path}: {e.strerror or e}"
-                log.error("trace_write_failed", path=str(self.path), error=e.strerror or str(e),
-                          action="trace stopped; generation goes on")
+                log.error(
+                    "trace_write_failed",
+                    path=str(self.path),
+                    error=e.strerror or str(e),
+                    action="trace stopped; generation goes on",
+                )
                 closing = True
             if closing:
                 os.close(self._fd)
@@ -116,15 +145,27 @@ def open_trace_file(trace_dir: Path, name: str) -> tuple[int, Path]:
         folder.mkdir(mode=0o750, parents=True, exist_ok=True)
         dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
-        raise RequestError(f"{folder}: cannot use the trace folder ({e.strerror}); set [control] trace_dir to a "
-                           "folder the daemon can write", "path") from None
+        raise RequestError(
+            f"{folder}: cannot use the trace folder ({e.strerror}); set [control] trace_dir to a "
+            "folder the daemon can write",
+            "path",
+        ) from None
     try:
-        fd = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640, dir_fd=dir_fd)
+        fd = os.open(
+            base,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o640,
+            dir_fd=dir_fd,
+        )
     except FileExistsError:
-        raise RequestError(f"{folder / base}: exists; a trace is never written into an existing file: {fix}",
-                           "path") from None
+        raise RequestError(
+            f"{folder / base}: exists; a trace is never written into an existing file: {fix}",
+            "path",
+        ) from None
     except OSError as e:
-        raise RequestError(f"{folder / base}: cannot create ({e.strerror}); {fix}", "path") from None
+        raise RequestError(
+            f"{folder / base}: cannot create ({e.strerror}); {fix}", "path"
+        ) from None
     finally:
         os.close(dir_fd)
     return fd, folder / base
@@ -170,9 +211,13 @@ def summarize(records: list[dict[str, Any]], top: int = 10) -> dict[str, Any]:
     return {
         "routes": routes,
         "distinct_experts": len(counts),
-        "hot_experts": [{"layer": layer, "expert": e, "uses": n} for (layer, e), n in counts.most_common(top)],
+        "hot_experts": [
+            {"layer": layer, "expert": e, "uses": n} for (layer, e), n in counts.most_common(top)
+        ],
         "reuse_by_layer": {layer: round(h / n, 4) for layer, (h, n) in sorted(reuse.items()) if n},
-        "prediction_recall_by_layer": {layer: round(h / n, 4) for layer, (h, n) in sorted(recall.items()) if n},
+        "prediction_recall_by_layer": {
+            layer: round(h / n, 4) for layer, (h, n) in sorted(recall.items()) if n
+        },
     }
 
 

@@ -132,7 +132,10 @@ def make_pre_tokenizer(patterns: tuple[str, ...] | list[str]) -> pre_tokenizers.
 
 
 def byte_level_bpe(
-    vocab: dict[str, int], merges: list[tuple[str, str]], patterns: tuple[str, ...], ignore_merges: bool
+    vocab: dict[str, int],
+    merges: list[tuple[str, str]],
+    patterns: tuple[str, ...],
+    ignore_merges: bool,
 ) -> Backend:
     """A byte-level BPE `tokenizers` backend: split by `patterns` (make_pre_tokenizer), byte-level decode."""
     backend = Backend(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))

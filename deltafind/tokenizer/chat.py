@@ -46,8 +46,12 @@ class _Helper:
             if self._proc is None or self._proc.poll() is not None:
                 # -I: the helper sees only the standard library and jinja2, not the daemon's path; its own
                 # session: a terminal's Ctrl-C (`deltafind run --chat`) stops the reply, not the renderer
-                self._proc = subprocess.Popen([sys.executable, "-I", str(_WORKER)], stdin=subprocess.PIPE,
-                                              stdout=subprocess.PIPE, start_new_session=True)
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-I", str(_WORKER)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    start_new_session=True,
+                )
                 weakref.finalize(self, _stop, self._proc)
             proc = self._proc
             try:
@@ -58,7 +62,9 @@ class _Helper:
             except (OSError, _Stopped) as e:
                 _stop(proc)
                 self._proc = None
-                raise _Stopped(str(e) if isinstance(e, _Stopped) else f"lost its renderer ({e})") from None
+                raise _Stopped(
+                    str(e) if isinstance(e, _Stopped) else f"lost its renderer ({e})"
+                ) from None
             if line is None:  # it exited: after a MemoryError it answers, then leaves
                 self._proc = None
                 raise _Stopped(f"lost its renderer (exit status {proc.wait()})")
@@ -99,7 +105,10 @@ class ChatTemplate:
         self._ask({"source": source})
 
     def _ask(self, request: dict[str, Any]) -> str:
-        where, fix = f"the chat template in {self.origin}", "the store's template is at fault, not the request: fix or replace it"
+        where, fix = (
+            f"the chat template in {self.origin}",
+            "the store's template is at fault, not the request: fix or replace it",
+        )
         try:
             answer = self._helper.ask(request, RENDER_TIMEOUT_S)
         except _Stopped as e:
@@ -110,15 +119,25 @@ class ChatTemplate:
         if kind == "compile":
             raise DeltafindError(f"chat template in {self.origin} does not compile: {message}")
         if kind == "raised":
-            raise RequestError(f"the chat template ({self.origin}) rejected the messages: {message}", "messages")
+            raise RequestError(
+                f"the chat template ({self.origin}) rejected the messages: {message}", "messages"
+            )
         if kind in ("too_large", "memory"):
-            raise StoreError(f"{where} built more than {MAX_RENDER_CHARS} characters or {MEMORY_BYTES >> 20} MiB "
-                             f"({message}) and was stopped; {fix}")
+            raise StoreError(
+                f"{where} built more than {MAX_RENDER_CHARS} characters or {MEMORY_BYTES >> 20} MiB "
+                f"({message}) and was stopped; {fix}"
+            )
         raise StoreError(f"{where} failed: {message}; {fix}")
 
     def render(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
         """Render `messages`; `kwargs` (tools, documents, bos_token, ...) become template variables."""
-        return self._ask({"source": self._source, "messages": messages,
-                          "add_generation_prompt": add_generation_prompt, "kwargs": kwargs})
+        return self._ask(
+            {
+                "source": self._source,
+                "messages": messages,
+                "add_generation_prompt": add_generation_prompt,
+                "kwargs": kwargs,
+            }
+        )

@@ -53,7 +53,9 @@ class Tokenizer:
     Build with `Tokenizer.load(folder)` or `Tokenizer.from_tiktoken(...)`.
     """
 
-    chat_format: str | None = None  # the chat format it declares (server/formats); None: found from its template
+    chat_format: str | None = (
+        None  # the chat format it declares (server/formats); None: found from its template
+    )
 
     def __init__(
         self,
@@ -116,7 +118,9 @@ class Tokenizer:
             backend = make_tiktoken_backend(
                 ranks, _tiktoken_pattern(config, folder), _tiktoken_specials(config, len(ranks))
             )
-            if cls is Tokenizer:  # a subclass that claims this folder (K3's XTML: tokenizer/kimi.py)
+            if (
+                cls is Tokenizer
+            ):  # a subclass that claims this folder (K3's XTML: tokenizer/kimi.py)
                 cls = next((c for c in Tokenizer.__subclasses__() if c.claims(config)), Tokenizer)
             return cls(backend, config, generation_config=generation, folder=folder)
         raise StoreError(
@@ -223,12 +227,17 @@ class Tokenizer:
         return self.chat_prompt(messages, add_generation_prompt, **template_kwargs)[1]
 
     def chat_prompt(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
     ) -> tuple[str, list[int]]:
         """(the prompt text, its ids) from one rendering, as `render_chat` and `apply_chat_template` give them."""
         # Everything the caller hands in is escaped; only the tokenizer's own specials are not.
         context = {**self._special, **self._guard.escape(template_kwargs)}
-        text = self._template().render(self._guard.escape(messages), add_generation_prompt=add_generation_prompt, **context)
+        text = self._template().render(
+            self._guard.escape(messages), add_generation_prompt=add_generation_prompt, **context
+        )
         ids = self._guard.encode(text, lambda piece: self.encode(piece, add_bos=False))
         if self._add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)

@@ -80,7 +80,10 @@ def _build_backend(meta: dict[str, Any], source: Path) -> Backend:
     backend = byte_level_bpe(vocab, merges, PRE_SPLITS[pre], ignore_merges=pre in LLAMA3_FAMILY)
     # Control tokens are special (skipped by skip_special_tokens); user-defined ones are not.
     backend.add_tokens(
-        [AddedToken(tokens[i], special=types[i] == _CONTROL, normalized=False) for i in sorted(added)]
+        [
+            AddedToken(tokens[i], special=types[i] == _CONTROL, normalized=False)
+            for i in sorted(added)
+        ]
     )
     moved = [(tokens[i], i) for i in added if backend.token_to_id(tokens[i]) != i]
     if moved:
@@ -111,9 +114,16 @@ def _config(meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     }
     if "tokenizer.chat_template" in meta:
         config["chat_template"] = meta["tokenizer.chat_template"]
-    ids = [meta.get(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    ids = [
+        meta.get(f"tokenizer.ggml.{key}")
+        for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+    ]
     ids += [i for i, t in enumerate(tokens) if types[i] == _CONTROL and t in _EOG_SPELLINGS]
-    generation = {"eos_token_id": list(dict.fromkeys(i for i in ids if i is not None and 0 <= i < len(tokens)))}
+    generation = {
+        "eos_token_id": list(
+            dict.fromkeys(i for i in ids if i is not None and 0 <= i < len(tokens))
+        )
+    }
     if meta.get("tokenizer.ggml.bos_token_id") is not None:
         generation["bos_token_id"] = meta["tokenizer.ggml.bos_token_id"]
     return {k: v for k, v in config.items() if v is not None}, generation

@@ -23,7 +23,11 @@ class SpecialGuard:
     """Escapes caller strings and encodes a rendered prompt for one vocabulary's special tokens."""
 
     def __init__(self, backend: Backend) -> None:
-        added = [t for t in backend.get_added_tokens_decoder().values() if t.special and len(t.content) > 1]
+        added = [
+            t
+            for t in backend.get_added_tokens_decoder().values()
+            if t.special and len(t.content) > 1
+        ]
         # One-character specials cannot be broken by a mark; none of the formats we serve has one.
         self._tokens = {t.content: t for t in added}
         self._ids = {t.content: backend.token_to_id(t.content) for t in added}
@@ -33,8 +37,10 @@ class SpecialGuard:
         groups: dict[str, list[str]] = {}
         for c in sorted(self._tokens, key=len, reverse=True):
             groups.setdefault(c[:2], []).append(c[2:])
-        self._groups = [re.compile(re.escape(head) + "(?:" + "|".join(map(re.escape, rests)) + ")")
-                        for head, rests in groups.items()]
+        self._groups = [
+            re.compile(re.escape(head) + "(?:" + "|".join(map(re.escape, rests)) + ")")
+            for head, rests in groups.items()
+        ]
 
     def _occurrences(self, text: str) -> list[tuple[int, str]]:
         """Leftmost-longest matches of each group of specials sharing two first characters: one regex per
@@ -66,7 +72,9 @@ class SpecialGuard:
             core = text[start:end]
             if any(core[:n] in self._suffixes for n in range(1, min(len(core), self._longest) + 1)):
                 marks.add(start)
-            if any(core[-n:] in self._prefixes for n in range(1, min(len(core), self._longest) + 1)):
+            if any(
+                core[-n:] in self._prefixes for n in range(1, min(len(core), self._longest) + 1)
+            ):
                 marks.add(end)
         return _insert(text, marks)
 

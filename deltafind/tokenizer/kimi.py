@@ -23,16 +23,33 @@ MAX_RUN_CHARS = 25_000
 XTML_MARKERS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
 # Audited spellings by offset from the first reserved id (163584 in K3; docs/kimi-k3-format.md §6.2).
 K3_SPECIALS = {
-    0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>",
-    6: "[start_header_id]", 7: "[end_header_id]", 9: "[EOT]", 18: "<|media_begin|>", 19: "<|media_content|>",
-    20: "<|media_end|>", 21: "<|media_pad|>", 65: "<osagent_mode>", 254: "[UNK]", 255: "[PAD]",
+    0: "[BOS]",
+    1: "[EOS]",
+    2: "<|end_of_msg|>",
+    3: "<|open|>",
+    4: "<|close|>",
+    5: "<|sep|>",
+    6: "[start_header_id]",
+    7: "[end_header_id]",
+    9: "[EOT]",
+    18: "<|media_begin|>",
+    19: "<|media_content|>",
+    20: "<|media_end|>",
+    21: "<|media_pad|>",
+    65: "<osagent_mode>",
+    254: "[UNK]",
+    255: "[PAD]",
 }
 NUM_RESERVED = 256
 
 
 def is_xtml(config: dict[str, Any]) -> bool:
     """Whether tokenizer_config.json's added tokens are K3's XTML markers."""
-    names = {e.get("content") for e in (config.get("added_tokens_decoder") or {}).values() if isinstance(e, dict)}
+    names = {
+        e.get("content")
+        for e in (config.get("added_tokens_decoder") or {}).values()
+        if isinstance(e, dict)
+    }
     return all(m in names for m in XTML_MARKERS)
 
 
@@ -68,7 +85,9 @@ class KimiTokenizer(Tokenizer):
         self.eos_token_ids = [eom] if eom is not None else self.eos_token_ids
         self._add_bos = False  # K3 prompts never get BOS (docs/kimi-k3-format.md §4.1)
 
-    def encode(self, text: str, add_bos: bool | None = None, *, allow_special: bool = False) -> list[int]:
+    def encode(
+        self, text: str, add_bos: bool | None = None, *, allow_special: bool = False
+    ) -> list[int]:
         if len(text) <= MAX_RUN_CHARS:  # no cut can apply
             return super().encode(text, add_bos=False, allow_special=allow_special)
         ids: list[int] = []
@@ -80,11 +99,15 @@ class KimiTokenizer(Tokenizer):
     def has_chat_template(self) -> bool:
         return True
 
-    def chat_segments(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> list[Segment]:
+    def chat_segments(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[Segment]:
         """XTML segments; kwargs: tools, tool_choice, response_format, thinking, thinking_effort."""
         return render_segments(messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
-    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> tuple[str, list[int]]:
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> tuple[str, list[int]]:
         """Each segment encoded on its own (control: specials read; ordinary: plain BPE), ids concatenated."""
         segments, ids = self.chat_segments(messages, add_generation_prompt, **kwargs), list[int]()
         for seg in segments:
@@ -103,8 +126,12 @@ SAMPLE_CORPUS = (
 def train_ranks(num_merges: int, corpus: str = SAMPLE_CORPUS) -> list[bytes]:
     """A small byte-level BPE rank table: 256 bytes, then `num_merges` greedy merges on whitespace-split words."""
     ranks = [bytes([b]) for b in range(256)]
-    words = Counter(tuple(bytes([b]) for b in w.encode()) for w in corpus.replace("\n", " \n ").split(" ") if w)
-    words.update(tuple(bytes([b]) for b in (" " + w).encode()) for w in corpus.split(" ") if w.strip())
+    words = Counter(
+        tuple(bytes([b]) for b in w.encode()) for w in corpus.replace("\n", " \n ").split(" ") if w
+    )
+    words.update(
+        tuple(bytes([b]) for b in (" " + w).encode()) for w in corpus.split(" ") if w.strip()
+    )
     known = set(ranks)
     while len(ranks) < 256 + num_merges:
         pairs: Counter[tuple[bytes, bytes]] = Counter()
@@ -136,15 +163,23 @@ def write_k3_tokenizer(dest: Path, num_merges: int = 256) -> list[str]:
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     ranks = train_ranks(num_merges)
-    (dest / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(ranks)))
+    (dest / "tiktoken.model").write_text(
+        "".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(ranks))
+    )
     first = len(ranks)
-    added = {str(first + off): {"content": text, "special": True} for off, text in K3_SPECIALS.items()}
+    added = {
+        str(first + off): {"content": text, "special": True} for off, text in K3_SPECIALS.items()
+    }
     config = {
         "tokenizer_class": "TikTokenTokenizer",
         "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
         "added_tokens_decoder": added,
-        "bos_token": "[BOS]", "eos_token": "[EOS]", "unk_token": "[UNK]", "pad_token": "[PAD]",
-        "add_bos_token": False, "model_max_length": 1048576,
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "unk_token": "[UNK]",
+        "pad_token": "[PAD]",
+        "add_bos_token": False,
+        "model_max_length": 1048576,
     }
     (dest / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     return ["tiktoken.model", "tokenizer_config.json"]

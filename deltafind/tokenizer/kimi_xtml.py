@@ -16,7 +16,9 @@ from deltafind.errors import RequestError
 
 OPEN, CLOSE, SEP, EOM = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 EFFORTS = ("low", "high", "max")
-BODY_TOOLS_STATIC = "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n{tools}\n```"
+BODY_TOOLS_STATIC = (
+    "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n{tools}\n```"
+)
 BODY_TOOLS_DYNAMIC = (
     "## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\n"
     "You have access to all existing and extended tools.\nHere are the specs for the extended tools.\n\n```json\n{tools}\n```"
@@ -25,12 +27,15 @@ BODY_EFFORT = (
     "`thinking_effort` guides on how much to think in your thinking channel (not including the response channel), "
     "supported values include `low`, `medium`, `high`, and `max`.\nNow the system is invoked with `thinking_effort={effort}`."
 )
-BODY_TOOL_REQUIRED = "The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next message."
+BODY_TOOL_REQUIRED = (
+    "The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next message."
+)
 BODY_TOOL_NONE = "The system is invoked with `tool_choice=none`.\nYou MUST NOT call any tools in the next message."
 _RAW_JSON = "Your response must be raw JSON data without markdown code blocks (```json) or any additional formatting."
 BODY_JSON_OBJECT = "The system is invoked with `response_format=json_object`.\n" + _RAW_JSON
 BODY_JSON_SCHEMA = (
-    "The system is invoked with `response_format=json_schema`.\n" + _RAW_JSON
+    "The system is invoked with `response_format=json_schema`.\n"
+    + _RAW_JSON
     + "\nThe JSON data must match the following schema:\n```json\n{schema}\n```"
 )
 
@@ -58,7 +63,9 @@ def spaced_json(value: Any, ensure_ascii: bool = False) -> str:
 
 
 def _attr(value: Any) -> str:
-    text = value if isinstance(value, str) else str(value)  # non-strings render Python-style (None/True/False)
+    text = (
+        value if isinstance(value, str) else str(value)
+    )  # non-strings render Python-style (None/True/False)
     return text.replace("&", "&amp;").replace('"', "&quot;")
 
 
@@ -110,7 +117,9 @@ class XTMLRenderer:
             return
         for part in content:
             if isinstance(part, dict) and part.get("type") in ("image", "image_url"):
-                raise RequestError("Kimi K3 image inputs are not supported by deltafind (text only)", "messages")
+                raise RequestError(
+                    "Kimi K3 image inputs are not supported by deltafind (text only)", "messages"
+                )
             self.text((part.get("text") or "") if isinstance(part, dict) else str(part))
 
     def tool_calls(self, calls: list[dict[str, Any]]) -> None:
@@ -130,7 +139,9 @@ class XTMLRenderer:
                     continue
             args = {} if args is None else args
             if not isinstance(args, dict):
-                raise RequestError(f"tool call {i} arguments are JSON but not an object", "messages")
+                raise RequestError(
+                    f"tool call {i} arguments are JSON but not an object", "messages"
+                )
             for key, value in args.items():
                 self.open("argument", key=key, type=_json_type(value))
                 self.text(value if isinstance(value, str) else spaced_json(value, self.ascii))
@@ -175,10 +186,16 @@ def render_segments(
 ) -> list[Segment]:
     """The XTML segments of a conversation, in deltafin's render order."""
     if thinking_effort is not None and thinking_effort not in EFFORTS:
-        raise RequestError(f"thinking_effort must be one of {', '.join(EFFORTS)} (got {thinking_effort!r})", "thinking_effort")
+        raise RequestError(
+            f"thinking_effort must be one of {', '.join(EFFORTS)} (got {thinking_effort!r})",
+            "thinking_effort",
+        )
     r = XTMLRenderer(json_ensure_ascii)
     if tools:
-        r.system("tool-declare", BODY_TOOLS_STATIC.format(tools=compact_json(deep_sorted(tools), r.ascii)))
+        r.system(
+            "tool-declare",
+            BODY_TOOLS_STATIC.format(tools=compact_json(deep_sorted(tools), r.ascii)),
+        )
     if thinking and thinking_effort:
         r.system("thinking-effort", BODY_EFFORT.format(effort=thinking_effort))
     last_calls: list[dict[str, Any]] = []
@@ -186,7 +203,10 @@ def render_segments(
     for m in _normalize_tool_results(list(messages)):
         role, name = m.get("role"), ({"name": m["name"]} if m.get("name") else {})
         if role == "system" and m.get("tools"):
-            r.system("tool-declare", BODY_TOOLS_DYNAMIC.format(tools=compact_json(deep_sorted(m["tools"]), r.ascii)))
+            r.system(
+                "tool-declare",
+                BODY_TOOLS_DYNAMIC.format(tools=compact_json(deep_sorted(m["tools"]), r.ascii)),
+            )
             continue
         if role in ("user", "system"):
             r.open("message", role=role, **name)
@@ -195,7 +215,9 @@ def render_segments(
             tool_index += 1
             tool = m.get("tool") or m.get("name")
             if not tool and tool_index <= len(last_calls):
-                tool = (last_calls[tool_index - 1].get("function") or last_calls[tool_index - 1]).get("name")
+                tool = (
+                    last_calls[tool_index - 1].get("function") or last_calls[tool_index - 1]
+                ).get("name")
             r.open("message", role="tool", tool=tool, index=tool_index)
             r.content(m.get("content"))
         elif role == "assistant":
@@ -212,7 +234,9 @@ def render_segments(
             if last_calls:
                 r.tool_calls(last_calls)
         else:
-            raise RequestError(f"message role {role!r} is not one of system, user, assistant, tool", "messages")
+            raise RequestError(
+                f"message role {role!r} is not one of system, user, assistant, tool", "messages"
+            )
         r.close("message")
         r.text(EOM, True)
     if tool_choice == "required":
@@ -225,7 +249,10 @@ def render_segments(
     elif kind == "json_schema":
         js = response_format.get("json_schema")  # type: ignore[union-attr]
         schema = js.get("schema", js.get("json_schema", js)) if isinstance(js, dict) else js
-        r.system("response-format", BODY_JSON_SCHEMA.format(schema=compact_json(deep_sorted(schema), r.ascii)))
+        r.system(
+            "response-format",
+            BODY_JSON_SCHEMA.format(schema=compact_json(deep_sorted(schema), r.ascii)),
+        )
     if add_generation_prompt:
         r.open("message", role="assistant")
         r.open("think" if thinking else "response")

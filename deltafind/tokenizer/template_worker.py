@@ -99,14 +99,28 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
 
     def call_binop(self, context: Any, op: str, left: Any, right: Any) -> Any:
         if op in ("*", "**"):
-            if op == "**" and isinstance(left, int) and isinstance(right, int) and abs(right) * max(abs(left), 2).bit_length() > 4096:
+            if (
+                op == "**"
+                and isinstance(left, int)
+                and isinstance(right, int)
+                and abs(right) * max(abs(left), 2).bit_length() > 4096
+            ):
                 raise _TooLarge(f"{left} ** {right}")
             if op == "*" and isinstance(right, int) and isinstance(left, (str, list, tuple)):
                 left, right = right, left
-            if op == "*" and isinstance(left, int) and isinstance(right, (str, list, tuple)) and left * len(right) > MAX_RENDER_CHARS:
+            if (
+                op == "*"
+                and isinstance(left, int)
+                and isinstance(right, (str, list, tuple))
+                and left * len(right) > MAX_RENDER_CHARS
+            ):
                 raise _TooLarge(f"a sequence of {len(right)} repeated {left} times")
-        elif op == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)) \
-                and len(left) + len(right) > MAX_RENDER_CHARS:
+        elif (
+            op == "+"
+            and isinstance(left, (str, list, tuple))
+            and isinstance(right, (str, list, tuple))
+            and len(left) + len(right) > MAX_RENDER_CHARS
+        ):
             raise _TooLarge(f"a sequence of {len(left) + len(right)}")
         return _BINOPS[op](left, right)
 
@@ -125,6 +139,7 @@ def _measured(value: Any) -> Any:
 def _measuring(f: Any) -> Any:
     def checked(*args: Any, **kwargs: Any) -> Any:
         return _measured(f(*args, **kwargs))
+
     for attr in ("jinja_pass_arg",):  # jinja's pass_context / pass_environment marks
         if hasattr(f, attr):
             setattr(checked, attr, getattr(f, attr))
@@ -142,7 +157,9 @@ class _RuntimeOutput(CodeGenerator):
 
 def _make_env() -> ImmutableSandboxedEnvironment:
     env = _BoundedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols],
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, loopcontrols],
         optimized=False,  # no constant folding: every filter runs while rendering, under the size checks
     )
     env.code_generator_class = _RuntimeOutput
@@ -166,7 +183,6 @@ def _alias_reasoning(message: Any) -> Any:
     if reasoning is None:
         return message
     return {"thinking": reasoning, **message, "reasoning_content": reasoning}
-
 
 
 def _bounded_join(chunks: Any) -> str:
@@ -218,7 +234,9 @@ def main() -> None:
             compiled.clear()
             answer = {"error": "memory", "message": f"over {MEMORY_BYTES >> 20} MiB"}
         # UTF-8 (lone surrogates kept) rather than ASCII escapes: a third of the bytes for non-Latin text
-        sys.stdout.buffer.write(json.dumps(answer, ensure_ascii=False).encode("utf-8", "surrogatepass") + b"\n")
+        sys.stdout.buffer.write(
+            json.dumps(answer, ensure_ascii=False).encode("utf-8", "surrogatepass") + b"\n"
+        )
         sys.stdout.flush()
         if answer.get("error") == "memory":
             return

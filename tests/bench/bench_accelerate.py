@@ -30,9 +30,23 @@ import sys
 import time
 from pathlib import Path
 
-SHAPE = {"vocab_size": 1024, "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 8,
-         "num_key_value_heads": 4, "head_dim": 128, "moe_intermediate_size": 768, "num_experts": 32, "num_experts_per_tok": 4,
-         "norm_topk_prob": True, "max_position_embeddings": 512, "eos_token_id": 256, "bos_token_id": None, "pad_token_id": None}
+SHAPE = {
+    "vocab_size": 1024,
+    "hidden_size": 1024,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "moe_intermediate_size": 768,
+    "num_experts": 32,
+    "num_experts_per_tok": 4,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 512,
+    "eos_token_id": 256,
+    "bos_token_id": None,
+    "pad_token_id": None,
+}
 PROMPT = [65, 66, 67, 68, 69, 70, 71, 72]
 
 
@@ -46,7 +60,9 @@ def make(root: Path) -> tuple[Path, Path]:
         from tests.conftest import write_tiny_tokenizer
 
         torch.manual_seed(0)
-        model = T.AutoModelForCausalLM.from_config(T.Qwen3MoeConfig(**SHAPE, initializer_range=0.05), torch_dtype=torch.float32)
+        model = T.AutoModelForCausalLM.from_config(
+            T.Qwen3MoeConfig(**SHAPE, initializer_range=0.05), torch_dtype=torch.float32
+        )
         model.save_pretrained(ckpt)
         write_tiny_tokenizer(ckpt)
     if not (store / "manifest.json").exists():
@@ -80,14 +96,21 @@ def run_hf(cfg: dict) -> dict:
     offload = Path(cfg["root"]) / "offload"
     shutil.rmtree(offload, ignore_errors=True)
     t0 = time.perf_counter()
-    model = T.AutoModelForCausalLM.from_pretrained(cfg["ckpt"], torch_dtype=torch.float32, device_map="auto",
-                                                   max_memory={"cpu": cfg["budget"]}, offload_folder=str(offload)).eval()
+    model = T.AutoModelForCausalLM.from_pretrained(
+        cfg["ckpt"],
+        torch_dtype=torch.float32,
+        device_map="auto",
+        max_memory={"cpu": cfg["budget"]},
+        offload_folder=str(offload),
+    ).eval()
     load_s = time.perf_counter() - t0
     placement = {str(v) for v in getattr(model, "hf_device_map", {}).values()}
     if cfg["engine"] == "hf_cold":
         model.register_forward_pre_hook(lambda *_: drop_page_cache(offload))
     ids = torch.tensor([PROMPT])
-    model.generation_config.eos_token_id = None  # decode exactly `tokens` tokens, as deltafind's ignore_eos does
+    model.generation_config.eos_token_id = (
+        None  # decode exactly `tokens` tokens, as deltafind's ignore_eos does
+    )
     model.generation_config.pad_token_id = 0
     with torch.inference_mode():
         t0 = time.perf_counter()
@@ -96,9 +119,15 @@ def run_hf(cfg: dict) -> dict:
         t0 = time.perf_counter()
         out = model.generate(ids, max_new_tokens=cfg["tokens"], do_sample=False)
         total = time.perf_counter() - t0
-    tokens = out[0, len(PROMPT):].tolist()
-    return {"engine": cfg["engine"], "decode_tok_s": (len(tokens) - 1) / max(1e-9, total - first), "tokens": tokens,
-            "load_s": load_s, "placement": sorted(placement), "peak_rss_bytes": peak_rss()}
+    tokens = out[0, len(PROMPT) :].tolist()
+    return {
+        "engine": cfg["engine"],
+        "decode_tok_s": (len(tokens) - 1) / max(1e-9, total - first),
+        "tokens": tokens,
+        "load_s": load_s,
+        "placement": sorted(placement),
+        "peak_rss_bytes": peak_rss(),
+    }
 
 
 def run_df(cfg: dict) -> dict:
@@ -114,19 +143,38 @@ def run_df(cfg: dict) -> dict:
     spine = sum(p.numel() * p.element_size() for p in probe.net.parameters())
     probe.experts.uses.clear()
     probe.close()
-    model = Model.open(cfg["store"], expert_cache_bytes=max(0, cfg["budget"] - spine), prefetch=True, heat_decay=1.0)
+    model = Model.open(
+        cfg["store"],
+        expert_cache_bytes=max(0, cfg["budget"] - spine),
+        prefetch=True,
+        heat_decay=1.0,
+    )
     load_s = time.perf_counter() - t0
-    tokens = list(model.stream(PROMPT, SamplingParams(max_new_tokens=cfg["tokens"], ignore_eos=True)))
-    out = {"engine": "deltafind", "decode_tok_s": model.last_stats.decode_tok_s, "tokens": tokens, "load_s": load_s,
-           "spine_bytes": spine, "cache_bytes": max(0, cfg["budget"] - spine), "experts_read": model.experts.stats.read,
-           "peak_rss_bytes": peak_rss()}
+    tokens = list(
+        model.stream(PROMPT, SamplingParams(max_new_tokens=cfg["tokens"], ignore_eos=True))
+    )
+    out = {
+        "engine": "deltafind",
+        "decode_tok_s": model.last_stats.decode_tok_s,
+        "tokens": tokens,
+        "load_s": load_s,
+        "spine_bytes": spine,
+        "cache_bytes": max(0, cfg["budget"] - spine),
+        "experts_read": model.experts.stats.read,
+        "peak_rss_bytes": peak_rss(),
+    }
     model.experts.uses.clear()
     model.close()
     return out
 
 
 def spawn(engine: str, cfg: dict) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--one", json.dumps({**cfg, "engine": engine})], capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--one", json.dumps({**cfg, "engine": engine})],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if proc.returncode:
         raise SystemExit(proc.stderr[-4000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -147,20 +195,45 @@ def main() -> None:
         return
     args.root.mkdir(parents=True, exist_ok=True)
     ckpt, store = make(args.root)
-    cfg = {"ckpt": str(ckpt), "store": str(store), "root": str(args.root), "budget": args.budget_mib << 20, "tokens": args.tokens, "threads": args.threads}
+    cfg = {
+        "ckpt": str(ckpt),
+        "store": str(store),
+        "root": str(args.root),
+        "budget": args.budget_mib << 20,
+        "tokens": args.tokens,
+        "threads": args.threads,
+    }
     rows: dict[str, list[dict]] = {"hf": [], "hf_cold": [], "df": []}
     for _ in range(args.rounds):
         for engine in rows:
             r = spawn(engine, cfg)
             rows[engine].append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "tokens"}))
-    hf, cold, df = (statistics.median(r["decode_tok_s"] for r in rows[e]) for e in ("hf", "hf_cold", "df"))
+    hf, cold, df = (
+        statistics.median(r["decode_tok_s"] for r in rows[e]) for e in ("hf", "hf_cold", "df")
+    )
     weights = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
-    print(json.dumps({"bench": "vs_hf_accelerate_disk_offload", "budget_bytes": cfg["budget"], "checkpoint_bytes": weights,
-                      "hf_page_cache_warm_tok_s": round(hf, 3), "hf_cold_tok_s": round(cold, 3), "deltafind_tok_s": round(df, 3),
-                      "ratio_vs_cold": round(df / cold, 2), "ratio_vs_warm": round(df / hf, 2), "hf_placement": rows["hf"][0]["placement"],
-                      "peak_rss_bytes": {e: int(statistics.median(r["peak_rss_bytes"] for r in rows[e])) for e in rows},
-                      "same_greedy_tokens": rows["hf"][0]["tokens"] == rows["df"][0]["tokens"] == rows["hf_cold"][0]["tokens"]}))
+    print(
+        json.dumps(
+            {
+                "bench": "vs_hf_accelerate_disk_offload",
+                "budget_bytes": cfg["budget"],
+                "checkpoint_bytes": weights,
+                "hf_page_cache_warm_tok_s": round(hf, 3),
+                "hf_cold_tok_s": round(cold, 3),
+                "deltafind_tok_s": round(df, 3),
+                "ratio_vs_cold": round(df / cold, 2),
+                "ratio_vs_warm": round(df / hf, 2),
+                "hf_placement": rows["hf"][0]["placement"],
+                "peak_rss_bytes": {
+                    e: int(statistics.median(r["peak_rss_bytes"] for r in rows[e])) for e in rows
+                },
+                "same_greedy_tokens": rows["hf"][0]["tokens"]
+                == rows["df"][0]["tokens"]
+                == rows["hf_cold"][0]["tokens"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -38,11 +38,23 @@ def _call(kind: str, rows: int, cols: int):  # -> (lib, threads) -> None
     if kind == "MXFP4":
         packed = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8)
         scale = torch.randint(118, 127, (rows, cols // 32), dtype=torch.uint8)
-        return lambda lib, n: lib.df_mxfp4_matmul(x.data_ptr(), 1, cols, packed.data_ptr(), scale.data_ptr(), rows, cols,
-                                                  y.data_ptr(), rows, n)
+        return lambda lib, n: lib.df_mxfp4_matmul(
+            x.data_ptr(),
+            1,
+            cols,
+            packed.data_ptr(),
+            scale.data_ptr(),
+            rows,
+            cols,
+            y.data_ptr(),
+            rows,
+            n,
+        )
     w = gguf_blocks(kind, rows, cols)
     part = (StoredPart * 1)(StoredPart(KINDS[kind], rows, cols, w.shape[1], w.data_ptr()))
-    return lambda lib, n, w=w: lib.df_stored_parts(part, 1, 0, x.data_ptr(), 1, cols, y.data_ptr(), rows, n)  # w: the part points into it
+    return lambda lib, n, w=w: lib.df_stored_parts(
+        part, 1, 0, x.data_ptr(), 1, cols, y.data_ptr(), rows, n
+    )  # w: the part points into it
 
 
 def main() -> None:
@@ -56,14 +68,22 @@ def main() -> None:
     if None in builds.values():
         raise SystemExit(f"a kernel build failed: {CPU.build_error or avx2_kernels().build_error}")
     threads = list(range(1, len(os.sched_getaffinity(0)) + 1))
-    out: dict = {"bench": "block_kernels", "rows": args.rows, "cols": args.cols, "threads": threads, "formats": {},
-                 "avx512": "avx512f" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else None}
+    out: dict = {
+        "bench": "block_kernels",
+        "rows": args.rows,
+        "cols": args.cols,
+        "threads": threads,
+        "formats": {},
+        "avx512": "avx512f" in Path("/proc/cpuinfo").read_text()
+        if Path("/proc/cpuinfo").exists()
+        else None,
+    }
     for kind in FORMATS:
         call = _call(kind, args.rows, args.cols)
         times: dict[tuple[str, int], list[float]] = {(b, n): [] for b in builds for n in threads}
         for r in range(args.rounds):
             for n in threads:
-                for b in (builds if r % 2 == 0 else reversed(list(builds))):
+                for b in builds if r % 2 == 0 else reversed(list(builds)):
                     call(builds[b], n)
                     t = time.perf_counter()
                     for _ in range(args.block):
@@ -72,7 +92,11 @@ def main() -> None:
         row = {}
         for n in threads:
             d, a = statistics.median(times[("default", n)]), statistics.median(times[("avx2", n)])
-            row[f"threads_{n}"] = {"default_us": round(d, 1), "avx2_us": round(a, 1), "speedup": round(a / d, 3)}
+            row[f"threads_{n}"] = {
+                "default_us": round(d, 1),
+                "avx2_us": round(a, 1),
+                "speedup": round(a / d, 3),
+            }
         out["formats"][kind] = row
         print(kind, row, file=sys.stderr, flush=True)
     out["loadavg"] = [round(v, 2) for v in os.getloadavg()]

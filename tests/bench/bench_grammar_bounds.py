@@ -38,7 +38,10 @@ def status_kib(pid: int, key: str) -> int:
 
 def enum_schema(n: int, seed: int = 0) -> dict:
     rng = random.Random(seed)
-    values = [f"value {i} " + "".join(rng.choice("abcdefghij klmnop") for _ in range(12)) for i in range(n)]
+    values = [
+        f"value {i} " + "".join(rng.choice("abcdefghij klmnop") for _ in range(12))
+        for i in range(n)
+    ]
     return {"type": "object", "properties": {"v": {"enum": values}}, "required": ["v"]}
 
 
@@ -58,21 +61,36 @@ def admission(store: Path, n: int) -> dict:
         result = "admitted"
     except Exception as e:  # a refusal is a figure too
         result = str(e)[:160]
-    return {"admit_s": round(time.perf_counter() - t0, 3),
-            "admit_peak_growth_mib": round((status_kib(os.getpid(), "VmHWM") - before) / 1024, 1), "admit": result}
+    return {
+        "admit_s": round(time.perf_counter() - t0, 3),
+        "admit_peak_growth_mib": round((status_kib(os.getpid(), "VmHWM") - before) / 1024, 1),
+        "admit": result,
+    }
 
 
 def enum_body(n: int) -> dict:
     schema = enum_schema(n)
-    return {"model": "test-model", "messages": [{"role": "user", "content": "Pick one."}], "max_tokens": 8,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}}}
+    return {
+        "model": "test-model",
+        "messages": [{"role": "user", "content": "Pick one."}],
+        "max_tokens": 8,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "pick", "schema": schema},
+        },
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", action="append", required=True)
     ap.add_argument("--sizes", default="100,1000,10000,20000")
-    ap.add_argument("--timeout", type=float, default=300, help="seconds a request may take before it is reported as such")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=300,
+        help="seconds a request may take before it is reported as such",
+    )
     args = ap.parse_args()
     for store in (Path(s).expanduser() for s in args.store):
         d = Daemon(store, '[server]\nmax_body_bytes = "64MiB"\n').start()
@@ -84,21 +102,39 @@ def main() -> None:
                 before = status_kib(pid, "VmRSS")
                 t0 = time.perf_counter()
                 try:
-                    status, raw = d.request("POST", "/v1/chat/completions", body,
-                                            {"Content-Type": "application/json"}, timeout=args.timeout)
+                    status, raw = d.request(
+                        "POST",
+                        "/v1/chat/completions",
+                        body,
+                        {"Content-Type": "application/json"},
+                        timeout=args.timeout,
+                    )
                     answer = json.loads(raw)
                 except TimeoutError:
                     status, answer = 0, {"error": {"message": f"no answer in {args.timeout} s"}}
                 seconds = time.perf_counter() - t0
                 peak = status_kib(pid, "VmHWM")
-                print(json.dumps({"store": str(store), "values": n, "body_bytes": len(body), **admission(store, n),
-                                  "status": status, "request_s": round(seconds, 3),
-                                  "prompt_tokens": answer.get("usage", {}).get("prompt_tokens"),
-                                  "worker_rss_before_mib": round(before / 1024, 1),
-                                  "worker_peak_growth_mib": round((peak - before) / 1024, 1),
-                                  "result": (answer.get("error") or {}).get("message", "")[:160]
-                                  or answer["choices"][0]["message"]["content"][:60]}), flush=True)
-                if status == 0:  # the worker is still busy with it: the next size would only queue behind
+                print(
+                    json.dumps(
+                        {
+                            "store": str(store),
+                            "values": n,
+                            "body_bytes": len(body),
+                            **admission(store, n),
+                            "status": status,
+                            "request_s": round(seconds, 3),
+                            "prompt_tokens": answer.get("usage", {}).get("prompt_tokens"),
+                            "worker_rss_before_mib": round(before / 1024, 1),
+                            "worker_peak_growth_mib": round((peak - before) / 1024, 1),
+                            "result": (answer.get("error") or {}).get("message", "")[:160]
+                            or answer["choices"][0]["message"]["content"][:60],
+                        }
+                    ),
+                    flush=True,
+                )
+                if (
+                    status == 0
+                ):  # the worker is still busy with it: the next size would only queue behind
                     break
         finally:
             d.stop()

@@ -38,16 +38,30 @@ def one(cfg: dict) -> dict:
     torch.set_num_threads(cfg["threads"])
     m = Model.open(cfg["store"], expert_cache_bytes=cfg["cache_bytes"])
     context = int(m.net.args.max_position_embeddings)
-    limits = SchedulerLimits(max_running=8, max_queue=8, max_step_tokens=context, max_context=context, prefill=m.prefill,
-                             step_target_s=cfg["target_s"] or None)  # as daemon/runtime.py builds them
+    limits = SchedulerLimits(
+        max_running=8,
+        max_queue=8,
+        max_step_tokens=context,
+        max_context=context,
+        prefill=m.prefill,
+        step_target_s=cfg["target_s"] or None,
+    )  # as daemon/runtime.py builds them
     sched = Scheduler(m.net, m.eos_token_ids, limits)
     try:
-        text = " ".join(f"item {i} is the {['red', 'blue', 'green'][i % 3]} box on shelf {i % 17}." for i in range(2000))
+        text = " ".join(
+            f"item {i} is the {['red', 'blue', 'green'][i % 3]} box on shelf {i % 17}."
+            for i in range(2000)
+        )
         long = tuple(m.tokenizer.encode(text)[: cfg["prompt"]])
         assert len(long) == cfg["prompt"], "the text is too short for the prompt length asked"
         mux: queue.Queue = queue.Queue()  # both sequences' events, each timed as it arrives
-        stream = sched.submit(GenRequest(tuple(m.tokenizer.encode(STREAM_PROMPT)),
-                                         SamplingParams(max_new_tokens=context, ignore_eos=True)), mux)
+        stream = sched.submit(
+            GenRequest(
+                tuple(m.tokenizer.encode(STREAM_PROMPT)),
+                SamplingParams(max_new_tokens=context, ignore_eos=True),
+            ),
+            mux,
+        )
         stamps: list[float] = []
         while len(stamps) < 3:  # the stream is decoding before the prompt arrives
             stamps.append((mux.get(), time.perf_counter())[1])
@@ -70,16 +84,26 @@ def one(cfg: dict) -> dict:
                 break
         stream.cancel()
         gaps = [b - a for a, b in itertools.pairwise(stamps) if b > t0]
-        return {"prefill_s": round(first - t0, 3), "prefill_steps": steps, "prefill_bytes_read": nbytes,
-                "worst_gap_s": round(max(gaps), 3), "median_gap_s": round(statistics.median(gaps), 3),
-                "stream_tokens_during_prefill": sum(t0 < s <= first for s in stamps)}
+        return {
+            "prefill_s": round(first - t0, 3),
+            "prefill_steps": steps,
+            "prefill_bytes_read": nbytes,
+            "worst_gap_s": round(max(gaps), 3),
+            "median_gap_s": round(statistics.median(gaps), 3),
+            "stream_tokens_during_prefill": sum(t0 < s <= first for s in stamps),
+        }
     finally:
         sched.close()
         m.close()
 
 
 def run(cfg: dict) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(cfg)], capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--one", json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     if proc.returncode:
         raise SystemExit(proc.stderr)
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -90,17 +114,33 @@ def main() -> None:
     ap.add_argument("--store", type=Path, default=Path("~/.cache/deltafind/demo").expanduser())
     ap.add_argument("--prompt", type=int, default=4000, help="tokens of the prompt that arrives")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--cache-bytes", type=lambda v: None if v.lower() == "none" else int(v), default=0,
-                    help="expert cache bytes (0: every step reads its experts; none: no limit, dense layers held whole)")
-    ap.add_argument("--target-s", type=float, default=0.5, help="[server] step_target_s of the chunked mode")
+    ap.add_argument(
+        "--cache-bytes",
+        type=lambda v: None if v.lower() == "none" else int(v),
+        default=0,
+        help="expert cache bytes (0: every step reads its experts; none: no limit, dense layers held whole)",
+    )
+    ap.add_argument(
+        "--target-s", type=float, default=0.5, help="[server] step_target_s of the chunked mode"
+    )
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         print(json.dumps(one(json.loads(args.one))))
         return
-    base = {"store": str(args.store), "prompt": args.prompt, "threads": args.threads, "cache_bytes": args.cache_bytes}
-    out = {"bench": "interleave", "prompt_tokens": args.prompt, "threads": args.threads, "cache_bytes": args.cache_bytes,
-           "step_target_s": args.target_s}
+    base = {
+        "store": str(args.store),
+        "prompt": args.prompt,
+        "threads": args.threads,
+        "cache_bytes": args.cache_bytes,
+    }
+    out = {
+        "bench": "interleave",
+        "prompt_tokens": args.prompt,
+        "threads": args.threads,
+        "cache_bytes": args.cache_bytes,
+        "step_target_s": args.target_s,
+    }
     out["chunked"] = run({**base, "target_s": args.target_s})
     out["one_step"] = run({**base, "target_s": 0})
     print(json.dumps(out))

@@ -91,7 +91,19 @@ def probe_lib() -> ctypes.CDLL:
         raise SystemExit("the peak probe needs g++ or clang++")
     d = Path(tempfile.mkdtemp(prefix="df-peak-"))
     (d / "probe.cpp").write_text(PROBE)
-    subprocess.run([cxx, "-O3", "-march=native", "-shared", "-fPIC", str(d / "probe.cpp"), "-o", str(d / "probe.so")], check=True)
+    subprocess.run(
+        [
+            cxx,
+            "-O3",
+            "-march=native",
+            "-shared",
+            "-fPIC",
+            str(d / "probe.cpp"),
+            "-o",
+            str(d / "probe.so"),
+        ],
+        check=True,
+    )
     lib = ctypes.CDLL(str(d / "probe.so"))
     shutil.rmtree(d)  # loaded: the file is no longer needed
     lib.df_add_chain.argtypes = [ctypes.c_int64]
@@ -104,10 +116,16 @@ def cpu_flags() -> tuple[set[str], str, int | None]:
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
 
     def field(key: str) -> str:
-        return next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith(key)), "")
+        return next(
+            (ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith(key)), ""
+        )
 
     family = field("cpu family")
-    return set(field("flags").split()), field("model name") or field("vendor_id"), int(family) if family.isdigit() else None
+    return (
+        set(field("flags").split()),
+        field("model name") or field("vendor_id"),
+        int(family) if family.isdigit() else None,
+    )
 
 
 def peak(lib: ctypes.CDLL, cores: int) -> dict:
@@ -116,7 +134,10 @@ def peak(lib: ctypes.CDLL, cores: int) -> dict:
     if "avx512f" in flags and not (amd and family == 25):
         lanes, why = 2 * 16, "AVX-512: two 512-bit FMA pipes (2 x 16 fp32 lanes) per core"
     elif "avx512f" in flags:
-        lanes, why = 2 * 8, "AMD family 25 (Zen 4): AVX-512 issued on two 256-bit FMA pipes (2 x 8 fp32 lanes) per core"
+        lanes, why = (
+            2 * 8,
+            "AMD family 25 (Zen 4): AVX-512 issued on two 256-bit FMA pipes (2 x 8 fp32 lanes) per core",
+        )
     elif "fma" in flags:
         lanes, why = 2 * 8, "AVX2+FMA: two 256-bit FMA pipes (2 x 8 fp32 lanes) per core"
     else:
@@ -133,11 +154,21 @@ def peak(lib: ctypes.CDLL, cores: int) -> dict:
         lib.df_fma_chains(500_000)
         fma.append(500_000 * 24 * lib.df_fma_lanes() * 2 / (time.thread_time() - t) / 1e9)
     per_core = clock * lanes * 2
-    return {"bench": "peak", "cpu": model, "family": family, "cores": cores, "clock_ghz_measured": round(clock, 3),
-            "clock_method": "dependent integer add chain, this thread's CPU time, median of 20", "fma_lanes_per_cycle": lanes, "assumption": why,
-            "peak_gflops_per_core": round(per_core, 1), "peak_gflops": round(per_core * cores, 1),
-            "fma_probe_gflops_one_core": round(statistics.median(fma), 1), "fma_probe_vs_assumed": round(statistics.median(fma) / per_core, 3),
-            "loadavg": [round(v, 2) for v in os.getloadavg()]}
+    return {
+        "bench": "peak",
+        "cpu": model,
+        "family": family,
+        "cores": cores,
+        "clock_ghz_measured": round(clock, 3),
+        "clock_method": "dependent integer add chain, this thread's CPU time, median of 20",
+        "fma_lanes_per_cycle": lanes,
+        "assumption": why,
+        "peak_gflops_per_core": round(per_core, 1),
+        "peak_gflops": round(per_core * cores, 1),
+        "fma_probe_gflops_one_core": round(statistics.median(fma), 1),
+        "fma_probe_vs_assumed": round(statistics.median(fma) / per_core, 3),
+        "loadavg": [round(v, 2) for v in os.getloadavg()],
+    }
 
 
 def kernels(T: int, lib: ctypes.CDLL) -> dict[str, tuple[Callable[[int], object], float]]:
@@ -148,25 +179,58 @@ def kernels(T: int, lib: ctypes.CDLL) -> dict[str, tuple[Callable[[int], object]
         x, y = torch.randn(T, C, generator=g), torch.empty(T, R)
         p = torch.randint(0, 256, (R, C // 2), dtype=torch.uint8, generator=g)
         s = torch.randint(118, 127, (R, C // 32), dtype=torch.uint8, generator=g)
-        out[f"mxfp4_matmul_{name}"] = (lambda n, x=x, y=y, p=p, s=s, R=R, C=C: lib.df_mxfp4_matmul(
-            x.data_ptr(), T, C, p.data_ptr(), s.data_ptr(), R, C, y.data_ptr(), R, n), 2.0 * T * R * C)
+        out[f"mxfp4_matmul_{name}"] = (
+            lambda n, x=x, y=y, p=p, s=s, R=R, C=C: lib.df_mxfp4_matmul(
+                x.data_ptr(), T, C, p.data_ptr(), s.data_ptr(), R, C, y.data_ptr(), R, n
+            ),
+            2.0 * T * R * C,
+        )
     R, C = K3["w1"]
     x, h = torch.randn(T, C, generator=g), torch.empty(T, R)
-    (p1, s1), (p3, s3) = ((torch.randint(0, 256, (R, C // 2), dtype=torch.uint8, generator=g),
-                           torch.randint(118, 127, (R, C // 32), dtype=torch.uint8, generator=g)) for _ in range(2))
-    out["mxfp4_gate_up_situ"] = (lambda n: lib.df_mxfp4_gate_up_situ(x.data_ptr(), T, p1.data_ptr(), s1.data_ptr(), p3.data_ptr(),
-                                                                      s3.data_ptr(), R, C, 4.0, 25.0, h.data_ptr(), n), 4.0 * T * R * C)
+    (p1, s1), (p3, s3) = (
+        (
+            torch.randint(0, 256, (R, C // 2), dtype=torch.uint8, generator=g),
+            torch.randint(118, 127, (R, C // 32), dtype=torch.uint8, generator=g),
+        )
+        for _ in range(2)
+    )
+    out["mxfp4_gate_up_situ"] = (
+        lambda n: lib.df_mxfp4_gate_up_situ(
+            x.data_ptr(),
+            T,
+            p1.data_ptr(),
+            s1.data_ptr(),
+            p3.data_ptr(),
+            s3.data_ptr(),
+            R,
+            C,
+            4.0,
+            25.0,
+            h.data_ptr(),
+            n,
+        ),
+        4.0 * T * R * C,
+    )
     y = torch.empty(T, R)
     for kind in ("Q4_K", "Q6_K", "Q8_0", "BF16"):
-        w = (torch.randn(R, C, generator=g) * 0.05).bfloat16().view(torch.uint8) if kind == "BF16" else gguf_blocks(kind, R, C)
+        w = (
+            (torch.randn(R, C, generator=g) * 0.05).bfloat16().view(torch.uint8)
+            if kind == "BF16"
+            else gguf_blocks(kind, R, C)
+        )
         part = (StoredPart * 1)(StoredPart(KINDS[kind], R, C, w.shape[1], w.data_ptr()))
-        out[f"stored_{kind.lower()}"] = (lambda n, part=part, w=w: lib.df_stored_parts(part, 1, 0, x.data_ptr(), T, C, y.data_ptr(), R, n),
-                                         2.0 * T * R * C)
+        out[f"stored_{kind.lower()}"] = (
+            lambda n, part=part, w=w: lib.df_stored_parts(
+                part, 1, 0, x.data_ptr(), T, C, y.data_ptr(), R, n
+            ),
+            2.0 * T * R * C,
+        )
     wf = torch.randn(R, C, generator=g)
 
     def torch_fp32(n: int) -> object:
         torch.set_num_threads(n)
         return torch.nn.functional.linear(x, wf)
+
     out["torch_fp32_linear"] = (torch_fp32, 2.0 * T * R * C)
     return out
 
@@ -176,7 +240,9 @@ def builds(against: str) -> dict[str, ctypes.CDLL]:
     out = {"this": CPU.load()}
     if against:
         other = KernelLibrary(SOURCES, _bind)
-        other.sources = tuple(Path(against) / "deltafind" / "models" / "ops" / src for src in SOURCES)
+        other.sources = tuple(
+            Path(against) / "deltafind" / "models" / "ops" / src for src in SOURCES
+        )
         out["against"] = other.load()
     for name, lib in out.items():
         if lib is None:
@@ -190,8 +256,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--only", default="", help="comma-separated kernel names (default: all)")
-    ap.add_argument("--against", default="", metavar="DIR", help="a checkout (e.g. `git worktree add DIR BASE`) whose kernels run "
-                    "interleaved with this tree's, round by round, so both see the same machine load")
+    ap.add_argument(
+        "--against",
+        default="",
+        metavar="DIR",
+        help="a checkout (e.g. `git worktree add DIR BASE`) whose kernels run "
+        "interleaved with this tree's, round by round, so both see the same machine load",
+    )
     args = ap.parse_args()
     libs = builds(args.against)
     info = peak(probe_lib(), args.threads)
@@ -204,7 +275,9 @@ def main() -> None:
                 continue
             # One thread: its CPU time, so time slices lost to other processes do not count; more: wall time.
             clock = time.thread_time if args.threads == 1 else time.perf_counter
-            reps = max(1, int(2e9 // flops))  # ~2 GFLOP a timing, so small T is not all call overhead
+            reps = max(
+                1, int(2e9 // flops)
+            )  # ~2 GFLOP a timing, so small T is not all call overhead
             times: dict[str, list[float]] = {b: [] for b in libs}
             for b in libs:
                 calls[b][name][0](args.threads)  # warm: pages, pool threads
@@ -219,9 +292,24 @@ def main() -> None:
             for b, ts in times.items():
                 med = statistics.median(ts)
                 gflops = flops / med / 1e9
-                print(json.dumps({"bench": "kernel", "build": b, "kernel": name, "rows": T, "threads": args.threads, "ms": round(med * 1e3, 3),
-                                  "gflops": round(gflops, 2), "pct_of_peak": round(100 * gflops / info["peak_gflops"], 1),
-                                  "rounds": args.rounds, "timer": clock.__name__, "loadavg": [round(v, 2) for v in os.getloadavg()]}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "bench": "kernel",
+                            "build": b,
+                            "kernel": name,
+                            "rows": T,
+                            "threads": args.threads,
+                            "ms": round(med * 1e3, 3),
+                            "gflops": round(gflops, 2),
+                            "pct_of_peak": round(100 * gflops / info["peak_gflops"], 1),
+                            "rounds": args.rounds,
+                            "timer": clock.__name__,
+                            "loadavg": [round(v, 2) for v in os.getloadavg()],
+                        }
+                    ),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

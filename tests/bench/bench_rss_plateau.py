@@ -41,18 +41,36 @@ def memory(pid: int) -> dict:
         # a thread arena's heap: an anonymous 64 MiB reservation at a 64 MiB boundary (its used part rw, the rest ---)
         if len(parts) == 5 and lo % (64 << 20) == 0 and parts[1] == "rw-p":
             heaps += 1
-    return {"rss_mib": round(fields["Rss"] / 1024, 1), "anon_mib": round(fields["Anonymous"] / 1024, 1),
-            "file_mib": round((fields["Rss"] - fields["Anonymous"]) / 1024, 1), "arena_heaps": heaps}
+    return {
+        "rss_mib": round(fields["Rss"] / 1024, 1),
+        "anon_mib": round(fields["Anonymous"] / 1024, 1),
+        "file_mib": round((fields["Rss"] - fields["Anonymous"]) / 1024, 1),
+        "arena_heaps": heaps,
+    }
 
 
 def load(d: Daemon, rounds: int) -> None:
     long_prompt = " ".join(f"word{i}" for i in range(700))  # ~1,500 tokens on the demo's tokenizer
     bodies = [
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me about Paris."}], "max_tokens": 32}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Tell me about Paris."}], "max_tokens": 32},
+        ),
         ("/v1/completions", {"prompt": long_prompt, "max_tokens": 4}),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "A city?"}], "max_tokens": 24,
-                                  "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": {
-                                      "type": "object", "properties": {"city": {"type": "string"}}}}}}),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "A city?"}],
+                "max_tokens": 24,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "c",
+                        "schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+                    },
+                },
+            },
+        ),
         ("/v1/messages", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 24}),
     ]
 
@@ -75,9 +93,28 @@ def make_k3_store(dest: Path) -> None:
     from deltafind.models import kimi_k3
 
     shapes = FAMILIES["kimi_k3"].shapes  # this process only: a bench shape beside the family's own
-    shapes.setdefault("rss-wide", {**shapes["tiny"], "hidden": 512, "heads": 4, "q_lora": 256, "kv_lora": 512,
-                                   "nope": 128, "rope": 64, "v": 128, "kda_heads": 4, "kda_dim": 128})
-    setup_store(open_synthetic("kimi_k3", "rss-wide"), dest, [dest / "drive0"], progress=False, names=kimi_k3.WEIGHTS)
+    shapes.setdefault(
+        "rss-wide",
+        {
+            **shapes["tiny"],
+            "hidden": 512,
+            "heads": 4,
+            "q_lora": 256,
+            "kv_lora": 512,
+            "nope": 128,
+            "rope": 64,
+            "v": 128,
+            "kda_heads": 4,
+            "kda_dim": 128,
+        },
+    )
+    setup_store(
+        open_synthetic("kimi_k3", "rss-wide"),
+        dest,
+        [dest / "drive0"],
+        progress=False,
+        names=kimi_k3.WEIGHTS,
+    )
 
 
 def long_prompts(d: Daemon, lengths: list[int], vocab: int, side: bool) -> int:
@@ -88,8 +125,11 @@ def long_prompts(d: Daemon, lengths: list[int], vocab: int, side: bool) -> int:
 
     def side_client() -> None:
         while not done.is_set():
-            status, body = d.post_json("/v1/completions", {"model": "test-model", "max_tokens": 24,
-                                                           "prompt": [11, 12, 13, 14, 15, 16] * 8}, timeout=1800)
+            status, body = d.post_json(
+                "/v1/completions",
+                {"model": "test-model", "max_tokens": 24, "prompt": [11, 12, 13, 14, 15, 16] * 8},
+                timeout=1800,
+            )
             assert status == 200, (status, body)
             sent[0] += 1
 
@@ -98,8 +138,15 @@ def long_prompts(d: Daemon, lengths: list[int], vocab: int, side: bool) -> int:
         t.start()
     try:
         for n in lengths:
-            status, body = d.post_json("/v1/completions", {"model": "test-model", "max_tokens": 4,
-                                                           "prompt": [rng.randrange(vocab) for _ in range(n)]}, timeout=1800)
+            status, body = d.post_json(
+                "/v1/completions",
+                {
+                    "model": "test-model",
+                    "max_tokens": 4,
+                    "prompt": [rng.randrange(vocab) for _ in range(n)],
+                },
+                timeout=1800,
+            )
             assert status == 200, (status, body)
     finally:
         done.set()
@@ -111,8 +158,10 @@ def long_prompts(d: Daemon, lengths: list[int], vocab: int, side: bool) -> int:
 def holds(d: Daemon) -> dict:
     """What the engine says its caches hold, MiB: the prompt-state (prefix) cache and the expert cache."""
     snap = json.loads(d.ctl("status", "--json").stdout)["snapshot"]
-    return {"prefix_cache_mib": round(snap["engine"].get("prefix_bytes", 0) / 2**20, 1),
-            "expert_cache_mib": round(snap["store"].get("cache_used_bytes", 0) / 2**20, 1)}
+    return {
+        "prefix_cache_mib": round(snap["engine"].get("prefix_bytes", 0) / 2**20, 1),
+        "expert_cache_mib": round(snap["store"].get("cache_used_bytes", 0) / 2**20, 1),
+    }
 
 
 def main() -> None:
@@ -121,10 +170,22 @@ def main() -> None:
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for one more variant")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--idle-s", type=float, default=5)
-    ap.add_argument("--long", default="", help="comma-separated prompt lengths: the long-prompt load instead")
-    ap.add_argument("--vocab", type=int, default=480, help="token ids for --long are drawn below this")
-    ap.add_argument("--side", action="store_true", help="with --long: short drafted requests run beside the long ones")
-    ap.add_argument("--make-k3", action="store_true", help="write the widened synthetic K3 store at --store first")
+    ap.add_argument(
+        "--long", default="", help="comma-separated prompt lengths: the long-prompt load instead"
+    )
+    ap.add_argument(
+        "--vocab", type=int, default=480, help="token ids for --long are drawn below this"
+    )
+    ap.add_argument(
+        "--side",
+        action="store_true",
+        help="with --long: short drafted requests run beside the long ones",
+    )
+    ap.add_argument(
+        "--make-k3",
+        action="store_true",
+        help="write the widened synthetic K3 store at --store first",
+    )
     ap.add_argument("--config", default="", help="TOML appended to the daemon's config")
     args = ap.parse_args()
     if args.make_k3:
@@ -138,7 +199,9 @@ def main() -> None:
             t0 = time.perf_counter()
             side = 0
             if args.long:
-                side = long_prompts(d, [int(n) for n in args.long.split(",")], args.vocab, args.side)
+                side = long_prompts(
+                    d, [int(n) for n in args.long.split(",")], args.vocab, args.side
+                )
             else:
                 load(d, args.rounds)
             seconds = time.perf_counter() - t0
@@ -146,12 +209,25 @@ def main() -> None:
             time.sleep(args.idle_s)
             idle, held = memory(pid), holds(d)
             grown = sum(held.values()) - sum(held0.values())  # the caches' growth since start
-            print(json.dumps({"env": variant or "default", "load": args.long or f"mixed x{args.rounds}", "side_requests": side,
-                              "load_s": round(seconds, 1), "start": start, "after_load": after, "after_idle": idle,
-                              "peak_rss_mib": round(status_kib(pid, "VmHWM") / 1024, 1),
-                              "engine_holds_at_start": held0, "engine_holds": held,
-                              "plateau_mib": round(idle["rss_mib"] - start["rss_mib"], 1),
-                              "residue_mib": round(idle["rss_mib"] - start["rss_mib"] - grown, 1)}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "env": variant or "default",
+                        "load": args.long or f"mixed x{args.rounds}",
+                        "side_requests": side,
+                        "load_s": round(seconds, 1),
+                        "start": start,
+                        "after_load": after,
+                        "after_idle": idle,
+                        "peak_rss_mib": round(status_kib(pid, "VmHWM") / 1024, 1),
+                        "engine_holds_at_start": held0,
+                        "engine_holds": held,
+                        "plateau_mib": round(idle["rss_mib"] - start["rss_mib"], 1),
+                        "residue_mib": round(idle["rss_mib"] - start["rss_mib"] - grown, 1),
+                    }
+                ),
+                flush=True,
+            )
         finally:
             d.stop()
             d.cleanup()

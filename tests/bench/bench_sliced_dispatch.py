@@ -20,14 +20,18 @@ from deltafind.models.ops.moe import SlicedMLP, dispatch, swiglu
 from deltafind.provider import DictExpertProvider
 
 
-def old_expert_forward(x: torch.Tensor, expert, act) -> torch.Tensor:  # moe.expert_forward before slices were dispatched as one matmul
+def old_expert_forward(
+    x: torch.Tensor, expert, act
+) -> torch.Tensor:  # moe.expert_forward before slices were dispatched as one matmul
     dtype = x.dtype
     gate = F.linear(x, expert["gate_proj"].to(dtype))
     up = F.linear(x, expert["up_proj"].to(dtype))
     return F.linear(act(gate) * up, expert["down_proj"].to(dtype))
 
 
-def before(x: torch.Tensor, provider: DictExpertProvider, act) -> torch.Tensor:  # the pre-issue-11 SlicedMLP.forward
+def before(
+    x: torch.Tensor, provider: DictExpertProvider, act
+) -> torch.Tensor:  # the pre-issue-11 SlicedMLP.forward
     ids = list(range(provider.num_experts(0)))
     partial = {e: old_expert_forward(x, ex, act) for e, ex in provider.fetch(0, ids)}
     out = torch.zeros_like(x)
@@ -57,8 +61,16 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     w = args.inter // args.slices
-    provider = DictExpertProvider({(0, s): {"gate_proj": torch.randn(w, args.hidden) / 24, "up_proj": torch.randn(w, args.hidden) / 24,
-                                            "down_proj": torch.randn(args.hidden, w) / 24} for s in range(args.slices)})
+    provider = DictExpertProvider(
+        {
+            (0, s): {
+                "gate_proj": torch.randn(w, args.hidden) / 24,
+                "up_proj": torch.randn(w, args.hidden) / 24,
+                "down_proj": torch.randn(args.hidden, w) / 24,
+            }
+            for s in range(args.slices)
+        }
+    )
     now, run = SlicedMLP(0, provider, swiglu("silu")), swiglu("silu")
 
     def via_dispatch(x: torch.Tensor) -> torch.Tensor:
@@ -72,12 +84,25 @@ def main() -> None:
             assert torch.equal(now(x), ref) and torch.equal(via_dispatch(x), ref)
             times = {}
             for _ in range(args.rounds):  # interleaved rounds: a busy machine slows all three alike
-                for name, fn in (("before", lambda x=x: before(x, provider, torch.nn.functional.silu)),
-                                 ("now", lambda x=x: now(x)), ("dispatch", lambda x=x: via_dispatch(x))):
+                for name, fn in (
+                    ("before", lambda x=x: before(x, provider, torch.nn.functional.silu)),
+                    ("now", lambda x=x: now(x)),
+                    ("dispatch", lambda x=x: via_dispatch(x)),
+                ):
                     times[name] = min(times.get(name, 1e9), best_of(fn, args.reps))
-        print(json.dumps({"tokens": tokens, "slices": args.slices, **{f"{k}_ms": round(v * 1e3, 4) for k, v in times.items()},
-                          "now_vs_before": round(times["now"] / times["before"], 3),
-                          "dispatch_vs_before": round(times["dispatch"] / times["before"], 3), "bit_identical": True}))
+        print(
+            json.dumps(
+                {
+                    "tokens": tokens,
+                    "slices": args.slices,
+                    **{f"{k}_ms": round(v * 1e3, 4) for k, v in times.items()},
+                    "now_vs_before": round(times["now"] / times["before"], 3),
+                    "dispatch_vs_before": round(times["dispatch"] / times["before"], 3),
+                    "bit_identical": True,
+                }
+            )
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -41,15 +41,30 @@ def probe(d: Daemon, n: int) -> list[float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--store", type=Path, help="store to serve (default: a fresh tiny synthetic llama store)")
+    ap.add_argument(
+        "--store", type=Path, help="store to serve (default: a fresh tiny synthetic llama store)"
+    )
     ap.add_argument("--clients", type=int, default=100)
     ap.add_argument("--probes", type=int, default=20)
     args = ap.parse_args()
     store = args.store
     if store is None:
         store = Path(tempfile.mkdtemp(prefix="dfbench-")) / "store"
-        subprocess.run([str(BIN / "deltafind"), "setup", "--synthetic", "llama", "--shape", "tiny", "--store", str(store),
-                        "--quiet"], check=True, capture_output=True)
+        subprocess.run(
+            [
+                str(BIN / "deltafind"),
+                "setup",
+                "--synthetic",
+                "llama",
+                "--shape",
+                "tiny",
+                "--store",
+                str(store),
+                "--quiet",
+            ],
+            check=True,
+            capture_output=True,
+        )
     d = Daemon(store).start(timeout=180)
     try:
         alone = probe(d, args.probes)
@@ -81,13 +96,20 @@ def main() -> int:
         d.stop()
         d.cleanup()
     ms = lambda xs: round(1000 * statistics.median(xs), 2)  # noqa: E731
-    row = {"clients": args.clients, "health_ms_alone_p50": ms(alone), "health_ms_loaded_p50": ms(loaded),
-           "health_ms_loaded_max": round(1000 * max(loaded), 2), "loaded_over_alone": round(statistics.median(loaded) /
-                                                                                          statistics.median(alone), 2),
-           "slow_clients_answered_408": ended}
+    row = {
+        "clients": args.clients,
+        "health_ms_alone_p50": ms(alone),
+        "health_ms_loaded_p50": ms(loaded),
+        "health_ms_loaded_max": round(1000 * max(loaded), 2),
+        "loaded_over_alone": round(statistics.median(loaded) / statistics.median(alone), 2),
+        "slow_clients_answered_408": ended,
+    }
     print(json.dumps(row))
-    print(f"/health p50 {row['health_ms_alone_p50']} ms alone, {row['health_ms_loaded_p50']} ms (max "
-          f"{row['health_ms_loaded_max']} ms) with {args.clients} slow-header clients; {ended} of them got 408", file=sys.stderr)
+    print(
+        f"/health p50 {row['health_ms_alone_p50']} ms alone, {row['health_ms_loaded_p50']} ms (max "
+        f"{row['health_ms_loaded_max']} ms) with {args.clients} slow-header clients; {ended} of them got 408",
+        file=sys.stderr,
+    )
     return 0
 
 

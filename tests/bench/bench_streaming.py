@@ -48,24 +48,39 @@ from streaming_drives import (
     time_fetches,
 )
 
-ENV = dict(os.environ)  # before deltafind is imported here (it sets OMP_WAIT_POLICY): what --before runs get
+ENV = dict(
+    os.environ
+)  # before deltafind is imported here (it sets OMP_WAIT_POLICY): what --before runs get
 SHAPE = {"layers": 2}  # the qwen3_moe "bench" shape, 2 layers: 128 experts x 9 MiB
 DEEP = 8  # layers of the efficiency stores: 512 experts x 9 MiB, 4.8 GB
-EFF_CAP_MB_S = 500.0  # per drive: 2 x 500 MB/s, under the ~1.5 GB/s floor of this VM's disk (RESULTS.md)
+EFF_CAP_MB_S = (
+    500.0  # per drive: 2 x 500 MB/s, under the ~1.5 GB/s floor of this VM's disk (RESULTS.md)
+)
 
 
-def make_store(root: Path, drives: int, placement: str = "whole", layers: int = SHAPE["layers"]) -> Path:
+def make_store(
+    root: Path, drives: int, placement: str = "whole", layers: int = SHAPE["layers"]
+) -> Path:
     import deltafind.importer.synthetic_families  # noqa: F401 - registers the families
     from deltafind.importer.setup import setup_store
     from deltafind.importer.synthetic import FAMILIES, open_synthetic
 
-    name = f"q{drives}" + ("s" if placement == "stripe" else "") + (f"-{layers}l" if layers != SHAPE["layers"] else "")
+    name = (
+        f"q{drives}"
+        + ("s" if placement == "stripe" else "")
+        + (f"-{layers}l" if layers != SHAPE["layers"] else "")
+    )
     store = root / name
     if not (store / "manifest.json").exists():
         fam = FAMILIES["qwen3_moe"]
         fam.shapes["bench-stream"] = {**fam.shapes["bench"], **SHAPE, "layers": layers}
-        setup_store(open_synthetic("qwen3_moe", "bench-stream", 0), store, [root / f"{name}-drive{i}" for i in range(drives)], progress=False,
-                    placement=placement)
+        setup_store(
+            open_synthetic("qwen3_moe", "bench-stream", 0),
+            store,
+            [root / f"{name}-drive{i}" for i in range(drives)],
+            progress=False,
+            placement=placement,
+        )
     return store
 
 
@@ -88,41 +103,74 @@ def one(cfg: dict) -> dict:
     torch.set_num_threads(cfg.get("threads", 2))
     store = Path(cfg["store"])
     n_drives = len(Manifest.load(store).drives)
-    drives = [DriveOptions(queue_depth=cfg.get("queue_depth", 8), read_mb_s=cfg.get("read_mb_s"))] * n_drives
+    drives = [
+        DriveOptions(queue_depth=cfg.get("queue_depth", 8), read_mb_s=cfg.get("read_mb_s"))
+    ] * n_drives
     if cfg.get("raw"):  # plain threads and O_DIRECT, not deltafind's reader (streaming_drives.py)
         return raw_odirect(store, cfg.get("queue_depth", 8), cfg.get("read_bytes", 1 << 20))
     runtime_rss = _rss_now()  # torch and deltafind imported, nothing loaded
-    read_mode = {"read_mode": cfg["read_mode"]} if "read_mode" in cfg else {}  # an older tree has no such key
+    read_mode = (
+        {"read_mode": cfg["read_mode"]} if "read_mode" in cfg else {}
+    )  # an older tree has no such key
     if cfg.get("read_mode") == "buffered":
         drop_store_from_page_cache(store)
     cached0 = page_cache_bytes()
-    model = Model.open(store, expert_cache_bytes=cfg.get("cache", 0), drives=drives,
-                       prefetch=PrefetchOptions(enabled=cfg.get("prefetch", True), max_in_flight=16), heat_decay=1.0, **read_mode)
-    spine_resident = sum(p.numel() * p.element_size() for p in model.net.parameters()) + sum(b.numel() * b.element_size() for b in model.net.buffers())
+    model = Model.open(
+        store,
+        expert_cache_bytes=cfg.get("cache", 0),
+        drives=drives,
+        prefetch=PrefetchOptions(enabled=cfg.get("prefetch", True), max_in_flight=16),
+        heat_decay=1.0,
+        **read_mode,
+    )
+    spine_resident = sum(p.numel() * p.element_size() for p in model.net.parameters()) + sum(
+        b.numel() * b.element_size() for b in model.net.buffers()
+    )
     ids = [65, 66, 67, 68]
     params = SamplingParams(max_new_tokens=cfg["tokens"], ignore_eos=True)
     fetches = time_fetches(model.experts)
     passes = []
-    for _ in range(cfg.get("passes", 1)):  # later passes: what a warm page cache gives a buffered reader
-        t0, r0, io0, d0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF), device_read_bytes(), getattr(model.experts.reader, "bytes_read", 0)
+    for _ in range(
+        cfg.get("passes", 1)
+    ):  # later passes: what a warm page cache gives a buffered reader
+        t0, r0, io0, d0 = (
+            time.perf_counter(),
+            resource.getrusage(resource.RUSAGE_SELF),
+            device_read_bytes(),
+            getattr(model.experts.reader, "bytes_read", 0),
+        )
         list(model.stream(ids, params))
         wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
-        passes.append({"decode_tok_s": model.last_stats.decode_tok_s, "wall_s": wall, "tokens": cfg["tokens"],
-                       "cpu_s": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime),
-                       "device_read_bytes": device_read_bytes() - io0, "reader_bytes": getattr(model.experts.reader, "bytes_read", 0) - d0})
+        passes.append(
+            {
+                "decode_tok_s": model.last_stats.decode_tok_s,
+                "wall_s": wall,
+                "tokens": cfg["tokens"],
+                "cpu_s": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime),
+                "device_read_bytes": device_read_bytes() - io0,
+                "reader_bytes": getattr(model.experts.reader, "bytes_read", 0) - d0,
+            }
+        )
     s, e = model.last_stats, model.experts.stats
     reader = model.experts.reader
     out = {
         "decode_tok_s": s.decode_tok_s,
         "wall_s": wall,
-        "cpu_s": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime),  # all threads, user + kernel
+        "cpu_s": (r1.ru_utime - r0.ru_utime)
+        + (r1.ru_stime - r0.ru_stime),  # all threads, user + kernel
         "bytes_read": e.bytes_read,
         "read_gb_s": e.bytes_read / wall / 1e9,
         "io_wait_s": e.wait_s,
         "experts_per_token": e.requested / (s.new_tokens + len(ids) - 1),
-        "prefetch_issued": e.prefetch_issued, "prefetch_used": e.prefetch_used, "prefetch_wasted": e.prefetch_wasted,
-        "recall_by_layer": {layer: round(r.recall, 3) for layer, r in sorted(e.layers.items()) if r.needed},
-        "precision_by_layer": {layer: round(r.precision, 3) for layer, r in sorted(e.layers.items()) if r.predicted},
+        "prefetch_issued": e.prefetch_issued,
+        "prefetch_used": e.prefetch_used,
+        "prefetch_wasted": e.prefetch_wasted,
+        "recall_by_layer": {
+            layer: round(r.recall, 3) for layer, r in sorted(e.layers.items()) if r.needed
+        },
+        "precision_by_layer": {
+            layer: round(r.precision, 3) for layer, r in sorted(e.layers.items()) if r.predicted
+        },
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "spine_bytes": (store / "spine.safetensors").stat().st_size,
         "spine_resident_bytes": spine_resident,
@@ -134,7 +182,9 @@ def one(cfg: dict) -> dict:
         "drive_bytes": getattr(reader, "bytes_read", e.bytes_read),  # wasted prefetches included
         "io": reader.io_stats() if hasattr(reader, "io_stats") else None,
         "between_reads": between_reads(fetches),
-        "cap_gb_s": cfg["read_mb_s"] * n_drives / 1e3 if cfg.get("read_mb_s") else None,  # the emulated drives' rate
+        "cap_gb_s": cfg["read_mb_s"] * n_drives / 1e3
+        if cfg.get("read_mb_s")
+        else None,  # the emulated drives' rate
     }
     model.experts.uses.clear()  # keep the bench store's heat file out of it
     model.close()
@@ -162,8 +212,16 @@ def profile(store: Path, tokens: int, threads: int, prefetch: bool) -> None:
     list(model.stream(ids, SamplingParams(max_new_tokens=tokens, ignore_eos=True)))
     prof.disable()
     r1 = resource.getrusage(resource.RUSAGE_SELF)
-    print(json.dumps({"decode_tok_s": round(model.last_stats.decode_tok_s, 3), "io_wait_s": round(model.experts.stats.wait_s - wait0, 3),
-                      "cpu_user_s": round(r1.ru_utime - r0.ru_utime, 3), "cpu_kernel_s": round(r1.ru_stime - r0.ru_stime, 3)}))
+    print(
+        json.dumps(
+            {
+                "decode_tok_s": round(model.last_stats.decode_tok_s, 3),
+                "io_wait_s": round(model.experts.stats.wait_s - wait0, 3),
+                "cpu_user_s": round(r1.ru_utime - r0.ru_utime, 3),
+                "cpu_kernel_s": round(r1.ru_stime - r0.ru_stime, 3),
+            }
+        )
+    )
     pstats.Stats(prof).sort_stats("tottime").print_stats(10)
     model.experts.uses.clear()
     model.close()
@@ -173,7 +231,13 @@ def run(cfg: dict, tree: Path | None = None) -> dict:
     env = dict(os.environ) if tree is None else dict(ENV)
     if tree is not None:  # the older checkout's deltafind package wins over the installed one
         env["PYTHONPATH"] = str(tree)
-    proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(cfg)], capture_output=True, text=True, check=False, env=env)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--one", json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
+    )
     if proc.returncode:
         raise SystemExit(proc.stderr)
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -190,16 +254,29 @@ def _io(rows: list[dict]) -> dict | None:
     if not io:
         return None
     drives = io["drives"]
-    return {"read_mode": io["read_mode"], "o_direct": io["o_direct"], "buffers_reused": io["buffers_reused"], "buffers_allocated": io["buffers_allocated"],
-            "mean_read_bytes": [d["mean_read_bytes"] for d in drives], "mean_queue_depth": [d["mean_queue_depth"] for d in drives],
-            "max_queue_depth": [d["max_queue_depth"] for d in drives], "misaligned_reads": sum(d["misaligned_reads"] for d in drives),
-            # where the time between reads goes: drive idle (nothing queued: the model computing between
-            # layers, or waiting on the last read of a layer elsewhere) as a share of the run's wall time
-            "drive_idle_fraction": [round(d["idle_s"] / run_["wall_s"], 3) for d in drives], "idle_gaps": [d["idle_gaps"] for d in drives],
-            "io_wait_fraction": round(run_["io_wait_s"] / run_["wall_s"], 3), "wall_s": round(run_["wall_s"], 3),
-            "between_reads": run_.get("between_reads"), "paired_raw_gb_s": run_.get("paired_raw_gb_s"),
-            # the read path alone: bytes over the time some read was in flight on the slowest drive
-            "busy_gb_s": round(sum(d["bytes"] for d in drives) / max(d["span_s"] - d["idle_s"] for d in drives) / 1e9, 3)}
+    return {
+        "read_mode": io["read_mode"],
+        "o_direct": io["o_direct"],
+        "buffers_reused": io["buffers_reused"],
+        "buffers_allocated": io["buffers_allocated"],
+        "mean_read_bytes": [d["mean_read_bytes"] for d in drives],
+        "mean_queue_depth": [d["mean_queue_depth"] for d in drives],
+        "max_queue_depth": [d["max_queue_depth"] for d in drives],
+        "misaligned_reads": sum(d["misaligned_reads"] for d in drives),
+        # where the time between reads goes: drive idle (nothing queued: the model computing between
+        # layers, or waiting on the last read of a layer elsewhere) as a share of the run's wall time
+        "drive_idle_fraction": [round(d["idle_s"] / run_["wall_s"], 3) for d in drives],
+        "idle_gaps": [d["idle_gaps"] for d in drives],
+        "io_wait_fraction": round(run_["io_wait_s"] / run_["wall_s"], 3),
+        "wall_s": round(run_["wall_s"], 3),
+        "between_reads": run_.get("between_reads"),
+        "paired_raw_gb_s": run_.get("paired_raw_gb_s"),
+        # the read path alone: bytes over the time some read was in flight on the slowest drive
+        "busy_gb_s": round(
+            sum(d["bytes"] for d in drives) / max(d["span_s"] - d["idle_s"] for d in drives) / 1e9,
+            3,
+        ),
+    }
 
 
 def _drive_gb_s(row: dict) -> float:
@@ -210,46 +287,94 @@ def summarize(res: dict[str, list[dict]], t: int, cap_mb_s: float) -> list[dict]
     """One line per bench from one tree's runs (an older tree ran only the whole-record configurations)."""
     out = []
     raw = max((median(res[k], "raw_gb_s") for k in ("raw", "raw_rec") if k in res), default=None)
-    eff = {"bench": "streaming_efficiency", "raw_odirect_gb_s": raw and round(raw, 3),
-           "raw_by_read_size": {str(r[0]["raw_read_bytes"]): round(median(r, "raw_gb_s"), 3) for r in (res.get("raw"), res.get("raw_rec")) if r}}
+    eff = {
+        "bench": "streaming_efficiency",
+        "raw_odirect_gb_s": raw and round(raw, 3),
+        "raw_by_read_size": {
+            str(r[0]["raw_read_bytes"]): round(median(r, "raw_gb_s"), 3)
+            for r in (res.get("raw"), res.get("raw_rec"))
+            if r
+        },
+    }
     for key in EFF_KEYS:
         rows = res.get(key)
         if not rows:
             continue
         needed, drive = median(rows, "read_gb_s"), statistics.median(_drive_gb_s(r) for r in rows)
-        paired = all("paired_raw_gb_s" in r for r in rows)  # uncapped: each run's own raw, read around it
+        paired = all(
+            "paired_raw_gb_s" in r for r in rows
+        )  # uncapped: each run's own raw, read around it
         capped = rows[0].get("cap_gb_s")  # capped: the caps are the reference
-        refs = [r.get("paired_raw_gb_s") or capped or raw for r in rows]  # each run's reference rate
-        ratios = [r["read_gb_s"] / x for r, x in zip(rows, refs, strict=True)] if all(refs) else None
+        refs = [
+            r.get("paired_raw_gb_s") or capped or raw for r in rows
+        ]  # each run's reference rate
+        ratios = (
+            [r["read_gb_s"] / x for r, x in zip(rows, refs, strict=True)] if all(refs) else None
+        )
         ref = _io(rows)  # the median-speed run's read path
         ref_raw = ref and (ref["paired_raw_gb_s"] or capped or raw)
-        eff[key] = {"decode_tok_s": round(median(rows, "decode_tok_s"), 3), "needed_gb_s": round(needed, 3), "drive_gb_s": round(drive, 3),
-                    "ratio": ratios and round(statistics.median(ratios), 3),
-                    "ratio_range": ratios and [round(min(ratios), 3), round(max(ratios), 3)],
-                    "drive_ratio": ratios and round(statistics.median(_drive_gb_s(r) / x for r, x in zip(rows, refs, strict=True)), 3),
-                    "reference": "paired raw O_DIRECT" if paired else f"caps, {capped} GB/s" if capped else "raw O_DIRECT",
-                    "paired_raw_gb_s": [[round(x, 3) for x in r.get("paired_raw_before_after", [r["paired_raw_gb_s"]])] for r in rows] if paired else None,
-                    "busy_ratio": ref_raw and round(ref["busy_gb_s"] / ref_raw, 3),
-                    "bytes_per_token": int(median(rows, "bytes_read") / (t + 3)), "cpu_ms_per_token": round(1e3 * median(rows, "cpu_s") / (t + 3), 1),
-                    "io": ref}
-        if key.startswith("stream"):  # prefetch on: how well the next layer was predicted, and what its early pieces became
+        eff[key] = {
+            "decode_tok_s": round(median(rows, "decode_tok_s"), 3),
+            "needed_gb_s": round(needed, 3),
+            "drive_gb_s": round(drive, 3),
+            "ratio": ratios and round(statistics.median(ratios), 3),
+            "ratio_range": ratios and [round(min(ratios), 3), round(max(ratios), 3)],
+            "drive_ratio": ratios
+            and round(
+                statistics.median(_drive_gb_s(r) / x for r, x in zip(rows, refs, strict=True)), 3
+            ),
+            "reference": "paired raw O_DIRECT"
+            if paired
+            else f"caps, {capped} GB/s"
+            if capped
+            else "raw O_DIRECT",
+            "paired_raw_gb_s": [
+                [round(x, 3) for x in r.get("paired_raw_before_after", [r["paired_raw_gb_s"]])]
+                for r in rows
+            ]
+            if paired
+            else None,
+            "busy_ratio": ref_raw and round(ref["busy_gb_s"] / ref_raw, 3),
+            "bytes_per_token": int(median(rows, "bytes_read") / (t + 3)),
+            "cpu_ms_per_token": round(1e3 * median(rows, "cpu_s") / (t + 3), 1),
+            "io": ref,
+        }
+        if key.startswith(
+            "stream"
+        ):  # prefetch on: how well the next layer was predicted, and what its early pieces became
             last = rows[-1]
-            eff[key] |= {"recall_by_layer": last["recall_by_layer"], "precision_by_layer": last["precision_by_layer"],
-                         "prefetch_used_wasted": [last["prefetch_used"], last["prefetch_wasted"]],
-                         "prefetch_pieces": (last.get("io") or {}).get("prefetch_pieces")}
+            eff[key] |= {
+                "recall_by_layer": last["recall_by_layer"],
+                "precision_by_layer": last["precision_by_layer"],
+                "prefetch_used_wasted": [last["prefetch_used"], last["prefetch_wasted"]],
+                "prefetch_pieces": (last.get("io") or {}).get("prefetch_pieces"),
+            }
     out.append(eff)
     scaling: dict = {"bench": "drive_scaling", "cap_mb_s_per_drive": cap_mb_s, "prefetch": False}
     for name, prefix in (("whole", "cap"), ("stripe", "caps")):
         if f"{prefix}2" not in res or "cap1" not in res:
             continue
-        tok = {n: median(res[f"{prefix}{n}" if n > 1 else "cap1"], "decode_tok_s") for n in (1, 2, 3, 4)}
-        scaling[name] = {"tok_s": {n: round(v, 3) for n, v in tok.items()}, "speedup": {n: round(v / tok[1], 3) for n, v in tok.items()},
-                         "per_drive_efficiency_at_4": round(tok[4] / tok[1] / 4, 3)}
+        tok = {
+            n: median(res[f"{prefix}{n}" if n > 1 else "cap1"], "decode_tok_s")
+            for n in (1, 2, 3, 4)
+        }
+        scaling[name] = {
+            "tok_s": {n: round(v, 3) for n, v in tok.items()},
+            "speedup": {n: round(v / tok[1], 3) for n, v in tok.items()},
+            "per_drive_efficiency_at_4": round(tok[4] / tok[1] / 4, 3),
+        }
     out.append(scaling)
     if "stream" in res and "stripe" in res:
         on, off = median(res["stream"], "decode_tok_s"), median(res["stripe"], "decode_tok_s")
-        out.append({"bench": "prefetch_value", "ratio_on_off": round(on / off, 3), "tok_s_on_off": [round(on, 3), round(off, 3)],
-                    "recall_by_layer": res["stream"][-1]["recall_by_layer"], "precision_by_layer": res["stream"][-1]["precision_by_layer"]})
+        out.append(
+            {
+                "bench": "prefetch_value",
+                "ratio_on_off": round(on / off, 3),
+                "tok_s_on_off": [round(on, 3), round(off, 3)],
+                "recall_by_layer": res["stream"][-1]["recall_by_layer"],
+                "precision_by_layer": res["stream"][-1]["precision_by_layer"],
+            }
+        )
     if "mem" not in res:
         return out
     mem = res["mem"]
@@ -257,8 +382,16 @@ def summarize(res: dict[str, list[dict]], t: int, cap_mb_s: float) -> list[dict]
     # The denominator is what the budgets allow: the spine as held (compute dtype) plus the cache budget.
     budget = mem[0].get("spine_resident_bytes", 2 * mem[0]["spine_bytes"]) + (1 << 30)
     runtime = median(mem, "runtime_rss_bytes") if "runtime_rss_bytes" in mem[0] else None
-    out.append({"bench": "memory", "peak_rss_bytes": int(peak), "spine_resident_plus_cache_bytes": budget, "ratio": round(peak / budget, 3),
-                "runtime_rss_bytes": runtime and int(runtime), "ratio_without_runtime": runtime and round((peak - runtime) / budget, 3)})
+    out.append(
+        {
+            "bench": "memory",
+            "peak_rss_bytes": int(peak),
+            "spine_resident_plus_cache_bytes": budget,
+            "ratio": round(peak / budget, 3),
+            "runtime_rss_bytes": runtime and int(runtime),
+            "ratio_without_runtime": runtime and round((peak - runtime) / budget, 3),
+        }
+    )
     return out
 
 
@@ -279,11 +412,16 @@ def before_after(before: list[dict], after: list[dict]) -> dict:
     """The headline figures of both trees side by side: [before, after]."""
     b, a = ({line["bench"]: line for line in lines} for lines in (before, after))
     pair = lambda get: [_get(b, get), _get(a, get)]  # noqa: E731
-    return {"efficiency_ratio": {k: pair(("streaming_efficiency", k, "ratio")) for k in EFF_KEYS},
-            "decode_tok_s": {k: pair(("streaming_efficiency", k, "decode_tok_s")) for k in EFF_KEYS},
-            "drive_idle_fraction": {k: pair(("streaming_efficiency", k, "io", "drive_idle_fraction")) for k in EFF_KEYS},
-            "scaling_at_4": {k: pair(("drive_scaling", k, "speedup", 4)) for k in ("whole", "stripe")},
-            "prefetch_on_off": pair(("prefetch_value", "ratio_on_off")), "memory_ratio": pair(("memory", "ratio"))}
+    return {
+        "efficiency_ratio": {k: pair(("streaming_efficiency", k, "ratio")) for k in EFF_KEYS},
+        "decode_tok_s": {k: pair(("streaming_efficiency", k, "decode_tok_s")) for k in EFF_KEYS},
+        "drive_idle_fraction": {
+            k: pair(("streaming_efficiency", k, "io", "drive_idle_fraction")) for k in EFF_KEYS
+        },
+        "scaling_at_4": {k: pair(("drive_scaling", k, "speedup", 4)) for k in ("whole", "stripe")},
+        "prefetch_on_off": pair(("prefetch_value", "ratio_on_off")),
+        "memory_ratio": pair(("memory", "ratio")),
+    }
 
 
 def _get(d: dict, path: tuple) -> object:
@@ -299,16 +437,42 @@ def main() -> None:
     ap.add_argument("--root", type=Path, default=Path("/tmp/dfbench"))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=6)
-    ap.add_argument("--cap-mb-s", type=float, default=150.0, help="per-drive read cap for the scaling bench")
-    ap.add_argument("--before", type=Path, help="an older checkout to run side by side (its deltafind/ package)")
+    ap.add_argument(
+        "--cap-mb-s", type=float, default=150.0, help="per-drive read cap for the scaling bench"
+    )
+    ap.add_argument(
+        "--before", type=Path, help="an older checkout to run side by side (its deltafind/ package)"
+    )
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--profile", type=Path, metavar="STORE", help="instead: cProfile one cold decode on STORE")
+    ap.add_argument(
+        "--profile", type=Path, metavar="STORE", help="instead: cProfile one cold decode on STORE"
+    )
     ap.add_argument("--no-prefetch", action="store_true", help="with --profile")
-    ap.add_argument("--prefetch-matrix", action="store_true", help="also: prefetch on/off, cold/warm x 1/4 drives x batch 1/8 (streaming_prefetch.py)")
-    ap.add_argument("--prefill", action="store_true", help="also: prefill bytes per prompt token and a 512-token K3 prompt projected (streaming_prefill.py)")
-    ap.add_argument("--all", action="store_true", help="every drive measurement in one run: --prefetch-matrix and --prefill too")
-    ap.add_argument("--pc-rounds", type=int, default=6, help="direct/buffered rounds of the page-cache bench (0: none)")
-    ap.add_argument("--only", help="comma-separated configuration keys (raw,whole,stripe,stream,cap1,...): a focused rerun")
+    ap.add_argument(
+        "--prefetch-matrix",
+        action="store_true",
+        help="also: prefetch on/off, cold/warm x 1/4 drives x batch 1/8 (streaming_prefetch.py)",
+    )
+    ap.add_argument(
+        "--prefill",
+        action="store_true",
+        help="also: prefill bytes per prompt token and a 512-token K3 prompt projected (streaming_prefill.py)",
+    )
+    ap.add_argument(
+        "--all",
+        action="store_true",
+        help="every drive measurement in one run: --prefetch-matrix and --prefill too",
+    )
+    ap.add_argument(
+        "--pc-rounds",
+        type=int,
+        default=6,
+        help="direct/buffered rounds of the page-cache bench (0: none)",
+    )
+    ap.add_argument(
+        "--only",
+        help="comma-separated configuration keys (raw,whole,stripe,stream,cap1,...): a focused rerun",
+    )
     ap.add_argument("--one")
     args = ap.parse_args()
     if args.one:
@@ -320,33 +484,86 @@ def main() -> None:
     args.root.mkdir(parents=True, exist_ok=True)
     whole = {n: make_store(args.root, n) for n in (1, 2, 3, 4)}
     stripe = {n: make_store(args.root, n, "stripe") for n in (2, 3, 4)}
-    deep, deep_stripe = make_store(args.root, 2, layers=DEEP), make_store(args.root, 2, "stripe", DEEP)
+    deep, deep_stripe = (
+        make_store(args.root, 2, layers=DEEP),
+        make_store(args.root, 2, "stripe", DEEP),
+    )
     t, th, cap = args.tokens, args.threads, args.cap_mb_s
-    trees: dict[str, Path | None] = {"after": None, **({"before": args.before} if args.before else {})}
+    trees: dict[str, Path | None] = {
+        "after": None,
+        **({"before": args.before} if args.before else {}),
+    }
     # (key, config, runs under an older tree too: any older tree, or one that reads striped stores)
-    configs = [("raw", {"store": str(deep_stripe), "raw": True}, False),
-               ("raw_rec", {"store": str(deep_stripe), "raw": True, "read_bytes": 16 << 20}, False),
-               ("whole", {"store": str(deep), "tokens": t, "prefetch": False}, True),
-               ("stripe", {"store": str(deep_stripe), "tokens": t, "prefetch": False}, "stripes"),
-               ("stream", {"store": str(deep_stripe), "tokens": t}, "stripes"),
-               # the same drives capped under this disk's floor: their rate known, decode's share of it shows without the drift
-               ("stripe_cap", {"store": str(deep_stripe), "tokens": t, "prefetch": False, "read_mb_s": EFF_CAP_MB_S}, "stripes"),
-               ("stream_cap", {"store": str(deep_stripe), "tokens": t, "read_mb_s": EFF_CAP_MB_S}, "stripes"),
-               *[(f"cap{n}", {"store": str(whole[n]), "tokens": max(2, t // 2), "read_mb_s": cap, "prefetch": False}, True) for n in (1, 2, 3, 4)],
-               *[(f"caps{n}", {"store": str(stripe[n]), "tokens": max(2, t // 2), "read_mb_s": cap, "prefetch": False}, "stripes") for n in (2, 3, 4)],
-               ("mem", {"store": str(whole[2]), "tokens": t, "cache": 1 << 30}, True)]
+    configs = [
+        ("raw", {"store": str(deep_stripe), "raw": True}, False),
+        ("raw_rec", {"store": str(deep_stripe), "raw": True, "read_bytes": 16 << 20}, False),
+        ("whole", {"store": str(deep), "tokens": t, "prefetch": False}, True),
+        ("stripe", {"store": str(deep_stripe), "tokens": t, "prefetch": False}, "stripes"),
+        ("stream", {"store": str(deep_stripe), "tokens": t}, "stripes"),
+        # the same drives capped under this disk's floor: their rate known, decode's share of it shows without the drift
+        (
+            "stripe_cap",
+            {"store": str(deep_stripe), "tokens": t, "prefetch": False, "read_mb_s": EFF_CAP_MB_S},
+            "stripes",
+        ),
+        (
+            "stream_cap",
+            {"store": str(deep_stripe), "tokens": t, "read_mb_s": EFF_CAP_MB_S},
+            "stripes",
+        ),
+        *[
+            (
+                f"cap{n}",
+                {
+                    "store": str(whole[n]),
+                    "tokens": max(2, t // 2),
+                    "read_mb_s": cap,
+                    "prefetch": False,
+                },
+                True,
+            )
+            for n in (1, 2, 3, 4)
+        ],
+        *[
+            (
+                f"caps{n}",
+                {
+                    "store": str(stripe[n]),
+                    "tokens": max(2, t // 2),
+                    "read_mb_s": cap,
+                    "prefetch": False,
+                },
+                "stripes",
+            )
+            for n in (2, 3, 4)
+        ],
+        ("mem", {"store": str(whole[2]), "tokens": t, "cache": 1 << 30}, True),
+    ]
     if args.only:
         configs = [c for c in configs if c[0] in args.only.split(",")]
     res: dict[str, dict[str, list[dict]]] = {name: {} for name in trees}
     for _ in range(args.rounds):
         for key, cfg, older_too in configs:
             for name, tree in trees.items():  # before and after back to back, so noise hits both
-                if tree is None or older_too is True or (older_too == "stripes" and reads_stripes(tree)):
-                    raw_before = run({"store": cfg["store"], "raw": True})["raw_gb_s"] if key in PAIRED else None
+                if (
+                    tree is None
+                    or older_too is True
+                    or (older_too == "stripes" and reads_stripes(tree))
+                ):
+                    raw_before = (
+                        run({"store": cfg["store"], "raw": True})["raw_gb_s"]
+                        if key in PAIRED
+                        else None
+                    )
                     row = run({**cfg, "threads": th}, tree)
-                    if raw_before is not None:  # the disk's rate around the decode: read before and after it
+                    if (
+                        raw_before is not None
+                    ):  # the disk's rate around the decode: read before and after it
                         raw_after = run({"store": cfg["store"], "raw": True})["raw_gb_s"]
-                        row |= {"paired_raw_gb_s": (raw_before + raw_after) / 2, "paired_raw_before_after": [raw_before, raw_after]}
+                        row |= {
+                            "paired_raw_gb_s": (raw_before + raw_after) / 2,
+                            "paired_raw_before_after": [raw_before, raw_after],
+                        }
                     res[name].setdefault(key, []).append(row)
     out = {name: summarize(r, t, cap) for name, r in res.items()}
     bounds = {"whole_4": barrier_bounds(whole[4]), "stripe_4": barrier_bounds(stripe[4])}
@@ -356,13 +573,28 @@ def main() -> None:
                 line["per_layer_barrier_bound_4_drives"] = bounds
             print(json.dumps({"tree": name, **line, "loadavg": os.getloadavg()}), flush=True)
     if len(out) > 1:
-        print(json.dumps({"bench": "before_after", **before_after(out["before"], out["after"]), "loadavg": os.getloadavg()}), flush=True)
-    for line in streaming_pagecache.page_cache(lambda cfg: run(cfg), stripe[2], args.pc_rounds, t, th) if args.pc_rounds else []:
+        print(
+            json.dumps(
+                {
+                    "bench": "before_after",
+                    **before_after(out["before"], out["after"]),
+                    "loadavg": os.getloadavg(),
+                }
+            ),
+            flush=True,
+        )
+    for line in (
+        streaming_pagecache.page_cache(lambda cfg: run(cfg), stripe[2], args.pc_rounds, t, th)
+        if args.pc_rounds
+        else []
+    ):
         print(json.dumps(line), flush=True)
     if args.prefetch_matrix or args.all:
         import streaming_prefetch
 
-        for line in streaming_prefetch.matrix({n: whole[n] for n in (1, 4)}, args.rounds, args.tokens, args.cap_mb_s, th, trees, ENV):
+        for line in streaming_prefetch.matrix(
+            {n: whole[n] for n in (1, 4)}, args.rounds, args.tokens, args.cap_mb_s, th, trees, ENV
+        ):
             print(json.dumps(line), flush=True)
     if args.prefill or args.all:
         import streaming_prefill

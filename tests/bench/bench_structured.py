@@ -22,15 +22,40 @@ from pathlib import Path
 
 import numpy as np
 
-SCHEMA = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 40}, "days": {"type": "integer", "minimum": 1, "maximum": 14},
-    "hourly": {"type": "array", "items": {"type": "object", "properties": {"t": {"type": "number"}, "sky": {"enum": ["sun", "rain", "cloud"]}},
-                                          "required": ["t", "sky"]}, "maxItems": 24},
-    "note": {"type": "string"}}, "required": ["city", "days", "hourly", "note"]}
-ANSWER = json.dumps({"city": "Paris", "days": 3, "hourly": [{"t": 20.5, "sky": "sun"}, {"t": 18.25, "sky": "cloud"},
-                                                             {"t": 15, "sky": "rain"}] * 3,
-                     "note": "Bring an umbrella on the third day; mornings are cool."})
-FORWARD_S = 0.005  # a stand-in forward pass for the engine-thread rows (the demo decodes a token in 10+ ms)
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        "hourly": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"t": {"type": "number"}, "sky": {"enum": ["sun", "rain", "cloud"]}},
+                "required": ["t", "sky"],
+            },
+            "maxItems": 24,
+        },
+        "note": {"type": "string"},
+    },
+    "required": ["city", "days", "hourly", "note"],
+}
+ANSWER = json.dumps(
+    {
+        "city": "Paris",
+        "days": 3,
+        "hourly": [
+            {"t": 20.5, "sky": "sun"},
+            {"t": 18.25, "sky": "cloud"},
+            {"t": 15, "sky": "rain"},
+        ]
+        * 3,
+        "note": "Bring an umbrella on the third day; mornings are cool.",
+    }
+)
+FORWARD_S = (
+    0.005  # a stand-in forward pass for the engine-thread rows (the demo decodes a token in 10+ ms)
+)
 
 
 def synthetic_tokenizer(size: int = 163_840, seed: int = 0):
@@ -40,7 +65,9 @@ def synthetic_tokenizer(size: int = 163_840, seed: int = 0):
 
     rng = random.Random(seed)
     ranks: dict[bytes, int] = {bytes([b]): b for b in range(256)}
-    letters = [bytes([c]) for c in b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 "]
+    letters = [
+        bytes([c]) for c in b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 "
+    ]
     pool = list(letters)
     while len(ranks) < size - 2:
         a, b = rng.choice(pool), rng.choice(pool if rng.random() < 0.7 else letters)
@@ -61,11 +88,17 @@ def mask_cost(tokenizer, label: str, xgrammar_path: str | None) -> None:
     import llguidance as llg
 
     from deltafind.server.structured import JSON_STYLE, vocabulary
+
     t0 = time.perf_counter()
     lt = vocabulary(tokenizer)
     setup = time.perf_counter() - t0
     t0 = time.perf_counter()
-    m = llg.LLMatcher(lt, llg.LLMatcher.grammar_from_json_schema(SCHEMA, overrides={**JSON_STYLE, "whitespace_flexible": True}))
+    m = llg.LLMatcher(
+        lt,
+        llg.LLMatcher.grammar_from_json_schema(
+            SCHEMA, overrides={**JSON_STYLE, "whitespace_flexible": True}
+        ),
+    )
     compile_s = time.perf_counter() - t0
     times = []
     for tok in ids:
@@ -81,8 +114,14 @@ def mask_cost(tokenizer, label: str, xgrammar_path: str | None) -> None:
 
     from deltafind.engine.constraint import apply
     from deltafind.server.structured import Grammar
-    grammar = Grammar(tokenizer, llg.LLMatcher.grammar_from_json_schema(SCHEMA, overrides={**JSON_STYLE, "whitespace_flexible": True}),
-                      "bench")
+
+    grammar = Grammar(
+        tokenizer,
+        llg.LLMatcher.grammar_from_json_schema(
+            SCHEMA, overrides={**JSON_STYLE, "whitespace_flexible": True}
+        ),
+        "bench",
+    )
     logits = torch.randn(n)
     for name, overlap in (("  engine inline", False), ("  engine overlap", True)):
         con = grammar.factory()()
@@ -100,6 +139,7 @@ def mask_cost(tokenizer, label: str, xgrammar_path: str | None) -> None:
 
     try:
         import outlines_core as oc
+
         t0 = time.perf_counter()
         by_bytes: dict[bytes, list[int]] = {}
         for i in range(n):
@@ -109,7 +149,10 @@ def mask_cost(tokenizer, label: str, xgrammar_path: str | None) -> None:
         vocab = oc.Vocabulary(tokenizer.eos_token_ids[0], {k: v for k, v in by_bytes.items() if k})
         setup = time.perf_counter() - t0
         t0 = time.perf_counter()
-        index = oc.Index(oc.json_schema.build_regex_from_schema(json.dumps(SCHEMA), whitespace_pattern=r"[ ]?"), vocab)
+        index = oc.Index(
+            oc.json_schema.build_regex_from_schema(json.dumps(SCHEMA), whitespace_pattern=r"[ ]?"),
+            vocab,
+        )
         compile_s = time.perf_counter() - t0
         guide = oc.Guide(index)
         mask = np.zeros((n + 31) // 32, dtype=np.int32)
@@ -128,9 +171,12 @@ def mask_cost(tokenizer, label: str, xgrammar_path: str | None) -> None:
         try:
             import torch
             import xgrammar as xgr
+
             t0 = time.perf_counter()
             enc = [lt.decode_bytes([i]) for i in range(n)]
-            info = xgr.TokenizerInfo(enc, xgr.VocabType.RAW, vocab_size=n, stop_token_ids=list(tokenizer.eos_token_ids))
+            info = xgr.TokenizerInfo(
+                enc, xgr.VocabType.RAW, vocab_size=n, stop_token_ids=list(tokenizer.eos_token_ids)
+            )
             compiler = xgr.GrammarCompiler(info)
             setup = time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -150,11 +196,15 @@ def mask_cost(tokenizer, label: str, xgrammar_path: str | None) -> None:
             print(f"  xgrammar on {label}: failed: {type(e).__name__}: {str(e)[:160]}")
 
     print(f"\n{label}: vocabulary {n}, answer {len(ids)} tokens")
-    print(f"  {'library':<14} {'vocab setup s':>13} {'compile ms':>10} {'mask us median':>15} {'p90':>8} {'max':>8}")
+    print(
+        f"  {'library':<14} {'vocab setup s':>13} {'compile ms':>10} {'mask us median':>15} {'p90':>8} {'max':>8}"
+    )
     for name, setup, compile_s, times in rows:
         us = sorted(t * 1e6 for t in times)
-        print(f"  {name:<14} {setup:13.2f} {compile_s * 1e3:10.1f} {statistics.median(us):15.1f} "
-              f"{us[int(len(us) * 0.9)]:8.1f} {us[-1]:8.1f}")
+        print(
+            f"  {name:<14} {setup:13.2f} {compile_s * 1e3:10.1f} {statistics.median(us):15.1f} "
+            f"{us[int(len(us) * 0.9)]:8.1f} {us[-1]:8.1f}"
+        )
 
 
 def engine_slowdown(store: Path, tokens: int = 16, pairs: int = 24) -> None:
@@ -184,7 +234,11 @@ def engine_slowdown(store: Path, tokens: int = 16, pairs: int = 24) -> None:
     tok = model.tokenizer
     core = EngineCore(model.net, model.eos_token_ids, ONE_AT_A_TIME)  # one engine, no prefix reuse
     # a prompt the demo answers at length (the JSON one it ends after 25 tokens)
-    prompt = tuple(tok.apply_chat_template([{"role": "user", "content": "Write a long story about a lighthouse keeper."}]))
+    prompt = tuple(
+        tok.apply_chat_template(
+            [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+        )
+    )
     params = SamplingParams(max_new_tokens=tokens + 1, temperature=0.0)
     spent = [0.0, 0.0]  # the constraint's engine-thread (wall, CPU) seconds in the current run
 
@@ -196,22 +250,33 @@ def engine_slowdown(store: Path, tokens: int = 16, pairs: int = 24) -> None:
             finally:
                 spent[0] += time.perf_counter() - w
                 spent[1] += time.thread_time() - c
+
         return call
 
     class Timed:  # the constraint as the engine sees it, its engine-thread calls timed
         def __init__(self, inner) -> None:
-            self.inner, self.allowed, self.advance, self.rollback = inner, inner.allowed, timed(inner.advance), inner.rollback
+            self.inner, self.allowed, self.advance, self.rollback = (
+                inner,
+                inner.allowed,
+                timed(inner.advance),
+                inner.rollback,
+            )
 
         @property
         def done(self) -> bool:
             return self.inner.done
 
     apply = sequence.apply_constraint
-    sequence.apply_constraint = lambda logits, c: timed(apply)(logits, c) if c is not None else logits
+    sequence.apply_constraint = lambda logits, c: (
+        timed(apply)(logits, c) if c is not None else logits
+    )
 
     def run(factory) -> tuple[float, float, float, float, list[int]]:
         """(wall, CPU, constraint wall, constraint CPU) seconds per decoded token, and the tokens."""
-        core.add(GenRequest(prompt, params, constraint=(lambda: Timed(factory())) if factory else None), 0)
+        core.add(
+            GenRequest(prompt, params, constraint=(lambda: Timed(factory())) if factory else None),
+            0,
+        )
         out, wall, cpu, first = [], 0.0, 0.0, True
         while core.has_work:
             w, c = time.perf_counter(), time.thread_time()
@@ -222,18 +287,26 @@ def engine_slowdown(store: Path, tokens: int = 16, pairs: int = 24) -> None:
             first = False
             for _, e in events:
                 if isinstance(e, FinishEvent):
-                    assert e.reason in ("length", "stop"), e  # the literal grammar ends with the answer
+                    assert e.reason in ("length", "stop"), (
+                        e
+                    )  # the literal grammar ends with the answer
                 else:
                     out.append(e.token_id)
                     if len(out) == 1:
-                        spent[0] = spent[1] = 0.0  # the first token's mask came from the prefill step
+                        spent[0] = spent[1] = (
+                            0.0  # the first token's mask came from the prefill step
+                        )
         n = len(out) - 1
         return wall / n, cpu / n, spent[0] / n, spent[1] / n, out
 
     free = run(None)[4]
     assert not set(free) & set(model.eos_token_ids), "the free answer ended early"
     same = Grammar(tok, f"start: {lark_literal(tok.decode(free))}", "bench").factory()
-    long_text = {"type": "object", "properties": {"text": {"type": "string", "minLength": 2000}}, "required": ["text"]}
+    long_text = {
+        "type": "object",
+        "properties": {"text": {"type": "string", "minLength": 2000}},
+        "required": ["text"],
+    }
     schema = Grammar(tok, json_schema_grammar(long_text, "bench"), "bench").factory()
     configs = {"off": None, "same tokens": same, "json_schema": schema}
     for f in configs.values():  # warm-up
@@ -250,20 +323,26 @@ def engine_slowdown(store: Path, tokens: int = 16, pairs: int = 24) -> None:
             res[name].append(tuple(t))
     load1 = os.getloadavg()
     sequence.apply_constraint = apply
-    print(f"\nengine in-process, demo, batch 1, greedy, {tokens} decoded tokens a run, {pairs} rounds "
-          f"(order rotated and reversed), torch threads {torch.get_num_threads()}, load average "
-          f"{load0[0]:.1f} -> {load1[0]:.1f}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    print(f"  {'config':<12} {'clock':<5} {'ms/token':>9} {'per-round ratio - 1: median':>28} {'p25..p75':>16} {'min..max':>16}"
-          f" {'constraint on engine thread':>28}")
+    print(
+        f"\nengine in-process, demo, batch 1, greedy, {tokens} decoded tokens a run, {pairs} rounds "
+        f"(order rotated and reversed), torch threads {torch.get_num_threads()}, load average "
+        f"{load0[0]:.1f} -> {load1[0]:.1f}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
+    print(
+        f"  {'config':<12} {'clock':<5} {'ms/token':>9} {'per-round ratio - 1: median':>28} {'p25..p75':>16} {'min..max':>16}"
+        f" {'constraint on engine thread':>28}"
+    )
     for name, rows in res.items():
         for k, clock in enumerate(("wall", "CPU")):
             ratios = sorted(100 * (r[k] / o[k] - 1) for r, o in zip(rows, res["off"], strict=True))
             q = statistics.quantiles(ratios, n=4)
             own = statistics.median(r[2 + k] for r in rows)
             share = 100 * statistics.median(r[2 + k] / r[k] for r in rows)
-            print(f"  {name:<12} {clock:<5} {1e3 * statistics.median(r[k] for r in rows):9.2f} {statistics.median(ratios):+27.1f} %"
-                  f" {q[0]:+7.1f}..{q[2]:+6.1f} % {ratios[0]:+7.1f}..{ratios[-1]:+6.1f} %"
-                  f" {1e6 * own:10.0f} us = {share:5.2f} % of a step")
+            print(
+                f"  {name:<12} {clock:<5} {1e3 * statistics.median(r[k] for r in rows):9.2f} {statistics.median(ratios):+27.1f} %"
+                f" {q[0]:+7.1f}..{q[2]:+6.1f} % {ratios[0]:+7.1f}..{ratios[-1]:+6.1f} %"
+                f" {1e6 * own:10.0f} us = {share:5.2f} % of a step"
+            )
     model.close()
 
 
@@ -279,7 +358,11 @@ def decode_slowdown(store: Path, tokens: int = 96, reps: int = 5) -> None:
     d = Daemon(store, "[server]\nmax_running = 1\n[draft]\nmode = \"off\"\n").start()
     try:
         c = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=600)
-        long_text = {"type": "object", "properties": {"text": {"type": "string", "minLength": 2000}}, "required": ["text"]}
+        long_text = {
+            "type": "object",
+            "properties": {"text": {"type": "string", "minLength": 2000}},
+            "required": ["text"],
+        }
         # one prompt both runs answer at length (to the "..., as JSON." one the demo stops after 25 tokens unconstrained)
         msgs = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
         fmt = {"type": "json_schema", "json_schema": {"name": "story", "schema": long_text}}
@@ -288,8 +371,15 @@ def decode_slowdown(store: Path, tokens: int = 96, reps: int = 5) -> None:
             kw = {"response_format": fmt} if constrained else {}
             first = last = None
             n = 0
-            for ch in c.chat.completions.create(model="test-model", messages=msgs, max_tokens=tokens, temperature=0, stream=True,
-                                                stream_options={"include_usage": True}, **kw):
+            for ch in c.chat.completions.create(
+                model="test-model",
+                messages=msgs,
+                max_tokens=tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                **kw,
+            ):
                 now = time.perf_counter()
                 if ch.usage:
                     n = ch.usage.completion_tokens
@@ -310,9 +400,11 @@ def decode_slowdown(store: Path, tokens: int = 96, reps: int = 5) -> None:
             ratios.append(got[False] / got[True])
         load1 = os.getloadavg()
         a, b = statistics.median(off), statistics.median(on)
-        print(f"\ndecode on the demo, batch 1, {tokens} tokens, {reps} alternated pairs: off {a:.1f} tok/s, json_schema {b:.1f} tok/s "
-              f"(medians); slowdown per pair {', '.join(f'{100 * (r - 1):+.1f}' for r in ratios)} %, "
-              f"median {100 * (statistics.median(ratios) - 1):+.1f} %; load average {load0[0]:.1f} -> {load1[0]:.1f}")
+        print(
+            f"\ndecode on the demo, batch 1, {tokens} tokens, {reps} alternated pairs: off {a:.1f} tok/s, json_schema {b:.1f} tok/s "
+            f"(medians); slowdown per pair {', '.join(f'{100 * (r - 1):+.1f}' for r in ratios)} %, "
+            f"median {100 * (statistics.median(ratios) - 1):+.1f} %; load average {load0[0]:.1f} -> {load1[0]:.1f}"
+        )
     finally:
         d.stop()
         d.cleanup()
@@ -326,9 +418,23 @@ def first_request(store: Path, rounds: int = 3) -> None:
 
     from tests.e2e.daemon_fixtures import Daemon
 
-    body = {"model": "test-model", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": "A city, as JSON."}],
-            "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": {
-                "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}}
+    body = {
+        "model": "test-model",
+        "max_tokens": 8,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "A city, as JSON."}],
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "c",
+                "schema": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}},
+                    "required": ["city"],
+                },
+            },
+        },
+    }
     print(f"\nfirst constrained request after ready (load average {os.getloadavg()[0]:.1f}):")
     for _ in range(rounds):
         d = Daemon(store, "[server]\nmax_running = 1\n").start()
@@ -339,10 +445,23 @@ def first_request(store: Path, rounds: int = 3) -> None:
                 status, _ = d.post_json("/v1/chat/completions", body, timeout=600)
                 assert status == 200
                 times.append(time.perf_counter() - t0)
-            line = next((ln for ln in d.log_text(full=True).splitlines() if "grammar_vocabulary_built" in ln), "")
+            line = next(
+                (
+                    ln
+                    for ln in d.log_text(full=True).splitlines()
+                    if "grammar_vocabulary_built" in ln
+                ),
+                "",
+            )
             fields = dict(re.findall(r'"(seconds|thread)": "?([\w.-]+)', line))
-            where = f"vocabulary built in {fields.get('seconds')} s on {fields.get('thread')}" if line else "no grammar_vocabulary_built log line"
-            print(f"  first {times[0]:.2f} s, second {times[1]:.2f} s, first - second {times[0] - times[1]:+.2f} s; {where}")
+            where = (
+                f"vocabulary built in {fields.get('seconds')} s on {fields.get('thread')}"
+                if line
+                else "no grammar_vocabulary_built log line"
+            )
+            print(
+                f"  first {times[0]:.2f} s, second {times[1]:.2f} s, first - second {times[0] - times[1]:+.2f} s; {where}"
+            )
         finally:
             d.stop()
             d.cleanup()
@@ -353,11 +472,27 @@ def main() -> None:
     ap.add_argument("--store", type=Path, default=Path.home() / ".cache/deltafind/demo")
     ap.add_argument("--xgrammar-path")
     ap.add_argument("--skip-decode", action="store_true")
-    ap.add_argument("--first-request", action="store_true", help="only the first-request latency on fresh daemons")
+    ap.add_argument(
+        "--first-request",
+        action="store_true",
+        help="only the first-request latency on fresh daemons",
+    )
     ap.add_argument("--only-decode", action="store_true", help="skip the mask-cost tables")
-    ap.add_argument("--reps", type=int, default=5, help="alternated off/on pairs for the daemon's decode slowdown")
-    ap.add_argument("--pairs", type=int, default=24, help="rounds of the in-process slowdown (each runs off, same tokens, json_schema)")
-    ap.add_argument("--tokens", type=int, default=16, help="decoded tokens per run of the in-process slowdown")
+    ap.add_argument(
+        "--reps",
+        type=int,
+        default=5,
+        help="alternated off/on pairs for the daemon's decode slowdown",
+    )
+    ap.add_argument(
+        "--pairs",
+        type=int,
+        default=24,
+        help="rounds of the in-process slowdown (each runs off, same tokens, json_schema)",
+    )
+    ap.add_argument(
+        "--tokens", type=int, default=16, help="decoded tokens per run of the in-process slowdown"
+    )
     ap.add_argument("--no-daemon", action="store_true", help="skip the daemon's decode slowdown")
     args = ap.parse_args()
     from deltafind.tokenizer import Tokenizer

@@ -29,7 +29,10 @@ def raw_odirect(store: Path, queue_depth: int = 8, read_bytes: int = 1 << 20) ->
     jobs: list[list[tuple[int, int]]] = [[] for _ in paths]
     for r in m.experts:
         for e in r.extents():
-            jobs[e.drive] += [(o, min(read_bytes, e.offset + e.nbytes - o)) for o in range(e.offset, e.offset + e.nbytes, read_bytes)]
+            jobs[e.drive] += [
+                (o, min(read_bytes, e.offset + e.nbytes - o))
+                for o in range(e.offset, e.offset + e.nbytes, read_bytes)
+            ]
     fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths]
     local = threading.local()
 
@@ -41,14 +44,22 @@ def raw_odirect(store: Path, queue_depth: int = 8, read_bytes: int = 1 << 20) ->
 
     pools = [ThreadPoolExecutor(queue_depth) for _ in paths]
     t0 = time.perf_counter()
-    futs = [pool.submit(read, fd, off, n) for pool, fd, js in zip(pools, fds, jobs, strict=True) for off, n in js]
+    futs = [
+        pool.submit(read, fd, off, n)
+        for pool, fd, js in zip(pools, fds, jobs, strict=True)
+        for off, n in js
+    ]
     total = sum(f.result() for f in futs)
     dt = time.perf_counter() - t0
     for pool in pools:
         pool.shutdown()
     for fd in fds:
         os.close(fd)
-    return {"raw_gb_s": total / dt / 1e9, "raw_read_bytes": read_bytes, "raw_queue_depth": queue_depth}
+    return {
+        "raw_gb_s": total / dt / 1e9,
+        "raw_read_bytes": read_bytes,
+        "raw_queue_depth": queue_depth,
+    }
 
 
 def barrier_bounds(store: Path, top_k: int = 8, samples: int = 4000) -> dict[str, float]:
@@ -83,7 +94,11 @@ def barrier_bounds(store: Path, top_k: int = 8, samples: int = 4000) -> dict[str
             actual += max(load.values())
             striped += bytes_ / n
             replicated += max(queued)
-    return {"placement_actual": round(total / actual, 3), "stripe_all": round(total / striped, 3), "replicate_2_least_queued": round(total / replicated, 3)}
+    return {
+        "placement_actual": round(total / actual, 3),
+        "stripe_all": round(total / striped, 3),
+        "replicate_2_least_queued": round(total / replicated, 3),
+    }
 
 
 def page_cache_bytes() -> int:
@@ -140,6 +155,13 @@ def between_reads(log: list[list[tuple[str, float]]]) -> dict:
     done = [f for f in log if f[-1][0] == "end" and len(f) > 2]
     gaps = [b[0][1] - a[-1][1] for a, b in itertools.pairwise(done)]
     ms = lambda xs: round(1e3 * st.median(xs), 2) if xs else None  # noqa: E731
-    return {"fetches": len(done), "first_expert_ms": ms([f[1][1] - f[0][1] for f in done]),
-            "fetch_ms": ms([f[-1][1] - f[0][1] for f in done]), "last_expert_to_end_ms": ms([f[-1][1] - f[-2][1] for f in done]),
-            "gap_to_next_fetch_ms": ms(gaps), "gap_share_of_wall": round(sum(gaps) / max(1e-9, done[-1][-1][1] - done[0][0][1]), 3) if gaps else None}
+    return {
+        "fetches": len(done),
+        "first_expert_ms": ms([f[1][1] - f[0][1] for f in done]),
+        "fetch_ms": ms([f[-1][1] - f[0][1] for f in done]),
+        "last_expert_to_end_ms": ms([f[-1][1] - f[-2][1] for f in done]),
+        "gap_to_next_fetch_ms": ms(gaps),
+        "gap_share_of_wall": round(sum(gaps) / max(1e-9, done[-1][-1][1] - done[0][0][1]), 3)
+        if gaps
+        else None,
+    }

@@ -46,13 +46,21 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, di
 
 @pytest.mark.parametrize("count", [2, 3])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_cluster_matches_one_process(family: str, count: int, stores: dict[str, tuple[Path, dict[str, Any]]]) -> None:
+def test_cluster_matches_one_process(
+    family: str, count: int, stores: dict[str, tuple[Path, dict[str, Any]]]
+) -> None:
     store, want = stores[family]
     port = free_port()
     # Nodes cache nothing: every layer reads its experts on the node, with the predictions riding along.
     with nodes(store, count, port, {"DELTAFIND_CACHE__EXPERT_BYTES": "0"}) as procs:
-        settings = load_settings(None, {"model": {"store": str(store)}, "draft": {"mode": "off"},
-                                        "cluster": cluster_settings(count, port)})
+        settings = load_settings(
+            None,
+            {
+                "model": {"store": str(store)},
+                "draft": {"mode": "off"},
+                "cluster": cluster_settings(count, port),
+            },
+        )
         model = Model.open(store, settings=settings)
         try:
             got = outputs(model)
@@ -65,6 +73,10 @@ def test_cluster_matches_one_process(family: str, count: int, stores: dict[str, 
     for key in ("greedy", "sampled", "drafted"):
         assert got[key] == want[key], key
     assert [n["rank"] for n in status] == list(range(1, count + 1))
-    assert all(n["alive"] and n["layers"] > 0 and n["experts_read"] > 0 and not n["last_error"] for n in status)
-    assert routed and sum(n["experts"] for n in status) == routed  # each routed expert placed once (no replicas asked)
-
+    assert all(
+        n["alive"] and n["layers"] > 0 and n["experts_read"] > 0 and not n["last_error"]
+        for n in status
+    )
+    assert (
+        routed and sum(n["experts"] for n in status) == routed
+    )  # each routed expert placed once (no replicas asked)

@@ -30,7 +30,9 @@ from tests.conftest import deltafind_cmd
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 5), st.integers(1, 40), st.floats(0, 1), st.integers(0, 2**16))
-def test_every_expert_placed_and_heat_balanced(num_nodes: int, experts: int, hot: float, seed: int) -> None:
+def test_every_expert_placed_and_heat_balanced(
+    num_nodes: int, experts: int, hot: float, seed: int
+) -> None:
     rng = random.Random(seed)
     heat = {(3, e): rng.random() * 10 for e in range(experts)}
     p = make_placement({3: experts}, num_nodes, heat, None, hot)
@@ -39,7 +41,10 @@ def test_every_expert_placed_and_heat_balanced(num_nodes: int, experts: int, hot
         assert len(set(ranks)) == len(ranks) and all(1 <= r <= num_nodes for r in ranks)
     replicated = sum(len(r) > 1 for r in p.owners.values())
     assert replicated == (round(hot * experts) if num_nodes > 1 else 0)
-    share = [sum(heat[k] / len(r) for k, r in p.owners.items() if n in r) for n in range(1, num_nodes + 1)]
+    share = [
+        sum(heat[k] / len(r) for k, r in p.owners.items() if n in r)
+        for n in range(1, num_nodes + 1)
+    ]
     # Greedy by heat: no node carries more than the mean plus the hottest single expert.
     assert max(share) <= sum(share) / num_nodes + max(heat.values()) + 1e-9
 
@@ -50,9 +55,18 @@ def test_a_layers_reads_go_to_single_copies_first_and_replicas_balance_around_th
     against 1. Single copies first, the replica fills the lighter node: 2 and 2."""
     p = Placement(2, {(5, 0): (1, 2), (5, 1): (1,), (5, 2): (1,), (5, 3): (2,), (5, 4): (2,)})
     assert p.assign(5, [0, 1, 2, 3], {1: 1.0, 2: 1.0}) == ({1: [1, 2], 2: [3, 0]}, [])
-    assert p.assign(5, [0, 1, 2, 3], {1: 1.0, 2: 1.0}, fixed={0: 1}) == ({1: [0, 1, 2], 2: [3]}, [])  # its read started on 1
-    assert p.assign(5, [0, 3, 4], {1: 1.0}) == ({1: [0]}, [3, 4])  # node 2 is down: its single copies have nowhere to go
-    assert p.assign(5, [0, 1, 3], {1: 1.0, 2: 4.0})[0] == {1: [1], 2: [3, 0]}  # a 4x faster node takes more per layer
+    assert p.assign(5, [0, 1, 2, 3], {1: 1.0, 2: 1.0}, fixed={0: 1}) == (
+        {1: [0, 1, 2], 2: [3]},
+        [],
+    )  # its read started on 1
+    assert p.assign(5, [0, 3, 4], {1: 1.0}) == (
+        {1: [0]},
+        [3, 4],
+    )  # node 2 is down: its single copies have nowhere to go
+    assert p.assign(5, [0, 1, 3], {1: 1.0, 2: 4.0})[0] == {
+        1: [1],
+        2: [3, 0],
+    }  # a 4x faster node takes more per layer
     # A tie within the layer goes to the copy that has run fewer experts so far, not always to the preferred one.
     assert p.assign(5, [0], {1: 1.0, 2: 1.0})[0] == {1: [0]}
     assert p.assign(5, [0], {1: 1.0, 2: 1.0}, served={1: 7, 2: 5})[0] == {2: [0]}
@@ -60,7 +74,9 @@ def test_a_layers_reads_go_to_single_copies_first_and_replicas_balance_around_th
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 5), st.integers(1, 30), st.floats(0, 1), st.integers(0, 2**16))
-def test_every_routed_expert_goes_once_to_a_live_copy(num_nodes: int, experts: int, hot: float, seed: int) -> None:
+def test_every_routed_expert_goes_once_to_a_live_copy(
+    num_nodes: int, experts: int, hot: float, seed: int
+) -> None:
     rng = random.Random(seed)
     p = make_placement({0: experts}, num_nodes, None, None, hot)
     alive = {r: 1.0 for r in range(1, num_nodes + 1) if rng.random() < 0.8}
@@ -74,7 +90,9 @@ def test_every_routed_expert_goes_once_to_a_live_copy(num_nodes: int, experts: i
 
 def test_read_rate_weighs_the_share() -> None:
     p = make_placement({0: 30}, 2, None, [3000.0, 1000.0])
-    assert len(p.experts_of(1)) in (22, 23) and len(p.experts_of(2)) == 30 - len(p.experts_of(1))  # 3:1, as the rates
+    assert len(p.experts_of(1)) in (22, 23) and len(p.experts_of(2)) == 30 - len(
+        p.experts_of(1)
+    )  # 3:1, as the rates
 
 
 def test_sidecar_round_trips_and_a_stale_one_names_the_fix(tmp_path: Path) -> None:
@@ -93,12 +111,39 @@ def test_sidecar_round_trips_and_a_stale_one_names_the_fix(tmp_path: Path) -> No
 def test_trace_warm_rebalance_nodes_writes_the_sidecar(tmp_path: Path) -> None:
     store = make_store("qwen3_moe", tmp_path)
     trace = tmp_path / "t.jsonl"
-    assert deltafind_cmd("run", "--store", str(store), "--prompt", "hi there", "--max-new", "8", "--draft", "off",
-                         "--trace", str(trace)).returncode == 0
-    proc = deltafind_cmd("trace", "warm", str(trace), "--store", str(store), "--rebalance", "--nodes", "2",
-                         "--node-read-mb-s", "2000,2000", env={"DELTAFIND_CLUSTER__HOT_REPLICAS": "0.25"})
+    assert (
+        deltafind_cmd(
+            "run",
+            "--store",
+            str(store),
+            "--prompt",
+            "hi there",
+            "--max-new",
+            "8",
+            "--draft",
+            "off",
+            "--trace",
+            str(trace),
+        ).returncode
+        == 0
+    )
+    proc = deltafind_cmd(
+        "trace",
+        "warm",
+        str(trace),
+        "--store",
+        str(store),
+        "--rebalance",
+        "--nodes",
+        "2",
+        "--node-read-mb-s",
+        "2000,2000",
+        env={"DELTAFIND_CLUSTER__HOT_REPLICAS": "0.25"},
+    )
     assert proc.returncode == 0, proc.stderr
-    assert "8 routed experts on 2 nodes" in proc.stdout and "2 replicated" in proc.stdout, proc.stdout
+    assert "8 routed experts on 2 nodes" in proc.stdout and "2 replicated" in proc.stdout, (
+        proc.stdout
+    )
     placement = read_placement(store)
     counts = routed_counts(Manifest.load(store))
     assert counts == {1: 8}  # layer 0 is dense (slices stay with the coordinator)
@@ -120,23 +165,37 @@ def test_per_node_stores_hold_only_their_experts_and_serve_the_same_tokens(tmp_p
     node_stores = []
     for rank in (1, 2):
         into = tmp_path / f"node{rank}"
-        proc = deltafind_cmd("setup", "--store", str(store), "--node", str(rank), "--into", str(into), "--nodes", "2")
+        proc = deltafind_cmd(
+            "setup", "--store", str(store), "--node", str(rank), "--into", str(into), "--nodes", "2"
+        )
         assert proc.returncode == 0, proc.stderr
         node_stores.append(into)
-    placement = read_placement(store)  # written by the first call, read by the second and by the coordinator
+    placement = read_placement(
+        store
+    )  # written by the first call, read by the second and by the coordinator
     for rank, into in enumerate(node_stores, 1):
         assert sorted(r.key for r in Manifest.load(into).experts) == placement.experts_of(rank)
         m = Manifest.load(into)
-        reader = PackReader(m, into, verify=True)  # every record intact: each read checks its checksum
+        reader = PackReader(
+            m, into, verify=True
+        )  # every record intact: each read checks its checksum
         try:
             for r in m.experts:
                 reader.release(reader.read(r))
         finally:
             reader.close()
     port = free_port()
-    with reaped([start_node(into, rank, 3, port) for rank, into in enumerate(node_stores, 1)]) as procs:
-        settings = load_settings(None, {"model": {"store": str(store)}, "draft": {"mode": "off"},
-                                        "cluster": cluster_settings(2, port)})
+    with reaped(
+        [start_node(into, rank, 3, port) for rank, into in enumerate(node_stores, 1)]
+    ) as procs:
+        settings = load_settings(
+            None,
+            {
+                "model": {"store": str(store)},
+                "draft": {"mode": "off"},
+                "cluster": cluster_settings(2, port),
+            },
+        )
         model = Model.open(store, settings=settings)
         try:
             assert model.generate([5, 9, 33, 70], max_new_tokens=8) == want

@@ -26,8 +26,10 @@ from tests.e2e.daemon_fixtures import Daemon
 openai = pytest.importorskip("openai")
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 deltafind = shutil.which("deltafind") or str(TORCHRUN.with_name("deltafind"))  # $(which deltafind)
-ASKS = [{"prompt": "The cluster", "max_tokens": 12, "temperature": 0},
-        {"prompt": "Several machines", "max_tokens": 12, "temperature": 0.9, "top_p": 0.95, "seed": 7}]
+ASKS = [
+    {"prompt": "The cluster", "max_tokens": 12, "temperature": 0},
+    {"prompt": "Several machines", "max_tokens": 12, "temperature": 0.9, "top_p": 0.95, "seed": 7},
+]
 
 
 def completions(url: str) -> list[str]:
@@ -37,18 +39,50 @@ def completions(url: str) -> list[str]:
 
 def torchrun(node_rank: int, port: int, *command: str, cwd: Path) -> subprocess.Popen[bytes]:
     """`torchrun --nnodes 3 --nproc-per-node 1 --node-rank R --master-addr A --master-port P $(which deltafind) ...`"""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     with open(cwd / f"torchrun{node_rank}.log", "w") as log:
-        return subprocess.Popen([str(TORCHRUN), "--nnodes", "3", "--nproc-per-node", "1", "--node-rank", str(node_rank),
-                                 "--master-addr", "127.0.0.1", "--master-port", str(port),
-                                 deltafind, *command],
-                                cwd=cwd, env={**env, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # its own process group: the worker dies with it if the test fails
+        return subprocess.Popen(
+            [
+                str(TORCHRUN),
+                "--nnodes",
+                "3",
+                "--nproc-per-node",
+                "1",
+                "--node-rank",
+                str(node_rank),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                deltafind,
+                *command,
+            ],
+            cwd=cwd,
+            env={**env, "OMP_NUM_THREADS": "1"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # its own process group: the worker dies with it if the test fails
 
 
 def node2(where: Path) -> dict:
-    status = subprocess.run([str(TORCHRUN.with_name("deltafinctl")), "--socket", str(where / "ctl.sock"), "status", "--json"],
-                            capture_output=True, text=True, timeout=60, check=True)
+    status = subprocess.run(
+        [
+            str(TORCHRUN.with_name("deltafinctl")),
+            "--socket",
+            str(where / "ctl.sock"),
+            "status",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return json.loads(status.stdout)["snapshot"]["store"]["nodes"][1]
 
 
@@ -73,36 +107,60 @@ def test_torchrun_example_serves_the_tokens_of_one_machine(tmp_path: Path) -> No
     (tmp_path / "coordinator.toml").write_text(
         f'[model]\nstore = "{store}"\nname = "test-model"\n\n[server]\nport = {http}\n\n'
         f'[control]\nsocket = "{tmp_path / "ctl.sock"}"\n\n[draft]\nmode = "off"\n\n'
-        '[cluster]\nrole = "coordinator"\njoin_timeout_s = 120\n')
-    (tmp_path / "node.toml").write_text(f'[model]\nstore = "{store}"\n\n[cluster]\nrole = "expert"\njoin_timeout_s = 120\n')
+        '[cluster]\nrole = "coordinator"\njoin_timeout_s = 120\n'
+    )
+    (tmp_path / "node.toml").write_text(
+        f'[model]\nstore = "{store}"\n\n[cluster]\nrole = "expert"\njoin_timeout_s = 120\n'
+    )
     port = free_port()
     procs = [torchrun(r, port, "node", "--config", "node.toml", cwd=tmp_path) for r in (1, 2)]
     procs.append(torchrun(0, port, "serve", "--config", "coordinator.toml", cwd=tmp_path))
     try:
         deadline = time.monotonic() + 240
         while not healthy(f"http://127.0.0.1:{http}/health"):
-            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
-                (tmp_path / "torchrun0.log").read_text()[-4000:]
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, (
+                tmp_path / "torchrun0.log"
+            ).read_text()[-4000:]
             time.sleep(0.5)
         got = completions(f"http://127.0.0.1:{http}")
 
         os.killpg(procs[1].pid, signal.SIGKILL)  # node 2's machine loses its torchrun and node
         procs[1].wait(timeout=30)
         # Restarted without torchrun (its static rendezvous formed the group once), with the variables torchrun gave it.
-        restarted = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "2", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
-                     "MASTER_PORT": str(port)}
+        restarted = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "RANK": "2",
+            "WORLD_SIZE": "3",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
         with open(tmp_path / "node2-restarted.log", "w") as log:
-            procs[1] = subprocess.Popen([deltafind, "node", "--config", "node.toml"], cwd=tmp_path, env=restarted,
-                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            procs[1] = subprocess.Popen(
+                [deltafind, "node", "--config", "node.toml"],
+                cwd=tmp_path,
+                env=restarted,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + 240
         while node2(tmp_path)["joins"] < 2:
-            assert procs[1].poll() is None and time.monotonic() < deadline, (tmp_path / "node2-restarted.log").read_text()
+            assert procs[1].poll() is None and time.monotonic() < deadline, (
+                tmp_path / "node2-restarted.log"
+            ).read_text()
             time.sleep(0.5)
         again = completions(f"http://127.0.0.1:{http}")
-        assert node2(tmp_path)["alive"] and node2(tmp_path)["layers"] > 0  # its experts computed on it again
+        assert (
+            node2(tmp_path)["alive"] and node2(tmp_path)["layers"] > 0
+        )  # its experts computed on it again
 
-        procs[2].send_signal(signal.SIGTERM)  # the coordinator's torchrun stops its daemon, which stops the nodes
-        assert [p.wait(timeout=90) for p in procs[:2]] == [0, 0], (tmp_path / "torchrun1.log").read_text()[-4000:]
+        procs[2].send_signal(
+            signal.SIGTERM
+        )  # the coordinator's torchrun stops its daemon, which stops the nodes
+        assert [p.wait(timeout=90) for p in procs[:2]] == [0, 0], (
+            tmp_path / "torchrun1.log"
+        ).read_text()[-4000:]
     finally:
         for p in procs:  # torchrun and its worker, if a failure left them running
             with contextlib.suppress(ProcessLookupError):
@@ -110,4 +168,6 @@ def test_torchrun_example_serves_the_tokens_of_one_machine(tmp_path: Path) -> No
             p.wait(timeout=30)
     assert got == want and again == want
     log = (tmp_path / "torchrun0.log").read_text()
-    assert '"world_size": 3' in log and '"cluster_ready"' in log  # the group torchrun described, not a single process
+    assert (
+        '"world_size": 3' in log and '"cluster_ready"' in log
+    )  # the group torchrun described, not a single process

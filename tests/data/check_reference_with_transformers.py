@@ -31,7 +31,11 @@ THRESHOLDS = (0.0, 0.25, 0.5, 1.0, 1.5, 2.0)
 
 def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of convert_hf_to_gguf.py's permute() for rope-interleaved Q/K rows."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def load_transformers_model(path: Path):
@@ -67,10 +71,15 @@ def load_transformers_model(path: Path):
         "output.weight": "lm_head.weight",
     }
     per_layer = {
-        "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-        "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
     }
     state = {}
     for t in r.tensors:
@@ -82,7 +91,9 @@ def load_transformers_model(path: Path):
                 w = unpermute(w, n_head)
             elif kind == "attn_k":
                 w = unpermute(w, n_kv)
-            state[f"model.layers.{m.group(1)}.{per_layer[kind]}.weight"] = torch.from_numpy(w.copy())
+            state[f"model.layers.{m.group(1)}.{per_layer[kind]}.weight"] = torch.from_numpy(
+                w.copy()
+            )
         else:
             state[fixed[t.name]] = torch.from_numpy(w.copy())
     model = LlamaForCausalLM(cfg).float().eval()
@@ -103,7 +114,9 @@ def main() -> None:
 
     ref = json.loads(args.ref.read_text(encoding="utf-8"))
     path = demo_gguf_path()
-    assert sha256(path) == ref["gguf_sha256"], "GGUF differs from the one the reference was made with"
+    assert sha256(path) == ref["gguf_sha256"], (
+        "GGUF differs from the one the reference was made with"
+    )
     model = load_transformers_model(path)
 
     pos = ref["positions"]
@@ -117,11 +130,16 @@ def main() -> None:
     lc_margin = np.array([p["margin"] for p in pos])
     agree = np.array([a == b for a, b in zip(hf_top1, lc_top1, strict=True)])
     # llama.cpp's top-1 logit vs transformers' logit for the same token (absolute scale).
-    d_logit = np.array([abs(float(logits[i, p["top1"]]) - p["top5_logits"][0]) for i, p in enumerate(pos)])
+    d_logit = np.array(
+        [abs(float(logits[i, p["top1"]]) - p["top5_logits"][0]) for i, p in enumerate(pos)]
+    )
     # The same pair's margin under transformers: how far an engine's margin can drift.
-    d_margin = np.array([
-        abs(float(logits[i, p["top5"][0]] - logits[i, p["top5"][1]]) - p["margin"]) for i, p in enumerate(pos)
-    ])
+    d_margin = np.array(
+        [
+            abs(float(logits[i, p["top5"][0]] - logits[i, p["top5"][1]]) - p["margin"])
+            for i, p in enumerate(pos)
+        ]
+    )
     in_top5 = np.mean([h in p["top5"] for h, p in zip(hf_top1, pos, strict=True)])
 
     by_margin = {}
@@ -133,8 +151,13 @@ def main() -> None:
             "rate": round(float(agree[sel].mean()), 4) if sel.any() else None,
         }
     disagreements = [
-        {"pos": int(i), "lc_top1": lc_top1[i], "hf_top1": hf_top1[i],
-         "lc_margin": pos[i]["margin"], "hf_margin": round(hf_margin[i], 4)}
+        {
+            "pos": int(i),
+            "lc_top1": lc_top1[i],
+            "hf_top1": hf_top1[i],
+            "lc_margin": pos[i]["margin"],
+            "hf_margin": round(hf_margin[i], 4),
+        }
         for i in np.flatnonzero(~agree)
     ]
 
@@ -143,25 +166,35 @@ def main() -> None:
     for _ in range(len(ref["continuation_ids"])):
         with torch.no_grad():
             seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    hf_cont = seq[len(ref["prompt_ids"]):]
+    hf_cont = seq[len(ref["prompt_ids"]) :]
 
-    print(json.dumps({
-        "positions": len(pos),
-        "top1_agree": int(agree.sum()),
-        "top1_agree_rate": round(float(agree.mean()), 4),
-        "hf_top1_in_lc_top5_rate": round(float(in_top5), 4),
-        "by_lc_margin": by_margin,
-        "max_lc_margin_among_disagreements": max((d["lc_margin"] for d in disagreements), default=None),
-        "top1_logit_abs_diff": {"median": round(float(np.median(d_logit)), 4), "max": round(float(d_logit.max()), 4)},
-        "pair_margin_abs_diff": {
-            "median": round(float(np.median(d_margin)), 4),
-            "p95": round(float(np.quantile(d_margin, 0.95)), 4),
-            "max": round(float(d_margin.max()), 4),
-        },
-        "disagreements": disagreements,
-        "continuation_equal": hf_cont == ref["continuation_ids"],
-        "hf_continuation_ids": hf_cont,
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "positions": len(pos),
+                "top1_agree": int(agree.sum()),
+                "top1_agree_rate": round(float(agree.mean()), 4),
+                "hf_top1_in_lc_top5_rate": round(float(in_top5), 4),
+                "by_lc_margin": by_margin,
+                "max_lc_margin_among_disagreements": max(
+                    (d["lc_margin"] for d in disagreements), default=None
+                ),
+                "top1_logit_abs_diff": {
+                    "median": round(float(np.median(d_logit)), 4),
+                    "max": round(float(d_logit.max()), 4),
+                },
+                "pair_margin_abs_diff": {
+                    "median": round(float(np.median(d_margin)), 4),
+                    "p95": round(float(np.quantile(d_margin, 0.95)), 4),
+                    "max": round(float(d_margin.max()), 4),
+                },
+                "disagreements": disagreements,
+                "continuation_equal": hf_cont == ref["continuation_ids"],
+                "hf_continuation_ids": hf_cont,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

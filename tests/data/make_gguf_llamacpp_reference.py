@@ -43,8 +43,17 @@ def llamacpp_logits(path: Path, n: int = N_TOKENS) -> np.ndarray:
     # An fp32 KV cache (GGML_TYPE_F32 = 0): llama.cpp's default f16 cache rounds MLA's latent and these random
     # models' large keys enough to move deepseek2's logits by ~5 % of their spread, an effect of the cache
     # and not of the weights this oracle checks.
-    llm = Llama(model_path=str(path), n_ctx=128, n_batch=128, n_threads=2, logits_all=True, seed=0, verbose=False,
-                type_k=0, type_v=0)
+    llm = Llama(
+        model_path=str(path),
+        n_ctx=128,
+        n_batch=128,
+        n_threads=2,
+        logits_all=True,
+        seed=0,
+        verbose=False,
+        type_k=0,
+        type_v=0,
+    )
     llm.eval(TOKENS[:n])
     out = np.array(llm.scores[:n], dtype=np.float32)
     llm.close()
@@ -62,7 +71,9 @@ def main() -> None:
             shards = make(SEED).write(Path(tmp) / "split" / f"{arch}.gguf", shards=2)
             logits = llamacpp_logits(whole)
             split = llamacpp_logits(shards[0])
-            assert np.array_equal(logits, split), f"{arch}: llama.cpp gives other logits on the split file"
+            assert np.array_equal(logits, split), (
+                f"{arch}: llama.cpp gives other logits on the split file"
+            )
             assert np.isfinite(logits).all(), arch
             arrays[f"{arch}_logits"] = logits
             (Path(tmp) / "f32").mkdir(exist_ok=True)
@@ -71,12 +82,16 @@ def main() -> None:
             arrays[f"{arch}_f32_sha256"] = np.array(hashlib.sha256(twin.read_bytes()).hexdigest())
             arrays[f"{arch}_sha256"] = np.array(hashlib.sha256(whole.read_bytes()).hexdigest())
             top2 = np.sort(logits, axis=-1)[:, -2:]
-            print(f"{arch}: logits std {logits.std():.3f}, median top-2 margin {np.median(top2[:, 1] - top2[:, 0]):.3f}")
+            print(
+                f"{arch}: logits std {logits.std():.3f}, median top-2 margin {np.median(top2[:, 1] - top2[:, 0]):.3f}"
+            )
         for kind in HEAD_KINDS:  # each block type llama.cpp and deltafind must read alike
             path = head_only(kind, SEED).write(Path(tmp) / f"head_{kind}.gguf")[0]
             arrays[f"head_{kind}_logits"] = llamacpp_logits(path, N_HEAD_TOKENS)
             arrays[f"head_{kind}_sha256"] = np.array(hashlib.sha256(path.read_bytes()).hexdigest())
-    arrays["made_with"] = np.array(f"llama-cpp-python {llama_cpp.__version__}, {platform.machine()}, numpy {np.__version__}")
+    arrays["made_with"] = np.array(
+        f"llama-cpp-python {llama_cpp.__version__}, {platform.machine()}, numpy {np.__version__}"
+    )
     np.savez_compressed(OUT, **arrays)
     print(f"wrote {OUT} ({OUT.stat().st_size} bytes)")
 

@@ -21,10 +21,21 @@ from typing import Any
 Reply = tuple[int, dict[str, str], bytes]
 
 SECRET_HEADERS = {"authorization", "x-api-key", "cookie", "proxy-authorization"}
-HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host", "content-length"}
+HOP_HEADERS = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "host",
+    "content-length",
+}
 
 
-NPM_DIR = Path.home() / ".cache" / "deltafind-tests" / "npm"  # the pinned agent CLIs, installed once and reused
+NPM_DIR = (
+    Path.home() / ".cache" / "deltafind-tests" / "npm"
+)  # the pinned agent CLIs, installed once and reused
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "agents"  # their recorded requests
 
 
@@ -37,8 +48,20 @@ def npm_cli(package: str, version: str, bin_name: str) -> Path | None:
         return exe
     if shutil.which("node") is None or shutil.which("npm") is None:
         return None
-    proc = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(NPM_DIR), f"{package}@{version}"],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            "npm",
+            "install",
+            "--no-audit",
+            "--no-fund",
+            "--prefix",
+            str(NPM_DIR),
+            f"{package}@{version}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return exe if proc.returncode == 0 and exe.exists() else None
 
 
@@ -48,11 +71,15 @@ class LoggingProxy:
     `script(record)` may answer a request itself (a `Reply`) instead of forwarding it: a recorded session's
     tool calls and errors, which a model with random weights would never write (tests/e2e/agent_session.py)."""
 
-    def __init__(self, upstream_port: int, script: Callable[[dict[str, Any]], Reply | None] | None = None) -> None:
+    def __init__(
+        self, upstream_port: int, script: Callable[[dict[str, Any]], Reply | None] | None = None
+    ) -> None:
         self.upstream_port = upstream_port
         self.script = script
         self.records: list[dict[str, Any]] = []
-        self.answers: dict[int, bytes] = {}  # record index -> the answer's body as forwarded (not recorded in fixtures)
+        self.answers: dict[
+            int, bytes
+        ] = {}  # record index -> the answer's body as forwarded (not recorded in fixtures)
         self.lock = threading.Lock()
         proxy = self
 
@@ -69,7 +96,11 @@ class LoggingProxy:
                     body: Any = json.loads(raw) if raw else None
                 except ValueError:
                     body = raw.decode("utf-8", "replace")
-                headers = {k.lower(): v for k, v in self.headers.items() if k.lower() not in SECRET_HEADERS | HOP_HEADERS}
+                headers = {
+                    k.lower(): v
+                    for k, v in self.headers.items()
+                    if k.lower() not in SECRET_HEADERS | HOP_HEADERS
+                }
                 rec = {"method": self.command, "path": self.path, "headers": headers, "body": body}
                 with proxy.lock:
                     index = len(proxy.records)

@@ -26,8 +26,14 @@ CLAUDE_VERSION = "2.1.197"
 SHORT = 96  # CLAUDE_CODE_MAX_OUTPUT_TOKENS in tests: a small model may otherwise write until the context is full
 # Its stream watchdog counts content, not pings: a prefill longer than 300 s (its default) would be abandoned and resent.
 PATIENT = {"CLAUDE_STREAM_IDLE_TIMEOUT_MS": "1800000", "API_TIMEOUT_MS": "1800000"}
-QUIET = {"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1",
-         "DISABLE_AUTOUPDATER": "1", "DISABLE_BUG_COMMAND": "1", "NO_COLOR": "1"}
+QUIET = {
+    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    "DISABLE_TELEMETRY": "1",
+    "DISABLE_ERROR_REPORTING": "1",
+    "DISABLE_AUTOUPDATER": "1",
+    "DISABLE_BUG_COMMAND": "1",
+    "NO_COLOR": "1",
+}
 
 
 def claude_bin() -> Path | None:
@@ -44,9 +50,18 @@ class ClaudeRun:
     answers: dict[int, bytes]  # the daemon's answer to records[i], where forwarded
 
 
-def run_claude(exe: Path, daemon_port: int, model: str, prompt: str, *args: str, timeout: float = 600,
-               key_env: str = "ANTHROPIC_API_KEY", max_output_tokens: int | None = None, files: dict[str, str] | None = None,
-               script: Callable[[Path], Callable[[dict], Reply | None]] | None = None) -> ClaudeRun:
+def run_claude(
+    exe: Path,
+    daemon_port: int,
+    model: str,
+    prompt: str,
+    *args: str,
+    timeout: float = 600,
+    key_env: str = "ANTHROPIC_API_KEY",
+    max_output_tokens: int | None = None,
+    files: dict[str, str] | None = None,
+    script: Callable[[Path], Callable[[dict], Reply | None]] | None = None,
+) -> ClaudeRun:
     """One `claude -p PROMPT ARGS...` with a fresh config folder; `key_env` picks x-api-key or Authorization: Bearer,
     `max_output_tokens` the max_tokens it asks for (else its own 32000, cut here to what the context leaves);
     `files` go into its working folder, and `script(folder)` answers what the proxy should (agent_proxy.LoggingProxy)."""
@@ -57,15 +72,34 @@ def run_claude(exe: Path, daemon_port: int, model: str, prompt: str, *args: str,
         (work / name).write_text(text)
     proxy = LoggingProxy(daemon_port, script(work) if script else None).start()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE_"))}
-    env.update(QUIET, **PATIENT, HOME=str(home), CLAUDE_CONFIG_DIR=str(home / "config"), ANTHROPIC_BASE_URL=f"http://127.0.0.1:{proxy.port}",
-               ANTHROPIC_MODEL=model, ANTHROPIC_SMALL_FAST_MODEL=model, ANTHROPIC_DEFAULT_HAIKU_MODEL=model,
-               ANTHROPIC_DEFAULT_SONNET_MODEL=model, ANTHROPIC_DEFAULT_OPUS_MODEL=model, **{key_env: "unused"})
+    env.update(
+        QUIET,
+        **PATIENT,
+        HOME=str(home),
+        CLAUDE_CONFIG_DIR=str(home / "config"),
+        ANTHROPIC_BASE_URL=f"http://127.0.0.1:{proxy.port}",
+        ANTHROPIC_MODEL=model,
+        ANTHROPIC_SMALL_FAST_MODEL=model,
+        ANTHROPIC_DEFAULT_HAIKU_MODEL=model,
+        ANTHROPIC_DEFAULT_SONNET_MODEL=model,
+        ANTHROPIC_DEFAULT_OPUS_MODEL=model,
+        **{key_env: "unused"},
+    )
     if max_output_tokens is not None:
         env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(max_output_tokens)
     try:
-        proc = subprocess.run([str(exe), "-p", prompt, *args], capture_output=True, text=True, timeout=timeout, env=env,
-                              cwd=work, stdin=subprocess.DEVNULL)
-        return ClaudeRun(proc.returncode, proc.stdout, proc.stderr, list(proxy.records), dict(proxy.answers))
+        proc = subprocess.run(
+            [str(exe), "-p", prompt, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=work,
+            stdin=subprocess.DEVNULL,
+        )
+        return ClaudeRun(
+            proc.returncode, proc.stdout, proc.stderr, list(proxy.records), dict(proxy.answers)
+        )
     finally:
         proxy.stop()
         shutil.rmtree(home, ignore_errors=True)
@@ -74,7 +108,11 @@ def run_claude(exe: Path, daemon_port: int, model: str, prompt: str, *args: str,
 def redact(record: dict) -> dict:
     """A record without what identifies this machine (metadata.user_id's device id)."""
     body = record.get("body")
-    if isinstance(body, dict) and isinstance(body.get("metadata"), dict) and "user_id" in body["metadata"]:
+    if (
+        isinstance(body, dict)
+        and isinstance(body.get("metadata"), dict)
+        and "user_id" in body["metadata"]
+    ):
         body = {**body, "metadata": {**body["metadata"], "user_id": '{"device_id":"<redacted>"}'}}
     return {**record, "body": body}
 
@@ -94,8 +132,18 @@ def main() -> None:
     print(run.stderr[-3000:])
     FIXTURES.mkdir(parents=True, exist_ok=True)
     out = FIXTURES / f"claude-{name}.json"
-    out.write_text(json.dumps({"cli": f"@anthropic-ai/claude-code@{CLAUDE_VERSION}", "args": ["-p", "say hi", *args],
-                               "requests": [redact(r) for r in run.records]}, indent=1, ensure_ascii=False) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "cli": f"@anthropic-ai/claude-code@{CLAUDE_VERSION}",
+                "args": ["-p", "say hi", *args],
+                "requests": [redact(r) for r in run.records],
+            },
+            indent=1,
+            ensure_ascii=False,
+        )
+        + "\n"
+    )
     print("wrote", out, [(r["method"], r["path"], r.get("status")) for r in run.records])
     print(d.log_text()[-3000:])
 

@@ -68,8 +68,16 @@ class CodexRun:
     records: list[dict]  # the requests it sent, as the proxy saw them
 
 
-def run_codex(exe: Path, daemon_port: int, model: str, prompt: str, timeout: float = 600, retries: int = 0,
-              files: dict[str, str] | None = None, script: Callable[[Path], Callable[[dict], Reply | None]] | None = None) -> CodexRun:
+def run_codex(
+    exe: Path,
+    daemon_port: int,
+    model: str,
+    prompt: str,
+    timeout: float = 600,
+    retries: int = 0,
+    files: dict[str, str] | None = None,
+    script: Callable[[Path], Callable[[dict], Reply | None]] | None = None,
+) -> CodexRun:
     """One `codex exec PROMPT`; `retries` is its request_max_retries, `files` go into its working folder and
     `script(folder)` answers what the proxy should (agent_proxy.LoggingProxy)."""
     home = Path(tempfile.mkdtemp(prefix="codex-home-"))
@@ -80,15 +88,38 @@ def run_codex(exe: Path, daemon_port: int, model: str, prompt: str, timeout: flo
     proxy = LoggingProxy(daemon_port, script(work) if script else None).start()
     # Codex's own instructions are ~4k tokens; a short file keeps the prompt inside the demo's 8k context.
     (home / "instructions.md").write_text(INSTRUCTIONS)
-    (home / "config.toml").write_text(CONFIG.format(model=model, base_url=f"http://127.0.0.1:{proxy.port}/v1",
-                                                    instructions=home / "instructions.md", retries=retries))
+    (home / "config.toml").write_text(
+        CONFIG.format(
+            model=model,
+            base_url=f"http://127.0.0.1:{proxy.port}/v1",
+            instructions=home / "instructions.md",
+            retries=retries,
+        )
+    )
     last = home / "last.txt"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "CODEX_"))}
     env.update(CODEX_HOME=str(home), DELTAFIND_API_KEY="unused", NO_COLOR="1", RUST_LOG="error")
     try:
-        proc = subprocess.run([str(exe), "exec", "--skip-git-repo-check", "--ephemeral", "--color", "never", "-C", str(work),
-                               "-o", str(last), prompt], capture_output=True, text=True, timeout=timeout, env=env,
-                              stdin=subprocess.DEVNULL)
+        proc = subprocess.run(
+            [
+                str(exe),
+                "exec",
+                "--skip-git-repo-check",
+                "--ephemeral",
+                "--color",
+                "never",
+                "-C",
+                str(work),
+                "-o",
+                str(last),
+                prompt,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
         answer = last.read_text() if last.exists() else ""
         return CodexRun(proc.returncode, proc.stdout, proc.stderr, answer, list(proxy.records))
     finally:
@@ -111,8 +142,14 @@ def main() -> None:
     print(run.stderr[-3000:])
     FIXTURES.mkdir(parents=True, exist_ok=True)
     out = FIXTURES / f"codex-{name}.json"
-    out.write_text(json.dumps({"cli": f"@openai/codex@{CODEX_VERSION}", "requests": run.records}, indent=1,
-                              ensure_ascii=False) + "\n")
+    out.write_text(
+        json.dumps(
+            {"cli": f"@openai/codex@{CODEX_VERSION}", "requests": run.records},
+            indent=1,
+            ensure_ascii=False,
+        )
+        + "\n"
+    )
     print("wrote", out, [(r["method"], r["path"], r.get("status")) for r in run.records])
     print(d.log_text()[-3000:])
 

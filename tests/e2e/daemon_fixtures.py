@@ -45,9 +45,19 @@ class Daemon:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 120) -> Daemon:
-        cmd = [str(BIN / "deltafind"), "serve", "--config", str(self.config), "--port", str(self.port),
-               "--control-socket", str(self.socket)]
-        self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=self.env)
+        cmd = [
+            str(BIN / "deltafind"),
+            "serve",
+            "--config",
+            str(self.config),
+            "--port",
+            str(self.port),
+            "--control-socket",
+            str(self.socket),
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=self.env
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -64,9 +74,17 @@ class Daemon:
     def get(self, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
         return self.request("GET", path, None, headers)
 
-    def request(self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None,
-                timeout: float = 60) -> tuple[int, bytes]:
-        req = urllib.request.Request(self.url + path, data=body, method=method, headers=headers or {})
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 60,
+    ) -> tuple[int, bytes]:
+        req = urllib.request.Request(
+            self.url + path, data=body, method=method, headers=headers or {}
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, r.read()
@@ -74,12 +92,19 @@ class Daemon:
             return e.code, e.read()
 
     def post_json(self, path: str, obj: object, **kw) -> tuple[int, dict]:
-        status, raw = self.request("POST", path, json.dumps(obj).encode(), {"Content-Type": "application/json"}, **kw)
+        status, raw = self.request(
+            "POST", path, json.dumps(obj).encode(), {"Content-Type": "application/json"}, **kw
+        )
         return status, json.loads(raw)
 
     def ctl(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(BIN / "deltafinctl"), "--socket", str(self.socket), *args], capture_output=True,
-                              text=True, timeout=60, env=self.env)
+        return subprocess.run(
+            [str(BIN / "deltafinctl"), "--socket", str(self.socket), *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=self.env,
+        )
 
     def log_text(self, full: bool = False) -> str:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
@@ -112,6 +137,8 @@ def tiny_store_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.conftest import deltafind_cmd
 
     store = tmp_path_factory.mktemp("tiny") / "store"
-    proc = deltafind_cmd("setup", "--synthetic", "llama", "--shape", "tiny", "--store", str(store), "--quiet")
+    proc = deltafind_cmd(
+        "setup", "--synthetic", "llama", "--shape", "tiny", "--store", str(store), "--quiet"
+    )
     assert proc.returncode == 0, proc.stderr
     return store

@@ -30,7 +30,9 @@ def _together(daemon: Daemon, bodies: list[dict]) -> list[tuple[int, dict]]:
     out: list[tuple[int, dict]] = [(0, {})] * len(bodies)
 
     def one(i: int) -> None:
-        out[i] = daemon.post_json("/v1/completions", {"model": "test-model", **bodies[i]}, timeout=120)
+        out[i] = daemon.post_json(
+            "/v1/completions", {"model": "test-model", **bodies[i]}, timeout=120
+        )
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
     for t in threads:
@@ -40,13 +42,24 @@ def _together(daemon: Daemon, bodies: list[dict]) -> list[tuple[int, dict]]:
     return out
 
 
-@pytest.mark.parametrize("poison", [{"top_p": 1e-300, "temperature": 1.0}, {"temperature": 1e-320},
-                                    {"temperature": 5e-324, "top_p": 5e-324}], ids=["top_p", "temperature", "both"])
-def test_three_greedy_streams_plus_a_subnormal_sampling_request_keep_their_texts(daemon: Daemon, poison: dict) -> None:
+@pytest.mark.parametrize(
+    "poison",
+    [
+        {"top_p": 1e-300, "temperature": 1.0},
+        {"temperature": 1e-320},
+        {"temperature": 5e-324, "top_p": 5e-324},
+    ],
+    ids=["top_p", "temperature", "both"],
+)
+def test_three_greedy_streams_plus_a_subnormal_sampling_request_keep_their_texts(
+    daemon: Daemon, poison: dict
+) -> None:
     greedy = [{"prompt": p, "max_tokens": 24, "temperature": 0} for p in PROMPTS]
     alone = _together(daemon, greedy)
     assert all(status == 200 for status, _ in alone), alone
-    got = _together(daemon, [greedy[0], {"prompt": "Hello", "max_tokens": 24, "seed": 1, **poison}, *greedy[1:]])
+    got = _together(
+        daemon, [greedy[0], {"prompt": "Hello", "max_tokens": 24, "seed": 1, **poison}, *greedy[1:]]
+    )
     assert [status for status, _ in got] == [200] * 4, got
     texts = [body["choices"][0]["text"] for _, body in got]
     assert texts[:1] + texts[2:] == [body["choices"][0]["text"] for _, body in alone]

@@ -34,11 +34,16 @@ def keyed(tiny_store: Path) -> Iterator[Daemon]:
 
 def test_api_keys_are_required_and_health_stays_open(keyed: Daemon) -> None:
     base = keyed.url + "/v1"
-    with openai.OpenAI(base_url=base, api_key="wrong", max_retries=0) as bad, pytest.raises(openai.AuthenticationError) as e:
+    with (
+        openai.OpenAI(base_url=base, api_key="wrong", max_retries=0) as bad,
+        pytest.raises(openai.AuthenticationError) as e,
+    ):
         bad.models.list()
     assert e.value.body["code"] == "invalid_api_key"
     with openai.OpenAI(base_url=base, api_key="sekrit-2", max_retries=0) as ok:
-        r = ok.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])
+        r = ok.chat.completions.create(
+            model="test-model", messages=[{"role": "user", "content": "hi"}]
+        )
     assert r.usage.completion_tokens <= 4
     assert keyed.get("/health")[0] == 200
     assert keyed.get("/metrics")[0] == 401
@@ -50,12 +55,20 @@ def test_the_anthropic_x_api_key_header_is_a_key_too(keyed: Daemon) -> None:
     import anthropic
 
     with anthropic.Anthropic(base_url=keyed.url, api_key="sekrit-1", max_retries=0) as ok:
-        r = ok.messages.create(model="test-model", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        r = ok.messages.create(
+            model="test-model", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+        )
     assert r.usage.output_tokens <= 2
-    with anthropic.Anthropic(base_url=keyed.url, api_key="wrong", max_retries=0) as bad, \
-            pytest.raises(anthropic.AuthenticationError) as e:
-        bad.messages.create(model="test-model", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
-    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
+    with (
+        anthropic.Anthropic(base_url=keyed.url, api_key="wrong", max_retries=0) as bad,
+        pytest.raises(anthropic.AuthenticationError) as e,
+    ):
+        bad.messages.create(
+            model="test-model", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert (
+        e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
+    )
 
 
 def test_body_limit_and_unknown_routes_are_openai_shaped(keyed: Daemon) -> None:
@@ -69,23 +82,42 @@ def test_body_limit_and_unknown_routes_are_openai_shaped(keyed: Daemon) -> None:
 
 def test_sighup_reloads_in_the_worker(keyed: Daemon) -> None:
     assert keyed.proc is not None
-    keyed.config.write_text(keyed.config.read_text().replace("max_tokens_default = 4", "max_tokens_default = 2"))
+    keyed.config.write_text(
+        keyed.config.read_text().replace("max_tokens_default = 4", "max_tokens_default = 2")
+    )
     keyed.proc.send_signal(signal.SIGHUP)
     deadline = time.monotonic() + 15
     while '"reloaded"' not in keyed.log_text(full=True) and time.monotonic() < deadline:
         time.sleep(0.2)
     with openai.OpenAI(base_url=keyed.url + "/v1", api_key="sekrit-1", max_retries=0) as ok:
-        assert ok.completions.create(model="test-model", prompt="ab", temperature=0).usage.completion_tokens <= 2
-    assert keyed.log_text(full=True).count("Booting worker") == 1  # the same worker: no second model in memory
+        assert (
+            ok.completions.create(
+                model="test-model", prompt="ab", temperature=0
+            ).usage.completion_tokens
+            <= 2
+        )
+    assert (
+        keyed.log_text(full=True).count("Booting worker") == 1
+    )  # the same worker: no second model in memory
 
 
 def test_startup_failures_exit_with_distinct_codes(tmp_path: Path) -> None:
-    proc = subprocess.run([str(BIN / "deltafind"), "serve", "--store", str(tmp_path / "none")], capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 3 and "not a deltafind store" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run(
+        [str(BIN / "deltafind"), "serve", "--store", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        proc.returncode == 3
+        and "not a deltafind store" in proc.stderr
+        and "Traceback" not in proc.stderr
+    )
     bad = tmp_path / "bad.toml"
     bad.write_text("[server]\nport = -1\n")
-    proc = subprocess.run([str(BIN / "deltafind"), "--config", str(bad)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [str(BIN / "deltafind"), "--config", str(bad)], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2 and "server.port" in proc.stderr
 
 
@@ -116,13 +148,22 @@ def test_ready_after_warmup_watchdog_and_sigterm_mid_stream_exits_0(demo_store: 
         d.start()
         healthy_at = time.monotonic()
         messages = [m for _, m in got]
-        assert not any("Gunicorn" in m for m in messages), messages  # gunicorn's early READY never reached us
+        assert not any("Gunicorn" in m for m in messages), (
+            messages
+        )  # gunicorn's early READY never reached us
         ready = [t for t, m in got if "READY=1" in m]
-        assert ready and ready[0] <= healthy_at and any("STATUS=loading model" in m for m in messages)
+        assert (
+            ready and ready[0] <= healthy_at and any("STATUS=loading model" in m for m in messages)
+        )
         assert any("STATUS=warming up" in m for m in messages)
         client = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=60)
-        stream = client.completions.create(model="test-model", prompt="Once upon a time", max_tokens=1000, temperature=0,
-                                           stream=True)
+        stream = client.completions.create(
+            model="test-model",
+            prompt="Once upon a time",
+            max_tokens=1000,
+            temperature=0,
+            stream=True,
+        )
         chunks = []
         for chunk in stream:
             chunks.append(chunk)

@@ -54,9 +54,20 @@ def test_models_health_and_request_ids(daemon: Daemon, client: openai.OpenAI) ->
 def test_completion_greedy_streamed_equals_unstreamed_with_usage(client: openai.OpenAI) -> None:
     full = client.completions.create(model="test-model", prompt=PROMPT, max_tokens=6, temperature=0)
     assert full.choices[0].text.startswith(" Paris") and full.choices[0].finish_reason == "length"
-    assert full.usage.completion_tokens == 6 and full.usage.total_tokens == full.usage.prompt_tokens + 6
-    chunks = list(client.completions.create(model="test-model", prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    assert (
+        full.usage.completion_tokens == 6
+        and full.usage.total_tokens == full.usage.prompt_tokens + 6
+    )
+    chunks = list(
+        client.completions.create(
+            model="test-model",
+            prompt=PROMPT,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -64,10 +75,14 @@ def test_completion_greedy_streamed_equals_unstreamed_with_usage(client: openai.
 
 def test_chat_streamed_and_not(client: openai.OpenAI) -> None:
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
-    r = client.chat.completions.create(model="test-model", messages=msgs, max_tokens=12, temperature=0)
+    r = client.chat.completions.create(
+        model="test-model", messages=msgs, max_tokens=12, temperature=0
+    )
     text = r.choices[0].message.content
     assert "Paris" in text and r.choices[0].message.role == "assistant"
-    stream = client.chat.completions.create(model="test-model", messages=msgs, max_tokens=12, temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model="test-model", messages=msgs, max_tokens=12, temperature=0, stream=True
+    )
     deltas = list(stream)
     assert deltas[0].choices[0].delta.role == "assistant"
     assert "".join(d.choices[0].delta.content or "" for d in deltas) == text
@@ -75,15 +90,23 @@ def test_chat_streamed_and_not(client: openai.OpenAI) -> None:
 
 
 def test_stop_strings_end_the_text_before_the_stop(client: openai.OpenAI) -> None:
-    r = client.completions.create(model="test-model", prompt=PROMPT, max_tokens=12, temperature=0, stop=[".", "\n"])
+    r = client.completions.create(
+        model="test-model", prompt=PROMPT, max_tokens=12, temperature=0, stop=[".", "\n"]
+    )
     assert r.choices[0].text == " Paris" and r.choices[0].finish_reason == "stop"
-    chunks = list(client.completions.create(model="test-model", prompt=PROMPT, max_tokens=12, temperature=0, stop="is:", stream=True))
+    chunks = list(
+        client.completions.create(
+            model="test-model", prompt=PROMPT, max_tokens=12, temperature=0, stop="is:", stream=True
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks)
     assert "is:" not in text and chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
 def test_seed_reproduces_and_n_gives_distinct_choices(client: openai.OpenAI) -> None:
-    kw = dict(model="test-model", prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=1234)
+    kw = dict(
+        model="test-model", prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=1234
+    )
     a, b = client.completions.create(**kw), client.completions.create(**kw)
     assert a.choices[0].text == b.choices[0].text
     many = client.completions.create(**{**kw, "n": 3})
@@ -96,21 +119,38 @@ def test_top_k_is_honoured_on_chat_and_completions(client: openai.OpenAI) -> Non
     # top_k as llama.cpp's and vLLM's servers take it: top_k=1 samples the most likely token, greedy at any temperature.
     kw = dict(model="test-model", max_tokens=8, seed=7)
     greedy = client.completions.create(prompt="Once upon a time", temperature=0, **kw)
-    k1 = client.completions.create(prompt="Once upon a time", temperature=1.5, extra_body={"top_k": 1}, **kw)
+    k1 = client.completions.create(
+        prompt="Once upon a time", temperature=1.5, extra_body={"top_k": 1}, **kw
+    )
     assert k1.choices[0].text == greedy.choices[0].text
     msgs = [{"role": "user", "content": "Tell me a story."}]
     greedy_chat = client.chat.completions.create(messages=msgs, temperature=0, **kw)
-    k1_chat = client.chat.completions.create(messages=msgs, temperature=1.5, extra_body={"top_k": 1}, **kw)
+    k1_chat = client.chat.completions.create(
+        messages=msgs, temperature=1.5, extra_body={"top_k": 1}, **kw
+    )
     assert k1_chat.choices[0].message.content == greedy_chat.choices[0].message.content
 
 
 def test_logprobs_chat_and_completions(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                       temperature=0, logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(
+        model="test-model",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
-    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 and t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in content)
-    c = client.completions.create(model="test-model", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2)
+    assert all(
+        len(t.top_logprobs) == 2
+        and t.logprob <= 0
+        and t.top_logprobs[0].logprob >= t.logprob - 1e-6
+        for t in content
+    )
+    c = client.completions.create(
+        model="test-model", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2
+    )
     lp = c.choices[0].logprobs
     assert lp.tokens[0] == " Paris" and len(lp.token_logprobs) == 3 and len(lp.top_logprobs[0]) == 2
 
@@ -122,26 +162,49 @@ def test_unsupported_and_invalid_requests_are_400_naming_the_field(client: opena
         (dict(extra_body={"frobnicate": 1}), "frobnicate"),
         (dict(temperature=5), "temperature"),
         (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
-        (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
-         "messages[0].content[0].type"),
+        (
+            dict(
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                    }
+                ]
+            ),
+            "messages[0].content[0].type",
+        ),
         (dict(max_tokens=10**9), "messages"),
     ]
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(**{"model": "test-model", "messages": msgs, "max_tokens": 2, **extra})
+            client.chat.completions.create(
+                **{"model": "test-model", "messages": msgs, "max_tokens": 2, **extra}
+            )
         assert e.value.body["param"] == param, (extra, e.value.body)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="other", messages=msgs)
 
 
 def _stream_text(client: openai.OpenAI, prompt: str) -> str:
-    chunks = client.completions.create(model="test-model", prompt=prompt, max_tokens=8, temperature=0, stream=True)
+    chunks = client.completions.create(
+        model="test-model", prompt=prompt, max_tokens=8, temperature=0, stream=True
+    )
     return "".join(c.choices[0].text for c in chunks)
 
 
-def test_eight_concurrent_streams_match_one_at_a_time(daemon: Daemon, client: openai.OpenAI) -> None:
-    prompts = ["The capital of France is", "Once upon a time", "def fib(n):", "My favourite colour is", "1, 2, 3, 4,",
-               "The quick brown fox", "Water boils at", "In 1492, Columbus"]
+def test_eight_concurrent_streams_match_one_at_a_time(
+    daemon: Daemon, client: openai.OpenAI
+) -> None:
+    prompts = [
+        "The capital of France is",
+        "Once upon a time",
+        "def fib(n):",
+        "My favourite colour is",
+        "1, 2, 3, 4,",
+        "The quick brown fox",
+        "Water boils at",
+        "In 1492, Columbus",
+    ]
     alone = [_stream_text(client, p) for p in prompts]
     together: list[str | None] = [None] * len(prompts)
 
@@ -165,8 +228,9 @@ def _running(daemon: Daemon) -> int:
 
 
 def test_a_client_closing_mid_stream_frees_its_slot(daemon: Daemon, client: openai.OpenAI) -> None:
-    stream = client.completions.create(model="test-model", prompt="Once upon a time", max_tokens=2000, temperature=0,
-                                       stream=True)
+    stream = client.completions.create(
+        model="test-model", prompt="Once upon a time", max_tokens=2000, temperature=0, stream=True
+    )
     it = iter(stream)
     next(it), next(it)
     assert _running(daemon) == 1
@@ -175,18 +239,34 @@ def test_a_client_closing_mid_stream_frees_its_slot(daemon: Daemon, client: open
     while _running(daemon) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _running(daemon) == 0
-    assert 'deltafind_sequences_finished_total{reason="cancelled"}' in daemon.get("/metrics")[1].decode()
+    assert (
+        'deltafind_sequences_finished_total{reason="cancelled"}'
+        in daemon.get("/metrics")[1].decode()
+    )
 
 
 def test_deltafinctl_status_json_and_summary(daemon: Daemon) -> None:
     proc = daemon.ctl("--json", "status")
     s = json.loads(proc.stdout)
-    assert s["model"] == "test-model" and s["ready"] and not s["draining"] and s["config_path"] == str(daemon.config)
+    assert (
+        s["model"] == "test-model"
+        and s["ready"]
+        and not s["draining"]
+        and s["config_path"] == str(daemon.config)
+    )
     store = s["snapshot"]["store"]
-    assert len(store["drives"]) == 2 and all(d["healthy"] for d in store["drives"]) and store["cache_requested"] > 0
+    assert (
+        len(store["drives"]) == 2
+        and all(d["healthy"] for d in store["drives"])
+        and store["cache_requested"] > 0
+    )
     # The demo is dense and fits the 1 GiB budget: every layer's MLP held whole, nothing for the
     # prefetch gate to predict (its per-layer rows: tests/unit/test_streaming.py)
-    assert store["dense_held_layers"] == 30 and store["dense_held_bytes"] > 0 and store["experts_read"] == 30
+    assert (
+        store["dense_held_layers"] == 30
+        and store["dense_held_bytes"] > 0
+        and store["experts_read"] == 30
+    )
     assert store["prefetch_gate"]["layers"] == [] and len(store["prefetch_gate"]["drives"]) == 2
     text = daemon.ctl("status").stdout
     assert "test-model (ready)" in text and "drive 1" in text and "dense layers held 30" in text
@@ -197,16 +277,29 @@ def test_deltafinctl_status_json_and_summary(daemon: Daemon) -> None:
 def test_deltafinctl_reload_valid_and_invalid(daemon: Daemon, client: openai.OpenAI) -> None:
     original = daemon.config.read_text()
     try:
-        daemon.config.write_text(original.replace("max_tokens_default = 16", "max_tokens_default = 3") + "[device]\nthreads = 1\n")
+        daemon.config.write_text(
+            original.replace("max_tokens_default = 16", "max_tokens_default = 3")
+            + "[device]\nthreads = 1\n"
+        )
         proc = daemon.ctl("--json", "reload")
         r = json.loads(proc.stdout)
         assert proc.returncode == 0 and r["ok"] and "server.max_tokens_default" in r["applied"]
         assert r["restart_needed"] == ["device.threads"]
-        assert client.completions.create(model="test-model", prompt=PROMPT, temperature=0).usage.completion_tokens == 3
+        assert (
+            client.completions.create(
+                model="test-model", prompt=PROMPT, temperature=0
+            ).usage.completion_tokens
+            == 3
+        )
         daemon.config.write_text(original.replace("max_queue = 16", 'max_queue = "lots"'))
         proc = daemon.ctl("reload")
         assert proc.returncode == 1 and "server.max_queue" in proc.stderr and "lots" in proc.stderr
-        assert client.completions.create(model="test-model", prompt=PROMPT, temperature=0).usage.completion_tokens == 3
+        assert (
+            client.completions.create(
+                model="test-model", prompt=PROMPT, temperature=0
+            ).usage.completion_tokens
+            == 3
+        )
     finally:
         daemon.config.write_text(original)
         assert daemon.ctl("reload").returncode == 0

@@ -24,13 +24,18 @@ def examples(port: int) -> dict[str, tuple[str, str]]:
     section = text[text.index("### Agents and chat UIs") :]
     section = section[: section.index("\n## ")]
     found = re.findall(r"\*\*([\w-]+)\*\*[^\n]*\n\n```(python|sh)\n(.*?)```", section, re.S)
-    return {name: (lang, code.replace("localhost:8000", f"127.0.0.1:{port}")) for name, lang, code in found}
+    return {
+        name: (lang, code.replace("localhost:8000", f"127.0.0.1:{port}"))
+        for name, lang, code in found
+    }
 
 
 @pytest.fixture(scope="module")
 def served(demo_store: Path):
     d = Daemon(demo_store)
-    d.config.write_text(f'[model]\nstore = "{demo_store}"\n')  # as the README runs it: no name, the folder's
+    d.config.write_text(
+        f'[model]\nstore = "{demo_store}"\n'
+    )  # as the README runs it: no name, the folder's
     d.start()
     yield d
     d.stop()
@@ -44,7 +49,11 @@ def test_every_client_has_an_example() -> None:
 @pytest.mark.parametrize("client", CLIENTS)
 def test_readme_example_runs_as_written(served: Daemon, client: str) -> None:
     lang, code = examples(served.port)[client]
-    cmd = [sys.executable, "-c", code] if lang == "python" else ["bash", "-euo", "pipefail", "-c", code]
+    cmd = (
+        [sys.executable, "-c", code]
+        if lang == "python"
+        else ["bash", "-euo", "pipefail", "-c", code]
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{client} example failed:\n{proc.stdout}\n{proc.stderr}"
     out = proc.stdout
@@ -54,7 +63,9 @@ def test_readme_example_runs_as_written(served: Daemon, client: str) -> None:
         assert "'name': 'Forecast'" in out and "city=" in out, out
     elif client == "anthropic":
         assert out.startswith("tool_use [{"), out
-    elif client == "curl":  # a streamed forced call, then a JSON answer that parses (the schema closes it)
+    elif (
+        client == "curl"
+    ):  # a streamed forced call, then a JSON answer that parses (the schema closes it)
         assert '"tool_calls"' in out and '"finish_reason":"tool_calls"' in out.replace(" ", ""), out
         answer = json.loads(out.strip().splitlines()[-1])["choices"][0]["message"]["content"]
         assert set(json.loads(answer)) == {"name"}, answer

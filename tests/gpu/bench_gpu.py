@@ -51,21 +51,31 @@ def h2d_peak_gb_s(device: torch.device, nbytes: int = 256 << 20, reps: int = 10)
     return nbytes / statistics.median(times) / 1e9
 
 
-def decode(store: Path, device: str, cache: int | None, tokens: int, compile_kernels: bool = False) -> dict[str, Any]:
+def decode(
+    store: Path, device: str, cache: int | None, tokens: int, compile_kernels: bool = False
+) -> dict[str, Any]:
     from deltafind import Model
     from deltafind.device.select import synchronize
     from deltafind.device.staging import CudaStager
     from deltafind.engine.sampler import SamplingParams
     from deltafind.models.ops.mxfp4 import use_compile
 
-    model = Model.open(store, device=device, expert_cache_bytes=cache, prefetch=True, compile_kernels=compile_kernels)
+    model = Model.open(
+        store,
+        device=device,
+        expert_cache_bytes=cache,
+        prefetch=True,
+        compile_kernels=compile_kernels,
+    )
     try:
         stager = model.experts.stager
         if isinstance(stager, CudaStager):
             stager.timing = True
         ids = model.tokenizer.encode(PROMPT)
         params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
-        list(model.stream(ids, params))  # warm-up: kernels, allocator, and (cached runs) the expert cache
+        list(
+            model.stream(ids, params)
+        )  # warm-up: kernels, allocator, and (cached runs) the expert cache
         synchronize(torch.device(device))
         stager.drain()
         c0, b0, s0 = stager.stats.copies, stager.stats.bytes, stager.stats.copy_s
@@ -102,10 +112,16 @@ def copy_hiding(store: Path, device: torch.device, k: int = 32, reps: int = 3) -
     from deltafind.store.reader import PackReader, record_tensors
 
     manifest = Manifest.load(store)
-    reader = PackReader(manifest, store, buffer_pool=read_buffer_pool(device))  # pinned buffers on CUDA
+    reader = PackReader(
+        manifest, store, buffer_pool=read_buffer_pool(device)
+    )  # pinned buffers on CUDA
     stager = make_stager(device)
-    recs = [r for r in manifest.experts if any(t.name.endswith("weight_packed") for t in r.tensors)][:k]
-    views = [record_tensors(r, reader.read(r)) for r in recs]  # in pinned memory, kept for the whole bench
+    recs = [
+        r for r in manifest.experts if any(t.name.endswith("weight_packed") for t in r.tensors)
+    ][:k]
+    views = [
+        record_tensors(r, reader.read(r)) for r in recs
+    ]  # in pinned memory, kept for the whole bench
     nbytes = sum(r.length for r in recs)
     latent = views[0]["w1.weight_packed"].shape[1] * 2
     x = torch.randn(1, latent, device=device)
@@ -148,7 +164,11 @@ def copy_hiding(store: Path, device: torch.device, k: int = 32, reps: int = 3) -
     stager.drain()
     reader.close()
     return {
-        "experts": len(recs), "bytes": nbytes, "copy_s": round(a, 5), "compute_s": round(b, 5), "pipelined_s": round(c, 5),
+        "experts": len(recs),
+        "bytes": nbytes,
+        "copy_s": round(a, 5),
+        "compute_s": round(b, 5),
+        "pipelined_s": round(c, 5),
         "h2d_gb_s": round(nbytes / a / 1e9, 2),
         "hidden_frac": round(min(1.0, max(0.0, (a + b - c) / a)), 3),
         "hideable_frac": round(min(a, b) / a, 3),
@@ -159,8 +179,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", type=Path, required=True)
     ap.add_argument("--tokens", type=int, default=6)
-    ap.add_argument("--no-compile", action="store_true", help="skip the [device] compile run (it compiles for ~a minute)")
-    ap.add_argument("--extra", default="{}", help="JSON object merged into the output line (check.sh: setup time, test result)")
+    ap.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="skip the [device] compile run (it compiles for ~a minute)",
+    )
+    ap.add_argument(
+        "--extra",
+        default="{}",
+        help="JSON object merged into the output line (check.sh: setup time, test result)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
@@ -170,14 +198,25 @@ def main() -> int:
     configure_logging("info", "json", sys.stderr)  # stdout carries the one JSON result line only
     torch.set_num_threads(os.cpu_count() or 1)
     dev = torch.device("cuda", 0)
-    result: dict[str, Any] = {"bench": "gpu_k3", "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-                              "cpu_threads": torch.get_num_threads(), "store": str(args.store), "decode_tokens": args.tokens}
+    result: dict[str, Any] = {
+        "bench": "gpu_k3",
+        "gpu": torch.cuda.get_device_name(dev),
+        "torch": torch.__version__,
+        "cpu_threads": torch.get_num_threads(),
+        "store": str(args.store),
+        "decode_tokens": args.tokens,
+    }
     result.update(json.loads(args.extra))
     log("h2d peak")
     result["h2d_peak_gb_s"] = round(h2d_peak_gb_s(dev), 2)
     runs = {}
-    configs = (("gpu_stream", "cuda", 0, False), ("gpu_cached", "cuda", None, False), ("gpu_cached_compiled", "cuda", None, True),
-               ("cpu_stream", "cpu", 0, False), ("cpu_cached", "cpu", None, False))
+    configs = (
+        ("gpu_stream", "cuda", 0, False),
+        ("gpu_cached", "cuda", None, False),
+        ("gpu_cached_compiled", "cuda", None, True),
+        ("cpu_stream", "cpu", 0, False),
+        ("cpu_cached", "cpu", None, False),
+    )
     for name, device, cache, compiled in configs:
         if compiled and args.no_compile:
             continue
@@ -185,7 +224,9 @@ def main() -> int:
         t0 = time.perf_counter()
         try:
             runs[name] = decode(args.store, device, cache, args.tokens, compiled)
-        except Exception as e:  # [device] compile is optional: report its failure, keep the other figures
+        except (
+            Exception
+        ) as e:  # [device] compile is optional: report its failure, keep the other figures
             if not compiled:
                 raise
             log(f"  failed: {type(e).__name__}: {e}")
@@ -197,22 +238,34 @@ def main() -> int:
     from deltafind.models.ops.cpu_kernels import load_kernel
 
     gs, gc, cs, cc = runs["gpu_stream"], runs["gpu_cached"], runs["cpu_stream"], runs["cpu_cached"]
-    result.update({
-        "decode_tok_s": gs["tok_s"],  # the headline: GPU, streaming every expert from the drive
-        "decode_tok_s_cached": gc["tok_s"],
-        "cpu_decode_tok_s": cs["tok_s"], "cpu_decode_tok_s_cached": cc["tok_s"],
-        "speedup_vs_cpu": round(gs["tok_s"] / cs["tok_s"], 3) if cs["tok_s"] else None,
-        "speedup_vs_cpu_cached": round(gc["tok_s"] / cc["tok_s"], 3) if cc["tok_s"] else None,
-        "h2d_gb_s": gs["h2d_gb_s"],
-        "h2d_vs_peak": round(gs["h2d_gb_s"] / result["h2d_peak_gb_s"], 3) if gs["h2d_gb_s"] else None,
-        "copy_hidden_frac": hide["hidden_frac"], "copy_hideable_frac": hide["hideable_frac"],
-        "tokens_equal_gpu_cpu": gs["tokens"] == cs["tokens"] and gc["tokens"] == cc["tokens"],
-        "compile_speedup": round(runs["gpu_cached_compiled"]["tok_s"] / gc["tok_s"], 3) if "gpu_cached_compiled" in runs else None,
-        "compile_tokens_equal": runs["gpu_cached_compiled"]["tokens"] == gc["tokens"] if "gpu_cached_compiled" in runs else None,
-        "cpu_kernel": load_kernel() is not None,
-        "runs": {k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in runs.items()},
-        "copy_pipeline": hide,
-    })
+    result.update(
+        {
+            "decode_tok_s": gs["tok_s"],  # the headline: GPU, streaming every expert from the drive
+            "decode_tok_s_cached": gc["tok_s"],
+            "cpu_decode_tok_s": cs["tok_s"],
+            "cpu_decode_tok_s_cached": cc["tok_s"],
+            "speedup_vs_cpu": round(gs["tok_s"] / cs["tok_s"], 3) if cs["tok_s"] else None,
+            "speedup_vs_cpu_cached": round(gc["tok_s"] / cc["tok_s"], 3) if cc["tok_s"] else None,
+            "h2d_gb_s": gs["h2d_gb_s"],
+            "h2d_vs_peak": round(gs["h2d_gb_s"] / result["h2d_peak_gb_s"], 3)
+            if gs["h2d_gb_s"]
+            else None,
+            "copy_hidden_frac": hide["hidden_frac"],
+            "copy_hideable_frac": hide["hideable_frac"],
+            "tokens_equal_gpu_cpu": gs["tokens"] == cs["tokens"] and gc["tokens"] == cc["tokens"],
+            "compile_speedup": round(runs["gpu_cached_compiled"]["tok_s"] / gc["tok_s"], 3)
+            if "gpu_cached_compiled" in runs
+            else None,
+            "compile_tokens_equal": runs["gpu_cached_compiled"]["tokens"] == gc["tokens"]
+            if "gpu_cached_compiled" in runs
+            else None,
+            "cpu_kernel": load_kernel() is not None,
+            "runs": {
+                k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in runs.items()
+            },
+            "copy_pipeline": hide,
+        }
+    )
     print(json.dumps(result), flush=True)
     return 0
 

@@ -45,13 +45,21 @@ def _store(tmp_path_factory: pytest.TempPathFactory, family: str, seed: int, dri
     root = tmp_path_factory.mktemp(f"gpu-{family}")
     source = open_synthetic(family, "tiny", seed=seed)
     fam = family_module(family)
-    setup_store(source, root / "s", [root / f"d{i}" for i in range(drives)], dense_slices=2, progress=False,
-                names=fam.weight_names(fam.ModelArgs.from_config(source.config)))
+    setup_store(
+        source,
+        root / "s",
+        [root / f"d{i}" for i in range(drives)],
+        dense_slices=2,
+        progress=False,
+        names=fam.weight_names(fam.ModelArgs.from_config(source.config)),
+    )
     return root / "s"
 
 
 @pytest.fixture(scope="session", params=["kimi_k3", "qwen3_moe", "llama"])
-def tiny_store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, accel: torch.device) -> Path:
+def tiny_store(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, accel: torch.device
+) -> Path:
     return _store(tmp_path_factory, request.param, seed=3, drives=2)
 
 

@@ -17,7 +17,9 @@ def test_cache_never_eats_into_the_headroom(accel: torch.device) -> None:
     cache = DeviceExpertCache(accel, None)  # unlimited by config: only the device limits it
     free, total = memory_info(accel)  # type: ignore[misc]
     room = headroom_bytes(total)
-    hog = torch.empty(free - room - 256 * MiB, dtype=torch.uint8, device=accel)  # 256 MiB above the headroom stay free
+    hog = torch.empty(
+        free - room - 256 * MiB, dtype=torch.uint8, device=accel
+    )  # 256 MiB above the headroom stay free
     try:
         for i in range(12):
             t = torch.empty(64 * MiB, dtype=torch.uint8, device=accel)  # an "expert" just staged

@@ -30,24 +30,36 @@ def test_greedy_tokens_equal_cpu(accel: torch.device, tiny_store: Path) -> None:
     try:
         assert dev.net.model.embed_tokens.weight.device.type == accel.type
         assert got == want
-        assert (got_logits - want_logits).abs().max() <= 1e-3 * max(1.0, float(want_logits.abs().max()))
+        assert (got_logits - want_logits).abs().max() <= 1e-3 * max(
+            1.0, float(want_logits.abs().max())
+        )
     finally:
         dev.close()
 
 
-def test_device_cache_hit_miss_and_prefetch_are_bit_identical(accel: torch.device, k3_store: Path) -> None:
+def test_device_cache_hit_miss_and_prefetch_are_bit_identical(
+    accel: torch.device, k3_store: Path
+) -> None:
     runs = []
     for cache, prefetch in ((0, False), (0, True), (None, True)):
         model = Model.open(k3_store, device=str(accel), expert_cache_bytes=cache, prefetch=prefetch)
         ids = model.tokenizer.encode(PROMPT)
         toks = model.generate(ids, max_new_tokens=8)
-        again = model.generate(ids, max_new_tokens=8)  # second pass: served from the device cache when it has one
+        again = model.generate(
+            ids, max_new_tokens=8
+        )  # second pass: served from the device cache when it has one
         logits = model.forward_logits(ids).cpu()
         if cache is None:
-            assert isinstance(model.experts.cache, DeviceExpertCache) and len(model.experts.cache) > 0
-            key = next(r.key for r in model.experts.manifest.experts if r.key in model.experts.cache)
+            assert (
+                isinstance(model.experts.cache, DeviceExpertCache) and len(model.experts.cache) > 0
+            )
+            key = next(
+                r.key for r in model.experts.manifest.experts if r.key in model.experts.cache
+            )
             hit = model.experts.cache.get(key)
-            assert hit is not None and all(t.device.type == accel.type for t in hit.tensors.values())
+            assert hit is not None and all(
+                t.device.type == accel.type for t in hit.tensors.values()
+            )
             _, total = memory_info(accel)
             assert model.experts.cache.budget_bytes <= total - headroom_bytes(total)
         model.close()

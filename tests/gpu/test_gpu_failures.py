@@ -22,7 +22,9 @@ def starved(device: torch.device) -> Iterator[None]:
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_reserved(device) + 1024) / total), device)
+    torch.cuda.set_per_process_memory_fraction(
+        min(1.0, (torch.cuda.memory_reserved(device) + 1024) / total), device
+    )
     hog = []
     try:
         # large-pool sizes first (> 1 MiB), then the small pool down to its 512-byte rounding
@@ -46,7 +48,11 @@ def test_a_device_that_fails_at_start_falls_back_to_cpu(cuda: torch.device, k3_s
     with starved(cuda), capture_logs() as logs:
         model = Model.open(k3_store, device="cuda", expert_cache_bytes=0)
     try:
-        assert any(e["event"] in ("device_unavailable", "device_failed_at_start") and e["fallback"] == "cpu" for e in logs)
+        assert any(
+            e["event"] in ("device_unavailable", "device_failed_at_start")
+            and e["fallback"] == "cpu"
+            for e in logs
+        )
         assert model.net.model.embed_tokens.weight.device.type == "cpu"
         assert model.generate(model.tokenizer.encode("fallback"), max_new_tokens=6) == want
     finally:
@@ -69,4 +75,3 @@ def test_an_oom_mid_request_fails_that_request_only(cuda: torch.device, k3_store
     finally:
         sched.close()
         model.close()
-

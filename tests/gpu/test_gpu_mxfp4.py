@@ -11,8 +11,10 @@ from deltafind.models.ops import mxfp4
 
 def _pack(rows: int, cols: int, seed: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g),
-            torch.randint(lo, hi, (rows, cols // 32), dtype=torch.uint8, generator=g))
+    return (
+        torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g),
+        torch.randint(lo, hi, (rows, cols // 32), dtype=torch.uint8, generator=g),
+    )
 
 
 @pytest.mark.parametrize(("lo", "hi"), [(118, 127), (1, 255)])
@@ -31,5 +33,7 @@ def test_device_linear_within_fp32_bound_of_cpu(accel: torch.device) -> None:
     dev = mxfp4.mxfp4_linear(x.to(accel), packed.to(accel), scale.to(accel)).cpu()
     w = mxfp4.dequantize_reference(packed, scale).double()
     n, u = w.shape[1], 2.0**-24
-    bound = 2 * (n * u / (1 - n * u)) * (x.double().abs() @ w.abs().T)  # each side within gamma_n of exact
+    bound = (
+        2 * (n * u / (1 - n * u)) * (x.double().abs() @ w.abs().T)
+    )  # each side within gamma_n of exact
     assert ((dev.double() - cpu.double()).abs() <= bound).all()

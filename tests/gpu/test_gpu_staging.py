@@ -31,20 +31,33 @@ def test_stage_copies_on_its_own_stream_and_releases_after_the_copy(cuda: torch.
     assert not aliased and all(t.device == cuda for t in out.values())
     # the compute stream waits for the copy: this comparison is queued after it
     assert torch.equal(out["a"].cpu(), views["a"])
-    assert torch.equal(out["b"].cpu().view(torch.uint8), views["b"].view(torch.uint8))  # random bits: NaNs compare as bytes
+    assert torch.equal(
+        out["b"].cpu().view(torch.uint8), views["b"].view(torch.uint8)
+    )  # random bits: NaNs compare as bytes
     stager.drain()
     assert released == [1]
     assert stager.stats.copies == 1 and stager.stats.bytes == 64 << 20 and stager.stats.copy_s > 0
 
 
 def test_store_experts_on_cuda_read_into_pinned_buffers(cuda: torch.device, k3_store: Path) -> None:
-    experts = StoreExperts(Manifest.load(k3_store), k3_store, cache_bytes=0, stager=make_stager(cuda), buffer_pool=read_buffer_pool(cuda))
+    experts = StoreExperts(
+        Manifest.load(k3_store),
+        k3_store,
+        cache_bytes=0,
+        stager=make_stager(cuda),
+        buffer_pool=read_buffer_pool(cuda),
+    )
     try:
         assert isinstance(experts.stager, CudaStager)
         assert isinstance(experts.reader.buffers, PinnedBufferPool)
         layer = next(r.layer for r in experts.manifest.experts if r.layer > 0)
         got = dict(experts.fetch(layer, [0, 1, 2]))
-        ref = StoreExperts(Manifest.load(k3_store), k3_store, cache_bytes=0, stager=make_stager(torch.device("cpu")))
+        ref = StoreExperts(
+            Manifest.load(k3_store),
+            k3_store,
+            cache_bytes=0,
+            stager=make_stager(torch.device("cpu")),
+        )
         want = dict(ref.fetch(layer, [0, 1, 2]))
         ref.close()
         for e, ex in got.items():

@@ -218,7 +218,9 @@ def test_bf16_runs_in_bf16_and_is_no_worse_than_transformers_bf16(case):
     hf, _, path = case
     ours = load_ours(path, torch.bfloat16)
     seen = []
-    ours.model.norm.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))  # the last hidden state
+    ours.model.norm.register_forward_hook(
+        lambda _m, _i, out: seen.append(out.dtype)
+    )  # the last hidden state
     ids = tokens(16)
     reference = hf(ids[None]).logits[0]
     hf_bf16 = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
@@ -242,7 +244,9 @@ def test_config_keys_old_and_new_names():
     args = deepseek_v3.ModelArgs.from_config(OLD_STYLE)
     assert args.rope["rope_type"] == "yarn" and args.rope["rope_theta"] == 50000.0
     assert args.rope_interleave and args.n_routed_experts == 8
-    renamed = {k: v for k, v in OLD_STYLE.items() if k != "n_routed_experts"} | {"num_local_experts": 16}
+    renamed = {k: v for k, v in OLD_STYLE.items() if k != "n_routed_experts"} | {
+        "num_local_experts": 16
+    }
     assert deepseek_v3.ModelArgs.from_config(renamed).n_routed_experts == 16
     with pytest.raises(UnsupportedModelError, match="softmax"):
         deepseek_v3.ModelArgs.from_config(OLD_STYLE | {"scoring_func": "softmax"})
@@ -250,7 +254,9 @@ def test_config_keys_old_and_new_names():
 
 
 def test_yarn_without_factor_uses_the_length_ratio():
-    no_factor = OLD_STYLE | {"rope_scaling": {k: v for k, v in OLD_STYLE["rope_scaling"].items() if k != "factor"}}
+    no_factor = OLD_STYLE | {
+        "rope_scaling": {k: v for k, v in OLD_STYLE["rope_scaling"].items() if k != "factor"}
+    }
     ropes = [make_rope(deepseek_v3.ModelArgs.from_config(c), dim=8) for c in (OLD_STYLE, no_factor)]
     torch.testing.assert_close(ropes[0].inv_freq, ropes[1].inv_freq, rtol=0, atol=0)
     assert ropes[0].scale == ropes[1].scale == 1.0  # mscale == mscale_all_dim
@@ -258,6 +264,11 @@ def test_yarn_without_factor_uses_the_length_ratio():
 
 def test_sanitize_drops_mtp_layers():
     args = deepseek_v3.ModelArgs.from_config(OLD_STYLE)
-    names = ["lm_head.weight", "model.layers.1.mlp.gate.weight", "model.layers.2.eh_proj.weight", "model.norm.weight"]
+    names = [
+        "lm_head.weight",
+        "model.layers.1.mlp.gate.weight",
+        "model.layers.2.eh_proj.weight",
+        "model.norm.weight",
+    ]
     kept = deepseek_v3.sanitize(args, dict.fromkeys(names, torch.zeros(1)))
     assert sorted(kept) == [n for n in names if not n.startswith("model.layers.2.")]

@@ -28,12 +28,23 @@ def add_mtp_layer(folder: Path) -> int:
     path = folder / "model.safetensors"
     weights = load_file(path)
     last, g = f"model.layers.{LAYERS - 1}.", torch.Generator().manual_seed(7)
-    mtp = {f"model.layers.{LAYERS}." + k[len(last):]: v.clone() for k, v in weights.items() if k.startswith(last)}
+    mtp = {
+        f"model.layers.{LAYERS}." + k[len(last) :]: v.clone()
+        for k, v in weights.items()
+        if k.startswith(last)
+    }
     h, vocab = weights["model.norm.weight"].shape[0], weights["model.embed_tokens.weight"].shape[0]
-    for name, shape in {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
-                        "shared_head.norm.weight": (h,), "shared_head.head.weight": (vocab, h)}.items():
+    for name, shape in {
+        "enorm.weight": (h,),
+        "hnorm.weight": (h,),
+        "eh_proj.weight": (h, 2 * h),
+        "shared_head.norm.weight": (h,),
+        "shared_head.head.weight": (vocab, h),
+    }.items():
         mtp[f"model.layers.{LAYERS}.{name}"] = torch.randn(shape, generator=g)
-    assert any(".mlp.experts." in k for k in mtp)  # routed experts too: the case that broke the import
+    assert any(
+        ".mlp.experts." in k for k in mtp
+    )  # routed experts too: the case that broke the import
     save_file({**weights, **mtp}, str(path), metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
@@ -44,7 +55,16 @@ def test_mtp_checkpoint_imports_opens_and_matches_transformers(tmp_path: Path) -
     folder = make_hf_checkpoint("deepseek_v3", tmp_path / "hf", num_hidden_layers=LAYERS)
     added = add_mtp_layer(folder)
     config = json.loads((folder / "config.json").read_text())
-    proc = deltafind_cmd("setup", "--from", str(folder), "--store", str(tmp_path / "store"), "--dense-slices", "2", "--quiet")
+    proc = deltafind_cmd(
+        "setup",
+        "--from",
+        str(folder),
+        "--store",
+        str(tmp_path / "store"),
+        "--dense-slices",
+        "2",
+        "--quiet",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "setup_skipped_tensors" in proc.stderr and f"count={added}" in proc.stderr, proc.stderr
     assert {r.layer for r in Manifest.load(tmp_path / "store").experts} == set(range(LAYERS))
@@ -54,6 +74,8 @@ def test_mtp_checkpoint_imports_opens_and_matches_transformers(tmp_path: Path) -
     ours = Model.open(tmp_path / "store", prefetch=False)
     try:
         with torch.no_grad():
-            torch.testing.assert_close(ours.forward_logits(ids.tolist()), hf(ids[None]).logits[0], atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                ours.forward_logits(ids.tolist()), hf(ids[None]).logits[0], atol=1e-4, rtol=0
+            )
     finally:
         ours.close()

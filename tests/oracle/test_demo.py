@@ -16,7 +16,9 @@ import pytest
 
 from deltafind import Model
 
-REF = json.loads((Path(__file__).parents[1] / "data" / "smollm2_llamacpp_reference.json").read_text())
+REF = json.loads(
+    (Path(__file__).parents[1] / "data" / "smollm2_llamacpp_reference.json").read_text()
+)
 CLEAR_MARGIN = 0.5
 
 

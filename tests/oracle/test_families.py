@@ -17,7 +17,19 @@ from tests.conftest import make_hf_checkpoint
 CASES = {
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "llama-gqa1-3layers": ("llama", {"num_key_value_heads": 1, "num_hidden_layers": 3}),
-    "llama-rope-llama3": ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "llama-rope-llama3": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
     "qwen3_moe-norm": ("qwen3_moe", {"norm_topk_prob": True}),
@@ -25,7 +37,16 @@ CASES = {
     "deepseek_v3-dense1-groups2": ("deepseek_v3", {}),
     "olmoe-clip": ("olmoe", {"clip_qkv": 0.5}),
     "olmoe-norm-gqa": ("olmoe", {"norm_topk_prob": True}),
-    "deepseek_v3-groups4-top2-noqlora": ("deepseek_v3", {"n_group": 4, "topk_group": 2, "norm_topk_prob": False, "q_lora_rank": None, "num_hidden_layers": 3}),
+    "deepseek_v3-groups4-top2-noqlora": (
+        "deepseek_v3",
+        {
+            "n_group": 4,
+            "topk_group": 2,
+            "norm_topk_prob": False,
+            "q_lora_rank": None,
+            "num_hidden_layers": 3,
+        },
+    ),
 }
 
 
@@ -61,7 +82,9 @@ def test_greedy_tokens_match_transformers_generate(pair) -> None:
     ours, theirs = pair
     ids = _ids(6, seed=2)
     with torch.no_grad():
-        ref = theirs.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+        ref = theirs.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[
+            0, len(ids) :
+        ].tolist()
     assert ours.generate(ids, max_new_tokens=16) == ref
 
 

@@ -40,7 +40,12 @@ F32_TOLERANCE = 1e-3  # max |ours - llama.cpp| / std(llama.cpp's logits), on the
 def _logits(source: Path, store: Path) -> np.ndarray:
     config = open_source(source).config
     family = family_module(config["model_type"])
-    setup_store(source, store, progress=False, names=family.weight_names(family.ModelArgs.from_config(config)))
+    setup_store(
+        source,
+        store,
+        progress=False,
+        names=family.weight_names(family.ModelArgs.from_config(config)),
+    )
     model = Model.open(store)
     try:
         return model.forward_logits([int(t) for t in REF["tokens"]]).float().numpy()
@@ -51,7 +56,8 @@ def _logits(source: Path, store: Path) -> np.ndarray:
 def _check_file(whole: Path, key: str) -> None:
     assert hashlib.sha256(whole.read_bytes()).hexdigest() == str(REF[key]), (
         "tests/gguf_models.py no longer writes the file the reference was made from; "
-        "run tests/data/make_gguf_llamacpp_reference.py")
+        "run tests/data/make_gguf_llamacpp_reference.py"
+    )
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
@@ -61,12 +67,20 @@ def test_teacher_forced_logits_agree_with_llamacpp(arch: str, split: bool, tmp_p
     _check_file(whole, f"{arch}_sha256")
     if split:
         (tmp_path / "split").mkdir()
-        source = MAKERS[arch](SEED).write(tmp_path / "split" / f"{arch}.gguf", shards=2)[-1]  # from the last shard
+        source = MAKERS[arch](SEED).write(tmp_path / "split" / f"{arch}.gguf", shards=2)[
+            -1
+        ]  # from the last shard
     else:
         source = whole
-    ours, ref, ref_f32 = _logits(source, tmp_path / "store"), REF[f"{arch}_logits"], REF[f"{arch}_f32_logits"]
+    ours, ref, ref_f32 = (
+        _logits(source, tmp_path / "store"),
+        REF[f"{arch}_logits"],
+        REF[f"{arch}_f32_logits"],
+    )
     spread = float(ref.std())
-    shift = np.abs(ref - ref_f32).max(-1, keepdims=True)  # [T, 1] llama.cpp's own activation rounding
+    shift = np.abs(ref - ref_f32).max(
+        -1, keepdims=True
+    )  # [T, 1] llama.cpp's own activation rounding
     assert (np.abs(ours - ref) <= shift + F32_TOLERANCE * spread).all()
     top2 = np.sort(ref, axis=-1)[:, -2:]
     clear = (ref.argmax(-1) == ref_f32.argmax(-1)) & (top2[:, 1] - top2[:, 0] > 2 * shift[:, 0])
@@ -95,5 +109,7 @@ def test_each_block_type_reads_as_llamacpp_reads_it(kind: str, tmp_path: Path) -
     _check_file(path, f"head_{kind}_sha256")
     ref = REF[f"head_{kind}_logits"]
     ours = _logits(path, tmp_path / "store")[: len(ref)]
-    assert open_source(path).tensors["lm_head.weight"].quant == f"{kind}/256"  # kept as stored, not widened
+    assert (
+        open_source(path).tensors["lm_head.weight"].quant == f"{kind}/256"
+    )  # kept as stored, not widened
     assert float(np.abs(ours - ref).max()) <= HEAD_TOLERANCE * float(ref.std())

@@ -25,7 +25,11 @@ def _random_layer(seed: int, **kw) -> GatedNoPEMLA:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in layer.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "layernorm" in name else 0.3 * torch.randn(p.shape, generator=g))
+            p.copy_(
+                1.0 + 0.1 * torch.randn(p.shape, generator=g)
+                if "layernorm" in name
+                else 0.3 * torch.randn(p.shape, generator=g)
+            )
     return layer
 
 
@@ -49,10 +53,25 @@ def test_gate_off_equals_transformers_kimi_linear_mla() -> None:
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
 
     cfg = KimiLinearConfig(
-        vocab_size=100, hidden_size=H, num_attention_heads=NH, num_key_value_heads=NH, num_hidden_layers=2,
-        q_lora_rank=QL, kv_lora_rank=KVL, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V,
-        linear_attn_config={"head_dim": 8, "num_heads": 2, "kda_layers": [1], "full_attn_layers": [2]},
-        eos_token_id=None, bos_token_id=None, pad_token_id=None,
+        vocab_size=100,
+        hidden_size=H,
+        num_attention_heads=NH,
+        num_key_value_heads=NH,
+        num_hidden_layers=2,
+        q_lora_rank=QL,
+        kv_lora_rank=KVL,
+        qk_nope_head_dim=NOPE,
+        qk_rope_head_dim=ROPE,
+        v_head_dim=V,
+        linear_attn_config={
+            "head_dim": 8,
+            "num_heads": 2,
+            "kda_layers": [1],
+            "full_attn_layers": [2],
+        },
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
     )
     cfg._attn_implementation = "eager"
     ours = _random_layer(0, output_gate=False, latent_norm_eps=1e-6)
@@ -63,9 +82,14 @@ def test_gate_off_equals_transformers_kimi_linear_mla() -> None:
         ref = hf(x, attention_mask=_causal(9, 0))[0][0]
         cache = DynamicCache(config=cfg)
         ref_inc = [hf(x[:, :5], attention_mask=_causal(5, 0), cache=cache)[0][0]]
-        ref_inc += [hf(x[:, i : i + 1], attention_mask=_causal(1, i), cache=cache)[0][0] for i in range(5, 9)]
+        ref_inc += [
+            hf(x[:, i : i + 1], attention_mask=_causal(1, i), cache=cache)[0][0]
+            for i in range(5, 9)
+        ]
         torch.testing.assert_close(_run(ours, x[0], [9]), ref, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(_run(ours, x[0], [5, 1, 1, 1, 1]), torch.cat(ref_inc), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            _run(ours, x[0], [5, 1, 1, 1, 1]), torch.cat(ref_inc), atol=1e-5, rtol=1e-5
+        )
 
 
 def _plain_gated_attention(layer: GatedNoPEMLA, x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +97,9 @@ def _plain_gated_attention(layer: GatedNoPEMLA, x: torch.Tensor) -> torch.Tensor
     w = {k: v for k, v in layer.state_dict().items()}
     rms = lambda t, wt: wt * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5))  # noqa: E731
     t = x.shape[0]
-    q = (rms(x @ w["q_a_proj.weight"].T, w["q_a_layernorm.weight"]) @ w["q_b_proj.weight"].T).view(t, NH, NOPE + ROPE)
+    q = (rms(x @ w["q_a_proj.weight"].T, w["q_a_layernorm.weight"]) @ w["q_b_proj.weight"].T).view(
+        t, NH, NOPE + ROPE
+    )
     ckv = x @ w["kv_a_proj_with_mqa.weight"].T
     c, k_pe = rms(ckv[:, :KVL], w["kv_a_layernorm.weight"]), ckv[:, KVL:]
     kvb = (c @ w["kv_b_proj.weight"].T).view(t, NH, NOPE + V)

@@ -62,7 +62,9 @@ def oracle(folder: Path):
     for line in (folder / "tiktoken.model").read_text().splitlines():
         token, rank = line.split()
         ranks[base64.b64decode(token)] = int(rank)
-    return tiktoken.Encoding("k3-synthetic", pat_str="|".join(SPEC_PIECES), mergeable_ranks=ranks, special_tokens={})
+    return tiktoken.Encoding(
+        "k3-synthetic", pat_str="|".join(SPEC_PIECES), mergeable_ranks=ranks, special_tokens={}
+    )
 
 
 def test_pattern_is_the_spec_pattern() -> None:
@@ -92,13 +94,22 @@ def _reference_cuts(text: str) -> list[str]:
 
 
 def test_safety_slicing_matches_the_rule(tok: KimiTokenizer, oracle) -> None:
-    text = "x" * 10 + " " * 60_000 + "word " * 500 + "\x1c" * 26_000 + "end"  # U+001C is space to Python
+    text = (
+        "x" * 10 + " " * 60_000 + "word " * 500 + "\x1c" * 26_000 + "end"
+    )  # U+001C is space to Python
     cuts = _reference_cuts(text)
-    assert [len(c) for c in cuts] == [25_010, 25_000, 37_499, 1_004]  # two cuts in the spaces, one in " " + U+001C
+    assert [len(c) for c in cuts] == [
+        25_010,
+        25_000,
+        37_499,
+        1_004,
+    ]  # two cuts in the spaces, one in " " + U+001C
     want = [i for piece in cuts for i in oracle.encode_ordinary(piece)]
     assert tok.encode(text) == want
     long = "ab cd " * 70_000  # 420,000 characters: two slices
-    assert tok.encode(long) == [i for piece in _reference_cuts(long) for i in oracle.encode_ordinary(piece)]
+    assert tok.encode(long) == [
+        i for piece in _reference_cuts(long) for i in oracle.encode_ordinary(piece)
+    ]
 
 
 def test_specials_eos_and_no_bos(tok: KimiTokenizer, folder: Path) -> None:
@@ -108,8 +119,12 @@ def test_specials_eos_and_no_bos(tok: KimiTokenizer, folder: Path) -> None:
     assert tok.encode("hi")[:1] != [first]  # never a BOS
     assert tok.encode("<|open|>", allow_special=True) == [first + 3]
     assert first + 3 not in tok.encode("<|open|>")  # user text stays text
-    assert tok.token_to_id(f"<|reserved_token_{first + 8}|>") == first + 8  # unnamed ids get placeholders
-    assert tok.vocab_size == first + 256 and all(tok.token_to_id(s) == first + o for o, s in K3_SPECIALS.items())
+    assert (
+        tok.token_to_id(f"<|reserved_token_{first + 8}|>") == first + 8
+    )  # unnamed ids get placeholders
+    assert tok.vocab_size == first + 256 and all(
+        tok.token_to_id(s) == first + o for o, s in K3_SPECIALS.items()
+    )
 
 
 EFFORT_MAX = (
@@ -122,7 +137,8 @@ EFFORT_MAX = (
 def test_spec_example_renders_exactly(tok: KimiTokenizer) -> None:
     text = tok.render_chat([{"role": "user", "content": "Hello <|open|> & goodbye"}])
     assert text == (
-        EFFORT_MAX + '<|open|>message role="user"<|sep|>Hello <|open|> & goodbye<|close|>message<|sep|><|end_of_msg|>'
+        EFFORT_MAX
+        + '<|open|>message role="user"<|sep|>Hello <|open|> & goodbye<|close|>message<|sep|><|end_of_msg|>'
         '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
     )
     ids = tok.apply_chat_template([{"role": "user", "content": "Hello <|open|> & goodbye"}])
@@ -133,18 +149,38 @@ def test_spec_example_renders_exactly(tok: KimiTokenizer) -> None:
 
 
 def test_multi_turn_with_tools_renders_by_the_rules(tok: KimiTokenizer) -> None:
-    tools = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object", "b": 1, "a": True}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "get", "parameters": {"type": "object", "b": 1, "a": True}},
+        }
+    ]
     messages = [
         {"role": "system", "content": "  Be brief. "},
         {"role": "user", "content": "Weather?", "name": "ann"},
-        {"role": "assistant", "content": "Checking.", "reasoning_content": "Need tools.",
-         "tool_calls": [{"id": "c1", "function": {"name": "get", "arguments": '{"city": "Paris", "days": 2}'}},
-                        {"id": "c2", "function": {"name": "now", "arguments": "not json"}}]},
-        {"role": "tool", "tool_call_id": "c2", "content": "12:00"},  # out of order: normalised to c1, c2
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "reasoning_content": "Need tools.",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "function": {"name": "get", "arguments": '{"city": "Paris", "days": 2}'},
+                },
+                {"id": "c2", "function": {"name": "now", "arguments": "not json"}},
+            ],
+        },
+        {
+            "role": "tool",
+            "tool_call_id": "c2",
+            "content": "12:00",
+        },  # out of order: normalised to c1, c2
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
         {"role": "assistant", "content": 'Sunny & "warm".'},
     ]
-    text = tok.render_chat(messages, tools=tools, tool_choice="required", response_format={"type": "json_object"})
+    text = tok.render_chat(
+        messages, tools=tools, tool_choice="required", response_format={"type": "json_object"}
+    )
 
     def msg(role: str, body: str, **a: str) -> str:
         attrs = "".join(f' {k}="{v}"' for k, v in a.items())
@@ -155,7 +191,12 @@ def test_multi_turn_with_tools_renders_by_the_rules(tok: KimiTokenizer) -> None:
 
     tools_json = '[{"function":{"name":"get","parameters":{"a":true,"b":1,"type":"object"}},"type":"function"}]'
     want = (
-        sysmsg("tool-declare", "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n" + tools_json + "\n```")
+        sysmsg(
+            "tool-declare",
+            "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n"
+            + tools_json
+            + "\n```",
+        )
         + EFFORT_MAX
         + msg("system", "  Be brief. ")
         + msg("user", "Weather?", name="ann")
@@ -169,9 +210,15 @@ def test_multi_turn_with_tools_renders_by_the_rules(tok: KimiTokenizer) -> None:
         + msg("tool", "12:00", tool="now", index=2)
         + '<|open|>message role="assistant"<|sep|><|open|>think<|sep|><|close|>think<|sep|>'
         '<|open|>response<|sep|>Sunny & "warm".<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>'
-        + sysmsg("tool-choice", "The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next message.")
-        + sysmsg("response-format", "The system is invoked with `response_format=json_object`.\nYour response must be raw JSON "
-                 "data without markdown code blocks (```json) or any additional formatting.")
+        + sysmsg(
+            "tool-choice",
+            "The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next message.",
+        )
+        + sysmsg(
+            "response-format",
+            "The system is invoked with `response_format=json_object`.\nYour response must be raw JSON "
+            "data without markdown code blocks (```json) or any additional formatting.",
+        )
         + '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
     )
     assert text == want
@@ -179,7 +226,12 @@ def test_multi_turn_with_tools_renders_by_the_rules(tok: KimiTokenizer) -> None:
 
 def test_attribute_escaping_thinking_off_and_effort_values(tok: KimiTokenizer) -> None:
     text = tok.render_chat([{"role": "user", "content": "x", "name": 'a&"b'}], thinking=False)
-    assert text == '<|open|>message role="user" name="a&amp;&quot;b"<|sep|>x<|close|>message<|sep|><|end_of_msg|><|open|>message role="assistant"<|sep|><|open|>response<|sep|>'
+    assert (
+        text
+        == '<|open|>message role="user" name="a&amp;&quot;b"<|sep|>x<|close|>message<|sep|><|end_of_msg|><|open|>message role="assistant"<|sep|><|open|>response<|sep|>'
+    )
     with pytest.raises(RequestError, match="thinking_effort"):
         tok.render_chat([{"role": "user", "content": "x"}], thinking_effort="medium")
-    assert "thinking_effort=low" in tok.render_chat([{"role": "user", "content": "x"}], thinking_effort="low")
+    assert "thinking_effort=low" in tok.render_chat(
+        [{"role": "user", "content": "x"}], thinking_effort="low"
+    )

@@ -14,7 +14,9 @@ from deltafind.models.ops.attention import attend, causal_attention
 from deltafind.models.ops.batch import Batch, SequenceCache
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, rows: torch.Tensor) -> torch.Tensor:
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, rows: torch.Tensor
+) -> torch.Tensor:
     """Exact causal softmax attention in float64 for the query `rows` (indices into q's n rows)."""
     hq, n, _ = q.shape
     hkv, total, _ = k.shape
@@ -23,7 +25,9 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     out = []
     for block in rows.split(256):
         s = q[:, block].double() @ kk.transpose(1, 2) * scale  # [Hq, b, L]
-        seen = torch.arange(total)[None, :] <= (total - n + block)[:, None]  # row i sits at total - n + i
+        seen = (
+            torch.arange(total)[None, :] <= (total - n + block)[:, None]
+        )  # row i sits at total - n + i
         out.append(torch.softmax(s.masked_fill(~seen, float("-inf")), -1) @ vv)
     return torch.cat(out, 1)
 
@@ -42,11 +46,18 @@ def test_prefill_attention_equals_float64_softmax(case: str) -> None:
     hq, hkv, d, dv, cached, n = CASES[case]
     g = torch.Generator().manual_seed(len(case))
     total = cached + n
-    q, k, v = (torch.randn(h, t, w, generator=g) for h, t, w in ((hq, n, d), (hkv, total, d), (hkv, total, dv)))
+    q, k, v = (
+        torch.randn(h, t, w, generator=g)
+        for h, t, w in ((hq, n, d), (hkv, total, d), (hkv, total, dv))
+    )
     got = causal_attention(q, k, v, d**-0.5)
     assert got.shape == (hq, n, dv) and got.dtype == torch.float32
-    rows = torch.cat([torch.arange(min(n, 256)), torch.arange(max(n - 256, 0), n)]).unique()  # first and last rows
-    torch.testing.assert_close(got[:, rows].double(), _reference(q, k, v, d**-0.5, rows), atol=2e-5, rtol=0)
+    rows = torch.cat(
+        [torch.arange(min(n, 256)), torch.arange(max(n - 256, 0), n)]
+    ).unique()  # first and last rows
+    torch.testing.assert_close(
+        got[:, rows].double(), _reference(q, k, v, d**-0.5, rows), atol=2e-5, rtol=0
+    )
 
 
 def test_no_new_rows_give_an_empty_result() -> None:
@@ -86,4 +97,6 @@ def test_prefill_memory_is_linear_in_the_prompt() -> None:
 
     for splits in ([t], [4096, 4096]):
         growth = _peak_growth_bytes(lambda s=splits: run(s))
-        assert growth < 48 << 20, f"{splits}: {growth >> 20} MiB"  # k/v cache 3 MiB, outputs 1.5 MiB, kernel buffers
+        assert growth < 48 << 20, (
+            f"{splits}: {growth >> 20} MiB"
+        )  # k/v cache 3 MiB, outputs 1.5 MiB, kernel buffers

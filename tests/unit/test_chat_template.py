@@ -185,4 +185,6 @@ def test_template_bounds_cover_compiling_filters_and_memory(tmp_path: Path, temp
     with pytest.raises(StoreError, match=r"s/tokenizer_config\.json.*(characters|ran over)"):
         tok.render_chat([{"role": "user", "content": "x"}])
     assert time.monotonic() - t0 < 8
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 << 10  # KiB: the build was elsewhere
+    assert (
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 << 10
+    )  # KiB: the build was elsewhere

@@ -64,7 +64,9 @@ def all_models() -> list[type[BaseModel]]:
 
 
 def test_example_file_is_up_to_date() -> None:
-    assert EXAMPLE.read_text() == render_example_toml(), f"etc/deltafind.toml is stale: {REGENERATE}"
+    assert EXAMPLE.read_text() == render_example_toml(), (
+        f"etc/deltafind.toml is stale: {REGENERATE}"
+    )
 
 
 def test_example_file_loads_to_the_defaults() -> None:
@@ -90,7 +92,9 @@ def test_example_values_commented_out_are_valid(tmp_path: Path) -> None:
     # Uncommenting every example (None defaults, the [[drives]] table) must load
     # and set every key: the examples in the schema are real values.
     keys = "|".join(key for model in all_models()[1:] for key in model.model_fields)
-    text = re.sub(rf"^# (\[\[drives\]\]|(?:{keys}) = .*)$", r"\1", render_example_toml(), flags=re.M)
+    text = re.sub(
+        rf"^# (\[\[drives\]\]|(?:{keys}) = .*)$", r"\1", render_example_toml(), flags=re.M
+    )
     settings = load_settings(write(tmp_path, text))
     assert len(settings.drives) == 1
     assert settings.drives[0].read_mb_s == 2000.0
@@ -208,13 +212,31 @@ def test_byte_size_parses(text: object, expected: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", ["lots", "-1", -1, "1.5", "1.0001KiB", "8XB", "", "GiB", "8 GiB 2", True, None, [1], 0.5, 2**63]
+    "bad",
+    [
+        "lots",
+        "-1",
+        -1,
+        "1.5",
+        "1.0001KiB",
+        "8XB",
+        "",
+        "GiB",
+        "8 GiB 2",
+        True,
+        None,
+        [1],
+        0.5,
+        2**63,
+    ],
 )
 def test_byte_size_rejects(bad: object, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="expected a byte size like 8GiB or an integer"):
         ByteSize(bad)
     if bad is not None:  # a None override means "flag not given"
-        with pytest.raises(ConfigError, match=r"^override: cache\.expert_bytes: expected a byte size"):
+        with pytest.raises(
+            ConfigError, match=r"^override: cache\.expert_bytes: expected a byte size"
+        ):
             load_settings(overrides={"cache": {"expert_bytes": bad}})
 
 
@@ -250,7 +272,10 @@ def test_file_mode_rejects(bad: object) -> None:
 def test_bad_byte_size_message_is_exact(tmp_path: Path) -> None:
     path = tmp_path / "deltafind.toml"
     message = config_error(path, '[cache]\nexpert_bytes = "lots"\n')
-    assert message == f"{path}: cache.expert_bytes: expected a byte size like 8GiB or an integer (got 'lots')"
+    assert (
+        message
+        == f"{path}: cache.expert_bytes: expected a byte size like 8GiB or an integer (got 'lots')"
+    )
 
 
 @pytest.mark.parametrize(
@@ -258,17 +283,29 @@ def test_bad_byte_size_message_is_exact(tmp_path: Path) -> None:
     [
         # wrong type
         ('[server]\nport = "eighty"\n', ["server.port: expected an integer", "(got 'eighty')"]),
-        ('[prefetch]\nenabled = "maybe"\n', ["prefetch.enabled: expected true or false", "(got 'maybe')"]),
+        (
+            '[prefetch]\nenabled = "maybe"\n',
+            ["prefetch.enabled: expected true or false", "(got 'maybe')"],
+        ),
         ("cache = 5\n", ["cache: expected a table ([cache] in TOML)", "(got 5)"]),
         # out of range
-        ("[draft]\nmax_width = 17\n", ["draft.max_width: expected an integer from 1 to 16", "(got 17)"]),
+        (
+            "[draft]\nmax_width = 17\n",
+            ["draft.max_width: expected an integer from 1 to 16", "(got 17)"],
+        ),
         ("[server]\nport = 70000\n", ["server.port: expected an integer from 0 to 65535"]),
-        ("[cache]\nheat_decay = 0\n", ["cache.heat_decay: expected a number greater than 0 and at most 1"]),
+        (
+            "[cache]\nheat_decay = 0\n",
+            ["cache.heat_decay: expected a number greater than 0 and at most 1"],
+        ),
         (
             '[cache]\nexpert_bytes = "1GiB"\npin_bytes = "2GiB"\n',
             ["cache.pin_bytes: expected at most cache.expert_bytes (1GiB)", "(got '2GiB')"],
         ),
-        ("[control]\nmode = 600\n", ['control.mode: expected a file mode from 0 to 0o777', '"0600"', "(got 600)"]),
+        (
+            "[control]\nmode = 600\n",
+            ['control.mode: expected a file mode from 0 to 0o777', '"0600"', "(got 600)"],
+        ),
         # unknown key / section: name it and list the valid ones
         (
             '[cache]\nexpert_byte = "1GiB"\n',
@@ -280,20 +317,37 @@ def test_bad_byte_size_message_is_exact(tmp_path: Path) -> None:
         ),
         (
             "[servr]\nport = 1\n",
-            ["servr: unknown section; valid sections: model, drives, device, cache, prefetch, draft, server, control, logging"],
+            [
+                "servr: unknown section; valid sections: model, drives, device, cache, prefetch, draft, server, control, logging"
+            ],
         ),
         (
             '[[drives]]\npath = "/a"\nspeed = 3\n',
             ["drives[0].speed: unknown key; valid keys in [drives]: path, read_mb_s, queue_depth"],
         ),
         # bad enum: list what is allowed
-        ('[logging]\nformat = "xml"\n', ["logging.format: expected one of 'auto', 'json' or 'console'", "(got 'xml')"]),
+        (
+            '[logging]\nformat = "xml"\n',
+            ["logging.format: expected one of 'auto', 'json' or 'console'", "(got 'xml')"],
+        ),
         ('[draft]\nmode = "maybe"\n', ["draft.mode: expected one of 'off', 'auto' or 'on'"]),
-        ('[device]\nkind = "cuda:x"\n', ["device.kind: expected auto, cpu, cuda, cuda:N (N = GPU index) or mps", "(got 'cuda:x')"]),
+        (
+            '[device]\nkind = "cuda:x"\n',
+            [
+                "device.kind: expected auto, cpu, cuda, cuda:N (N = GPU index) or mps",
+                "(got 'cuda:x')",
+            ],
+        ),
         # lists of tables
         ("[[drives]]\nqueue_depth = 4\n", ["drives[0].path: required key is missing"]),
-        ('[[drives]]\npath = "/a"\n[[drives]]\npath = "/a"\n', ["drives: expected each drive once; '/a' is listed twice"]),
-        ('[[drives]]\npath = "/a"\nread_mb_s = -5\n', ["drives[0].read_mb_s: expected a number greater than 0", "(got -5)"]),
+        (
+            '[[drives]]\npath = "/a"\n[[drives]]\npath = "/a"\n',
+            ["drives: expected each drive once; '/a' is listed twice"],
+        ),
+        (
+            '[[drives]]\npath = "/a"\nread_mb_s = -5\n',
+            ["drives[0].read_mb_s: expected a number greater than 0", "(got -5)"],
+        ),
     ],
 )
 def test_bad_file_names_file_key_value_and_allowed(
@@ -309,11 +363,17 @@ def test_bad_file_names_file_key_value_and_allowed(
 
 def test_one_line_per_problem(tmp_path: Path) -> None:
     path = tmp_path / "deltafind.toml"
-    message = config_error(path, '[server]\nport = -1\nmax_running = 0\n[logging]\nlevel = "loud"\n')
+    message = config_error(
+        path, '[server]\nport = -1\nmax_running = 0\n[logging]\nlevel = "loud"\n'
+    )
     lines = message.splitlines()
     assert len(lines) == 3
     assert all(line.startswith(f"{path}: ") for line in lines)
-    assert [line.split(": ")[1] for line in lines] == ["server.port", "server.max_running", "logging.level"]
+    assert [line.split(": ")[1] for line in lines] == [
+        "server.port",
+        "server.max_running",
+        "logging.level",
+    ]
 
 
 def test_api_keys_are_not_echoed_in_errors(tmp_path: Path) -> None:
@@ -351,14 +411,22 @@ def test_errors_name_the_env_variable_or_override(
         load_settings(path, overrides={"draft": {"max_width": 99}})
     lines = str(info.value).splitlines()
     assert "override: draft.max_width: expected an integer from 1 to 16 (got 99)" in lines
-    assert "environment variable DELTAFIND_SERVER__PORT: server.port: expected an integer (got 'http')" in lines
-    assert any(line.startswith("environment variable DELTAFIND_CACHE__BOGUS: cache.bogus: unknown key") for line in lines)
+    assert (
+        "environment variable DELTAFIND_SERVER__PORT: server.port: expected an integer (got 'http')"
+        in lines
+    )
+    assert any(
+        line.startswith("environment variable DELTAFIND_CACHE__BOGUS: cache.bogus: unknown key")
+        for line in lines
+    )
     assert any(line.startswith(f"{path}: cache.expert_bytes: ") for line in lines)
 
 
 def test_env_json_error_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DELTAFIND_SERVER__API_KEYS", "k1,k2")
-    with pytest.raises(ConfigError, match=r"^environment variables DELTAFIND_SERVER__API_KEYS: .*JSON"):
+    with pytest.raises(
+        ConfigError, match=r"^environment variables DELTAFIND_SERVER__API_KEYS: .*JSON"
+    ):
         load_settings()
 
 
@@ -400,11 +468,15 @@ def test_live_marks_follow_the_design() -> None:
     assert {"server.host", "server.port", "server.unix_socket", "logging.format"} <= restart
 
 
-def test_each_setting_has_one_name_in_toml_python_and_cli_with_the_old_names_as_aliases(tmp_path: Path) -> None:
+def test_each_setting_has_one_name_in_toml_python_and_cli_with_the_old_names_as_aliases(
+    tmp_path: Path,
+) -> None:
     from deltafind.cli import build_parser
     from deltafind.compose import settings_with
 
-    new, old = (settings_with(None, tmp_path, {key: 123}) for key in ("expert_bytes", "expert_cache_bytes"))
+    new, old = (
+        settings_with(None, tmp_path, {key: 123}) for key in ("expert_bytes", "expert_cache_bytes")
+    )
     assert new.cache.expert_bytes == old.cache.expert_bytes == 123
     for flag in ("--expert-bytes", "--cache-bytes"):
         assert build_parser().parse_args(["run", flag, "2KiB"]).expert_bytes == 2048

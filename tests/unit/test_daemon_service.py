@@ -19,38 +19,65 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _unit_keys(text: str) -> dict[str, str]:
-    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line and not line.startswith("#"))
+    return dict(
+        line.split("=", 1) for line in text.splitlines() if "=" in line and not line.startswith("#")
+    )
 
 
 def _config(tmp_path: Path) -> Path:
     cfg = tmp_path / "deltafind.toml"
-    cfg.write_text(f'[model]\nstore = "{tmp_path / "store"}"\n[[drives]]\npath = "{tmp_path / "nvme1"}"\n')
+    cfg.write_text(
+        f'[model]\nstore = "{tmp_path / "store"}"\n[[drives]]\npath = "{tmp_path / "nvme1"}"\n'
+    )
     return cfg
 
 
 def test_unit_has_notify_reload_memlock_and_hardening(tmp_path: Path) -> None:
     keys = _unit_keys(render_unit(_config(tmp_path)))
     assert keys["Type"] == "notify" and keys["NotifyAccess"] == "all"
-    assert keys["ExecReload"].endswith(f"--config {tmp_path / 'deltafind.toml'} reload") and "deltafinctl" in keys["ExecReload"]
+    assert (
+        keys["ExecReload"].endswith(f"--config {tmp_path / 'deltafind.toml'} reload")
+        and "deltafinctl" in keys["ExecReload"]
+    )
     assert keys["ExecStart"].startswith(str(Path(sys.executable).parent / "deltafind") + " serve")
     assert keys["LimitMEMLOCK"] == "infinity" and keys["User"] == "deltafind"
-    assert keys["NoNewPrivileges"] == "yes" and keys["ProtectSystem"] == "strict" and keys["PrivateTmp"] == "yes"
-    assert str(tmp_path / "store") in keys["ReadWritePaths"] and str(tmp_path / "nvme1") in keys["ReadWritePaths"]
+    assert (
+        keys["NoNewPrivileges"] == "yes"
+        and keys["ProtectSystem"] == "strict"
+        and keys["PrivateTmp"] == "yes"
+    )
+    assert (
+        str(tmp_path / "store") in keys["ReadWritePaths"]
+        and str(tmp_path / "nvme1") in keys["ReadWritePaths"]
+    )
     assert "MemoryDenyWriteExecute" not in keys and "PrivateDevices" not in keys
     user = _unit_keys(render_unit(_config(tmp_path), user=True))
     assert "User" not in user and user["WantedBy"] == "default.target"
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed (Debian: apt-get install systemd)")
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None,
+    reason="systemd-analyze is not installed (Debian: apt-get install systemd)",
+)
 @pytest.mark.parametrize("user", [False, True])
 def test_systemd_analyze_verifies_the_installed_unit(tmp_path: Path, user: bool) -> None:
-    args = argparse.Namespace(platform="linux", config=str(_config(tmp_path)), user=user, output=str(tmp_path / "out"),
-                              print_only=False)
+    args = argparse.Namespace(
+        platform="linux",
+        config=str(_config(tmp_path)),
+        user=user,
+        output=str(tmp_path / "out"),
+        print_only=False,
+    )
     _, path = install(args)
     runtime = tmp_path / "run"  # a user manager needs a runtime directory
     runtime.mkdir(mode=0o700)
-    proc = subprocess.run(["systemd-analyze", "verify", "--man=no", *(["--user"] if user else []), str(path)],
-                          capture_output=True, text=True, timeout=60, env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)})
+    proc = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", *(["--user"] if user else []), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)},
+    )
     problems = [ln for ln in proc.stderr.splitlines() if "deltafind.service" in ln]
     assert proc.returncode == 0 and not problems, proc.stderr
 
@@ -60,7 +87,10 @@ def test_plists_parse_with_the_launchd_keys(tmp_path: Path) -> None:
     made = plistlib.loads(render_plist(_config(tmp_path), user=True))
     for plist in (checked_in, made):
         assert plist["Label"] == "dev.deltafind.daemon" and plist["RunAtLoad"] is True
-        assert plist["KeepAlive"] == {"SuccessfulExit": False} and plist["ProgramArguments"][1] == "serve"
+        assert (
+            plist["KeepAlive"] == {"SuccessfulExit": False}
+            and plist["ProgramArguments"][1] == "serve"
+        )
         assert plist["StandardErrorPath"].startswith("/") and plist["ExitTimeOut"] > 30
     assert made["ProgramArguments"][-1] == str(tmp_path / "deltafind.toml")
     assert "~" not in "".join(map(str, made.values()))
@@ -69,34 +99,80 @@ def test_plists_parse_with_the_launchd_keys(tmp_path: Path) -> None:
 def test_make_proto_reproduces_the_committed_stubs(tmp_path: Path) -> None:
     pytest.importorskip("grpc_tools", reason="grpcio-tools is in the test extra (make dev)")
     (tmp_path / "deltafind" / "control").mkdir(parents=True)
-    shutil.copy(ROOT / "deltafind" / "control" / "control.proto", tmp_path / "deltafind" / "control")
-    proc = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I", ".", "--python_out=.", "--pyi_out=.",
-                           "--grpclib_python_out=.", "deltafind/control/control.proto"], cwd=tmp_path, capture_output=True, text=True,
-                          # grpclib's protoc plugin is a script beside this interpreter; CI does not activate the venv
-                          env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"})
+    shutil.copy(
+        ROOT / "deltafind" / "control" / "control.proto", tmp_path / "deltafind" / "control"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-I",
+            ".",
+            "--python_out=.",
+            "--pyi_out=.",
+            "--grpclib_python_out=.",
+            "deltafind/control/control.proto",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        # grpclib's protoc plugin is a script beside this interpreter; CI does not activate the venv
+        env={
+            **os.environ,
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        },
+    )
     assert proc.returncode == 0, proc.stderr
     for name in ("control_pb2.py", "control_pb2.pyi", "control_grpc.py"):
         made = (tmp_path / "deltafind" / "control" / name).read_text()
-        assert made == (ROOT / "deltafind" / "control" / name).read_text(), f"{name} is stale: run `make proto`"
+        assert made == (ROOT / "deltafind" / "control" / name).read_text(), (
+            f"{name} is stale: run `make proto`"
+        )
 
 
 # README's architecture, top to bottom: a package imports only packages below its own row (and its own
 # package). The top row wires everything, so its members may import each other; so may the bottom row's.
 LAYERS = (
-    ("deltafind.cli", "deltafind.run_cli", "deltafind.daemon", "deltafind.api", "deltafind.compose", "deltafind"),
+    (
+        "deltafind.cli",
+        "deltafind.run_cli",
+        "deltafind.daemon",
+        "deltafind.api",
+        "deltafind.compose",
+        "deltafind",
+    ),
     ("deltafind.server", "deltafind.control"),
-    ("deltafind.engine", "deltafind.cluster"),  # cluster: a provider over models/store/device, wired by api
-    ("deltafind.models", "deltafind.device", "deltafind.importer"),  # importer: writes what store reads
+    (
+        "deltafind.engine",
+        "deltafind.cluster",
+    ),  # cluster: a provider over models/store/device, wired by api
+    (
+        "deltafind.models",
+        "deltafind.device",
+        "deltafind.importer",
+    ),  # importer: writes what store reads
     ("deltafind.store",),
-    ("deltafind.tokenizer", "deltafind.config", "deltafind.errors", "deltafind.log", "deltafind.provider"),
+    (
+        "deltafind.tokenizer",
+        "deltafind.config",
+        "deltafind.errors",
+        "deltafind.log",
+        "deltafind.provider",
+    ),
 )
 # of the store, models see only the block-format tags the provider contract carries (store/quant.py)
 NARROWER = {("deltafind.models", "deltafind.store"): ("deltafind.store.quant",)}
+
+
 def _modules() -> dict[str, tuple[Path, bool]]:
     mods = {}
     for path in (ROOT / "deltafind").rglob("*.py"):
         parts = path.relative_to(ROOT).with_suffix("").parts
-        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = (path, parts[-1] == "__init__")
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = (
+            path,
+            parts[-1] == "__init__",
+        )
     return mods
 
 
@@ -117,9 +193,17 @@ def import_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], *filter(None, [node.module])])
+                    base = ".".join(
+                        [
+                            *package.split(".")[: len(package.split(".")) - node.level + 1],
+                            *filter(None, [node.module]),
+                        ]
+                    )
                 if base.startswith("deltafind"):
-                    edges |= {f"{base}.{a.name}" if f"{base}.{a.name}" in mods else known(base) for a in node.names}
+                    edges |= {
+                        f"{base}.{a.name}" if f"{base}.{a.name}" in mods else known(base)
+                        for a in node.names
+                    }
         graph[name] = edges - {name}
     return graph
 
@@ -136,7 +220,11 @@ def upward_edges(graph: dict[str, set[str]]) -> list[str]:
         for dst in targets:
             (j, b) = _layer(dst)
             narrow = NARROWER.get((a, b))
-            if a != b and (j < i or (j == i and i not in (0, len(LAYERS) - 1)) or (narrow and not dst.startswith(narrow))):
+            if a != b and (
+                j < i
+                or (j == i and i not in (0, len(LAYERS) - 1))
+                or (narrow and not dst.startswith(narrow))
+            ):
                 bad.append(f"{src} imports {dst}")
     return bad
 

@@ -16,15 +16,26 @@ from tests.conftest import make_hf_checkpoint
 
 PROMPT = [11, 42, 7, 99, 3, 150, 8]
 
-pytestmark = pytest.mark.skipif(CPU.load() is None, reason="no C++ compiler: the per-layer torch path runs instead")
+pytestmark = pytest.mark.skipif(
+    CPU.load() is None, reason="no C++ compiler: the per-layer torch path runs instead"
+)
 
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root, out = tmp_path_factory.mktemp("chain"), {}
-    for family, extra in (("llama", {}), ("qwen3", {"attention_bias": True})):  # qwen3: q/k norms; a bias on q/k/v/o
-        ckpt = make_hf_checkpoint(family, root / f"hf-{family}", num_hidden_layers=4, dtype="bfloat16",
-                                  intermediate_size=128, **extra)  # the kernels take bf16 (fp32 runs torch), columns by 32
+    for family, extra in (
+        ("llama", {}),
+        ("qwen3", {"attention_bias": True}),
+    ):  # qwen3: q/k norms; a bias on q/k/v/o
+        ckpt = make_hf_checkpoint(
+            family,
+            root / f"hf-{family}",
+            num_hidden_layers=4,
+            dtype="bfloat16",
+            intermediate_size=128,
+            **extra,
+        )  # the kernels take bf16 (fp32 runs torch), columns by 32
         setup_store(ckpt, root / family, [root / f"d-{family}"], dense_slices=2, progress=False)
         out[family] = root / family
     return out
@@ -60,17 +71,25 @@ def test_the_chain_equals_the_per_layer_path_bit_for_bit(stores, calls, family) 
     m = Model.open(stores[family], expert_cache_bytes=None)
     try:
         chained = decode_logits(m)
-        assert calls == [4] * 10  # each token fed back: all 4 layers in one call (the prompt runs per layer)
+        assert (
+            calls == [4] * 10
+        )  # each token fed back: all 4 layers in one call (the prompt runs per layer)
         requested = m.experts.stats.requested
         m.net._chain.off = True
         per_layer = decode_logits(m)
-        assert len(calls) == 10 and all(torch.equal(a, b) for a, b in zip(chained, per_layer, strict=True))
-        assert m.experts.stats.requested == 2 * requested  # the chain counts each held slice's use as the layers do
+        assert len(calls) == 10 and all(
+            torch.equal(a, b) for a, b in zip(chained, per_layer, strict=True)
+        )
+        assert (
+            m.experts.stats.requested == 2 * requested
+        )  # the chain counts each held slice's use as the layers do
     finally:
         m.close()
 
 
-def test_a_kernel_that_stops_early_leaves_the_rest_to_the_per_layer_path(stores, monkeypatch) -> None:
+def test_a_kernel_that_stops_early_leaves_the_rest_to_the_per_layer_path(
+    stores, monkeypatch
+) -> None:
     """df_decode_layers returns how many layers it ran; from there the per-layer path goes on (and the
     chain stays off). Made to stop after 2 of 4 layers by handing the real kernel 2."""
     reference = Model.open(stores["llama"], expert_cache_bytes=None)
@@ -85,7 +104,9 @@ def test_a_kernel_that_stops_early_leaves_the_rest_to_the_per_layer_path(stores,
     m = Model.open(stores["llama"], expert_cache_bytes=None)
     try:
         got = decode_logits(m)
-        assert m.net._chain.off and all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        assert m.net._chain.off and all(
+            torch.equal(a, b) for a, b in zip(got, expected, strict=True)
+        )
     finally:
         m.close()
 
@@ -100,7 +121,10 @@ def test_where_a_hook_has_work_the_layers_run_one_by_one(stores, calls, tmp_path
         calls.clear()
     finally:
         m.close()
-    options = {"trace": {"trace_path": tmp_path / "t.jsonl"}, "streamed layers": {"expert_cache_bytes": 0}}.get(case, {})
+    options = {
+        "trace": {"trace_path": tmp_path / "t.jsonl"},
+        "streamed layers": {"expert_cache_bytes": 0},
+    }.get(case, {})
     m = Model.open(stores["llama"], **({"expert_cache_bytes": None} | options))
     try:
         if case == "two sequences":  # both sequences' next token in one forward
@@ -108,7 +132,9 @@ def test_where_a_hook_has_work_the_layers_run_one_by_one(stores, calls, tmp_path
             with torch.inference_mode():
                 for cache in caches:
                     forward_step(m.net, cache, PROMPT)
-                logits = m.net(torch.tensor([expected[0], expected[0]]), Batch.of([(c, 1) for c in caches]))
+                logits = m.net(
+                    torch.tensor([expected[0], expected[0]]), Batch.of([(c, 1) for c in caches])
+                )
             assert logits.argmax(-1).tolist() == [expected[1]] * 2
         else:
             assert m.generate(PROMPT, max_new_tokens=8) == expected

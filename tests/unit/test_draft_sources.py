@@ -144,7 +144,9 @@ def test_a_store_draft_with_other_token_ids_is_refused(tmp_path: Path) -> None:
 
     for name, vocab in (("t", {"a": 0, "b": 1}), ("d", {"a": 1, "b": 0})):
         (tmp_path / name / "tokenizer").mkdir(parents=True)
-        (tmp_path / name / "tokenizer" / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}, "added_tokens": []}))
+        (tmp_path / name / "tokenizer" / "tokenizer.json").write_text(
+            json.dumps({"model": {"vocab": vocab}, "added_tokens": []})
+        )
     check_same_vocab(tmp_path / "t", tmp_path / "t")
     with pytest.raises(DraftError, match="other ids"):
         check_same_vocab(tmp_path / "d", tmp_path / "t")
@@ -159,9 +161,14 @@ def test_draft_settings_on_fails_auto_goes_on_without(tmp_path: Path) -> None:
     with capture_logs() as logs:
         src, policy = source_from_settings(auto, net)
     assert src is None and logs[0]["event"] == "draft_unavailable"
-    src, policy = source_from_settings(SimpleNamespace(mode="auto", source="auto", max_width=4), net, target_store=tmp_path)
+    src, policy = source_from_settings(
+        SimpleNamespace(mode="auto", source="auto", max_width=4), net, target_store=tmp_path
+    )
     assert isinstance(src, NgramSource) and policy.mode == "auto" and policy.max_width == 4
-    assert source_from_settings(SimpleNamespace(mode="off", source="auto", max_width=7), net)[0] is None
+    assert (
+        source_from_settings(SimpleNamespace(mode="off", source="auto", max_width=7), net)[0]
+        is None
+    )
 
 
 def test_self_draft_refuses_a_depth_it_cannot_run() -> None:

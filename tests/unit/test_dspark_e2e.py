@@ -24,7 +24,12 @@ from deltafind.importer.synthetic import open_synthetic
 from deltafind.models import dspark, kimi_k3
 from deltafind.models.ops.batch import Batch, SequenceCache
 
-PROMPTS = [[5, 77, 300, 12, 480, 9, 101, 33, 250, 7, 64, 2], [400, 3], [9], [17, 17, 17, 17, 200, 201, 202, 17]]
+PROMPTS = [
+    [5, 77, 300, 12, 480, 9, 101, 33, 250, 7, 64, 2],
+    [400, 3],
+    [9],
+    [17, 17, 17, 17, 200, 201, 202, 17],
+]
 ON = PolicyOptions(mode="on")  # draft every step, so every width and cut is exercised
 
 
@@ -32,7 +37,14 @@ ON = PolicyOptions(mode="on")  # draft every step, so every width and cut is exe
 def model(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("k3e2e")
     store = root / "store"
-    setup_store(open_synthetic("kimi_k3", "tiny", seed=3), store, [root / "d0"], dense_slices=2, progress=False, names=kimi_k3.WEIGHTS)
+    setup_store(
+        open_synthetic("kimi_k3", "tiny", seed=3),
+        store,
+        [root / "d0"],
+        dense_slices=2,
+        progress=False,
+        names=kimi_k3.WEIGHTS,
+    )
     write_synthetic_dspark(store, seed=1)
     m = Model.open(store, expert_cache_bytes=None, prefetch=False)
     yield m
@@ -60,8 +72,20 @@ def _plain(m: Model, prompt: list[int], n: int) -> list[int]:
     return list(generate(m.net, prompt, SamplingParams(max_new_tokens=n), m.eos_token_ids))
 
 
-def _drafted(m: Model, prompt: list[int], n: int, source, stats: DraftStats | None = None) -> list[int]:
-    return list(generate(m.net, prompt, SamplingParams(max_new_tokens=n), m.eos_token_ids, draft=source, draft_policy=ON, draft_stats=stats))
+def _drafted(
+    m: Model, prompt: list[int], n: int, source, stats: DraftStats | None = None
+) -> list[int]:
+    return list(
+        generate(
+            m.net,
+            prompt,
+            SamplingParams(max_new_tokens=n),
+            m.eos_token_ids,
+            draft=source,
+            draft_policy=ON,
+            draft_stats=stats,
+        )
+    )
 
 
 def _oracle(m: Model, source: DSparkSource, continuation: list[int], rank: int = 64) -> None:
@@ -80,7 +104,10 @@ def _oracle(m: Model, source: DSparkSource, continuation: list[int], rank: int =
     for a, b in succ.items():
         w1[a, slots[b]] = 10.0
     model.markov_head = dspark.MarkovHead(vocab, rank).to(torch.bfloat16)
-    model.markov_head.markov_w1.weight.data, model.markov_head.markov_w2.weight.data = w1.bfloat16(), w2.bfloat16()
+    model.markov_head.markov_w1.weight.data, model.markov_head.markov_w2.weight.data = (
+        w1.bfloat16(),
+        w2.bfloat16(),
+    )
     model.confidence_head = dspark.ConfidenceHead(h, rank).to(torch.bfloat16)
     with torch.no_grad():
         model.final_norm.weight.zero_()
@@ -155,11 +182,22 @@ def test_concurrent_dspark_sequences_in_the_scheduler(model: Model) -> None:
     from deltafind.engine.scheduler import Scheduler, SchedulerLimits, collect
     from deltafind.engine.sequence import GenRequest
 
-    reqs = [(GenRequest(tuple(p), SamplingParams(max_new_tokens=6 + 7 * i)), _plain(model, p, 6 + 7 * i)) for i, p in enumerate(PROMPTS)]
+    reqs = [
+        (
+            GenRequest(tuple(p), SamplingParams(max_new_tokens=6 + 7 * i)),
+            _plain(model, p, 6 + 7 * i),
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
     source = DSparkSource.open(model.store_dir, model.net)
     _oracle(model, source, [t for (req, want) in reqs for t in (req.prompt_ids[-1], *want)])
-    sched = Scheduler(model.net, tuple(model.eos_token_ids), SchedulerLimits(max_running=4, max_step_tokens=10),
-                      draft=source, draft_policy=ON)
+    sched = Scheduler(
+        model.net,
+        tuple(model.eos_token_ids),
+        SchedulerLimits(max_running=4, max_step_tokens=10),
+        draft=source,
+        draft_policy=ON,
+    )
     try:
         got = [collect(h, timeout=120) for h in [sched.submit(req) for req, _ in reqs]]
     finally:
@@ -187,8 +225,20 @@ def test_sampling_with_dspark_keeps_going_and_a_desync_is_refused(model: Model) 
     source = DSparkSource.open(model.store_dir, model.net)
     params = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.95, seed=7)
     stats = DraftStats()
-    out = list(generate(model.net, PROMPTS[0], params, model.eos_token_ids, draft=source, draft_policy=ON, draft_stats=stats))
-    again = list(generate(model.net, PROMPTS[0], params, model.eos_token_ids, draft=source, draft_policy=ON))
+    out = list(
+        generate(
+            model.net,
+            PROMPTS[0],
+            params,
+            model.eos_token_ids,
+            draft=source,
+            draft_policy=ON,
+            draft_stats=stats,
+        )
+    )
+    again = list(
+        generate(model.net, PROMPTS[0], params, model.eos_token_ids, draft=source, draft_policy=ON)
+    )
     assert len(out) == 12 and out == again and stats.failures == 0 and stats.proposed > 0
     session = source.session(PROMPTS[0])
     with pytest.raises(DraftError, match="holds 0 rows but the target committed 12"):

@@ -29,13 +29,20 @@ from tests.conftest import make_hf_checkpoint
 from tests.unit.test_speculative import ALPHA, chi2_pvalue
 
 ON = PolicyOptions(mode="on", max_width=4)
-PROMPTS = [[11, 42, 7, 99, 3, 150, 8], [5, 6, 5, 6, 5, 6], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [77, 78]]
+PROMPTS = [
+    [11, 42, 7, 99, 3, 150, 8],
+    [5, 6, 5, 6, 5, 6],
+    [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+    [77, 78],
+]
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
     root = tmp_path_factory.mktemp("core")
-    ckpt = make_hf_checkpoint("qwen3_moe", root / "hf", seed=3, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
+    ckpt = make_hf_checkpoint(
+        "qwen3_moe", root / "hf", seed=3, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2
+    )
     setup_store(ckpt, root / "store", [root / "d0"], dense_slices=2, progress=False)
     m = Model.open(root / "store", prefetch=False)
     yield m
@@ -70,7 +77,9 @@ class Automaton:
         return len(self.history) >= self.length
 
 
-def reference(model: Model, prompt: list[int], n: int, constraint: Automaton | None = None) -> list[int]:
+def reference(
+    model: Model, prompt: list[int], n: int, constraint: Automaton | None = None
+) -> list[int]:
     """The oracle: greedy over full recomputes, masked by `constraint`, stopping when it is done."""
     out: list[int] = []
     while len(out) < n and not (constraint is not None and constraint.done):
@@ -86,11 +95,19 @@ def test_the_core_steps_without_threads(model: Model) -> None:
     for i, p in enumerate(PROMPTS[:3]):
         core.add(GenRequest(tuple(p), SamplingParams(max_new_tokens=4)), i)
     plan = core.schedule()
-    assert [it.seq.seq_id for it in plan.items] == [0, 1] and [it.num_tokens for it in plan.items] == [7, 1]  # chunked
+    assert [it.seq.seq_id for it in plan.items] == [0, 1] and [
+        it.num_tokens for it in plan.items
+    ] == [7, 1]  # chunked
     out = core.execute(plan)
-    assert out.logits.shape[0] == 2  # one row per item: prompt 0's last token, and prompt 1's first chunk
+    assert (
+        out.logits.shape[0] == 2
+    )  # one row per item: prompt 0's last token, and prompt 1's first chunk
     events = core.update(plan, out)
-    assert [(i, type(e)) for i, e in events] == [(0, TokenEvent)] and len(core.running) == 2 and len(core.waiting) == 1
+    assert (
+        [(i, type(e)) for i, e in events] == [(0, TokenEvent)]
+        and len(core.running) == 2
+        and len(core.waiting) == 1
+    )
     got: dict[int, list[int]] = {0: [events[0][1].token_id]}
     while core.has_work:
         for i, e in core.step():
@@ -122,21 +139,40 @@ class Poison:
 
 
 @pytest.mark.parametrize("draft", [None, "ngram"])
-@pytest.mark.parametrize("poison", ["constraint", "forbids_everything", "constraint_factory", "subnormal_sampling"])
-def test_three_greedy_streams_plus_one_poisoned_request_give_the_same_three_outputs(model: Model, poison: str, draft) -> None:
+@pytest.mark.parametrize(
+    "poison", ["constraint", "forbids_everything", "constraint_factory", "subnormal_sampling"]
+)
+def test_three_greedy_streams_plus_one_poisoned_request_give_the_same_three_outputs(
+    model: Model, poison: str, draft
+) -> None:
     vocab = model.net.lm_head.weight.shape[0]
-    nothing = type("Nothing", (Automaton,), {"allowed": lambda self: torch.zeros(self.vocab, dtype=torch.bool)})
+    nothing = type(
+        "Nothing", (Automaton,), {"allowed": lambda self: torch.zeros(self.vocab, dtype=torch.bool)}
+    )
     bad = {
-        "constraint": GenRequest((9, 8, 7), SamplingParams(max_new_tokens=12), constraint=lambda: Poison(vocab)),
-        "forbids_everything": GenRequest((9, 8, 7), SamplingParams(max_new_tokens=12), constraint=lambda: nothing(vocab)),
-        "constraint_factory": GenRequest((9, 8, 7), SamplingParams(max_new_tokens=12), constraint=lambda: 1 / 0),
-        "subnormal_sampling": GenRequest((9, 8, 7), SamplingParams(max_new_tokens=12, temperature=1e-320, top_p=1e-300, seed=1)),
+        "constraint": GenRequest(
+            (9, 8, 7), SamplingParams(max_new_tokens=12), constraint=lambda: Poison(vocab)
+        ),
+        "forbids_everything": GenRequest(
+            (9, 8, 7), SamplingParams(max_new_tokens=12), constraint=lambda: nothing(vocab)
+        ),
+        "constraint_factory": GenRequest(
+            (9, 8, 7), SamplingParams(max_new_tokens=12), constraint=lambda: 1 / 0
+        ),
+        "subnormal_sampling": GenRequest(
+            (9, 8, 7), SamplingParams(max_new_tokens=12, temperature=1e-320, top_p=1e-300, seed=1)
+        ),
     }[poison]
     good = [GenRequest(tuple(p), SamplingParams(max_new_tokens=12)) for p in PROMPTS[:3]]
 
     def run(reqs: list[GenRequest]) -> list[tuple[list[int], FinishEvent]]:
-        sched = Scheduler(model.net, (), SchedulerLimits(max_running=4, max_step_tokens=6),
-                          draft=NgramSource() if draft else None, draft_policy=ON)
+        sched = Scheduler(
+            model.net,
+            (),
+            SchedulerLimits(max_running=4, max_step_tokens=6),
+            draft=NgramSource() if draft else None,
+            draft_policy=ON,
+        )
         try:
             handles = [sched.submit(r) for r in reqs]
             return [collect(h, timeout=120) for h in handles]
@@ -145,7 +181,11 @@ def test_three_greedy_streams_plus_one_poisoned_request_give_the_same_three_outp
 
     alone = run(good)
     poisoned = run([good[0], bad, good[1], good[2]])
-    assert [t for t, _ in alone] == [t for t, _ in poisoned[:1] + poisoned[2:]] == [reference(model, p, 12) for p in PROMPTS[:3]]
+    assert (
+        [t for t, _ in alone]
+        == [t for t, _ in poisoned[:1] + poisoned[2:]]
+        == [reference(model, p, 12) for p in PROMPTS[:3]]
+    )
     assert all(f.reason == "length" for _, f in poisoned[:1] + poisoned[2:])
     tokens, fin = poisoned[1]
     if poison == "subnormal_sampling":  # valid input: sampled, near-greedy, no error
@@ -155,22 +195,44 @@ def test_three_greedy_streams_plus_one_poisoned_request_give_the_same_three_outp
 
 
 @pytest.mark.parametrize("draft", [None, "ngram", "self1"])
-def test_greedy_constrained_output_equals_constrained_decoding_without_drafts(model: Model, draft) -> None:
+def test_greedy_constrained_output_equals_constrained_decoding_without_drafts(
+    model: Model, draft
+) -> None:
     vocab = model.net.lm_head.weight.shape[0]
     source = {None: None, "ngram": NgramSource(), "self1": SelfDraftSource(model.net, 1)}[draft]
     stats = DraftStats()
     for prompt in [[2, 5, 2, 5, 2, 5, 2], *PROMPTS]:
         want = reference(model, prompt, 20, Automaton(vocab))
-        req = GenRequest(tuple(prompt), SamplingParams(max_new_tokens=20), constraint=lambda: Automaton(vocab))
-        got = list(generate(model.net, prompt, req.params, (), draft=source, draft_policy=ON, draft_stats=stats, request=req))
-        assert got == want and len(got) == 9, (draft, prompt)  # ends with "stop" when the automaton is done
+        req = GenRequest(
+            tuple(prompt), SamplingParams(max_new_tokens=20), constraint=lambda: Automaton(vocab)
+        )
+        got = list(
+            generate(
+                model.net,
+                prompt,
+                req.params,
+                (),
+                draft=source,
+                draft_policy=ON,
+                draft_stats=stats,
+                request=req,
+            )
+        )
+        assert got == want and len(got) == 9, (
+            draft,
+            prompt,
+        )  # ends with "stop" when the automaton is done
         check = Automaton(vocab)
         assert all(check.advance(t) for t in got)
     if source is not None:
-        assert stats.proposed > stats.accepted > 0  # drafts were accepted, and rejected (by the target or the mask)
+        assert (
+            stats.proposed > stats.accepted > 0
+        )  # drafts were accepted, and rejected (by the target or the mask)
 
 
-def _exact_joint(model: Model, prompt: list[int], params: SamplingParams, vocab: int, depth: int) -> dict[tuple[int, ...], float]:
+def _exact_joint(
+    model: Model, prompt: list[int], params: SamplingParams, vocab: int, depth: int
+) -> dict[tuple[int, ...], float]:
     out: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(depth):
         nxt = {}
@@ -223,14 +285,34 @@ def test_sampled_constrained_output_follows_the_masked_distribution(model: Model
     keys = list(exact)
     counts = torch.zeros(len(keys) + 1, dtype=torch.long)
     stats = DraftStats()
-    source = {None: None, "self1": SelfDraftSource(model.net, 1), "oracle": Oracle(model, len(prompt))}[draft]
+    source = {
+        None: None,
+        "self1": SelfDraftSource(model.net, 1),
+        "oracle": Oracle(model, len(prompt)),
+    }[draft]
     for seed in range(600):
-        req = GenRequest(tuple(prompt), SamplingParams(max_new_tokens=3, temperature=1.0, top_k=3, seed=seed),
-                         constraint=lambda: Automaton(vocab))
-        got = tuple(generate(model.net, prompt, req.params, (), draft=source, draft_policy=ON, draft_stats=stats, request=req))
+        req = GenRequest(
+            tuple(prompt),
+            SamplingParams(max_new_tokens=3, temperature=1.0, top_k=3, seed=seed),
+            constraint=lambda: Automaton(vocab),
+        )
+        got = tuple(
+            generate(
+                model.net,
+                prompt,
+                req.params,
+                (),
+                draft=source,
+                draft_policy=ON,
+                draft_stats=stats,
+                request=req,
+            )
+        )
         counts[keys.index(got) if got in exact else len(keys)] += 1
     assert chi2_pvalue(counts, torch.tensor([*exact.values(), 0.0])) > ALPHA
-    if draft == "self1":  # its unconstrained drafts are mostly forbidden by the mask, hence rejected
+    if (
+        draft == "self1"
+    ):  # its unconstrained drafts are mostly forbidden by the mask, hence rejected
         assert stats.proposed > stats.accepted
     if draft == "oracle":
         assert stats.proposed > stats.accepted > 0

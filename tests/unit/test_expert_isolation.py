@@ -48,17 +48,29 @@ def _routes(m: Model, prompt: list[int]) -> set[tuple[int, int]]:
 
 
 def _setup(family: str, root: Path, name: str) -> Path:
-    if family == "kimi_k3":  # KDA layers: a step-mate's recurrent state is prefilled again, not cut back
-        setup_store(open_synthetic("kimi_k3", "tiny", seed=3), root / name, [root / f"{name}0"], dense_slices=2, progress=False,
-                    names=kimi_k3.WEIGHTS)
+    if (
+        family == "kimi_k3"
+    ):  # KDA layers: a step-mate's recurrent state is prefilled again, not cut back
+        setup_store(
+            open_synthetic("kimi_k3", "tiny", seed=3),
+            root / name,
+            [root / f"{name}0"],
+            dense_slices=2,
+            progress=False,
+            names=kimi_k3.WEIGHTS,
+        )
     else:
-        ckpt = make_hf_checkpoint(family, root / "hf", num_hidden_layers=2, num_experts=16, num_experts_per_tok=2)
+        ckpt = make_hf_checkpoint(
+            family, root / "hf", num_hidden_layers=2, num_experts=16, num_experts_per_tok=2
+        )
         setup_store(ckpt, root / name, [root / f"{name}0", root / f"{name}1"], progress=False)
     return root / name
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "kimi_k3"])
-def stores(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, tuple[int, int], list[bool]]:
+def stores(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path, tuple[int, int], list[bool]]:
     """(intact store, the same store with one corrupt record, that record's key, which prompts route it)."""
     root = tmp_path_factory.mktemp(request.param)
     m = Model.open(_setup(request.param, root, "good"), expert_cache_bytes=0, prefetch=False)
@@ -67,10 +79,17 @@ def stores(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     finally:
         m.close()
     counts = Counter(k for r in routes for k in r)
-    key = min((k for k, n in counts.items() if n < len(PROMPTS)), key=lambda k: (counts[k], k))  # some prompts only
-    bad = Model.open(_setup(request.param, root, "bad"), expert_cache_bytes=0, prefetch=False)  # the same store, to damage
+    key = min(
+        (k for k, n in counts.items() if n < len(PROMPTS)), key=lambda k: (counts[k], k)
+    )  # some prompts only
+    bad = Model.open(
+        _setup(request.param, root, "bad"), expert_cache_bytes=0, prefetch=False
+    )  # the same store, to damage
     try:
-        rec, pack = bad.experts.record(*key), bad.experts.reader.paths[bad.experts.record(*key).drive]
+        rec, pack = (
+            bad.experts.record(*key),
+            bad.experts.reader.paths[bad.experts.record(*key).drive],
+        )
     finally:
         bad.close()
     with open(pack, "r+b") as f:  # one flipped byte in the middle of the record
@@ -90,17 +109,25 @@ def test_a_corrupt_expert_fails_only_the_sequences_that_route_it(stores) -> None
         ok.close()
     m = Model.open(bad, expert_cache_bytes=0, prefetch=False)
     try:
-        for p, hit in zip(PROMPTS, routed, strict=True):  # alone, a prompt fails exactly when it routes the record
+        for p, hit in zip(
+            PROMPTS, routed, strict=True
+        ):  # alone, a prompt fails exactly when it routes the record
             if hit:
                 with pytest.raises(CorruptExpertError):
                     list(generate(m.net, p, PARAMS, m.eos_token_ids))
-        sched = Scheduler(m.net, m.eos_token_ids, SchedulerLimits(max_running=len(PROMPTS), max_queue=len(PROMPTS)))
+        sched = Scheduler(
+            m.net,
+            m.eos_token_ids,
+            SchedulerLimits(max_running=len(PROMPTS), max_queue=len(PROMPTS)),
+        )
         try:  # all twelve in the same steps: queued while the engine thread is held
             sched.call_soon(lambda: time.sleep(0.5))
             with capture_logs() as logs:
                 handles = [sched.submit(GenRequest(tuple(p), PARAMS)) for p in PROMPTS]
                 results = [collect(h, timeout=60) for h in handles]
-            assert sched.snapshot()["max_batch"] >= len(PROMPTS) - sum(routed)  # the survivors' steps, counted after the retry
+            assert sched.snapshot()["max_batch"] >= len(PROMPTS) - sum(
+                routed
+            )  # the survivors' steps, counted after the retry
         finally:
             sched.close()
     finally:
@@ -108,11 +135,21 @@ def test_a_corrupt_expert_fails_only_the_sequences_that_route_it(stores) -> None
     for (tokens, fin), hit, want in zip(results, routed, solo, strict=True):
         if hit:
             assert fin.reason == "error"
-            assert f"expert {expert} of layer {layer}" in fin.error and "checksum mismatch" in fin.error
-            assert f"{bad.parent}/bad" in fin.error and ".pack at offset" in fin.error  # the pack and where in it
+            assert (
+                f"expert {expert} of layer {layer}" in fin.error
+                and "checksum mismatch" in fin.error
+            )
+            assert (
+                f"{bad.parent}/bad" in fin.error and ".pack at offset" in fin.error
+            )  # the pack and where in it
             assert isinstance(fin.exception, CorruptExpertError)
         else:
-            assert (tokens, fin.reason) == (want, "length")  # step-mates of the failures: as alone on the intact store
+            assert (tokens, fin.reason) == (
+                want,
+                "length",
+            )  # step-mates of the failures: as alone on the intact store
     assert 0 < sum(routed) < len(PROMPTS)
-    if m.manifest.family == "kimi_k3":  # a KDA state cannot be cut back one decode row: it was prefilled again
+    if (
+        m.manifest.family == "kimi_k3"
+    ):  # a KDA state cannot be cut back one decode row: it was prefilled again
         assert any(e["event"] == "sequence_recomputed" for e in logs)

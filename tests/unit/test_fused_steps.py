@@ -26,7 +26,9 @@ from tests.conftest import make_hf_checkpoint
 needs_kernel = pytest.mark.skipif(CPU.load() is None, reason=f"no C++ compiler: {CPU.build_error}")
 
 
-def _decode_logits(model: Model, prompt: list[int], steps: int) -> tuple[list[torch.Tensor], list[int]]:
+def _decode_logits(
+    model: Model, prompt: list[int], steps: int
+) -> tuple[list[torch.Tensor], list[int]]:
     """Greedy decode through the model's forward, one token a step: each step's logits and tokens."""
     net = model.net
     cache = SequenceCache(net.num_layers)
@@ -39,8 +41,13 @@ def _decode_logits(model: Model, prompt: list[int], steps: int) -> tuple[list[to
     return out, tokens
 
 
-def _fused_and_per_op(model: Model, prompt: list[int], steps: int, monkeypatch: pytest.MonkeyPatch,
-                      per_op: list[tuple[type, str]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _fused_and_per_op(
+    model: Model,
+    prompt: list[int],
+    steps: int,
+    monkeypatch: pytest.MonkeyPatch,
+    per_op: list[tuple[type, str]],
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each decode step's logits with the fused steps, then with `per_op`'s methods stepping aside (the
     per-op path); the greedy tokens must agree. Closes the model."""
     try:
@@ -55,10 +62,13 @@ def _fused_and_per_op(model: Model, prompt: list[int], steps: int, monkeypatch: 
 
 
 @needs_kernel
-@pytest.mark.parametrize(("family", "overrides"), [("llama", {}), ("llama", {"attention_bias": True}), ("qwen3", {}),
-                                                   ("qwen3_moe", {})])
-def test_attention_step_is_the_per_op_path_bit_for_bit(family: str, overrides: dict, tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [("llama", {}), ("llama", {"attention_bias": True}), ("qwen3", {}), ("qwen3_moe", {})],
+)
+def test_attention_step_is_the_per_op_path_bit_for_bit(
+    family: str, overrides: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """bf16 weights, q/k/v biases (Llama's attention_bias), per-head q/k norms (Qwen3): the same logits to
     the last bit, every decode step, and the fused step really ran."""
     hf = make_hf_checkpoint(family, tmp_path / "hf", seed=3, dtype="bfloat16", **overrides)
@@ -83,12 +93,16 @@ def test_attention_step_is_the_per_op_path_bit_for_bit(family: str, overrides: d
 
 
 @needs_kernel
-def test_demo_decodes_the_same_with_and_without_the_fused_steps(demo_store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_demo_decodes_the_same_with_and_without_the_fused_steps(
+    demo_store: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The demo's Q4_1/Q8_0 blocks: the fused steps (attention, and the MLP with its norm and residual in
     one call) against the per-op path: the same greedy tokens, logits within fp32 noise."""
     model = Model.open(demo_store)
     prompt = model.tokenizer.encode("The capital of France is")
-    fused, ref = _fused_and_per_op(model, prompt, 8, monkeypatch, [(AttnStep, "__call__"), (GatedExpert, "_fused_call")])
+    fused, ref = _fused_and_per_op(
+        model, prompt, 8, monkeypatch, [(AttnStep, "__call__"), (GatedExpert, "_fused_call")]
+    )
     for a, b in zip(fused, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
 
@@ -97,20 +111,29 @@ def _slices(n: int, hidden: int, inter: int, seed: int) -> list[Expert]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        t = {"gate_proj": torch.randn(inter, hidden, generator=g), "up_proj": torch.randn(inter, hidden, generator=g),
-             "down_proj": torch.randn(hidden, inter, generator=g)}
+        t = {
+            "gate_proj": torch.randn(inter, hidden, generator=g),
+            "up_proj": torch.randn(inter, hidden, generator=g),
+            "down_proj": torch.randn(hidden, inter, generator=g),
+        }
         out.append(Expert({k: (v * 0.2).to(torch.bfloat16) for k, v in t.items()}, nbytes=0))
     return out
 
 
-ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda v: F.gelu(v, approximate="tanh")}
+ACTS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda v: F.gelu(v, approximate="tanh"),
+}
 
 
 @needs_kernel
 @pytest.mark.parametrize("act", list(ACTS))
 @pytest.mark.parametrize("with_norm", [False, True])
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_gated_mlp_is_the_float64_mlp_of_the_stored_weights(act: str, with_norm: bool, tokens: int) -> None:
+def test_gated_mlp_is_the_float64_mlp_of_the_stored_weights(
+    act: str, with_norm: bool, tokens: int
+) -> None:
     """Three bf16 slices in one kernel call (gate/up, activation, down, and with a norm the layer's
     x + MLP(norm(x))) against the same weights in float64: within fp32 noise, and one expert alone too."""
     hidden, inter = 64, 96  # the kernel takes rows of a multiple of 32 weights
@@ -118,37 +141,59 @@ def test_gated_mlp_is_the_float64_mlp_of_the_stored_weights(act: str, with_norm:
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(9)) * 2
     norm = RMSNorm(hidden, 1e-6) if with_norm else None
     if norm is not None:
-        norm.weight.requires_grad_(False).copy_(torch.rand(hidden, generator=torch.Generator().manual_seed(4)) + 0.5)
+        norm.weight.requires_grad_(False).copy_(
+            torch.rand(hidden, generator=torch.Generator().manual_seed(4)) + 0.5
+        )
     run = swiglu(act)
     assert run.act >= 0  # the kernel computes this activation itself
     got = run.slices(x, slices, norm)
     assert got is not None
 
     x64 = x.double()
-    n = x64 if norm is None else norm.weight.double() * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6))
-    ref = sum(F.linear(ACTS[act](F.linear(n, e["gate_proj"].double())) * F.linear(n, e["up_proj"].double()),
-                       e["down_proj"].double()) for e in slices)
+    n = (
+        x64
+        if norm is None
+        else norm.weight.double() * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6))
+    )
+    ref = sum(
+        F.linear(
+            ACTS[act](F.linear(n, e["gate_proj"].double())) * F.linear(n, e["up_proj"].double()),
+            e["down_proj"].double(),
+        )
+        for e in slices
+    )
     ref = ref if norm is None else x64 + ref
     scale = float(ref.abs().max())
     torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-6 * scale)
     one = run(n.float(), slices[0])  # dispatch's per-expert call
-    ref_one = F.linear(ACTS[act](F.linear(n, slices[0]["gate_proj"].double())) * F.linear(n, slices[0]["up_proj"].double()),
-                       slices[0]["down_proj"].double())
-    torch.testing.assert_close(one.double(), ref_one, rtol=0, atol=2e-6 * float(ref_one.abs().max()))
+    ref_one = F.linear(
+        ACTS[act](F.linear(n, slices[0]["gate_proj"].double()))
+        * F.linear(n, slices[0]["up_proj"].double()),
+        slices[0]["down_proj"].double(),
+    )
+    torch.testing.assert_close(
+        one.double(), ref_one, rtol=0, atol=2e-6 * float(ref_one.abs().max())
+    )
 
 
 @needs_kernel
-def test_gated_mlp_plans_once_per_slice_set_and_steps_aside_where_the_kernel_does_not_apply() -> None:
+def test_gated_mlp_plans_once_per_slice_set_and_steps_aside_where_the_kernel_does_not_apply() -> (
+    None
+):
     slices = _slices(2, 64, 32, seed=1)
     plan = SlicesPlan()
     assert plan.plan(slices)
     parts = plan.gate_up.parts_planned
-    assert plan.plan(slices) and plan.gate_up.parts_planned is parts  # same objects: not planned again
+    assert (
+        plan.plan(slices) and plan.gate_up.parts_planned is parts
+    )  # same objects: not planned again
     assert plan.plan(list(reversed(slices))) and plan.gate_up.parts_planned is not parts
     fp32 = [Expert({k: v.float() for k, v in e.tensors.items()}, nbytes=0) for e in slices]
     assert not SlicesPlan().plan(fp32)  # fp32 weights: the per-matrix path (the oracle)
     run = swiglu("silu")
-    assert run.slices(torch.randn(2, 64, dtype=torch.float64), slices) is None  # not fp32 activations
+    assert (
+        run.slices(torch.randn(2, 64, dtype=torch.float64), slices) is None
+    )  # not fp32 activations
     assert run.slices(torch.randn(2, 64), fp32) is None
 
 
@@ -164,9 +209,13 @@ def test_routed_experts_are_planned_once_each_while_they_live() -> None:
     plans = {id(e): run._plans[id(e)][1] for e in experts}
     assert all(p is not None for p in plans.values())
     for e, y in zip([*experts, *reversed(experts)], [*first, *reversed(first)], strict=True):
-        assert torch.equal(run(x, e), y) and run._plans[id(e)][1] is plans[id(e)]  # not planned again
+        assert (
+            torch.equal(run(x, e), y) and run._plans[id(e)][1] is plans[id(e)]
+        )  # not planned again
     fp32 = Expert({k: v.float() for k, v in experts[0].tensors.items()}, nbytes=0)
-    torch.testing.assert_close(run(x, fp32), first[0], rtol=0, atol=1e-5)  # the kernel does not take it: torch's path
+    torch.testing.assert_close(
+        run(x, fp32), first[0], rtol=0, atol=1e-5
+    )  # the kernel does not take it: torch's path
     assert run._plans[id(fp32)][1] is None
     del experts, fp32, e
     gc.collect()

@@ -31,13 +31,17 @@ def _manifest_view(store: Path) -> tuple[dict, list]:
 @pytest.fixture(scope="module")
 def llama_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
     root = tmp_path_factory.mktemp("gguf")
-    whole = make_llama(1).write(root / "whole" / "m.gguf") if (root / "whole").mkdir() is None else None
+    whole = (
+        make_llama(1).write(root / "whole" / "m.gguf") if (root / "whole").mkdir() is None else None
+    )
     (root / "split").mkdir()
     shards = make_llama(1).write(root / "split" / "m.gguf", shards=2)
     return whole[0], shards
 
 
-def test_split_llama_from_either_shard_gives_the_whole_files_store(llama_files, tmp_path: Path) -> None:
+def test_split_llama_from_either_shard_gives_the_whole_files_store(
+    llama_files, tmp_path: Path
+) -> None:
     whole, shards = llama_files
     assert [p.name for p in shards] == ["m-00001-of-00002.gguf", "m-00002-of-00002.gguf"]
     setup_store(whole, tmp_path / "whole", progress=False)
@@ -87,7 +91,9 @@ def test_every_architecture_imports_and_opens(arch: str, tmp_path: Path) -> None
     from deltafind import Model
 
     files = MAKERS[arch](3).write(tmp_path / f"{arch}.gguf", shards=2)
-    setup_store(files[0], tmp_path / "store", progress=False, names=_names(open_source(files[0]).config))
+    setup_store(
+        files[0], tmp_path / "store", progress=False, names=_names(open_source(files[0]).config)
+    )
     model = Model.open(tmp_path / "store")
     try:
         logits = model.forward_logits([1, 2, 3, 4])
@@ -109,7 +115,9 @@ def test_merged_experts_become_per_expert_blocks(tmp_path: Path) -> None:
     b = MAKERS["qwen3moe"](4)
     path = b.write(tmp_path / "m.gguf")[0]
     src = open_source(path)
-    merged = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.1.ffn_down_exps.weight")
+    merged = next(
+        t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.1.ffn_down_exps.weight"
+    )
     for e in (0, 5):
         got = src.load(f"model.layers.1.mlp.experts.{e}.down_proj.weight")
         assert src.tensors[f"model.layers.1.mlp.experts.{e}.down_proj.weight"].quant == "Q6_K/256"
@@ -122,9 +130,15 @@ def test_mla_kv_b_is_rebuilt_from_its_split_halves(tmp_path: Path) -> None:
     path = MAKERS["deepseek2"](5).write(tmp_path / "m.gguf")[0]
     src = open_source(path)
     by = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
-    k_b = gguf.quants.dequantize(by["blk.2.attn_k_b.weight"].data, by["blk.2.attn_k_b.weight"].tensor_type)  # [heads, lora, nope]
-    v_b = gguf.quants.dequantize(by["blk.2.attn_v_b.weight"].data, by["blk.2.attn_v_b.weight"].tensor_type)  # [heads, v, lora]
-    kv_b = src.load("model.layers.2.self_attn.kv_b_proj.weight").reshape(k_b.shape[0], -1, k_b.shape[1])  # [heads, nope+v, lora]
+    k_b = gguf.quants.dequantize(
+        by["blk.2.attn_k_b.weight"].data, by["blk.2.attn_k_b.weight"].tensor_type
+    )  # [heads, lora, nope]
+    v_b = gguf.quants.dequantize(
+        by["blk.2.attn_v_b.weight"].data, by["blk.2.attn_v_b.weight"].tensor_type
+    )  # [heads, v, lora]
+    kv_b = src.load("model.layers.2.self_attn.kv_b_proj.weight").reshape(
+        k_b.shape[0], -1, k_b.shape[1]
+    )  # [heads, nope+v, lora]
     assert np.array_equal(kv_b[:, : k_b.shape[2]].numpy(), k_b.transpose(0, 2, 1))
     assert np.array_equal(kv_b[:, k_b.shape[2] :].numpy(), v_b)
     assert "model.layers.2.mlp.gate.e_score_correction_bias" in src.tensors
@@ -133,7 +147,10 @@ def test_mla_kv_b_is_rebuilt_from_its_split_halves(tmp_path: Path) -> None:
 def test_unsupported_architecture_is_refused_naming_the_supported_ones(tmp_path: Path) -> None:
     b = Builder("gemma3", 0)
     b.norm("output_norm.weight", 256)
-    with pytest.raises(UnsupportedModelError, match=r"'gemma3' is not supported \(supported: deepseek2, llama, qwen2, qwen3, qwen3moe\)"):
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"'gemma3' is not supported \(supported: deepseek2, llama, qwen2, qwen3, qwen3moe\)",
+    ):
         open_source(b.write(tmp_path / "g.gguf")[0])
 
 
@@ -142,7 +159,10 @@ def test_a_type_without_kernel_is_refused_unless_widened(tmp_path: Path) -> None
     b.tensors = [(n, a, r) for n, a, r in b.tensors if n != "blk.1.ffn_up.weight"]
     b.weight("blk.1.ffn_up.weight", (512, 256), "TQ2_0")
     path = b.write(tmp_path / "m.gguf")[0]
-    with pytest.raises(UnsupportedModelError, match=r"blk\.1\.ffn_up\.weight is TQ2_0.*--widen-unsupported.*524,288 bytes as float32 instead of 33,792"):
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"blk\.1\.ffn_up\.weight is TQ2_0.*--widen-unsupported.*524,288 bytes as float32 instead of 33,792",
+    ):
         open_source(path)
     wide = open_source(path, widen=True)
     assert wide.tensors["model.layers.1.mlp.up_proj.weight"].dtype == torch.float32
@@ -153,14 +173,26 @@ def test_llama3_rope_freqs_read_back_as_transformers_scaling() -> None:
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    params = llama3_rope(_converter_rope_freqs(8.0, 1.0, 4.0, 8192, 500000.0, 128), 500000.0, 128, 8192)
-    cfg = LlamaConfig(head_dim=128, hidden_size=4096, num_attention_heads=32, rope_theta=500000.0, rope_scaling=params)
+    params = llama3_rope(
+        _converter_rope_freqs(8.0, 1.0, 4.0, 8192, 500000.0, 128), 500000.0, 128, 8192
+    )
+    cfg = LlamaConfig(
+        head_dim=128,
+        hidden_size=4096,
+        num_attention_heads=32,
+        rope_theta=500000.0,
+        rope_scaling=params,
+    )
     inv, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
     base = 1.0 / 500000.0 ** (np.arange(0, 128, 2) / 128)
-    assert np.allclose(inv.numpy(), base / _converter_rope_freqs(8.0, 1.0, 4.0, 8192, 500000.0, 128), rtol=1e-5)
+    assert np.allclose(
+        inv.numpy(), base / _converter_rope_freqs(8.0, 1.0, 4.0, 8192, 500000.0, 128), rtol=1e-5
+    )
 
 
-def _converter_rope_freqs(factor: float, low: float, high: float, old: int, theta: float, dim: int) -> np.ndarray:
+def _converter_rope_freqs(
+    factor: float, low: float, high: float, old: int, theta: float, dim: int
+) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf (LlamaModel.generate_extra_tensors) for rope_type llama3."""
     freqs = 1.0 / theta ** (np.arange(0, dim, 2) / dim)
     out = []

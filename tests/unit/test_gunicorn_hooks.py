@@ -26,9 +26,17 @@ from gunicorn.workers.gthread import TConn, ThreadWorker
 from deltafind.daemon.slow_clients import DeadlineSocket
 from deltafind.daemon.worker import Worker
 
-OVERRIDDEN = {"handle_error": ["req", "client", "addr", "exc"], "accept": ["listener"], "handle": ["conn"],
-              "on_client_socket_readable": ["conn", "client"], "murder_pending": [], "enqueue_req": ["conn"],
-              "init_process": [], "init_signals": [], "handle_exit": ["sig", "frame"]}
+OVERRIDDEN = {
+    "handle_error": ["req", "client", "addr", "exc"],
+    "accept": ["listener"],
+    "handle": ["conn"],
+    "on_client_socket_readable": ["conn", "client"],
+    "murder_pending": [],
+    "enqueue_req": ["conn"],
+    "init_process": [],
+    "init_signals": [],
+    "handle_exit": ["sig", "frame"],
+}
 UPGRADE = "deltafind/daemon/worker.py relies on it: re-check the worker against this gunicorn before raising the pin"
 
 
@@ -36,22 +44,35 @@ def test_the_installed_gunicorn_is_within_the_pinned_major() -> None:
     pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
     low, high = map(int, re.search(r'"gunicorn>=(\d+)[.\d]*,<(\d+)"', pyproject).groups())  # type: ignore[union-attr]
     assert high == low + 1, "pyproject must pin gunicorn to one major version"
-    assert low <= gunicorn.version_info[0] < high, f"gunicorn {gunicorn.__version__} is outside the pin; {UPGRADE}"
+    assert low <= gunicorn.version_info[0] < high, (
+        f"gunicorn {gunicorn.__version__} is outside the pin; {UPGRADE}"
+    )
 
 
 def test_the_overridden_members_keep_their_signatures() -> None:
     for name, params in OVERRIDDEN.items():
         member = getattr(ThreadWorker, name, None)
         assert member is not None, f"gunicorn's ThreadWorker.{name} is gone; {UPGRADE}"
-        assert list(inspect.signature(member).parameters)[1:] == params, f"ThreadWorker.{name} changed; {UPGRADE}"
-    assert list(inspect.signature(TConn).parameters) == ["cfg", "sock", "client", "server"], f"TConn changed; {UPGRADE}"
+        assert list(inspect.signature(member).parameters)[1:] == params, (
+            f"ThreadWorker.{name} changed; {UPGRADE}"
+        )
+    assert list(inspect.signature(TConn).parameters) == ["cfg", "sock", "client", "server"], (
+        f"TConn changed; {UPGRADE}"
+    )
     handle = inspect.getsource(ThreadWorker.handle)
-    assert "self.handle_error(" in handle and "conn.data_ready" in handle, f"ThreadWorker.handle changed; {UPGRADE}"
-    assert "conn.init()" in handle and "next(conn.parser)" in handle, f"ThreadWorker.handle changed; {UPGRADE}"
+    assert "self.handle_error(" in handle and "conn.data_ready" in handle, (
+        f"ThreadWorker.handle changed; {UPGRADE}"
+    )
+    assert "conn.init()" in handle and "next(conn.parser)" in handle, (
+        f"ThreadWorker.handle changed; {UPGRADE}"
+    )
     # worker.Conn sets the parser's message class (BoundedRequest) once TConn.init has built the parser
-    assert RequestParser.mesg_class is Request and "self.mesg_class(" in inspect.getsource(Parser.__next__), \
-        f"gunicorn's parser no longer builds messages from mesg_class; {UPGRADE}"
-    assert "self.parser = " in inspect.getsource(TConn.init), f"TConn.init no longer builds the parser; {UPGRADE}"
+    assert RequestParser.mesg_class is Request and "self.mesg_class(" in inspect.getsource(
+        Parser.__next__
+    ), f"gunicorn's parser no longer builds messages from mesg_class; {UPGRADE}"
+    assert "self.parser = " in inspect.getsource(TConn.init), (
+        f"TConn.init no longer builds the parser; {UPGRADE}"
+    )
 
 
 def _worker() -> Worker:
@@ -62,7 +83,9 @@ def _worker() -> Worker:
 def test_a_parse_error_is_answered_as_openai_json_by_the_subclass() -> None:
     ours, theirs = socket.socketpair()
     with DeadlineSocket(ours) as wrapped, theirs:
-        _worker().handle_error(None, wrapped, ("127.0.0.1", 1), errors.LimitRequestHeaders("too many"))
+        _worker().handle_error(
+            None, wrapped, ("127.0.0.1", 1), errors.LimitRequestHeaders("too many")
+        )
         answer = theirs.recv(65536)
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 431 "), head
@@ -73,9 +96,13 @@ def test_gunicorns_parser_reads_the_gathered_head_then_the_body_through_the_wrap
     ours, theirs = socket.socketpair()
     with DeadlineSocket(ours) as wrapped, theirs:
         conn = TConn(Config(), wrapped, ("127.0.0.1", 1), ("127.0.0.1", 2))
-        wrapped.arm(b"POST /v1/x HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\n\r\n", time.monotonic() + 5)
+        wrapped.arm(
+            b"POST /v1/x HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\n\r\n", time.monotonic() + 5
+        )
         theirs.sendall(b"hello")
         conn.init()
         req = next(conn.parser)
         assert (req.method, req.path, req.body.read()) == ("POST", "/v1/x", b"hello")
-        assert conn.sock is wrapped and isinstance(wrapped, socket.socket)  # what the server and the poller see
+        assert conn.sock is wrapped and isinstance(
+            wrapped, socket.socket
+        )  # what the server and the poller see

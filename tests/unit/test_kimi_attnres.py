@@ -41,7 +41,15 @@ def _spec_recurrence(h0, weights, attn_fns, mlp_fns, block, tail):
 
 
 def test_anchor_counts_on_the_k3_schedule() -> None:
-    assert [anchors_before(layer, 12) for layer in (0, 1, 12, 13, 24, 25, 92)] == [0, 1, 1, 2, 2, 3, 8]
+    assert [anchors_before(layer, 12) for layer in (0, 1, 12, 13, 24, 25, 92)] == [
+        0,
+        1,
+        1,
+        2,
+        2,
+        3,
+        8,
+    ]
     assert anchors_after(12, 12) == 2 and anchors_after(11, 12) == 1 and anchors_after(0, 12) == 1
     stream = AttnResStream(torch.randn(1, H), block_size=12)
     one = torch.ones(H), torch.ones(1, H)
@@ -58,7 +66,9 @@ def test_anchor_counts_on_the_k3_schedule() -> None:
 def test_values_equal_the_spec_recurrence(layers: int, block: int) -> None:
     g = torch.Generator().manual_seed(layers)
     rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    weights = [((1 + 0.1 * rnd(H), rnd(1, H)), (1 + 0.1 * rnd(H), rnd(1, H))) for _ in range(layers)]
+    weights = [
+        ((1 + 0.1 * rnd(H), rnd(1, H)), (1 + 0.1 * rnd(H), rnd(1, H))) for _ in range(layers)
+    ]
     mats = [(rnd(H, H) * 0.3, rnd(H, H) * 0.3) for _ in range(layers)]
     attn_fns = [lambda x, m=m: torch.tanh(x @ m[0]) for m in mats]
     mlp_fns = [lambda x, m=m: torch.tanh(x @ m[1]) for m in mats]

@@ -32,13 +32,22 @@ PROMPT = [5, 77, 300, 12, 480, 9, 101, 33, 250, 7, 64, 2]
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("k3")
     store = root / "store"
-    setup_store(open_synthetic("kimi_k3", "tiny", seed=3), store, [root / "d0", root / "d1"], dense_slices=2, progress=False, names=kimi_k3.WEIGHTS)
+    setup_store(
+        open_synthetic("kimi_k3", "tiny", seed=3),
+        store,
+        [root / "d0", root / "d1"],
+        dense_slices=2,
+        progress=False,
+        names=kimi_k3.WEIGHTS,
+    )
     return root, store
 
 
 @pytest.fixture(scope="module")
 def model(tiny: tuple[Path, Path]):
-    m = Model.open(tiny[1], expert_cache_bytes=0, prefetch=False)  # every expert read from the drives, every time
+    m = Model.open(
+        tiny[1], expert_cache_bytes=0, prefetch=False
+    )  # every expert read from the drives, every time
     yield m
     m.close()
 
@@ -64,13 +73,18 @@ def test_streamed_equals_resident(model: Model, tiny: tuple[Path, Path]) -> None
     manifest = Manifest.load(store)
     reader = PackReader(manifest, store)
     # Resident: every record in RAM, MXFP4 bytes as uint8 (the store path widens nothing it need not).
-    experts = {r.key: {n: t.clone() for n, t in record_tensors(r, reader.read(r)).items()} for r in manifest.experts}
+    experts = {
+        r.key: {n: t.clone() for n, t in record_tensors(r, reader.read(r)).items()}
+        for r in manifest.experts
+    }
     reader.close()
     args = ModelArgs.from_config(manifest.model_config)
     with torch.device("meta"):
         resident = kimi_k3.Model(args, DictExpertProvider(experts))
     resident.load_state_dict(model.net.state_dict(), assign=True)
-    adopt_stored(resident, torch.float32)  # as Model.open wires it: bf16 weights computed on as stored
+    adopt_stored(
+        resident, torch.float32
+    )  # as Model.open wires it: bf16 weights computed on as stored
     resident.eval()
     streamed = model.forward_logits(PROMPT)
     assert torch.equal(_steps(resident, PROMPT, [len(PROMPT)]), streamed)
@@ -80,18 +94,35 @@ def test_streamed_equals_resident(model: Model, tiny: tuple[Path, Path]) -> None
 def test_hf_folder_imports_to_the_same_logits(model: Model, tiny: tuple[Path, Path]) -> None:
     root = tiny[0]
     source = open_synthetic("kimi_k3", "tiny", seed=3)
-    vision = {"vision_tower.patch_embed.weight": torch.randn(4, 4).to(torch.bfloat16), "mm_projector.proj.weight": torch.randn(2, 4)}
-    folder = write_hf_folder(source, root / "hf", num_shards=3, prefix="language_model.", extra=vision)
+    vision = {
+        "vision_tower.patch_embed.weight": torch.randn(4, 4).to(torch.bfloat16),
+        "mm_projector.proj.weight": torch.randn(2, 4),
+    }
+    folder = write_hf_folder(
+        source, root / "hf", num_shards=3, prefix="language_model.", extra=vision
+    )
     index = json.loads((folder / "model.safetensors.index.json").read_text())
-    assert all(n.startswith(("language_model.", "vision_tower.", "mm_projector.")) for n in index["weight_map"])
-    assert len(set(index["weight_map"].values())) == 3 and json.loads((folder / "config.json").read_text())["text_config"]
+    assert all(
+        n.startswith(("language_model.", "vision_tower.", "mm_projector."))
+        for n in index["weight_map"]
+    )
+    assert (
+        len(set(index["weight_map"].values())) == 3
+        and json.loads((folder / "config.json").read_text())["text_config"]
+    )
     store = root / "from_hf"
-    manifest = setup_store(folder, store, [root / "h0"], dense_slices=2, progress=False, names=kimi_k3.WEIGHTS)
+    manifest = setup_store(
+        folder, store, [root / "h0"], dense_slices=2, progress=False, names=kimi_k3.WEIGHTS
+    )
     synthetic = Manifest.load(tiny[1])
     # Experts went in byte for byte: same record payloads (sha256), in the release's tensor order.
-    assert {r.key: r.sha256 for r in manifest.experts} == {r.key: r.sha256 for r in synthetic.experts}
+    assert {r.key: r.sha256 for r in manifest.experts} == {
+        r.key: r.sha256 for r in synthetic.experts
+    }
     moe = next(r for r in manifest.experts if r.layer == 1)
-    assert tuple(t.name for t in moe.tensors) == kimi_k3.MXFP4_RECORD and {t.dtype for t in moe.tensors} == {"uint8"}
+    assert tuple(t.name for t in moe.tensors) == kimi_k3.MXFP4_RECORD and {
+        t.dtype for t in moe.tensors
+    } == {"uint8"}
     assert moe.length == sum(t.nbytes for t in moe.tensors)  # no padding between the six tensors
     imported = Model.open(store, expert_cache_bytes=0, prefetch=False)
     try:
@@ -138,7 +169,14 @@ def test_contract_and_real_schedule() -> None:
     cfg["text_config"]["hidden_act"] = "silu"
     with pytest.raises(UnsupportedModelError, match="situ"):
         ModelArgs.from_config(cfg)
-    real = text_config({**REAL, "layers": 93, "experts": 896, "mla": [i for i in range(1, 94) if i % 4 == 0 or i == 93]})
+    real = text_config(
+        {
+            **REAL,
+            "layers": 93,
+            "experts": 896,
+            "mla": [i for i in range(1, 94) if i % 4 == 0 or i == 93],
+        }
+    )
     args = ModelArgs.from_config({"model_type": "kimi_k3", "text_config": real})
     assert sorted(args.mla_layers) == [*range(3, 92, 4), 92] and len(args.mla_layers) == 24
     assert not args.is_moe_layer(0) and sum(args.is_moe_layer(i) for i in range(93)) == 92
@@ -153,9 +191,22 @@ def test_situ_soft_caps() -> None:
 
 def test_cli_setup_synthetic_then_run(tmp_path: Path) -> None:
     store = tmp_path / "k3"
-    proc = deltafind_cmd("setup", "--synthetic", "kimi_k3", "--shape", "tiny", "--store", str(store), "--quiet")
+    proc = deltafind_cmd(
+        "setup", "--synthetic", "kimi_k3", "--shape", "tiny", "--store", str(store), "--quiet"
+    )
     assert proc.returncode == 0 and "kimi_k3" in proc.stdout, proc.stderr
-    proc = deltafind_cmd("run", "--store", str(store), "--prompt", "Hello", "--max-new", "4", "--cache-bytes", "0", "--stats")
+    proc = deltafind_cmd(
+        "run",
+        "--store",
+        str(store),
+        "--prompt",
+        "Hello",
+        "--max-new",
+        "4",
+        "--cache-bytes",
+        "0",
+        "--stats",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "generated 4 tok" in proc.stderr and "read" in proc.stderr
 

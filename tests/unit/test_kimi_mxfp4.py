@@ -28,9 +28,22 @@ def formula_pack(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torc
     """Codes from indices, scales 123..126, and the expected fp32 matrix built element by element."""
     code = lambda r, c: (r * 7 + c * 3 + (r * c) % 5) % 16  # noqa: E731  every code appears in every row
     scale_of = lambda r, g: 123 + (r + 2 * g) % 4  # noqa: E731
-    packed = torch.tensor([[code(r, 2 * j) | (code(r, 2 * j + 1) << 4) for j in range(cols // 2)] for r in range(rows)], dtype=torch.uint8)
-    scale = torch.tensor([[scale_of(r, g) for g in range(cols // 32)] for r in range(rows)], dtype=torch.uint8)
-    want = torch.tensor([[e2m1(code(r, c)) * math.ldexp(1.0, scale_of(r, c // 32) - 127) for c in range(cols)] for r in range(rows)])
+    packed = torch.tensor(
+        [
+            [code(r, 2 * j) | (code(r, 2 * j + 1) << 4) for j in range(cols // 2)]
+            for r in range(rows)
+        ],
+        dtype=torch.uint8,
+    )
+    scale = torch.tensor(
+        [[scale_of(r, g) for g in range(cols // 32)] for r in range(rows)], dtype=torch.uint8
+    )
+    want = torch.tensor(
+        [
+            [e2m1(code(r, c)) * math.ldexp(1.0, scale_of(r, c // 32) - 127) for c in range(cols)]
+            for r in range(rows)
+        ]
+    )
     return packed, scale, want
 
 
@@ -40,7 +53,9 @@ def test_e2m1_table_is_the_spec_table() -> None:
 
 
 def test_nibble_order_low_first() -> None:
-    packed = torch.tensor([[0x21] + [0] * 15], dtype=torch.uint8)  # column 0 <- 1 (0.5), column 1 <- 2 (1.0)
+    packed = torch.tensor(
+        [[0x21] + [0] * 15], dtype=torch.uint8
+    )  # column 0 <- 1 (0.5), column 1 <- 2 (1.0)
     scale = torch.tensor([[127]], dtype=torch.uint8)
     w = mxfp4.dequantize_reference(packed, scale)
     assert w[0, :3].tolist() == [0.5, 1.0, 0.0]
@@ -65,8 +80,10 @@ def test_all_scale_bytes_decode_to_true_powers_of_two() -> None:
 
 def _random_pack(rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g),
-            torch.randint(118, 127, (rows, cols // 32), dtype=torch.uint8, generator=g))
+    return (
+        torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g),
+        torch.randint(118, 127, (rows, cols // 32), dtype=torch.uint8, generator=g),
+    )
 
 
 def fp32_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -83,7 +100,11 @@ def test_fused_kernel_within_fp32_bound_and_token_independent() -> None:
     y = mxfp4.fused_linear(x, packed, scale)
     exact = x.double() @ w.double().T
     assert ((y.double() - exact).abs() <= fp32_bound(x, w)).all()
-    for t in (0, 5, 10):  # one token alone gives the bits it gets inside a batch (8-token tiles, remainders)
+    for t in (
+        0,
+        5,
+        10,
+    ):  # one token alone gives the bits it gets inside a batch (8-token tiles, remainders)
         assert torch.equal(mxfp4.fused_linear(x[t : t + 1], packed, scale)[0], y[t])
     threads = torch.get_num_threads()
     try:
@@ -97,14 +118,19 @@ def test_batched_path_is_dequantize_then_matmul_bit_for_bit() -> None:
     packed, scale = _random_pack(64, 128, seed=2)
     x = torch.randn(40, 128, generator=torch.Generator().manual_seed(3))
     got = mxfp4.mxfp4_linear(x, packed, scale, batched_min_tokens=8)
-    assert torch.equal(got, torch.nn.functional.linear(x, mxfp4.dequantize_reference(packed, scale)))
+    assert torch.equal(
+        got, torch.nn.functional.linear(x, mxfp4.dequantize_reference(packed, scale))
+    )
 
 
 def test_without_kernel_falls_back_to_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     packed, scale = _random_pack(32, 64, seed=4)
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(5))
     monkeypatch.setattr(mxfp4, "load_kernel", lambda: None)
-    assert torch.equal(mxfp4.mxfp4_linear(x, packed, scale), torch.nn.functional.linear(x, mxfp4.dequantize_reference(packed, scale)))
+    assert torch.equal(
+        mxfp4.mxfp4_linear(x, packed, scale),
+        torch.nn.functional.linear(x, mxfp4.dequantize_reference(packed, scale)),
+    )
 
 
 def test_malformed_packs_are_refused() -> None:
@@ -123,7 +149,9 @@ def test_fused_expert_half_equals_two_matmuls_and_situ() -> None:
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(8)) * 3
     fused = mxfp4.fused_gate_up_situ(x, w1, w3, 4.0, 25.0)
     gate, up = mxfp4.fused_linear(x, *w1), mxfp4.fused_linear(x, *w3)  # the same sums, bit for bit
-    torch.testing.assert_close(fused, situ(gate, up), atol=1e-6, rtol=1e-6)  # libm vs torch tanh/exp: ulps
+    torch.testing.assert_close(
+        fused, situ(gate, up), atol=1e-6, rtol=1e-6
+    )  # libm vs torch tanh/exp: ulps
     assert torch.equal(mxfp4.fused_gate_up_situ(x[3:4], w1, w3, 4.0, 25.0)[0], fused[3])
 
 
@@ -140,7 +168,21 @@ def test_the_avx2_and_default_builds_both_hold_the_bound_for_any_batch() -> None
 
     def run(lib: object, xs: torch.Tensor) -> torch.Tensor:
         y = torch.empty(xs.shape[0], 67)
-        assert lib.df_mxfp4_matmul(xs.data_ptr(), xs.shape[0], 256, packed.data_ptr(), scale.data_ptr(), 67, 256, y.data_ptr(), 67, 2) == 0
+        assert (
+            lib.df_mxfp4_matmul(
+                xs.data_ptr(),
+                xs.shape[0],
+                256,
+                packed.data_ptr(),
+                scale.data_ptr(),
+                67,
+                256,
+                y.data_ptr(),
+                67,
+                2,
+            )
+            == 0
+        )
         return y
 
     for lib in (load_kernel(), avx2.load()):
@@ -152,7 +194,9 @@ def test_the_avx2_and_default_builds_both_hold_the_bound_for_any_batch() -> None
 
 @pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler: the fused kernel is not built")
 @pytest.mark.parametrize("rows,cols,tokens", [(67, 640, 29), (35, 256, 200)])
-def test_prefill_sizes_give_each_token_its_one_token_bits(rows: int, cols: int, tokens: int) -> None:
+def test_prefill_sizes_give_each_token_its_one_token_bits(
+    rows: int, cols: int, tokens: int
+) -> None:
     """`mxfp4_linear` keeps prefill-sized batches on the fused kernel (below mxfp4.BATCHED_MIN_TOKENS, 256;
     200 tokens took dequantise + BLAS before, other bits): every row is within the fp32 bound and bit for
     bit what the token gets alone. 67 rows leave a lone row after the pairs, 29 tokens a partial tile."""
@@ -165,4 +209,6 @@ def test_prefill_sizes_give_each_token_its_one_token_bits(rows: int, cols: int, 
     h = mxfp4.fused_gate_up_situ(x, (packed, scale), w3, 4.0, 25.0)
     for t in range(tokens):
         assert torch.equal(mxfp4.mxfp4_linear(x[t : t + 1], packed, scale)[0], y[t])
-        assert torch.equal(mxfp4.fused_gate_up_situ(x[t : t + 1], (packed, scale), w3, 4.0, 25.0)[0], h[t])
+        assert torch.equal(
+            mxfp4.fused_gate_up_situ(x[t : t + 1], (packed, scale), w3, 4.0, 25.0)[0], h[t]
+        )

@@ -27,7 +27,14 @@ STATE_ATOL, LOGITS_ATOL = 1e-5, 2e-5  # the same bound as decode vs recompute in
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("k3")
-    setup_store(open_synthetic("kimi_k3", "tiny", seed=3), root / "store", [root / "d0"], dense_slices=2, progress=False, names=kimi_k3.WEIGHTS)
+    setup_store(
+        open_synthetic("kimi_k3", "tiny", seed=3),
+        root / "store",
+        [root / "d0"],
+        dense_slices=2,
+        progress=False,
+        names=kimi_k3.WEIGHTS,
+    )
     m = Model.open(root / "store", expert_cache_bytes=None, prefetch=False)
     yield m
     m.close()
@@ -55,7 +62,9 @@ def _assert_same_state(a: SequenceCache, b: SequenceCache) -> None:
 
 
 @pytest.mark.parametrize("accepted", [0, 1, 3, 5, 6])
-def test_cut_after_verify_equals_never_seeing_the_rejected_tokens(model: Model, accepted: int) -> None:
+def test_cut_after_verify_equals_never_seeing_the_rejected_tokens(
+    model: Model, accepted: int
+) -> None:
     net = model.net
     cut, (_, verify) = _run(net, PROMPT, [1, *DRAFTS])
     cut.truncate(len(PROMPT) + 1 + accepted)  # keep the pending token and `accepted` drafts
@@ -64,7 +73,10 @@ def test_cut_after_verify_equals_never_seeing_the_rejected_tokens(model: Model, 
     # The rows the verifier used for its decision are those of the shorter run.
     torch.testing.assert_close(verify[: accepted + 1], ref_verify, atol=LOGITS_ATOL, rtol=0)
     with torch.inference_mode():
-        after_cut, after_ref = forward_step(net, cut, [NEXT, 8], all_logits=True), forward_step(net, ref, [NEXT, 8], all_logits=True)
+        after_cut, after_ref = (
+            forward_step(net, cut, [NEXT, 8], all_logits=True),
+            forward_step(net, ref, [NEXT, 8], all_logits=True),
+        )
     torch.testing.assert_close(after_cut, after_ref, atol=LOGITS_ATOL, rtol=0)
     assert torch.equal(after_cut.argmax(-1), after_ref.argmax(-1))
 
@@ -87,9 +99,14 @@ def test_cuts_outside_the_kept_rows_are_refused_before_anything_changes(model: M
     net = model.net
     cache, _ = _run(net, PROMPT, [1, *DRAFTS])
     lengths = [layer.length for layer in cache.layers]
-    with pytest.raises(RollbackError, match=rf"positions {len(PROMPT)}\.\.{len(PROMPT) + 7}.*asked for {len(PROMPT) - 1}"):
+    with pytest.raises(
+        RollbackError,
+        match=rf"positions {len(PROMPT)}\.\.{len(PROMPT) + 7}.*asked for {len(PROMPT) - 1}",
+    ):
         cache.truncate(len(PROMPT) - 1)  # into the prompt: prefill keeps no rows
-    assert [layer.length for layer in cache.layers] == lengths and cache.length == len(PROMPT) + 7  # MLA caches untouched
+    assert [layer.length for layer in cache.layers] == lengths and cache.length == len(
+        PROMPT
+    ) + 7  # MLA caches untouched
     with torch.inference_mode():
         forward_step(net, cache, [NEXT])  # a one-row decode step keeps nothing to roll back to
     with pytest.raises(RollbackError, match="can roll back only"):
@@ -101,12 +118,16 @@ def test_cuts_outside_the_kept_rows_are_refused_before_anything_changes(model: M
 
 def test_prefill_and_decode_keep_no_rows(model: Model) -> None:
     net = model.net
-    long_verify = list(range(100, 100 + MAX_ROLLBACK_ROWS + 1))  # longer than a verify pass: a prefill chunk
+    long_verify = list(
+        range(100, 100 + MAX_ROLLBACK_ROWS + 1)
+    )  # longer than a verify pass: a prefill chunk
     cache, _ = _run(net, PROMPT, [NEXT], long_verify)
     kda = [layer for layer in cache.layers if isinstance(layer, KDAState)]
     assert kda and all(not s.kept_rows and not s.kept_inputs and not s.conv_rows for s in kda)
     cache, _ = _run(net, PROMPT, [1, *DRAFTS], [NEXT])
-    assert all(not s.kept_rows and s.kept_start is None for s in cache.layers if isinstance(s, KDAState))
+    assert all(
+        not s.kept_rows and s.kept_start is None for s in cache.layers if isinstance(s, KDAState)
+    )
 
 
 def test_capture_is_the_carried_partial_block_sum(model: Model) -> None:
@@ -127,12 +148,23 @@ def test_capture_is_the_carried_partial_block_sum(model: Model) -> None:
         rb = Batch.of([(ref_cache, len(PROMPT))])
         h, anchors, want = m.embed_tokens(ids).float(), [], {}
         for i, layer in enumerate(m.layers):
-            x = h if not anchors else attn_res([*anchors, h], layer.self_attention_res_norm.weight, layer.self_attention_res_proj.weight, eps)
+            x = (
+                h
+                if not anchors
+                else attn_res(
+                    [*anchors, h],
+                    layer.self_attention_res_norm.weight,
+                    layer.self_attention_res_proj.weight,
+                    eps,
+                )
+            )
             if i % block == 0:
                 anchors, partial = [*anchors, h], layer.self_attn(layer.input_layernorm(x), rb)
             else:
                 partial = h + layer.self_attn(layer.input_layernorm(x), rb)
-            y = attn_res([*anchors, partial], layer.mlp_res_norm.weight, layer.mlp_res_proj.weight, eps)
+            y = attn_res(
+                [*anchors, partial], layer.mlp_res_norm.weight, layer.mlp_res_proj.weight, eps
+            )
             h = partial + layer.ffn()(layer.post_attention_layernorm(y))
             want[i] = h
     for i in layers:
@@ -151,7 +183,11 @@ def test_kda_state_restores_slices_of_its_kept_rows() -> None:
     """KDAState alone: the cut reruns the kept rows from the kept start; conv windows are
     slices of [previous window, raw rows]."""
     state = KDAState()
-    state.recurrent, state.conv, state.length = torch.zeros(1, 2, 2), [torch.zeros(3, 4) for _ in range(3)], 5
+    state.recurrent, state.conv, state.length = (
+        torch.zeros(1, 2, 2),
+        [torch.zeros(3, 4) for _ in range(3)],
+        5,
+    )
     assert state.keeps_rows(2) and state.keeps_rows(MAX_ROLLBACK_ROWS) and not state.keeps_rows(1)
     assert not state.keeps_rows(MAX_ROLLBACK_ROWS + 1)
     state.start_pass()
@@ -168,7 +204,11 @@ def test_kda_state_restores_slices_of_its_kept_rows() -> None:
     state.length = 8
     state.truncate(6)
     assert seen == [1] and torch.equal(state.recurrent, torch.full((1, 2, 2), 2.0))  # start + row 0
-    assert torch.equal(state.conv[1], torch.cat([torch.zeros(2, 4), rows[1][:1]]))  # last 3 raw inputs, oldest first
+    assert torch.equal(
+        state.conv[1], torch.cat([torch.zeros(2, 4), rows[1][:1]])
+    )  # last 3 raw inputs, oldest first
     assert state.rollback_range() == (5, 6)
     state.truncate(5)
-    assert seen == [1] and torch.equal(state.recurrent, torch.ones(1, 2, 2))  # the start itself, nothing rerun
+    assert seen == [1] and torch.equal(
+        state.recurrent, torch.ones(1, 2, 2)
+    )  # the start itself, nothing rerun

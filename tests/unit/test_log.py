@@ -106,7 +106,11 @@ def test_auto_format_json_off_a_tty_console_on_one(monkeypatch: pytest.MonkeyPat
     try:
         with os.fdopen(slave, "w", closefd=False) as tty:
             # Inherited by shells in terminal emulators: not enough to mean "service".
-            inherited = {"INVOCATION_ID": "abc", "XPC_SERVICE_NAME": "app.term", "JOURNAL_STREAM": "1:2"}
+            inherited = {
+                "INVOCATION_ID": "abc",
+                "XPC_SERVICE_NAME": "app.term",
+                "JOURNAL_STREAM": "1:2",
+            }
             assert not use_json("auto", tty, inherited)
             st = os.fstat(slave)
             assert use_json("auto", tty, {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"})

@@ -26,11 +26,15 @@ from tests.unit.test_prefix_checkpoint import _request, _run
 from tests.unit.test_prefix_checkpoint import model as model  # the K3 and qwen3_moe stores
 
 MiB = 1 << 20
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim, /proc RSS")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="glibc's malloc_trim, /proc RSS"
+)
 
 
 def test_freed_heap_memory_goes_back_to_the_os() -> None:
-    def activations() -> torch.Tensor:  # what a prefill chunk leaves: many mid-size blocks, freed, one kept
+    def activations() -> (
+        torch.Tensor
+    ):  # what a prefill chunk leaves: many mid-size blocks, freed, one kept
         big = torch.empty(4 * MiB, dtype=torch.uint8)
         del big  # freed first: glibc's mmap threshold rises past the rows' size, so they come from the heap
         rows = [torch.ones(900 * 1024, dtype=torch.uint8) for _ in range(400)]
@@ -49,7 +53,11 @@ def test_freed_heap_memory_goes_back_to_the_os() -> None:
 
 
 def test_the_engine_releases_once_idle_after_long_prompts(model: Model) -> None:
-    core = EngineCore(model.net, model.eos_token_ids, SchedulerLimits(max_step_tokens=1 << 20, max_context=1 << 14))
+    core = EngineCore(
+        model.net,
+        model.eos_token_ids,
+        SchedulerLimits(max_step_tokens=1 << 20, max_context=1 << 14),
+    )
     with capture_logs() as logs:
         _run(core, _request([(i * 7) % 230 + 3 for i in range(RELEASE_AFTER_TOKENS)], 0))
         _run(core, _request([5, 6, 7], 0))  # short: no trim
@@ -60,9 +68,15 @@ def test_the_engine_releases_once_idle_after_long_prompts(model: Model) -> None:
 def test_a_prompt_cache_entry_holds_no_more_than_it_counts() -> None:
     # A sequence whose last pass verified drafts in a step beside another prompt's long prefill chunk:
     # its KDA state keeps that pass's rows (for `truncate`) as slices of the step's whole gate tensor.
-    step_gates = torch.ones(64 * MiB, dtype=torch.float32)  # 256 MiB, touched; mmap'd, so freed at once
+    step_gates = torch.ones(
+        64 * MiB, dtype=torch.float32
+    )  # 256 MiB, touched; mmap'd, so freed at once
     state = KDAState()
-    state.conv, state.recurrent, state.length = [torch.zeros(3, 32) for _ in range(3)], torch.zeros(2, 16, 16), 4
+    state.conv, state.recurrent, state.length = (
+        [torch.zeros(3, 32) for _ in range(3)],
+        torch.zeros(2, 16, 16),
+        4,
+    )
     state.kept_rows, state.kept_start, state.kept_inputs = 3, state.recurrent, [step_gates[:3]]
     cache = SequenceCache(0)
     cache.layers, cache.length = [state], 4
@@ -71,5 +85,7 @@ def test_a_prompt_cache_entry_holds_no_more_than_it_counts() -> None:
     assert entry is not None
     del step_gates, state, cache
     release_memory()
-    held = rss_bytes() - (before - 256 * MiB)  # what stays alive beyond what the process held before the step
+    held = rss_bytes() - (
+        before - 256 * MiB
+    )  # what stays alive beyond what the process held before the step
     assert held <= entry.nbytes + 16 * MiB, (held >> 20, entry.nbytes >> 20)

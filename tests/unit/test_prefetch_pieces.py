@@ -22,8 +22,15 @@ PROMPT = [11, 42, 7, 99, 3, 150, 8]
 def store(tmp_path_factory: pytest.TempPathFactory):
     """Records of 3 MiB, whole on one drive: three 1 MiB pieces each."""
     root = tmp_path_factory.mktemp("pieces")
-    ckpt = make_hf_checkpoint("qwen3_moe", root / "hf", num_hidden_layers=2, hidden_size=256, moe_intermediate_size=1024,
-                              num_experts=8, num_experts_per_tok=2)
+    ckpt = make_hf_checkpoint(
+        "qwen3_moe",
+        root / "hf",
+        num_hidden_layers=2,
+        hidden_size=256,
+        moe_intermediate_size=1024,
+        num_experts=8,
+        num_experts_per_tok=2,
+    )
     setup_store(ckpt, root / "store", [root / "store" / "d0"], progress=False, placement="whole")
     return root / "store"
 
@@ -44,11 +51,18 @@ def test_a_confirmed_prefetch_keeps_its_pieces_and_reads_the_rest(store) -> None
     try:
         fut = reader.submit(rec, speculative=True, pieces=1)
         _settle(reader, pieces[0][1])
-        assert reader.bytes_read == pieces[0][1] and not fut.done()  # only the admitted piece reached the drive
+        assert (
+            reader.bytes_read == pieces[0][1] and not fut.done()
+        )  # only the admitted piece reached the drive
         reader.promote(fut)
         buf = fut.result(timeout=10)  # checked against the manifest's sha256 and xxh3 ("full")
         assert reader.bytes_read == sum(n for _, n in pieces)  # each piece read once
-        assert reader.pieces.as_dict() == {"kept": 1, "dropped": 0, "kept_bytes": pieces[0][1], "dropped_bytes": 0}
+        assert reader.pieces.as_dict() == {
+            "kept": 1,
+            "dropped": 0,
+            "kept_bytes": pieces[0][1],
+            "dropped_bytes": 0,
+        }
         reader.release(buf)
     finally:
         reader.close()
@@ -78,10 +92,17 @@ def test_tokens_are_the_same_with_piece_prefetch_on_a_drive_with_idle_time(store
     ref = Model.open(store, expert_cache_bytes=None, prefetch=False)
     want = ref.generate(PROMPT, max_new_tokens=12)
     ref.close()
-    m = Model.open(store, expert_cache_bytes=0, drives=[DriveOptions(queue_depth=4, read_mb_s=1000)], read_mode="buffered")
+    m = Model.open(
+        store,
+        expert_cache_bytes=0,
+        drives=[DriveOptions(queue_depth=4, read_mb_s=1000)],
+        read_mode="buffered",
+    )
     try:
         assert m.generate(PROMPT, max_new_tokens=12) == want
-        assert m.experts.stats.prefetch_issued > 0  # prefetch ran (layer 0 from the previous step's route, layer 1 predicted)
+        assert (
+            m.experts.stats.prefetch_issued > 0
+        )  # prefetch ran (layer 0 from the previous step's route, layer 1 predicted)
     finally:
         m.experts.uses.clear()
         m.close()
@@ -96,11 +117,19 @@ def test_a_prediction_keeps_the_predicted_experts_it_holds_from_eviction(store) 
         ex = m.experts
         list(ex.fetch(0, [0, 1]))
         list(ex.fetch(1, [2, 3]))
-        assert set(list(ex.cache._items)[:2]) == {(0, 0), (0, 1)}  # layer 0's experts are the oldest (reads finish in any order)
+        assert set(list(ex.cache._items)[:2]) == {
+            (0, 0),
+            (0, 1),
+        }  # layer 0's experts are the oldest (reads finish in any order)
         hits = ex.cache.hits
         ex.prefetch(0, [1, 0, 5])  # layer 0 has no layer before it: issued at once
-        assert list(ex.cache._items)[-2:] == [(0, 1), (0, 0)] and ex.cache.hits == hits  # now the newest, in the order named; no hit counted
-        assert next(iter(ex.cache._items)) in {(1, 2), (1, 3)}  # the next eviction takes one the prediction did not name
+        assert (
+            list(ex.cache._items)[-2:] == [(0, 1), (0, 0)] and ex.cache.hits == hits
+        )  # now the newest, in the order named; no hit counted
+        assert next(iter(ex.cache._items)) in {
+            (1, 2),
+            (1, 3),
+        }  # the next eviction takes one the prediction did not name
     finally:
         m.experts.uses.clear()
         m.close()
@@ -117,10 +146,14 @@ def test_a_fetch_abandoned_on_a_cached_expert_gives_back_its_reads_reservations(
         standing = ex.cache.reserved_bytes
         gen = ex.fetch(0, [0, 1, 2, 3])  # 0 and 1 held: yielded first, while 2 and 3 are read
         assert next(gen)[0] in (0, 1)
-        assert ex.cache.reserved_bytes > standing  # the two reads in flight count against the budget
+        assert (
+            ex.cache.reserved_bytes > standing
+        )  # the two reads in flight count against the budget
         gen.close()  # the consumer raised on that expert
         assert ex.cache.reserved_bytes == standing
-        assert list(ex.fetch(0, [2, 3])) and ex.cache.reserved_bytes == standing  # the next fetch reads them whole
+        assert (
+            list(ex.fetch(0, [2, 3])) and ex.cache.reserved_bytes == standing
+        )  # the next fetch reads them whole
     finally:
         m.experts.uses.clear()
         m.close()
@@ -138,7 +171,9 @@ def test_the_read_precision_learns_from_unheld_predictions_before_any_read_start
         assert ex.stats.prefetch_issued == 0  # layer 0's window was never timed: nothing starts
         list(ex.fetch(0, [0, 1]))  # the router wants the held ones only
         r = ex.gate.layers[0]
-        assert r.ema == 0.5 and r.read_ema == 0.0  # all predictions: 2 of 4 wanted; the unheld ones: 0 of 2
+        assert (
+            r.ema == 0.5 and r.read_ema == 0.0
+        )  # all predictions: 2 of 4 wanted; the unheld ones: 0 of 2
     finally:
         m.experts.uses.clear()
         m.close()

@@ -26,7 +26,14 @@ PROMPT = [(7 * i + 3) % 200 + 1 for i in range(40)]
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("prefill")
-    ckpt = make_hf_checkpoint("qwen3_moe", root / "hf", num_hidden_layers=3, mlp_only_layers=[0], num_experts=16, num_experts_per_tok=4)
+    ckpt = make_hf_checkpoint(
+        "qwen3_moe",
+        root / "hf",
+        num_hidden_layers=3,
+        mlp_only_layers=[0],
+        num_experts=16,
+        num_experts_per_tok=4,
+    )
     setup_store(ckpt, root / "s", [root / "d0", root / "d1"], dense_slices=4, progress=False)
     return root / "s"
 
@@ -41,7 +48,9 @@ def _counted(m: Model) -> tuple[Counter, dict[tuple[int, int], set[int]]]:
     ex, step, fetching = m.experts, [0], [-1]
     queue, begin, observe, fetch = ex.reader._queue, ex.begin_step, ex.observe_routes, ex.fetch
 
-    def counting_queue(rec, *args):  # every record read (demand, decoded or prefetch) is queued here once
+    def counting_queue(
+        rec, *args
+    ):  # every record read (demand, decoded or prefetch) is queued here once
         reads[(step[0] + (rec.layer < fetching[0]), rec.layer, rec.expert)] += 1
         return queue(rec, *args)
 
@@ -57,7 +66,12 @@ def _counted(m: Model) -> tuple[Counter, dict[tuple[int, int], set[int]]]:
         routes.setdefault((step[0], layer_idx), set()).update(topk_idx.flatten().tolist())
         observe(layer_idx, topk_idx, topk_weight)
 
-    ex.reader._queue, ex.begin_step, ex.observe_routes, ex.fetch = counting_queue, next_step, seen, fetch_layer
+    ex.reader._queue, ex.begin_step, ex.observe_routes, ex.fetch = (
+        counting_queue,
+        next_step,
+        seen,
+        fetch_layer,
+    )
     return reads, routes
 
 
@@ -68,10 +82,17 @@ def test_each_prefill_chunk_reads_each_expert_once_per_layer(store, prefetch) ->
         expected = whole.generate(PROMPT, max_new_tokens=3)
     finally:
         whole.close()
-    m = Model.open(store, expert_cache_bytes=0, prefetch=PrefetchOptions(enabled=prefetch, max_in_flight=8), max_prefill_tokens=16)
+    m = Model.open(
+        store,
+        expert_cache_bytes=0,
+        prefetch=PrefetchOptions(enabled=prefetch, max_in_flight=8),
+        max_prefill_tokens=16,
+    )
     try:
         reads, routes = _counted(m)
-        assert m.generate(PROMPT, max_new_tokens=3) == expected  # chunked as one pass: the same tokens
+        assert (
+            m.generate(PROMPT, max_new_tokens=3) == expected
+        )  # chunked as one pass: the same tokens
         assert max(reads.values()) == 1  # no expert read twice in one step
         steps = sorted({s for s, _ in routes})
         assert len(steps) == 3 + 2  # 40 prompt tokens in chunks of 16, 16, 8; then two decode steps
@@ -80,10 +101,17 @@ def test_each_prefill_chunk_reads_each_expert_once_per_layer(store, prefetch) ->
             assert routed <= got  # every routed expert read in its step (cache 0: nothing kept)
             if not prefetch:
                 assert got == routed  # and, without prediction, nothing else
-        wait(list(m.experts._inflight.values()))  # the next step's predicted reads, started by the last one, land
+        wait(
+            list(m.experts._inflight.values())
+        )  # the next step's predicted reads, started by the last one, land
         # the drives read whole aligned extents (O_DIRECT): each record's align_up(length), once per read counted
-        aligned = {(lay, e): sum(x.nbytes for x in m.experts.record(lay, e).extents()) for _, lay, e in reads}
-        assert m.experts.reader.bytes_read == sum(aligned[(lay, e)] * n for (_, lay, e), n in reads.items())
+        aligned = {
+            (lay, e): sum(x.nbytes for x in m.experts.record(lay, e).extents())
+            for _, lay, e in reads
+        }
+        assert m.experts.reader.bytes_read == sum(
+            aligned[(lay, e)] * n for (_, lay, e), n in reads.items()
+        )
     finally:
         m.close()
 
@@ -93,7 +121,9 @@ def test_the_chunk_is_the_largest_that_fits_the_budget() -> None:
     for cached in (0, 1000, 100_000):
         t = plan.tokens(cached)
         assert t * (plan.token_bytes + plan.score_bytes * (cached + t)) <= plan.budget_bytes
-        assert (t + 1) * (plan.token_bytes + plan.score_bytes * (cached + t + 1)) > plan.budget_bytes
+        assert (t + 1) * (
+            plan.token_bytes + plan.score_bytes * (cached + t + 1)
+        ) > plan.budget_bytes
     assert plan.tokens(10**9) == 1  # never zero: a long context still moves
     assert PrefillPlan(10_000_000, 20_000, 40, cap=64).tokens() == 64
 

@@ -41,12 +41,26 @@ MAX_NEW, TOP = 5, 8
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp(request.param)
     if request.param == "kimi_k3":
-        setup_store(open_synthetic("kimi_k3", "tiny", seed=3), root / "store", [root / "d0"], dense_slices=2,
-                    progress=False, names=kimi_k3.WEIGHTS)
+        setup_store(
+            open_synthetic("kimi_k3", "tiny", seed=3),
+            root / "store",
+            [root / "d0"],
+            dense_slices=2,
+            progress=False,
+            names=kimi_k3.WEIGHTS,
+        )
     else:
-        ckpt = make_hf_checkpoint("qwen3_moe", Path(root) / "hf", num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
+        ckpt = make_hf_checkpoint(
+            "qwen3_moe",
+            Path(root) / "hf",
+            num_hidden_layers=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+        )
         setup_store(ckpt, root / "store", [root / "d0"], dense_slices=2, progress=False)
-    m = Model.open(root / "store", expert_cache_bytes=0, prefetch=False)  # every expert use is a read
+    m = Model.open(
+        root / "store", expert_cache_bytes=0, prefetch=False
+    )  # every expert use is a read
     yield m
     m.close()
 
@@ -64,8 +78,12 @@ def _run(core: EngineCore, req: GenRequest) -> tuple[list[TokenEvent], FinishEve
 
 
 def _request(prompt: list[int], checkpoint: int) -> GenRequest:
-    return GenRequest(tuple(prompt), SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True), logprobs=TOP,
-                      checkpoint=checkpoint)
+    return GenRequest(
+        tuple(prompt),
+        SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True),
+        logprobs=TOP,
+        checkpoint=checkpoint,
+    )
 
 
 def _reference(net: torch.nn.Module, chunks: list[list[int]]) -> list[TokenEvent]:
@@ -79,7 +97,11 @@ def _reference(net: torch.nn.Module, chunks: list[list[int]]) -> list[TokenEvent
             lp = torch.log_softmax(logits.float(), dim=-1)
             vals, idx = torch.topk(lp, TOP)
             token = int(torch.argmax(logits.float()))
-            out.append(TokenEvent(token, float(lp[token]), tuple(zip(idx.tolist(), vals.tolist(), strict=True))))
+            out.append(
+                TokenEvent(
+                    token, float(lp[token]), tuple(zip(idx.tolist(), vals.tolist(), strict=True))
+                )
+            )
             if i + 1 < MAX_NEW:  # the last token is sampled, never run
                 logits = forward_step(net, cache, [token])[-1]
     return out
@@ -102,16 +124,25 @@ def _recurrent(model: Model) -> bool:
 
 
 def _core(model: Model, snapshot_tokens: int = 4096, cache_bytes: int = 1 << 26) -> EngineCore:
-    return EngineCore(model.net, model.eos_token_ids, SchedulerLimits(max_step_tokens=1 << 20, prefix_cache_bytes=cache_bytes,
-                                                                      snapshot_tokens=snapshot_tokens))
+    return EngineCore(
+        model.net,
+        model.eos_token_ids,
+        SchedulerLimits(
+            max_step_tokens=1 << 20, prefix_cache_bytes=cache_bytes, snapshot_tokens=snapshot_tokens
+        ),
+    )
 
 
 def _same_tokens_as_cold(net: torch.nn.Module, prompt: list[int], events: list[TokenEvent]) -> None:
     """A cached continuation gives the tokens a cold prefill in one chunk gives (other rounding: logprobs close)."""
     cold = _reference(net, [prompt])
     assert [e.token_id for e in events] == [e.token_id for e in cold]
-    torch.testing.assert_close(torch.tensor([e.logprob for e in events]), torch.tensor([e.logprob for e in cold]),
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor([e.logprob for e in events]),
+        torch.tensor([e.logprob for e in cold]),
+        atol=1e-4,
+        rtol=0,
+    )
 
 
 def test_next_turn_resumes_at_the_checkpoint_bit_for_bit(model: Model) -> None:
@@ -124,7 +155,9 @@ def test_next_turn_resumes_at_the_checkpoint_bit_for_bit(model: Model) -> None:
     with_checkpoint = reads.requested - r0
     assert fin1.cached_tokens == 0
     r0 = reads.requested
-    assert _reference(net, _chunks(turn1, _cuts(model, turn1, h1))) == events1  # the split chunks, and nothing else, changed the prefill
+    assert (
+        _reference(net, _chunks(turn1, _cuts(model, turn1, h1))) == events1
+    )  # the split chunks, and nothing else, changed the prefill
     # The snapshots read no expert: the turn costs what its chunks cost run straight on the model.
     assert with_checkpoint == reads.requested - r0
     answer = [e.token_id for e in events1]
@@ -144,12 +177,16 @@ def test_next_turn_resumes_at_the_checkpoint_bit_for_bit(model: Model) -> None:
     assert fin3.cached_tokens == h2
 
 
-def test_a_retry_reuses_all_but_its_last_token_and_the_next_turn_still_finds_the_checkpoint(model: Model) -> None:
+def test_a_retry_reuses_all_but_its_last_token_and_the_next_turn_still_finds_the_checkpoint(
+    model: Model,
+) -> None:
     core = _core(model)
     h1, turn1 = len(HISTORY), [*HISTORY, *TAIL]
     events1, _ = _run(core, _request(turn1, h1))
     retry, fin = _run(core, _request(turn1, h1))  # the client timed out and sent it again
-    assert fin.cached_tokens == len(turn1) - 1  # only the last token runs: its logits pick the first token
+    assert (
+        fin.cached_tokens == len(turn1) - 1
+    )  # only the last token runs: its logits pick the first token
     assert [e.token_id for e in retry] == [e.token_id for e in events1]
     _same_tokens_as_cold(model.net, turn1, retry)
     again, fin = _run(core, _request(turn1, h1))
@@ -178,7 +215,9 @@ def test_a_next_turn_that_respells_the_answer_resumes_at_the_prompts_end(model: 
     core = _core(model)
     turn1 = [*HISTORY, *TAIL]
     events1, _ = _run(core, _request(turn1, 0))
-    other = [(e.token_id + 1) % 240 + 3 for e in events1]  # the template renders the answer in other tokens
+    other = [
+        (e.token_id + 1) % 240 + 3 for e in events1
+    ]  # the template renders the answer in other tokens
     turn2 = [*turn1, *other, *NEW]
     events2, fin = _run(core, _request(turn2, 0))
     assert fin.cached_tokens == len(turn1)
@@ -203,15 +242,22 @@ def test_snapshots_are_bounded_and_off_without_a_prefix_cache(model: Model) -> N
     # one entry: prompt + answer, with the recurrent state at the checkpoint, the last prompt token and the prompt's end
     [entry] = core.prefix.entries()
     assert len(entry.tokens) == len(turn1) + MAX_NEW - 1
-    assert sorted(entry.states) == ([len(HISTORY), len(turn1) - 1, len(turn1)] if _recurrent(model) else [])
+    assert sorted(entry.states) == (
+        [len(HISTORY), len(turn1) - 1, len(turn1)] if _recurrent(model) else []
+    )
     tight = _core(model, cache_bytes=entry.nbytes - 1)
     _run(tight, _request(turn1, len(HISTORY)))
     if _recurrent(model):  # over the budget: the earliest snapshot goes, the entry stays
         [kept] = tight.prefix.entries()
-        assert sorted(kept.states) == [len(turn1) - 1, len(turn1)] and tight.prefix.used_bytes <= entry.nbytes - 1
+        assert (
+            sorted(kept.states) == [len(turn1) - 1, len(turn1)]
+            and tight.prefix.used_bytes <= entry.nbytes - 1
+        )
         tight = _core(model, cache_bytes=cache_nbytes(kept.cache) - 1)
         _run(tight, _request(turn1, len(HISTORY)))
-    assert tight.prefix.used_bytes == 0 and len(tight.prefix) == 0  # the cache alone over the budget: not kept
+    assert (
+        tight.prefix.used_bytes == 0 and len(tight.prefix) == 0
+    )  # the cache alone over the budget: not kept
 
 
 def test_a_checkpoint_outside_the_prompt_is_refused() -> None:
@@ -226,5 +272,7 @@ def test_a_copy_is_independent_of_the_cache_it_came_from(model: Model) -> None:
         snap = cache.copy()
         forward_step(model.net, cache, [1, 2, 3])  # the original goes on: the copy must not see it
         forward_step(model.net, fresh, HISTORY)
-        assert torch.equal(forward_step(model.net, snap, TAIL), forward_step(model.net, fresh, TAIL))
+        assert torch.equal(
+            forward_step(model.net, snap, TAIL), forward_step(model.net, fresh, TAIL)
+        )
     assert snap.length == fresh.length == len(HISTORY) + len(TAIL)

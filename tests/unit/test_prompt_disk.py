@@ -30,14 +30,21 @@ from tests.unit.test_prefix_checkpoint import model as model  # the K3 and qwen3
 IDENTITY = {"family": "test", "manifest": "m1", "chat_template": "t1", "dtype": "float32"}
 
 
-def _engine(model: Model, folder: Path, identity: dict[str, str] = IDENTITY, disk_bytes: int = 1 << 30,
-            memory_bytes: int = 1 << 26) -> EngineCore:
+def _engine(
+    model: Model,
+    folder: Path,
+    identity: dict[str, str] = IDENTITY,
+    disk_bytes: int = 1 << 30,
+    memory_bytes: int = 1 << 26,
+) -> EngineCore:
     core = _core(model, snapshot_tokens=8, cache_bytes=memory_bytes)
     core.prefix.disk = PromptDisk(folder, disk_bytes, identity)
     return core
 
 
-def test_a_restart_reuses_the_prompt_from_disk_with_identical_tokens(model: Model, tmp_path: Path) -> None:
+def test_a_restart_reuses_the_prompt_from_disk_with_identical_tokens(
+    model: Model, tmp_path: Path
+) -> None:
     prompt = [*HISTORY, *TAIL]
     first = _engine(model, tmp_path)
     events1, _ = _run(first, _request(prompt, len(HISTORY)))
@@ -73,12 +80,18 @@ def test_a_corrupt_or_stale_file_is_dropped_with_a_log_line(model: Model, tmp_pa
     assert fin.cached_tokens == 0
     _same_tokens_as_cold(model.net, prompt, events)
     dropped = [e for e in logs if e["event"] == "prompt_disk_dropped"]
-    assert len(dropped) == 1 and "checksum" in dropped[0]["reason"] and dropped[0]["file"] == str(path)
+    assert (
+        len(dropped) == 1 and "checksum" in dropped[0]["reason"] and dropped[0]["file"] == str(path)
+    )
     after.prefix.disk.flush()  # the run just now wrote a good file again
     assert path.exists()
     with capture_logs() as logs:
-        changed = _engine(model, tmp_path, {**IDENTITY, "chat_template": "t2"})  # the template changed
-    assert [e["reason"].split(":")[0] for e in logs if e["event"] == "prompt_disk_dropped"] == ["stale"]
+        changed = _engine(
+            model, tmp_path, {**IDENTITY, "chat_template": "t2"}
+        )  # the template changed
+    assert [e["reason"].split(":")[0] for e in logs if e["event"] == "prompt_disk_dropped"] == [
+        "stale"
+    ]
     assert len(changed.prefix.disk) == 0 and not path.exists()
 
 
@@ -92,7 +105,10 @@ def test_files_stay_within_the_byte_budget(model: Model, tmp_path: Path) -> None
         _run(small, _request([head, *HISTORY, *TAIL], 0))
         small.prefix.disk.flush()
     assert 0 < small.prefix.disk.used_bytes <= int(one * 1.5) and len(small.prefix.disk) == 1
-    assert sum(p.stat().st_size for p in (tmp_path / "small").glob(f"*{SUFFIX}")) == small.prefix.disk.used_bytes
+    assert (
+        sum(p.stat().st_size for p in (tmp_path / "small").glob(f"*{SUFFIX}"))
+        == small.prefix.disk.used_bytes
+    )
 
 
 def test_an_entry_too_big_for_memory_still_goes_to_disk(model: Model, tmp_path: Path) -> None:
@@ -103,4 +119,6 @@ def test_an_entry_too_big_for_memory_still_goes_to_disk(model: Model, tmp_path: 
     assert len(first.prefix) == 0 and len(first.prefix.disk) == 1
     after = _engine(model, tmp_path, memory_bytes=1)
     events2, fin = _run(after, _request(prompt, 0))
-    assert fin.cached_tokens == len(prompt) - 1 and [e.token_id for e in events2] == [e.token_id for e in events1]
+    assert fin.cached_tokens == len(prompt) - 1 and [e.token_id for e in events2] == [
+        e.token_id for e in events1
+    ]

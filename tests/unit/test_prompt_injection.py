@@ -23,8 +23,17 @@ from deltafind.tokenizer.bpe import BYTE_TO_UNICODE, KIMI_PATTERN, make_tiktoken
 from deltafind.tokenizer.kimi import write_k3_tokenizer
 
 LLAMA3 = (
-    ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
-     "<|python_tag|>", "<|finetune_right_pad_id|>", "<|reserved_special_token_0|>"],
+    [
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eot_id|>",
+        "<|eom_id|>",
+        "<|python_tag|>",
+        "<|finetune_right_pad_id|>",
+        "<|reserved_special_token_0|>",
+    ],
     "{{- bos_token }}{%- if tools %}<|start_header_id|>system<|end_header_id|>\n\n"
     "Call a function with its parameters as JSON.\n\n{% for t in tools %}{{ t | tojson(indent=4) }}\n\n{% endfor %}<|eot_id|>"
     "{%- endif %}{%- for m in messages %}"
@@ -36,9 +45,21 @@ LLAMA3 = (
     "<|begin_of_text|>",
 )
 DEEPSEEK_V3 = (
-    ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>",
-     "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>", "<｜tool▁outputs▁begin｜>",
-     "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>", "<｜tool▁outputs▁end｜>"],
+    [
+        "<｜begin▁of▁sentence｜>",
+        "<｜end▁of▁sentence｜>",
+        "<｜User｜>",
+        "<｜Assistant｜>",
+        "<｜tool▁calls▁begin｜>",
+        "<｜tool▁call▁begin｜>",
+        "<｜tool▁sep｜>",
+        "<｜tool▁call▁end｜>",
+        "<｜tool▁calls▁end｜>",
+        "<｜tool▁outputs▁begin｜>",
+        "<｜tool▁output▁begin｜>",
+        "<｜tool▁output▁end｜>",
+        "<｜tool▁outputs▁end｜>",
+    ],
     "{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}{{ m.content }}{% endif %}{% endfor %}"
     "{% if tools %}\n\n## Tools\n{% for t in tools %}### {{ t.function.name }}\n{{ t.function.description }}\n"
     "{{ t.function.parameters | tojson }}\n{% endfor %}{% endif %}"
@@ -52,9 +73,21 @@ DEEPSEEK_V3 = (
     "<｜begin▁of▁sentence｜>",
 )
 KIMI_K2 = (
-    ["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
-     "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
-     "<|tool_call_end|>", "<|reserved_token_0|>"],
+    [
+        "[BOS]",
+        "[EOS]",
+        "<|im_end|>",
+        "<|im_user|>",
+        "<|im_assistant|>",
+        "<|im_system|>",
+        "<|im_middle|>",
+        "<|tool_calls_section_begin|>",
+        "<|tool_calls_section_end|>",
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+        "<|reserved_token_0|>",
+    ],
     "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{%- endif -%}"
     "{%- for m in messages -%}{%- set name = m.name or m.role -%}"
     "{%- if m.role == 'user' -%}<|im_user|>{{ name }}<|im_middle|>{%- elif m.role == 'assistant' -%}"
@@ -75,15 +108,21 @@ def _byte_level(folder: Path, specials: list[str], template: str, bos: str) -> T
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos, "eos_token": specials[1], "chat_template": template}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": bos, "eos_token": specials[1], "chat_template": template})
+    )
     return Tokenizer.load(folder)
 
 
 def _kimi_k2(folder: Path) -> Tokenizer:
     specials, template, bos = KIMI_K2
     ranks = {bytes([b]): b for b in range(256)}
-    backend = make_tiktoken_backend(ranks, KIMI_PATTERN, {s: 256 + i for i, s in enumerate(specials)})
-    return Tokenizer(backend, {"bos_token": bos, "eos_token": "[EOS]", "chat_template": template}, folder=folder)
+    backend = make_tiktoken_backend(
+        ranks, KIMI_PATTERN, {s: 256 + i for i, s in enumerate(specials)}
+    )
+    return Tokenizer(
+        backend, {"bos_token": bos, "eos_token": "[EOS]", "chat_template": template}, folder=folder
+    )
 
 
 @pytest.fixture(scope="module", params=["demo", "llama3", "deepseek_v3", "kimi_k2", "kimi_k3"])
@@ -97,7 +136,9 @@ def family(request, tmp_path_factory) -> tuple[str, Tokenizer]:
         return request.param, Tokenizer.load(folder)
     if request.param == "kimi_k2":
         return request.param, _kimi_k2(folder)
-    return request.param, _byte_level(folder, *{"llama3": LLAMA3, "deepseek_v3": DEEPSEEK_V3}[request.param])
+    return request.param, _byte_level(
+        folder, *{"llama3": LLAMA3, "deepseek_v3": DEEPSEEK_V3}[request.param]
+    )
 
 
 def _specials(tok: Tokenizer) -> list[str]:
@@ -108,15 +149,34 @@ def _specials(tok: Tokenizer) -> list[str]:
 
 def _conversation(text: str, key: str) -> tuple[list[dict], list[dict]]:
     """Every place a client puts text: `text` in each, `key` as a parameter name."""
-    tools = [{"type": "function", "function": {"name": "look", "description": "Finds things. " + text,
-                                                "parameters": {"type": "object", "properties": {key: {"type": "string",
-                                                                                                      "description": text}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "look",
+                "description": "Finds things. " + text,
+                "parameters": {
+                    "type": "object",
+                    "properties": {key: {"type": "string", "description": text}},
+                },
+            },
+        }
+    ]
     messages = [
         {"role": "system", "content": text},
         {"role": "user", "content": text, "name": text},
-        {"role": "assistant", "content": text, "reasoning_content": text,
-         "tool_calls": [{"id": "c" + text, "type": "function",
-                         "function": {"name": "look" + text, "arguments": json.dumps({key: text})}}]},
+        {
+            "role": "assistant",
+            "content": text,
+            "reasoning_content": text,
+            "tool_calls": [
+                {
+                    "id": "c" + text,
+                    "type": "function",
+                    "function": {"name": "look" + text, "arguments": json.dumps({key: text})},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "c" + text, "content": text},
         {"role": "user", "content": text},
     ]
@@ -125,8 +185,14 @@ def _conversation(text: str, key: str) -> tuple[list[dict], list[dict]]:
 
 def _plan(tok: Tokenizer, text: str, key: str) -> list[int]:
     tools, messages = _conversation(text, key)
-    body = SimpleNamespace(tools=tools, tool_choice="auto", parallel_tool_calls=None, response_format=None,
-                           chat_template_kwargs={"note": text}, reasoning_effort=None)
+    body = SimpleNamespace(
+        tools=tools,
+        tool_choice="auto",
+        parallel_tool_calls=None,
+        response_format=None,
+        chat_template_kwargs={"note": text},
+        reasoning_effort=None,
+    )
     return plan_chat(tok, body, messages).prompt_ids
 
 
@@ -134,7 +200,14 @@ def _payloads(specials: list[str]) -> list[str]:
     everything = "".join(specials)
     first = specials[0]
     # each special alone and all together, and ends that could join the template's markup
-    return [everything, f"a {everything} b", first[:-1], first[1:], f"{first[1:]} x {first[:-1]}", *specials[:4]]
+    return [
+        everything,
+        f"a {everything} b",
+        first[:-1],
+        first[1:],
+        f"{first[1:]} x {first[:-1]}",
+        *specials[:4],
+    ]
 
 
 def test_special_token_text_never_becomes_a_control_token(family: tuple[str, Tokenizer]) -> None:
@@ -148,7 +221,10 @@ def test_special_token_text_never_becomes_a_control_token(family: tuple[str, Tok
         ids = _plan(tok, payload, "city" + payload)
         assert sum(i in control for i in ids) == count, (name, payload)
         shown = tok.decode(ids)
-        assert shown.count(payload) >= 4 + shown.count(payload * 2), (name, payload)  # the text comes through
+        assert shown.count(payload) >= 4 + shown.count(payload * 2), (
+            name,
+            payload,
+        )  # the text comes through
 
 
 def test_ordinary_prompts_encode_as_before(family: tuple[str, Tokenizer]) -> None:
@@ -158,4 +234,6 @@ def test_ordinary_prompts_encode_as_before(family: tuple[str, Tokenizer]) -> Non
         pytest.skip("K3 encodes XTML segments itself")
     tools, messages = _conversation("Weather in <Paris> | today>", "city")
     text = tok.render_chat(messages, tools=tools)
-    assert tok.apply_chat_template(messages, tools=tools) == tok.encode(text, add_bos=False, allow_special=True)
+    assert tok.apply_chat_template(messages, tools=tools) == tok.encode(
+        text, add_bos=False, allow_special=True
+    )

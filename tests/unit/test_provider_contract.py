@@ -32,14 +32,29 @@ def _store(family: str, root: Path) -> Path:
 
 
 @pytest.mark.parametrize("family", ["kimi_k3", "deepseek_v3", "qwen3_moe", "demo"])
-def test_trace_holds_one_route_per_token_and_expert_layer(family: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+def test_trace_holds_one_route_per_token_and_expert_layer(
+    family: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     store = request.getfixturevalue("demo_store") if family == "demo" else _store(family, tmp_path)
     trace = tmp_path / "t.jsonl"
-    proc = deltafind_cmd("run", "--store", str(store), "--prompt", "hi", "--max-new", "3", "--draft", "off",
-                         "--trace", str(trace))
+    proc = deltafind_cmd(
+        "run",
+        "--store",
+        str(store),
+        "--prompt",
+        "hi",
+        "--max-new",
+        "3",
+        "--draft",
+        "off",
+        "--trace",
+        str(trace),
+    )
     assert proc.returncode == 0, proc.stderr
     routes = [r for r in read_trace(trace) if "experts" in r]
-    expert_layers = set(Manifest.load(store).expert_counts())  # MoE layers and dense (sliced) layers alike
+    expert_layers = set(
+        Manifest.load(store).expert_counts()
+    )  # MoE layers and dense (sliced) layers alike
     tokens = {(r["seq"], r["pos"]) for r in routes}
     per_key = Counter((r["seq"], r["pos"], r["layer"]) for r in routes)
     assert len(tokens) >= 3 and all(seq >= 0 and pos >= 0 for seq, pos in tokens)
@@ -48,8 +63,9 @@ def test_trace_holds_one_route_per_token_and_expert_layer(family: str, tmp_path:
     assert {r["layer"] for r in routes} == expert_layers
     assert all(len(r["experts"]) == len(r["weights"]) > 0 for r in routes)
     summary = deltafind_cmd("trace", "summarize", str(trace))
-    assert summary.returncode == 0 and re.match(rf"{len(routes)} routes,", summary.stdout), summary.stdout
-
+    assert summary.returncode == 0 and re.match(rf"{len(routes)} routes,", summary.stdout), (
+        summary.stdout
+    )
 
 
 def test_the_prefetch_hint_lists_the_routers_best_first() -> None:
@@ -64,13 +80,20 @@ def test_the_prefetch_hint_lists_the_routers_best_first() -> None:
     from deltafind.models.qwen3_moe import Router
 
     torch.manual_seed(0)
-    router = Router(SimpleNamespace(hidden_size=64, num_experts=32, num_experts_per_tok=8, norm_topk_prob=True))  # type: ignore[arg-type]
+    router = Router(
+        SimpleNamespace(hidden_size=64, num_experts=32, num_experts_per_tok=8, norm_topk_prob=True)
+    )  # type: ignore[arg-type]
     torch.nn.init.normal_(router.weight)
     x = torch.randn(2, 64)
     scores = x @ router.weight.T  # the router's logits, computed here: softmax keeps their order
     for row in range(2):
-        assert predict_routed(router, x[row : row + 1]) == scores[row].argsort(descending=True)[:8].tolist()
+        assert (
+            predict_routed(router, x[row : row + 1])
+            == scores[row].argsort(descending=True)[:8].tolist()
+        )
     both = predict_routed(router, x)
     chosen = [set(scores[r].argsort(descending=True)[:8].tolist()) for r in range(2)]
     shared = chosen[0] & chosen[1]
-    assert set(both[: len(shared)]) == shared and set(both) == chosen[0] | chosen[1]  # chosen by both tokens first
+    assert (
+        set(both[: len(shared)]) == shared and set(both) == chosen[0] | chosen[1]
+    )  # chosen by both tokens first

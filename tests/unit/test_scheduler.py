@@ -40,7 +40,9 @@ class FakeNet:
             time.sleep(self.delay_s)
         out = []
         for seg in batch.segments:
-            (held,) = seg.cache.layers[0].append(input_ids[seg.start : seg.start + seg.num_tokens].double()[:, None])
+            (held,) = seg.cache.layers[0].append(
+                input_ids[seg.start : seg.start + seg.num_tokens].double()[:, None]
+            )
             nxt = int(held.sum().item() * 31 + held.shape[0]) % V
             out.append(torch.nn.functional.one_hot(torch.tensor(nxt), V).float() * 10)
         batch.advance()
@@ -70,14 +72,28 @@ requests = st.lists(
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(reqs=requests, max_running=st.integers(1, 5), step_tokens=st.integers(1, 16), reuse=st.booleans())
-def test_every_sequence_ends_within_budgets_with_exact_output(reqs, max_running, step_tokens, reuse) -> None:
+@given(
+    reqs=requests,
+    max_running=st.integers(1, 5),
+    step_tokens=st.integers(1, 16),
+    reuse=st.booleans(),
+)
+def test_every_sequence_ends_within_budgets_with_exact_output(
+    reqs, max_running, step_tokens, reuse
+) -> None:
     net = FakeNet()
-    limits = SchedulerLimits(max_running=max_running, max_queue=64, max_step_tokens=step_tokens, max_context=64,
-                             prefix_cache_bytes=1 << 20 if reuse else 0)
+    limits = SchedulerLimits(
+        max_running=max_running,
+        max_queue=64,
+        max_step_tokens=step_tokens,
+        max_context=64,
+        prefix_cache_bytes=1 << 20 if reuse else 0,
+    )
     sched = Scheduler(net, [STOP], limits)
     try:
-        handles = [sched.submit(GenRequest(tuple(p), SamplingParams(max_new_tokens=n))) for p, n, _ in reqs]
+        handles = [
+            sched.submit(GenRequest(tuple(p), SamplingParams(max_new_tokens=n))) for p, n, _ in reqs
+        ]
         for (prompt, max_new, cancel_at), h in zip(reqs, handles, strict=True):
             tokens: list[int] = []
             if cancel_at == 0:
@@ -121,7 +137,12 @@ def test_full_queue_answers_queue_full_and_drain_refuses() -> None:
         with pytest.raises(Draining):
             sched.submit(GenRequest((1,), SamplingParams(max_new_tokens=1)))
         sched.resume()
-        assert collect(sched.submit(GenRequest((1,), SamplingParams(max_new_tokens=2))), timeout=10)[1].reason == "length"
+        assert (
+            collect(sched.submit(GenRequest((1,), SamplingParams(max_new_tokens=2))), timeout=10)[
+                1
+            ].reason
+            == "length"
+        )
     finally:
         sched.close()
 
@@ -130,7 +151,9 @@ def test_a_cancelled_sequence_frees_its_slot_at_once() -> None:
     net = FakeNet(delay_s=0.01)
     sched = Scheduler(net, [], SchedulerLimits(max_running=1, max_queue=4))
     try:
-        long = sched.submit(GenRequest((1,), SamplingParams(max_new_tokens=10_000, ignore_eos=True)))
+        long = sched.submit(
+            GenRequest((1,), SamplingParams(max_new_tokens=10_000, ignore_eos=True))
+        )
         short = sched.submit(GenRequest((2,), SamplingParams(max_new_tokens=3)))
         assert isinstance(long.get(timeout=5), TokenEvent)
         long.cancel()
@@ -145,10 +168,14 @@ def test_penalties_and_logprobs() -> None:
     try:
         h = sched.submit(GenRequest((3, 4), SamplingParams(max_new_tokens=3), logprobs=2))
         events = [e for e in h if isinstance(e, TokenEvent)]
-        assert len(events) == 3 and all(e.logprob is not None and e.logprob <= 0 and len(e.top) == 2 for e in events)
+        assert len(events) == 3 and all(
+            e.logprob is not None and e.logprob <= 0 and len(e.top) == 2 for e in events
+        )
         assert all(e.top[0][0] == e.token_id for e in events)  # greedy picks the top one
         # a frequency penalty of 2 is not enough to beat a logit margin of 10: greedy stays
-        h = sched.submit(GenRequest((3, 4), SamplingParams(max_new_tokens=3), frequency_penalty=2.0))
+        h = sched.submit(
+            GenRequest((3, 4), SamplingParams(max_new_tokens=3), frequency_penalty=2.0)
+        )
         assert [e.token_id for e in h if isinstance(e, TokenEvent)] == expected([3, 4], 3)[0]
     finally:
         sched.close()
@@ -162,7 +189,9 @@ def test_prefix_cache_takes_the_longest_shared_prefix_and_keeps_it() -> None:
         c.length = len(toks)
         pc.put(toks, c)
     assert len(pc) == 1  # [1, 2] is a prefix of [1, 2, 3]: merged into it
-    for _ in range(2):  # a retry of the same prompt: all but its last token, every time (nothing consumed)
+    for _ in range(
+        2
+    ):  # a retry of the same prompt: all but its last token, every time (nothing consumed)
         got = pc.take([1, 2, 3])
         assert got is not None and got[1] == 2 and got[0].length == 2
         assert torch.equal(got[0].layers[0].view()[0], torch.arange(8.0).view(2, 4))
@@ -177,7 +206,9 @@ def test_prefix_cache_takes_the_longest_shared_prefix_and_keeps_it() -> None:
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("sched")
-    ckpt = make_hf_checkpoint("qwen3_moe", root / "hf", num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
+    ckpt = make_hf_checkpoint(
+        "qwen3_moe", root / "hf", num_hidden_layers=2, num_experts=8, num_experts_per_tok=2
+    )
     setup_store(ckpt, root / "store", [root / "d0"], dense_slices=2, progress=False)
     m = Model.open(root / "store", expert_cache_bytes=0, prefetch=False)
     yield m
@@ -187,11 +218,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
 def test_batched_chunked_and_reused_match_one_at_a_time_on_a_real_moe(tiny_model: Model) -> None:
     prompts = [[11, 42, 7, 99, 3, 150, 8], [5, 6], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [77]]
     want = [tiny_model.generate(p, max_new_tokens=10) for p in prompts]
-    sched = Scheduler(tiny_model.net, tiny_model.eos_token_ids,
-                      SchedulerLimits(max_running=4, max_step_tokens=5, prefix_cache_bytes=1 << 24))
+    sched = Scheduler(
+        tiny_model.net,
+        tiny_model.eos_token_ids,
+        SchedulerLimits(max_running=4, max_step_tokens=5, prefix_cache_bytes=1 << 24),
+    )
     try:
         read0 = tiny_model.experts.stats.requested
-        handles = [sched.submit(GenRequest(tuple(p), SamplingParams(max_new_tokens=10))) for p in prompts]
+        handles = [
+            sched.submit(GenRequest(tuple(p), SamplingParams(max_new_tokens=10))) for p in prompts
+        ]
         assert [collect(h, timeout=60)[0] for h in handles] == want
         # each step fetched the union of its sequences' experts once: fewer fetches than one at a time
         assert tiny_model.experts.stats.requested - read0 < sum(len(w) for w in want) * 2 * 2
@@ -219,9 +255,16 @@ def test_a_failing_step_fails_its_sequences_and_the_engine_keeps_serving() -> No
 
     sched = Scheduler(Flaky(), [], SchedulerLimits())
     try:
-        _, fin = collect(sched.submit(GenRequest((1,), SamplingParams(max_new_tokens=2))), timeout=10)
+        _, fin = collect(
+            sched.submit(GenRequest((1,), SamplingParams(max_new_tokens=2))), timeout=10
+        )
         assert fin.reason == "error" and "drive went away" in (fin.error or "")
-        assert collect(sched.submit(GenRequest((1,), SamplingParams(max_new_tokens=2))), timeout=10)[1].reason == "length"
+        assert (
+            collect(sched.submit(GenRequest((1,), SamplingParams(max_new_tokens=2))), timeout=10)[
+                1
+            ].reason
+            == "length"
+        )
     finally:
         sched.close()
 
@@ -232,5 +275,3 @@ def test_scheduler_call_runs_on_the_engine_thread() -> None:
         assert sched.call(lambda: threading.current_thread().name) == "deltafind-engine"
     finally:
         sched.close()
-
-

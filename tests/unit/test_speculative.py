@@ -46,7 +46,11 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     exp, obs = exp[keep], obs[keep]
     stat = float(((obs - exp) ** 2 / exp).sum())
     dof = exp.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)
+        )
+    )
 
 
 # -- the acceptance rule alone --------------------------------------------------
@@ -69,7 +73,11 @@ def _count(rule, logits, q, fixed: list[int] | None, params, n: int, seed: int) 
     gen = torch.Generator().manual_seed(seed)
     counts = torch.zeros(v + v * v, dtype=torch.long)
     for _ in range(n):
-        tokens = fixed if fixed is not None else [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(2)]
+        tokens = (
+            fixed
+            if fixed is not None
+            else [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(2)]
+        )
         out = rule(logits, tokens, q, params, gen)
         counts[out[0] if out[0] != tokens[0] else v + out[0] * v + out[1]] += 1
     return counts
@@ -77,7 +85,10 @@ def _count(rule, logits, q, fixed: list[int] | None, params, n: int, seed: int) 
 
 def _accept_everything(logits, tokens, q, params, generator):
     """A broken rule: every draft accepted, then the target's own token."""
-    return [*tokens, int(torch.multinomial(sampling_probs(logits[len(tokens)], params), 1, generator=generator))]
+    return [
+        *tokens,
+        int(torch.multinomial(sampling_probs(logits[len(tokens)], params), 1, generator=generator)),
+    ]
 
 
 @pytest.mark.parametrize("with_q", [False, True], ids=["deterministic", "with-q"])
@@ -131,11 +142,15 @@ def build_stores(root: Path) -> dict[str, Model]:
     out = {}
     # "small" is "llama" with its last layer cut off (same seed, tied head): a same-vocabulary draft that is
     # sometimes right, as a small sibling model is; for "moe" it is an unrelated draft, almost always wrong.
-    for name, family, seed, extra in [("moe", "qwen3_moe", 3, {"num_hidden_layers": 3}),
-                                      ("llama", "llama", 5, {"num_hidden_layers": 3, "tie_word_embeddings": True}),
-                                      ("small", "llama", 5, {"num_hidden_layers": 2, "tie_word_embeddings": True})]:
+    for name, family, seed, extra in [
+        ("moe", "qwen3_moe", 3, {"num_hidden_layers": 3}),
+        ("llama", "llama", 5, {"num_hidden_layers": 3, "tie_word_embeddings": True}),
+        ("small", "llama", 5, {"num_hidden_layers": 2, "tie_word_embeddings": True}),
+    ]:
         ckpt = make_hf_checkpoint(family, root / name / "hf", seed=seed, **extra)
-        setup_store(ckpt, root / name / "store", [root / name / "d0"], dense_slices=2, progress=False)
+        setup_store(
+            ckpt, root / name / "store", [root / name / "d0"], dense_slices=2, progress=False
+        )
         out[name] = Model.open(root / name / "store", prefetch=False)
     return out
 
@@ -152,12 +167,18 @@ def _prompts(n: int) -> list[list[int]]:
 def _sources(stores: dict[str, Model], target: str) -> dict[str, object]:
     net = stores[target].net
     vocab = net.lm_head.weight.shape[0]
-    return {"ngram": NgramSource(), "self1": SelfDraftSource(net, 1), "self2": SelfDraftSource(net, 2),
-            "store": StoreDraftSource(stores["small"].net, "store:small", vocab)}
+    return {
+        "ngram": NgramSource(),
+        "self1": SelfDraftSource(net, 1),
+        "self2": SelfDraftSource(net, 2),
+        "store": StoreDraftSource(stores["small"].net, "store:small", vocab),
+    }
 
 
 @pytest.mark.parametrize("target", ["moe", "llama"])
-def test_greedy_output_with_every_source_equals_drafting_off(stores: dict[str, Model], target: str) -> None:
+def test_greedy_output_with_every_source_equals_drafting_off(
+    stores: dict[str, Model], target: str
+) -> None:
     model = stores[target]
     total = DraftStats()
     for name, source in _sources(stores, target).items():
@@ -166,8 +187,17 @@ def test_greedy_output_with_every_source_equals_drafting_off(stores: dict[str, M
             want = list(generate(model.net, prompt, params, ()))
             for mode in ("on", "auto"):
                 st = DraftStats()
-                got = list(generate(model.net, prompt, params, (), draft=source,
-                                    draft_policy=PolicyOptions(mode=mode, max_width=5), draft_stats=st))
+                got = list(
+                    generate(
+                        model.net,
+                        prompt,
+                        params,
+                        (),
+                        draft=source,
+                        draft_policy=PolicyOptions(mode=mode, max_width=5),
+                        draft_stats=st,
+                    )
+                )
                 assert got == want, (name, mode, prompt)
                 total.add(st)
     # the runs exercised both acceptance and rejection
@@ -175,7 +205,9 @@ def test_greedy_output_with_every_source_equals_drafting_off(stores: dict[str, M
 
 
 @pytest.mark.parametrize("source_name", ["ngram", "self1", "store"])
-def test_stop_ids_eos_and_max_tokens_cut_exactly_as_without_drafts(stores: dict[str, Model], source_name: str) -> None:
+def test_stop_ids_eos_and_max_tokens_cut_exactly_as_without_drafts(
+    stores: dict[str, Model], source_name: str
+) -> None:
     model = stores["moe"]
     source = _sources(stores, "moe")[source_name]
     on = PolicyOptions(mode="on", max_width=6)
@@ -183,16 +215,23 @@ def test_stop_ids_eos_and_max_tokens_cut_exactly_as_without_drafts(stores: dict[
         free = list(generate(model.net, prompt, SamplingParams(max_new_tokens=30), ()))
         for cut in (1, 2, 7, 30):
             p = SamplingParams(max_new_tokens=cut)
-            assert list(generate(model.net, prompt, p, (), draft=source, draft_policy=on)) == free[:cut]
+            assert (
+                list(generate(model.net, prompt, p, (), draft=source, draft_policy=on))
+                == free[:cut]
+            )
         for j in (1, 4, 17):  # stop at the first occurrence of the token emitted j-th
             stop = free[j]
             want = free[: free.index(stop) + 1]
             p = SamplingParams(max_new_tokens=30, stop_token_ids=(stop,))
             assert list(generate(model.net, prompt, p, (), draft=source, draft_policy=on)) == want
             p = SamplingParams(max_new_tokens=30)
-            assert list(generate(model.net, prompt, p, (stop,), draft=source, draft_policy=on)) == want  # as EOS
+            assert (
+                list(generate(model.net, prompt, p, (stop,), draft=source, draft_policy=on)) == want
+            )  # as EOS
             p = SamplingParams(max_new_tokens=30, ignore_eos=True)
-            assert list(generate(model.net, prompt, p, (stop,), draft=source, draft_policy=on)) == free
+            assert (
+                list(generate(model.net, prompt, p, (stop,), draft=source, draft_policy=on)) == free
+            )
 
 
 class _Failing:
@@ -228,21 +267,39 @@ class _Failing:
         pass
 
 
-@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"), DraftError("bad draft"), ValueError("bug")],
-                         ids=["oom", "draft", "bug"])
-def test_a_failing_draft_falls_back_to_target_only_with_a_log_line(stores: dict[str, Model], error: Exception) -> None:
+@pytest.mark.parametrize(
+    "error",
+    [torch.OutOfMemoryError("CUDA out of memory"), DraftError("bad draft"), ValueError("bug")],
+    ids=["oom", "draft", "bug"],
+)
+def test_a_failing_draft_falls_back_to_target_only_with_a_log_line(
+    stores: dict[str, Model], error: Exception
+) -> None:
     model = stores["moe"]
     prompt = _prompts(3)[2]
     params = SamplingParams(max_new_tokens=20)
     want = list(generate(model.net, prompt, params, ()))
     st = DraftStats()
     with capture_logs() as logs:
-        got = list(generate(model.net, prompt, params, (), draft=_Failing(2, error), draft_policy=PolicyOptions(mode="on"),
-                            draft_stats=st))
+        got = list(
+            generate(
+                model.net,
+                prompt,
+                params,
+                (),
+                draft=_Failing(2, error),
+                draft_policy=PolicyOptions(mode="on"),
+                draft_stats=st,
+            )
+        )
     assert got == want
     assert st.failures == 1
     lines = [e for e in logs if e["event"] == "draft_failed"]
-    assert len(lines) == 1 and lines[0]["fallback"] == "target_only" and type(error).__name__ in lines[0]["error"]
+    assert (
+        len(lines) == 1
+        and lines[0]["fallback"] == "target_only"
+        and type(error).__name__ in lines[0]["error"]
+    )
 
 
 def test_a_proposal_outside_the_vocabulary_is_refused_not_run(stores: dict[str, Model]) -> None:
@@ -256,8 +313,17 @@ def test_a_proposal_outside_the_vocabulary_is_refused_not_run(stores: dict[str, 
     params = SamplingParams(max_new_tokens=8)
     st = DraftStats()
     with capture_logs() as logs:
-        got = list(generate(model.net, [1, 2, 3], params, (), draft=Wild(0, ValueError()), draft_policy=PolicyOptions(mode="on"),
-                            draft_stats=st))
+        got = list(
+            generate(
+                model.net,
+                [1, 2, 3],
+                params,
+                (),
+                draft=Wild(0, ValueError()),
+                draft_policy=PolicyOptions(mode="on"),
+                draft_stats=st,
+            )
+        )
     assert got == list(generate(model.net, [1, 2, 3], params, ()))
     assert [e["event"] for e in logs].count("draft_failed") == 1
 
@@ -278,7 +344,9 @@ def test_self_draft_leaves_the_target_cache_as_a_plain_run_would(stores: dict[st
         assert [layer.length for layer in cache.layers] == before and cache.length == len(prompt)
         # a verify pass over the rows the draft wrote gives the logits of a fresh full run
         got = forward_step(net, cache, [5, *prop.tokens], all_logits=True)
-        ref = forward_step(net, SequenceCache(net.num_layers), [*prompt, 5, *prop.tokens], all_logits=True)[len(prompt):]
+        ref = forward_step(
+            net, SequenceCache(net.num_layers), [*prompt, 5, *prop.tokens], all_logits=True
+        )[len(prompt) :]
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
@@ -292,7 +360,9 @@ def test_store_draft_refuses_a_smaller_vocabulary(stores: dict[str, Model]) -> N
 SAMPLES = 800  # seeded generations per case in the sampling tests below
 
 
-def _exact_joint(model: Model, prompt: list[int], params: SamplingParams, depth: int) -> dict[tuple[int, ...], float]:
+def _exact_joint(
+    model: Model, prompt: list[int], params: SamplingParams, depth: int
+) -> dict[tuple[int, ...], float]:
     """P(first `depth` tokens) under `params`, from the target's logits by full recompute."""
     out: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(depth):
@@ -305,12 +375,18 @@ def _exact_joint(model: Model, prompt: list[int], params: SamplingParams, depth:
     return out
 
 
-def _sample_joint(model: Model, prompt: list[int], params: SamplingParams, source, exact: dict, n: int) -> float:
+def _sample_joint(
+    model: Model, prompt: list[int], params: SamplingParams, source, exact: dict, n: int
+) -> float:
     keys = list(exact)
-    counts = torch.zeros(len(keys) + 1, dtype=torch.long)  # the last cell: an outcome of probability zero
+    counts = torch.zeros(
+        len(keys) + 1, dtype=torch.long
+    )  # the last cell: an outcome of probability zero
     on = PolicyOptions(mode="on", max_width=2)
     for seed in range(n):
-        p = SamplingParams(max_new_tokens=3, temperature=params.temperature, top_k=params.top_k, seed=seed)
+        p = SamplingParams(
+            max_new_tokens=3, temperature=params.temperature, top_k=params.top_k, seed=seed
+        )
         got = tuple(generate(model.net, prompt, p, (), draft=source, draft_policy=on))
         counts[keys.index(got) if got in exact else len(keys)] += 1
     return chi2_pvalue(counts, torch.tensor([*exact.values(), 0.0]))
@@ -323,23 +399,40 @@ def _drafting_prompt(model: Model, source, params: SamplingParams) -> list[int]:
         prompt = [*base, *generate(model.net, base, SamplingParams(max_new_tokens=12), ())]
         st = DraftStats()
         for seed in range(20):
-            p = SamplingParams(max_new_tokens=3, temperature=params.temperature, top_k=params.top_k, seed=seed)
-            list(generate(model.net, prompt, p, (), draft=source, draft_policy=PolicyOptions(mode="on"), draft_stats=st))
+            p = SamplingParams(
+                max_new_tokens=3, temperature=params.temperature, top_k=params.top_k, seed=seed
+            )
+            list(
+                generate(
+                    model.net,
+                    prompt,
+                    p,
+                    (),
+                    draft=source,
+                    draft_policy=PolicyOptions(mode="on"),
+                    draft_stats=st,
+                )
+            )
         if st.proposed > st.accepted > 0:
             return prompt
     raise AssertionError("no prompt makes the draft both right and wrong")
 
 
 @pytest.mark.parametrize("source_name", ["ngram", "self1"])
-def test_sampled_tokens_follow_the_target_distribution_with_drafts(stores: dict[str, Model], source_name: str,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sampled_tokens_follow_the_target_distribution_with_drafts(
+    stores: dict[str, Model], source_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Tokens 1-3 (token 2 is the first a verify pass decides, token 3 the one after an accepted
     draft): chi-square of SAMPLES seeded runs against the exact joint, at ALPHA."""
     model = stores["llama"]
     params = SamplingParams(temperature=1.0, top_k=3)
     source = _sources(stores, "llama")[source_name]
-    prompt = _drafting_prompt(model, source, params)  # the runs draft; drafts are both accepted and rejected
+    prompt = _drafting_prompt(
+        model, source, params
+    )  # the runs draft; drafts are both accepted and rejected
     exact = _exact_joint(model, prompt, params, 3)
     assert _sample_joint(model, prompt, params, source, exact, SAMPLES) > ALPHA
     monkeypatch.setattr(speculative, "accept", _accept_everything)
-    assert _sample_joint(model, prompt, params, source, exact, SAMPLES) < ALPHA  # a broken rule fails it
+    assert (
+        _sample_joint(model, prompt, params, source, exact, SAMPLES) < ALPHA
+    )  # a broken rule fails it

@@ -52,16 +52,28 @@ def _requests(model: Model) -> list[tuple[GenRequest, list[int]]]:
             params = SamplingParams(max_new_tokens=20, stop_token_ids=(free[5 + i],))
         else:
             params = SamplingParams(max_new_tokens=3 + 2 * i)
-        out.append((GenRequest(tuple(prompt), params), list(generate(model.net, prompt, params, ()))))
+        out.append(
+            (GenRequest(tuple(prompt), params), list(generate(model.net, prompt, params, ())))
+        )
     return out
 
 
-@pytest.mark.parametrize(("target", "source_name"), [("moe", "ngram"), ("moe", "self2"), ("llama", "self1"), ("llama", "store")])
-def test_concurrent_drafting_sequences_match_drafting_off(stores: dict[str, Model], target: str, source_name: str) -> None:
+@pytest.mark.parametrize(
+    ("target", "source_name"),
+    [("moe", "ngram"), ("moe", "self2"), ("llama", "self1"), ("llama", "store")],
+)
+def test_concurrent_drafting_sequences_match_drafting_off(
+    stores: dict[str, Model], target: str, source_name: str
+) -> None:
     model = stores[target]
     reqs = _requests(model)
-    sched = Scheduler(model.net, (), SchedulerLimits(max_running=4, max_step_tokens=12), draft=_sources(stores, target)[source_name],
-                      draft_policy=ON)
+    sched = Scheduler(
+        model.net,
+        (),
+        SchedulerLimits(max_running=4, max_step_tokens=12),
+        draft=_sources(stores, target)[source_name],
+        draft_policy=ON,
+    )
     try:
         handles = [sched.submit(req) for req, _ in reqs]
         got = [collect(h, timeout=120) for h in handles]
@@ -80,9 +92,13 @@ def test_eos_cut_inside_an_accepted_block(stores: dict[str, Model]) -> None:
     free = list(generate(model.net, prompt, SamplingParams(max_new_tokens=24), ()))
     eos = free[10]
     want = free[: free.index(eos) + 1]
-    sched = Scheduler(model.net, (eos,), SchedulerLimits(max_running=2), draft=NgramSource(), draft_policy=ON)
+    sched = Scheduler(
+        model.net, (eos,), SchedulerLimits(max_running=2), draft=NgramSource(), draft_policy=ON
+    )
     try:
-        tokens, fin = collect(sched.submit(GenRequest(tuple(prompt), SamplingParams(max_new_tokens=24))), timeout=60)
+        tokens, fin = collect(
+            sched.submit(GenRequest(tuple(prompt), SamplingParams(max_new_tokens=24))), timeout=60
+        )
     finally:
         sched.close()
     assert tokens == want and fin.reason == "stop" and fin.completion_tokens == len(want)
@@ -91,8 +107,13 @@ def test_eos_cut_inside_an_accepted_block(stores: dict[str, Model]) -> None:
 def test_a_failing_draft_falls_back_in_the_scheduler(stores: dict[str, Model]) -> None:
     model = stores["moe"]
     reqs = _requests(model)[:4]
-    sched = Scheduler(model.net, (), SchedulerLimits(max_running=4), draft=_Failing(1, torch.OutOfMemoryError("out of memory")),
-                      draft_policy=ON)
+    sched = Scheduler(
+        model.net,
+        (),
+        SchedulerLimits(max_running=4),
+        draft=_Failing(1, torch.OutOfMemoryError("out of memory")),
+        draft_policy=ON,
+    )
     try:
         with capture_logs() as logs:
             got = [collect(sched.submit(req), timeout=60) for req, _ in reqs]
@@ -118,13 +139,26 @@ def test_a_failing_verify_pass_reruns_the_step_target_only(stores: dict[str, Mod
 
         def __call__(self, ids, batch, all_logits=False):
             if any(r > 1 for r in batch.logit_rows):
-                for s in batch.segments:  # fail part-way, as a real OOM would: some rows already appended
-                    s.cache.layers[0].append(*[t[:1].expand(s.num_tokens, *t.shape[1:]).clone() for t in s.cache.layers[0].view()])
+                for s in (
+                    batch.segments
+                ):  # fail part-way, as a real OOM would: some rows already appended
+                    s.cache.layers[0].append(
+                        *[
+                            t[:1].expand(s.num_tokens, *t.shape[1:]).clone()
+                            for t in s.cache.layers[0].view()
+                        ]
+                    )
                 raise torch.OutOfMemoryError("CUDA out of memory")
             return self.net(ids, batch, all_logits)
 
     reqs = _requests(model)[:3]
-    sched = Scheduler(WideFails(model.net), (), SchedulerLimits(max_running=3), draft=NgramSource(), draft_policy=ON)
+    sched = Scheduler(
+        WideFails(model.net),
+        (),
+        SchedulerLimits(max_running=3),
+        draft=NgramSource(),
+        draft_policy=ON,
+    )
     try:
         with capture_logs() as logs:
             got = [collect(sched.submit(req), timeout=60) for req, _ in reqs]
@@ -136,12 +170,28 @@ def test_a_failing_verify_pass_reruns_the_step_target_only(stores: dict[str, Mod
 
 
 def _scheduler_joint(model: Model, prompt: list[int], params: SamplingParams, source, exact: dict):
-    sched = Scheduler(model.net, (), SchedulerLimits(max_running=16, max_queue=SAMPLES), draft=source,
-                      draft_policy=PolicyOptions(mode="on", max_width=2))
+    sched = Scheduler(
+        model.net,
+        (),
+        SchedulerLimits(max_running=16, max_queue=SAMPLES),
+        draft=source,
+        draft_policy=PolicyOptions(mode="on", max_width=2),
+    )
     try:
-        handles = [sched.submit(GenRequest(tuple(prompt), SamplingParams(max_new_tokens=3, temperature=params.temperature,
-                                                                         top_k=params.top_k, seed=seed)))
-                   for seed in range(SAMPLES)]
+        handles = [
+            sched.submit(
+                GenRequest(
+                    tuple(prompt),
+                    SamplingParams(
+                        max_new_tokens=3,
+                        temperature=params.temperature,
+                        top_k=params.top_k,
+                        seed=seed,
+                    ),
+                )
+            )
+            for seed in range(SAMPLES)
+        ]
         outs = [tuple(collect(h, timeout=300)[0]) for h in handles]
     finally:
         sched.close()
@@ -152,8 +202,9 @@ def _scheduler_joint(model: Model, prompt: list[int], params: SamplingParams, so
     return chi2_pvalue(counts, torch.tensor([*exact.values(), 0.0])), sched.stats.draft
 
 
-def test_sampling_through_the_scheduler_keeps_the_target_distribution(stores: dict[str, Model],
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sampling_through_the_scheduler_keeps_the_target_distribution(
+    stores: dict[str, Model], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """SAMPLES seeded requests, 16 at a time in shared steps: tokens 1-3 against the exact joint, at ALPHA."""
     from deltafind.engine import speculative
 
@@ -166,17 +217,29 @@ def test_sampling_through_the_scheduler_keeps_the_target_distribution(stores: di
     assert pvalue > ALPHA
     assert drafts.proposed > drafts.accepted > 0  # drafts were both accepted and rejected
     monkeypatch.setattr(speculative, "accept", _accept_everything)
-    assert _scheduler_joint(model, prompt, params, source, exact)[0] < ALPHA  # a broken rule fails it
+    assert (
+        _scheduler_joint(model, prompt, params, source, exact)[0] < ALPHA
+    )  # a broken rule fails it
 
 
 def test_penalties_and_logprobs_with_drafts_equal_drafting_off(stores: dict[str, Model]) -> None:
     """Each verified row sees the penalties of the drafts before it; logprobs come from the target's rows."""
     model = stores["moe"]
-    reqs = [GenRequest(tuple(p), SamplingParams(max_new_tokens=16), logprobs=2, presence_penalty=0.3 * (i % 2),
-                       frequency_penalty=0.5 * (i % 3 == 0)) for i, p in enumerate(_prompts(6))]
+    reqs = [
+        GenRequest(
+            tuple(p),
+            SamplingParams(max_new_tokens=16),
+            logprobs=2,
+            presence_penalty=0.3 * (i % 2),
+            frequency_penalty=0.5 * (i % 3 == 0),
+        )
+        for i, p in enumerate(_prompts(6))
+    ]
 
     def events(draft):
-        sched = Scheduler(model.net, (), SchedulerLimits(max_running=3), draft=draft, draft_policy=ON)
+        sched = Scheduler(
+            model.net, (), SchedulerLimits(max_running=3), draft=draft, draft_policy=ON
+        )
         try:
             handles = [sched.submit(r) for r in reqs]
             out = []
@@ -200,7 +263,9 @@ def test_metrics_report_the_schedulers_draft_counters(stores: dict[str, Model]) 
     from deltafind.server.metrics import ServerMetrics, render
 
     model = stores["moe"]
-    sched = Scheduler(model.net, (), SchedulerLimits(max_running=2), draft=NgramSource(), draft_policy=ON)
+    sched = Scheduler(
+        model.net, (), SchedulerLimits(max_running=2), draft=NgramSource(), draft_policy=ON
+    )
     try:
         for req, _ in _requests(model)[:3]:
             collect(sched.submit(req), timeout=60)

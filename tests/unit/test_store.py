@@ -26,7 +26,12 @@ from tests.conftest import make_hf_checkpoint
 
 @pytest.fixture(scope="module")
 def moe_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_hf_checkpoint("qwen3_moe", tmp_path_factory.mktemp("ckpt") / "hf", mlp_only_layers=[0], norm_topk_prob=True)
+    return make_hf_checkpoint(
+        "qwen3_moe",
+        tmp_path_factory.mktemp("ckpt") / "hf",
+        mlp_only_layers=[0],
+        norm_topk_prob=True,
+    )
 
 
 def _source_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -39,7 +44,13 @@ def _source_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def test_every_tensor_is_bit_identical_to_its_source(moe_ckpt: Path, tmp_path: Path) -> None:
     store = tmp_path / "store"
-    manifest = setup_store(moe_ckpt, store, [tmp_path / "a", tmp_path / "b", tmp_path / "c"], dense_slices=3, progress=False)
+    manifest = setup_store(
+        moe_ckpt,
+        store,
+        [tmp_path / "a", tmp_path / "b", tmp_path / "c"],
+        dense_slices=3,
+        progress=False,
+    )
     src = _source_tensors(moe_ckpt)
     with safe_open(str(store / "spine.safetensors"), "pt") as h:
         spine = {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118 (safetensors handle)
@@ -52,10 +63,14 @@ def test_every_tensor_is_bit_identical_to_its_source(moe_ckpt: Path, tmp_path: P
         for part, t in parts.items():
             rebuilt[f"model.layers.{layer}.mlp.experts.{e}.{part}.weight"] = t
     for part, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
-        rebuilt[f"model.layers.0.mlp.{part}.weight"] = torch.cat([experts[(0, i)][part] for i in range(3)], dim=dim)
+        rebuilt[f"model.layers.0.mlp.{part}.weight"] = torch.cat(
+            [experts[(0, i)][part] for i in range(3)], dim=dim
+        )
     assert rebuilt.keys() == src.keys()
     for name, t in src.items():
-        assert rebuilt[name].dtype == t.dtype and torch.equal(rebuilt[name].view(torch.uint8), t.view(torch.uint8)), name
+        assert rebuilt[name].dtype == t.dtype and torch.equal(
+            rebuilt[name].view(torch.uint8), t.view(torch.uint8)
+        ), name
     # striping: round-robin over the three drives, every record 4096-aligned
     drives = [r.drive for r in sorted(manifest.experts, key=lambda r: r.key)]
     assert set(drives) == {0, 1, 2} and all(r.offset % 4096 == 0 for r in manifest.experts)
@@ -79,7 +94,9 @@ def test_flipped_byte_is_reported_by_doctor_and_by_a_read(moe_ckpt: Path, tmp_pa
 
 
 def test_interrupted_setup_resumes_to_the_same_store(moe_ckpt: Path, tmp_path: Path) -> None:
-    clean = setup_store(moe_ckpt, tmp_path / "clean", [tmp_path / "c0", tmp_path / "c1"], progress=False)
+    clean = setup_store(
+        moe_ckpt, tmp_path / "clean", [tmp_path / "c0", tmp_path / "c1"], progress=False
+    )
     store = tmp_path / "resumed"
     drives = [tmp_path / "r0", tmp_path / "r1"]
     with pytest.raises(KeyboardInterrupt):
@@ -118,7 +135,9 @@ def test_missing_drive_is_named(moe_ckpt: Path, tmp_path: Path) -> None:
 
 
 def test_dense_slicing_is_lossless(tmp_path: Path) -> None:
-    ckpt = make_hf_checkpoint("llama", tmp_path / "hf", intermediate_size=100)  # 100 does not divide by 8
+    ckpt = make_hf_checkpoint(
+        "llama", tmp_path / "hf", intermediate_size=100
+    )  # 100 does not divide by 8
     ids = list(range(3, 40, 3))
     logits = []
     for n in (1, 8):
@@ -127,10 +146,18 @@ def test_dense_slicing_is_lossless(tmp_path: Path) -> None:
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
 
 
-def _dense_plan(inter: int, hidden: int, down_quant: str = "") -> tuple[dict[str, TensorInfo], Plan]:
+def _dense_plan(
+    inter: int, hidden: int, down_quant: str = ""
+) -> tuple[dict[str, TensorInfo], Plan]:
     half = TensorInfo(torch.bfloat16, (inter, hidden))
-    down = TensorInfo(torch.uint8, (hidden, inter // 256 * 144), down_quant) if down_quant else TensorInfo(torch.bfloat16, (hidden, inter))
-    return {"g": half, "u": half, "d": down}, Plan([], {}, {0: {"gate_proj": "g", "up_proj": "u", "down_proj": "d"}})
+    down = (
+        TensorInfo(torch.uint8, (hidden, inter // 256 * 144), down_quant)
+        if down_quant
+        else TensorInfo(torch.bfloat16, (hidden, inter))
+    )
+    return {"g": half, "u": half, "d": down}, Plan(
+        [], {}, {0: {"gate_proj": "g", "up_proj": "u", "down_proj": "d"}}
+    )
 
 
 def test_the_dense_slice_count_is_chosen_by_size_on_whole_blocks() -> None:
@@ -138,10 +165,16 @@ def test_the_dense_slice_count_is_chosen_by_size_on_whole_blocks() -> None:
     demo = _dense_plan(1536, 576)  # 5.3 MB in bf16: one slice
     assert dense_slices_for(*demo, None) == 1 and dense_slices_for(*demo, 8) == 8
     assert dense_slices_for(*_dense_plan(4096, 1024), None) == 3  # 24 MiB
-    assert dense_slices_for(*_dense_plan(14336, 4096), None) == MAX_DENSE_SLICES  # Llama-3-8B: 336 MiB
+    assert (
+        dense_slices_for(*_dense_plan(14336, 4096), None) == MAX_DENSE_SLICES
+    )  # Llama-3-8B: 336 MiB
     assert dense_slices_for(*_dense_plan(2816, 8192), None) == 8
-    assert dense_slices_for(*_dense_plan(2816, 8192, "Q4_K/2816"), None) == 1  # 11 blocks of 256 columns
-    assert dense_slices_for(*_dense_plan(3072, 8192, "Q4_K/3072"), None) == 6  # 12 blocks: 8 does not divide them
+    assert (
+        dense_slices_for(*_dense_plan(2816, 8192, "Q4_K/2816"), None) == 1
+    )  # 11 blocks of 256 columns
+    assert (
+        dense_slices_for(*_dense_plan(3072, 8192, "Q4_K/3072"), None) == 6
+    )  # 12 blocks: 8 does not divide them
     with pytest.raises(StoreError, match="dense slices must be >= 1"):
         dense_slices_for(*demo, 0)
 
@@ -180,22 +213,51 @@ def test_not_a_store_and_bad_sources_are_clear(tmp_path: Path) -> None:
         setup_store(tmp_path / "hf", tmp_path / "s", progress=False)
 
 
-_entries = st.builds(TensorEntry, st.sampled_from(["gate_proj", "up_proj", "down_proj"]), st.sampled_from(["float32", "bfloat16"]),
-                     st.tuples(st.integers(1, 64), st.integers(1, 64)), st.integers(0, 2**20), st.integers(0, 2**20))
-_records = st.builds(ExpertRecord, st.integers(0, 92), st.integers(0, 895), st.integers(0, 3), st.integers(0, 2**40).map(lambda x: x * 4096),
-                     st.integers(1, 2**26), st.text("0123456789abcdef", min_size=64, max_size=64), st.lists(_entries, max_size=3).map(tuple))
+_entries = st.builds(
+    TensorEntry,
+    st.sampled_from(["gate_proj", "up_proj", "down_proj"]),
+    st.sampled_from(["float32", "bfloat16"]),
+    st.tuples(st.integers(1, 64), st.integers(1, 64)),
+    st.integers(0, 2**20),
+    st.integers(0, 2**20),
+)
+_records = st.builds(
+    ExpertRecord,
+    st.integers(0, 92),
+    st.integers(0, 895),
+    st.integers(0, 3),
+    st.integers(0, 2**40).map(lambda x: x * 4096),
+    st.integers(1, 2**26),
+    st.text("0123456789abcdef", min_size=64, max_size=64),
+    st.lists(_entries, max_size=3).map(tuple),
+)
 
 
 @given(st.lists(_records, max_size=20))
 @settings(max_examples=50, deadline=None)
 def test_manifest_round_trips(records: list[ExpertRecord]) -> None:
-    m = Manifest("id", "llama", {"model_type": "llama"}, ["drive0"], 8, {"source": "x"}, "0" * 64, ["tokenizer.json"], records)
+    m = Manifest(
+        "id",
+        "llama",
+        {"model_type": "llama"},
+        ["drive0"],
+        8,
+        {"source": "x"},
+        "0" * 64,
+        ["tokenizer.json"],
+        records,
+    )
     back = Manifest(**{**json.loads(json.dumps(m.to_json())), "experts": []})
-    back.experts = [ExpertRecord.from_json(r) for r in json.loads(json.dumps(m.to_json()))["experts"]]
+    back.experts = [
+        ExpertRecord.from_json(r) for r in json.loads(json.dumps(m.to_json()))["experts"]
+    ]
     assert back == m
 
 
-@given(st.integers(0, 5000), st.lists(st.tuples(st.integers(0, 30), st.integers(0, 3000)), max_size=200))
+@given(
+    st.integers(0, 5000),
+    st.lists(st.tuples(st.integers(0, 30), st.integers(0, 3000)), max_size=200),
+)
 @settings(max_examples=200, deadline=None)
 def test_cache_never_exceeds_its_budget(budget: int, puts: list[tuple[int, int]]) -> None:
     cache: ByteLRU[int, int] = ByteLRU(budget)
@@ -205,14 +267,19 @@ def test_cache_never_exceeds_its_budget(budget: int, puts: list[tuple[int, int]]
         assert cache.used_bytes == sum(n for _, n in cache._items.values())
 
 
-def test_a_store_of_an_older_format_is_refused_with_the_fix_and_the_same_setup_reimports_it(moe_ckpt: Path, tmp_path: Path) -> None:
+def test_a_store_of_an_older_format_is_refused_with_the_fix_and_the_same_setup_reimports_it(
+    moe_ckpt: Path, tmp_path: Path
+) -> None:
     """Format 2 keeps GGUF blocks as stored; a format-1 store (which widened them at import)
     is refused by name and version, and the message's fix (the same `deltafind setup` again) works."""
     store, drives = tmp_path / "store", [tmp_path / "a"]
     setup_store(moe_ckpt, store, drives, dense_slices=2, progress=False)
     manifest = json.loads((store / "manifest.json").read_text())
     (store / "manifest.json").write_text(json.dumps({**manifest, "format_version": 1}))
-    with pytest.raises(StoreError, match=r"manifest\.json: store format_version 1, this deltafind reads 2; re-import the model: run the same `deltafind setup` again"):
+    with pytest.raises(
+        StoreError,
+        match=r"manifest\.json: store format_version 1, this deltafind reads 2; re-import the model: run the same `deltafind setup` again",
+    ):
         Model.open(store)
     setup_store(moe_ckpt, store, drives, dense_slices=2, progress=False)
     assert Manifest.load(store).format_version == 2

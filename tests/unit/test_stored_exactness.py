@@ -25,8 +25,14 @@ HF = ["llama", "qwen3", "qwen3_moe", "deepseek_v3"]
 def _store(family: str, root: Path) -> Path:
     store = root / "store"
     if family == "kimi_k3":
-        setup_store(open_synthetic("kimi_k3", "tiny", seed=2), store, [root / "d0"], dense_slices=2, progress=False,
-                    names=kimi_k3.WEIGHTS)
+        setup_store(
+            open_synthetic("kimi_k3", "tiny", seed=2),
+            store,
+            [root / "d0"],
+            dense_slices=2,
+            progress=False,
+            names=kimi_k3.WEIGHTS,
+        )
     else:
         hf = make_hf_checkpoint(family, root / "hf", seed=5, dtype="bfloat16")
         setup_store(hf, store, [root / "d0", root / "d1"], dense_slices=2, progress=False)
@@ -47,7 +53,9 @@ def test_stored_bf16_equals_widened(family: str, tmp_path: Path) -> None:
     stored = Model.open(store)
     try:
         linears = [m for m in stored.net.modules() if isinstance(m, StoredLinear)]
-        assert linears and all(m.weight.dtype == torch.bfloat16 for m in linears if m.weight.device.type != "meta")
+        assert linears and all(
+            m.weight.dtype == torch.bfloat16 for m in linears if m.weight.device.type != "meta"
+        )
         assert any(isinstance(m, StoredEmbedding) for m in stored.net.modules())
         got = stored.forward_logits(ids)
         assert got.dtype == torch.float32
@@ -69,7 +77,11 @@ def test_demo_gguf_blocks_equal_widened(demo_store: Path) -> None:
     stored = Model.open(demo_store)
     try:
         head = stored.net.lm_head
-        assert isinstance(head, StoredLinear) and head.quant.startswith("Q8_0/") and head.weight.dtype == torch.uint8
+        assert (
+            isinstance(head, StoredLinear)
+            and head.quant.startswith("Q8_0/")
+            and head.weight.dtype == torch.uint8
+        )
         got = stored.forward_logits(ids)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
         assert stored.generate(ids, max_new_tokens=8) == ref_tokens
@@ -87,7 +99,10 @@ def test_int8_spine_is_opt_in_halves_the_spine_and_stays_close(tmp_path: Path) -
     ids = torch.randint(3, 200, (12,), generator=torch.Generator().manual_seed(4)).tolist()
     ref = Model.open(store)
     try:
-        want, ref_bytes = ref.forward_logits(ids), sum(p.numel() * p.element_size() for p in ref.net.parameters())
+        want, ref_bytes = (
+            ref.forward_logits(ids),
+            sum(p.numel() * p.element_size() for p in ref.net.parameters()),
+        )
     finally:
         ref.close()
     m = Model.open(store, spine_int8=True)

@@ -24,8 +24,22 @@ from tests.conftest import avx2_kernels, gguf_blocks
 needs_kernel = pytest.mark.skipif(CPU.load() is None, reason=f"no C++ compiler: {CPU.build_error}")
 # gguf-py can quantize these itself; the K- and IQ4 blocks are drawn as random bytes with sane scales (conftest).
 QUANTIZABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
-DRAWN = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL",
-         "IQ4_XS"]
+DRAWN = [
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "IQ1_S",
+    "IQ1_M",
+    "IQ2_XXS",
+    "IQ2_XS",
+    "IQ2_S",
+    "IQ3_XXS",
+    "IQ3_S",
+    "IQ4_NL",
+    "IQ4_XS",
+]
 
 
 @needs_kernel
@@ -37,11 +51,16 @@ def test_decode_is_bit_identical_to_gguf(kind: str, cols: int) -> None:
     w = StoredWeight.of(gguf_blocks(kind, 37, cols, seed=cols), kind, cols)
     ours, oracle = dequantize(w), gguf_dequantize(w)
     assert torch.isfinite(oracle).all()
-    assert torch.equal(ours.view(torch.int32), oracle.view(torch.int32))  # bit for bit, signed zeros too
+    assert torch.equal(
+        ours.view(torch.int32), oracle.view(torch.int32)
+    )  # bit for bit, signed zeros too
 
 
 def _widened(x: torch.Tensor, w: StoredWeight) -> torch.Tensor:
-    return F.linear(x, gguf_dequantize(w) if w.kind in BLOCKS and w.data.dtype == torch.uint8 else w.data.float())
+    return F.linear(
+        x,
+        gguf_dequantize(w) if w.kind in BLOCKS and w.data.dtype == torch.uint8 else w.data.float(),
+    )
 
 
 @needs_kernel
@@ -51,7 +70,9 @@ def test_matmul_matches_widened_path(kind: str, tokens: int) -> None:
     torch.manual_seed(tokens)
     rows, cols = 70, 512
     if kind in ("BF16", "F16"):
-        w = StoredWeight.of((torch.randn(rows, cols) * 0.05).to(torch.bfloat16 if kind == "BF16" else torch.float16))
+        w = StoredWeight.of(
+            (torch.randn(rows, cols) * 0.05).to(torch.bfloat16 if kind == "BF16" else torch.float16)
+        )
     else:
         w = StoredWeight.of(gguf_blocks(kind, rows, cols, seed=7), kind, cols)
     x = torch.randn(tokens, cols)
@@ -65,8 +86,11 @@ def test_matmul_matches_widened_path(kind: str, tokens: int) -> None:
 def test_rows_do_not_depend_on_batch(kind: str) -> None:
     """One token and the same token inside a batch give bit-identical rows (drafts verify in batches)."""
     cols = 512 if kind.endswith("_K") else 768
-    w = (StoredWeight.of((torch.randn(33, cols) * 0.05).to(torch.bfloat16)) if kind == "BF16"
-         else StoredWeight.of(gguf_blocks(kind, 33, cols, seed=3), kind, cols))
+    w = (
+        StoredWeight.of((torch.randn(33, cols) * 0.05).to(torch.bfloat16))
+        if kind == "BF16"
+        else StoredWeight.of(gguf_blocks(kind, 33, cols, seed=3), kind, cols)
+    )
     x = torch.randn(11, cols)
     batch = stored_linear(x, w)
     for t in range(11):
@@ -89,21 +113,28 @@ def test_bad_shapes_are_refused_with_the_sizes() -> None:
 
 def test_row_int8_follows_spec_9_6() -> None:
     """Per row: f16 scale = max|w| / 127 (1 for a zero row), q = clamp(round half even(w / scale))."""
-    w = torch.tensor([[0.0, 0.0, 0.0, 0.0] * 8, [1.27, -2.54, 0.635, 0.0] * 8], dtype=torch.bfloat16)
+    w = torch.tensor(
+        [[0.0, 0.0, 0.0, 0.0] * 8, [1.27, -2.54, 0.635, 0.0] * 8], dtype=torch.bfloat16
+    )
     raw = to_row_int8(w)
     assert raw.shape == (2, 2 + 32) and raw.dtype == torch.uint8
     scales = raw[:, :2].contiguous().view(torch.float16).float().flatten()
     assert scales[0] == 1.0 and scales[1] == (w[1].float().abs().max() / 127).half().float()
     q = raw[:, 2:].view(torch.int8)
     assert q[0].eq(0).all() and q[1, 1] == -127 and q[1, 3] == 0
-    assert torch.equal(q[1, :4], torch.round(w[1, :4].float() / (w[1].float().abs().max() / 127)).to(torch.int8))
+    assert torch.equal(
+        q[1, :4], torch.round(w[1, :4].float() / (w[1].float().abs().max() / 127)).to(torch.int8)
+    )
 
 
 @needs_kernel
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_row_int8_kernel_equals_its_decode(tokens: int) -> None:
     w = StoredWeight.tagged(to_row_int8(torch.randn(40, 96) * 0.05), "I8R/96")
-    oracle = w.data[:, :2].contiguous().view(torch.float16).float() * w.data[:, 2:].view(torch.int8).float()
+    oracle = (
+        w.data[:, :2].contiguous().view(torch.float16).float()
+        * w.data[:, 2:].view(torch.int8).float()
+    )
     assert torch.equal(dequantize(w), oracle)
     x = torch.randn(tokens, 96)
     torch.testing.assert_close(stored_linear(x, w), F.linear(x, oracle), rtol=1e-5, atol=1e-6)
@@ -112,7 +143,9 @@ def test_row_int8_kernel_equals_its_decode(tokens: int) -> None:
 def _weight(kind: str, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, str]:
     """(tensor, quant tag) of a stored weight: bf16, or GGUF blocks with their tag."""
     if kind == "BF16":
-        return (torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.05).to(torch.bfloat16), ""
+        return (torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.05).to(
+            torch.bfloat16
+        ), ""
     return gguf_blocks(kind, rows, cols, seed), f"{kind}/{cols}"
 
 
@@ -125,7 +158,9 @@ def test_fused_parts_match_the_per_matrix_widened_path(tokens: int) -> None:
     stacked = [_weight(k, 24 + 8 * i, 512, seed=i) for i, k in enumerate(kinds)]
     x = torch.randn(tokens, 512)
     ours = FusedLinear()(x, [w for w, _ in stacked], [q for _, q in stacked])
-    widened = [_widened(x, StoredWeight.tagged(w, q) if q else StoredWeight.of(w)) for w, q in stacked]
+    widened = [
+        _widened(x, StoredWeight.tagged(w, q) if q else StoredWeight.of(w)) for w, q in stacked
+    ]
     ref = torch.cat(widened, dim=1)
     assert ours is not None and ours.shape == ref.shape
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
@@ -141,7 +176,9 @@ def test_fused_parts_match_the_per_matrix_widened_path(tokens: int) -> None:
     assert ours is not None
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
     for t in range(tokens):  # a token alone and inside the batch: bit-identical rows
-        alone = FusedLinear(stack_cols=True)(xs[t : t + 1], [w for w, _ in side], [q for _, q in side])
+        alone = FusedLinear(stack_cols=True)(
+            xs[t : t + 1], [w for w, _ in side], [q for _, q in side]
+        )
         assert torch.equal(alone, ours[t : t + 1])
 
 
@@ -214,21 +251,32 @@ def test_block_formats_err_like_an_fp32_matmul_against_fp64(kind: str) -> None:
     scale = x.double().abs() @ exact_w.abs().T
     ours, widened = stored_linear(x, w).double(), _widened(x, w).double()
     assert float(((ours - exact).abs() / scale).max()) < 4e-7
-    assert float(((widened - exact).abs() / scale).max()) < 4e-7  # the bound is the fp32 matmul's own
+    assert (
+        float(((widened - exact).abs() / scale).max()) < 4e-7
+    )  # the bound is the fp32 matmul's own
 
 
 def _parts_matmul(lib: object, w: StoredWeight, x: torch.Tensor, threads: int) -> torch.Tensor:
     set_grids(lib)
-    part = (StoredPart * 1)(StoredPart(KINDS[w.kind], w.rows, w.cols, w.data.shape[1], w.data.data_ptr()))
+    part = (StoredPart * 1)(
+        StoredPart(KINDS[w.kind], w.rows, w.cols, w.data.shape[1], w.data.data_ptr())
+    )
     y = torch.empty(x.shape[0], w.rows)
-    assert lib.df_stored_parts(part, 1, 0, x.data_ptr(), x.shape[0], x.shape[1], y.data_ptr(), w.rows, threads) == 0
+    assert (
+        lib.df_stored_parts(
+            part, 1, 0, x.data_ptr(), x.shape[0], x.shape[1], y.data_ptr(), w.rows, threads
+        )
+        == 0
+    )
     return y
 
 
 @needs_kernel
 @pytest.mark.parametrize("kind", QUANTIZABLE + DRAWN)
 @pytest.mark.parametrize("cols", [1024, 2144, 2304])
-def test_the_avx2_and_default_builds_both_match_the_widened_path_for_any_batch(kind: str, cols: int) -> None:
+def test_the_avx2_and_default_builds_both_match_the_widened_path_for_any_batch(
+    kind: str, cols: int
+) -> None:
     """Both builds agree with decode-then-matmul within summation-order noise, and each gives a token
     the same row alone as inside a batch of 6 (past one tile of 4). 2144 columns are 67 groups of 32:
     on AVX-512 two runs of converted scales (64, then 3), an odd group count and a scale tail; 2304
@@ -244,7 +292,9 @@ def test_the_avx2_and_default_builds_both_match_the_widened_path_for_any_batch(k
         batch = _parts_matmul(lib, w, x, threads=2)
         torch.testing.assert_close(batch, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
         for t in range(6):
-            assert torch.equal(_parts_matmul(lib, w, x[t : t + 1].contiguous(), threads=1), batch[t : t + 1])
+            assert torch.equal(
+                _parts_matmul(lib, w, x[t : t + 1].contiguous(), threads=1), batch[t : t + 1]
+            )
 
 
 PANEL = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K", "BF16", "F16", "I8R"]
@@ -284,7 +334,11 @@ def test_prefill_parts_side_by_side_equal_one_token_rows() -> None:
     The rows are 3584 and 2048 columns wide: the panel takes rows of 2048 and more (stored_panel.h)."""
     for kinds in (["Q4_1", "Q8_0", "BF16", "Q6_K", "Q4_K"], ["Q6_K", "Q5_K", "BF16"]):
         side = [_weight(k, 40, 512 * (1 + i % 2), seed=20 + i) for i, k in enumerate(kinds)]
-        xs = torch.randn(23, sum(512 * (1 + i % 2) for i in range(len(kinds))), generator=torch.Generator().manual_seed(4))
+        xs = torch.randn(
+            23,
+            sum(512 * (1 + i % 2) for i in range(len(kinds))),
+            generator=torch.Generator().manual_seed(4),
+        )
         fused = FusedLinear(stack_cols=True)
         ours = fused(xs, [w for w, _ in side], [q for _, q in side])
         ref, c0 = torch.zeros(23, 40), 0
@@ -295,4 +349,6 @@ def test_prefill_parts_side_by_side_equal_one_token_rows() -> None:
         assert ours is not None
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
         for t in range(23):
-            assert torch.equal(fused(xs[t : t + 1], [w for w, _ in side], [q for _, q in side]), ours[t : t + 1])
+            assert torch.equal(
+                fused(xs[t : t + 1], [w for w, _ in side], [q for _, q in side]), ours[t : t + 1]
+            )

@@ -28,14 +28,30 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[int | str, Path]:
     """1 and 3 drives with whole records (the tiny experts are under setup's stripe minimum), and
     "3s": 3 drives with every record split over all three (4096-byte minimum stripe)."""
     root = tmp_path_factory.mktemp("stream")
-    ckpt = make_hf_checkpoint("qwen3_moe", root / "hf", num_hidden_layers=3, mlp_only_layers=[0], num_experts=16, num_experts_per_tok=4)
+    ckpt = make_hf_checkpoint(
+        "qwen3_moe",
+        root / "hf",
+        num_hidden_layers=3,
+        mlp_only_layers=[0],
+        num_experts=16,
+        num_experts_per_tok=4,
+    )
     out: dict[int | str, Path] = {}
     for n in (1, 3, "3s"):
         drives = int(str(n).rstrip("s"))
         out[n] = root / f"s{n}"
-        setup_store(ckpt, out[n], [root / f"s{n}-d{i}" for i in range(drives)], dense_slices=4, progress=False,
-                    min_stripe_bytes=4096 if n == "3s" else 1 << 20)
-    assert Manifest.load(out[3]).placement == "whole" and Manifest.load(out["3s"]).placement == "stripe"
+        setup_store(
+            ckpt,
+            out[n],
+            [root / f"s{n}-d{i}" for i in range(drives)],
+            dense_slices=4,
+            progress=False,
+            min_stripe_bytes=4096 if n == "3s" else 1 << 20,
+        )
+    assert (
+        Manifest.load(out[3]).placement == "whole"
+        and Manifest.load(out["3s"]).placement == "stripe"
+    )
     return out
 
 
@@ -52,9 +68,15 @@ def reference(stores: dict[int, Path]) -> tuple[torch.Tensor, list[int]]:
 @pytest.mark.parametrize("budget", [None, 0, 40_000])
 @pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("trace", [True, False])
-def test_output_is_bit_identical_to_all_resident(stores, reference, tmp_path, drives, budget, prefetch, trace) -> None:
-    m = Model.open(stores[drives], expert_cache_bytes=budget, prefetch=PrefetchOptions(enabled=prefetch, max_in_flight=6),
-                   trace_path=tmp_path / "t.jsonl" if trace else None)
+def test_output_is_bit_identical_to_all_resident(
+    stores, reference, tmp_path, drives, budget, prefetch, trace
+) -> None:
+    m = Model.open(
+        stores[drives],
+        expert_cache_bytes=budget,
+        prefetch=PrefetchOptions(enabled=prefetch, max_in_flight=6),
+        trace_path=tmp_path / "t.jsonl" if trace else None,
+    )
     try:
         logits, tokens = reference
         assert torch.equal(m.forward_logits(PROMPT), logits)
@@ -68,23 +90,33 @@ def test_output_is_bit_identical_to_all_resident(stores, reference, tmp_path, dr
 
 
 @pytest.mark.parametrize("read_mb_s", [None, 1.0])
-def test_the_prefetch_gate_never_changes_tokens_and_reports_each_layer(stores, reference, read_mb_s) -> None:
+def test_the_prefetch_gate_never_changes_tokens_and_reports_each_layer(
+    stores, reference, read_mb_s
+) -> None:
     """Uncapped the gate starts reads; on a slow drive (its queue past every window) it holds most:
     tokens stay those of the all-resident reference either way, and the snapshot's per-layer
     recall and precision are the counts the gate saw."""
     capped = {"drives": [DriveOptions(read_mb_s=read_mb_s)] * 3} if read_mb_s else {}
-    m = Model.open(stores[3], expert_cache_bytes=0, prefetch=PrefetchOptions(max_in_flight=6), **capped)
+    m = Model.open(
+        stores[3], expert_cache_bytes=0, prefetch=PrefetchOptions(max_in_flight=6), **capped
+    )
     try:
         assert m.generate(PROMPT, max_new_tokens=12) == reference[1]
         e, gate = m.experts.stats, m.snapshot()["prefetch_gate"]
         layers = {r["layer"]: r for r in gate["layers"]}
-        assert set(layers) == {0, 1, 2}  # layer 0 is a dense MLP in 4 slices: always all predicted, all needed
+        assert set(layers) == {
+            0,
+            1,
+            2,
+        }  # layer 0 is a dense MLP in 4 slices: always all predicted, all needed
         assert layers[0]["recall"] == layers[0]["precision"] == 1.0
         for r in layers.values():
             assert r["needed"] > 0 and r["recall"] == round(r["hits"] / r["needed"], 4)
             assert r["precision"] == round(r["hits"] / r["predicted"], 4)
         assert sum(r["issued"] for r in layers.values()) == e.prefetch_issued
-        assert "prefetch   by layer" in "\n".join(store_lines(m.snapshot()))  # what status and --stats print
+        assert "prefetch   by layer" in "\n".join(
+            store_lines(m.snapshot())
+        )  # what status and --stats print
         assert e.prefetch_used + e.prefetch_wasted <= e.prefetch_issued
         routed = [layers[1], layers[2]]
         if read_mb_s is None:
@@ -102,9 +134,15 @@ def test_trace_summarize_and_warm_pin_the_hot_experts(stores, reference, tmp_pat
     m.close()
     records = read_trace(trace)
     summary = summarize(records)
-    expert_layers = 3  # MoE layers 1 and 2, and dense layer 0, whose every token takes all its slices
-    assert summary["routes"] == (len(PROMPT) + 11) * expert_layers  # prompt + 11 decode steps (the 12th token is not fed back)
-    assert set(summary["reuse_by_layer"]) == {0, 1, 2} and set(summary["prediction_recall_by_layer"]) <= {0, 1, 2}
+    expert_layers = (
+        3  # MoE layers 1 and 2, and dense layer 0, whose every token takes all its slices
+    )
+    assert (
+        summary["routes"] == (len(PROMPT) + 11) * expert_layers
+    )  # prompt + 11 decode steps (the 12th token is not fed back)
+    assert set(summary["reuse_by_layer"]) == {0, 1, 2} and set(
+        summary["prediction_recall_by_layer"]
+    ) <= {0, 1, 2}
     from deltafind.store.trace import heat_from_trace
 
     update_heat(stores[3], heat_from_trace(records), decay=1.0)
@@ -112,14 +150,19 @@ def test_trace_summarize_and_warm_pin_the_hot_experts(stores, reference, tmp_pat
     assert read_heat(stores[3])[(hot["layer"], hot["expert"])] >= hot["uses"]
     pinned = Model.open(stores[3], expert_cache_bytes=0, pin_bytes=200_000)
     try:
-        assert (hot["layer"], hot["expert"]) in pinned.experts.resident.experts and pinned.experts.resident.pinned_bytes <= 200_000
+        assert (
+            hot["layer"],
+            hot["expert"],
+        ) in pinned.experts.resident.experts and pinned.experts.resident.pinned_bytes <= 200_000
         assert pinned.generate(PROMPT, max_new_tokens=12) == reference[1]
         assert pinned.experts.stats.pinned_hits > 0
     finally:
         pinned.close()
 
 
-def test_corrupt_record_fails_the_request_and_the_engine_keeps_serving(stores, reference, tmp_path) -> None:
+def test_corrupt_record_fails_the_request_and_the_engine_keeps_serving(
+    stores, reference, tmp_path
+) -> None:
     store = stores[3]
     manifest = Manifest.load(store)
     m = Model.open(store, expert_cache_bytes=0)
@@ -133,7 +176,9 @@ def test_corrupt_record_fails_the_request_and_the_engine_keeps_serving(stores, r
         flipped[rec.offset + 17] ^= 0xFF
         pack.write_bytes(bytes(flipped))
         try:
-            with pytest.raises(CorruptExpertError, match=f"expert {used[1]} of layer 1: checksum mismatch"):
+            with pytest.raises(
+                CorruptExpertError, match=f"expert {used[1]} of layer 1: checksum mismatch"
+            ):
                 m.generate(PROMPT, max_new_tokens=12)
         finally:
             pack.write_bytes(original)
@@ -153,7 +198,9 @@ def test_read_errors_name_the_expert(stores) -> None:
         with open(pack, "r+b") as f:
             f.truncate(last.offset + 10)
         try:
-            with pytest.raises(CorruptExpertError, match=f"expert {last.expert} of layer {last.layer}: short read"):
+            with pytest.raises(
+                CorruptExpertError, match=f"expert {last.expert} of layer {last.layer}: short read"
+            ):
                 reader.read(last)
         finally:
             pack.write_bytes(original)

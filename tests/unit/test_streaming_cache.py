@@ -7,12 +7,17 @@ from hypothesis import strategies as st
 
 from deltafind.store.cache import ByteLRU
 
-ops = st.lists(st.one_of(
-    st.tuples(st.just("put"), st.integers(0, 9), st.integers(0, 120)),
-    st.tuples(st.just("reserve"), st.integers(0, 0), st.integers(0, 80)),
-    st.tuples(st.just("land"), st.integers(0, 9), st.integers(0, 0)),  # the oldest reservation arrives as an entry
-    st.tuples(st.just("get"), st.integers(0, 9), st.integers(0, 0)),
-), max_size=60)
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), st.integers(0, 9), st.integers(0, 120)),
+        st.tuples(st.just("reserve"), st.integers(0, 0), st.integers(0, 80)),
+        st.tuples(
+            st.just("land"), st.integers(0, 9), st.integers(0, 0)
+        ),  # the oldest reservation arrives as an entry
+        st.tuples(st.just("get"), st.integers(0, 9), st.integers(0, 0)),
+    ),
+    max_size=60,
+)
 
 
 @settings(max_examples=300, deadline=None)

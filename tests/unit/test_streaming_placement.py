@@ -28,9 +28,18 @@ DRIVES = 3
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int], torch.Tensor]:
     root = tmp_path_factory.mktemp("place")
-    ckpt = make_hf_checkpoint("qwen3_moe", root / "hf", num_hidden_layers=3, mlp_only_layers=[0], num_experts=16, num_experts_per_tok=4)
+    ckpt = make_hf_checkpoint(
+        "qwen3_moe",
+        root / "hf",
+        num_hidden_layers=3,
+        mlp_only_layers=[0],
+        num_experts=16,
+        num_experts_per_tok=4,
+    )
     store = root / "store"
-    setup_store(ckpt, store, [store / f"d{i}" for i in range(DRIVES)], dense_slices=3, progress=False)  # drives inside: copyable
+    setup_store(
+        ckpt, store, [store / f"d{i}" for i in range(DRIVES)], dense_slices=3, progress=False
+    )  # drives inside: copyable
     m = Model.open(store, expert_cache_bytes=0, prefetch=False)
     try:
         return store, m.generate(PROMPT, max_new_tokens=10), m.forward_logits(PROMPT)
@@ -48,7 +57,9 @@ def store(pristine, tmp_path: Path) -> Path:
 
 def skewed_heat(store: Path) -> dict[tuple[int, int], float]:
     """Everything hot sits on drive 0 under setup's round-robin: the worst case for one drive."""
-    return {r.key: (100.0 + r.expert if r.drive == 0 else 1.0) for r in Manifest.load(store).experts}
+    return {
+        r.key: (100.0 + r.expert if r.drive == 0 else 1.0) for r in Manifest.load(store).experts
+    }
 
 
 def heat_per_drive(manifest: Manifest, heat: dict, layer: int | None = None) -> list[float]:
@@ -75,7 +86,9 @@ def same_output(store: Path, pristine) -> None:
 def test_rebalance_spreads_heat_and_keeps_the_output(store, pristine) -> None:
     heat = skewed_heat(store)
     old = Manifest.load(store)
-    assert busiest_over_mean(heat_per_drive(old, heat)) > 2.5  # the setup placement really is skewed
+    assert (
+        busiest_over_mean(heat_per_drive(old, heat)) > 2.5
+    )  # the setup placement really is skewed
     assert rebalance(store, heat)[2]  # moved
     new = Manifest.load(store)
     assert new.pack_generation == 1
@@ -84,13 +97,18 @@ def test_rebalance_spreads_heat_and_keeps_the_output(store, pristine) -> None:
     for layer in {r.layer for r in new.experts}:
         # a layer with 5 hot experts on 3 drives cannot be even: compare with the best any split can do
         per_drive = heat_per_drive(new, heat, layer)
-        best = max(max(heat[r.key] for r in new.experts if r.layer == layer), sum(per_drive) / DRIVES)
+        best = max(
+            max(heat[r.key] for r in new.experts if r.layer == layer), sum(per_drive) / DRIVES
+        )
         assert max(per_drive) <= 1.25 * best
     sizes = [sum(r.length for r in new.experts if r.drive == d) for d in range(DRIVES)]
     assert max(sizes) <= 1.5 * min(sizes)  # cold experts even out the bytes
     assert {r.key: r.sha256 for r in new.experts} == {r.key: r.sha256 for r in old.experts}
     for d in range(DRIVES):
-        assert not (store / f"d{d}" / pack_name(d)).exists() and (store / f"d{d}" / pack_name(d, 1)).exists()
+        assert (
+            not (store / f"d{d}" / pack_name(d)).exists()
+            and (store / f"d{d}" / pack_name(d, 1)).exists()
+        )
     assert check_store(store, progress=False).ok  # every record re-verified against its sha256
     same_output(store, pristine)
     assert rebalance(store, heat)[2] is False  # already balanced: nothing rewritten
@@ -105,9 +123,13 @@ def _crash_at(store: str, heat: list, stage: str) -> None:
 
 
 @pytest.mark.parametrize("stage", ["copying", "written", "committed"])
-def test_a_crash_at_any_stage_leaves_a_working_store_and_a_rerun_finishes(store, pristine, stage) -> None:
+def test_a_crash_at_any_stage_leaves_a_working_store_and_a_rerun_finishes(
+    store, pristine, stage
+) -> None:
     heat = skewed_heat(store)
-    proc = mp.get_context("spawn").Process(target=_crash_at, args=(str(store), list(heat.items()), stage))
+    proc = mp.get_context("spawn").Process(
+        target=_crash_at, args=(str(store), list(heat.items()), stage)
+    )
     proc.start()
     proc.join(120)
     assert proc.exitcode == 3
@@ -143,7 +165,9 @@ def test_cli_trace_warm_rebalance(store, pristine, tmp_path) -> None:
     proc = deltafind_cmd("trace", "warm", str(trace), "--store", str(store), "--rebalance")
     assert proc.returncode == 0, proc.stderr
     heat = read_heat(store)
-    assert heat == pytest.approx({k: float(v) for k, v in heat_from_trace(read_trace(trace)).items()})
+    assert heat == pytest.approx(
+        {k: float(v) for k, v in heat_from_trace(read_trace(trace)).items()}
+    )
     manifest = Manifest.load(store)
     if "rebalanced" in proc.stdout:
         assert manifest.pack_generation == 1

@@ -35,14 +35,25 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         out[family] = root / family
         setup_store(ckpt, out[family], [root / f"{family}-d0"], dense_slices=2, progress=False)
     out["kimi_k3"] = root / "kimi_k3"
-    setup_store(open_synthetic("kimi_k3", "tiny", seed=3), out["kimi_k3"], [root / "k3-d0"], dense_slices=2, progress=False, names=kimi_k3.WEIGHTS)
+    setup_store(
+        open_synthetic("kimi_k3", "tiny", seed=3),
+        out["kimi_k3"],
+        [root / "k3-d0"],
+        dense_slices=2,
+        progress=False,
+        names=kimi_k3.WEIGHTS,
+    )
     return out
 
 
-def _layer_sizes(store: Path, num_layers: int, keep: set[str] = frozenset()) -> tuple[int, list[int]]:
+def _layer_sizes(
+    store: Path, num_layers: int, keep: set[str] = frozenset()
+) -> tuple[int, list[int]]:
     """Always-resident bytes and each layer's bytes, as Model.open holds them (`keep`: weights held as stored)."""
     plan = plan_spine(read_layout(store / SPINE_NAME, torch.float32, keep), num_layers, None)
-    return sum(t.resident_bytes for t in plan.always), [sum(t.resident_bytes for t in plan.layers.get(i, [])) for i in range(num_layers)]
+    return sum(t.resident_bytes for t in plan.always), [
+        sum(t.resident_bytes for t in plan.layers.get(i, [])) for i in range(num_layers)
+    ]
 
 
 def _held_bytes(net: torch.nn.Module) -> int:
@@ -109,7 +120,12 @@ def test_budget_that_fits_everything_streams_nothing(stores) -> None:
 def test_budget_below_the_minimum_names_the_key_and_the_minimum(stores) -> None:
     store = stores["qwen3_moe"]
     base, sizes = _layer_sizes(store, 4)
-    with pytest.raises(StoreError, match=re.escape(f"spine_bytes = {base} is below the minimum of {base + 2 * max(sizes)} bytes")):
+    with pytest.raises(
+        StoreError,
+        match=re.escape(
+            f"spine_bytes = {base} is below the minimum of {base + 2 * max(sizes)} bytes"
+        ),
+    ):
         Model.open(store, spine_bytes=base)
 
 
@@ -123,7 +139,9 @@ def test_truncated_spine_fails_the_request_and_the_engine_keeps_serving(stores) 
         ref = m.generate(PROMPT, max_new_tokens=3)
         last = max(t.offset for ts in m.spine.plan.layers.values() for t in ts)
         spine.write_bytes(original[: last + 8])
-        with pytest.raises(StoreError, match=r"short read of model\.layers\..*the spine is truncated"):
+        with pytest.raises(
+            StoreError, match=r"short read of model\.layers\..*the spine is truncated"
+        ):
             for _ in range(3):  # the layers held from the previous step may cover one step
                 m.generate(PROMPT, max_new_tokens=3)
         spine.write_bytes(original)
@@ -147,7 +165,9 @@ def test_resident_spine_is_locked_where_allowed(stores) -> None:
         if m.memory_lock.refused:
             pytest.skip("mlock refused here (RLIMIT_MEMLOCK); the refusal is logged")
         assert m.memory_lock.locked_bytes > 0
-        assert _vm_locked_kib() - before >= m.memory_lock.locked_bytes // 1024 - 8  # the kernel sees it locked
+        assert (
+            _vm_locked_kib() - before >= m.memory_lock.locked_bytes // 1024 - 8
+        )  # the kernel sees it locked
     finally:
         m.close()
     assert _vm_locked_kib() <= before + 8

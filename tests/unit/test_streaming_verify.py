@@ -25,7 +25,13 @@ PROMPT = [11, 42, 7, 99, 3]
 @pytest.fixture
 def store(tmp_path: Path) -> Path:
     out = tmp_path / "s"
-    setup_store(open_synthetic("qwen3_moe", "tiny", seed=2), out, [tmp_path / "d0", tmp_path / "d1"], dense_slices=2, progress=False)
+    setup_store(
+        open_synthetic("qwen3_moe", "tiny", seed=2),
+        out,
+        [tmp_path / "d0", tmp_path / "d1"],
+        dense_slices=2,
+        progress=False,
+    )
     return out
 
 
@@ -45,7 +51,10 @@ def test_setup_records_both_digests_of_the_stored_bytes(store) -> None:
         with open(path, "rb") as f:
             f.seek(rec.offset)
             data = f.read(rec.length)
-        assert hashlib.sha256(data).hexdigest() == rec.sha256 and xxhash.xxh3_64_hexdigest(data) == rec.xxh3
+        assert (
+            hashlib.sha256(data).hexdigest() == rec.sha256
+            and xxhash.xxh3_64_hexdigest(data) == rec.xxh3
+        )
 
 
 @pytest.mark.parametrize("mode", ["fast", "full"])
@@ -55,7 +64,9 @@ def test_a_flipped_bit_is_caught_on_read(store, mode) -> None:
     _flip(store, rec)
     reader = PackReader(manifest, store, verify=mode)
     try:
-        with pytest.raises(CorruptExpertError, match=f"expert {rec.expert} of layer {rec.layer}: checksum mismatch"):
+        with pytest.raises(
+            CorruptExpertError, match=f"expert {rec.expert} of layer {rec.layer}: checksum mismatch"
+        ):
             reader.read(rec)
         reader.read(manifest.experts[4])  # others still read
     finally:
@@ -110,9 +121,13 @@ def test_bf16_experts_are_held_as_stored_and_widened_only_by_the_oracle(store) -
                     rec = next(r for r in manifest.experts if r.key == key)
                     buf = reader.read(rec)
                     for name, t in record_tensors(rec, buf).items():
-                        assert t.dtype == torch.bfloat16 and expert[name].dtype == (torch.float32 if widen else torch.bfloat16)
+                        assert t.dtype == torch.bfloat16 and expert[name].dtype == (
+                            torch.float32 if widen else torch.bfloat16
+                        )
                         assert torch.equal(expert[name], t.float() if widen else t)
-                    assert nbytes == (2 if widen else 1) * rec.length  # the cache counts what it holds
+                    assert (
+                        nbytes == (2 if widen else 1) * rec.length
+                    )  # the cache counts what it holds
             finally:
                 reader.close()
         finally:

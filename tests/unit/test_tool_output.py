@@ -13,7 +13,12 @@ from deltafind.server.formats.kimi_k3 import KIMI_K3 as K3_XTML
 from deltafind.server.formats.llama3 import LLAMA3
 from deltafind.server.output import OutputParser
 
-K3_STRIP = ("<|open|>response<|sep|>", "<|close|>response<|sep|>", "<|close|>message<|sep|>", "<|end_of_msg|>")
+K3_STRIP = (
+    "<|open|>response<|sep|>",
+    "<|close|>response<|sep|>",
+    "<|close|>message<|sep|>",
+    "<|end_of_msg|>",
+)
 
 
 def run(parser: OutputParser, text: str, step: int) -> tuple[str, str, list[dict]]:
@@ -34,22 +39,68 @@ def run(parser: OutputParser, text: str, step: int) -> tuple[str, str, list[dict
 
 
 CASES = [
-    (HERMES, None, False, (), 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris {x}", "n": [1, {"a": "}"}]}}\n</tool_call>\n'
-     '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>', "Let me check.\n",
-     [("get_weather", {"city": "Paris {x}", "n": [1, {"a": "}"}]}), ("now", {})]),
-    (LLAMA3, None, False, (), '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [("get_weather", {"city": "Paris"})]),
+    (
+        HERMES,
+        None,
+        False,
+        (),
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris {x}", "n": [1, {"a": "}"}]}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>',
+        "Let me check.\n",
+        [("get_weather", {"city": "Paris {x}", "n": [1, {"a": "}"}]}), ("now", {})],
+    ),
+    (
+        LLAMA3,
+        None,
+        False,
+        (),
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        "",
+        [("get_weather", {"city": "Paris"})],
+    ),
     (LLAMA3, None, False, (), "{curly} text is not a call", "{curly} text is not a call", []),
-    (DEEPSEEK_V3, None, False, (), "ok<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": 1}\n```<｜tool▁call▁end｜>"
-     "<｜tool▁call▁begin｜>function<｜tool▁sep｜>g\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "ok", [("f", {"a": 1}), ("g", {})]),
-    (KIMI_K2, None, False, (), "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{\"a\": \"b\"}"
-     "<|tool_call_end|><|tool_calls_section_end|>", "", [("f", {"a": "b"})]),
-    (K3_XTML, ("<|open|>think<|sep|>", "<|close|>think<|sep|>"), True, K3_STRIP,
-     'hmm, weather<|close|>think<|sep|><|open|>response<|sep|>Checking.<|close|>response<|sep|><|open|>tools<|sep|>'
-     '<|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>'
-     '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|><|close|>call<|sep|>'
-     '<|open|>call tool="f" index="2"<|sep|><|open|>json type="object"<|sep|>{"x": [1]}<|close|>json<|sep|><|close|>call<|sep|>'
-     '<|close|>tools<|sep|><|close|>message<|sep|>', "Checking.", [("get_weather", {"city": "Paris", "days": 3}), ("f", {"x": [1]})]),
-    (HERMES, ("<think>", "</think>"), False, (), "<think>\nI should answer.\n</think>\n\nParis.", "Paris.", []),
+    (
+        DEEPSEEK_V3,
+        None,
+        False,
+        (),
+        "ok<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": 1}\n```<｜tool▁call▁end｜>"
+        "<｜tool▁call▁begin｜>function<｜tool▁sep｜>g\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "ok",
+        [("f", {"a": 1}), ("g", {})],
+    ),
+    (
+        KIMI_K2,
+        None,
+        False,
+        (),
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{\"a\": \"b\"}"
+        "<|tool_call_end|><|tool_calls_section_end|>",
+        "",
+        [("f", {"a": "b"})],
+    ),
+    (
+        K3_XTML,
+        ("<|open|>think<|sep|>", "<|close|>think<|sep|>"),
+        True,
+        K3_STRIP,
+        'hmm, weather<|close|>think<|sep|><|open|>response<|sep|>Checking.<|close|>response<|sep|><|open|>tools<|sep|>'
+        '<|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>'
+        '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|><|close|>call<|sep|>'
+        '<|open|>call tool="f" index="2"<|sep|><|open|>json type="object"<|sep|>{"x": [1]}<|close|>json<|sep|><|close|>call<|sep|>'
+        '<|close|>tools<|sep|><|close|>message<|sep|>',
+        "Checking.",
+        [("get_weather", {"city": "Paris", "days": 3}), ("f", {"x": [1]})],
+    ),
+    (
+        HERMES,
+        ("<think>", "</think>"),
+        False,
+        (),
+        "<think>\nI should answer.\n</think>\n\nParis.",
+        "Paris.",
+        [],
+    ),
 ]
 
 

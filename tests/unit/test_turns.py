@@ -21,7 +21,10 @@ def tok(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 
 
 def history(tok: Tokenizer, *turns: str) -> list[dict]:
-    msgs = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "Why does it fail?"}]
+    msgs = [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": "Why does it fail?"},
+    ]
     for t in turns:
         msgs += [{"role": "assistant", "content": t}, {"role": "user", "content": "Go on."}]
     return msgs
@@ -41,12 +44,16 @@ def test_a_sent_back_answer_keeps_the_generated_ids(tok: Tokenizer) -> None:
     answer = odd_spelling(tok, CALL) + tok.encode("<|im_end|>", allow_special=True)
     mem.remember(tok, prompt1 + answer)
     prompt2 = tok.apply_chat_template(history(tok, CALL))
-    assert prompt2[: len(prompt1 + answer)] != prompt1 + answer  # re-encoding alone would miss the cache
+    assert (
+        prompt2[: len(prompt1 + answer)] != prompt1 + answer
+    )  # re-encoding alone would miss the cache
     spliced = mem.splice(tok, prompt2)
     assert spliced[: len(prompt1 + answer)] == prompt1 + answer
     assert tok.decode(spliced) == tok.decode(prompt2)  # the same text, only spelled as generated
     # The chain goes on: turn 3 repeats turn 2's spliced prompt and its (canonical) answer.
-    answer2 = tok.encode("It reads a file.", add_bos=False) + tok.encode("<|im_end|>", allow_special=True)
+    answer2 = tok.encode("It reads a file.", add_bos=False) + tok.encode(
+        "<|im_end|>", allow_special=True
+    )
     mem.remember(tok, spliced + answer2)
     prompt3 = tok.apply_chat_template(history(tok, CALL, "It reads a file."))
     assert mem.splice(tok, prompt3)[: len(spliced + answer2)] == spliced + answer2
@@ -55,8 +62,12 @@ def test_a_sent_back_answer_keeps_the_generated_ids(tok: Tokenizer) -> None:
 def test_other_text_or_no_boundary_leaves_the_prompt_alone(tok: Tokenizer) -> None:
     mem = TurnMemory()
     prompt1 = tok.apply_chat_template(history(tok))
-    mem.remember(tok, prompt1 + odd_spelling(tok, CALL) + tok.encode("<|im_end|>", allow_special=True))
-    edited = tok.apply_chat_template(history(tok, CALL.replace("test_file", "other")))  # the client changed the answer
+    mem.remember(
+        tok, prompt1 + odd_spelling(tok, CALL) + tok.encode("<|im_end|>", allow_special=True)
+    )
+    edited = tok.apply_chat_template(
+        history(tok, CALL.replace("test_file", "other"))
+    )  # the client changed the answer
     assert mem.splice(tok, edited) == edited
     other = tok.apply_chat_template([{"role": "user", "content": "Something else entirely."}])
     assert mem.splice(tok, other) == other
@@ -80,7 +91,9 @@ def test_bounded_in_entries_and_tokens(tok: Tokenizer) -> None:
     assert len(mem) == 1
 
 
-def test_the_spellings_outlive_a_restart_under_the_same_key_only(tok: Tokenizer, tmp_path: Path) -> None:
+def test_the_spellings_outlive_a_restart_under_the_same_key_only(
+    tok: Tokenizer, tmp_path: Path
+) -> None:
     mem = TurnMemory()
     prompt1 = tok.apply_chat_template(history(tok))
     answer = odd_spelling(tok, CALL) + tok.encode("<|im_end|>", allow_special=True)

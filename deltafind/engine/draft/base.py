@@ -42,7 +42,9 @@ class Proposal:
     q: torch.Tensor | None = None
 
 
-def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+def draw(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[int, torch.Tensor | None]:
     """A draft model's next token from `logits` [V]: argmax under greedy, else sampled; with the q it came from."""
     if params.temperature == 0.0:
         return greedy_tokens(logits)[0], None
@@ -51,7 +53,13 @@ def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
 
 
 class DraftSession(Protocol):
-    def propose(self, history: Sequence[int], width: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
+    def propose(
+        self,
+        history: Sequence[int],
+        width: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Proposal:
         """Up to `width` tokens to follow `history` (may be fewer, or none)."""
         ...
 
@@ -68,7 +76,9 @@ class DraftSession(Protocol):
 
 class DraftSource(Protocol):
     name: str  # "self", "ngram", "dspark", "store:<path>", "cross:<path>"
-    capture_layers: tuple[int, ...]  # target layers whose output hidden rows the source needs; () = none
+    capture_layers: tuple[
+        int, ...
+    ]  # target layers whose output hidden rows the source needs; () = none
 
     def session(self, prompt_ids: Sequence[int]) -> DraftSession: ...
 

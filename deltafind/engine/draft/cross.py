@@ -35,7 +35,9 @@ log = get_logger(__name__)
 CONFIDENCE_CUT = 0.3  # docs/kimi-k3-drafting-io.md §7.7: with more than 2 drafts asked, stop at the first token below this
 HYBRID_MARGIN = 0.02  # docs/kimi-k3-drafting-io.md §7.7: the wide model wins only if its minimum confidence is this much higher
 MIN_BUDGET, MAX_BUDGET = 3, 20
-DECODE_WINDOW = 8  # draft-prefix tokens decoded with the drafted ones, so leading-space and BOS rules match
+DECODE_WINDOW = (
+    8  # draft-prefix tokens decoded with the drafted ones, so leading-space and BOS rules match
+)
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,13 @@ class CrossSession:
         # Draft positions computed per model: prefix reuse keeps each step near the budget, not the context.
         self.positions_run = [0] * len(source.models)
 
-    def propose(self, history: Sequence[int], width: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
+    def propose(
+        self,
+        history: Sequence[int],
+        width: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Proposal:
         if width <= 0 or not history:
             return Proposal([])
         target = self.source.target
@@ -141,7 +149,11 @@ class CrossSession:
         cut = self._translate(text, body, probe, probe.kept, width)
         if len(cut) == width:
             return cut
-        raw = cut if probe.kept == len(probe.tokens) else self._translate(text, body, probe, len(probe.tokens), width)
+        raw = (
+            cut
+            if probe.kept == len(probe.tokens)
+            else self._translate(text, body, probe, len(probe.tokens), width)
+        )
         if probe.kept >= 3 and len(raw) == width:
             return raw
         if len(self.source.models) < 2:
@@ -152,7 +164,11 @@ class CrossSession:
         wide_raw = self._translate(text, body, wide, len(wide.tokens), width)
         if len(raw) == width and raw == wide_raw:
             return raw
-        wide_cut = wide_raw if wide.kept == len(wide.tokens) else self._translate(text, body, wide, wide.kept, width)
+        wide_cut = (
+            wide_raw
+            if wide.kept == len(wide.tokens)
+            else self._translate(text, body, wide, wide.kept, width)
+        )
         if wide_cut and wide.min_confidence > probe.min_confidence + HYBRID_MARGIN:
             return wide_cut
         return cut
@@ -164,10 +180,15 @@ class CrossSession:
         budget = draft_budget(width)
         if not prefix or len(prefix) + budget > model.max_context:
             return None
-        keep = min(_common_prefix(slot.ids, prefix), len(prefix) - 1)  # rerun >= 1 token to get logits
+        keep = min(
+            _common_prefix(slot.ids, prefix), len(prefix) - 1
+        )  # rerun >= 1 token to get logits
         try:
             slot.cache.truncate(keep)
-        except (NotImplementedError, ValueError):  # a recurrent state (KDA) rolls back only inside its last pass
+        except (
+            NotImplementedError,
+            ValueError,
+        ):  # a recurrent state (KDA) rolls back only inside its last pass
             slot.cache, keep = SequenceCache(model.net.num_layers), 0
         tokens: list[int] = []
         probs: list[float] = []
@@ -198,11 +219,13 @@ class CrossSession:
         if not after.startswith(before):
             return []
         # Bytes that are no UTF-8 (a character cut at the draft's end, or draft noise) are no text to propose.
-        delta = after[len(before):].split("\ufffd", 1)[0]
+        delta = after[len(before) :].split("\ufffd", 1)[0]
         if not delta:
             return []
         ids = self.source.target.encode(text + delta)
-        if ids[: len(body)] != body:  # the draft text re-tokenizes across the history's last boundary
+        if (
+            ids[: len(body)] != body
+        ):  # the draft text re-tokenizes across the history's last boundary
             return []
         return ids[len(body) : len(body) + width]
 
@@ -219,11 +242,18 @@ class CrossTokenizerSource:
     capture_layers: tuple[int, ...] = ()
     raw_only = True  # never for chat requests (docs/kimi-k3-drafting-io.md §7.7): the policy must check this
 
-    def __init__(self, target: TextCodec, models: Sequence[CrossDraftModel], name: str = "cross",
-                 closers: Sequence[Callable[[], None]] = ()) -> None:
+    def __init__(
+        self,
+        target: TextCodec,
+        models: Sequence[CrossDraftModel],
+        name: str = "cross",
+        closers: Sequence[Callable[[], None]] = (),
+    ) -> None:
         """`closers` release what the wiring opened for the drafts (their stores), on `close`."""
         if not 1 <= len(models) <= 2:
-            raise ValueError(f"a cross-tokenizer source takes a draft model or a probe + wide pair (got {len(models)})")
+            raise ValueError(
+                f"a cross-tokenizer source takes a draft model or a probe + wide pair (got {len(models)})"
+            )
         self.target, self.models, self.name = target, list(models), name
         self._closers = list(closers)
 

@@ -21,7 +21,9 @@ from deltafind.models import dspark
 from deltafind.store.dspark import load_dspark
 
 log = get_logger(__name__)
-K3_DSPARK_MAX_CONTEXT = 8192  # docs/kimi-k3-drafting-io.md §7.6: committed positions DSpark drafts over
+K3_DSPARK_MAX_CONTEXT = (
+    8192  # docs/kimi-k3-drafting-io.md §7.6: committed positions DSpark drafts over
+)
 
 
 class DSparkSession:
@@ -30,19 +32,29 @@ class DSparkSession:
     def __init__(self, model: dspark.Model, max_context: int) -> None:
         self.model, self.max_context = model, max_context
         self.ctx: dspark.Context | None = model.new_context()
-        self.last_confidence: torch.Tensor | None = None  # computed per docs/kimi-k3-drafting-io.md §7.4.5; no controller reads it
+        self.last_confidence: torch.Tensor | None = (
+            None  # computed per docs/kimi-k3-drafting-io.md §7.4.5; no controller reads it
+        )
 
     @property
     def stopped(self) -> bool:
         return self.ctx is None
 
-    def propose(self, history: Sequence[int], width: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
+    def propose(
+        self,
+        history: Sequence[int],
+        width: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Proposal:
         ctx = self.ctx
         if ctx is None or width <= 0:
             return Proposal([])
         committed = len(history) - 1  # history[-1] is the pending token
         if ctx.length != committed:
-            raise DraftError(f"DSpark context holds {ctx.length} rows but the target committed {committed} positions")
+            raise DraftError(
+                f"DSpark context holds {ctx.length} rows but the target committed {committed} positions"
+            )
         with torch.inference_mode():
             draft = self.model.propose(ctx, int(history[-1]), min(width, dspark.BLOCK))
         self.last_confidence = draft.confidence
@@ -62,7 +74,9 @@ class DSparkSession:
         if need <= 0:
             return
         if captured.shape[0] < need:
-            raise DraftError(f"DSpark got {captured.shape[0]} captured rows for {need} newly committed positions")
+            raise DraftError(
+                f"DSpark got {captured.shape[0]} captured rows for {need} newly committed positions"
+            )
         if committed > self.max_context:
             log.info("dspark_context_limit", positions=committed, limit=self.max_context)
             self.ctx = None  # past the limit K3 continues alone (docs/kimi-k3-drafting-io.md §7.6); free the context
@@ -84,13 +98,17 @@ class DSparkSource:
         self.capture_layers: tuple[int, ...] = tuple(model.args.target_layer_ids)
 
     @classmethod
-    def open(cls, store: str | Path, target: torch.nn.Module, max_context: int = K3_DSPARK_MAX_CONTEXT) -> DSparkSource:
+    def open(
+        cls, store: str | Path, target: torch.nn.Module, max_context: int = K3_DSPARK_MAX_CONTEXT
+    ) -> DSparkSource:
         """Load `<store>/draft/dspark` for the K3 `target` (its embedding and lm_head are shared, not copied)."""
         cfg, tensors = load_dspark(store)
         args = dspark.ModelArgs.from_config(cfg)
         with torch.device("meta"):
             model = dspark.Model(args)
-        model.load_state_dict({n: t.to(target.device) for n, t in tensors.items()}, strict=True, assign=True)
+        model.load_state_dict(
+            {n: t.to(target.device) for n, t in tensors.items()}, strict=True, assign=True
+        )
         model.eval()
         source = cls(model, max_context)
         source.check_target(target)
@@ -103,10 +121,14 @@ class DSparkSource:
         if getattr(args, "attn_res_block_size", None) is None:
             raise DraftError("DSpark drafts only for Kimi K3")
         if (args.hidden_size, args.vocab_size) != (a.target_hidden_size, a.vocab_size):
-            raise DraftError(f"DSpark was made for hidden {a.target_hidden_size} / vocab {a.vocab_size}, "
-                             f"the target has {args.hidden_size} / {args.vocab_size}")
+            raise DraftError(
+                f"DSpark was made for hidden {a.target_hidden_size} / vocab {a.vocab_size}, "
+                f"the target has {args.hidden_size} / {args.vocab_size}"
+            )
         if max(a.target_layer_ids) >= net.num_layers:
-            raise DraftError(f"DSpark reads layers {list(a.target_layer_ids)}, the target has {net.num_layers}")
+            raise DraftError(
+                f"DSpark reads layers {list(a.target_layer_ids)}, the target has {net.num_layers}"
+            )
 
     def session(self, prompt_ids: Sequence[int]) -> DSparkSession:
         return DSparkSession(self.model, self.max_context)

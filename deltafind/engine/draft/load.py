@@ -47,17 +47,29 @@ def available_bytes(device: str | torch.device = "cpu") -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def admit_store(path: Path, device: str | torch.device = "cpu", available: int | None = None) -> int:
+def admit_store(
+    path: Path, device: str | torch.device = "cpu", available: int | None = None
+) -> int:
     """Refuse (DraftError, logged) a draft store whose spine does not fit; returns its spine bytes."""
     spine = path / SPINE_NAME
     if not spine.is_file():
-        raise DraftError(f"{path}: not a deltafind store (no {SPINE_NAME}); make one with `deltafind setup --from ... --store {path}`")
+        raise DraftError(
+            f"{path}: not a deltafind store (no {SPINE_NAME}); make one with `deltafind setup --from ... --store {path}`"
+        )
     need = spine.stat().st_size
     free = available_bytes(device) if available is None else available
     if need > free * (1 - MEMORY_RESERVE):
-        log.warning("draft_refused", store=str(path), reason="memory", spine_bytes=need, available_bytes=free)
-        raise DraftError(f"{path}: the draft's spine needs {need / 2**20:.0f} MiB and {free / 2**20:.0f} MiB are available "
-                         f"(keeping {MEMORY_RESERVE:.0%} free); use a smaller draft, or --draft ngram")
+        log.warning(
+            "draft_refused",
+            store=str(path),
+            reason="memory",
+            spine_bytes=need,
+            available_bytes=free,
+        )
+        raise DraftError(
+            f"{path}: the draft's spine needs {need / 2**20:.0f} MiB and {free / 2**20:.0f} MiB are available "
+            f"(keeping {MEMORY_RESERVE:.0%} free); use a smaller draft, or --draft ngram"
+        )
     return need
 
 
@@ -84,8 +96,10 @@ def check_same_vocab(draft: Path, target: Path | None) -> None:
         return  # a tokenizer without a vocab table (tiktoken): the vocabulary size check stands alone
     diff = [t for t, i in a.items() if b.get(t) != i]
     if diff:
-        raise DraftError(f"{draft}: its tokenizer gives {len(diff)} of the target's {len(a)} tokens other ids "
-                         f"(e.g. {diff[0]!r}); a store draft must share the target's tokenizer")
+        raise DraftError(
+            f"{draft}: its tokenizer gives {len(diff)} of the target's {len(a)} tokens other ids "
+            f"(e.g. {diff[0]!r}); a store draft must share the target's tokenizer"
+        )
 
 
 def _dspark_store(target_store: Path | None) -> bool:
@@ -93,8 +107,13 @@ def _dspark_store(target_store: Path | None) -> bool:
 
 
 def make_draft_source(
-    spec: str, net: torch.nn.Module, *, target_store: Path | None = None, open_store: OpenStore | None = None,
-    device: str | torch.device = "cpu", open_cross: OpenCross | None = None,
+    spec: str,
+    net: torch.nn.Module,
+    *,
+    target_store: Path | None = None,
+    open_store: OpenStore | None = None,
+    device: str | torch.device = "cpu",
+    open_cross: OpenCross | None = None,
 ) -> tuple[DraftSource | None, str]:
     """(source, policy mode) for a `--draft` value; raises DraftError naming the fix."""
     spec = spec.strip()
@@ -113,19 +132,28 @@ def make_draft_source(
         return SelfDraftSource(net, int(layers) if layers else None), "on"
     if spec == "dspark":
         if target_store is None:
-            raise DraftError("--draft dspark needs the target's store (its DSpark checkpoint lives in <store>/draft/dspark)")
+            raise DraftError(
+                "--draft dspark needs the target's store (its DSpark checkpoint lives in <store>/draft/dspark)"
+            )
         from deltafind.engine.draft.dspark import DSparkSource
 
         return DSparkSource.open(target_store, net), "on"
     path = Path(spec).expanduser()
     if not path.exists():
-        raise DraftError(f"--draft {spec!r}: expected off, auto, self[:N], ngram, dspark, cross:STORE[,WIDE] "
-                         "or the path of a draft store")
+        raise DraftError(
+            f"--draft {spec!r}: expected off, auto, self[:N], ngram, dspark, cross:STORE[,WIDE] "
+            "or the path of a draft store"
+        )
     return store_source(path, net, target_store, open_store, device), "on"
 
 
-def store_source(path: Path, net: torch.nn.Module, target_store: Path | None, open_store: OpenStore | None,
-                 device: str | torch.device = "cpu") -> StoreDraftSource:
+def store_source(
+    path: Path,
+    net: torch.nn.Module,
+    target_store: Path | None,
+    open_store: OpenStore | None,
+    device: str | torch.device = "cpu",
+) -> StoreDraftSource:
     if open_store is None:
         raise DraftError("a store draft needs a way to open stores (internal: pass open_store)")
     admit_store(path, device)
@@ -134,14 +162,20 @@ def store_source(path: Path, net: torch.nn.Module, target_store: Path | None, op
     return StoreDraftSource(draft_net, f"store:{path}", net.vocab_size)
 
 
-def cross_source(spec: str, open_cross: OpenCross | None, device: str | torch.device = "cpu") -> DraftSource:
+def cross_source(
+    spec: str, open_cross: OpenCross | None, device: str | torch.device = "cpu"
+) -> DraftSource:
     """`cross:PROBE[,WIDE]`: docs/kimi-k3-drafting-io.md §7.7's cross-tokenizer draft (engine/draft/cross.py), raw completions only."""
     paths = [Path(p.strip()).expanduser() for p in spec.partition(":")[2].split(",") if p.strip()]
     if not 1 <= len(paths) <= 2:
-        raise DraftError(f"--draft {spec!r}: cross: takes a draft store, or a probe and a wide one (cross:SMALL,LARGE)")
+        raise DraftError(
+            f"--draft {spec!r}: cross: takes a draft store, or a probe and a wide one (cross:SMALL,LARGE)"
+        )
     if open_cross is None:
-        raise DraftError(f"--draft {spec!r}: cross-tokenizer drafts are for raw completions, and this caller cannot keep "
-                         "them off chat requests; use them with `deltafind run --prompt` (no --chat) or the Python API")
+        raise DraftError(
+            f"--draft {spec!r}: cross-tokenizer drafts are for raw completions, and this caller cannot keep "
+            "them off chat requests; use them with `deltafind run --prompt` (no --chat) or the Python API"
+        )
     free = available_bytes(device)
     for p in paths:  # both spines must fit together
         free -= admit_store(p, device, free)
@@ -164,9 +198,15 @@ def auto_source(net: torch.nn.Module, target_store: Path | None) -> DraftSource 
     return NgramSource()
 
 
-def source_from_settings(settings: Any, net: torch.nn.Module, *, target_store: Path | None = None,
-                         open_store: OpenStore | None = None, device: str | torch.device = "cpu",
-                         open_cross: OpenCross | None = None) -> tuple[DraftSource | None, PolicyOptions]:
+def source_from_settings(
+    settings: Any,
+    net: torch.nn.Module,
+    *,
+    target_store: Path | None = None,
+    open_store: OpenStore | None = None,
+    device: str | torch.device = "cpu",
+    open_cross: OpenCross | None = None,
+) -> tuple[DraftSource | None, PolicyOptions]:
     """The `[draft]` section (mode, source, max_width) as a source and its policy.
 
     mode "on" fails (DraftError) when the source cannot be built; "auto" logs and runs without.
@@ -175,8 +215,14 @@ def source_from_settings(settings: Any, net: torch.nn.Module, *, target_store: P
     if mode == "off":
         return None, PolicyOptions(mode="auto", max_width=settings.max_width)
     try:
-        source, _ = make_draft_source(source_spec, net, target_store=target_store, open_store=open_store, device=device,
-                                      open_cross=open_cross)
+        source, _ = make_draft_source(
+            source_spec,
+            net,
+            target_store=target_store,
+            open_store=open_store,
+            device=device,
+            open_cross=open_cross,
+        )
     except DraftError as e:
         if mode == "on":
             raise

@@ -29,7 +29,10 @@ class NgramSession:
 
     def _index(self, history: Sequence[int], upto: int) -> None:
         # history only grows by appending (the verifier never rewinds committed tokens)
-        if len(history) < len(self._history) or list(history[: len(self._history)]) != self._history:
+        if (
+            len(history) < len(self._history)
+            or list(history[: len(self._history)]) != self._history
+        ):
             self._last, self._indexed = {}, 0  # a different sequence: start again
         self._history = list(history)
         for end in range(self._indexed, upto):
@@ -37,8 +40,13 @@ class NgramSession:
                 self._last[tuple(history[end - n + 1 : end + 1])] = end
         self._indexed = max(self._indexed, upto)
 
-    def propose(self, history: Sequence[int], width: int, params: SamplingParams,
-                generator: torch.Generator | None) -> Proposal:
+    def propose(
+        self,
+        history: Sequence[int],
+        width: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Proposal:
         h = len(history)
         # index n-grams ending before the last token: their continuation is known and the
         # suffix itself (ending at h - 1) must not match itself

@@ -58,17 +58,34 @@ class DraftStats:
         return self.accepted / self.proposed if self.proposed else 0.0
 
     def add(self, other: DraftStats) -> None:
-        for name in ("steps", "proposed", "accepted", "emitted", "draft_s", "verify_s", "saved_s", "failures"):
+        for name in (
+            "steps",
+            "proposed",
+            "accepted",
+            "emitted",
+            "draft_s",
+            "verify_s",
+            "saved_s",
+            "failures",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for w, n in other.widths.items():
             self.widths[w] = self.widths.get(w, 0) + n
         self.source = self.source or other.source
 
     def as_dict(self) -> dict[str, float | int | str]:
-        return {"source": self.source, "steps": self.steps, "proposed": self.proposed, "accepted": self.accepted,
-                "acceptance_rate": round(self.acceptance_rate, 4), "emitted": self.emitted,
-                "draft_s": round(self.draft_s, 4), "verify_s": round(self.verify_s, 4),
-                "saved_s": round(self.saved_s, 4), "failures": self.failures}
+        return {
+            "source": self.source,
+            "steps": self.steps,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "emitted": self.emitted,
+            "draft_s": round(self.draft_s, 4),
+            "verify_s": round(self.verify_s, 4),
+            "saved_s": round(self.saved_s, 4),
+            "failures": self.failures,
+        }
 
 
 class WidthController:
@@ -80,7 +97,9 @@ class WidthController:
         self.opts = opts
         self.width = min(opts.probe_width, opts.max_width)
         self.qualified = opts.mode == "on"
-        self.target_s: float | None = None  # mean seconds of a target-only step (it emits one token)
+        self.target_s: float | None = (
+            None  # mean seconds of a target-only step (it emits one token)
+        )
         self.spec_tokens = 0.0  # means over drafting steps: tokens emitted, seconds taken
         self.spec_s = 0.0
         self.spec_steps = 0
@@ -98,7 +117,9 @@ class WidthController:
         a = self.EMA
         self.target_s = seconds if self.target_s is None else (1 - a) * self.target_s + a * seconds
 
-    def record_spec(self, proposed: int, accepted: int, emitted: int, seconds: float, generated: int) -> None:
+    def record_spec(
+        self, proposed: int, accepted: int, emitted: int, seconds: float, generated: int
+    ) -> None:
         """A drafting step (draft + verify) took `seconds` and emitted `emitted` tokens."""
         a, o = self.EMA, self.opts
         if self.spec_steps == 0:
@@ -121,7 +142,9 @@ class WidthController:
         else:
             self.width = probe
             if o.mode == "auto" and proposed and not self.qualified:
-                self._back_off(generated)  # docs/kimi-k3-drafting-io.md §7.6: nothing accepted turns drafting off (here: for a while)
+                self._back_off(
+                    generated
+                )  # docs/kimi-k3-drafting-io.md §7.6: nothing accepted turns drafting off (here: for a while)
 
     def _back_off(self, generated: int) -> None:
         self.off_until = generated + self.backoff

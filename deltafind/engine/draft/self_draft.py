@@ -36,14 +36,21 @@ class SelfDraftSession:
     def use_target_cache(self, cache: SequenceCache) -> None:
         self.cache = cache
 
-    def propose(self, history: Sequence[int], width: int, params: SamplingParams,
-                generator: torch.Generator | None) -> Proposal:
+    def propose(
+        self,
+        history: Sequence[int],
+        width: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Proposal:
         cache = self.cache
         if cache is None:
             raise DraftError("the self-draft was given no target cache")
         length = cache.length
         if length != len(history) - 1:
-            raise DraftError(f"the target cache holds {length} positions, expected {len(history) - 1}")
+            raise DraftError(
+                f"the target cache holds {length} positions, expected {len(history) - 1}"
+            )
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         token = history[-1]
@@ -58,7 +65,9 @@ class SelfDraftSession:
                     if q is not None:
                         qs.append(q)
         finally:
-            cache.truncate(length)  # the first N layers' rows past `length` are the draft's: drop them
+            cache.truncate(
+                length
+            )  # the first N layers' rows past `length` are the draft's: drop them
         return Proposal(tokens, torch.stack(qs) if qs else None)
 
     def commit(self, history: Sequence[int], captured: torch.Tensor | None) -> None:
@@ -79,14 +88,18 @@ class SelfDraftSource:
         total = net.num_layers
         self.num_layers = default_layers(total) if num_layers is None else num_layers
         if not 1 <= self.num_layers < total:
-            raise DraftError(f"self-draft layers must be in 1..{total - 1} for this {total}-layer model (got {self.num_layers})")
+            raise DraftError(
+                f"self-draft layers must be in 1..{total - 1} for this {total}-layer model (got {self.num_layers})"
+            )
         self.net = net
 
     @staticmethod
     def check_target(net: torch.nn.Module) -> None:
         if not net.layer_prefix:
-            raise DraftError(f"the self-draft needs a model whose forward runs a layer prefix; "
-                             f"{type(net).__module__} has none (use --draft ngram, or dspark for Kimi K3)")
+            raise DraftError(
+                f"the self-draft needs a model whose forward runs a layer prefix; "
+                f"{type(net).__module__} has none (use --draft ngram, or dspark for Kimi K3)"
+            )
 
     def session(self, prompt_ids: Sequence[int]) -> SelfDraftSession:
         return SelfDraftSession(self.net, self.num_layers)

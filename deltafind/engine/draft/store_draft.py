@@ -26,12 +26,19 @@ class StoreDraftSession:
 
     def _run(self, ids: Sequence[int]) -> torch.Tensor:
         batch = Batch.of([(self.cache, len(ids))], device=self.device)
-        logits = self.net(torch.tensor(list(ids), dtype=torch.long, device=self.device), batch)[0]  # [V_draft]
+        logits = self.net(torch.tensor(list(ids), dtype=torch.long, device=self.device), batch)[
+            0
+        ]  # [V_draft]
         self.seen.extend(ids)
         return logits[: self.vocab_size]  # a draft with spare rows proposes only the target's ids
 
-    def propose(self, history: Sequence[int], width: int, params: SamplingParams,
-                generator: torch.Generator | None) -> Proposal:
+    def propose(
+        self,
+        history: Sequence[int],
+        width: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Proposal:
         if self.max_positions is not None and len(history) + width > self.max_positions:
             return Proposal([])  # past the draft's context: the target continues alone
         keep = 0
@@ -72,8 +79,10 @@ class StoreDraftSource:
     def __init__(self, net: torch.nn.Module, name: str, target_vocab_size: int) -> None:
         draft_vocab = net.vocab_size
         if draft_vocab < target_vocab_size:
-            raise DraftError(f"{name}: the draft's vocabulary ({draft_vocab}) is smaller than the target's "
-                             f"({target_vocab_size}); a same-tokenizer draft must share the target's token ids")
+            raise DraftError(
+                f"{name}: the draft's vocabulary ({draft_vocab}) is smaller than the target's "
+                f"({target_vocab_size}); a same-tokenizer draft must share the target's token ids"
+            )
         self.net, self.name, self.vocab_size = net, name, target_vocab_size
         self.max_positions = getattr(getattr(net, "args", None), "max_position_embeddings", None)
 

@@ -13,7 +13,12 @@ import math
 import torch
 
 
-def attn_res(values: list[torch.Tensor], norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+def attn_res(
+    values: list[torch.Tensor],
+    norm_weight: torch.Tensor,
+    proj_weight: torch.Tensor,
+    eps: float = 1e-5,
+) -> torch.Tensor:
     """Mix `values` (m tensors [T, H]) with weights softmax_m(<rmsnorm(v, n), p>).
 
     norm_weight [H] and proj_weight [1, H] are one sub-layer's `*_res_norm` and
@@ -51,11 +56,16 @@ class AttnResStream:
         self.h = embedding  # [T, H]
         self.partial: torch.Tensor | None = None
 
-    def attention_input(self, layer_idx: int, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
+    def attention_input(
+        self, layer_idx: int, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float
+    ) -> torch.Tensor:
         """x for layer l's attention; also performs the block-boundary step."""
         x = self.h if not self.anchors else attn_res([*self.anchors, self.h], norm_w, proj_w, eps)
         if is_block_start(layer_idx, self.block_size):
-            self.anchors = [*self.anchors, self.h]  # h closes the previous block (the embedding at l = 0)
+            self.anchors = [
+                *self.anchors,
+                self.h,
+            ]  # h closes the previous block (the embedding at l = 0)
             self.partial = None
         else:
             self.partial = self.h

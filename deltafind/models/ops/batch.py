@@ -115,7 +115,9 @@ class Batch:
     logit_rows: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, caches_and_counts: list[tuple[SequenceCache, int]], device: torch.device | str = "cpu") -> Batch:
+    def of(
+        cls, caches_and_counts: list[tuple[SequenceCache, int]], device: torch.device | str = "cpu"
+    ) -> Batch:
         segments, positions, start = [], [], 0
         for cache, n in caches_and_counts:
             segments.append(Segment(cache, n, start))
@@ -130,9 +132,14 @@ class Batch:
     def last_token_index(self) -> torch.Tensor:
         """Flat indices of each segment's last token (its last `logit_rows[i]` tokens when set)."""
         if not self.logit_rows:
-            return torch.tensor([s.start + s.num_tokens - 1 for s in self.segments], dtype=torch.long)
-        rows = [i for s, n in zip(self.segments, self.logit_rows, strict=True)
-                for i in range(s.start + s.num_tokens - n, s.start + s.num_tokens)]
+            return torch.tensor(
+                [s.start + s.num_tokens - 1 for s in self.segments], dtype=torch.long
+            )
+        rows = [
+            i
+            for s, n in zip(self.segments, self.logit_rows, strict=True)
+            for i in range(s.start + s.num_tokens - n, s.start + s.num_tokens)
+        ]
         return torch.tensor(rows, dtype=torch.long)
 
     def token_sequences(self) -> list[int]:
@@ -145,8 +152,12 @@ class Batch:
             s.cache.length += s.num_tokens
 
 
-def forward_step(model: torch.nn.Module, cache: SequenceCache, ids: Sequence[int], all_logits: bool = False) -> torch.Tensor:
+def forward_step(
+    model: torch.nn.Module, cache: SequenceCache, ids: Sequence[int], all_logits: bool = False
+) -> torch.Tensor:
     """Run `ids` after what `cache` holds, outside any engine core (tests, and drafts that keep their own
     caches); returns logits ([n, V] or [1, V])."""
     batch = Batch.of([(cache, len(ids))], device=model.device)
-    return model(torch.tensor(list(ids), dtype=torch.long, device=model.device), batch, all_logits=all_logits)
+    return model(
+        torch.tensor(list(ids), dtype=torch.long, device=model.device), batch, all_logits=all_logits
+    )

@@ -25,7 +25,16 @@ from typing import Any
 
 HERE = Path(__file__).parent
 # -ffp-contract=off: a decode written as d*q + m must round twice, as the numpy oracle does.
-FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-fast-math", "-ffp-contract=off"]
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-pthread",
+    "-fno-fast-math",
+    "-ffp-contract=off",
+]
 HEADERS = ("cpu_pool.h", "stored_blocks.h", "stored_iq.h", "stored_panel.h", "stored_rows.h")
 
 
@@ -33,7 +42,9 @@ def _cpu_tag() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             text = f.read()
-        flags = next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+        flags = next(
+            (line for line in text.splitlines() if line.startswith(("flags", "Features"))), ""
+        )
         model = next((line for line in text.splitlines() if line.startswith("model name")), "")
         return model + flags
     except OSError:
@@ -57,7 +68,12 @@ def _compile(sources: tuple[Path, ...], out: Path, flags: list[str]) -> None:
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([cxx, *flags, *map(str, sources), "-o", tmp], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [cxx, *flags, *map(str, sources), "-o", tmp],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{cxx} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, out)  # atomic: a concurrent builder sees the old file or the new one
@@ -69,7 +85,12 @@ class KernelLibrary:
     """Kernel sources built into one library on first `load()`, then the same ctypes library (or None) every time.
     `extra_flags` follow FLAGS: the tests build the AVX2 code of an AVX-512 CPU with "-mno-avx512f"."""
 
-    def __init__(self, sources: tuple[str, ...], bind: Callable[[ctypes.CDLL], ctypes.CDLL], extra_flags: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        sources: tuple[str, ...],
+        bind: Callable[[ctypes.CDLL], ctypes.CDLL],
+        extra_flags: tuple[str, ...] = (),
+    ) -> None:
         self.sources, self._bind = tuple(HERE / s for s in sources), bind
         self.flags = [*FLAGS, *extra_flags]
         self._lock = threading.Lock()
@@ -84,7 +105,9 @@ class KernelLibrary:
             if self._tried:
                 return self._lib
             text = b"".join(p.read_bytes() for p in (*self.sources, *(HERE / h for h in HEADERS)))
-            key = hashlib.sha256(text + " ".join(self.flags).encode() + _cpu_tag().encode()).hexdigest()[:16]
+            key = hashlib.sha256(
+                text + " ".join(self.flags).encode() + _cpu_tag().encode()
+            ).hexdigest()[:16]
             path = kernel_dir() / f"deltafind-cpu-{key}.so"
             try:
                 if not path.exists():
@@ -110,16 +133,42 @@ class AttnLayer(ctypes.Structure):
     """One attention layer's weights and shape for `df_attn_decode` (layer_cpu.cpp's `AttnLayer`);
     the optional pointers are None (NULL) where the layer has no such weight."""
 
-    _fields_ = [("qkv", P), ("o", P), ("n_qkv", I64), ("n_o", I64), ("norm", P), ("qkv_bias", P), ("o_bias", P),
-                ("q_norm", P), ("k_norm", P), ("hidden", I64), ("hq", I64), ("hkv", I64), ("d", I64),
-                ("eps", F32), ("qk_eps", F32), ("scale", F32)]
+    _fields_ = [
+        ("qkv", P),
+        ("o", P),
+        ("n_qkv", I64),
+        ("n_o", I64),
+        ("norm", P),
+        ("qkv_bias", P),
+        ("o_bias", P),
+        ("q_norm", P),
+        ("k_norm", P),
+        ("hidden", I64),
+        ("hq", I64),
+        ("hkv", I64),
+        ("d", I64),
+        ("eps", F32),
+        ("qk_eps", F32),
+        ("scale", F32),
+    ]
 
 
 class DecodeLayer(ctypes.Structure):
     """One decoder layer of a one-token step for `df_decode_layers` (layer_cpu.cpp's `DecodeLayer`)."""
 
-    _fields_ = [("attn", ctypes.POINTER(AttnLayer)), ("kbuf", P), ("vbuf", P), ("len", I64), ("gu", P), ("down", P),
-                ("n_gu", I64), ("n_down", I64), ("norm", P), ("eps", F32), ("act", I32)]
+    _fields_ = [
+        ("attn", ctypes.POINTER(AttnLayer)),
+        ("kbuf", P),
+        ("vbuf", P),
+        ("len", I64),
+        ("gu", P),
+        ("down", P),
+        ("n_gu", I64),
+        ("n_down", I64),
+        ("norm", P),
+        ("eps", F32),
+        ("act", I32),
+    ]
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -176,5 +225,7 @@ def missing_note() -> str | None:
     """None where the CPU kernels load; else the one loud sentence serve, doctor and status show: why, cost, fix."""
     if CPU.load() is not None:
         return None
-    return (f"CPU kernels NOT built ({(CPU.build_error or '')[-500:]}); {FALLBACK_COST}. Fix: install a C++ compiler "
-            "(g++ or clang++, e.g. `apt install g++`) and restart; the kernels then build once into ~/.cache/deltafind/kernels")
+    return (
+        f"CPU kernels NOT built ({(CPU.build_error or '')[-500:]}); {FALLBACK_COST}. Fix: install a C++ compiler "
+        "(g++ or clang++, e.g. `apt install g++`) and restart; the kernels then build once into ~/.cache/deltafind/kernels"
+    )

@@ -15,7 +15,9 @@ L2NORM_CLAMP = "clamp"  # x / max(||x||, 1e-12): F.normalize, as K3/deltafin
 L2NORM_ADD_EPS = "add_eps"  # x / sqrt(||x||^2 + 1e-6): transformers' and fla's kernels
 
 
-def short_conv(u: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def short_conv(
+    u: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal depthwise conv + SiLU over new rows u [T, D]; weight [D, 1, W].
 
     `state` [W-1, D] holds the last W-1 raw inputs, oldest first (zeros at the
@@ -42,7 +44,11 @@ def l2_normalize(x: torch.Tensor, mode: str = L2NORM_CLAMP) -> torch.Tensor:
 
 
 def safe_gate(
-    f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None, per_channel: bool = True
+    f: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float | None,
+    per_channel: bool = True,
 ) -> torch.Tensor:
     """Log-decay g [T, NH, K] from the forget-gate projection f [T, NH, K].
 
@@ -60,7 +66,12 @@ def safe_gate(
 
 
 def kda_recurrent(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token delta rule. q, k [T, NH, K] (q already scaled), v [T, NH, V],
     g [T, NH, K] log-decay, beta [T, NH]. Returns (o [T, NH, V], S [NH, K, V])."""
@@ -102,13 +113,17 @@ def kda_chunked(
         gcum = g[c0:c1].transpose(0, 1).cumsum(dim=1)  # [NH, n, K]
         diff = gcum[:, :, None, :] - gcum[:, None, :, :]  # [NH, n(t), n(i), K]: G_t - G_i
         causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()  # i <= t
-        decay = torch.exp(diff.masked_fill(~causal[None, :, :, None], float("-inf")))  # <= 1, zero above
+        decay = torch.exp(
+            diff.masked_fill(~causal[None, :, :, None], float("-inf"))
+        )  # <= 1, zero above
         a = torch.einsum("htc,hic,htic->hti", kc, kc, decay) * bc[:, :, None]
         a = a.masked_fill(~causal.tril(-1)[None], 0.0)  # keep i < t only
         eye = torch.eye(n, dtype=q.dtype, device=q.device)
         decay_s = torch.exp(gcum)  # [NH, n, K]
         rhs = bc[:, :, None] * (vc - torch.einsum("htc,hcv->htv", decay_s * kc, s))
-        u = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)  # [NH, n, V]
+        u = torch.linalg.solve_triangular(
+            eye + a, rhs, upper=False, unitriangular=True
+        )  # [NH, n, V]
         bq = torch.einsum("htc,hic,htic->hti", qc, kc, decay)  # zero above the diagonal
         out[c0:c1] = (torch.einsum("htc,hcv->htv", decay_s * qc, s) + bq @ u).transpose(0, 1)
         tail = torch.exp(gcum[:, -1:, :] - gcum)  # [NH, n, K]: e^(G_end - G_i)

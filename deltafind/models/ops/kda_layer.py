@@ -72,10 +72,16 @@ class KDAState:
         self.window_start = 0  # position before the kept pass's first row
         self.kept_rows = 0  # rows of the kept pass (0: nothing kept)
         self.kept_start: torch.Tensor | None = None  # S before the pass [NH, K, V]
-        self.kept_inputs: list[torch.Tensor] = []  # q, k [n, NH, K], v [n, NH, V], g [n, NH, K], beta [n, NH]
+        self.kept_inputs: list[
+            torch.Tensor
+        ] = []  # q, k [n, NH, K], v [n, NH, V], g [n, NH, K], beta [n, NH]
         self.conv_prev: list[torch.Tensor] = []  # per stream [W-1, D]: the window before the pass
-        self.conv_rows: list[torch.Tensor] = []  # per stream [n, D]: the pass's raw (pre-conv) inputs
-        self.rerun: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # rows -> (o, S), as the layer runs them
+        self.conv_rows: list[
+            torch.Tensor
+        ] = []  # per stream [n, D]: the pass's raw (pre-conv) inputs
+        self.rerun: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = (
+            None  # rows -> (o, S), as the layer runs them
+        )
 
     def copy(self) -> KDAState:
         """The state as of now (conv windows and S cloned); it keeps no pass, so it rolls back nowhere."""
@@ -138,7 +144,9 @@ def kda_state(batch_cache: list, layer_idx: int) -> KDAState:
     slot = batch_cache[layer_idx]
     if isinstance(slot, KDAState):
         return slot
-    assert isinstance(slot, LayerCache) and slot.length == 0, "a KDA layer's cache slot holds other data"
+    assert isinstance(slot, LayerCache) and slot.length == 0, (
+        "a KDA layer's cache slot holds other data"
+    )
     batch_cache[layer_idx] = state = KDAState()
     return state
 
@@ -160,7 +168,9 @@ class KimiDeltaAttention(nn.Module):
         self.q_proj = nn.Linear(h, d, bias=False)
         self.k_proj = nn.Linear(h, d, bias=False)
         self.v_proj = nn.Linear(h, d, bias=False)
-        self.q_conv1d, self.k_conv1d, self.v_conv1d = (ConvWeight(d, opts.conv_size) for _ in range(3))
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (
+            ConvWeight(d, opts.conv_size) for _ in range(3)
+        )
         self.f_a_proj = nn.Linear(h, dk, bias=False)
         self.f_b_proj = nn.Linear(dk, d, bias=False)
         self.b_proj = nn.Linear(h, nh, bias=False)
@@ -177,8 +187,15 @@ class KimiDeltaAttention(nn.Module):
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_proj(x) if self.opts.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
 
-    def _recurrence(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _recurrence(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The delta rule over one segment's rows, in the form the options choose for that many rows."""
         if q.shape[0] > 1 and self.opts.prefill == PREFILL_CHUNKED:
             return kda_chunked(q, k, v, g, beta, state, chunk_size=self.opts.chunk_size)
@@ -190,7 +207,9 @@ class KimiDeltaAttention(nn.Module):
         t, nh, dk = x.shape[0], o.num_heads, o.head_dim
         raw = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]  # 3 x [T, D]
         f = self.f_b_proj(self.f_a_proj(x)).view(t, nh, dk)
-        g = safe_gate(f, self.A_log, self.dt_bias, o.gate_lower_bound, o.a_log_per_channel)  # [T, NH, K]
+        g = safe_gate(
+            f, self.A_log, self.dt_bias, o.gate_lower_bound, o.a_log_per_channel
+        )  # [T, NH, K]
         beta = torch.sigmoid(self.b_proj(x).float())  # [T, NH]
         core = x.new_empty((t, nh, dk), dtype=torch.float32)
         convs = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
@@ -211,7 +230,12 @@ class KimiDeltaAttention(nn.Module):
             k = l2_normalize(streams[1], o.l2norm)
             inputs = [q, k, streams[2], g[sl], beta[sl]]
             if keep:  # a verify pass: keep where it started and its rows, for `truncate`
-                state.kept_start, state.kept_inputs, state.kept_rows, state.rerun = state.recurrent, inputs, seg.num_tokens, self._recurrence
+                state.kept_start, state.kept_inputs, state.kept_rows, state.rerun = (
+                    state.recurrent,
+                    inputs,
+                    seg.num_tokens,
+                    self._recurrence,
+                )
             core[sl], state.recurrent = self._recurrence(*inputs, state.recurrent)
             state.length += seg.num_tokens
         gate = torch.sigmoid(self.output_gate(x).float().view(t, nh, dk))

@@ -75,12 +75,16 @@ class MLAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, heads, self.qk_dim)
-        q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, nope], [T, H, rope]
+        q_nope, q_rot = q.split(
+            [self.nope_dim, self.rope_dim], dim=-1
+        )  # [T, H, nope], [T, H, rope]
         kv_a = self.kv_a_proj_with_mqa(x)  # [T, kv_lora_rank + rope]
         latent, k_rot = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [T, kv_lora_rank]
         q_rot = self.rotate(q_rot, cos, sin)  # [T, H, rope]
-        k_rot = self.rotate(k_rot.reshape(t, 1, self.rope_dim), cos, sin)  # [T, 1, rope], one for all heads
+        k_rot = self.rotate(
+            k_rot.reshape(t, 1, self.rope_dim), cos, sin
+        )  # [T, 1, rope], one for all heads
         kv = self.kv_b_proj(latent).view(t, heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [T, H, nope], [T, H, v]
         q = torch.cat((q_nope, q_rot), dim=-1)  # [T, H, qk]

@@ -43,9 +43,13 @@ class GatedNoPEMLA(nn.Module):
             self.q_a_proj = nn.Linear(h, opts.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(opts.q_lora_rank, opts.latent_norm_eps)
             self.q_b_proj = nn.Linear(opts.q_lora_rank, nh * self.qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, opts.kv_lora_rank + opts.qk_rope_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            h, opts.kv_lora_rank + opts.qk_rope_head_dim, bias=False
+        )
         self.kv_a_layernorm = RMSNorm(opts.kv_lora_rank, opts.latent_norm_eps)
-        self.kv_b_proj = nn.Linear(opts.kv_lora_rank, nh * (opts.qk_nope_head_dim + opts.v_head_dim), bias=False)
+        self.kv_b_proj = nn.Linear(
+            opts.kv_lora_rank, nh * (opts.qk_nope_head_dim + opts.v_head_dim), bias=False
+        )
         if opts.output_gate:
             self.g_proj = nn.Linear(h, nh * opts.v_head_dim, bias=False)
         self.o_proj = nn.Linear(nh * opts.v_head_dim, h, bias=False)
@@ -53,19 +57,33 @@ class GatedNoPEMLA(nn.Module):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, NH, qk], k [T, NH, qk], v [T, NH, v] for x [T, H]; no rotation anywhere."""
         o, t, nh = self.opts, x.shape[0], self.opts.num_heads
-        q = self.q_proj(x) if o.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = (
+            self.q_proj(x)
+            if o.q_lora_rank is None
+            else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        )
         q = q.view(t, nh, self.qk_dim)  # per head [nope | "rope" part], kept as one vector
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([o.kv_lora_rank, o.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(t, nh, o.qk_nope_head_dim + o.v_head_dim)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split(
+            [o.kv_lora_rank, o.qk_rope_head_dim], dim=-1
+        )
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(
+            t, nh, o.qk_nope_head_dim + o.v_head_dim
+        )
         k_nope, v = kv.split([o.qk_nope_head_dim, o.v_head_dim], dim=-1)
-        k = torch.cat((k_nope, k_pe[:, None, :].expand(t, nh, o.qk_rope_head_dim)), dim=-1)  # shared k_pe
+        k = torch.cat(
+            (k_nope, k_pe[:, None, :].expand(t, nh, o.qk_rope_head_dim)), dim=-1
+        )  # shared k_pe
         return q, k, v
 
     def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         """x [T, H] (input RMSNorm applied) -> [T, H]; appends k/v to each segment's cache."""
         t, nh, dv = x.shape[0], self.opts.num_heads, self.opts.v_head_dim
         q, k, v = self.project(x)
-        out = attend(q, k, v, batch, self.layer_idx, scale=self.qk_dim**-0.5).reshape(t, nh * dv)  # [T, NH*V]
+        out = attend(q, k, v, batch, self.layer_idx, scale=self.qk_dim**-0.5).reshape(
+            t, nh * dv
+        )  # [T, NH*V]
         if self.opts.output_gate:
-            out = out * torch.sigmoid(self.g_proj(x))  # gate from the attention input, before o_proj
+            out = out * torch.sigmoid(
+                self.g_proj(x)
+            )  # gate from the attention input, before o_proj
         return self.o_proj(out)

@@ -38,7 +38,9 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         ) from None
 
 
-def expert_forward(x: torch.Tensor, expert: Expert, gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def expert_forward(
+    x: torch.Tensor, expert: Expert, gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
     """A gated-MLP expert (or dense slice): down(gated(gate x, up x)). x [n, H] -> [n, H].
 
     Weights are computed on in their stored format (models/ops/stored.py)."""
@@ -62,12 +64,19 @@ class SlicesPlan:
 
     def plan(self, experts: Sequence[Expert]) -> bool:
         """Whether the kernel takes these slices (their parts are then planned)."""
-        if len(self._refs) == len(experts) and all(r() is e for r, e in zip(self._refs, experts, strict=True)):
+        if len(self._refs) == len(experts) and all(
+            r() is e for r, e in zip(self._refs, experts, strict=True)
+        ):
             return True
         self._refs = ()
         names = ("gate_proj", "up_proj")
-        gu = self.gate_up.parts([e[n] for n in names for e in experts], [e.quant.get(n, "") for n in names for e in experts])
-        dn = self.down.parts([e["down_proj"] for e in experts], [e.quant.get("down_proj", "") for e in experts])
+        gu = self.gate_up.parts(
+            [e[n] for n in names for e in experts],
+            [e.quant.get(n, "") for n in names for e in experts],
+        )
+        dn = self.down.parts(
+            [e["down_proj"] for e in experts], [e.quant.get("down_proj", "") for e in experts]
+        )
         if gu is None or dn is None or 2 * self.down.in_cols != self.gate_up.out_cols:
             return False
         self._refs = tuple(weakref.ref(e) for e in experts)
@@ -80,14 +89,20 @@ class GatedExpert:
     Where `act` names an activation the kernel computes (KERNEL_ACTS), gate/up, activation and down
     run as ONE kernel call (layer_cpu.cpp's df_gated_mlp), with the layer's norm and residual."""
 
-    def __init__(self, gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], act: str = "") -> None:
+    def __init__(
+        self, gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], act: str = ""
+    ) -> None:
         self.gated, self.act = gated, KERNEL_ACTS.get(act, -1)
         self._slices = SlicesPlan()  # a dense layer's slices
-        self._plans: dict[int, tuple[weakref.ref, SlicesPlan | None]] = {}  # routed experts' plans, by id while alive
+        self._plans: dict[
+            int, tuple[weakref.ref, SlicesPlan | None]
+        ] = {}  # routed experts' plans, by id while alive
         self._norm_fits: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, expert: Expert) -> torch.Tensor:
-        if (plan := self._plan_of(expert)) is not None and (y := self._run(x, plan, None)) is not None:
+        if (plan := self._plan_of(expert)) is not None and (
+            y := self._run(x, plan, None)
+        ) is not None:
             return y
         return expert_forward(x, expert, self.gated)
 
@@ -105,25 +120,40 @@ class GatedExpert:
         plans[key] = (weakref.ref(expert, lambda _, key=key: plans.pop(key, None)), plan)
         return plan
 
-    def slices(self, x: torch.Tensor, experts: Sequence[Expert], norm: RMSNorm | None = None) -> torch.Tensor | None:
+    def slices(
+        self, x: torch.Tensor, experts: Sequence[Expert], norm: RMSNorm | None = None
+    ) -> torch.Tensor | None:
         """sum_s down_s(gated(gate_s n, up_s n)) for x [T, H] and n = x, or with `norm` the decoder
         layer's MLP half x + that for n = norm(x), the slices' matrices where they are; None where the
         stored-format kernel does not apply."""
         return self._run(x, self._slices, norm) if self._slices.plan(experts) else None
 
-    def held_parts(self, slices: Sequence[Expert], norm: RMSNorm, cols: int) -> tuple[ctypes.Array, ctypes.Array] | None:
+    def held_parts(
+        self, slices: Sequence[Expert], norm: RMSNorm, cols: int
+    ) -> tuple[ctypes.Array, ctypes.Array] | None:
         """The planned gate/up and down parts with which `slices(x, slices, norm)` for x [1, cols] makes
         its one df_gated_mlp call (layer_cpu.cpp's df_decode_layers makes that call), else None."""
         w = norm._parameters["weight"]
         plan = self._slices
-        if (self.act < 0 or not plan.plan(slices) or plan.gate_up.in_cols != cols or plan.down.out_cols != cols
-                or (w is not self._norm_fits and not _fits(w, cols))):
+        if (
+            self.act < 0
+            or not plan.plan(slices)
+            or plan.gate_up.in_cols != cols
+            or plan.down.out_cols != cols
+            or (w is not self._norm_fits and not _fits(w, cols))
+        ):
             return None
         self._norm_fits = w
         return plan.gate_up.parts_planned, plan.down.parts_planned
 
     def _run(self, x: torch.Tensor, plan: SlicesPlan, norm: RMSNorm | None) -> torch.Tensor | None:
-        if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or (shape := x.shape)[1] != plan.gate_up.in_cols or not shape[0]:
+        if (
+            x.dtype != torch.float32
+            or not x.is_cpu
+            or x.dim() != 2
+            or (shape := x.shape)[1] != plan.gate_up.in_cols
+            or not shape[0]
+        ):
             return None
         x = x.contiguous()
         if (y := self._fused_call(x, plan, norm)) is not None:
@@ -136,23 +166,50 @@ class GatedExpert:
         y = plan.down.run(self.gated(gu[:, :half], gu[:, half:]))  # [T, I], slice s at its columns
         return y if y is None or norm is None else x + y
 
-    def _fused_call(self, x: torch.Tensor, plan: SlicesPlan, norm: RMSNorm | None) -> torch.Tensor | None:
+    def _fused_call(
+        self, x: torch.Tensor, plan: SlicesPlan, norm: RMSNorm | None
+    ) -> torch.Tensor | None:
         """`_run` in one df_gated_mlp call, or None where the kernel lacks the activation or the norm's layout."""
-        w = None if norm is None else norm._parameters["weight"]  # not norm.weight: nn.Module.__getattr__ costs ~1 us
-        if self.act < 0 or (w is not None and w is not self._norm_fits and not _fits(w, x.shape[1])):
+        w = (
+            None if norm is None else norm._parameters["weight"]
+        )  # not norm.weight: nn.Module.__getattr__ costs ~1 us
+        if self.act < 0 or (
+            w is not None and w is not self._norm_fits and not _fits(w, x.shape[1])
+        ):
             return None
         self._norm_fits = w  # checked once per norm weight object
-        gu, dn, y = plan.gate_up.parts_planned, plan.down.parts_planned, torch.empty(x.shape[0], plan.down.out_cols)
-        if CPU.load().df_gated_mlp(gu, len(gu), dn, len(dn), x.data_ptr(), x.shape[0], self.act,
-                                   None if w is None else w.data_ptr(), 0.0 if norm is None else norm.eps,
-                                   int(norm is not None), y.data_ptr(), torch.get_num_threads()):
+        gu, dn, y = (
+            plan.gate_up.parts_planned,
+            plan.down.parts_planned,
+            torch.empty(x.shape[0], plan.down.out_cols),
+        )
+        if CPU.load().df_gated_mlp(
+            gu,
+            len(gu),
+            dn,
+            len(dn),
+            x.data_ptr(),
+            x.shape[0],
+            self.act,
+            None if w is None else w.data_ptr(),
+            0.0 if norm is None else norm.eps,
+            int(norm is not None),
+            y.data_ptr(),
+            torch.get_num_threads(),
+        ):
             return None
         return y
 
 
 def _fits(w: torch.Tensor, cols: int) -> bool:
     """Whether df_gated_mlp takes `w` as the RMSNorm weight of rows of `cols` (fp32 on the CPU, a multiple of 8)."""
-    return w.dtype == torch.float32 and w.is_contiguous() and w.device.type == "cpu" and w.shape == (cols,) and not cols % 8
+    return (
+        w.dtype == torch.float32
+        and w.is_contiguous()
+        and w.device.type == "cpu"
+        and w.shape == (cols,)
+        and not cols % 8
+    )
 
 
 def swiglu(hidden_act: str) -> GatedExpert:
@@ -169,7 +226,9 @@ def predict_routed(router: nn.Module, x: torch.Tensor) -> list[int]:
     with torch.no_grad():
         idx, weight = router(x)
     ids, inverse, counts = torch.unique(idx, return_inverse=True, return_counts=True)
-    score = torch.zeros(len(ids), dtype=torch.float64, device=ids.device).index_add_(0, inverse.reshape(-1), weight.reshape(-1).double())
+    score = torch.zeros(len(ids), dtype=torch.float64, device=ids.device).index_add_(
+        0, inverse.reshape(-1), weight.reshape(-1).double()
+    )
     by_score = torch.argsort(score, descending=True, stable=True)
     return ids[by_score[torch.argsort(counts[by_score], descending=True, stable=True)]].tolist()
 
@@ -195,7 +254,9 @@ def dispatch(
     order = torch.argsort(flat_idx, stable=True)
     unique, counts = torch.unique_consecutive(flat_idx[order], return_counts=True)
     ends = torch.cumsum(counts, 0).tolist()
-    span = {e: (end - c, end) for e, end, c in zip(unique.tolist(), ends, counts.tolist(), strict=True)}
+    span = {
+        e: (end - c, end) for e, end, c in zip(unique.tolist(), ends, counts.tolist(), strict=True)
+    }
     k = topk_idx.shape[1]
     partial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     try:
@@ -217,9 +278,15 @@ def dispatch(
     return out
 
 
-def _expert_outputs(x: torch.Tensor, order: torch.Tensor, span: dict[int, tuple[int, int]], k: int,
-                    provider: ExpertProvider, layer_idx: int,
-                    run: Callable[[torch.Tensor, Expert], torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+def _expert_outputs(
+    x: torch.Tensor,
+    order: torch.Tensor,
+    span: dict[int, tuple[int, int]],
+    k: int,
+    provider: ExpertProvider,
+    layer_idx: int,
+    run: Callable[[torch.Tensor, Expert], torch.Tensor],
+) -> Iterator[tuple[int, torch.Tensor]]:
     """(expert, run(its rows, expert)) in completion order: fetched and run here, or, where the provider
     runs experts where they live (`run_experts`, deltafind/cluster), computed there on the same rows
     (x[tokens] for each expert's tokens)."""
@@ -240,12 +307,19 @@ class SlicedMLP(nn.Module):
     `dispatch` it cost 1.4-3x (tests/bench/bench_sliced_dispatch.py).
     """
 
-    def __init__(self, layer_idx: int, provider: ExpertProvider, run: Callable[[torch.Tensor, Expert], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        layer_idx: int,
+        provider: ExpertProvider,
+        run: Callable[[torch.Tensor, Expert], torch.Tensor],
+    ) -> None:
         super().__init__()
         self.layer_idx, self.provider, self.run = layer_idx, provider, run
         self._route: tuple[tuple[int, int, torch.device], torch.Tensor, torch.Tensor] | None = None
 
-    def _all_slices(self, tokens: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _all_slices(
+        self, tokens: int, n: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The route every token takes, [T, n] slice ids and weights 1: built once per shape (never mutated)."""
         key = (tokens, n, device)
         if self._route is None or self._route[0] != key:
@@ -254,13 +328,17 @@ class SlicedMLP(nn.Module):
         return self._route[1], self._route[2]
 
     def predict(self, x: torch.Tensor) -> list[int]:
-        return list(range(self.provider.num_experts(self.layer_idx)))  # a dense layer always needs every slice
+        return list(
+            range(self.provider.num_experts(self.layer_idx))
+        )  # a dense layer always needs every slice
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
         """The MLP of x [T, H], or with `norm` the decoder layer's whole MLP half x + MLP(norm(x)) (one
         kernel call with the norm and the sum, where it applies)."""
         ids = self.predict(x)
-        self.provider.observe_routes(self.layer_idx, *self._all_slices(x.shape[0], len(ids), x.device))  # [T, n]
+        self.provider.observe_routes(
+            self.layer_idx, *self._all_slices(x.shape[0], len(ids), x.device)
+        )  # [T, n]
         held = self.provider.dense_held(self.layer_idx)
         if isinstance(self.run, GatedExpert):
             if held is None:
@@ -271,7 +349,9 @@ class SlicedMLP(nn.Module):
                 return fused
             fetched: Iterator[tuple[int, Expert]] = enumerate(held)
         else:
-            fetched = enumerate(held) if held is not None else self.provider.fetch(self.layer_idx, ids)
+            fetched = (
+                enumerate(held) if held is not None else self.provider.fetch(self.layer_idx, ids)
+            )
         n = x if norm is None else norm(x)
         partial = {e: self.run(n, expert) for e, expert in fetched}
         out = torch.zeros_like(x)
@@ -283,7 +363,13 @@ class SlicedMLP(nn.Module):
 class DenseMLP(nn.Module):
     """A resident gate/up/down MLP (shared experts), HF parameter names."""
 
-    def __init__(self, hidden: int, intermediate: int, act: Callable[[torch.Tensor], torch.Tensor], bias: bool = False) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        act: Callable[[torch.Tensor], torch.Tensor],
+        bias: bool = False,
+    ) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)

@@ -39,13 +39,17 @@ def check_pack(packed: torch.Tensor, scale: torch.Tensor) -> None:
         raise ValueError(f"MXFP4 tensors must be uint8 (got {packed.dtype}, {scale.dtype})")
     rows, cols = logical_shape(packed)
     if packed.dim() != 2 or cols % GROUP or tuple(scale.shape) != (rows, cols // GROUP):
-        raise ValueError(f"MXFP4 shapes do not fit: packed {tuple(packed.shape)}, scale {tuple(scale.shape)}")
+        raise ValueError(
+            f"MXFP4 shapes do not fit: packed {tuple(packed.shape)}, scale {tuple(scale.shape)}"
+        )
 
 
 def check_scales(scale: torch.Tensor) -> None:
     """E8M0 bytes 0 and 255 are outside what K3 uses (0 would be 2^-127, 255 inf/NaN): refuse them."""
     if scale.numel() and (bool((scale == 0).any()) or bool((scale == 255).any())):
-        raise ValueError("MXFP4 scale byte 0 or 255 found; the checkpoint's scales lie strictly inside (0, 255)")
+        raise ValueError(
+            "MXFP4 scale byte 0 or 255 found; the checkpoint's scales lie strictly inside (0, 255)"
+        )
 
 
 def dequantize_reference(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -74,15 +78,25 @@ def torch_path() -> Iterator[None]:
 
 
 def _kernel_ok(x: torch.Tensor, packed: torch.Tensor) -> bool:
-    return not _force_torch and x.device.type == "cpu" and packed.device.type == "cpu" and load_kernel() is not None
+    return (
+        not _force_torch
+        and x.device.type == "cpu"
+        and packed.device.type == "cpu"
+        and load_kernel() is not None
+    )
 
 
 def _device_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """E2M1 values [16] and 2^(s-127) for every E8M0 byte [256], fp32, on `device` (made exactly on the CPU)."""
     tables = _tables.get(device)
     if tables is None:
-        pow2 = torch.tensor([math.ldexp(1.0, s - 127) for s in range(256)], dtype=torch.float32)  # 255 -> inf, as in C++
-        tables = _tables[device] = (torch.tensor(E2M1, dtype=torch.float32).to(device), pow2.to(device))
+        pow2 = torch.tensor(
+            [math.ldexp(1.0, s - 127) for s in range(256)], dtype=torch.float32
+        )  # 255 -> inf, as in C++
+        tables = _tables[device] = (
+            torch.tensor(E2M1, dtype=torch.float32).to(device),
+            pow2.to(device),
+        )
     return tables
 
 
@@ -99,7 +113,9 @@ def scratch(device: torch.device, rows: int, cols: int) -> torch.Tensor:
     return buf[: rows * cols].view(rows, cols)
 
 
-def dequantize_torch(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_torch(
+    packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Exact fp32 [R, C] with torch ops on packed's device (CPU, CUDA, MPS), written into `out` if given.
 
     Each weight is one table value times one power of two, both exact in fp32,
@@ -108,17 +124,25 @@ def dequantize_torch(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tenso
     check_pack(packed, scale)
     rows, cols = logical_shape(packed)
     e2m1, pow2 = _device_tables(packed.device)
-    out = torch.empty((rows, cols), dtype=torch.float32, device=packed.device) if out is None else out
+    out = (
+        torch.empty((rows, cols), dtype=torch.float32, device=packed.device) if out is None else out
+    )
     codes = torch.stack((packed & 0xF, packed >> 4), dim=-1)  # [R, C/2, 2] uint8, low nibble first
     torch.index_select(e2m1, 0, codes.view(-1).int(), out=out.view(-1))
-    factor = pow2.index_select(0, scale.reshape(-1).int()).view(rows, cols // GROUP, 1)  # [R, C/32, 1]
+    factor = pow2.index_select(0, scale.reshape(-1).int()).view(
+        rows, cols // GROUP, 1
+    )  # [R, C/32, 1]
     out.view(rows, cols // GROUP, GROUP).mul_(factor)
     return out
 
 
-def _dequant_expr(packed: torch.Tensor, scale: torch.Tensor, e2m1: torch.Tensor, pow2: torch.Tensor) -> torch.Tensor:
+def _dequant_expr(
+    packed: torch.Tensor, scale: torch.Tensor, e2m1: torch.Tensor, pow2: torch.Tensor
+) -> torch.Tensor:
     """The decode as one expression, for torch.compile to fuse into a single kernel (same exact products)."""
-    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1).long()  # [R, C]
+    codes = (
+        torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1).long()
+    )  # [R, C]
     return e2m1[codes] * pow2[scale.long()].repeat_interleave(GROUP, dim=-1)
 
 
@@ -134,7 +158,9 @@ def use_compile(enabled: bool) -> None:
         _compiled.pop("dequant", None)
 
 
-def dequantize(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize(
+    packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Exact fp32 [R, C]; the C++ kernel where it is built, else torch ops (any device)."""
     check_pack(packed, scale)
     rows, cols = logical_shape(packed)
@@ -142,7 +168,9 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | No
         return dequantize_torch(packed, scale, out)
     packed, scale = packed.contiguous(), scale.contiguous()
     out = torch.empty((rows, cols), dtype=torch.float32) if out is None else out
-    rc = load_kernel().df_mxfp4_dequant(packed.data_ptr(), scale.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads())
+    rc = load_kernel().df_mxfp4_dequant(
+        packed.data_ptr(), scale.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads()
+    )
     assert rc == 0
     return out
 
@@ -160,14 +188,28 @@ def fused_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> 
     packed, scale = packed.contiguous(), scale.contiguous()
     y = torch.empty((x.shape[0], rows), dtype=torch.float32)
     rc = lib.df_mxfp4_matmul(
-        x.data_ptr(), x.shape[0], cols, packed.data_ptr(), scale.data_ptr(), rows, cols, y.data_ptr(), rows, torch.get_num_threads()
+        x.data_ptr(),
+        x.shape[0],
+        cols,
+        packed.data_ptr(),
+        scale.data_ptr(),
+        rows,
+        cols,
+        y.data_ptr(),
+        rows,
+        torch.get_num_threads(),
     )
     assert rc == 0
     return y
 
 
-def fused_gate_up_situ(x: torch.Tensor, w1: tuple[torch.Tensor, torch.Tensor], w3: tuple[torch.Tensor, torch.Tensor],
-                       beta: float, linear_beta: float) -> torch.Tensor:
+def fused_gate_up_situ(
+    x: torch.Tensor,
+    w1: tuple[torch.Tensor, torch.Tensor],
+    w3: tuple[torch.Tensor, torch.Tensor],
+    beta: float,
+    linear_beta: float,
+) -> torch.Tensor:
     """situ(x @ W1.T, x @ W3.T) in one kernel call: x [T, C] fp32 -> [T, R]."""
     lib = load_kernel()
     assert lib is not None
@@ -175,8 +217,20 @@ def fused_gate_up_situ(x: torch.Tensor, w1: tuple[torch.Tensor, torch.Tensor], w
     x = x.contiguous()
     (p1, s1), (p3, s3) = ((p.contiguous(), s.contiguous()) for p, s in (w1, w3))
     h = torch.empty((x.shape[0], rows), dtype=torch.float32)
-    rc = lib.df_mxfp4_gate_up_situ(x.data_ptr(), x.shape[0], p1.data_ptr(), s1.data_ptr(), p3.data_ptr(), s3.data_ptr(),
-                                   rows, cols, beta, linear_beta, h.data_ptr(), torch.get_num_threads())
+    rc = lib.df_mxfp4_gate_up_situ(
+        x.data_ptr(),
+        x.shape[0],
+        p1.data_ptr(),
+        s1.data_ptr(),
+        p3.data_ptr(),
+        s3.data_ptr(),
+        rows,
+        cols,
+        beta,
+        linear_beta,
+        h.data_ptr(),
+        torch.get_num_threads(),
+    )
     assert rc == 0
     return h
 
@@ -187,7 +241,12 @@ def can_fuse(x: torch.Tensor, packed: torch.Tensor, batched_min_tokens: int | No
     return _kernel_ok(x, packed) and x.shape[0] < limit
 
 
-def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, batched_min_tokens: int | None = None) -> torch.Tensor:
+def mxfp4_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    batched_min_tokens: int | None = None,
+) -> torch.Tensor:
     """`x @ W.T` for an MXFP4 W, fp32 in and out. x [T, C] -> [T, R].
 
     Few tokens: the fused kernel. Many tokens (>= `batched_min_tokens`) or no

@@ -30,13 +30,31 @@ class RMSNorm(nn.Module):
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """fp32 RMSNorm over the last dim of x [..., C] on the CPU in one kernel call (layer_cpu.cpp; F.rms_norm
     cost 10-30 us a row), or None where it does not apply (another device or layout, no compiler)."""
-    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 2
-            or x.shape[-1] % 8 or weight.shape != (x.shape[-1],) or not weight.is_contiguous()
-            or weight.device.type != "cpu" or (lib := CPU.load()) is None):
+    if (
+        x.dtype != torch.float32
+        or weight.dtype != torch.float32
+        or x.device.type != "cpu"
+        or x.dim() < 2
+        or x.shape[-1] % 8
+        or weight.shape != (x.shape[-1],)
+        or not weight.is_contiguous()
+        or weight.device.type != "cpu"
+        or (lib := CPU.load()) is None
+    ):
         return None
-    rows = x if x.dim() == 2 and x.stride(1) == 1 else x.reshape(-1, x.shape[-1])  # q/k heads: [T, H, D] -> [T*H, D]
+    rows = (
+        x if x.dim() == 2 and x.stride(1) == 1 else x.reshape(-1, x.shape[-1])
+    )  # q/k heads: [T, H, D] -> [T*H, D]
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     y = torch.empty(rows.shape)
-    lib.df_rms_norm(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), weight.data_ptr(), eps, y.data_ptr())
+    lib.df_rms_norm(
+        rows.data_ptr(),
+        rows.shape[0],
+        rows.shape[1],
+        rows.stride(0),
+        weight.data_ptr(),
+        eps,
+        y.data_ptr(),
+    )
     return y.view(x.shape)

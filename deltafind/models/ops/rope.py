@@ -34,7 +34,9 @@ def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(scale) + 1.0
 
 
-def inv_freq_and_scale(params: dict[str, Any], dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+def inv_freq_and_scale(
+    params: dict[str, Any], dim: int, max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [dim/2] and the attention scaling applied to cos/sin."""
     base = float(params["rope_theta"])
     rope_type = params["rope_type"]
@@ -63,10 +65,15 @@ def inv_freq_and_scale(params: dict[str, Any], dim: int, max_position_embeddings
         attention_factor = params.get("attention_factor")
         if attention_factor is None:
             if mscale and mscale_all_dim:
-                attention_factor = yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)
+                attention_factor = yarn_get_mscale(factor, mscale) / yarn_get_mscale(
+                    factor, mscale_all_dim
+                )
             else:
                 attention_factor = yarn_get_mscale(factor)
-        beta_fast, beta_slow = float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1)
+        beta_fast, beta_slow = (
+            float(params.get("beta_fast") or 32),
+            float(params.get("beta_slow") or 1),
+        )
         low = _yarn_find_correction_dim(beta_fast, dim, base, original)
         high = _yarn_find_correction_dim(beta_slow, dim, base, original)
         if params.get("truncate", True):
@@ -80,7 +87,9 @@ def inv_freq_and_scale(params: dict[str, Any], dim: int, max_position_embeddings
         interpolation, extrapolation = 1.0 / (factor * pos_freqs), 1.0 / pos_freqs
         inv = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
         return inv, float(attention_factor)
-    raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (supported: default, linear, llama3, yarn)")
+    raise UnsupportedModelError(
+        f"rope type {rope_type!r} is not supported (supported: default, linear, llama3, yarn)"
+    )
 
 
 class Rope:
@@ -90,7 +99,9 @@ class Rope:
         self.inv_freq, self.scale = inv_freq_and_scale(params, dim, max_position_embeddings)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [T, dim/2]
+        freqs = (
+            positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        )  # [T, dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, dim]
         return emb.cos() * self.scale, emb.sin() * self.scale
 
@@ -121,8 +132,16 @@ def _rope_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     """`apply_rope` for fp32 x [T, H, D] on the CPU in one kernel call (layer_cpu.cpp: the same
     arithmetic, bit for bit; the torch ops cost ~40 us a call), or None where it does not apply."""
     t, h, d = x.shape
-    if (x.dtype != torch.float32 or x.device.type != "cpu" or d % 2 or x.stride(2) != 1 or x.stride(1) != d
-            or cos.shape != (t, 1, d) or sin.shape != (t, 1, d) or (lib := CPU.load()) is None):
+    if (
+        x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or d % 2
+        or x.stride(2) != 1
+        or x.stride(1) != d
+        or cos.shape != (t, 1, d)
+        or sin.shape != (t, 1, d)
+        or (lib := CPU.load()) is None
+    ):
         return None
     cos, sin = cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous()
     y = torch.empty(t, h, d)

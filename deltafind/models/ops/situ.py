@@ -14,15 +14,28 @@ SITU_BETA = 4.0
 SITU_LINEAR_BETA = 25.0
 
 
-def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = SITU_BETA, linear_beta: float = SITU_LINEAR_BETA) -> torch.Tensor:
+def situ(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    beta: float = SITU_BETA,
+    linear_beta: float = SITU_LINEAR_BETA,
+) -> torch.Tensor:
     """Elementwise SiTU of gate and linear pre-activations (same shape)."""
-    return (torch.tanh(gate / beta) * beta * torch.sigmoid(gate)) * (torch.tanh(up / linear_beta) * linear_beta)
+    return (torch.tanh(gate / beta) * beta * torch.sigmoid(gate)) * (
+        torch.tanh(up / linear_beta) * linear_beta
+    )
 
 
 class SiTUMLP(nn.Module):
     """down(situ(gate x, up x)) with resident weights under HF names (gate_proj/up_proj/down_proj)."""
 
-    def __init__(self, hidden: int, intermediate: int, beta: float = SITU_BETA, linear_beta: float = SITU_LINEAR_BETA) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        beta: float = SITU_BETA,
+        linear_beta: float = SITU_LINEAR_BETA,
+    ) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
@@ -31,4 +44,3 @@ class SiTUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(situ(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta))
-

@@ -46,8 +46,12 @@ def run_layers(
     """Run `layers` from hidden state x [T, H]; `attend(i, layer, x)` gives the state layer i+1
     predicts from (`predict_experts`), `feed_forward(i, layer, state)` the output `batch.capture` keeps;
     `chain(x)` (a family's `DecodeChain`) runs the first layers in one call where it applies."""
-    layers = list(layers)  # a ModuleList's `layers[i]` and `len` cost ~2 us a layer (3.6 % of a demo token's Python)
-    provider.begin_step(batch.token_sequences(), batch.positions.tolist())  # traces name each token (drafts too)
+    layers = list(
+        layers
+    )  # a ModuleList's `layers[i]` and `len` cost ~2 us a layer (3.6 % of a demo token's Python)
+    provider.begin_step(
+        batch.token_sequences(), batch.positions.tolist()
+    )  # traces name each token (drafts too)
     provider.prefetch(0, first_hint)
     x, start = chain(x) if chain is not None else (x, 0)
     for i in range(start, len(layers)):
@@ -74,17 +78,35 @@ class DecodeChain:
         self._arrays: dict[int, tuple[ctypes.Array, list[tuple[Any, Any] | None]]] = {}
         self.off = False  # a layer the kernels cannot take: fixed at open, so never tried again
 
-    def __call__(self, layers: Sequence[Any], provider: ExpertProvider, x: torch.Tensor, batch: Batch,
-                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def __call__(
+        self,
+        layers: Sequence[Any],
+        provider: ExpertProvider,
+        x: torch.Tensor,
+        batch: Batch,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, int]:
         """(the hidden state after layers [0, done), done) for x [1, H]: done = len(layers), or 0 where
         the chain does not apply (x as given)."""
         n = len(layers)
-        if (self.off or not n or batch.capture or not AttnStep.takes(x, batch, cos, sin)
-                or (chain := provider.held_chain(n)) is None or (lib := CPU.load()) is None):
+        if (
+            self.off
+            or not n
+            or batch.capture
+            or not AttnStep.takes(x, batch, cos, sin)
+            or (chain := provider.held_chain(n)) is None
+            or (lib := CPU.load()) is None
+        ):
             return x, 0
         if (arrays := self._arrays.get(n)) is None:
             arrays = self._arrays[n] = ((DecodeLayer * n)(), [None] * n)
-        (steps, keys), caches, cols, d = arrays, batch.segments[0].cache.layers, x.shape[1], cos.shape[-1]
+        (steps, keys), caches, cols, d = (
+            arrays,
+            batch.segments[0].cache.layers,
+            x.shape[1],
+            cos.shape[-1],
+        )
         rows = []
         for i, layer in enumerate(layers):
             if (got := layer.chain_parts(chain[i], caches, cols, d)) is None:
@@ -95,16 +117,26 @@ class DecodeChain:
             s = steps[i]
             if (key := keys[i]) is None or key[0] is not attn or key[1] is not parts[0]:
                 keys[i] = (attn, parts[0])
-                s.attn, s.gu, s.down, s.n_gu, s.n_down = ctypes.pointer(attn), ctypes.addressof(parts[0]), ctypes.addressof(parts[1]), len(parts[0]), len(parts[1])
+                s.attn, s.gu, s.down, s.n_gu, s.n_down = (
+                    ctypes.pointer(attn),
+                    ctypes.addressof(parts[0]),
+                    ctypes.addressof(parts[1]),
+                    len(parts[0]),
+                    len(parts[1]),
+                )
                 s.norm, s.eps, s.act = norm._parameters["weight"].data_ptr(), norm.eps, act
             s.kbuf, s.vbuf, s.len = kbuf.data_ptr(), vbuf.data_ptr(), cache.length
             rows.append(cache)
         out = x.clone()
-        done = lib.df_decode_layers(steps, n, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        done = lib.df_decode_layers(
+            steps, n, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), torch.get_num_threads()
+        )
         for i, cache in enumerate(rows[:done]):
             cache.length += 1
             provider.dense_held(i)  # their use, counted as the per-layer path counts it
-        if done < n:  # a part the planning took but the kernel did not: the per-layer path goes on from there
+        if (
+            done < n
+        ):  # a part the planning took but the kernel did not: the per-layer path goes on from there
             self.off = True
             log.warning("decode_chain_off", layer=done, reason="the kernel refused a part")
         return out, done

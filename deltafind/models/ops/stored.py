@@ -29,10 +29,41 @@ from deltafind.store.quant import parse_quant
 
 # GGML type ids (gguf.GGMLQuantizationType): the kind codes stored_cpu.cpp takes.
 # I8R (deltafind's own) is the row-int8 spine: per row an f16 scale, then int8 weights (docs/kimi-k3-drafting-io.md §9.6).
-KINDS = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
-         "Q6_K": 14, "IQ2_XXS": 16, "IQ2_XS": 17, "IQ3_XXS": 18, "IQ1_S": 19, "IQ4_NL": 20, "IQ3_S": 21, "IQ2_S": 22,
-         "IQ4_XS": 23, "IQ1_M": 29, "BF16": 30, "I8R": 100}
-INT8_SKIP = ("conv1d", "norm", "A_log", "dt_bias", "res_proj", "e_score_correction_bias", ".experts.", "vision", "mm_projector")
+KINDS = {
+    "F16": 1,
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "Q5_0": 6,
+    "Q5_1": 7,
+    "Q8_0": 8,
+    "Q2_K": 10,
+    "Q3_K": 11,
+    "Q4_K": 12,
+    "Q5_K": 13,
+    "Q6_K": 14,
+    "IQ2_XXS": 16,
+    "IQ2_XS": 17,
+    "IQ3_XXS": 18,
+    "IQ1_S": 19,
+    "IQ4_NL": 20,
+    "IQ3_S": 21,
+    "IQ2_S": 22,
+    "IQ4_XS": 23,
+    "IQ1_M": 29,
+    "BF16": 30,
+    "I8R": 100,
+}
+INT8_SKIP = (
+    "conv1d",
+    "norm",
+    "A_log",
+    "dt_bias",
+    "res_proj",
+    "e_score_correction_bias",
+    ".experts.",
+    "vision",
+    "mm_projector",
+)
 BLOCKS = {"F16": (1, 2), "BF16": (1, 2), **GGUF_BLOCKS}  # (weights, bytes) per block
 TORCH_KINDS = {torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -47,18 +78,29 @@ class StoredWeight:
     cols: int
 
     @classmethod
-    def of(cls, data: torch.Tensor, kind: str | None = None, cols: int | None = None) -> StoredWeight:
+    def of(
+        cls, data: torch.Tensor, kind: str | None = None, cols: int | None = None
+    ) -> StoredWeight:
         """Wrap a bf16/fp16 matrix, or a GGUF block matrix of `kind` holding `cols` weights per row."""
         if kind is None:
             if data.dtype not in TORCH_KINDS:
                 raise ValueError(f"a stored weight is bf16, fp16 or GGUF blocks (got {data.dtype})")
             return cls(data, TORCH_KINDS[data.dtype], data.shape[0], data.shape[1])
-        if kind not in KINDS or kind in TORCH_KINDS.values() or data.dtype != torch.uint8 or cols is None:
-            raise ValueError(f"GGUF blocks need a kind in {sorted(BLOCKS)}, uint8 data and cols (got {kind}, {data.dtype})")
+        if (
+            kind not in KINDS
+            or kind in TORCH_KINDS.values()
+            or data.dtype != torch.uint8
+            or cols is None
+        ):
+            raise ValueError(
+                f"GGUF blocks need a kind in {sorted(BLOCKS)}, uint8 data and cols (got {kind}, {data.dtype})"
+            )
         per, size = BLOCKS.get(kind, (1, 1))
         nbytes = cols + 2 if kind == "I8R" else cols // per * size
         if cols % per or data.dim() != 2 or data.shape[1] != nbytes:
-            raise ValueError(f"{kind} rows of {cols} weights are {nbytes} bytes, not {tuple(data.shape)}")
+            raise ValueError(
+                f"{kind} rows of {cols} weights are {nbytes} bytes, not {tuple(data.shape)}"
+            )
         return cls(data, kind, data.shape[0], cols)
 
     @classmethod
@@ -80,12 +122,21 @@ def dequantize(w: StoredWeight) -> torch.Tensor:
         return w.data.float()
     if _kernel_ok(w):
         out = torch.empty(w.rows, w.cols, dtype=torch.float32)
-        rc = CPU.load().df_stored_dequant(KINDS[w.kind], w.data.data_ptr(), w.rows, w.cols, out.data_ptr(),
-                                          torch.get_num_threads())
+        rc = CPU.load().df_stored_dequant(
+            KINDS[w.kind],
+            w.data.data_ptr(),
+            w.rows,
+            w.cols,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
         if rc == 0:
             return out
     if w.kind == "I8R":
-        return w.data[:, :2].contiguous().view(torch.float16).float() * w.data[:, 2:].view(torch.int8).float()
+        return (
+            w.data[:, :2].contiguous().view(torch.float16).float()
+            * w.data[:, 2:].view(torch.int8).float()
+        )
     return gguf_dequantize(w)
 
 
@@ -95,8 +146,12 @@ def to_row_int8(w: torch.Tensor) -> torch.Tensor:
     w = w.float()
     scale = w.abs().amax(dim=1, keepdim=True) / 127.0
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = torch.clamp(torch.round(w / scale), -127, 127).to(torch.int8)  # torch.round rounds half to even
-    return torch.cat([scale.to(torch.float16).view(torch.uint8), q.view(torch.uint8)], dim=1).contiguous()
+    q = torch.clamp(torch.round(w / scale), -127, 127).to(
+        torch.int8
+    )  # torch.round rounds half to even
+    return torch.cat(
+        [scale.to(torch.float16).view(torch.uint8), q.view(torch.uint8)], dim=1
+    ).contiguous()
 
 
 def int8_spine(net: torch.nn.Module) -> int:
@@ -109,10 +164,20 @@ def int8_spine(net: torch.nn.Module) -> int:
             as_stored(m).weight, m.quant = done[id(m.weight)]
             continue
         weight = getattr(m, "weight", None)
-        if (not isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) or weight is None or weight.device.type == "meta"
-                or any(s in f"{name}.weight" for s in INT8_SKIP) or getattr(m, "quant", "").startswith("I8R/")):
+        if (
+            not isinstance(m, (torch.nn.Linear, torch.nn.Embedding))
+            or weight is None
+            or weight.device.type == "meta"
+            or any(s in f"{name}.weight" for s in INT8_SKIP)
+            or getattr(m, "quant", "").startswith("I8R/")
+        ):
             continue
-        if getattr(m, "quant", "") or weight.dim() != 2 or not weight.is_floating_point() or weight.shape[1] % 32:
+        if (
+            getattr(m, "quant", "")
+            or weight.dim() != 2
+            or not weight.is_floating_point()
+            or weight.shape[1] % 32
+        ):
             continue  # GGUF blocks are already smaller than int8: only float matrices convert
         before = weight.numel() * weight.element_size()
         as_stored(m).weight = torch.nn.Parameter(to_row_int8(weight), requires_grad=False)
@@ -129,7 +194,9 @@ def gguf_dequantize(w: StoredWeight) -> torch.Tensor:
 
     raw = w.data.cpu().contiguous().numpy()
     out = np_dequantize(raw, GGMLQuantizationType(KINDS[w.kind]))
-    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32).reshape(w.rows, w.cols)).to(w.data.device)
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32).reshape(w.rows, w.cols)).to(
+        w.data.device
+    )
 
 
 # kinds whose codes index a grid: gguf-py's, handed to the kernel (`set_grids`); IQ1_M reads IQ1_S's
@@ -148,7 +215,9 @@ def set_grids(lib: ctypes.CDLL) -> None:
         table.init_grid()
         values = np.ascontiguousarray(table.grid.reshape(-1), dtype=np.int8)
         if lib.df_stored_set_grid(KINDS[kind], values.ctypes.data, values.size) != 0:
-            raise RuntimeError(f"the CPU kernels refused gguf-py's {kind} grid of {values.size} values")
+            raise RuntimeError(
+                f"the CPU kernels refused gguf-py's {kind} grid of {values.size} values"
+            )
     lib.grids_set = True
 
 
@@ -166,18 +235,33 @@ def _kernel_ok(w: StoredWeight) -> bool:
 
 
 def _part(w: StoredWeight) -> StoredPart:
-    return StoredPart(KINDS[w.kind], w.rows, w.cols, w.data.shape[1] * w.data.element_size(), w.data.data_ptr())
+    return StoredPart(
+        KINDS[w.kind], w.rows, w.cols, w.data.shape[1] * w.data.element_size(), w.data.data_ptr()
+    )
 
 
-def _run_parts(parts: ctypes.Array, stack_cols: bool, x: torch.Tensor, out_cols: int) -> torch.Tensor | None:
+def _run_parts(
+    parts: ctypes.Array, stack_cols: bool, x: torch.Tensor, out_cols: int
+) -> torch.Tensor | None:
     """One `df_stored_parts` call: x [T, in] fp32 contiguous -> y [T, out_cols]; None if the kernel refused."""
     y = torch.empty(x.shape[0], out_cols, dtype=torch.float32)
-    rc = CPU.load().df_stored_parts(parts, len(parts), int(stack_cols), x.data_ptr(), x.shape[0], x.shape[1],
-                                       y.data_ptr(), out_cols, torch.get_num_threads())
+    rc = CPU.load().df_stored_parts(
+        parts,
+        len(parts),
+        int(stack_cols),
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        y.data_ptr(),
+        out_cols,
+        torch.get_num_threads(),
+    )
     return y if rc == 0 else None
 
 
-def stored_linear(x: torch.Tensor, w: StoredWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def stored_linear(
+    x: torch.Tensor, w: StoredWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """`x @ W.T (+ bias)` for fp32 `x` [..., cols]: fp32 out [..., rows], weights read in their stored format."""
     if x.dtype != torch.float32 or not (x.device.type == "cpu" and _kernel_ok(w)):
         return F.linear(x, dequantize(w).to(x.dtype), bias)
@@ -210,20 +294,30 @@ class FusedLinear:
         if _widen:
             return
         try:
-            ws = [StoredWeight.tagged(w, q) if q else StoredWeight.of(w) for w, q in zip(weights, quants, strict=True)]
+            ws = [
+                StoredWeight.tagged(w, q) if q else StoredWeight.of(w)
+                for w, q in zip(weights, quants, strict=True)
+            ]
         except ValueError:
             return  # fp32 or packed weights: not for this kernel
-        if not all(_kernel_ok(w) for w in ws) or len({w.rows if self.stack_cols else w.cols for w in ws}) != 1:
+        if (
+            not all(_kernel_ok(w) for w in ws)
+            or len({w.rows if self.stack_cols else w.cols for w in ws}) != 1
+        ):
             return
         self._parts = (StoredPart * len(ws))(*map(_part, ws))
         rows, cols = [w.rows for w in ws], [w.cols for w in ws]
-        self.in_cols, self.out_cols = (sum(cols), rows[0]) if self.stack_cols else (cols[0], sum(rows))
+        self.in_cols, self.out_cols = (
+            (sum(cols), rows[0]) if self.stack_cols else (cols[0], sum(rows))
+        )
 
     def parts(self, weights: Sequence[torch.Tensor], quants: Sequence[str]) -> ctypes.Array | None:
         """The kernel's parts for these weights (planned again if any changed), or None where it does
         not apply; `in_cols`/`out_cols` are then W's shape. The fused layer kernels take them too."""
         refs = self._refs
-        if len(refs) != len(weights) or any(r() is not w for r, w in zip(refs, weights, strict=True)):
+        if len(refs) != len(weights) or any(
+            r() is not w for r, w in zip(refs, weights, strict=True)
+        ):
             self._plan(weights, quants)
         return self._parts
 
@@ -234,17 +328,26 @@ class FusedLinear:
 
     def run(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [T, in] -> [T, out] fp32 with the weights planned last, or None (see the class)."""
-        if self._parts is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.in_cols:
+        if (
+            self._parts is None
+            or x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or x.shape[-1] != self.in_cols
+        ):
             return None
         return _run_parts(self._parts, self.stack_cols, x.contiguous(), self.out_cols)
 
-    def __call__(self, x: torch.Tensor, weights: Sequence[torch.Tensor], quants: Sequence[str]) -> torch.Tensor | None:
+    def __call__(
+        self, x: torch.Tensor, weights: Sequence[torch.Tensor], quants: Sequence[str]
+    ) -> torch.Tensor | None:
         """x [T, in] -> [T, out] fp32, or None (see the class)."""
         self.parts(weights, quants)
         return self.run(x)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, quant: str = "") -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, quant: str = ""
+) -> torch.Tensor:
     """`F.linear` for a weight in any stored format: GGUF blocks (`quant` tag) and bf16/fp16 under
     fp32 activations are computed on as stored; otherwise the weight takes the activations' dtype."""
     if quant:
@@ -261,7 +364,12 @@ def hold_dtype(stored: set[torch.dtype], compute: torch.dtype) -> torch.dtype:
     """The dtype to hold float weights stored as `stored` in: as stored when they are all one
     half-precision dtype and compute is fp32 (and not `widened()`), else the compute dtype."""
     floats = {d for d in stored if d.is_floating_point}
-    if not _widen and compute == torch.float32 and len(floats) == 1 and next(iter(floats)) in TORCH_KINDS:
+    if (
+        not _widen
+        and compute == torch.float32
+        and len(floats) == 1
+        and next(iter(floats)) in TORCH_KINDS
+    ):
         return next(iter(floats))
     return compute
 
@@ -293,7 +401,9 @@ class StoredEmbedding(torch.nn.Embedding):
         return super().forward(ids).to(self.compute_dtype)
 
 
-def install_quantized(net: torch.nn.Module, quants: dict[str, str], tensors: dict[str, torch.Tensor]) -> None:
+def install_quantized(
+    net: torch.nn.Module, quants: dict[str, str], tensors: dict[str, torch.Tensor]
+) -> None:
     """Give the modules of GGUF-block weights (`quants`: name -> tag) their tags, and the loaded ones
     their blocks (`tensors`; weights streamed in later arrive through store/spine.py)."""
     for name, tag in quants.items():
@@ -303,7 +413,9 @@ def install_quantized(net: torch.nn.Module, quants: dict[str, str], tensors: dic
             raise ValueError(f"{name}: GGUF blocks are only kept for Linear and Embedding weights")
         if _widen:  # the oracle path: decoded to fp32 at load, as format 1 stores did at import
             if name in tensors:
-                module.weight = torch.nn.Parameter(dequantize(StoredWeight.tagged(tensors[name], tag)), requires_grad=False)
+                module.weight = torch.nn.Parameter(
+                    dequantize(StoredWeight.tagged(tensors[name], tag)), requires_grad=False
+                )
             continue
         as_stored(module).quant = tag
         if name in tensors:
@@ -328,7 +440,11 @@ def stored_weight_names(net: torch.nn.Module) -> set[str]:
     """Weights of the net's Linear and Embedding modules: the ones it can compute on as stored."""
     if _widen:
         return set()
-    return {f"{name}.weight" for name, m in net.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
+    return {
+        f"{name}.weight"
+        for name, m in net.named_modules()
+        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))
+    }
 
 
 def adopt_stored(net: torch.nn.Module, compute: torch.dtype) -> int:
@@ -351,7 +467,6 @@ def adopt_stored(net: torch.nn.Module, compute: torch.dtype) -> int:
             m.compute_dtype = compute
         changed += 1
     return changed
-
 
 
 def as_stored(m: torch.nn.Module) -> StoredLinear | StoredEmbedding:

@@ -19,8 +19,10 @@ REGISTRY = (  # "module:instance", in the order detection tries them
     "qwen3_coder:QWEN3_CODER",
     "hermes:HERMES",  # detects every template: the last
 )
-FORMATS: tuple[ChatFormat, ...] = tuple(getattr(importlib.import_module(f"{__name__}.{module}"), name)
-                                        for module, name in (entry.split(":") for entry in REGISTRY))
+FORMATS: tuple[ChatFormat, ...] = tuple(
+    getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    for module, name in (entry.split(":") for entry in REGISTRY)
+)
 
 
 def pick_format(tokenizer: Any) -> ChatFormat:
@@ -28,8 +30,10 @@ def pick_format(tokenizer: Any) -> ChatFormat:
     for f in FORMATS:
         if (f.name == declared) if declared else f.detect(tokenizer):
             return f
-    raise UnsupportedModelError(f"the tokenizer declares chat format {declared!r}, which is not one of "
-                                f"{', '.join(f.name for f in FORMATS)}")
+    raise UnsupportedModelError(
+        f"the tokenizer declares chat format {declared!r}, which is not one of "
+        f"{', '.join(f.name for f in FORMATS)}"
+    )
 
 
 __all__ = ["FORMATS", "REGISTRY", "ChatFormat", "Prompt", "Request", "pick_format"]

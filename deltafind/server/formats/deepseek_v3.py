@@ -18,14 +18,18 @@ class DeepSeekV3(ChatFormat):
     name = "deepseek_v3"
     call_open, call_close = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
     section_open, section_close = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-    header = re.compile(r"<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>)?(?P<name>[^\n<｜]+?)(?:\n```json\n|<｜tool▁sep｜>)(?=\{)")
+    header = re.compile(
+        r"<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>)?(?P<name>[^\n<｜]+?)(?:\n```json\n|<｜tool▁sep｜>)(?=\{)"
+    )
 
     def detect(self, tokenizer: Any) -> bool:
         return tokenizer.token_to_id(self.section_open) is not None
 
     def call_rule(self, tool: ToolSpec, lit: Any) -> str:
-        return (f'{lit(self.call_open)} "function" {lit("<｜tool▁sep｜>")} {lark_literal(tool.name)} "\\n```json\\n" '
-                f'{lark_json(tool.parameters)} "\\n```" {lit(self.call_close)}')
+        return (
+            f'{lit(self.call_open)} "function" {lit("<｜tool▁sep｜>")} {lark_literal(tool.name)} "\\n```json\\n" '
+            f'{lark_json(tool.parameters)} "\\n```" {lit(self.call_close)}'
+        )
 
 
 DEEPSEEK_V3 = DeepSeekV3()

@@ -25,7 +25,9 @@ SYSTEM = (
 class Hermes(ChatFormat):
     name = "hermes"
     call_open, call_close = "<tool_call>", "</tool_call>"
-    header = re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"(?P<name>[^"]+)"\s*,\s*"arguments"\s*:\s*(?=\{)')
+    header = re.compile(
+        r'<tool_call>\s*\{\s*"name"\s*:\s*"(?P<name>[^"]+)"\s*,\s*"arguments"\s*:\s*(?=\{)'
+    )
     call_sep = ' "\\n" '
 
     def native(self, tokenizer: Any) -> bool:
@@ -34,33 +36,61 @@ class Hermes(ChatFormat):
     def call_rule(self, tool: ToolSpec, lit: Any) -> str:
         return f'{lit("<tool_call>")} "\\n" {wrapped(tool.parameters, tool.name, "arguments")} "\\n" {lit("</tool_call>")}'
 
-    def history(self, msgs: list[dict[str, Any]], sent: list[dict[str, Any]], native: bool,
-                tools: list[ToolSpec]) -> list[dict[str, Any]]:
+    def history(
+        self,
+        msgs: list[dict[str, Any]],
+        sent: list[dict[str, Any]],
+        native: bool,
+        tools: list[ToolSpec],
+    ) -> list[dict[str, Any]]:
         """For a template without tools: calls become the text the model wrote, results a user turn."""
         if native:
             return msgs
         out: list[dict[str, Any]] = []
         for m, orig in zip(msgs, sent, strict=True):
             m = dict(m)
-            if m.get("tool_calls"):  # the arguments as the client sent them back (our own output, verbatim) so the tokens repeat
-                raw = [(c["function"].get("name"), (orig.get("tool_calls") or [])[j].get("function", {}).get("arguments"))
-                       for j, c in enumerate(m.pop("tool_calls"))]
-                text = "".join(f'\n<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
-                               f'{args if isinstance(args, str) and args.strip() else json.dumps(args or {}, ensure_ascii=False)}}}'
-                               "\n</tool_call>" for name, args in raw)
-                m["content"] = ((m.get("content") or "") + text).lstrip("\n") if m.get("content") else text.lstrip("\n")
+            if m.get(
+                "tool_calls"
+            ):  # the arguments as the client sent them back (our own output, verbatim) so the tokens repeat
+                raw = [
+                    (
+                        c["function"].get("name"),
+                        (orig.get("tool_calls") or [])[j].get("function", {}).get("arguments"),
+                    )
+                    for j, c in enumerate(m.pop("tool_calls"))
+                ]
+                text = "".join(
+                    f'\n<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+                    f'{args if isinstance(args, str) and args.strip() else json.dumps(args or {}, ensure_ascii=False)}}}'
+                    "\n</tool_call>"
+                    for name, args in raw
+                )
+                m["content"] = (
+                    ((m.get("content") or "") + text).lstrip("\n")
+                    if m.get("content")
+                    else text.lstrip("\n")
+                )
             if m.get("role") == "tool":
                 body = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
-                if out and out[-1].get("role") == "user" and str(out[-1].get("content", "")).endswith("</tool_response>"):
+                if (
+                    out
+                    and out[-1].get("role") == "user"
+                    and str(out[-1].get("content", "")).endswith("</tool_response>")
+                ):
                     out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + body}
                 else:
                     out.append({"role": "user", "content": body})
                 continue
             out.append(m)
         if tools:
-            prompt = SYSTEM.format(tools="\n".join(json.dumps(t.raw, ensure_ascii=False) for t in tools))
+            prompt = SYSTEM.format(
+                tools="\n".join(json.dumps(t.raw, ensure_ascii=False) for t in tools)
+            )
             if out and out[0].get("role") == "system":
-                out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{prompt}".lstrip()}
+                out[0] = {
+                    **out[0],
+                    "content": f"{out[0].get('content') or ''}\n\n{prompt}".lstrip(),
+                }
             else:
                 out.insert(0, {"role": "system", "content": prompt})
         return out

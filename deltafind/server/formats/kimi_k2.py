@@ -18,14 +18,18 @@ class KimiK2(ChatFormat):
     name = "kimi_k2"
     call_open, call_close = "<|tool_call_begin|>", "<|tool_call_end|>"
     section_open, section_close = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
-    header = re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?(?P<name>[^:<\s]+)(?::\d+)?\s*<\|tool_call_argument_begin\|>\s*(?=\{)")
+    header = re.compile(
+        r"<\|tool_call_begin\|>\s*(?:functions\.)?(?P<name>[^:<\s]+)(?::\d+)?\s*<\|tool_call_argument_begin\|>\s*(?=\{)"
+    )
 
     def detect(self, tokenizer: Any) -> bool:
         return tokenizer.token_to_id(self.section_open) is not None
 
     def call_rule(self, tool: ToolSpec, lit: Any) -> str:
-        return (f'{lit(self.call_open)} {lark_literal("functions." + tool.name)} ":" /[0-9]+/ '
-                f'{lit("<|tool_call_argument_begin|>")} {lark_json(tool.parameters)} {lit(self.call_close)}')
+        return (
+            f'{lit(self.call_open)} {lark_literal("functions." + tool.name)} ":" /[0-9]+/ '
+            f'{lit("<|tool_call_argument_begin|>")} {lark_json(tool.parameters)} {lit(self.call_close)}'
+        )
 
 
 KIMI_K2 = KimiK2()

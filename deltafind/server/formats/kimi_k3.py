@@ -18,7 +18,10 @@ from deltafind.server.tools import ToolSpec
 from deltafind.tokenizer.kimi_xtml import CLOSE, EOM, OPEN, SEP
 
 JSON_OPEN, JSON_CLOSE = f'{OPEN}json type="object"{SEP}', f"{CLOSE}json{SEP}"
-ARGUMENT = re.compile(r'<\|open\|>argument key="(?P<key>[^"]*)" type="(?P<type>\w+)"<\|sep\|>(?P<value>.*?)<\|close\|>argument<\|sep\|>', re.S)
+ARGUMENT = re.compile(
+    r'<\|open\|>argument key="(?P<key>[^"]*)" type="(?P<type>\w+)"<\|sep\|>(?P<value>.*?)<\|close\|>argument<\|sep\|>',
+    re.S,
+)
 # OpenAI reasoning_effort -> K3 thinking_effort (K3 takes low, high, max: `medium` rounds up to high).
 EFFORT = {"low": "low", "medium": "high", "high": "high", "max": "max"}
 
@@ -44,45 +47,74 @@ class KimiK3(ChatFormat):
         # request adds (the tool-choice and response-format messages, the generation prompt). The next turn's prompt
         # repeats the history but not those messages, so the engine keeps a prefix-cache checkpoint where the history
         # ends (KDA state resumes only where it was stored).
-        head = tokenizer.apply_chat_template(req.messages, add_generation_prompt=False, thinking=req.thinking,
-                                             tools=[t.raw for t in req.tools] or None, thinking_effort=effort if req.thinking else None)
-        tail = tokenizer.apply_chat_template([], tool_choice=tc, response_format=req.response_format, thinking=req.thinking,
-                                             tools=None, thinking_effort=None)
+        head = tokenizer.apply_chat_template(
+            req.messages,
+            add_generation_prompt=False,
+            thinking=req.thinking,
+            tools=[t.raw for t in req.tools] or None,
+            thinking_effort=effort if req.thinking else None,
+        )
+        tail = tokenizer.apply_chat_template(
+            [],
+            tool_choice=tc,
+            response_format=req.response_format,
+            thinking=req.thinking,
+            tools=None,
+            thinking_effort=None,
+        )
         per_request = tc or (req.response_format or {}).get("type") not in (None, "text")
         return Prompt(head + tail, req.thinking, len(head) if per_request else 0)
 
     # -- the grammar ---------------------------------------------------------------
 
-    def mark(self, text: str, lit: Any) -> str:  # XTML markers are single tokens, the rest plain text
+    def mark(
+        self, text: str, lit: Any
+    ) -> str:  # XTML markers are single tokens, the rest plain text
         return " ".join(lit(p) for p in re.split(r"(<\|(?:open|close|sep)\|>)", text) if p)
 
     def call_rule(self, tool: ToolSpec, lit: Any) -> str:
         typed = self._arguments(tool.parameters, lambda text: self.mark(text, lit))
-        args = typed if typed is not None else f"{self.mark(JSON_OPEN, lit)} {lark_json(tool.parameters)} {self.mark(JSON_CLOSE, lit)}"
-        return (f'{self.mark(self.call_open, lit)} {lark_literal(" tool=" + chr(34) + tool.name + chr(34) + " index=")} "\\"" '
-                f'/[1-9][0-9]*/ "\\"" {self.mark(SEP, lit)} {args} {self.mark(self.call_close, lit)}')
+        args = (
+            typed
+            if typed is not None
+            else f"{self.mark(JSON_OPEN, lit)} {lark_json(tool.parameters)} {self.mark(JSON_CLOSE, lit)}"
+        )
+        return (
+            f'{self.mark(self.call_open, lit)} {lark_literal(" tool=" + chr(34) + tool.name + chr(34) + " index=")} "\\"" '
+            f'/[1-9][0-9]*/ "\\"" {self.mark(SEP, lit)} {args} {self.mark(self.call_close, lit)}'
+        )
 
     def _arguments(self, params: dict[str, Any], k3: Any) -> str | None:
         """Lark for typed `argument` elements of a flat schema, in its property order (None: not expressible,
         e.g. a string pattern or a union type; the call then takes the `json` element)."""
         required = set(params.get("required") or [])
-        style = {k: params[k] for k in ("x-guidance",) if k in params}  # a lenient schema stays lenient in each argument
+        style = {
+            k: params[k] for k in ("x-guidance",) if k in params
+        }  # a lenient schema stays lenient in each argument
         parts = []
         for key, sub in (params.get("properties") or {}).items():
             if not isinstance(sub, dict) or re.search(r'[&"<>]', key) or "$ref" in json.dumps(sub):
                 return None  # (a `$ref` points into the root's `$defs`, which only the `json` element keeps)
             kind = sub.get("type")
-            if "enum" in sub and all(isinstance(v, str) for v in sub["enum"]) and kind in (None, "string"):
+            if (
+                "enum" in sub
+                and all(isinstance(v, str) for v in sub["enum"])
+                and kind in (None, "string")
+            ):
                 kind, value = "string", "(" + " | ".join(lark_literal(v) for v in sub["enum"]) + ")"
-            elif kind == "string" and not any(k in sub for k in ("pattern", "format", "const", "enum")):
+            elif kind == "string" and not any(
+                k in sub for k in ("pattern", "format", "const", "enum")
+            ):
                 lo, hi = int(sub.get("minLength", 0)), sub.get("maxLength")
                 value = f"/(?s:.{{{lo},{'' if hi is None else int(hi)}}})/"
             elif kind in ("integer", "number", "boolean", "object", "array", "null"):
                 kind, value = {"integer": "number"}.get(kind, kind), lark_json({**sub, **style})
             else:
                 return None
-            elem = (f'{k3(OPEN + "argument")} {lark_literal(f" key={chr(34)}{key}{chr(34)} type={chr(34)}{kind}{chr(34)}")} '
-                    f'{k3(SEP)} {value} {k3(f"{CLOSE}argument{SEP}")}')
+            elem = (
+                f'{k3(OPEN + "argument")} {lark_literal(f" key={chr(34)}{key}{chr(34)} type={chr(34)}{kind}{chr(34)}")} '
+                f'{k3(SEP)} {value} {k3(f"{CLOSE}argument{SEP}")}'
+            )
             parts.append(f"({elem})" + ("" if key in required else "?"))
         return " ".join(parts) if parts else '""'
 
@@ -92,18 +124,23 @@ class KimiK3(ChatFormat):
         answer = f'/(?s:.*)/ {c} "think" {sep} {o} "response" {sep}' if thinking else ""
         return f'{answer} /(?s:.*)/ {c} "response" {sep}' if calls else answer
 
-    def schema_grammar(self, tokenizer: Any, thinking: bool, schema: dict[str, Any], field: str) -> str:
+    def schema_grammar(
+        self, tokenizer: Any, thinking: bool, schema: dict[str, Any], field: str
+    ) -> str:
         return f"start: {self.answer_prefix(tokenizer, thinking, False)} {lark_json(schema)}"
 
     # -- the parser ------------------------------------------------------------------
 
     def begin_args(self, buf: str, final: bool) -> tuple[str | None, str]:
         if buf.startswith(JSON_OPEN):
-            return "json", buf[len(JSON_OPEN):]
+            return "json", buf[len(JSON_OPEN) :]
         return (None if JSON_OPEN.startswith(buf) and not final else "elements"), buf
 
     def elements(self, text: str, tool: ToolSpec | None) -> dict[str, Any]:
-        return {m["key"]: m["value"] if m["type"] == "string" else self.json_or_text(m["value"]) for m in ARGUMENT.finditer(text)}
+        return {
+            m["key"]: m["value"] if m["type"] == "string" else self.json_or_text(m["value"])
+            for m in ARGUMENT.finditer(text)
+        }
 
 
 KIMI_K3 = KimiK3()

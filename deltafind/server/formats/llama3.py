@@ -19,13 +19,19 @@ PYTHON_TAG = "<|python_tag|>"
 class Llama3(ChatFormat):
     name = "llama3"
     call_open, call_close = "{", "}"
-    header = re.compile(r'(?:<\|python_tag\|>)?\{\s*"name"\s*:\s*"(?P<name>[^"]+)"\s*,\s*"(?:parameters|arguments)"\s*:\s*(?=\{)')
+    header = re.compile(
+        r'(?:<\|python_tag\|>)?\{\s*"name"\s*:\s*"(?P<name>[^"]+)"\s*,\s*"(?:parameters|arguments)"\s*:\s*(?=\{)'
+    )
     leads = ("{", PYTHON_TAG)
     parallel = False
 
     def detect(self, tokenizer: Any) -> bool:
         source = tokenizer.chat_template_source
-        return "tools" in source and "<tool_call>" not in source and ("<|python_tag|>" in source or '"parameters"' in source)
+        return (
+            "tools" in source
+            and "<tool_call>" not in source
+            and ("<|python_tag|>" in source or '"parameters"' in source)
+        )
 
     def call_rule(self, tool: ToolSpec, lit: Any) -> str:
         return wrapped(tool.parameters, tool.name, "parameters")

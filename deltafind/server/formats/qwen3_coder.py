@@ -28,15 +28,29 @@ class Qwen3Coder(ChatFormat):
 
     def call_rule(self, tool: ToolSpec, lit: Any) -> str:
         params, rules, parts = tool.parameters, [], []
-        shared = {k: params[k] for k in ("$defs", "definitions", "x-guidance") if k in params}  # what a `$ref` points into
+        shared = {
+            k: params[k] for k in ("$defs", "definitions", "x-guidance") if k in params
+        }  # what a `$ref` points into
         for n, (key, sub) in enumerate((params.get("properties") or {}).items()):
             sub = sub if isinstance(sub, dict) else {}
-            if "enum" in sub and all(isinstance(v, str) for v in sub["enum"]) and sub.get("type") in (None, "string"):
-                value = "(" + " | ".join(lark_literal(v) for v in sub["enum"]) + ') "\\n</parameter>"'
-            elif sub.get("type") == "string" and not any(k in sub for k in ("pattern", "format", "const")):
+            if (
+                "enum" in sub
+                and all(isinstance(v, str) for v in sub["enum"])
+                and sub.get("type") in (None, "string")
+            ):
+                value = (
+                    "(" + " | ".join(lark_literal(v) for v in sub["enum"]) + ') "\\n</parameter>"'
+                )
+            elif sub.get("type") == "string" and not any(
+                k in sub for k in ("pattern", "format", "const")
+            ):
                 lo, hi = int(sub.get("minLength", 0)), sub.get("maxLength")
-                value = f"text_{tool.index}_{n}"  # lazy: the value ends at the first `\n</parameter>`
-                rules.append(f'{value}[suffix="\\n</parameter>"]: /(?s:.{{{lo},{"" if hi is None else int(hi)}}})/')
+                value = (
+                    f"text_{tool.index}_{n}"  # lazy: the value ends at the first `\n</parameter>`
+                )
+                rules.append(
+                    f'{value}[suffix="\\n</parameter>"]: /(?s:.{{{lo},{"" if hi is None else int(hi)}}})/'
+                )
             else:
                 value = f'{lark_json({**sub, **shared})} "\\n</parameter>"'
             elem = f'"<parameter=" {lark_literal(key)} ">\\n" {value} "\\n"'
@@ -50,12 +64,18 @@ class Qwen3Coder(ChatFormat):
     def elements(self, text: str, tool: ToolSpec | None) -> dict[str, Any]:
         props = (tool.parameters.get("properties") or {}) if tool else {}
         # a string parameter stays as written, anything else is read as JSON
-        return {m["key"]: m["value"] if _is_string(props.get(m["key"])) else self.json_or_text(m["value"])
-                for m in PARAMETER.finditer(text)}
+        return {
+            m["key"]: m["value"]
+            if _is_string(props.get(m["key"]))
+            else self.json_or_text(m["value"])
+            for m in PARAMETER.finditer(text)
+        }
 
 
 def _is_string(schema: Any) -> bool:
-    return isinstance(schema, dict) and (schema.get("type") == "string" or (schema.get("type") is None and "enum" in schema))
+    return isinstance(schema, dict) and (
+        schema.get("type") == "string" or (schema.get("type") is None and "enum" in schema)
+    )
 
 
 QWEN3_CODER = Qwen3Coder()

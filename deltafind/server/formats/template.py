@@ -23,7 +23,9 @@ THINK = ("<think>", "</think>")
 class Prompt:
     ids: list[int]
     in_think: bool = False  # the prompt ends inside an open think block
-    history_end: int = 0  # prompt tokens up to the end of the history, when per-request messages follow it
+    history_end: int = (
+        0  # prompt tokens up to the end of the history, when per-request messages follow it
+    )
 
 
 @dataclass
@@ -48,11 +50,15 @@ class ChatFormat:
     call_close = ""  # follows the arguments
     section_open: str | None = None  # wraps all calls (None: calls stand alone)
     section_close: str | None = None
-    leads: tuple[str, ...] = ()  # call openers that count only as the answer's first text (the call is the answer)
+    leads: tuple[
+        str, ...
+    ] = ()  # call openers that count only as the answer's first text (the call is the answer)
     strip: tuple[str, ...] = ()  # channel markers dropped from the answer
     call_sep = " "  # between parallel calls, in the grammar
     parallel = True  # the markup can hold several calls
-    think_under_grammar = False  # a grammar starts at the think channel (else thinking is off under one)
+    think_under_grammar = (
+        False  # a grammar starts at the think channel (else thinking is off under one)
+    )
 
     @property
     def start(self) -> str | None:
@@ -80,11 +86,20 @@ class ChatFormat:
         extra.update(enable_thinking=req.thinking, thinking=req.thinking)
         tpl_tools = [t.raw for t in req.tools] if native and req.tools else None
         text, ids = tokenizer.chat_prompt(msgs, tools=tpl_tools, **extra)
-        tail = text.rstrip()  # HF templates put nothing per-request after the history: no history_end
-        return Prompt(ids, self.think(tokenizer) is not None and tail.rfind(THINK[0]) > tail.rfind(THINK[1]))
+        tail = (
+            text.rstrip()
+        )  # HF templates put nothing per-request after the history: no history_end
+        return Prompt(
+            ids, self.think(tokenizer) is not None and tail.rfind(THINK[0]) > tail.rfind(THINK[1])
+        )
 
-    def history(self, msgs: list[dict[str, Any]], sent: list[dict[str, Any]], native: bool,
-                tools: list[ToolSpec]) -> list[dict[str, Any]]:
+    def history(
+        self,
+        msgs: list[dict[str, Any]],
+        sent: list[dict[str, Any]],
+        native: bool,
+        tools: list[ToolSpec],
+    ) -> list[dict[str, Any]]:
         """The messages as this template reads them (`sent`: as the client sent them)."""
         return msgs
 
@@ -93,15 +108,22 @@ class ChatFormat:
 
     # -- the grammar ---------------------------------------------------------------
 
-    def call_grammar(self, tokenizer: Any, tools: list[ToolSpec], parallel: bool, prefix: str = "") -> str:
+    def call_grammar(
+        self, tokenizer: Any, tools: list[ToolSpec], parallel: bool, prefix: str = ""
+    ) -> str:
         """Lark: one call (or several, `parallel`) of `tools`, arguments valid against their schemas."""
         lit = literal(tokenizer)
         calls = f"call ({self.call_sep}call)*" if parallel and self.parallel else "call"
         if self.section_open:
             calls = f"{self.mark(self.section_open, lit)} {calls} {self.mark(self.section_close or '', lit)}"
         rules = [f"call_{i}: {self.call_rule(t, lit)}" for i, t in enumerate(tools)]
-        return "\n".join([f"start: {prefix} {calls}".replace("  ", " "), "call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
-                          *rules])
+        return "\n".join(
+            [
+                f"start: {prefix} {calls}".replace("  ", " "),
+                "call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
+                *rules,
+            ]
+        )
 
     def call_rule(self, tool: ToolSpec, lit: Any) -> str:
         """The Lark body of one call of `tool`; further lines, if any, are rules that body uses."""
@@ -114,7 +136,9 @@ class ChatFormat:
         """Lark before the answer a grammar enforces (a think channel, say); `calls`: before required calls."""
         return ""
 
-    def schema_grammar(self, tokenizer: Any, thinking: bool, schema: dict[str, Any], field: str) -> str:
+    def schema_grammar(
+        self, tokenizer: Any, thinking: bool, schema: dict[str, Any], field: str
+    ) -> str:
         return json_schema_grammar(schema, field)
 
     # -- the parser (server/output.py) -----------------------------------------------
@@ -141,9 +165,11 @@ class ChatFormat:
 
 def literal(tokenizer: Any) -> Any:
     """A Lark literal maker: a marker that is one token is matched as that token (special or not)."""
+
     def lit(text: str) -> str:
         tid = tokenizer.token_to_id(text)
         return f"<[{tid}]>" if tid is not None and len(text) > 1 else lark_literal(text)
+
     return lit
 
 
@@ -154,8 +180,15 @@ def wrapped(params: dict[str, Any], name: str, args_key: str) -> str:
     """
     hoist = ("$defs", "definitions", "x-guidance")
     inner = {k: v for k, v in params.items() if k not in hoist}
-    return lark_json({"type": "object", "properties": {"name": {"const": name}, args_key: inner}, "required": ["name", args_key],
-                      "additionalProperties": False, **{k: params[k] for k in hoist if k in params}})
+    return lark_json(
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, args_key: inner},
+            "required": ["name", args_key],
+            "additionalProperties": False,
+            **{k: params[k] for k in hoist if k in params},
+        }
+    )
 
 
 def _call_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -163,9 +196,22 @@ def _call_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(messages):
         if m.get("tool_calls"):
-            m = {**m, "tool_calls": [{**c, "function": {**(c.get("function") or {}), "arguments": arguments_object(
-                (c.get("function") or {}).get("arguments"), f"messages[{i}].tool_calls[{j}].function.arguments")}}
-                for j, c in enumerate(m["tool_calls"])]}
+            m = {
+                **m,
+                "tool_calls": [
+                    {
+                        **c,
+                        "function": {
+                            **(c.get("function") or {}),
+                            "arguments": arguments_object(
+                                (c.get("function") or {}).get("arguments"),
+                                f"messages[{i}].tool_calls[{j}].function.arguments",
+                            ),
+                        },
+                    }
+                    for j, c in enumerate(m["tool_calls"])
+                ],
+            }
         out.append(m)
     return out
 
@@ -178,7 +224,9 @@ def arguments_object(args: Any, where: str) -> dict[str, Any]:
     try:
         value = json.loads(args)
     except (TypeError, json.JSONDecodeError):
-        raise bad_request(f"{where}: arguments are not valid JSON", where, "invalid_value") from None
+        raise bad_request(
+            f"{where}: arguments are not valid JSON", where, "invalid_value"
+        ) from None
     if not isinstance(value, dict):
         raise bad_request(f"{where}: arguments must be a JSON object", where, "invalid_value")
     return value
