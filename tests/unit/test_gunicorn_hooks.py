@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import re
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import gunicorn
+import pytest
 from gunicorn.config import Config
 from gunicorn.glogging import Logger
 from gunicorn.http import errors
@@ -73,6 +76,21 @@ def test_the_overridden_members_keep_their_signatures() -> None:
     assert "self.parser = " in inspect.getsource(TConn.init), (
         f"TConn.init no longer builds the parser; {UPGRADE}"
     )
+
+
+@pytest.fixture(autouse=True)
+def _gunicorn_loggers_restored() -> Iterator[None]:
+    """gunicorn's Logger(cfg) gives its `gunicorn.*` loggers their own handlers and stops propagation, for the
+    whole process: put them back, so later tests see deltafind's logging pipeline as the daemon sets it up."""
+    saved = {
+        n: (lg.handlers[:], lg.propagate, lg.level)
+        for n in ("gunicorn.error", "gunicorn.access")
+        for lg in [logging.getLogger(n)]
+    }
+    yield
+    for name, (handlers, propagate, level) in saved.items():
+        lg = logging.getLogger(name)
+        lg.handlers[:], lg.propagate, lg.level = handlers, propagate, level
 
 
 def _worker() -> Worker:
