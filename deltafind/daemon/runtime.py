@@ -19,11 +19,11 @@ from typing import Any
 from deltafind import __version__
 from deltafind.compose import model_name, scheduler_limits, server_config, store_dir
 from deltafind.config import Settings, changed_keys, load_settings
-from deltafind.daemon import notify
+from deltafind.daemon import files, notify
 from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.scheduler import Scheduler, collect
 from deltafind.engine.sequence import GenRequest
-from deltafind.errors import ConfigError, DeltafindError, RequestError
+from deltafind.errors import ConfigError, DeltafindError
 from deltafind.log import configure_logging, get_logger
 from deltafind.server import AppState, ReadyEngine, ServerConfig
 from deltafind.server.structured import prepare_vocabulary
@@ -95,7 +95,8 @@ class Runtime:
                 draft=self.model.draft,
                 draft_policy=self.model.draft_policy,
             )
-            self.scheduler.core.prefix.disk = self._prompt_disk(s)  # before the first request
+            # before the first request
+            self.scheduler.core.prefix.disk = files.prompt_disk(s, self.model)
             notify.status("warming up")
             tok = self.model.tokenizer
             first = (tok.encode("Hi") or [tok.bos_token_id or 0])[:1]
@@ -119,7 +120,7 @@ class Runtime:
                 drive_problems=lambda: list(self.model.experts.reader.problems.values()),
                 aliases=tuple(s.server.model_aliases),
             )
-            self._turns_file(ready, save=False)
+            files.turns_file(self.scheduler, ready, save=False)
             self.state.set_ready(ready)
             log.info(
                 "model_ready",
@@ -155,61 +156,6 @@ class Runtime:
             notify.extend_timeout(60)
             if self._stop.wait(20):
                 return
-
-    def _turns_file(self, ready: Any, save: bool) -> None:
-        """With prompt state on disk, the answers' spellings (server/turns.py) outlive a restart too: without
-        them the next turn's prompt is encoded afresh and no longer matches the state on disk."""
-        disk = self.scheduler.core.prefix.disk if self.scheduler is not None else None
-        if disk is None or ready is None:
-            return
-        path = disk.dir / "turns.safetensors"
-        try:
-            if save:
-                ready.turns.save(path, disk.key)
-            elif path.exists():
-                log.info(
-                    "prompt_turns_loaded",
-                    sequences=ready.turns.load(ready.tokenizer, path, disk.key),
-                )
-        except Exception as e:  # a torn file: the next turns are encoded afresh, nothing worse
-            log.warning(
-                "prompt_turns_not_carried", file=str(path), error=f"{type(e).__name__}: {e}"
-            )
-
-    def _prompt_disk(self, s: Settings) -> Any:
-        """The prompt-state files ([cache] prompt_disk_bytes), keyed by what their state depends on; None when off."""
-        c, model = s.cache, self.model
-        if not c.prompt_disk_bytes or not c.prompt_bytes or model is None:
-            return None
-        import hashlib
-
-        from deltafind.engine.prompt_disk import PromptDisk
-        from deltafind.store.manifest import MANIFEST_NAME
-
-        store, device = store_dir(s), next(model.net.parameters()).device
-        directory = (
-            Path(c.prompt_disk_dir).expanduser() if c.prompt_disk_dir else store / "prompt-cache"
-        )
-        sha = lambda b: hashlib.sha256(b).hexdigest()  # noqa: E731
-        identity = {
-            "family": model.manifest.family,
-            "manifest": sha((store / MANIFEST_NAME).read_bytes()),
-            "chat_template": sha(model.tokenizer.chat_template_source.encode()),
-            "dtype": s.device.dtype,
-            "spine_int8": str(c.spine_int8),
-            "device": device.type,
-            "deltafind": __version__,
-        }
-        try:
-            return PromptDisk(directory, int(c.prompt_disk_bytes), identity, device)
-        except OSError as e:
-            log.warning(
-                "prompt_disk_off",
-                dir=str(directory),
-                error=str(e),
-                fix="set [cache] prompt_disk_dir to a writable folder",
-            )
-            return None
 
     def healthy(self) -> bool:
         return self.scheduler is None or self.scheduler.alive
@@ -323,9 +269,9 @@ class Runtime:
 
         writer = None
         if start:
-            folder = self.trace_dir()
+            folder = files.trace_dir(self.settings)
             name = path or time.strftime("trace-%Y%m%d-%H%M%S.jsonl")
-            self._check_trace_path(folder / name)
+            files.check_trace_path(folder / name, self.settings, self.model, self.config_path)
             fd, full = open_trace_file(folder, name)
             writer = TraceWriter(full, fd=fd)
         experts = self.model.experts
@@ -343,41 +289,6 @@ class Runtime:
         self.trace_path = str(writer.path) if writer else None
         log.info("trace", active=start, path=self.trace_path)
         return {"active": start, "path": self.trace_path or ""}
-
-    def trace_dir(self) -> Path:
-        c = self.settings.control
-        return Path(c.trace_dir).expanduser() if c.trace_dir else Path(c.socket).parent / "traces"
-
-    def trace_state(self) -> dict[str, Any]:
-        """The current (or last) trace: path, whether it is writing, bytes, dropped lines, its write error."""
-        t = self._trace
-        if t is None:
-            return {}
-        return {
-            "path": str(t.path),
-            "active": t.active,
-            "bytes": t.bytes,
-            "dropped": t.dropped,
-            "error": t.error or "",
-        }
-
-    def _check_trace_path(self, path: Path) -> None:
-        """Never a trace inside the store, a drive folder or over the config (a trace_dir set there would corrupt them)."""
-        target = path.resolve()
-        store = store_dir(self.settings).resolve()
-        guarded = [store, *(p.resolve() for p in self.model.manifest.drive_paths(store))]
-        for folder in guarded:
-            if target == folder or folder in target.parents:
-                raise RequestError(
-                    f"{path}: refusing to write a trace inside the store or a drive folder ({folder}); "
-                    "pick a path outside it, e.g. /var/tmp/deltafind-trace.jsonl",
-                    "path",
-                )
-        if self.config_path is not None and target == Path(self.config_path).resolve():
-            raise RequestError(
-                f"{path}: refusing to write a trace over the daemon's config; pick another path",
-                "path",
-            )
 
     def status(self) -> dict[str, Any]:
         """The daemon's own figures and the engine's queue (a figure not known yet, while loading, is left to the
@@ -405,7 +316,11 @@ class Runtime:
                 }
             )
         out["snapshot_json"] = json.dumps(
-            {"engine": engine, "store": self.store_snapshot(), "trace": self.trace_state()}
+            {
+                "engine": engine,
+                "store": self.store_snapshot(),
+                "trace": files.trace_state(self._trace),
+            }
         )
         return out
 
@@ -421,6 +336,6 @@ class Runtime:
             disk = self.scheduler.core.prefix.disk
             if disk is not None and not disk.flush(30):  # prompt state a restart would reuse
                 log.warning("prompt_disk_not_flushed", dir=str(disk.dir))
-            self._turns_file(self.state.engine, save=True)
+            files.turns_file(self.scheduler, self.state.engine, save=True)
         if self.model is not None:
             self.model.close()

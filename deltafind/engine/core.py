@@ -10,90 +10,26 @@ sequence with "error"; the rest of the step goes on unchanged. Token ids only.
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections import deque
 from collections.abc import Sequence as Seq_
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from deltafind.engine import speculative
-from deltafind.engine.draft.base import Proposal
+from deltafind.engine import speculative, step
 from deltafind.engine.draft.policy import PolicyOptions
-from deltafind.engine.prefill import RELEASE_AFTER_TOKENS, PrefillPlan, release_memory
+from deltafind.engine.prefill import RELEASE_AFTER_TOKENS, release_memory
 from deltafind.engine.prefix_cache import PrefixCache, snapshot, trim_states
 from deltafind.engine.sequence import Event, FinishEvent, GenRequest, Sequence
 from deltafind.engine.stats import EngineStats
+from deltafind.engine.step import Events, PlanItem, SchedulerLimits, StepOutput, StepPlan
 from deltafind.engine.step_budget import StepBudget
 from deltafind.errors import DeltafindError
 from deltafind.log import get_logger
 from deltafind.models.ops.batch import Batch, SequenceCache
-from deltafind.models.ops.kda_layer import RollbackError
 
 log = get_logger(__name__)
-Events = list[tuple[int, Event]]  # (seq_id, event) in the order they happened
-
-
-@dataclass(frozen=True)
-class SchedulerLimits:
-    max_running: int = 8
-    max_queue: int = 64
-    max_step_tokens: int = 256  # prefill chunk budget per step, decode tokens included
-    max_context: int = 2048
-    prefix_cache_bytes: int = 0
-    prefill: PrefillPlan | None = (
-        None  # a prefill chunk's size from activation memory (None: max_step_tokens only)
-    )
-    snapshot_tokens: int = (
-        4096  # recurrent (KDA) state is kept every this many prompt tokens, for prefix reuse
-    )
-    step_target_s: float | None = (
-        0.5  # a prefilling step's wall-time target (engine/step_budget.py); None: off
-    )
-
-
-@dataclass
-class PlanItem:
-    """One sequence's part of a step: `num_tokens` fed after `base` cached ones; `proposal` drafts."""
-
-    seq: Sequence
-    num_tokens: int
-    base: int
-    proposal: Proposal | None = None
-    draft_s: float = 0.0
-    prefill: bool = False  # a chunk of a prompt (more than one token left to feed when planned)
-    emitted: int = 0  # tokens this step emitted (set by update)
-
-    @property
-    def rows(self) -> int:
-        """Logit rows this item needs: the pending token plus one per draft token, else the last token's."""
-        return 1 + len(self.proposal.tokens) if self.proposal is not None else 1
-
-    def input_ids(self) -> list[int]:
-        s = self.seq
-        if self.proposal is not None:
-            return [s.tokens[self.base], *self.proposal.tokens]
-        return s.tokens[self.base : self.base + self.num_tokens]
-
-
-@dataclass
-class StepPlan:
-    items: list[PlanItem]
-    ended: Events = field(
-        default_factory=list
-    )  # sequences that ended while planning (nothing to run)
-
-
-@dataclass
-class StepOutput:
-    logits: torch.Tensor  # [sum(rows), V]
-    captured: dict[
-        int, torch.Tensor
-    ]  # target layer -> hidden rows [num_tokens, H], for drafts that need them
-    starts: list[int]  # flat index of each item's first token
-    seconds: float
 
 
 def _device_of(net: Any) -> torch.device:
@@ -162,10 +98,10 @@ class EngineCore:
             try:
                 out = self.execute(plan)
             except Exception as e:
-                hit = self._routed(plan, e)
+                hit = step.routed(plan, e)
                 if hit and len(hit) < len(plan.items):
                     ended += self._fail(plan, e, hit)
-                    self._rewind(plan)
+                    step.rewind(plan)
                     continue
                 if drafts_dropped or not any(it.proposal is not None for it in plan.items):
                     return ended + self._fail(plan, e)
@@ -181,51 +117,11 @@ class EngineCore:
                 for it in plan.items:
                     if it.proposal is not None:
                         self.stats.draft.failures += 1
-                        self._drop_draft(it)
-                self._rewind(plan)
+                        step.drop_draft(it)
+                step.rewind(plan)
                 continue
             return ended + self.update(plan, out)
         return ended
-
-    @staticmethod
-    def _routed(plan: StepPlan, e: Exception) -> list[PlanItem] | None:
-        """The items whose tokens routed the expert that failed (`e.rows`, flat token indices), or None: unknown."""
-        rows = getattr(e, "rows", None)
-        if rows is None:
-            return None
-        hit, start = [], 0
-        for it in plan.items:
-            i = bisect.bisect_left(rows, start)
-            if i < len(rows) and rows[i] < start + it.num_tokens:
-                hit.append(it)
-            start += it.num_tokens
-        return hit
-
-    def _rewind(self, plan: StepPlan) -> None:
-        """Undo a failed forward's partial writes so the plan's items can run again. A recurrent state
-        (KDA) that cannot roll back that far starts over: its whole sequence is prefilled again (the same
-        tokens; K3's state agrees to fp32 rounding, as across prefill chunkings)."""
-        for it in plan.items:
-            s = it.seq
-            try:
-                s.cache.truncate(it.base)
-            except RollbackError as e:
-                log.info(
-                    "sequence_recomputed",
-                    request_id=s.req.request_id or None,
-                    tokens=it.base,
-                    reason=str(e),
-                )
-                s.cache.truncate(0)
-                if it.proposal is not None:
-                    self._drop_draft(it)
-                it.num_tokens, it.base, it.prefill = it.base + it.num_tokens, 0, True
-                s.num_computed = 0
-
-    @staticmethod
-    def _drop_draft(it: PlanItem) -> None:
-        it.seq.drafter.close()
-        it.seq.drafter, it.proposal, it.num_tokens = None, None, 1
 
     # -- schedule --------------------------------------------------------------
 
@@ -436,7 +332,7 @@ class EngineCore:
     ) -> list[Event]:
         s = it.seq
         if it.proposal is not None:
-            return self._verify(it, logits, out, start)
+            return step.verify(it, logits, out, start)
         s.num_computed += it.num_tokens
         self._keep_snapshot(s)
         flat = slice(start, start + it.num_tokens)
@@ -445,35 +341,11 @@ class EngineCore:
             event = s.choose(logits[0])
             it.emitted = 1
             if s.drafter is not None:
-                s.drafter.commit(s.tokens, self._rows(s, out, flat))
+                s.drafter.commit(s.tokens, step.drafter_rows(s, out, flat))
             return [event]
         if s.drafter is not None:  # a prefill chunk short of the end: keep its rows
-            s.drafter.hold_capture(self._rows(s, out, flat))
+            s.drafter.hold_capture(step.drafter_rows(s, out, flat))
         return []
-
-    def _verify(
-        self, it: PlanItem, logits: torch.Tensor, out: StepOutput, start: int
-    ) -> list[Event]:
-        """Accept a prefix of the proposal from its k+1 rows of logits [k+1, V]; emit, then truncate the cache."""
-        s, prop = it.seq, it.proposal
-        assert prop is not None
-        rows, tokens, q = s.verify_rows(logits, list(prop.tokens), prop.q)
-        emitted = speculative.accept(rows, tokens, q, s.req.params, s.generator)
-        it.emitted = len(emitted)
-        events: list[Event] = []
-        for j, token in enumerate(emitted):
-            events.append(s.record(token, logits[j]))
-            if s.finished is not None:
-                break
-        kept = len(
-            events
-        )  # rows kept: the pending token and the drafts emitted before the last token
-        s.num_computed = it.base + kept
-        if s.cache.length > s.num_computed:
-            s.cache.truncate(s.num_computed)
-        if s.drafter is not None:
-            s.drafter.commit(s.tokens, self._rows(s, out, slice(start, start + kept)))
-        return events
 
     def _observe_tokens(self, s: Sequence, n: int) -> None:
         if not n:
@@ -485,11 +357,6 @@ class EngineCore:
             for _ in range(n):  # a verify pass emits several at once: spread its gap over them
                 h["inter_token_latency_seconds"].observe((now - s.last_token_at) / n)
         s.last_token_at = now
-
-    @staticmethod
-    def _rows(s: Sequence, out: StepOutput, flat: slice) -> torch.Tensor | None:
-        layers = s.drafter.capture_layers if s.drafter is not None else ()
-        return speculative.captured_rows(out, layers, flat) if layers else None
 
     def _fail(self, plan: StepPlan, e: Exception, items: list[PlanItem] | None = None) -> Events:
         """End `items` (default: every item of the plan) with `e`; they leave the plan and the running list."""

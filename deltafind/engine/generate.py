@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
-from deltafind.engine.core import EngineCore, SchedulerLimits
+from deltafind.engine.core import EngineCore
 from deltafind.engine.draft.policy import DraftStats, PolicyOptions
 from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.sequence import FinishEvent, GenRequest
 from deltafind.engine.stats import EngineStats, GenerationStats
+from deltafind.engine.step import SchedulerLimits
 from deltafind.errors import DeltafindError
 
 # one sequence, no one waiting behind its prefill: no step time target, chunks only as memory needs

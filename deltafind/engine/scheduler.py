@@ -17,10 +17,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from deltafind.engine.core import EngineCore, Events, SchedulerLimits
+from deltafind.engine.core import EngineCore
 from deltafind.engine.draft.policy import PolicyOptions
 from deltafind.engine.sequence import Event, FinishEvent, GenRequest, Handle
 from deltafind.engine.stats import EngineStats
+from deltafind.engine.step import Events, SchedulerLimits
 from deltafind.errors import DeltafindError
 from deltafind.log import get_logger
 

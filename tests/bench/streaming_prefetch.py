@@ -34,9 +34,10 @@ def one(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from deltafind import Model
-    from deltafind.engine.core import EngineCore, SchedulerLimits
+    from deltafind.engine.core import EngineCore
     from deltafind.engine.sampler import SamplingParams
     from deltafind.engine.sequence import GenRequest
+    from deltafind.engine.step import SchedulerLimits
     from deltafind.store.experts import PrefetchOptions
     from deltafind.store.manifest import Manifest
     from deltafind.store.reader import DriveOptions

@@ -15,7 +15,7 @@ import torch
 
 from deltafind import Model
 from deltafind.engine.constraint import apply
-from deltafind.engine.core import EngineCore, SchedulerLimits
+from deltafind.engine.core import EngineCore
 from deltafind.engine.draft.base import Proposal
 from deltafind.engine.draft.ngram import NgramSource
 from deltafind.engine.draft.policy import DraftStats, PolicyOptions
@@ -24,6 +24,7 @@ from deltafind.engine.generate import generate
 from deltafind.engine.sampler import SamplingParams, sampling_probs
 from deltafind.engine.scheduler import Scheduler, collect
 from deltafind.engine.sequence import FinishEvent, GenRequest, TokenEvent
+from deltafind.engine.step import SchedulerLimits
 from deltafind.importer.setup import setup_store
 from tests.conftest import make_hf_checkpoint
 from tests.unit.test_speculative import ALPHA, chi2_pvalue

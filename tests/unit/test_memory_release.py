@@ -17,9 +17,10 @@ import torch
 from structlog.testing import capture_logs
 
 from deltafind import Model
-from deltafind.engine.core import EngineCore, SchedulerLimits
+from deltafind.engine.core import EngineCore
 from deltafind.engine.prefill import RELEASE_AFTER_TOKENS, release_memory, rss_bytes
 from deltafind.engine.prefix_cache import PrefixCache
+from deltafind.engine.step import SchedulerLimits
 from deltafind.models.ops.batch import SequenceCache
 from deltafind.models.ops.kda_layer import KDAState
 from tests.unit.test_prefix_checkpoint import _request, _run

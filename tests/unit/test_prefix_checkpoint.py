@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from deltafind import Model
-from deltafind.engine.core import EngineCore, SchedulerLimits
+from deltafind.engine.core import EngineCore
 from deltafind.engine.prefix_cache import cache_nbytes
 from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.sequence import FinishEvent, GenRequest, TokenEvent
+from deltafind.engine.step import SchedulerLimits
 from deltafind.errors import RequestError
 from deltafind.importer.setup import setup_store
 from deltafind.importer.synthetic import open_synthetic
