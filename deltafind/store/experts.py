@@ -22,11 +22,12 @@ import torch
 
 from deltafind.errors import CorruptExpertError
 from deltafind.provider import Expert
+from deltafind.store.buffers import Stager, record_tensors
 from deltafind.store.cache import ByteLRU, return_freed_memory
 from deltafind.store.manifest import ExpertRecord, Manifest
 from deltafind.store.prefetch_gate import LayerRecall, PrefetchGate, PrefetchOptions
 from deltafind.store.read_budget import ReadBudget
-from deltafind.store.reader import DriveOptions, PackReader, Stager, record_tensors
+from deltafind.store.reader import DriveOptions, PackReader
 from deltafind.store.resident import Resident
 from deltafind.store.spine import SpineStreamer
 from deltafind.store.trace import TraceWriter
