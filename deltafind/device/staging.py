@@ -6,7 +6,7 @@ is the reader's pool), each record is copied with `non_blocking=True` on a
 dedicated copy stream, an event orders the compute stream's first use after the
 copy, and the host buffer goes back to the reader only once that event has
 completed. MPS (no pinned memory): a plain blocking copy. Implements the store's
-`Stager` contract (store/reader.py); the store never imports this package.
+`Stager` contract (store/buffers.py); the store never imports this package.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from deltafind.log import get_logger
-from deltafind.store.reader import Stager
+from deltafind.store.buffers import Stager
 
 log = get_logger(__name__)
 ALIGN = 4096  # O_DIRECT needs page-aligned buffers

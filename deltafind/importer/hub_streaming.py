@@ -35,6 +35,7 @@ from deltafind.importer.setup import (
     record_layout,
 )
 from deltafind.importer.spine_writer import write_safetensors
+from deltafind.store.buffers import record_tensors
 from deltafind.store.manifest import (
     SPINE_NAME,
     ExpertRecord,
@@ -43,7 +44,6 @@ from deltafind.store.manifest import (
     pack_name,
     write_json_atomic,
 )
-from deltafind.store.reader import record_tensors
 from deltafind.store.remote_experts import PRESENT_NAME, REMOTE_NAME, RemoteExperts
 
 READ_CHUNK = 16 << 20

@@ -21,22 +21,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 import sys
-import threading
-from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import xxhash
 
 from deltafind.errors import CorruptExpertError, StoreError
 from deltafind.log import get_logger
+from deltafind.store.buffers import BufferPool, TensorPool, record_tensors
 from deltafind.store.drive_queue import DriveQueue, DriveStats
 from deltafind.store.manifest import (
     PACK_HEADER_BYTES,
@@ -53,82 +51,11 @@ VERIFY_MODES = ("full", "fast", "off")
 READ_MODES = ("direct", "buffered")  # [cache] read_mode: O_DIRECT, or through the OS page cache
 
 
-class Stager(Protocol):
-    """Moves a read record's host tensors onto the compute device (implemented in `deltafind.device.staging`)."""
-
-    device: torch.device
-
-    def stage(
-        self, views: Mapping[str, torch.Tensor], dtype: torch.dtype, release: Callable[[], None]
-    ) -> tuple[dict[str, torch.Tensor], bool]:
-        """Device tensors (floats in `dtype`) and whether they alias the buffer; else `release` is called once it is free."""
-
-    def drain(self) -> None:
-        """Wait for every copy in flight and release their buffers."""
-
-
 @dataclass(frozen=True)
 class DriveOptions:
     path: Path | None = None  # None: the drive folder recorded in the store
     queue_depth: int = 8  # chunk reads in flight on this drive
     read_mb_s: float | None = None  # emulate a slower drive (benchmarks, tests)
-
-
-class BufferPool:
-    """Page-aligned anonymous mmaps, reused by size class (O_DIRECT needs alignment)."""
-
-    def __init__(self, max_free_bytes: int = 1 << 30) -> None:
-        self._free: dict[int, list[mmap.mmap]] = defaultdict(list)
-        self._free_bytes = 0
-        self.max_free_bytes = max_free_bytes
-        self.reused = self.allocated = 0
-        self._lock = threading.Lock()
-
-    def get(self, size: int) -> mmap.mmap:
-        size = align_up(size, mmap.PAGESIZE)
-        with self._lock:
-            if self._free[size]:
-                self._free_bytes -= size
-                self.reused += 1
-                return self._free[size].pop()
-            self.allocated += 1
-        return mmap.mmap(-1, size)
-
-    def put(self, buf: mmap.mmap) -> None:
-        with self._lock:
-            if self._free_bytes + len(buf) <= self.max_free_bytes:
-                self._free[len(buf)].append(buf)
-                self._free_bytes += len(buf)
-
-
-class TensorPool:
-    """Widened expert tensors, reused by (shape, dtype): a fresh 19 MB tensor per read cost more
-    in page faults (kernel time) than the widening itself (measured: RESULTS.md)."""
-
-    def __init__(self, max_free_bytes: int) -> None:
-        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = defaultdict(
-            list
-        )
-        self._free_bytes = 0
-        self.max_free_bytes = max_free_bytes
-        self._lock = threading.Lock()
-
-    def get(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        with self._lock:
-            free = self._free.get((tuple(shape), dtype))
-            if free:
-                t = free.pop()
-                self._free_bytes -= t.numel() * t.element_size()
-                return t
-        return torch.empty(shape, dtype=dtype)
-
-    def put_all(self, tensors: list[torch.Tensor]) -> None:
-        with self._lock:
-            for t in tensors:
-                n = t.numel() * t.element_size()
-                if self._free_bytes + n <= self.max_free_bytes:
-                    self._free[(tuple(t.shape), t.dtype)].append(t)
-                    self._free_bytes += n
 
 
 Decoded = tuple[
@@ -465,17 +392,3 @@ class PackReader:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
-
-
-def record_tensors(rec: ExpertRecord, buf: object) -> dict[str, torch.Tensor]:
-    """Views of the record's tensors over `buf` (no copy)."""
-    out = {}
-    for t in rec.tensors:
-        dtype = getattr(torch, t.dtype)
-        count = t.nbytes // torch.empty(0, dtype=dtype).element_size()
-        out[t.name] = (
-            torch.frombuffer(buf, dtype=dtype, count=count, offset=t.offset).view(t.shape)
-            if count
-            else torch.empty(t.shape, dtype=dtype)
-        )
-    return out

@@ -49,7 +49,7 @@ class Part:
     end: int
 
 
-Views = Callable[[ExpertRecord, Any], dict[str, torch.Tensor]]  # the reader's record_tensors
+Views = Callable[[ExpertRecord, Any], dict[str, torch.Tensor]]  # record_tensors (store/buffers.py)
 
 
 def open_remote(

@@ -38,8 +38,9 @@ from deltafind.models.ops.cpu_kernels import CPU, load_kernel
 from deltafind.models.ops.latent_moe import mxfp4_expert_forward
 from deltafind.models.ops.mxfp4 import BATCHED_MIN_TOKENS, dequantize, fused_linear
 from deltafind.provider import Expert
+from deltafind.store.buffers import record_tensors
 from deltafind.store.manifest import Manifest
-from deltafind.store.reader import PackReader, record_tensors
+from deltafind.store.reader import PackReader
 
 K3_MOE_LAYERS, K3_TOP_K, K3_EXPERT_BYTES = 92, 16, 17_547_264
 K3_SPINE_PARAMS = 56.74e9  # docs/kimi-k3-format.md §1.5 (non-expert text params)

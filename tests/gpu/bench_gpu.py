@@ -108,8 +108,9 @@ def copy_hiding(store: Path, device: torch.device, k: int = 32, reps: int = 3) -
     from deltafind.device.staging import make_stager, read_buffer_pool
     from deltafind.models.ops.latent_moe import mxfp4_expert_forward
     from deltafind.provider import Expert
+    from deltafind.store.buffers import record_tensors
     from deltafind.store.manifest import Manifest
-    from deltafind.store.reader import PackReader, record_tensors
+    from deltafind.store.reader import PackReader
 
     manifest = Manifest.load(store)
     reader = PackReader(

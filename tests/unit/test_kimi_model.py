@@ -21,8 +21,9 @@ from deltafind.models.ops.batch import SequenceCache, forward_step
 from deltafind.models.ops.situ import situ
 from deltafind.models.ops.stored import adopt_stored
 from deltafind.provider import DictExpertProvider
+from deltafind.store.buffers import record_tensors
 from deltafind.store.manifest import Manifest
-from deltafind.store.reader import PackReader, record_tensors
+from deltafind.store.reader import PackReader
 from tests.conftest import deltafind_cmd
 
 PROMPT = [5, 77, 300, 12, 480, 9, 101, 33, 250, 7, 64, 2]

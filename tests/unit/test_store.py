@@ -17,10 +17,11 @@ from deltafind.errors import CorruptExpertError, StoreError
 from deltafind.importer.plan import MAX_DENSE_SLICES, Plan, dense_slices_for
 from deltafind.importer.setup import setup_store
 from deltafind.importer.sources import TensorInfo
+from deltafind.store.buffers import record_tensors
 from deltafind.store.cache import ByteLRU
 from deltafind.store.doctor import check_store
 from deltafind.store.manifest import ExpertRecord, Manifest, TensorEntry, pack_name
-from deltafind.store.reader import PackReader, record_tensors
+from deltafind.store.reader import PackReader
 from tests.conftest import make_hf_checkpoint
 
 

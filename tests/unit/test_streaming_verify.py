@@ -15,9 +15,10 @@ from deltafind import Model
 from deltafind.errors import CorruptExpertError
 from deltafind.importer.setup import setup_store
 from deltafind.importer.synthetic import open_synthetic
+from deltafind.store.buffers import record_tensors
 from deltafind.store.doctor import check_store
 from deltafind.store.manifest import MANIFEST_NAME, Manifest, pack_name
-from deltafind.store.reader import PackReader, record_tensors
+from deltafind.store.reader import PackReader
 
 PROMPT = [11, 42, 7, 99, 3]
 
