@@ -151,7 +151,7 @@ class GGUFHubSource(GGUFSource):
     streaming = True
 
     def __init__(self, repo: Any, names: list[str], store_dir: Path, widen: bool = False) -> None:
-        """`repo`: importer/hub.py's HubRepo (not imported: hub.py imports this module); `names`: the quant's shards."""
+        """`repo`: importer/hub_repo.py's HubRepo; `names`: the quant's shards."""
         self.repo, self.shards = repo, names
         self.client = RangeClient(repo.repo_id, repo.commit, repo.endpoint)
         self.headers = Path(store_dir) / HEADERS_DIR

@@ -25,16 +25,15 @@ from deltafind.errors import StoreError
 from deltafind.importer.hub import HubSource, read_local_header
 from deltafind.importer.hub_gguf import GGUFHubSource
 from deltafind.importer.plan import dense_slices_for, iter_expert_groups, plan_tensors
-from deltafind.importer.setup import (
+from deltafind.importer.setup import expert_record_bytes, record_layout
+from deltafind.importer.spine_writer import write_safetensors
+from deltafind.importer.store_files import (
     _open_packs,
     drive_folders,
     existing_store,
-    expert_record_bytes,
     finish_store,
     open_journal,
-    record_layout,
 )
-from deltafind.importer.spine_writer import write_safetensors
 from deltafind.store.buffers import record_tensors
 from deltafind.store.manifest import (
     SPINE_NAME,
