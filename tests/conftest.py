@@ -117,7 +117,7 @@ def gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    from deltafind.models.ops.stored import BLOCKS
+    from deltafind.models.ops.stored_weight import BLOCKS
 
     rng = np.random.default_rng(seed)
     if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from deltafind.models.ops.cpu_kernels import CPU, StoredPart
-from deltafind.models.ops.stored import KINDS
+from deltafind.models.ops.stored_weight import KINDS
 from tests.conftest import avx2_kernels, gguf_blocks
 
 FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"]

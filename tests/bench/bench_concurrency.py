@@ -148,7 +148,7 @@ def main() -> None:
     if args.one:
         print(json.dumps(one(json.loads(args.one))))
         return
-    from deltafind.cli import demo_store_dir
+    from deltafind.run_cli import demo_store_dir
 
     stores = [("demo", args.demo_store or demo_store_dir())]
     if args.moe_store:

@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from deltafind.models.ops.cpu_kernels import CPU, SOURCES, KernelLibrary, StoredPart, _bind
-from deltafind.models.ops.stored import KINDS
+from deltafind.models.ops.stored_weight import KINDS
 from tests.conftest import gguf_blocks
 
 PROBE = r"""

@@ -136,6 +136,7 @@ def test_make_proto_reproduces_the_committed_stubs(tmp_path: Path) -> None:
 LAYERS = (
     (
         "deltafind.cli",
+        "deltafind.setup_cli",
         "deltafind.run_cli",
         "deltafind.daemon",
         "deltafind.api",

@@ -8,15 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from deltafind.models.ops.cpu_kernels import CPU, StoredPart
-from deltafind.models.ops.stored import (
+from deltafind.models.ops.stored import FusedLinear, stored_linear
+from deltafind.models.ops.stored_weight import (
     BLOCKS,
     KINDS,
-    FusedLinear,
     StoredWeight,
     dequantize,
     gguf_dequantize,
     set_grids,
-    stored_linear,
     to_row_int8,
 )
 from tests.conftest import avx2_kernels, gguf_blocks

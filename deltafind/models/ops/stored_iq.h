@@ -10,7 +10,7 @@
 namespace dfq {
 namespace {
 
-// The IQ formats' code grids, gguf-py's own tables (quants.py) handed in once by models/ops/stored.py
+// The IQ formats' code grids, gguf-py's own tables (quants.py) handed in once by models/ops/stored_weight.py
 // through df_stored_set_grid (a decode before then reads zeros, never garbage): 8 values an entry for
 // IQ2_XXS (256 entries), IQ2_XS (512), IQ2_S (1024) and IQ1_S/IQ1_M (2048), 4 for IQ3_XXS (256), IQ3_S (512).
 inline int8_t iq2xxs_grid[256 * 8], iq2xs_grid[512 * 8], iq2s_grid[1024 * 8], iq3xxs_grid[256 * 4], iq3s_grid[512 * 4],
