@@ -145,9 +145,8 @@ class Model:
         c, ex = settings.cache, self.experts
         if "cache.expert_bytes" in live:
             ex.set_cache_budget(None if c.expert_bytes is None else int(c.expert_bytes))
-            if (
-                c.expert_bytes is not None and int(c.expert_bytes) < ex.resident.dense_bytes
-            ):  # chosen at open
+            # chosen at open
+            if c.expert_bytes is not None and int(c.expert_bytes) < ex.resident.dense_bytes:
                 log.warning(
                     "expert_bytes_below_dense_held",
                     expert_bytes=int(c.expert_bytes),

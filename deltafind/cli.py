@@ -64,9 +64,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     print(
         f"{args.store}: heat file now covers {len(heat)} experts; set [cache] pin_bytes to keep the hottest resident"
     )
-    if (
-        args.rebalance and args.nodes
-    ):  # the cluster's placement of experts on nodes (deltafind/cluster)
+    # the cluster's placement of experts on nodes (deltafind/cluster)
+    if args.rebalance and args.nodes:
         from deltafind.cluster.cli import rebalance_nodes
 
         print(

@@ -192,9 +192,8 @@ def load_model(
     if int(c.pin_bytes):
         experts.resident.pin(hottest(read_heat(store_dir)), int(c.pin_bytes))
     provider = experts
-    if (
-        settings.cluster.role == "coordinator"
-    ):  # routed experts run on the expert nodes (deltafind/cluster)
+    # routed experts run on the expert nodes (deltafind/cluster)
+    if settings.cluster.role == "coordinator":
         from deltafind.cluster.coordinator import ClusterExperts
         from deltafind.cluster.wire import group_spec
 

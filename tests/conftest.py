@@ -130,9 +130,8 @@ def gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     ).view(np.uint8)
     if kind == "Q6_K":
         raw[..., 208:210] = scale[..., :2]  # d
-    elif (
-        kind == "IQ1_M"
-    ):  # d in the top nibbles of the last four u16 (its 3-bit scales keep their random bits)
+    # d in the top nibbles of the last four u16 (its 3-bit scales keep their random bits)
+    elif kind == "IQ1_M":
         d = scale[..., :2].copy().view(np.uint16)
         for i in range(4):
             raw[..., 49 + 2 * i] = (raw[..., 49 + 2 * i] & 0x0F) | (

@@ -223,10 +223,11 @@ class FakeHub:
                         self.wfile.write(chunk)
                         self.wfile.flush()
                         req.sent += len(chunk)
+                # the client went away (a killed setup)
                 except (
                     BrokenPipeError,
                     ConnectionResetError,
-                ):  # the client went away (a killed setup)
+                ):
                     self.close_connection = True
                     return
                 if drop is not None:

@@ -126,9 +126,8 @@ class ExpertNode:
         ids, counts, pred = head[:n_ids], head[n_ids : 2 * n_ids], head[2 * n_ids :]
         index = body.take((sum(counts),), torch.int64) if n_ids else None
         x = body.take((n_rows, dim), wire.DTYPES[dtype]) if n_rows else None
-        if (
-            pred_layer >= 0
-        ):  # before this layer's reads are queued, as on one machine (models/ops/step.py)
+        # before this layer's reads are queued, as on one machine (models/ops/step.py)
+        if pred_layer >= 0:
             self.experts.prefetch(pred_layer, None if n_pred < 0 else pred)
         if op == wire.OP_RUN:
             self._answer(partial(self._run, layer, ids, counts, index, x))

@@ -75,9 +75,8 @@ def group_spec(cluster: ClusterSettings, device: torch.device) -> GroupSpec:
         raise ConfigError(
             f"[cluster] role = \"expert\" needs a rank from 1 to {cluster.world_size - 1} (world_size - 1), not {rank}"
         )
-    if (
-        cluster.backend == "nccl"
-    ):  # device tensors on the wire need a machine with a GPU per rank to test them
+    # device tensors on the wire need a machine with a GPU per rank to test them
+    if cluster.backend == "nccl":
         raise ConfigError(
             "[cluster] backend = \"nccl\" is refused: the exchange moves CPU tensors over gloo, and NCCL "
             "has never run on GPUs here, so it is not offered until it has; set backend = \"gloo\" (or auto)"

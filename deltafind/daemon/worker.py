@@ -56,9 +56,8 @@ class Conn(TConn):
 
     def init(self) -> None:
         super().init()
-        if isinstance(
-            self.parser, RequestParser
-        ):  # the class RequestParser builds each message with (a hooks test checks it)
+        # the class RequestParser builds each message with (a hooks test checks it)
+        if isinstance(self.parser, RequestParser):
             self.parser.mesg_class = partial(BoundedRequest, self.max_body_bytes)
 
 

@@ -55,8 +55,7 @@ def apply(logits: torch.Tensor, constraint: Constraint | None) -> torch.Tensor:
     if mask is None:
         return logits
     mask = mask.to(logits.device)
-    if (
-        mask.shape[-1] < logits.shape[-1]
-    ):  # a vocabulary padded past the tokenizer's: padding is never allowed
+    # a vocabulary padded past the tokenizer's: padding is never allowed
+    if mask.shape[-1] < logits.shape[-1]:
         mask = torch.cat([mask, mask.new_zeros(logits.shape[-1] - mask.shape[-1])])
     return logits.masked_fill(~mask[: logits.shape[-1]], float("-inf"))

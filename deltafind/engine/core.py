@@ -319,9 +319,8 @@ class EngineCore:
                 self.running.remove(s)
                 events.append(self._finish(s, s.finished, s.error))
         self._unreleased += prompt
-        if (
-            self._unreleased >= RELEASE_AFTER_TOKENS and not self.has_work
-        ):  # idle after long prompts
+        # idle after long prompts
+        if self._unreleased >= RELEASE_AFTER_TOKENS and not self.has_work:
             self._unreleased = 0
             if got := release_memory():  # {} where the C library has no malloc_trim
                 log.info("memory_released", **got)

@@ -157,9 +157,8 @@ class PrefixCache:
         if not len(key) or cache.length != len(key) or self.max_bytes <= 0:
             return None
         for layer in cache.layers:
-            if is_recurrent(
-                layer
-            ):  # an entry never rolls back (`restore` copies), so the last verify pass's rows go
+            # an entry never rolls back (`restore` copies), so the last verify pass's rows go
+            if is_recurrent(layer):
                 layer.start_pass()
         new = Entry(key, cache, {p: s for p, s in (states or {}).items() if 0 < p < len(key)})
         new.count()
@@ -179,9 +178,8 @@ class PrefixCache:
         if self.disk is not None:  # its own budget: it may take what memory cannot
             self.disk.save(new)
         if not held:
-            if (
-                new.nbytes > self.max_bytes and new.recurrent
-            ):  # snapshots over the budget: keep the latest that fit
+            # snapshots over the budget: keep the latest that fit
+            if new.nbytes > self.max_bytes and new.recurrent:
                 trim_states(new.states, self.max_bytes - cache_nbytes(new.cache))
                 new.count()
             if new.nbytes > self.max_bytes:

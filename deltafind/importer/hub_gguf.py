@@ -117,9 +117,8 @@ def pick_quant(files: Iterable[str], tag: str | None, where: str) -> list[str]:
                 f"{where}: quant {t!r} matches {len(hits)} files ({', '.join(m.prefix for m in hits)}); "
                 f"give one of the repository's quants exactly: {have}"
             )
-    if (
-        tag is None and len(models) == 1
-    ):  # llama.cpp falls back to the model file when no tag is given
+    # llama.cpp falls back to the model file when no tag is given
+    if tag is None and len(models) == 1:
         return models[0].files(where)
     asked = (
         f"quant {tag!r}"

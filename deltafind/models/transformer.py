@@ -237,9 +237,8 @@ class CausalLM(FamilyModel):
             lambda x: self._chain(layers, self.experts, x, batch, cos, sin),
         )
         batch.advance()
-        if not all_logits and (
-            batch.logit_rows or any(s.num_tokens != 1 for s in batch.segments)
-        ):  # else x is their last
+        # else x is their last
+        if not all_logits and (batch.logit_rows or any(s.num_tokens != 1 for s in batch.segments)):
             x = x[batch.last_token_index().to(x.device)]
         return self.lm_head(self.model.norm(x)).float()
 

@@ -165,9 +165,8 @@ def events(
         except queue.Empty:
             event = None
         now = time.monotonic()
-        if (
-            gone is not None and now >= next_poll
-        ):  # by the clock: a fast model never leaves the queue quiet
+        # by the clock: a fast model never leaves the queue quiet
+        if gone is not None and now >= next_poll:
             next_poll = now + POLL_S
             if gone():
                 log.info("client_gone", choices=len(choices))

@@ -236,9 +236,8 @@ class RequestRun(Generic[Body]):
         """
         engine, body, cfg = self.engine, self.body, self.state.config
         plan = prompts if isinstance(prompts, ChatPlan) else None
-        if (
-            plan is not None
-        ):  # an answer sent back in the history keeps the ids the model generated for it
+        # an answer sent back in the history keeps the ids the model generated for it
+        if plan is not None:
             plan.respell(engine.turns.splice(engine.tokenizer, plan.prompt_ids))
             prompts, constraint = [plan.prompt_ids], plan.constraint
         max_context = min(cfg.max_context or engine.context_length, engine.context_length)

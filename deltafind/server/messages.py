@@ -29,14 +29,12 @@ STOP = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens"}
 def _content(block: Block) -> dict[str, Any]:
     if block.kind == "reasoning":
         return {"type": "thinking", "thinking": block.text, "signature": ""}
-    if (
-        block.kind == "call"
-    ):  # a call cut by max_tokens keeps what parsed of its arguments (stop_reason says so)
+    # a call cut by max_tokens keeps what parsed of its arguments (stop_reason says so)
+    if block.kind == "call":
         try:
             args = from_json(block.text, allow_partial=True) if block.text else {}
-        except (
-            ValueError
-        ):  # not JSON at all (an unenforced Llama 3 call): no arguments rather than a 500
+        # not JSON at all (an unenforced Llama 3 call): no arguments rather than a 500
+        except ValueError:
             args = {}
         return {
             "type": "tool_use",

@@ -123,9 +123,8 @@ def _system_in_messages(messages: list[Any], i: int) -> None:
 
 def _message(m: dict[str, Any], where: str, out: list[dict[str, Any]]) -> None:
     role = m["role"]
-    if (
-        role == "system"
-    ):  # an instruction from this point on: a system turn at its place in the conversation
+    # an instruction from this point on: a system turn at its place in the conversation
+    if role == "system":
         out.append({"role": "system", "content": _block_text(m.get("content"), f"{where}.content")})
         return
     text: list[str] = []
@@ -183,10 +182,11 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
     for i, t in enumerate(_want(tools, list, "tools", "a list of tools")):
         where = f"tools[{i}]"
         _want(t, dict, where, "a tool object")
+        # a server tool (web_search_..., bash_...): Anthropic runs it, we cannot
         if t.get("type") not in (
             None,
             "custom",
-        ):  # a server tool (web_search_..., bash_...): Anthropic runs it, we cannot
+        ):
             log.info(
                 "server_tool_ignored", tool=str(t.get("type"))[:64], name=str(t.get("name"))[:64]
             )
@@ -233,9 +233,8 @@ def _thinking(body: dict[str, Any], chat: dict[str, Any]) -> None:
     thinking = body.get("thinking")
     if thinking is not None:
         kind = _want(thinking, dict, "thinking", 'an object like {"type": "adaptive"}').get("type")
-        if (
-            kind == "enabled"
-        ):  # no separate thinking budget here: max_tokens bounds thinking and answer together
+        # no separate thinking budget here: max_tokens bounds thinking and answer together
+        if kind == "enabled":
             budget = _want(
                 thinking.get("budget_tokens"), int, "thinking.budget_tokens", "an integer"
             )
@@ -269,9 +268,8 @@ def _thinking(body: dict[str, Any], chat: dict[str, Any]) -> None:
             )
         chat["reasoning_effort"] = EFFORT[effort]
     fmt = config.get("format")
-    if (
-        fmt is not None
-    ):  # structured output: the same enforced JSON schema as OpenAI's response_format
+    # structured output: the same enforced JSON schema as OpenAI's response_format
+    if fmt is not None:
         _want(
             fmt,
             dict,
@@ -309,9 +307,8 @@ def to_chat(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
     if max_tokens < 1:
         raise bad_request("max_tokens: must be at least 1", "max_tokens")
     for key, want in (("metadata", dict), ("context_management", dict), ("cache_control", dict)):
-        if (
-            body.get(key) is not None
-        ):  # accepted and ignored (README "Claude Code": why each is a no-op here)
+        # accepted and ignored (README "Claude Code": why each is a no-op here)
+        if body.get(key) is not None:
             _want(body[key], want, key, "an object")
     msgs: list[dict[str, Any]] = []
     if body.get("system") and (system := _system(body["system"])):

@@ -177,9 +177,8 @@ class OutputParser:
         fmt = self.fmt
         if self.mode == "calls":
             return self._calls(out, final)
-        if (
-            fmt is not None and fmt.leads and not self._any_content and not self.calls
-        ):  # the call is the whole answer
+        # the call is the whole answer
+        if fmt is not None and fmt.leads and not self._any_content and not self.calls:
             s = self.cbuf.lstrip()
             if not s and not final:
                 return False

@@ -41,9 +41,8 @@ def _item(
             "content": [{"type": "reasoning_text", "text": block.text}] if done else [],
             "status": status,
         }
-        if (
-            seal and done
-        ):  # include: ["reasoning.encrypted_content"] (a store: false client replays it)
+        # include: ["reasoning.encrypted_content"] (a store: false client replays it)
+        if seal and done:
             item["encrypted_content"] = seal_reasoning(block.text)
         return item
     if block.kind == "call":
@@ -55,9 +54,8 @@ def _item(
             "arguments": block.text if done else "",
             "status": status,
         }
-        if (
-            spaces and block.name in spaces
-        ):  # a namespace's function: its call names both, as the reference API's
+        # a namespace's function: its call names both, as the reference API's
+        if spaces and block.name in spaces:
             item["namespace"], item["name"] = spaces[block.name]
         return item
     return {

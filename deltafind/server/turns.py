@@ -108,9 +108,8 @@ class TurnMemory:
             if k is None:
                 continue  # the prompt has no token boundary where that text ends
             out = [*arr.tolist(), *prompt_ids[k:]]
-            if (
-                tokenizer.decode(out) == prompt_text
-            ):  # same text, other spelling; else leave the prompt alone
+            # same text, other spelling; else leave the prompt alone
+            if tokenizer.decode(out) == prompt_text:
                 return out
         return list(prompt_ids)
 
@@ -119,9 +118,8 @@ def _boundary(tokenizer: Any, ids: Sequence[int], lo: int, text: str) -> int | N
     """The k in [lo, len(ids)] whose ids[:k] decode to exactly `text`, or None (no token boundary there)."""
     target = len(text)
     hi = len(ids)
-    while (
-        lo < hi
-    ):  # the first k whose decoded length reaches the target (lengths grow with k, give or take U+FFFD)
+    # the first k whose decoded length reaches the target (lengths grow with k, give or take U+FFFD)
+    while lo < hi:
         mid = (lo + hi) // 2
         if len(tokenizer.decode(list(ids[:mid]))) < target:
             lo = mid + 1

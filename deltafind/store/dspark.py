@@ -166,9 +166,8 @@ def check_config(cfg: dict[str, Any], target: dict[str, Any], where: str = CONFI
         raise bad(
             "mask_token_id", cfg["mask_token_id"], f"must be below the vocabulary size {vocab}"
         )
-    if (
-        h == REAL["hidden_size"] and n == REAL["target_num_hidden_layers"]
-    ):  # the real target: the released sizes only
+    # the real target: the released sizes only
+    if h == REAL["hidden_size"] and n == REAL["target_num_hidden_layers"]:
         for key, want in REAL.items():
             if cfg.get(key) != want:
                 raise bad(

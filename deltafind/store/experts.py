@@ -148,16 +148,14 @@ class StoreExperts(ExpertReads):
             self.reader.widened.max_free_bytes = (
                 0  # nothing to widen (MXFP4 packs, or stored as computed)
             )
-        if (
-            self.budget.bounded
-        ):  # the pool's free buffers count against the budget, so never more than it (at 8 records
+        # the pool's free buffers count against the budget, so never more than it (at 8 records
+        if self.budget.bounded:
             # per drive they were 352 MB against a K3-width store's 256 MB: RSS past the budget, RESULTS.md)
             self.reader.buffers.max_free_bytes = min(
                 self.reader.buffers.max_free_bytes, self.cache.budget_bytes
             )
-        if (
-            self.budget.reserving
-        ):  # the reader's buffer pools are host memory the budget must cover too
+        # the reader's buffer pools are host memory the budget must cover too
+        if self.budget.reserving:
             self.cache.reserve(
                 self.reader.buffers.max_free_bytes + self.reader.widened.max_free_bytes
             )

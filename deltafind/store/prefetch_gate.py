@@ -165,9 +165,8 @@ class PrefetchGate:
             for kept in (self._windows, self._by_width):
                 while len(kept) > MAX_WINDOWS:
                     kept.popitem(last=False)
-        if any(
-            d.held_back_bytes for d in self.drives
-        ):  # written on this thread only (`hold_back`): no lock to look
+        # written on this thread only (`hold_back`): no lock to look
+        if any(d.held_back_bytes for d in self.drives):
             with self._lock:  # what the previous fetch held back is its own: done or abandoned, it is no one's now
                 for d in self.drives:
                     d.held_back_bytes = 0
@@ -299,9 +298,8 @@ class PrefetchGate:
             gain = p * sum(min(n, f) for (_, n), f in zip(loads, free, strict=True))
             loss = (1 - p) * sum(max(0.0, n - f) for (_, n), f in zip(loads, free, strict=True))
             share = max(n for _, n in loads)
-            if (
-                not closed and gain >= loss
-            ):  # a sure hit past the slack is read anyway: it may start now
+            # a sure hit past the slack is read anyway: it may start now
+            if not closed and gain >= loss:
                 take = share
             else:
                 take = min(share, int(min(free) // self.piece_bytes) * self.piece_bytes)

@@ -63,9 +63,8 @@ class Resident:
         in expert order; returns the bytes held."""
         wanted: set[int] = set(layers)
         by_layer: dict[int, list[ExpertRecord]] = {}
-        for key in sorted(
-            k for k in self._records if k[0] in wanted
-        ):  # layer order, then slice order
+        # layer order, then slice order
+        for key in sorted(k for k in self._records if k[0] in wanted):
             by_layer.setdefault(key[0], []).append(self._records[key])
         chosen = [
             i

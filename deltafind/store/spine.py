@@ -277,9 +277,8 @@ class SpineStreamer:
             )
             out[t.name] = stored.to(device=self.device, dtype=t.target)
             self.bytes_read += t.nbytes
-        if hasattr(
-            os, "posix_fadvise"
-        ):  # streaming exists because RAM is short: do not keep a page-cache copy
+        # streaming exists because RAM is short: do not keep a page-cache copy
+        if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
         self.layers_read += 1
         return out

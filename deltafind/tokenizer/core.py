@@ -118,9 +118,8 @@ class Tokenizer:
             backend = make_tiktoken_backend(
                 ranks, _tiktoken_pattern(config, folder), _tiktoken_specials(config, len(ranks))
             )
-            if (
-                cls is Tokenizer
-            ):  # a subclass that claims this folder (K3's XTML: tokenizer/kimi.py)
+            # a subclass that claims this folder (K3's XTML: tokenizer/kimi.py)
+            if cls is Tokenizer:
                 cls = next((c for c in Tokenizer.__subclasses__() if c.claims(config)), Tokenizer)
             return cls(backend, config, generation_config=generation, folder=folder)
         raise StoreError(

@@ -328,9 +328,8 @@ def main() -> None:
         log(f"{e.name}: warmed, {len(outputs[e.name])} tokens")
 
     for r in range(args.rounds):
-        for e in (
-            engines if r % 2 == 0 else engines[::-1]
-        ):  # who runs first alternates round by round
+        # who runs first alternates round by round
+        for e in engines if r % 2 == 0 else engines[::-1]:
             t1, c1, _ = e.timed(prompts[e.name], 1)
             tn, cn, out = e.timed(prompts[e.name], args.new_tokens)
             if len(out) != args.new_tokens:

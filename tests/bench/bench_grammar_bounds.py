@@ -132,9 +132,8 @@ def main() -> None:
                     ),
                     flush=True,
                 )
-                if (
-                    status == 0
-                ):  # the worker is still busy with it: the next size would only queue behind
+                # the worker is still busy with it: the next size would only queue behind
+                if status == 0:
                     break
         finally:
             d.stop()

@@ -115,9 +115,8 @@ def expert_costs(store: Path, reads: int) -> dict:
     recs = [r for r in manifest.experts if r.layer >= 1]
     reader = PackReader(manifest, store, verify=False)  # pure I/O; the checksum is timed on its own
     read_ms = []
-    for rec in recs[
-        :reads
-    ]:  # distinct records, O_DIRECT where the filesystem allows it: cold reads
+    # distinct records, O_DIRECT where the filesystem allows it: cold reads
+    for rec in recs[:reads]:
         t0 = time.perf_counter()
         buf = reader.read(rec)
         read_ms.append((time.perf_counter() - t0) * 1e3)
@@ -252,15 +251,13 @@ def dspark_costs(store: Path, context: int, reps: int) -> dict:
         rows = torch.cat([batch.captured[i] for i in source.capture_layers], dim=-1)  # [L, 5H]
         session.commit([*ids, 1], rows)
 
-        def verify() -> (
-            None
-        ):  # a verify pass of 8 rows, then a cut to 4 of them (the KDA rerun included)
+        # a verify pass of 8 rows, then a cut to 4 of them (the KDA rerun included)
+        def verify() -> None:
             forward_step(net, cache, [5, 6, 7, 8, 9, 10, 11, 12], all_logits=True)
             cache.truncate(cache.length - 4)
 
-        def decode() -> (
-            None
-        ):  # one plain decode row (the context grows by one each time: negligible)
+        # one plain decode row (the context grows by one each time: negligible)
+        def decode() -> None:
             forward_step(net, cache, [5])
 
         for _ in range(4):  # warm: the experts these rows route to are read once here
@@ -275,9 +272,8 @@ def dspark_costs(store: Path, context: int, reps: int) -> dict:
             session.ctx.truncate(session.ctx.length - 8)
 
         times: dict[str, list[float]] = {"decode": [], "verify": [], "propose": [], "commit": []}
-        for _ in range(
-            reps
-        ):  # alternately, so every ratio compares the same moments of a shared machine
+        # alternately, so every ratio compares the same moments of a shared machine
+        for _ in range(reps):
             for name, fn in (
                 ("decode", decode),
                 ("verify", verify),

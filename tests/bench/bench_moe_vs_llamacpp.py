@@ -265,9 +265,8 @@ class Worker:
         ] + (["--cache-bytes", str(cache_bytes)] if cache_bytes else [])
         procs = None if cgroup is None else cgroup / "cgroup.procs"
 
-        def enter() -> (
-            None
-        ):  # in the child, before exec: the engine's every page is charged to the cgroup
+        # in the child, before exec: the engine's every page is charged to the cgroup
+        def enter() -> None:
             if procs is not None:
                 procs.write_text(str(os.getpid()))
 

@@ -130,9 +130,8 @@ def one(cfg: dict) -> dict:
     params = SamplingParams(max_new_tokens=cfg["tokens"], ignore_eos=True)
     fetches = time_fetches(model.experts)
     passes = []
-    for _ in range(
-        cfg.get("passes", 1)
-    ):  # later passes: what a warm page cache gives a buffered reader
+    # later passes: what a warm page cache gives a buffered reader
+    for _ in range(cfg.get("passes", 1)):
         t0, r0, io0, d0 = (
             time.perf_counter(),
             resource.getrusage(resource.RUSAGE_SELF),
@@ -339,9 +338,8 @@ def summarize(res: dict[str, list[dict]], t: int, cap_mb_s: float) -> list[dict]
             "cpu_ms_per_token": round(1e3 * median(rows, "cpu_s") / (t + 3), 1),
             "io": ref,
         }
-        if key.startswith(
-            "stream"
-        ):  # prefetch on: how well the next layer was predicted, and what its early pieces became
+        # prefetch on: how well the next layer was predicted, and what its early pieces became
+        if key.startswith("stream"):
             last = rows[-1]
             eff[key] |= {
                 "recall_by_layer": last["recall_by_layer"],
@@ -556,9 +554,8 @@ def main() -> None:
                         else None
                     )
                     row = run({**cfg, "threads": th}, tree)
-                    if (
-                        raw_before is not None
-                    ):  # the disk's rate around the decode: read before and after it
+                    # the disk's rate around the decode: read before and after it
+                    if raw_before is not None:
                         raw_after = run({"store": cfg["store"], "raw": True})["raw_gb_s"]
                         row |= {
                             "paired_raw_gb_s": (raw_before + raw_after) / 2,

@@ -193,9 +193,8 @@ def test_agent_turns_reuse_the_whole_history_even_when_spelled_oddly(
         ]
 
 
-class City(
-    BaseModel
-):  # bounded fields: the 135M model, held to the schema, might else run out of tokens
+# bounded fields: the 135M model, held to the schema, might else run out of tokens
+class City(BaseModel):
     name: str = Field(max_length=24)
     country: str = Field(max_length=24)
     population_millions: int = Field(ge=0, le=100)

@@ -149,9 +149,8 @@ def test_recorded_request_replayed_as_sent(daemon: Daemon, name: str, rec: dict)
         "input_tokens"
     ]
     status, raw = post_recorded(daemon, rec, {**rec["body"], "temperature": 0})
-    if (
-        counted >= 8192
-    ):  # Codex's own ~4k-token instructions: over the demo's context, refused as the reference API does
+    # Codex's own ~4k-token instructions: over the demo's context, refused as the reference API does
+    if counted >= 8192:
         assert status == 400 and json.loads(raw)["error"]["code"] == "context_length_exceeded", raw[
             :500
         ]

@@ -246,9 +246,8 @@ def test_a_second_setup_into_the_same_store_is_refused_naming_the_first(tmp_path
     ]
     first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while (
-        time.monotonic() < deadline and first.poll() is None
-    ):  # stop it mid-import (its journal begun)
+    # stop it mid-import (its journal begun)
+    while time.monotonic() < deadline and first.poll() is None:
         if (store / "setup.journal").exists() and not (store / "manifest.json").exists():
             os.kill(first.pid, signal.SIGSTOP)
             break

@@ -63,9 +63,8 @@ def test_readme_example_runs_as_written(served: Daemon, client: str) -> None:
         assert "'name': 'Forecast'" in out and "city=" in out, out
     elif client == "anthropic":
         assert out.startswith("tool_use [{"), out
-    elif (
-        client == "curl"
-    ):  # a streamed forced call, then a JSON answer that parses (the schema closes it)
+    # a streamed forced call, then a JSON answer that parses (the schema closes it)
+    elif client == "curl":
         assert '"tool_calls"' in out and '"finish_reason":"tool_calls"' in out.replace(" ", ""), out
         answer = json.loads(out.strip().splitlines()[-1])["choices"][0]["message"]["content"]
         assert set(json.loads(answer)) == {"name"}, answer

@@ -24,10 +24,11 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root, out = tmp_path_factory.mktemp("chain"), {}
+    # qwen3: q/k norms; a bias on q/k/v/o
     for family, extra in (
         ("llama", {}),
         ("qwen3", {"attention_bias": True}),
-    ):  # qwen3: q/k norms; a bias on q/k/v/o
+    ):
         ckpt = make_hf_checkpoint(
             family,
             root / f"hf-{family}",

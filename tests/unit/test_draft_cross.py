@@ -282,9 +282,8 @@ def test_draft_cache_is_reused_by_common_prefix(smol: Tokenizer, byte_drafts) ->
         assert got == propose(src, history, 5)  # a fresh session (no cache) agrees
         prefix = len(draft_tok.encode(smol.decode(history), add_bos=False))
         ran = session.positions_run[0] - before
-        if (
-            old_prefix
-        ):  # only the new text and the drafted tokens run, never the whole context again
+        # only the new text and the drafted tokens run, never the whole context again
+        if old_prefix:
             assert ran <= prefix - old_prefix + budget(5) < prefix + budget(5) - 1
         old_prefix = prefix
         # the target accepts one draft (or none) and adds a token of its own
@@ -569,9 +568,8 @@ def test_draft_flag_cross_store_through_the_python_api(verify_models) -> None:
         assert target.last_draft_stats.source == spec
     with pytest.raises(DraftError, match="cross:SMALL,LARGE"):
         make_draft_source("cross:", target.net, open_cross=lambda paths: None)
-    with pytest.raises(
-        DraftError, match="chat"
-    ):  # a caller that cannot tell chat from raw gets no cross draft
+    # a caller that cannot tell chat from raw gets no cross draft
+    with pytest.raises(DraftError, match="chat"):
         make_draft_source(f"cross:{draft.store_dir}", target.net)
 
 

@@ -311,9 +311,8 @@ def test_sampled_constrained_output_follows_the_masked_distribution(model: Model
         )
         counts[keys.index(got) if got in exact else len(keys)] += 1
     assert chi2_pvalue(counts, torch.tensor([*exact.values(), 0.0])) > ALPHA
-    if (
-        draft == "self1"
-    ):  # its unconstrained drafts are mostly forbidden by the mask, hence rejected
+    # its unconstrained drafts are mostly forbidden by the mask, hence rejected
+    if draft == "self1":
         assert stats.proposed > stats.accepted
     if draft == "oracle":
         assert stats.proposed > stats.accepted > 0

@@ -48,9 +48,8 @@ def _routes(m: Model, prompt: list[int]) -> set[tuple[int, int]]:
 
 
 def _setup(family: str, root: Path, name: str) -> Path:
-    if (
-        family == "kimi_k3"
-    ):  # KDA layers: a step-mate's recurrent state is prefilled again, not cut back
+    # KDA layers: a step-mate's recurrent state is prefilled again, not cut back
+    if family == "kimi_k3":
         setup_store(
             open_synthetic("kimi_k3", "tiny", seed=3),
             root / name,
@@ -109,9 +108,8 @@ def test_a_corrupt_expert_fails_only_the_sequences_that_route_it(stores) -> None
         ok.close()
     m = Model.open(bad, expert_cache_bytes=0, prefetch=False)
     try:
-        for p, hit in zip(
-            PROMPTS, routed, strict=True
-        ):  # alone, a prompt fails exactly when it routes the record
+        # alone, a prompt fails exactly when it routes the record
+        for p, hit in zip(PROMPTS, routed, strict=True):
             if hit:
                 with pytest.raises(CorruptExpertError):
                     list(generate(m.net, p, PARAMS, m.eos_token_ids))
@@ -149,7 +147,6 @@ def test_a_corrupt_expert_fails_only_the_sequences_that_route_it(stores) -> None
                 "length",
             )  # step-mates of the failures: as alone on the intact store
     assert 0 < sum(routed) < len(PROMPTS)
-    if (
-        m.manifest.family == "kimi_k3"
-    ):  # a KDA state cannot be cut back one decode row: it was prefilled again
+    # a KDA state cannot be cut back one decode row: it was prefilled again
+    if m.manifest.family == "kimi_k3":
         assert any(e["event"] == "sequence_recomputed" for e in logs)

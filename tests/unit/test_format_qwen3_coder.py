@@ -107,9 +107,8 @@ def test_a_sent_back_call_renders_as_the_constrained_tokens_and_parses_back(tok:
     )
     con = turn1.constraint()
     generated = []
-    for t in turn2.prompt_ids[
-        n:
-    ]:  # the template's rendering, token by token, is a path the call grammar allows
+    # the template's rendering, token by token, is a path the call grammar allows
+    for t in turn2.prompt_ids[n:]:
         if con.done:
             break
         assert con.advance(t), tok.decode([*generated, t])
@@ -149,9 +148,8 @@ def test_streamed_deltas_name_the_call_first_and_equal_the_whole(tok: Tokenizer)
     for (
         parser,
         _,
-    ) in (
-        results
-    ):  # a string stays a string ("123"), an integer is read as one; inner blank lines kept
+        # a string stays a string ("123"), an integer is read as one; inner blank lines kept
+    ) in results:
         assert [json.loads("".join(c.arguments)) for c in parser.tool_calls] == [
             {"path": "123", "code": "a\n\nb<c>", "line": 7},
             {"path": "b.py", "code": ""},

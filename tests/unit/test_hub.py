@@ -309,9 +309,8 @@ def test_an_interrupted_streaming_install_resumes_its_spine(
     )
     tmp = tmp_path / "s" / "spine.safetensors.tmp"
     deadline = time.monotonic() + 120
-    while not (
-        tmp.exists() and tmp.stat().st_size > 100_000
-    ):  # the first tensors (lm_head, embeddings) are written
+    # the first tensors (lm_head, embeddings) are written
+    while not (tmp.exists() and tmp.stat().st_size > 100_000):
         assert proc.poll() is None and time.monotonic() < deadline, (
             "setup ended before it could be killed"
         )

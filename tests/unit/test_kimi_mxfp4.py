@@ -100,11 +100,12 @@ def test_fused_kernel_within_fp32_bound_and_token_independent() -> None:
     y = mxfp4.fused_linear(x, packed, scale)
     exact = x.double() @ w.double().T
     assert ((y.double() - exact).abs() <= fp32_bound(x, w)).all()
+    # one token alone gives the bits it gets inside a batch (8-token tiles, remainders)
     for t in (
         0,
         5,
         10,
-    ):  # one token alone gives the bits it gets inside a batch (8-token tiles, remainders)
+    ):
         assert torch.equal(mxfp4.fused_linear(x[t : t + 1], packed, scale)[0], y[t])
     threads = torch.get_num_threads()
     try:

@@ -33,9 +33,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_freed_heap_memory_goes_back_to_the_os() -> None:
-    def activations() -> (
-        torch.Tensor
-    ):  # what a prefill chunk leaves: many mid-size blocks, freed, one kept
+    # what a prefill chunk leaves: many mid-size blocks, freed, one kept
+    def activations() -> torch.Tensor:
         big = torch.empty(4 * MiB, dtype=torch.uint8)
         del big  # freed first: glibc's mmap threshold rises past the rows' size, so they come from the heap
         rows = [torch.ones(900 * 1024, dtype=torch.uint8) for _ in range(400)]

@@ -257,9 +257,8 @@ def test_pieces_fill_the_slack_that_a_whole_record_would_overrun() -> None:
 
 def test_the_reads_started_weigh_when_they_miss_more_than_the_predictions() -> None:
     gate = _measured(window_s=0.1)  # ~10 MB of slack per idle drive
-    for _ in range(
-        4
-    ):  # predictions hit 3 of 4, but the one not cached (the one read) always misses
+    # predictions hit 3 of 4, but the one not cached (the one read) always misses
+    for _ in range(4):
         gate.observe(1, {1, 2, 3, 4}, [1, 2, 3, 9], read={4})
     r = gate.layers[1]
     assert abs(r.ema - 0.75) < 1e-9 and r.read_ema == 0.0

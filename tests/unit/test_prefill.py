@@ -48,9 +48,8 @@ def _counted(m: Model) -> tuple[Counter, dict[tuple[int, int], set[int]]]:
     ex, step, fetching = m.experts, [0], [-1]
     queue, begin, observe, fetch = ex.reader._queue, ex.begin_step, ex.observe_routes, ex.fetch
 
-    def counting_queue(
-        rec, *args
-    ):  # every record read (demand, decoded or prefetch) is queued here once
+    # every record read (demand, decoded or prefetch) is queued here once
+    def counting_queue(rec, *args):
         reads[(step[0] + (rec.layer < fetching[0]), rec.layer, rec.expert)] += 1
         return queue(rec, *args)
 

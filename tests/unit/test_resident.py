@@ -91,10 +91,11 @@ def test_a_live_budget_and_a_re_pin_leave_the_held_layers_alone(llama) -> None:
     m = Model.open(llama, expert_cache_bytes=None)
     try:
         dense = m.experts.resident.dense_bytes
+        # a reload's [cache] expert_bytes
         for budget, lru in (
             (dense + 1000, 1000),
             (dense // 2, 0),
-        ):  # a reload's [cache] expert_bytes
+        ):
             cache = m.settings.cache.model_copy(update={"expert_bytes": ByteSize(budget)})
             with capture_logs() as logs:
                 m.apply_live(m.settings.model_copy(update={"cache": cache}), ["cache.expert_bytes"])

@@ -189,9 +189,8 @@ def test_prefix_cache_takes_the_longest_shared_prefix_and_keeps_it() -> None:
         c.length = len(toks)
         pc.put(toks, c)
     assert len(pc) == 1  # [1, 2] is a prefix of [1, 2, 3]: merged into it
-    for _ in range(
-        2
-    ):  # a retry of the same prompt: all but its last token, every time (nothing consumed)
+    # a retry of the same prompt: all but its last token, every time (nothing consumed)
+    for _ in range(2):
         got = pc.take([1, 2, 3])
         assert got is not None and got[1] == 2 and got[0].length == 2
         assert torch.equal(got[0].layers[0].view()[0], torch.arange(8.0).view(2, 4))

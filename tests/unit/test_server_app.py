@@ -255,10 +255,11 @@ def test_an_engine_failure_answers_in_each_endpoints_own_error_shape(
             ), (path, r.json)
             continue
         events = [e for e in r.text.split("\n\n") if e.strip()]
+        # the error, then the stream's end (as vLLM sends them)
         if path in (
             "/v1/chat/completions",
             "/v1/completions",
-        ):  # the error, then the stream's end (as vLLM sends them)
+        ):
             assert (
                 json.loads(events[-2][6:])["error"]["code"] == "engine_error"
                 and events[-1] == "data: [DONE]"
@@ -336,9 +337,10 @@ def test_metrics_are_prometheus_text(tokenizer: Tokenizer) -> None:
         "# TYPE deltafind_step_seconds histogram" in text
         and 'deltafind_step_seconds_bucket{le="+Inf"} 0' in text
     )
+    # each route counted under its own name
     for endpoint in (
         "/v1/chat/completions",
         "/v1/responses",
         "/v1/messages",
-    ):  # each route counted under its own name
+    ):
         assert f'deltafind_http_requests_total{{endpoint="{endpoint}",status="200"}} 1' in text

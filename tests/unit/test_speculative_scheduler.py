@@ -139,9 +139,8 @@ def test_a_failing_verify_pass_reruns_the_step_target_only(stores: dict[str, Mod
 
         def __call__(self, ids, batch, all_logits=False):
             if any(r > 1 for r in batch.logit_rows):
-                for s in (
-                    batch.segments
-                ):  # fail part-way, as a real OOM would: some rows already appended
+                # fail part-way, as a real OOM would: some rows already appended
+                for s in batch.segments:
                     s.cache.layers[0].append(
                         *[
                             t[:1].expand(s.num_tokens, *t.shape[1:]).clone()

@@ -72,9 +72,8 @@ def test_striped_records_cover_every_drive_and_verify(built) -> None:
         m.placement == "stripe"
         and sum(len(r.stripes) == 4 for r in m.experts) >= len(m.experts) // 2
     )
-    for r in (
-        m.experts
-    ):  # as many pieces as 4096-byte minimum stripes fit; in payload order they cover the record
+    # as many pieces as 4096-byte minimum stripes fit; in payload order they cover the record
+    for r in m.experts:
         size = -(-r.length // 4096) * 4096
         assert (
             len(r.extents()) == min(4, size // 4096) and sum(e.nbytes for e in r.extents()) == size
@@ -163,9 +162,8 @@ def test_rebalance_stripe_upgrades_a_whole_store_in_place(built, tmp_path) -> No
         if stage == "written":
             raise RuntimeError(stage)
 
-    with pytest.raises(
-        RuntimeError
-    ):  # a crash after the new packs are written: the old store is intact
+    # a crash after the new packs are written: the old store is intact
+    with pytest.raises(RuntimeError):
         rebalance(store, {}, stripe=True, min_stripe_bytes=4096, fault=crash)
     assert Manifest.load(store).placement == "whole" and Manifest.load(store).pack_generation == 0
     before, after, moved = rebalance(

@@ -296,9 +296,8 @@ def test_a_sent_back_call_renders_as_the_constrained_tokens(name: str, tmp_path:
     assert turn2.prompt_ids[:n] == turn1.prompt_ids
     con = turn1.constraint()
     generated = []
-    for t in turn2.prompt_ids[
-        n:
-    ]:  # the rendered reply, token by token, is a path the constraint allows
+    # the rendered reply, token by token, is a path the constraint allows
+    for t in turn2.prompt_ids[n:]:
         assert con.advance(t), tok.decode([*generated, t])
         generated.append(t)
         if con.done:

@@ -185,10 +185,11 @@ class CrossSession:
         )  # rerun >= 1 token to get logits
         try:
             slot.cache.truncate(keep)
+        # a recurrent state (KDA) rolls back only inside its last pass
         except (
             NotImplementedError,
             ValueError,
-        ):  # a recurrent state (KDA) rolls back only inside its last pass
+        ):
             slot.cache, keep = SequenceCache(model.net.num_layers), 0
         tokens: list[int] = []
         probs: list[float] = []
@@ -223,9 +224,8 @@ class CrossSession:
         if not delta:
             return []
         ids = self.source.target.encode(text + delta)
-        if (
-            ids[: len(body)] != body
-        ):  # the draft text re-tokenizes across the history's last boundary
+        # the draft text re-tokenizes across the history's last boundary
+        if ids[: len(body)] != body:
             return []
         return ids[len(body) : len(body) + width]
 

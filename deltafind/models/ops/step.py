@@ -134,9 +134,8 @@ class DecodeChain:
         for i, cache in enumerate(rows[:done]):
             cache.length += 1
             provider.dense_held(i)  # their use, counted as the per-layer path counts it
-        if (
-            done < n
-        ):  # a part the planning took but the kernel did not: the per-layer path goes on from there
+        # a part the planning took but the kernel did not: the per-layer path goes on from there
+        if done < n:
             self.off = True
             log.warning("decode_chain_off", layer=done, reason="the kernel refused a part")
         return out, done

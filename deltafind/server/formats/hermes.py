@@ -49,9 +49,8 @@ class Hermes(ChatFormat):
         out: list[dict[str, Any]] = []
         for m, orig in zip(msgs, sent, strict=True):
             m = dict(m)
-            if m.get(
-                "tool_calls"
-            ):  # the arguments as the client sent them back (our own output, verbatim) so the tokens repeat
+            # the arguments as the client sent them back (our own output, verbatim) so the tokens repeat
+            if m.get("tool_calls"):
                 raw = [
                     (
                         c["function"].get("name"),
