@@ -338,7 +338,7 @@ def open_cross_draft(
     max_context: int = 8192,
     open_model: Callable[[Path], Model] | None = None,
 ) -> CrossTokenizerSource:
-    """Spec 7.7's cross-tokenizer draft for raw completions: one store, or a probe store then a wide one.
+    """The cross-tokenizer draft (docs/kimi-k3-drafting-io.md §7.7) for raw completions: one store, or a probe store then a wide one.
 
     The drafts may be any family with any tokenizer; they meet the target only as text.
     Closing the source closes their stores, unless `open_model` opened them (then they are the caller's).

@@ -142,7 +142,7 @@ class CrossSession:
         return Proposal(tokens)
 
     def _hybrid(self, text: str, body: list[int], width: int) -> list[int]:
-        """Spec 7.7's probe-then-wide rule; with one model, its cut proposal."""
+        """The probe-then-wide rule (docs/kimi-k3-drafting-io.md §7.7); with one model, its cut proposal."""
         probe = self._draft(0, text, width)
         if probe is None:
             return []

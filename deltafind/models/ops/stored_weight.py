@@ -121,7 +121,7 @@ def dequantize(w: StoredWeight) -> torch.Tensor:
 
 
 def to_row_int8(w: torch.Tensor) -> torch.Tensor:
-    """Spec 9.6's row-int8 of a float matrix [R, C]: uint8 [R, 2 + C], each row its f16 scale
+    """The row-int8 (docs/kimi-k3-drafting-io.md §9.6) of a float matrix [R, C]: uint8 [R, 2 + C], each row its f16 scale
     (max|w| / 127, 1 for an all-zero row) then clamp(round_half_even(w / scale), -127, 127) as int8."""
     w = w.float()
     scale = w.abs().amax(dim=1, keepdim=True) / 127.0
