@@ -166,33 +166,22 @@ def cmd_setup(args: argparse.Namespace) -> int:
     # Refuse an unsupported family, or a config the family refuses (K3's quality guard), before writing anything.
     config = source.config
     family = family_module(str(config.get("model_type")))
-    names = family.weight_names(
-        family.ModelArgs.from_config(config)
-    )  # the family says which tensors are experts
+    # the family says which tensors are experts
+    names = family.weight_names(family.ModelArgs.from_config(config))
     if args.streaming:
-        from deltafind.importer.hub_streaming import setup_streaming
-
-        manifest = setup_streaming(
-            source,
-            store,
-            [Path(d) for d in drives] if drives else None,
-            args.dense_slices,
-            progress=not args.quiet,
-            names=names,
-        )
+        from deltafind.importer.hub_streaming import setup_streaming as write
+    else:
+        write = setup_store
+    drive_paths = [Path(d) for d in drives] if drives else None
+    manifest = write(
+        source, store, drive_paths, args.dense_slices, progress=not args.quiet, names=names
+    )
+    if args.streaming:
         print(
             f"store ready, streaming: {store} ({len(manifest.experts)} expert records; missing experts are fetched from the hub on first use, "
             f"`deltafind setup --fill --store {store}` completes it)"
         )
         return 0
-    manifest = setup_store(
-        source,
-        store,
-        [Path(d) for d in drives] if drives else None,
-        args.dense_slices,
-        progress=not args.quiet,
-        names=names,
-    )
     print(
         f"store ready: {store} ({family.__name__.rsplit('.', 1)[-1]}, {len(manifest.experts)} expert records on {len(manifest.drives)} drive(s), {manifest.expert_bytes() / 2**20:.1f} MiB of experts)"
     )
