@@ -23,10 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `tests.` below, run as a script
 from deltafind.server.chat_plan import plan_chat
 from deltafind.server.openai import chat_messages
 from deltafind.server.schemas import ChatRequest

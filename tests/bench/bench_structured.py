@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `tests.` below, run as a script
+
 SCHEMA = {
     "type": "object",
     "properties": {
