@@ -325,7 +325,13 @@ def server_config(settings: Settings) -> Any:
         ) from None
     keys += [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
     return ServerConfig(
-        tuple(dict.fromkeys(keys)), int(s.max_body_bytes), s.max_tokens_default, s.max_context
+        tuple(dict.fromkeys(keys)),
+        int(s.max_body_bytes),
+        s.max_tokens_default,
+        s.max_context,
+        s.temperature_default,
+        s.top_p_default,
+        s.top_k_default,
     )
 
 

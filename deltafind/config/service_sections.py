@@ -98,6 +98,33 @@ class ServerSettings(Section):
         examples=[4096],
         json_schema_extra=LIVE,
     )
+    temperature_default: float | None = Field(
+        None,
+        ge=0.0,
+        le=2.0,
+        description="Temperature for a request that sets none. Unset = the model's "
+        "generation_config.json value, else 1.0 as the reference APIs. Agents such as the Codex "
+        "CLI and Claude Code send no temperature; 0 makes their answers greedy.",
+        examples=[0.6],
+        json_schema_extra=LIVE,
+    )
+    top_p_default: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="top_p for a request that sets none. Unset = the model's "
+        "generation_config.json value, else 1.0.",
+        examples=[0.95],
+        json_schema_extra=LIVE,
+    )
+    top_k_default: int | None = Field(
+        None,
+        ge=0,
+        description="top_k for a request that sets none (0 = off). Unset = the model's "
+        "generation_config.json value, else off.",
+        examples=[20],
+        json_schema_extra=LIVE,
+    )
     model_aliases: list[str] = Field(
         [],
         description="Other names the served model answers to (listed by /v1/models), e.g. the "

@@ -47,6 +47,10 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     max_tokens_default: int | None = None  # None: the rest of the context
     max_context: int | None = None
+    # a request's omitted temperature, top_p, top_k (None: the model's generation_config.json)
+    temperature_default: float | None = None
+    top_p_default: float | None = None
+    top_k_default: int | None = None
 
 
 @dataclass
@@ -241,19 +245,14 @@ class RequestRun(Generic[Body]):
             plan.respell(engine.turns.splice(engine.tokenizer, plan.prompt_ids))
             prompts, constraint = [plan.prompt_ids], plan.constraint
         max_context = min(cfg.max_context or engine.context_length, engine.context_length)
+        temperature, top_p, top_k = self._sampling(cfg, engine.tokenizer.sampling_defaults)
         gen = []
         for ids in prompts:
             max_new = self._max_new(len(ids), max_context, cfg.max_tokens_default, clamp)
             for i in range(body.n or 1):
                 seed = None if body.seed is None else body.seed + i
                 try:
-                    params = SamplingParams(
-                        max_new,
-                        1.0 if body.temperature is None else body.temperature,
-                        1.0 if body.top_p is None else body.top_p,
-                        body.top_k or 0,
-                        seed,
-                    )
+                    params = SamplingParams(max_new, temperature, top_p, top_k, seed)
                     gen.append(
                         GenRequest(
                             tuple(ids),
@@ -286,6 +285,23 @@ class RequestRun(Generic[Body]):
         self.prompt_tokens = sum(len(ids) for ids in prompts)
         self.state.metrics.count_prompt(self.prompt_tokens)
         return self.choices
+
+    def _sampling(self, cfg: ServerConfig, model: dict[str, Any]) -> tuple[float, float, int]:
+        """The request's temperature, top_p and top_k; where it sets none, `[server]`'s default, then
+        the model's generation_config.json, then the reference APIs' (1.0, 1.0, off)."""
+        body = self.body
+
+        def pick(asked: Any, configured: Any, name: str, api: float) -> Any:
+            for value in (asked, configured, model.get(name)):
+                if value is not None:
+                    return value
+            return api
+
+        return (
+            pick(body.temperature, cfg.temperature_default, "temperature", 1.0),
+            pick(body.top_p, cfg.top_p_default, "top_p", 1.0),
+            pick(body.top_k, cfg.top_k_default, "top_k", 0) or 0,
+        )
 
     def _max_new(self, prompt_len: int, max_context: int, default: int | None, clamp: bool) -> int:
         param = "messages" if isinstance(self.body, ChatRequest) else "prompt"

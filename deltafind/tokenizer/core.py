@@ -33,6 +33,22 @@ def _tiktoken_specials(config: dict[str, Any], num_ranks: int) -> dict[str, int]
     return {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(num_ranks, top + 1)}
 
 
+def _sampling_defaults(gen: dict[str, Any]) -> dict[str, float | int]:
+    """generation_config.json's temperature, top_p and top_k where they are in range (others are
+    ignored: a wrong value there is the model's, not the request's, and the API defaults apply).
+    `do_sample` is not read, as vLLM does not: a model's sampling values are its recommendation."""
+    out: dict[str, float | int] = {}
+    for name, ok in (
+        ("temperature", lambda v: 0 <= v <= 2),
+        ("top_p", lambda v: 0 < v <= 1),
+        ("top_k", lambda v: isinstance(v, int) and v >= 0),
+    ):
+        value = gen.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and ok(value):
+            out[name] = value
+    return out
+
+
 def _tiktoken_pattern(config: dict[str, Any], folder: Path) -> str:
     for key in ("pat_str", "pattern"):
         if isinstance(config.get(key), str):
@@ -88,6 +104,8 @@ class Tokenizer:
         extra = gen.get("eos_token_id")
         ids += extra if isinstance(extra, list) else [extra]
         self.eos_token_ids: list[int] = list(dict.fromkeys(i for i in ids if isinstance(i, int)))
+        # the sampling the model's authors recommend, for requests that set none (vLLM does the same)
+        self.sampling_defaults: dict[str, float | int] = _sampling_defaults(gen)
         self._chat: ChatTemplate | None = None
         self._guard = SpecialGuard(backend)
 

@@ -34,10 +34,13 @@ SENT_BACK = {
 
 @pytest.fixture(scope="module")
 def daemon(demo_store: Path) -> Iterator[Daemon]:
-    # Prefill in chunks of 256, so a prompt whose client left stops at the next chunk.
+    # Prefill in chunks of 256, so a prompt whose client left stops at the next chunk. Codex sends no
+    # temperature and no token limit: sampled at 1.0 the demo can ramble to the end of its context, so
+    # the operator's default makes it greedy (it then ends its answer on its own).
     d = Daemon(
         demo_store,
-        f'[server]\nmax_running = 2\nmax_prefill_tokens = 256\nmodel_aliases = ["{ALIAS}"]\n',
+        "[server]\nmax_running = 2\nmax_prefill_tokens = 256\ntemperature_default = 0\n"
+        f'model_aliases = ["{ALIAS}"]\n',
     ).start()
     yield d
     d.stop()

@@ -206,6 +206,57 @@ def test_no_limit_means_the_rest_of_the_context_on_every_endpoint(tokenizer: Tok
     assert engine.submitted[-1].params.max_new_tokens == 100
 
 
+def test_omitted_sampling_takes_the_server_default_then_the_model_default(tmp_path) -> None:
+    # Agents (Codex, Claude Code) send no temperature: the operator's default, else the model's
+    # generation_config.json, else the reference APIs' 1.0.
+    write_tiny_tokenizer(tmp_path)
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.6, "top_p": 0.9, "top_k": 20.5})  # top_k not an int: ignored
+    )
+    tok = Tokenizer.load(tmp_path)
+    assert tok.sampling_defaults == {"temperature": 0.6, "top_p": 0.9}
+    engine = ScriptedEngine(tok, "ok")
+    state = AppState(ServerConfig(), "m")
+    state.set_ready(ReadyEngine(engine, tok, "m", 4096))
+    c = testing.TestClient(create_app(state))
+    bodies = {
+        "/v1/responses": {"model": "m", "input": "hi"},
+        "/v1/chat/completions": chat(),
+        "/v1/completions": {"model": "m", "prompt": "x"},
+        "/v1/messages": {
+            "model": "m",
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+    }
+
+    def sampled(path: str, **extra) -> tuple[float, float, int]:
+        r = c.simulate_post(path, json={**bodies[path], **extra})
+        assert r.status_code == 200, r.text
+        p = engine.submitted[-1].params
+        return p.temperature, p.top_p, p.top_k
+
+    for path in bodies:
+        assert sampled(path) == (0.6, 0.9, 0)
+        assert sampled(path, temperature=0.3, top_p=0.5) == (0.3, 0.5, 0)
+    state.config = ServerConfig(temperature_default=0.0, top_k_default=5)
+    for path in bodies:
+        assert sampled(path) == (0.0, 0.9, 5)
+        if path != "/v1/responses":  # the Responses API has no top_k
+            assert sampled(path, temperature=1.0, top_k=2) == (1.0, 0.9, 2)
+    engine.tok = tokenizer_without_defaults = Tokenizer.load(_plain(tmp_path))
+    state.set_ready(ReadyEngine(engine, tokenizer_without_defaults, "m", 4096))
+    state.config = ServerConfig()
+    assert sampled("/v1/chat/completions") == (1.0, 1.0, 0)
+
+
+def _plain(tmp_path):
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    write_tiny_tokenizer(folder)
+    return folder
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_string_across_a_utf8_boundary_is_never_sent(
     tokenizer: Tokenizer, stream: bool
