@@ -1,6 +1,6 @@
 """Checkpoints from a Hugging Face-compatible hub: `setup --from ORG/NAME[:QUANT][@REVISION]`.
 
-`open_checkpoint` pins the repository to a commit (importer/hub_repo.py, which
+`open_checkpoint` opens what `--from` names; for a hub it pins the repository to a commit (importer/hub_repo.py, which
 also downloads and verifies its files). `HubSource` is the `Source` setup imports from:
 tensor metadata from the shards' headers (fetched by range), tensors from
 shards downloaded one at a time, or by range for a streaming install. From a
@@ -46,6 +46,21 @@ def open_checkpoint(
     streaming: bool = False,
     delete_source: bool = False,
     progress: bool = True,
+    widen: bool = False,
+) -> Source:
+    """The `Source` setup imports `--from` from, local or on a hub; `widen`: GGUF block types without
+    a kernel become float32 instead of being refused, for every kind of GGUF source alike."""
+    got = locate_checkpoint(spec, store_dir, streaming, delete_source, progress, widen)
+    return got if isinstance(got, Source) else open_source(got.resolve(), widen=widen)
+
+
+def locate_checkpoint(
+    spec: str,
+    store_dir: Path,
+    streaming: bool = False,
+    delete_source: bool = False,
+    progress: bool = True,
+    widen: bool = False,
 ) -> Path | Source:
     """`--from` as given: a local folder/GGUF path (as before), or a hub repo id; a GGUF repository
     (`:QUANT` given, or GGUF files and no *.safetensors) gives the local path of the quant's first shard."""
@@ -93,7 +108,9 @@ def open_checkpoint(
                 "drop it to download the quant's files into the HF cache, or use --streaming"
             )
         if streaming:
-            return GGUFHubSource(repo, pick_quant(repo.files, quant, repo.label), store_dir)
+            return GGUFHubSource(
+                repo, pick_quant(repo.files, quant, repo.label), store_dir, widen=widen
+            )
         return fetch_gguf(repo, quant)
     return HubSource(repo, store_dir, streaming=streaming, delete_source=delete_source)
 
