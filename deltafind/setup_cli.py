@@ -37,7 +37,7 @@ def add_subcommand(sub: Any) -> None:
     p.add_argument(
         "--delete-source",
         action="store_true",
-        help="with a hub repo: free each downloaded shard from the HF cache once imported",
+        help="with a hub repo: free each downloaded shard from the HF cache once imported; with a local .gguf: delete each shard once the store holds it",
     )
     p.add_argument(
         "--widen-unsupported",
