@@ -316,6 +316,11 @@ def test_a_streaming_install_fetches_each_expert_from_inside_its_shard(
     )  # byte for byte the whole import's records
     meta = json.loads((store / "remote.json").read_text())
     present = set(fetched_now)
+    needed = sum(
+        b - a for layer, e, parts in meta["experts"] if (layer, e) in present for _, a, b in parts
+    )
+    # at most twice the experts' bytes: not every expert between one's gate, up and down slices
+    assert sum(r.sent for r in expert_gets) <= 2 * needed
     file, start, _ = next(
         p for layer, e, parts in meta["experts"] if (layer, e) not in present for p in parts
     )
