@@ -136,7 +136,7 @@ def cmd_setup(args: argparse.Namespace) -> int:
         return _setup_dspark(args)
     if args.fill:
         return _setup_fill(args)
-    if args.synthetic:
+    if args.synthetic and not args.demo:
         from deltafind.importer.synthetic import open_synthetic
 
         if not args.store:
@@ -148,6 +148,8 @@ def cmd_setup(args: argparse.Namespace) -> int:
         )
     else:
         if args.demo:
+            if args.delete_source:  # it would delete the installed package's file
+                raise StoreError("setup --demo keeps the bundled GGUF; drop --delete-source")
             spec, store = str(demo_gguf_path()), Path(args.store or demo_store_dir()).expanduser()
             drives = args.drive or [store / "drive0", store / "drive1"]
         elif args.source and args.store:

@@ -16,6 +16,7 @@ from deltafind.errors import StoreError
 from deltafind.importer.gguf_delete import STAGING_DIR
 from deltafind.importer.hub import locate_checkpoint, open_checkpoint
 from deltafind.importer.setup import setup_store
+from deltafind.run_cli import demo_gguf_path
 from deltafind.store.manifest import Manifest
 from tests.conftest import deltafind_cmd
 from tests.gguf_models import EXPERTS, make_qwen3moe
@@ -93,3 +94,9 @@ def test_a_split_gguf_goes_shard_by_shard_and_a_killed_setup_resumes_without_the
 def test_delete_source_refuses_a_local_folder(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match=r"or a local \.gguf file .* not a local folder"):
         locate_checkpoint(str(tmp_path), tmp_path / "s", delete_source=True)
+
+
+def test_delete_source_never_touches_the_bundled_demo(tmp_path: Path) -> None:
+    proc = deltafind_cmd("setup", "--demo", "--store", str(tmp_path / "s"), "--delete-source")
+    assert proc.returncode != 0 and "drop --delete-source" in proc.stderr
+    assert demo_gguf_path().exists() and not (tmp_path / "s").exists()
