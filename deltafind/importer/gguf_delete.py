@@ -20,6 +20,7 @@ from deltafind.importer.gguf_source import GGUFSource, split_paths
 from deltafind.importer.sources import stat_fingerprint
 from deltafind.importer.spine_writer import write_safetensors
 from deltafind.log import get_logger
+from deltafind.store.manifest import MANIFEST_NAME
 
 log = get_logger(__name__)
 STAGING_DIR = ".gguf-staging"
@@ -60,6 +61,11 @@ class GGUFDeletingSource(GGUFSource):
             found.append(p if p.exists() else copy)
             if not p.exists() and not copy.exists():
                 missing.append(p.name)
+        if missing and (self.staging.parent / MANIFEST_NAME).exists():
+            raise StoreError(
+                f"{self.staging.parent}: holds a finished store, and the GGUF is gone ({', '.join(missing)}): "
+                "a --delete-source setup deletes it once the store is written; nothing is left to import"
+            )
         if missing:
             raise StoreError(
                 f"{self.originals[0].parent}: GGUF shard(s) missing: {', '.join(missing)}; --delete-source "

@@ -89,6 +89,8 @@ def test_a_split_gguf_goes_shard_by_shard_and_a_killed_setup_resumes_without_the
     setup_store(source, store, progress=False)
     _same_store(store, reference)
     assert not first.exists() and not second.exists() and not (store / STAGING_DIR).exists()
+    with pytest.raises(StoreError, match="holds a finished store, and the GGUF is gone"):
+        open_checkpoint(str(first), store, delete_source=True)  # the same command once more
 
 
 def test_delete_source_refuses_a_local_folder(tmp_path: Path) -> None:
