@@ -1,11 +1,12 @@
 """Checkpoints from a Hugging Face-compatible hub: `setup --from ORG/NAME[:QUANT][@REVISION]`.
 
-`open_checkpoint` opens what `--from` names; for a hub it pins the repository to a commit (importer/hub_repo.py, which
-also downloads and verifies its files). `HubSource` is the `Source` setup imports from:
-tensor metadata from the shards' headers (fetched by range), tensors from
-shards downloaded one at a time, or by range for a streaming install. From a
-GGUF repository (`:QUANT`, picked by importer/hub_gguf.py) `fetch_gguf` downloads whole files,
-or, streaming, importer/hub_gguf.py's `GGUFHubSource` reads them by range.
+`open_checkpoint` opens what `--from` names (a local one: importer/checkpoint.py, or
+importer/gguf_delete.py with --delete-source); for a hub it pins the repository to a commit
+(importer/hub_repo.py, which also downloads and verifies its files). `HubSource` is the
+`Source` setup imports from: tensor metadata from the shards' headers (fetched by range),
+tensors from shards downloaded one at a time, or by range for a streaming install. From a GGUF
+repository (`:QUANT`, picked by importer/hub_gguf.py) `fetch_gguf` downloads whole files, or,
+streaming, importer/hub_gguf.py's `GGUFHubSource` reads them by range.
 """
 
 from __future__ import annotations
