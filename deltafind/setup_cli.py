@@ -37,7 +37,7 @@ def add_subcommand(sub: Any) -> None:
     p.add_argument(
         "--delete-source",
         action="store_true",
-        help="with a hub repo: free each downloaded shard from the HF cache once imported",
+        help="with a hub repo: free each downloaded shard from the HF cache once imported; with a local .gguf: delete each shard once the store holds it",
     )
     p.add_argument(
         "--widen-unsupported",
@@ -113,7 +113,7 @@ def _setup_dspark(args: argparse.Namespace) -> int:
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
-    from deltafind.importer.checkpoint import open_source
+    from deltafind.importer.hub import open_checkpoint
     from deltafind.importer.setup import setup_store
     from deltafind.models.registry import family_module
 
@@ -136,10 +136,7 @@ def cmd_setup(args: argparse.Namespace) -> int:
         return _setup_dspark(args)
     if args.fill:
         return _setup_fill(args)
-    if args.demo:
-        source, store = demo_gguf_path(), Path(args.store or demo_store_dir()).expanduser()
-        drives = args.drive or [store / "drive0", store / "drive1"]
-    elif args.synthetic:
+    if args.synthetic and not args.demo:
         from deltafind.importer.synthetic import open_synthetic
 
         if not args.store:
@@ -150,19 +147,26 @@ def cmd_setup(args: argparse.Namespace) -> int:
             args.drive,
         )
     else:
-        if not args.source or not args.store:
+        if args.demo:
+            if args.delete_source:  # it would delete the installed package's file
+                raise StoreError("setup --demo keeps the bundled GGUF; drop --delete-source")
+            spec, store = str(demo_gguf_path()), Path(args.store or demo_store_dir()).expanduser()
+            drives = args.drive or [store / "drive0", store / "drive1"]
+        elif args.source and args.store:
+            spec, store, drives = args.source, Path(args.store).expanduser(), args.drive
+        else:
             raise StoreError(
                 "setup needs --from CHECKPOINT and --store DIR (or --demo, or --synthetic FAMILY)"
             )
-        from deltafind.importer.hub import open_checkpoint
-
-        # --from is a local path, or ORG/NAME[:QUANT][@REVISION] on a hub
-        store, drives = Path(args.store).expanduser(), args.drive
+        # --from is a local path, or ORG/NAME[:QUANT][@REVISION] on a hub; one call opens either
         source = open_checkpoint(
-            args.source, store, args.streaming, args.delete_source, progress=not args.quiet
+            spec,
+            store,
+            args.streaming,
+            args.delete_source,
+            progress=not args.quiet,
+            widen=args.widen_unsupported,
         )
-    if isinstance(source, Path):
-        source = open_source(source.resolve(), widen=args.widen_unsupported)
     # Refuse an unsupported family, or a config the family refuses (K3's quality guard), before writing anything.
     config = source.config
     family = family_module(str(config.get("model_type")))

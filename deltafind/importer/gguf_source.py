@@ -29,19 +29,24 @@ _REQUIRED = object()
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
-def shard_paths(path: Path) -> list[Path]:
-    """Every shard of the split GGUF `path` is one of (`NAME-00002-of-00003.gguf`), or [path] when it is whole."""
+def split_paths(path: Path) -> list[Path]:
+    """Where every shard of the split GGUF `path` is one of lies (`NAME-00002-of-00003.gguf`), or [path]."""
     m = SHARD.match(path.name)
     if m is None:
         return [path]
     count = int(m["count"])
-    paths = [
+    return [
         path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)
     ]
+
+
+def shard_paths(path: Path) -> list[Path]:
+    """Every shard of the split GGUF `path` is one of, or [path] when it is whole; all must exist."""
+    paths = split_paths(path)
     missing = [p.name for p in paths if not p.exists()]
-    if missing:
+    if missing and len(paths) > 1:
         raise StoreError(
-            f"{path}: split GGUF shard(s) missing: {', '.join(missing)} (all {count} shards must lie in {path.parent})"
+            f"{path}: split GGUF shard(s) missing: {', '.join(missing)} (all {len(paths)} shards must lie in {path.parent})"
         )
     return paths
 
@@ -60,7 +65,7 @@ class GGUFSource(Source):
 
         self.path = Path(path)
         self._gguf, self.widen = gguf, widen
-        self.files = shard_paths(self.path)
+        self.files = self._find_shards()
         readers = [self._open(p) for p in self.files]
         self._check_split(readers)
         self.reader = readers[0]  # split.no 0 carries the metadata
@@ -92,6 +97,9 @@ class GGUFSource(Source):
             }
         )
         self._map_tensors(by_name)
+
+    def _find_shards(self) -> list[Path]:
+        return shard_paths(self.path)
 
     def _open(self, path: Path) -> Any:
         try:

@@ -1,11 +1,12 @@
 """Checkpoints from a Hugging Face-compatible hub: `setup --from ORG/NAME[:QUANT][@REVISION]`.
 
-`open_checkpoint` pins the repository to a commit (importer/hub_repo.py, which
-also downloads and verifies its files). `HubSource` is the `Source` setup imports from:
-tensor metadata from the shards' headers (fetched by range), tensors from
-shards downloaded one at a time, or by range for a streaming install. From a
-GGUF repository (`:QUANT`, picked by importer/hub_gguf.py) `fetch_gguf` downloads whole files,
-or, streaming, importer/hub_gguf.py's `GGUFHubSource` reads them by range.
+`open_checkpoint` opens what `--from` names (a local one: importer/checkpoint.py, or
+importer/gguf_delete.py with --delete-source); for a hub it pins the repository to a commit
+(importer/hub_repo.py, which also downloads and verifies its files). `HubSource` is the
+`Source` setup imports from: tensor metadata from the shards' headers (fetched by range),
+tensors from shards downloaded one at a time, or by range for a streaming install. From a GGUF
+repository (`:QUANT`, picked by importer/hub_gguf.py) `fetch_gguf` downloads whole files, or,
+streaming, importer/hub_gguf.py's `GGUFHubSource` reads them by range.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from deltafind.errors import StoreError
 from deltafind.importer.checkpoint import open_source
+from deltafind.importer.gguf_delete import GGUFDeletingSource, has_kept_copy
 from deltafind.importer.hub_gguf import GGUFHubSource, is_model_gguf, local_gguf, pick_quant
 from deltafind.importer.hub_repo import HubRepo, parse_hub_ref, resolve_repo
 from deltafind.importer.sources import Source, import_names, tensor_info
@@ -46,15 +48,41 @@ def open_checkpoint(
     streaming: bool = False,
     delete_source: bool = False,
     progress: bool = True,
+    widen: bool = False,
+) -> Source:
+    """The `Source` setup imports `--from` from, local or on a hub; `widen`: GGUF block types without
+    a kernel become float32 instead of being refused, for every kind of GGUF source alike."""
+    got = locate_checkpoint(spec, store_dir, streaming, delete_source, progress, widen)
+    if isinstance(got, Source):
+        return got
+    if delete_source:  # a local .gguf (locate_checkpoint refuses a folder)
+        return GGUFDeletingSource(got.resolve(), store_dir, widen)
+    return open_source(got.resolve(), widen=widen)
+
+
+def locate_checkpoint(
+    spec: str,
+    store_dir: Path,
+    streaming: bool = False,
+    delete_source: bool = False,
+    progress: bool = True,
+    widen: bool = False,
 ) -> Path | Source:
     """`--from` as given: a local folder/GGUF path (as before), or a hub repo id; a GGUF repository
     (`:QUANT` given, or GGUF files and no *.safetensors) gives the local path of the quant's first shard."""
     path = Path(spec).expanduser()
-    ref = None if path.exists() else parse_hub_ref(spec)
+    # a shard an interrupted --delete-source setup deleted is still local
+    local = path.exists() or (delete_source and has_kept_copy(path, store_dir))
+    ref = None if local else parse_hub_ref(spec)
     if ref is None:
-        if streaming or delete_source:
+        if streaming:
             raise StoreError(
-                f"{spec}: --streaming and --delete-source take a hub repo id (ORG/NAME[@REVISION]), not a local path"
+                f"{spec}: --streaming takes a hub repo id (ORG/NAME[@REVISION]), not a local path"
+            )
+        if delete_source and (path.is_dir() or path.suffix != ".gguf"):
+            raise StoreError(
+                f"{spec}: --delete-source takes a hub repo id (ORG/NAME[@REVISION]) or a local .gguf file "
+                "(any shard of a split one), not a local folder"
             )
         return path
     from huggingface_hub import constants, snapshot_download
@@ -93,7 +121,9 @@ def open_checkpoint(
                 "drop it to download the quant's files into the HF cache, or use --streaming"
             )
         if streaming:
-            return GGUFHubSource(repo, pick_quant(repo.files, quant, repo.label), store_dir)
+            return GGUFHubSource(
+                repo, pick_quant(repo.files, quant, repo.label), store_dir, widen=widen
+            )
         return fetch_gguf(repo, quant)
     return HubSource(repo, store_dir, streaming=streaming, delete_source=delete_source)
 
@@ -116,7 +146,7 @@ class HubSource(Source):
 
     Download mode fetches each shard when setup first needs one of its tensors;
     with `delete_source` a shard's spine tensors are copied to a staging file in
-    the store and the shard is freed once its experts are read, so peak disk
+    the store and the shard is freed once its experts are journaled, so peak disk
     stays near the store's size. Streaming mode reads each tensor by range.
     """
 
@@ -158,11 +188,10 @@ class HubSource(Source):
             f"{self.repo.label}\n".encode() + json.dumps(self.config, sort_keys=True).encode()
         ).hexdigest()
 
-    def begin_import(self, spine: list[str]) -> None:
+    def begin_import(self, spine: list[str], records: list[str]) -> None:
         self._spine = set(spine)
-        for name, t in self.remote.items():
-            if name not in self._spine:
-                self._pending.setdefault(t.file, set()).add(name)
+        for name in records:
+            self._pending.setdefault(self.remote[name].file, set()).add(name)
         if self.delete_source and self.staging.is_dir():  # a resumed setup: shards freed last time
             from safetensors import safe_open
 
@@ -182,13 +211,17 @@ class HubSource(Source):
                 if data
                 else torch.empty(t.shape, dtype=dtype)
             )
-        out = self._shard(t.file).get_tensor(t.name)
-        pending = self._pending.get(t.file)
-        if pending is not None:
-            pending.discard(name)
-            if not pending and self.delete_source:
-                self._free(t.file)
-        return out
+        return self._shard(t.file).get_tensor(t.name)
+
+    def durable(self, names: list[str]) -> None:
+        """A shard leaves the HF cache once every record made from it is journaled (not when last read:
+        a setup killed in between would download it again)."""
+        for name in names:
+            pending = self._pending.get(file := self.remote[name].file)
+            if pending:
+                pending.discard(name)
+                if not pending and self.delete_source:
+                    self._free(file)
 
     def _shard(self, filename: str) -> Any:
         from safetensors import safe_open

@@ -140,6 +140,33 @@ def iter_expert_groups(
             )
 
 
+class Durable:
+    """Which checkpoint tensors have every record made from them written and journaled (a dense MLP
+    makes `dense_slices` records), so a source may free them (`Source.durable`)."""
+
+    def __init__(self, plan: Plan, dense_slices: int) -> None:
+        self.parts = {key: list(names.values()) for key, names in plan.routed.items()}
+        for layer, names in plan.dense.items():
+            self.parts.update({(layer, i): list(names.values()) for i in range(dense_slices)})
+        self.left: dict[str, int] = {}
+        for names in self.parts.values():
+            for n in names:
+                self.left[n] = self.left.get(n, 0) + 1
+
+    def names(self) -> list[str]:
+        return list(self.left)
+
+    def add(self, keys: list[tuple[int, int]]) -> list[str]:
+        """Mark the records `keys` durable; the tensors that leaves with no record to wait for."""
+        out = []
+        for key in keys:
+            for n in self.parts[key]:
+                self.left[n] -= 1
+                if self.left[n] == 0:
+                    out.append(n)
+        return out
+
+
 DENSE_SLICE_BYTES = (
     8 << 20
 )  # the least bytes of a dense slice when the count is chosen (`dense_slices_for`)

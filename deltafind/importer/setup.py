@@ -21,7 +21,7 @@ from tqdm import tqdm
 from deltafind.errors import StoreError
 from deltafind.importer.checkpoint import open_source
 from deltafind.importer.placement import MIN_STRIPE_BYTES, place, stripe_extents, write_record
-from deltafind.importer.plan import dense_slices_for, iter_expert_groups, plan_tensors
+from deltafind.importer.plan import Durable, dense_slices_for, iter_expert_groups, plan_tensors
 from deltafind.importer.sources import Source, TensorInfo
 from deltafind.importer.spine_writer import write_safetensors
 from deltafind.importer.store_files import (
@@ -144,10 +144,20 @@ def setup_store(
         if (existing := existing_store(store_dir, params, any_slices=asked is None)) is not None:
             return existing
         journal, store_id, done = open_journal(store_dir, params)
-        source.begin_import(plan.spine)
+        durable = Durable(plan, dense_slices)
+        source.begin_import(plan.spine, durable.names())
         records = [ExpertRecord.from_json(d["record"]) for d in done if d.get("kind") == "expert"]
         done_keys = {r.key for r in records}
+        source.durable(durable.add(sorted(done_keys)))
         packs = _open_packs(drive_dirs, store_id, records)
+        fresh: list[tuple[int, int]] = []  # written since the last sync
+
+        def sync() -> None:
+            _sync_packs(packs)
+            journal.sync()
+            source.durable(durable.add(fresh))  # a --delete-source shard goes only after this
+            fresh.clear()
+
         try:
             groups = list(iter_expert_groups(source, plan, dense_slices))
             written = 0
@@ -190,17 +200,15 @@ def setup_store(
                     packs = [(f, end) for (f, _), end in zip(packs, ends, strict=True)]
                     records.append(rec)
                     journal.add({"kind": "expert", "record": rec.to_json()})
+                    fresh.append(rec.key)
                     written += 1
                     bar.update(1)
                     if len(journal.pending) >= JOURNAL_SYNC_EVERY:
-                        _sync_packs(packs)
-                        journal.sync()
+                        sync()
                     if fault_after is not None and written >= fault_after:
-                        _sync_packs(packs)
-                        journal.sync()
+                        sync()
                         raise KeyboardInterrupt("setup interrupted (test fault)")
-            _sync_packs(packs)
-            journal.sync()
+            sync()
         finally:
             for f, _ in packs:
                 f.close()

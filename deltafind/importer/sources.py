@@ -48,8 +48,13 @@ class Source:
     def write_tokenizer(self, dest: Path) -> list[str]:
         raise NotImplementedError
 
-    def begin_import(self, spine: list[str]) -> None:
-        """Setup is about to read: `spine` are the names it writes to the spine (the rest are experts)."""
+    def begin_import(self, spine: list[str], records: list[str]) -> None:
+        """Setup is about to read: `spine` are the names it writes to the spine, `records` those it
+        writes into expert records (anything else it leaves out)."""
+
+    def durable(self, names: list[str]) -> None:
+        """Every expert record made from `names` is in the packs and journaled: a source may free what
+        only they needed (`--delete-source`: importer/hub.py, importer/gguf_delete.py)."""
 
     def end_import(self) -> None:
         """Setup finished: a source may free what it fetched (importer/hub.py's --delete-source)."""

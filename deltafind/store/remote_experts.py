@@ -61,6 +61,27 @@ def open_remote(
     return RemoteExperts(Path(store_dir), manifest, pack_paths, views)
 
 
+def plan_ranges(parts: Iterable[Part]) -> list[list[Part]]:
+    """`parts` in runs, each fetched as one range from its first start to its last end.
+
+    A part joins the run before it when the gap between them is at most MAX_GAP_BYTES and at most the
+    part's own size, so the bytes fetched never exceed twice the bytes wanted: a GGUF keeps a layer's
+    experts side by side in each of `ffn_{gate,up,down}_exps`, and with small experts a fixed 1 MiB
+    gap fetched every expert between one expert's three tensors.
+    """
+    runs: list[list[Part]] = []
+    end = 0
+    for p in sorted(parts, key=lambda p: (p.file, p.start)):
+        gap = p.start - end
+        if runs and runs[-1][0].file == p.file and gap <= min(MAX_GAP_BYTES, p.end - p.start):
+            runs[-1].append(p)
+            end = max(end, p.end)
+        else:
+            runs.append([p])
+            end = p.end
+    return runs
+
+
 class RemoteExperts:
     """Fetches missing records into the packs; thread-safe (the drive threads call `ensure`)."""
 
@@ -218,22 +239,11 @@ class RemoteExperts:
     def _get_parts(self, parts: list[Part]) -> dict[Part, bytes]:
         """The bytes of `parts`: one range request per run of nearby parts of the same file."""
         out: dict[Part, bytes] = {}
-        ordered = sorted(parts, key=lambda p: (p.file, p.start))
-        i = 0
-        while i < len(ordered):
-            j, end = i + 1, ordered[i].end
-            while (
-                j < len(ordered)
-                and ordered[j].file == ordered[i].file
-                and ordered[j].start - end <= MAX_GAP_BYTES
-            ):
-                end = max(end, ordered[j].end)
-                j += 1
-            start = ordered[i].start
-            blob = self.client.get(ordered[i].file, start, end)
-            for p in ordered[i:j]:
+        for run in plan_ranges(parts):
+            start = run[0].start
+            blob = self.client.get(run[0].file, start, max(p.end for p in run))
+            for p in run:
                 out[p] = blob[p.start - start : p.end - start]
-            i = j
         return out
 
     def _finish(

@@ -18,9 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors import safe_open
 
 from deltafind import Model
 from deltafind.errors import StoreError
+from deltafind.importer.checkpoint import open_source
 from deltafind.importer.hub_gguf import pick_quant
 from deltafind.importer.setup import setup_store
 from deltafind.store.manifest import Manifest
@@ -31,6 +33,7 @@ from tests.hub_server import COMMIT, TOKEN, FakeHub
 REPO = "org/tiny-GGUF"
 MOE = "org/moe-GGUF"
 MOE_SHARDS = [f"moe-Q4_K_M-{i:05d}-of-00002.gguf" for i in (1, 2)]
+WIDE = "org/wide-GGUF"  # a spine tensor in TQ2_0, a block type deltafind has no kernel for
 PROMPT_IDS = [
     104,
     101,
@@ -42,8 +45,8 @@ PROMPT_IDS = [
 GENERATE = "import sys; from deltafind import Model; m = Model.open(sys.argv[1]); print(m.generate({ids}, max_new_tokens=8))"
 SPLIT = ["Q2_K/tiny-Q2_K-00001-of-00002.gguf", "Q2_K/tiny-Q2_K-00002-of-00002.gguf"]
 OPEN = (
-    "import sys; from pathlib import Path; from deltafind.importer.hub import open_checkpoint; "
-    "[print(open_checkpoint(spec, Path(sys.argv[1]), progress=False)) for spec in sys.argv[2:]]"
+    "import sys; from pathlib import Path; from deltafind.importer.hub import locate_checkpoint; "
+    "[print(locate_checkpoint(spec, Path(sys.argv[1]), progress=False)) for spec in sys.argv[2:]]"
 )
 
 
@@ -141,8 +144,19 @@ def moe_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def hub(repo: Path, moe_repo: Path) -> FakeHub:
-    with FakeHub({REPO: repo, MOE: moe_repo}) as h:
+def wide_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A qwen3moe GGUF whose layer-0 attention output is TQ2_0: imported only when widening is asked."""
+    folder = tmp_path_factory.mktemp("wide-repo")
+    b = make_qwen3moe(seed=4)
+    b.tensors = [t for t in b.tensors if t[0] != "blk.0.attn_output.weight"]
+    b.weight("blk.0.attn_output.weight", (256, 256), "TQ2_0")
+    b.write(folder / "wide-Q4_K_M.gguf")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hub(repo: Path, moe_repo: Path, wide_repo: Path) -> FakeHub:
+    with FakeHub({REPO: repo, MOE: moe_repo, WIDE: wide_repo}) as h:
         yield h
 
 
@@ -302,6 +316,11 @@ def test_a_streaming_install_fetches_each_expert_from_inside_its_shard(
     )  # byte for byte the whole import's records
     meta = json.loads((store / "remote.json").read_text())
     present = set(fetched_now)
+    needed = sum(
+        b - a for layer, e, parts in meta["experts"] if (layer, e) in present for _, a, b in parts
+    )
+    # at most twice the experts' bytes: not every expert between one's gate, up and down slices
+    assert sum(r.sent for r in expert_gets) <= 2 * needed
     file, start, _ = next(
         p for layer, e, parts in meta["experts"] if (layer, e) not in present for p in parts
     )
@@ -317,6 +336,27 @@ def test_a_streaming_install_fetches_each_expert_from_inside_its_shard(
     assert not got.source.get("remote") and [(r.key, r.sha256) for r in got.experts] == [
         (r.key, r.sha256) for r in ref.experts
     ]
+
+
+def test_a_streaming_install_widens_what_has_no_kernel_only_when_asked(
+    env: dict[str, str], wide_repo: Path, tmp_path: Path
+) -> None:
+    ref = setup_store(
+        open_source(wide_repo / "wide-Q4_K_M.gguf", widen=True), tmp_path / "ref", progress=False
+    )
+    args = ("setup", "--from", f"{WIDE}:Q4_K_M", "--streaming", "--quiet")
+    proc = deltafind_cmd(*args, "--store", str(tmp_path / "refused"), env=env)
+    assert proc.returncode != 0
+    assert (
+        "blk.0.attn_output.weight is TQ2_0" in proc.stderr and "--widen-unsupported" in proc.stderr
+    )
+    proc = deltafind_cmd(*args, "--store", str(tmp_path / "s"), "--widen-unsupported", env=env)
+    assert proc.returncode == 0, proc.stderr
+    got = Manifest.load(tmp_path / "s")
+    assert got.spine_sha256 == ref.spine_sha256  # widened to float32 as the whole import widens it
+    with safe_open(str(tmp_path / "s" / "spine.safetensors"), "pt") as f:
+        o_proj = f.get_slice("model.layers.0.self_attn.o_proj.weight")
+        assert (o_proj.get_dtype(), o_proj.get_shape()) == ("F32", [256, 256])
 
 
 # llama.cpp's choice of files (common/download.cpp find_best_model / get_split_files), on file lists
