@@ -83,20 +83,21 @@ class Model:
     @classmethod
     def open(
         cls,
-        store_dir: str | Path | None = None,
+        store: str | Path | None = None,
         settings: Settings | None = None,
         *,
         trace_path: str | Path | None = None,
         **overrides: Any,
     ) -> Model:
-        """Load the spine of the store at `store_dir` (else `[model] store`); experts stream on demand.
+        """Load the spine of the store at `store` (else `[model] store`); experts stream on demand.
 
         Everything comes from `settings` (default: `load_settings()`, the config file and DELTAFIND_*
-        variables), with `overrides` on top: compose.SIMPLE_OVERRIDES's keywords, each its setting's name
-        (expert_bytes=None keeps every expert read), and prefetch (bool or PrefetchOptions), drives
-        (DriveOptions per store drive), draft. `trace_path` appends a router trace (JSONL).
+        variables), with `overrides` on top: any setting by its Python name (its key, or section_key:
+        docs/configuration.md; expert_bytes=None keeps every expert read), and the section forms
+        device (its kind), prefetch (bool), drives (DriveOptions per store drive) and draft (a
+        `--draft` value). `trace_path` appends a router trace (JSONL).
         """
-        return make_model(cls, settings_with(settings, store_dir, overrides), trace_path)
+        return make_model(cls, settings_with(settings, store, overrides), trace_path)
 
     def open_draft(self, draft: DraftSettings) -> None:
         """The one draft opener: `[draft]` (mode, source, max_width) as this model's draft source and policy.
