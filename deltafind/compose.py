@@ -69,7 +69,12 @@ def settings_with(
         if key == "device":
             nested.setdefault("device", {})["kind"] = value
         elif key == "prefetch":
-            nested.setdefault("prefetch", {})["enabled"] = bool(value)
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"Model.open(prefetch=) takes True or False, not {type(value).__name__}; "
+                    "pass max_in_flight= and recall_threshold= by name"
+                )
+            nested.setdefault("prefetch", {})["enabled"] = value
         elif key == "drives":
             nested["drives"] = value  # type: ignore[assignment]  # DriveOptions, resolved below
         elif key == "draft":

@@ -63,6 +63,8 @@ def test_model_open_takes_each_setting_by_its_python_name_only(tmp_path: Path) -
     )
     assert (s.device.kind, s.device.compile, s.draft.max_width) == ("cpu", True, 3)
     assert (s.cache.expert_bytes, s.device.threads, s.model.store) == (5, 2, tmp_path)
+    with pytest.raises(TypeError, match=r"prefetch=.*max_in_flight="):
+        settings_with(None, tmp_path, {"prefetch": prefetch_options(Settings())})
     for old in ("compile_kernels", "draft_max_width", "expert_cache_bytes", "kind", "compile"):
         with pytest.raises(TypeError, match=f"'{old}'.*docs/configuration.md"):
             settings_with(None, tmp_path, {old: 1})
