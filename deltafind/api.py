@@ -334,9 +334,6 @@ def text_codec(tokenizer: Tokenizer, add_bos: bool | None = False) -> TextCodec:
 def open_cross_draft(
     target: Tokenizer,
     stores: Sequence[str | Path],
-    device: str = "cpu",
-    dtype: str = "float32",
-    max_context: int = 8192,
     open_model: Callable[[Path], Model] | None = None,
 ) -> CrossTokenizerSource:
     """The cross-tokenizer draft (docs/kimi-k3-drafting-io.md §7.7) for raw completions: one store, or a probe store then a wide one.
@@ -350,7 +347,7 @@ def open_cross_draft(
             opened.append(
                 open_model(Path(path))
                 if open_model
-                else Model.open(path, device=device, dtype=dtype)
+                else Model.open(path, device="cpu", dtype="float32")
             )
     except BaseException:
         if open_model is None:
@@ -362,7 +359,7 @@ def open_cross_draft(
             m.net,
             text_codec(m.tokenizer, add_bos=None),
             frozenset(m.eos_token_ids),
-            min(max_context, m.net.args.max_position_embeddings),
+            min(8192, m.net.args.max_position_embeddings),  # a draft reads 8192 positions at most
         )
         for m in opened
     ]

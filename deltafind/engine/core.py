@@ -81,12 +81,12 @@ class EngineCore:
         s.submitted_at = time.monotonic() if submitted_at is None else submitted_at
         self.waiting.append(s)
 
-    def abort(self, seq_ids: set[int], reason: str = "cancelled") -> Events:
+    def abort(self, seq_ids: set[int]) -> Events:
         """End these sequences (waiting or running) now."""
         gone = [s for s in [*self.waiting, *self.running] if s.seq_id in seq_ids]
         self.waiting = deque(s for s in self.waiting if s.seq_id not in seq_ids)
         self.running = [s for s in self.running if s.seq_id not in seq_ids]
-        return [self._finish(s, reason) for s in gone]
+        return [self._finish(s, "cancelled") for s in gone]
 
     def step(self) -> Events:
         """schedule, execute, update. A forward that failed on one expert's read (`rows`: the tokens that
