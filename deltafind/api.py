@@ -83,20 +83,21 @@ class Model:
     @classmethod
     def open(
         cls,
-        store_dir: str | Path | None = None,
+        store: str | Path | None = None,
         settings: Settings | None = None,
         *,
         trace_path: str | Path | None = None,
         **overrides: Any,
     ) -> Model:
-        """Load the spine of the store at `store_dir` (else `[model] store`); experts stream on demand.
+        """Load the spine of the store at `store` (else `[model] store`); experts stream on demand.
 
         Everything comes from `settings` (default: `load_settings()`, the config file and DELTAFIND_*
-        variables), with `overrides` on top: compose.SIMPLE_OVERRIDES's keywords, each its setting's name
-        (expert_bytes=None keeps every expert read), and prefetch (bool or PrefetchOptions), drives
-        (DriveOptions per store drive), draft. `trace_path` appends a router trace (JSONL).
+        variables), with `overrides` on top: any setting by its Python name (its key, or section_key:
+        docs/configuration.md; expert_bytes=None keeps every expert read), and the section forms
+        device (its kind), prefetch (bool), drives (DriveOptions per store drive) and draft (a
+        `--draft` value). `trace_path` appends a router trace (JSONL).
         """
-        return make_model(cls, settings_with(settings, store_dir, overrides), trace_path)
+        return make_model(cls, settings_with(settings, store, overrides), trace_path)
 
     def open_draft(self, draft: DraftSettings) -> None:
         """The one draft opener: `[draft]` (mode, source, max_width) as this model's draft source and policy.
@@ -333,9 +334,6 @@ def text_codec(tokenizer: Tokenizer, add_bos: bool | None = False) -> TextCodec:
 def open_cross_draft(
     target: Tokenizer,
     stores: Sequence[str | Path],
-    device: str = "cpu",
-    dtype: str = "float32",
-    max_context: int = 8192,
     open_model: Callable[[Path], Model] | None = None,
 ) -> CrossTokenizerSource:
     """The cross-tokenizer draft (docs/kimi-k3-drafting-io.md §7.7) for raw completions: one store, or a probe store then a wide one.
@@ -349,7 +347,7 @@ def open_cross_draft(
             opened.append(
                 open_model(Path(path))
                 if open_model
-                else Model.open(path, device=device, dtype=dtype)
+                else Model.open(path, device="cpu", dtype="float32")
             )
     except BaseException:
         if open_model is None:
@@ -361,7 +359,7 @@ def open_cross_draft(
             m.net,
             text_codec(m.tokenizer, add_bos=None),
             frozenset(m.eos_token_ids),
-            min(max_context, m.net.args.max_position_embeddings),
+            min(8192, m.net.args.max_position_embeddings),  # a draft reads 8192 positions at most
         )
         for m in opened
     ]

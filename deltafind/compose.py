@@ -1,7 +1,7 @@
 """The composition root: settings become the objects that run a model, for every entry point.
 
-`settings_with` turns Model.open's keywords into one `Settings` (each keyword named as its
-setting); `make_model` builds device, store, family, spine and experts from it; `server_config` and
+`settings_with` turns Model.open's keywords into one `Settings` (each setting by its Python
+name, docs/configuration.md); `make_model` builds device, store, family, spine and experts from it; `server_config` and
 `scheduler_limits` build the daemon's server and engine parts. api.Model, `run`/`bench`
 and the daemon's runtime all come through here.
 """
@@ -17,7 +17,7 @@ import torch
 from pydantic import ValidationError
 
 from deltafind.config import CacheSettings, DraftSettings, Settings, load_settings
-from deltafind.config.schema import PIN_BESIDE_CACHE
+from deltafind.config.schema import PIN_BESIDE_CACHE, python_names
 from deltafind.device.device_cache import DeviceExpertCache
 from deltafind.device.device_cache import spine_budget as device_spine_budget
 from deltafind.device.select import START_ERRORS as DEVICE_START_ERRORS
@@ -42,32 +42,12 @@ from deltafind.models.registry import family_module
 from deltafind.store.experts import StoreExperts
 from deltafind.store.heat import hottest, read_heat
 from deltafind.store.manifest import SPINE_NAME, TOKENIZER_DIR, Manifest
-from deltafind.store.prefetch_gate import PrefetchOptions
 from deltafind.store.spine import SpineStreamer, load_resident, plan_spine, read_layout
 from deltafind.store.trace import TraceWriter
 from deltafind.tokenizer import Tokenizer
 
 log = get_logger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-SIMPLE_OVERRIDES = {  # Model.open keyword -> (settings section, key)
-    "device": ("device", "kind"),
-    "dtype": ("device", "dtype"),
-    "compile_kernels": ("device", "compile"),
-    "threads": ("device", "threads"),
-    "expert_bytes": ("cache", "expert_bytes"),
-    "pin_bytes": ("cache", "pin_bytes"),
-    "spine_bytes": ("cache", "spine_bytes"),
-    "heat_decay": ("cache", "heat_decay"),
-    "draft_max_width": ("draft", "max_width"),
-    "spine_int8": ("cache", "spine_int8"),
-    "read_mode": ("cache", "read_mode"),
-    "max_prefill_tokens": ("server", "max_prefill_tokens"),
-    "expert_cache_bytes": (
-        "cache",
-        "expert_bytes",
-    ),  # the old name of expert_bytes, kept for existing callers
-}
 
 
 def draft_settings(spec: str, max_width: int | None = None) -> DraftSettings:
@@ -78,49 +58,54 @@ def draft_settings(spec: str, max_width: int | None = None) -> DraftSettings:
 
 
 def settings_with(
-    settings: Settings | None, store_dir: str | Path | None, overrides: dict[str, Any]
+    settings: Settings | None, store: str | Path | None, overrides: dict[str, Any]
 ) -> Settings:
-    """`settings` (default: `load_settings()` with drafting off) with Model.open's simple keywords on top."""
-    nested: dict[str, dict[str, Any]] = (
-        {"model": {"store": Path(store_dir).expanduser()}} if store_dir else {}
-    )
+    """`settings` (default: `load_settings()` with drafting off) with Model.open's keywords on top:
+    each setting by its Python name (config.python_names), and the section forms device, prefetch,
+    drives and draft (docs/configuration.md)."""
+    names = {k: v for k, v in python_names().items() if v[0] != "drives"}
+    nested: dict[str, dict[str, Any]] = {"model": {"store": store}} if store else {}
     for key, value in overrides.items():
-        if key == "prefetch":  # a bool, or the gate's options as [prefetch]'s keys
-            keys = ("enabled", "max_in_flight", "recall_threshold")
-            nested["prefetch"] = (
-                {k: getattr(value, k) for k in keys}
-                if isinstance(value, PrefetchOptions)
-                else {"enabled": bool(value)}
-            )
+        if key == "device":
+            nested.setdefault("device", {})["kind"] = value
+        elif key == "prefetch":
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"Model.open(prefetch=) takes True or False, not {type(value).__name__}; "
+                    "pass max_in_flight= and recall_threshold= by name"
+                )
+            nested.setdefault("prefetch", {})["enabled"] = value
         elif key == "drives":
             nested["drives"] = value  # type: ignore[assignment]  # DriveOptions, resolved below
         elif key == "draft":
-            nested["draft"] = draft_settings(value).model_dump(
-                include={"mode", "source"}
-            )  # max_width: draft_max_width
-        elif key in SIMPLE_OVERRIDES:
-            section, name = SIMPLE_OVERRIDES[key]
+            nested.setdefault("draft", {}).update(
+                draft_settings(value).model_dump(include={"mode", "source"})
+            )
+        elif key in names:
+            section, name = names[key]
             nested.setdefault(section, {})[name] = value
         else:
             raise TypeError(
-                f"Model.open() got an unexpected keyword {key!r} (expected one of "
-                f"{', '.join([*SIMPLE_OVERRIDES, 'prefetch', 'drives', 'draft'])}, or settings=)"
+                f"Model.open() got an unexpected keyword {key!r}: pass a setting by its Python name "
+                "(docs/configuration.md: its key, or section_key), device, prefetch, drives, draft, "
+                "or settings="
             )
     if settings is None:
-        nested.setdefault("draft", {"mode": "off"})  # the Python API drafts only when asked
+        nested.setdefault("draft", {}).setdefault("mode", "off")  # the Python API drafts when asked
     data = (settings or load_settings()).model_dump()
     for section, values in nested.items():
         data[section] = values if section == "drives" else {**data[section], **values}
     if data["model"]["store"] is None:
         raise StoreError("no store to open: pass its folder, or set [model] store")
+    store = data["model"]["store"] = Path(data["model"]["store"]).expanduser()
     if "drives" in nested:
-        store = Path(data["model"]["store"]).expanduser()
         paths = Manifest.load(store).drive_paths(store)
         data["drives"] = [
             {"path": d.path or paths[i], "queue_depth": d.queue_depth, "read_mb_s": d.read_mb_s}
             for i, d in enumerate(nested["drives"])
         ]  # type: ignore[arg-type]
-    try:  # the API may pin past the LRU's budget (the pin tier sits beside it): config/schema.py's PIN_BESIDE_CACHE
+    # The API may pin past the LRU's budget (the pin tier sits beside it): PIN_BESIDE_CACHE.
+    try:
         cache = CacheSettings.model_validate(data["cache"], context={PIN_BESIDE_CACHE: True})
         return Settings.model_validate({**data, "cache": cache})
     except ValidationError as e:
@@ -172,9 +157,9 @@ def load_model(
     family = family_module(manifest.family)
     args = family.ModelArgs.from_config(manifest.model_config)
     c = settings.cache
-    cache_bytes = None if c.expert_bytes is None else int(c.expert_bytes)
+    expert_bytes = None if c.expert_bytes is None else int(c.expert_bytes)
     trace = TraceWriter(Path(trace_path)) if trace_path else None
-    cache = DeviceExpertCache(device, cache_bytes) if device.type != "cpu" else None
+    cache = DeviceExpertCache(device, expert_bytes) if device.type != "cpu" else None
     # bf16/fp16 experts stay as stored in the cache (twice the experts per byte) and are computed on as stored
     hold = hold_dtype(
         {getattr(torch, t.dtype) for r in manifest.experts for t in r.tensors}, torch_dtype
@@ -250,9 +235,8 @@ def load_model(
         )
     net.eval()
     if cache is not None:
-        cache.resize(
-            cache_bytes
-        )  # device memory: capped by what is free now that the spine is placed
+        # device memory: capped by what is free now that the spine is placed
+        cache.resize(expert_bytes)
         if settings.device.compile:
             use_compile(True)
             log.info("mxfp4_compile", device=str(device))

@@ -270,11 +270,9 @@ def _add_model_opts(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--expert-bytes",
-        "--cache-bytes",
-        dest="expert_bytes",
         type=_byte_size,
         metavar="SIZE",
-        help="expert cache budget, e.g. 2GiB or 0 (default: [cache] expert_bytes; --cache-bytes is its old name)",
+        help="expert cache budget, e.g. 2GiB or 0 (default: [cache] expert_bytes)",
     )
     p.add_argument(
         "--spine-bytes",
@@ -282,7 +280,7 @@ def _add_model_opts(p: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="spine memory budget; past it, layers stream from the drive (default: [cache] spine_bytes, unset = all resident)",
     )
-    p.add_argument("--threads", type=int, help="CPU threads for torch")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: [device] threads)")
     p.add_argument(
         "--device",
         metavar="KIND",

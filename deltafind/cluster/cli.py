@@ -39,7 +39,9 @@ def add_subcommand(sub: Any) -> None:
         help="the coordinator's address (overrides [cluster] coordinator)",
     )
     p.add_argument(
-        "--port", type=int, help="the group's port on the coordinator (overrides [cluster] port)"
+        "--cluster-port",
+        type=int,
+        help="the group's port on the coordinator (overrides [cluster] port)",
     )
     p.set_defaults(func=cmd_node)
 
@@ -47,18 +49,11 @@ def add_subcommand(sub: Any) -> None:
 def cmd_node(args: argparse.Namespace) -> int:
     from deltafind.cluster.node import serve_node
     from deltafind.config import load_settings
+    from deltafind.config.schema import by_section
     from deltafind.log import configure_logging
 
-    overrides = {
-        "model": {"store": args.store},
-        "cluster": {
-            "role": "expert",
-            "rank": args.rank,
-            "world_size": args.world_size,
-            "coordinator": args.coordinator,
-            "port": args.port,
-        },
-    }
+    flags = ("store", "rank", "world_size", "coordinator", "cluster_port")
+    overrides = by_section({"role": "expert", **{k: getattr(args, k) for k in flags}})
     settings = load_settings(Path(args.config) if args.config else None, overrides)
     configure_logging(settings.logging.level, settings.logging.format)
     return serve_node(settings)

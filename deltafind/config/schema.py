@@ -7,9 +7,11 @@ it) and, when `deltafinctl reload` can apply it to a running daemon,
 
 from __future__ import annotations
 
+import builtins
+from collections import Counter
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
@@ -325,3 +327,36 @@ def changed_keys(old: Settings, new: Settings) -> tuple[list[str], list[str]]:
         elif a != b:
             (live if is_live(field) else restart).append(name)
     return live, restart
+
+
+# A section set from one value names that setting after the section (docs/configuration.md).
+SECTION_FORMS = {"device": ("kind",), "prefetch": ("enabled",), "draft": ("mode", "source")}
+
+
+def python_names() -> dict[str, tuple[str, str]]:
+    """Each setting's Python name (a Model.open keyword; `--the-name` on the command line) ->
+    (section, key): its key, or `section_key` where another section has that key or the key is a
+    Python builtin (docs/configuration.md). A section form's keys go by the section's name."""
+    keys = {
+        section: list(
+            (get_args(f.annotation) or (f.annotation,))[0].model_fields
+        )  # [[drives]]: a list
+        for section, f in Settings.model_fields.items()
+    }
+    counts = Counter(k for ks in keys.values() for k in ks)
+    return {
+        k if counts[k] == 1 and not hasattr(builtins, k) else f"{section}_{k}": (section, k)
+        for section, ks in keys.items()
+        for k in ks
+        if k not in SECTION_FORMS.get(section, ())
+    }
+
+
+def by_section(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Settings given by Python name (flags, Model.open keywords) as nested `{section: {key: value}}`."""
+    names = python_names()
+    nested: dict[str, dict[str, Any]] = {}
+    for name, value in values.items():
+        section, key = names[name]
+        nested.setdefault(section, {})[key] = value
+    return nested

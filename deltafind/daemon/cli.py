@@ -60,18 +60,17 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--store", metavar="DIR", help="store to serve (overrides [model] store)")
     p.add_argument("--host", help="HTTP address (overrides [server] host)")
-    p.add_argument("--port", type=int, help="HTTP port (overrides [server] port)")
-    p.add_argument(
-        "--control-socket", metavar="PATH", help="control socket (overrides [control] socket)"
-    )
+    p.add_argument("--server-port", type=int, help="HTTP port (overrides [server] port)")
+    p.add_argument("--socket", metavar="PATH", help="control socket (overrides [control] socket)")
 
 
 def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "model": {"store": getattr(args, "store", None)},
-        "server": {"host": getattr(args, "host", None), "port": getattr(args, "port", None)},
-        "control": {"socket": getattr(args, "control_socket", None)},
-    }
+    """The flags by their settings' Python names (docs/configuration.md)."""
+    from deltafind.config.schema import by_section
+
+    return by_section(
+        {k: getattr(args, k, None) for k in ("store", "host", "server_port", "socket")}
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -201,11 +201,11 @@ class PinnedBufferPool:
                 self.allocated_bytes -= len(buf)
 
 
-def make_stager(device: torch.device, timing: bool = False) -> Stager:
+def make_stager(device: torch.device) -> Stager:
     """The stager for `device` (the store's expert reader takes it; see `read_buffer_pool`)."""
     if device.type == "cpu":
         return HostStager()
-    return CudaStager(device, timing) if device.type == "cuda" else SyncStager(device)
+    return CudaStager(device) if device.type == "cuda" else SyncStager(device)
 
 
 def read_buffer_pool(device: torch.device) -> type[PinnedBufferPool] | None:

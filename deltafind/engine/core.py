@@ -55,7 +55,7 @@ class EngineCore:
         self.draft_enabled = True
         self.eos = set(eos_token_ids)
         self.limits = limits or SchedulerLimits()
-        self.prefix = PrefixCache(self.limits.prefix_cache_bytes)
+        self.prefix = PrefixCache(self.limits.prompt_bytes)
         self.stats = EngineStats()
         self.budget = StepBudget(self.limits.step_target_s)
         self.waiting: deque[Sequence] = deque()
@@ -81,12 +81,12 @@ class EngineCore:
         s.submitted_at = time.monotonic() if submitted_at is None else submitted_at
         self.waiting.append(s)
 
-    def abort(self, seq_ids: set[int], reason: str = "cancelled") -> Events:
+    def abort(self, seq_ids: set[int]) -> Events:
         """End these sequences (waiting or running) now."""
         gone = [s for s in [*self.waiting, *self.running] if s.seq_id in seq_ids]
         self.waiting = deque(s for s in self.waiting if s.seq_id not in seq_ids)
         self.running = [s for s in self.running if s.seq_id not in seq_ids]
-        return [self._finish(s, reason) for s in gone]
+        return [self._finish(s, "cancelled") for s in gone]
 
     def step(self) -> Events:
         """schedule, execute, update. A forward that failed on one expert's read (`rows`: the tokens that
@@ -197,21 +197,21 @@ class EngineCore:
     def _next_snapshot(self, s: Sequence) -> int:
         """The next prompt position where a prefill chunk ends so the recurrent state there is kept.
 
-        Attention K/V is cut anywhere, so only a recurrent cache needs these: every `snapshot_tokens`
+        Attention K/V is cut anywhere, so only a recurrent cache needs these: every `prompt_snapshot_tokens`
         (an edit mid-history resumes before it), the request's checkpoint (where a chat's history
         ends), and the prompt's last token (a retry of the same prompt reruns just that one). A
         snapshot reads no expert; the split chunk is the cost (experts both halves use are read twice)."""
         end = s.num_prompt
         if not self._recurrent or self.prefix.max_bytes <= 0:
             return end
-        every, at = self.limits.snapshot_tokens, s.num_computed
+        every, at = self.limits.prompt_snapshot_tokens, s.num_computed
         marks = [s.req.checkpoint, end - 1, (at // every + 1) * every if every > 0 else end]
         return min([p for p in marks if at < p < end] or [end])
 
     def _keep_snapshot(self, s: Sequence) -> None:
         """At a mark of `_next_snapshot`, or the prompt's end (a next turn may diverge right after it), keep
         the recurrent state; it is bounded with the prefix-cache entry the sequence leaves at its end."""
-        at, every = s.num_computed, self.limits.snapshot_tokens
+        at, every = s.num_computed, self.limits.prompt_snapshot_tokens
         marked = at in (s.req.checkpoint, s.num_prompt - 1, s.num_prompt) or (
             every > 0 and at % every == 0
         )

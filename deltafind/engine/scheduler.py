@@ -136,7 +136,7 @@ class Scheduler:
 
         def apply() -> None:
             self.core.limits = limits
-            self.core.prefix.resize(limits.prefix_cache_bytes)
+            self.core.prefix.resize(limits.prompt_bytes)
 
         self.call_soon(apply)
 

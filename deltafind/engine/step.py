@@ -27,11 +27,11 @@ class SchedulerLimits:
     max_queue: int = 64
     max_step_tokens: int = 256  # prefill chunk budget per step, decode tokens included
     max_context: int = 2048
-    prefix_cache_bytes: int = 0
+    prompt_bytes: int = 0
     prefill: PrefillPlan | None = (
         None  # a prefill chunk's size from activation memory (None: max_step_tokens only)
     )
-    snapshot_tokens: int = (
+    prompt_snapshot_tokens: int = (
         4096  # recurrent (KDA) state is kept every this many prompt tokens, for prefix reuse
     )
     step_target_s: float | None = (

@@ -49,6 +49,7 @@ PACK_FILE = re.compile(r"^experts-(\d+)(?:\.g(\d+))?\.pack$")
 # A stripe below one read chunk (store/drive_queue.py) costs more in per-read overhead than the
 # balance gains; records under 2 x this stay whole (a demo's dense slices, the tests' tiny experts).
 MIN_STRIPE_BYTES = 1 << 20
+MIN_GAIN = 0.02  # rebalance: a smaller gain in heat imbalance leaves the packs as they are
 
 
 def stripe_extents(
@@ -193,7 +194,6 @@ def rebalance(
     store_dir: Path,
     heat: Mapping[tuple[int, int], float],
     drives: Sequence[DriveOptions] | None = None,
-    min_gain: float = 0.02,
     fault: Callable[[str], None] | None = None,
     stripe: bool = False,
     min_stripe_bytes: int = MIN_STRIPE_BYTES,
@@ -219,7 +219,6 @@ def rebalance(
             store_dir,
             heat,
             drives,
-            min_gain,
             fault or (lambda _stage: None),
             stripe,
             min_stripe_bytes,
@@ -232,7 +231,6 @@ def _rebalance_locked(
     store_dir: Path,
     heat: Mapping[tuple[int, int], float],
     drives: Sequence[DriveOptions] | None,
-    min_gain: float,
     fault: Callable[[str], None],
     stripe: bool,
     min_stripe: int,
@@ -256,7 +254,7 @@ def _rebalance_locked(
             )
         where = plan_placement(manifest.experts, heat, n)
         after = balance(manifest.experts, heat, n, where)
-        if n == 1 or before.heat_imbalance - after.heat_imbalance < min_gain:
+        if n == 1 or before.heat_imbalance - after.heat_imbalance < MIN_GAIN:
             return before, before, False
         new_records = _new_layout(manifest.experts, where, n)
     gen = manifest.pack_generation + 1

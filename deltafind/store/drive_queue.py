@@ -184,11 +184,11 @@ class DriveQueue:
             self._demand.extend(todo)
             self._cv.notify(len(todo))
 
-    def read_into(self, chunk: Chunk, view: memoryview, buffer_aligned: bool = True) -> int:
+    def read_into(self, chunk: Chunk, view: memoryview) -> int:
         """The positional read itself (on a queue thread), paced by the token bucket when capped."""
         slot_end = self.bucket.reserve(chunk.size) if self.bucket else 0.0
         t0 = time.perf_counter()
-        if chunk.offset % 4096 or chunk.size % 4096 or not buffer_aligned:
+        if chunk.offset % 4096 or chunk.size % 4096:
             self.stats.misaligned += 1
         self.stats.begin(t0)
         n = 0

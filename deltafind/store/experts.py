@@ -99,7 +99,7 @@ class StoreExperts(ExpertReads):
         self,
         manifest: Manifest,
         store_dir: Path,
-        cache_bytes: int | None = None,
+        expert_bytes: int | None = None,
         dtype: torch.dtype = torch.float32,
         drives: list[DriveOptions] | None = None,
         prefetch: PrefetchOptions | None = None,
@@ -111,7 +111,7 @@ class StoreExperts(ExpertReads):
         cache: ByteLRU[tuple[int, int], Expert] | None = None,
         buffer_pool: Callable[[int], Any] | None = None,
     ) -> None:
-        """`stager` picks the device; `cache` defaults to `ByteLRU(cache_bytes)`, `buffer_pool` to the reader's mmaps."""
+        """`stager` picks the device; `cache` defaults to `ByteLRU(expert_bytes)`, `buffer_pool` to the reader's mmaps."""
         self.manifest = manifest
         return_freed_memory()
         self.reader = PackReader(
@@ -122,7 +122,7 @@ class StoreExperts(ExpertReads):
             read_mode=read_mode,
             buffer_pool=buffer_pool,
         )
-        self.cache = ByteLRU(cache_bytes) if cache is None else cache
+        self.cache = ByteLRU(expert_bytes) if cache is None else cache
         self._records: dict[tuple[int, int], ExpertRecord] = {r.key: r for r in manifest.experts}
         self.resident = Resident(
             self._records, self._load
@@ -132,9 +132,9 @@ class StoreExperts(ExpertReads):
         # overlaps the matmuls (measured in tests/bench/RESULTS.md); a device copies as stored.
         self._decode_on_reader = self.device.type == "cpu"
         # Host reads in flight (buffer + widened copy) count against the expert budget, so experts
-        # held plus reads on their way stay within `cache_bytes` (measured peak RSS: RESULTS.md).
+        # held plus reads on their way stay within `expert_bytes` (measured peak RSS: RESULTS.md).
         self.budget = ReadBudget(
-            self.cache, dtype, self._decode_on_reader and cache_bytes is not None
+            self.cache, dtype, self._decode_on_reader and expert_bytes is not None
         )
         self._reserved: dict[tuple[int, int], int] = {}  # reservations of prefetches in flight
         self._deferred: dict[

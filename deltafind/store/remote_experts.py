@@ -1,8 +1,8 @@
 """Expert records of a streaming install: fetched from the hub by range on first use, then local.
 
 A streaming store's manifest names `remote.json`: for each routed expert, where
-its tensors lie in the remote shards. `ensure(rec)` returns a record whose
-bytes are in its pack: a missing one is fetched (neighbours of the same shard
+its tensors lie in the remote shards. `submit(keys)`'s futures give records whose
+bytes are in their pack: a missing one is fetched (neighbours of the same shard
 coalesced into one range, bounded parallel transfers, retries in RangeClient),
 checked, written in place, fsynced, then marked present in `present.jsonl`
 (append-only, shared with `setup --fill` in another process). Knows records and
@@ -153,13 +153,6 @@ class RemoteExperts:
         with self._lock:
             self._refresh()
             return [k for keys in self._order.values() for k in keys if k not in self.present]
-
-    def ensure(self, rec: ExpertRecord) -> ExpertRecord:
-        """`rec` with its hashes, its bytes on disk (fetched now if they were not)."""
-        got = self.present.get(rec.key)
-        if got is not None:
-            return got
-        return self.submit([rec.key])[rec.key].result()
 
     def submit(self, keys: Iterable[Key], force: bool = False) -> dict[Key, Future[ExpertRecord]]:
         """Start fetches for the missing `keys` (`force`: all of them), neighbours in a shard

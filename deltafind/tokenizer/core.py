@@ -155,13 +155,12 @@ class Tokenizer:
         ranks_path: Path,
         pattern: str,
         special_tokens: dict[str, int],
-        config: dict[str, Any] | None = None,
     ) -> Tokenizer:
         """Build from a tiktoken ranks file, its split regex and its special tokens."""
         backend = make_tiktoken_backend(
             read_tiktoken_ranks(Path(ranks_path)), pattern, special_tokens
         )
-        return cls(backend, config)
+        return cls(backend)
 
     def encode(
         self, text: str, add_bos: bool | None = None, *, allow_special: bool = False

@@ -139,13 +139,13 @@ def run_df(cfg: dict) -> dict:
 
     torch.set_num_threads(cfg["threads"])
     t0 = time.perf_counter()
-    probe = Model.open(cfg["store"], expert_cache_bytes=0, prefetch=False)
+    probe = Model.open(cfg["store"], expert_bytes=0, prefetch=False)
     spine = sum(p.numel() * p.element_size() for p in probe.net.parameters())
     probe.experts.uses.clear()
     probe.close()
     model = Model.open(
         cfg["store"],
-        expert_cache_bytes=max(0, cfg["budget"] - spine),
+        expert_bytes=max(0, cfg["budget"] - spine),
         prefetch=True,
         heat_decay=1.0,
     )

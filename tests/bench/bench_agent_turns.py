@@ -71,7 +71,7 @@ def split_cost(store: Path) -> None:
     from deltafind import Model
     from deltafind.models.ops.batch import SequenceCache, forward_step
 
-    m = Model.open(store, expert_cache_bytes=0, prefetch=False)
+    m = Model.open(store, expert_bytes=0, prefetch=False)
     body = ChatRequest(
         model="x",
         messages=[

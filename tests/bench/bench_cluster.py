@@ -125,7 +125,7 @@ def start_nodes(store: Path, nodes: int, port: int, config: Path) -> list[subpro
                 str(r),
                 "--world-size",
                 str(nodes + 1),
-                "--port",
+                "--cluster-port",
                 str(port),
             ],
             env=env,

@@ -44,7 +44,7 @@ def one(cfg: dict) -> dict:
     from deltafind.engine.sequence import FinishEvent, GenRequest
 
     torch.set_num_threads(cfg["threads"])
-    m = Model.open(cfg["store"], expert_cache_bytes=0, prefetch=cfg["prefetch"])
+    m = Model.open(cfg["store"], expert_bytes=0, prefetch=cfg["prefetch"])
     n, tokens = cfg["streams"], cfg["tokens"]
     sched = Scheduler(m.net, m.eos_token_ids, SchedulerLimits(max_running=8, max_step_tokens=512))
     try:

@@ -61,7 +61,7 @@ def main() -> None:
 
     for name in entries:  # every ctypes entry a decode token calls, timed where the model calls it
         setattr(lib, name, timer(getattr(lib, name)))
-    model = Model.open(str(args.store), device="cpu", expert_cache_bytes=None)
+    model = Model.open(str(args.store), device="cpu", expert_bytes=None)
     ids = list(model.tokenizer.encode("The capital of France is"))
     model.generate(ids, max_new_tokens=8, temperature=0.0)  # warm: every expert resident
 

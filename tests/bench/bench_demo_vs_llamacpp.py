@@ -111,7 +111,7 @@ class DeltafindEngine:
         if dtype != "float32":  # [device] dtype: bf16 activations
             self.name = f"deltafind_{dtype}"
         with widen_all() if widened else contextlib.nullcontext():
-            self.model = Model.open(str(store), device="cpu", dtype=dtype, expert_cache_bytes=None)
+            self.model = Model.open(str(store), device="cpu", dtype=dtype, expert_bytes=None)
 
     def encode(self, text: str) -> list[int]:
         return list(self.model.tokenizer.encode(text))

@@ -48,7 +48,7 @@ def drift(store: Path) -> dict:
     out: dict = {"store": str(store)}
     logits = {}
     for mode in ("stored", "int8"):
-        m = Model.open(store, expert_cache_bytes=None, spine_int8=mode == "int8")
+        m = Model.open(store, expert_bytes=None, spine_int8=mode == "int8")
         try:
             ids = m.tokenizer.encode(TEXT)[:64]
             logits[mode] = m.forward_logits(ids)

@@ -5,11 +5,11 @@ On the demo store, the daemon's Scheduler in-process (no HTTP) with the limits t
 Measured per mode, each in a fresh process: the stream's worst and median gap between tokens while the
 prompt prefills (submission to its first token), that prefill's wall time, steps and expert bytes read.
 Modes: `chunked` (`[server] step_target_s`, the default 0.5 s) and `one_step` (step_target_s = 0, as
-before). `--cache-bytes 0` (the default here) reads every expert on every step, the worst case for
-chunking; `--cache-bytes none` holds the demo's dense layers whole and reads nothing after warm-up.
+before). `--expert-bytes 0` (the default here) reads every expert on every step, the worst case for
+chunking; `--expert-bytes none` holds the demo's dense layers whole and reads nothing after warm-up.
 Prints one JSON line.
 
-    python tests/bench/bench_interleave.py [--store DIR] [--prompt 4000] [--threads 1] [--cache-bytes 0|none]
+    python tests/bench/bench_interleave.py [--store DIR] [--prompt 4000] [--threads 1] [--expert-bytes 0|none]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def one(cfg: dict) -> dict:
     from deltafind.engine.sequence import FinishEvent, GenRequest
 
     torch.set_num_threads(cfg["threads"])
-    m = Model.open(cfg["store"], expert_cache_bytes=cfg["cache_bytes"])
+    m = Model.open(cfg["store"], expert_bytes=cfg["cache_bytes"])
     context = int(m.net.args.max_position_embeddings)
     limits = SchedulerLimits(
         max_running=8,
@@ -115,7 +115,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=4000, help="tokens of the prompt that arrives")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
-        "--cache-bytes",
+        "--expert-bytes",
         type=lambda v: None if v.lower() == "none" else int(v),
         default=0,
         help="expert cache bytes (0: every step reads its experts; none: no limit, dense layers held whole)",
@@ -132,13 +132,13 @@ def main() -> None:
         "store": str(args.store),
         "prompt": args.prompt,
         "threads": args.threads,
-        "cache_bytes": args.cache_bytes,
+        "cache_bytes": args.expert_bytes,
     }
     out = {
         "bench": "interleave",
         "prompt_tokens": args.prompt,
         "threads": args.threads,
-        "cache_bytes": args.cache_bytes,
+        "cache_bytes": args.expert_bytes,
         "step_target_s": args.target_s,
     }
     out["chunked"] = run({**base, "target_s": args.target_s})

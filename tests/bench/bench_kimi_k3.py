@@ -78,7 +78,7 @@ def ensure_store(store: Path, drives: list[Path]) -> None:
 
 
 def cold_decode(store: Path, tokens: int) -> dict:
-    model = Model.open(store, expert_cache_bytes=0, prefetch=False)
+    model = Model.open(store, expert_bytes=0, prefetch=False)
     manifest, args = model.manifest, model.net.args
     moe_layers = sum(args.is_moe_layer(i) for i in range(args.num_hidden_layers))
     routed = next(r.length for r in manifest.experts if r.layer >= args.first_k_dense_replace)
@@ -236,7 +236,7 @@ def dspark_costs(store: Path, context: int, reps: int) -> dict:
     if not (store / DRAFT_DIR).is_dir():
         write_synthetic_dspark(store, seed=0)
     model = Model.open(
-        store, expert_cache_bytes=None, prefetch=False
+        store, expert_bytes=None, prefetch=False
     )  # every expert kept once read: warm passes
     net = model.net
     source = DSparkSource.open(store, net)
@@ -288,7 +288,7 @@ def dspark_costs(store: Path, context: int, reps: int) -> dict:
         )
     model.close()
     # Cold (no expert cache, O_DIRECT reads): what a streaming K3 pays per pass.
-    cold = Model.open(store, expert_cache_bytes=0, prefetch=False)
+    cold = Model.open(store, expert_bytes=0, prefetch=False)
     cache = SequenceCache(cold.net.num_layers)
     cold_times: dict[str, list[float]] = {"decode": [], "verify": []}
     with torch.inference_mode():

@@ -84,9 +84,9 @@ def child(store: str, mode: str, cache_bytes: int, tokens: int) -> None:
     runtime = _status("VmRSS:")
     if mode == "widened":
         with widened():
-            model = Model.open(store, expert_cache_bytes=cache_bytes)
+            model = Model.open(store, expert_bytes=cache_bytes)
     else:
-        model = Model.open(store, expert_cache_bytes=cache_bytes)
+        model = Model.open(store, expert_bytes=cache_bytes)
     ids = model.tokenizer.encode("Once upon a time") or [1]
     model.generate(ids, max_new_tokens=tokens)
     spine_stored = sum(t.nbytes for t in read_layout(Path(store) / SPINE_NAME, torch.float32))

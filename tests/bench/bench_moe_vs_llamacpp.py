@@ -128,8 +128,8 @@ class DeltafindEngine:
         from deltafind import Model
 
         self.version = getattr(deltafind, "__version__", "unknown")
-        self.settings = {"expert_cache_bytes": cache_bytes}
-        self.model = Model.open(str(store), device="cpu", expert_cache_bytes=cache_bytes)
+        self.settings = {"expert_bytes": cache_bytes}
+        self.model = Model.open(str(store), device="cpu", expert_bytes=cache_bytes)
 
     def generate(
         self, ids: list[int], n: int, temperature: float = 0.0, seed: int = 0
@@ -194,7 +194,7 @@ def serve(a: argparse.Namespace) -> None:
         torch.set_num_threads(a.threads)
         with contextlib.suppress(RuntimeError):
             torch.set_num_interop_threads(1)
-        engine = DeltafindEngine(a.store, a.cache_bytes)
+        engine = DeltafindEngine(a.store, a.expert_bytes)
     reply.write(json.dumps({"version": engine.version, "settings": engine.settings}) + "\n")
     reply.flush()
     for line in sys.stdin:
@@ -262,7 +262,7 @@ class Worker:
             str(a.gguf),
             "--store",
             str(a.store),
-        ] + (["--cache-bytes", str(cache_bytes)] if cache_bytes else [])
+        ] + (["--expert-bytes", str(cache_bytes)] if cache_bytes else [])
         procs = None if cgroup is None else cgroup / "cgroup.procs"
 
         # in the child, before exec: the engine's every page is charged to the cgroup
@@ -394,7 +394,7 @@ def main() -> None:
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # a worker process (internal)
     ap.add_argument("--gguf", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--store", type=Path, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--cache-bytes", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--expert-bytes", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.serve:
         a.threads = int(a.threads)

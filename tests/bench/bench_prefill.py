@@ -151,7 +151,7 @@ def child_deltafind(store: Path, num_tokens: int, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     torch.set_num_interop_threads(1)
-    model = Model.open(str(store), device="cpu", expert_cache_bytes=None)  # experts stay once read
+    model = Model.open(str(store), device="cpu", expert_bytes=None)  # experts stay once read
     ids = list(model.tokenizer.encode(prompt_text(num_tokens)))[:num_tokens]
 
     from deltafind.models.ops import attention

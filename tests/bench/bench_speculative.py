@@ -146,9 +146,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.synthetic:
         store = synthetic_store(args.synthetic)
-        model = Model.open(
-            store, expert_cache_bytes=0, drives=[DriveOptions(read_mb_s=args.read_mb_s)]
-        )
+        model = Model.open(store, expert_bytes=0, drives=[DriveOptions(read_mb_s=args.read_mb_s)])
         prompts = [model.tokenizer.encode(p) for p in RAW[: args.prompts]]
     else:
         store = args.store

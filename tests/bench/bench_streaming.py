@@ -96,7 +96,6 @@ def one(cfg: dict) -> dict:
 
     from deltafind import Model
     from deltafind.engine.sampler import SamplingParams
-    from deltafind.store.experts import PrefetchOptions
     from deltafind.store.manifest import Manifest
     from deltafind.store.reader import DriveOptions
 
@@ -117,9 +116,10 @@ def one(cfg: dict) -> dict:
     cached0 = page_cache_bytes()
     model = Model.open(
         store,
-        expert_cache_bytes=cfg.get("cache", 0),
+        expert_bytes=cfg.get("cache", 0),
         drives=drives,
-        prefetch=PrefetchOptions(enabled=cfg.get("prefetch", True), max_in_flight=16),
+        prefetch=cfg.get("prefetch", True),
+        max_in_flight=16,
         heat_decay=1.0,
         **read_mode,
     )
@@ -202,7 +202,7 @@ def profile(store: Path, tokens: int, threads: int, prefetch: bool) -> None:
     from deltafind.engine.sampler import SamplingParams
 
     torch.set_num_threads(threads)
-    model = Model.open(store, expert_cache_bytes=0, prefetch=prefetch, heat_decay=1.0)
+    model = Model.open(store, expert_bytes=0, prefetch=prefetch, heat_decay=1.0)
     ids = [65, 66, 67, 68]
     list(model.stream(ids, SamplingParams(max_new_tokens=2, ignore_eos=True)))  # warm-up
     wait0, r0 = model.experts.stats.wait_s, resource.getrusage(resource.RUSAGE_SELF)

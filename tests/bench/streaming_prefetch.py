@@ -38,7 +38,6 @@ def one(cfg: dict[str, Any]) -> dict[str, Any]:
     from deltafind.engine.sampler import SamplingParams
     from deltafind.engine.sequence import GenRequest
     from deltafind.engine.step import SchedulerLimits
-    from deltafind.store.experts import PrefetchOptions
     from deltafind.store.manifest import Manifest
     from deltafind.store.reader import DriveOptions
 
@@ -49,10 +48,11 @@ def one(cfg: dict[str, Any]) -> dict[str, Any]:
     )
     model = Model.open(
         store,
-        expert_cache_bytes=cfg["cache"],
+        expert_bytes=cfg["cache"],
         drives=drives,
         heat_decay=1.0,
-        prefetch=PrefetchOptions(enabled=cfg["prefetch"], max_in_flight=32),
+        prefetch=cfg["prefetch"],
+        max_in_flight=32,
     )
     batch = cfg["batch"]
 

@@ -77,9 +77,7 @@ def one(cfg: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(cfg.get("threads", 2))
     store = Path(cfg["store"])
     manifest = Manifest.load(store)
-    model = Model.open(
-        store, expert_cache_bytes=0, heat_decay=1.0, max_prefill_tokens=cfg.get("chunk")
-    )
+    model = Model.open(store, expert_bytes=0, heat_decay=1.0, max_prefill_tokens=cfg.get("chunk"))
     args, vocab = model.net.args, model.net.args.vocab_size
     top_k, num_experts = args.num_experts_per_token, args.num_experts
     per_layer: dict[int, list[int]] = {}
@@ -125,7 +123,7 @@ def one(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("compute"):  # the longest prompt again with every expert held: its compute alone
         model = Model.open(
             store,
-            expert_cache_bytes=None,
+            expert_bytes=None,
             heat_decay=1.0,
             max_prefill_tokens=cfg.get("chunk"),
             prefetch=False,

@@ -66,7 +66,7 @@ def start_node(
                 str(rank),
                 "--world-size",
                 str(world_size),
-                "--port",
+                "--cluster-port",
                 str(port),
             ],
             env={**os.environ, **NODE_ENV, **(env or {})},

@@ -36,7 +36,7 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, di
     out = {}
     for family in FAMILIES:
         store = make_store(family, tmp_path_factory.mktemp(family))
-        ref = Model.open(store, expert_cache_bytes=0)
+        ref = Model.open(store, expert_bytes=0)
         try:
             out[family] = (store, outputs(ref))
         finally:

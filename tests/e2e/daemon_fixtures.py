@@ -50,9 +50,9 @@ class Daemon:
             "serve",
             "--config",
             str(self.config),
-            "--port",
+            "--server-port",
             str(self.port),
-            "--control-socket",
+            "--socket",
             str(self.socket),
         ]
         self.proc = subprocess.Popen(

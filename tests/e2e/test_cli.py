@@ -61,7 +61,7 @@ def test_run_streams_through_a_zero_cache(demo_store: Path) -> None:
         "The capital of France is",
         "--max-new",
         "3",
-        "--cache-bytes",
+        "--expert-bytes",
         "0",
         "--stats",
     )

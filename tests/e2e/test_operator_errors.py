@@ -68,9 +68,9 @@ def test_a_store_the_user_cannot_read_names_path_and_permission_not_setup(tmp_pa
             "serve",
             "--store",
             str(store),
-            "--port",
+            "--server-port",
             "0",
-            "--control-socket",
+            "--socket",
             str(tmp_path / "c.sock"),
         ],
     ):

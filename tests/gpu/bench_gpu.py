@@ -63,9 +63,9 @@ def decode(
     model = Model.open(
         store,
         device=device,
-        expert_cache_bytes=cache,
+        expert_bytes=cache,
         prefetch=True,
-        compile_kernels=compile_kernels,
+        device_compile=compile_kernels,
     )
     try:
         stager = model.experts.stager

@@ -24,9 +24,9 @@ def _run(store: Path, device: str, **kw: object) -> tuple[list[int], torch.Tenso
 
 
 def test_greedy_tokens_equal_cpu(accel: torch.device, tiny_store: Path) -> None:
-    want, want_logits, cpu = _run(tiny_store, "cpu", expert_cache_bytes=0)
+    want, want_logits, cpu = _run(tiny_store, "cpu", expert_bytes=0)
     cpu.close()
-    got, got_logits, dev = _run(tiny_store, str(accel), expert_cache_bytes=0)
+    got, got_logits, dev = _run(tiny_store, str(accel), expert_bytes=0)
     try:
         assert dev.net.model.embed_tokens.weight.device.type == accel.type
         assert got == want
@@ -42,7 +42,7 @@ def test_device_cache_hit_miss_and_prefetch_are_bit_identical(
 ) -> None:
     runs = []
     for cache, prefetch in ((0, False), (0, True), (None, True)):
-        model = Model.open(k3_store, device=str(accel), expert_cache_bytes=cache, prefetch=prefetch)
+        model = Model.open(k3_store, device=str(accel), expert_bytes=cache, prefetch=prefetch)
         ids = model.tokenizer.encode(PROMPT)
         toks = model.generate(ids, max_new_tokens=8)
         again = model.generate(

@@ -42,11 +42,11 @@ def starved(device: torch.device) -> Iterator[None]:
 
 
 def test_a_device_that_fails_at_start_falls_back_to_cpu(cuda: torch.device, k3_store: Path) -> None:
-    ref = Model.open(k3_store, device="cpu", expert_cache_bytes=0)
+    ref = Model.open(k3_store, device="cpu", expert_bytes=0)
     want = ref.generate(ref.tokenizer.encode("fallback"), max_new_tokens=6)
     ref.close()
     with starved(cuda), capture_logs() as logs:
-        model = Model.open(k3_store, device="cuda", expert_cache_bytes=0)
+        model = Model.open(k3_store, device="cuda", expert_bytes=0)
     try:
         assert any(
             e["event"] in ("device_unavailable", "device_failed_at_start")
@@ -60,7 +60,7 @@ def test_a_device_that_fails_at_start_falls_back_to_cpu(cuda: torch.device, k3_s
 
 
 def test_an_oom_mid_request_fails_that_request_only(cuda: torch.device, k3_store: Path) -> None:
-    model = Model.open(k3_store, device="cuda", expert_cache_bytes=0)
+    model = Model.open(k3_store, device="cuda", expert_bytes=0)
     sched = Scheduler(model.net, model.eos_token_ids)
     ids = tuple(model.tokenizer.encode("mid-request failure"))
     params = SamplingParams(max_new_tokens=6)

@@ -43,7 +43,7 @@ def test_store_experts_on_cuda_read_into_pinned_buffers(cuda: torch.device, k3_s
     experts = StoreExperts(
         Manifest.load(k3_store),
         k3_store,
-        cache_bytes=0,
+        expert_bytes=0,
         stager=make_stager(cuda),
         buffer_pool=read_buffer_pool(cuda),
     )
@@ -55,7 +55,7 @@ def test_store_experts_on_cuda_read_into_pinned_buffers(cuda: torch.device, k3_s
         ref = StoreExperts(
             Manifest.load(k3_store),
             k3_store,
-            cache_bytes=0,
+            expert_bytes=0,
             stager=make_stager(torch.device("cpu")),
         )
         want = dict(ref.fetch(layer, [0, 1, 2]))

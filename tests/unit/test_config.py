@@ -468,18 +468,18 @@ def test_live_marks_follow_the_design() -> None:
     assert {"server.host", "server.port", "server.unix_socket", "logging.format"} <= restart
 
 
-def test_each_setting_has_one_name_in_toml_python_and_cli_with_the_old_names_as_aliases(
+def test_each_setting_has_one_name_in_toml_python_and_cli_and_the_old_names_are_gone(
     tmp_path: Path,
 ) -> None:
     from deltafind.cli import build_parser
     from deltafind.compose import settings_with
 
-    new, old = (
-        settings_with(None, tmp_path, {key: 123}) for key in ("expert_bytes", "expert_cache_bytes")
-    )
-    assert new.cache.expert_bytes == old.cache.expert_bytes == 123
-    for flag in ("--expert-bytes", "--cache-bytes"):
-        assert build_parser().parse_args(["run", flag, "2KiB"]).expert_bytes == 2048
+    assert settings_with(None, tmp_path, {"expert_bytes": 123}).cache.expert_bytes == 123
+    with pytest.raises(TypeError, match="expert_cache_bytes"):
+        settings_with(None, tmp_path, {"expert_cache_bytes": 123})
+    assert build_parser().parse_args(["run", "--expert-bytes", "2KiB"]).expert_bytes == 2048
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--cache-bytes", "2KiB"])
     # The Python API's pin tier may sit beside an LRU smaller than it (a file may not: test above).
     pinned = settings_with(None, tmp_path, {"expert_bytes": 0, "pin_bytes": 1000})
     assert pinned.cache.pin_bytes == 1000 and pinned.cache.expert_bytes == 0

@@ -69,7 +69,7 @@ def decode_logits(m: Model, steps: int = 10) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_the_chain_equals_the_per_layer_path_bit_for_bit(stores, calls, family) -> None:
-    m = Model.open(stores[family], expert_cache_bytes=None)
+    m = Model.open(stores[family], expert_bytes=None)
     try:
         chained = decode_logits(m)
         assert (
@@ -93,7 +93,7 @@ def test_a_kernel_that_stops_early_leaves_the_rest_to_the_per_layer_path(
 ) -> None:
     """df_decode_layers returns how many layers it ran; from there the per-layer path goes on (and the
     chain stays off). Made to stop after 2 of 4 layers by handing the real kernel 2."""
-    reference = Model.open(stores["llama"], expert_cache_bytes=None)
+    reference = Model.open(stores["llama"], expert_bytes=None)
     try:
         reference.net._chain.off = True
         expected = decode_logits(reference)
@@ -102,7 +102,7 @@ def test_a_kernel_that_stops_early_leaves_the_rest_to_the_per_layer_path(
     lib = CPU.load()
     real = lib.df_decode_layers
     monkeypatch.setattr(lib, "df_decode_layers", lambda steps, n, *args: real(steps, 2, *args))
-    m = Model.open(stores["llama"], expert_cache_bytes=None)
+    m = Model.open(stores["llama"], expert_bytes=None)
     try:
         got = decode_logits(m)
         assert m.net._chain.off and all(
@@ -116,7 +116,7 @@ def test_a_kernel_that_stops_early_leaves_the_rest_to_the_per_layer_path(
 def test_where_a_hook_has_work_the_layers_run_one_by_one(stores, calls, tmp_path, case) -> None:
     """A trace records every layer's route, a layer left to the LRU must be fetched, a batch is not one
     token: none of them chains, and the tokens are the chained ones."""
-    m = Model.open(stores["llama"], expert_cache_bytes=None)
+    m = Model.open(stores["llama"], expert_bytes=None)
     try:
         expected = m.generate(PROMPT, max_new_tokens=8)
         calls.clear()
@@ -124,9 +124,9 @@ def test_where_a_hook_has_work_the_layers_run_one_by_one(stores, calls, tmp_path
         m.close()
     options = {
         "trace": {"trace_path": tmp_path / "t.jsonl"},
-        "streamed layers": {"expert_cache_bytes": 0},
+        "streamed layers": {"expert_bytes": 0},
     }.get(case, {})
-    m = Model.open(stores["llama"], **({"expert_cache_bytes": None} | options))
+    m = Model.open(stores["llama"], **({"expert_bytes": None} | options))
     try:
         if case == "two sequences":  # both sequences' next token in one forward
             caches = [SequenceCache(m.net.num_layers) for _ in range(2)]

@@ -88,10 +88,10 @@ def test_cpu_probe_passes() -> None:
 
 @no_accelerator
 def test_open_on_an_unavailable_device_falls_back_to_cpu_with_a_log_line(k3_store: Path) -> None:
-    want = _greedy(m := Model.open(k3_store, device="cpu", expert_cache_bytes=0))
+    want = _greedy(m := Model.open(k3_store, device="cpu", expert_bytes=0))
     m.close()
     with capture_logs() as logs:
-        model = Model.open(k3_store, device="cuda", expert_cache_bytes=0)
+        model = Model.open(k3_store, device="cuda", expert_bytes=0)
     try:
         (line,) = [entry for entry in logs if entry["event"] == "device_unavailable"]
         assert (
@@ -158,7 +158,7 @@ def test_torch_path_matches_the_fused_kernel_within_fp32_bound() -> None:
 
 
 def test_k3_greedy_tokens_equal_on_the_torch_mxfp4_path(k3_store: Path) -> None:
-    model = Model.open(k3_store, device="cpu", expert_cache_bytes=0)
+    model = Model.open(k3_store, device="cpu", expert_bytes=0)
     try:
         ids = model.tokenizer.encode("The device layer")
         want, want_logits = _greedy(model), model.forward_logits(ids)
@@ -185,10 +185,10 @@ def test_copying_stager_releases_after_copying_and_tokens_are_identical(
     """The MPS-style stager (blocking copy, buffer released at once) run on the CPU: with a zero
     cache every read buffer is recycled at once, so tensors still over it would be overwritten."""
     path = request.getfixturevalue(store)
-    ref = Model.open(path, device="cpu", expert_cache_bytes=0)
+    ref = Model.open(path, device="cpu", expert_bytes=0)
     want = _greedy(ref)
     ref.close()
-    model = Model.open(path, device="cpu", expert_cache_bytes=0)
+    model = Model.open(path, device="cpu", expert_bytes=0)
     model.experts.stager = staging.SyncStager(torch.device("cpu"))
     try:
         assert _greedy(model) == want
@@ -207,10 +207,10 @@ def test_aligned_pool_buffers_work_as_read_buffers(k3_store: Path) -> None:
     assert len(buf) == 8192 and buf.ctypes.data % 4096 == 0
     pool.put(buf)
     assert pool.get(8000) is buf  # reused by size class
-    ref = Model.open(k3_store, device="cpu", expert_cache_bytes=0)
+    ref = Model.open(k3_store, device="cpu", expert_bytes=0)
     want = _greedy(ref)
     ref.close()
-    model = Model.open(k3_store, device="cpu", expert_cache_bytes=0)
+    model = Model.open(k3_store, device="cpu", expert_bytes=0)
     model.experts.reader.buffers = staging.PinnedBufferPool(1 << 24, pin=False)
     try:
         assert _greedy(model) == want
@@ -293,11 +293,11 @@ def test_the_whole_device_path_on_cpu_gives_the_cpu_tokens(
     k3_store: Path, cache_bytes: int
 ) -> None:
     """Copying stager + aligned read pool + device-cache class + torch MXFP4, all at once, with device "cpu"."""
-    ref = Model.open(k3_store, device="cpu", expert_cache_bytes=cache_bytes)
+    ref = Model.open(k3_store, device="cpu", expert_bytes=cache_bytes)
     ids = ref.tokenizer.encode("The device layer")
     want, want_logits = _greedy(ref), ref.forward_logits(ids)
     ref.close()
-    model = Model.open(k3_store, device="cpu", expert_cache_bytes=cache_bytes)
+    model = Model.open(k3_store, device="cpu", expert_bytes=cache_bytes)
     ex = model.experts
     ex.stager = staging.SyncStager(torch.device("cpu"))
     ex.reader.buffers = staging.PinnedBufferPool(1 << 24, pin=False)

@@ -46,7 +46,7 @@ def model(tmp_path_factory: pytest.TempPathFactory):
         names=kimi_k3.WEIGHTS,
     )
     write_synthetic_dspark(store, seed=1)
-    m = Model.open(store, expert_cache_bytes=None, prefetch=False)
+    m = Model.open(store, expert_bytes=None, prefetch=False)
     yield m
     m.close()
 

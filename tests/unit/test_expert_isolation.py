@@ -72,7 +72,7 @@ def stores(
 ) -> tuple[Path, Path, tuple[int, int], list[bool]]:
     """(intact store, the same store with one corrupt record, that record's key, which prompts route it)."""
     root = tmp_path_factory.mktemp(request.param)
-    m = Model.open(_setup(request.param, root, "good"), expert_cache_bytes=0, prefetch=False)
+    m = Model.open(_setup(request.param, root, "good"), expert_bytes=0, prefetch=False)
     try:
         routes = [_routes(m, p) for p in PROMPTS]
     finally:
@@ -82,7 +82,7 @@ def stores(
         (k for k, n in counts.items() if n < len(PROMPTS)), key=lambda k: (counts[k], k)
     )  # some prompts only
     bad = Model.open(
-        _setup(request.param, root, "bad"), expert_cache_bytes=0, prefetch=False
+        _setup(request.param, root, "bad"), expert_bytes=0, prefetch=False
     )  # the same store, to damage
     try:
         rec, pack = (
@@ -101,12 +101,12 @@ def stores(
 
 def test_a_corrupt_expert_fails_only_the_sequences_that_route_it(stores) -> None:
     good, bad, (layer, expert), routed = stores
-    ok = Model.open(good, expert_cache_bytes=0, prefetch=False)
+    ok = Model.open(good, expert_bytes=0, prefetch=False)
     try:
         solo = [list(generate(ok.net, p, PARAMS, ok.eos_token_ids)) for p in PROMPTS]
     finally:
         ok.close()
-    m = Model.open(bad, expert_cache_bytes=0, prefetch=False)
+    m = Model.open(bad, expert_bytes=0, prefetch=False)
     try:
         # alone, a prompt fails exactly when it routes the record
         for p, hit in zip(PROMPTS, routed, strict=True):

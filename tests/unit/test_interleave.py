@@ -40,7 +40,7 @@ def model(tmp_path_factory: pytest.TempPathFactory):
         max_position_embeddings=CONTEXT,
     )
     setup_store(ckpt, root / "store", [root / "d0"], dense_slices=2, progress=False)
-    m = Model.open(Path(root / "store"), expert_cache_bytes=0, prefetch=False)
+    m = Model.open(Path(root / "store"), expert_bytes=0, prefetch=False)
     yield m
     m.close()
 

@@ -47,7 +47,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def model(tiny: tuple[Path, Path]):
     m = Model.open(
-        tiny[1], expert_cache_bytes=0, prefetch=False
+        tiny[1], expert_bytes=0, prefetch=False
     )  # every expert read from the drives, every time
     yield m
     m.close()
@@ -125,7 +125,7 @@ def test_hf_folder_imports_to_the_same_logits(model: Model, tiny: tuple[Path, Pa
         t.dtype for t in moe.tensors
     } == {"uint8"}
     assert moe.length == sum(t.nbytes for t in moe.tensors)  # no padding between the six tensors
-    imported = Model.open(store, expert_cache_bytes=0, prefetch=False)
+    imported = Model.open(store, expert_bytes=0, prefetch=False)
     try:
         assert torch.equal(imported.forward_logits(PROMPT), model.forward_logits(PROMPT))
         assert type(imported.tokenizer).__name__ == "KimiTokenizer"
@@ -204,7 +204,7 @@ def test_cli_setup_synthetic_then_run(tmp_path: Path) -> None:
         "Hello",
         "--max-new",
         "4",
-        "--cache-bytes",
+        "--expert-bytes",
         "0",
         "--stats",
     )

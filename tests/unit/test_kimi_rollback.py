@@ -35,7 +35,7 @@ def model(tmp_path_factory: pytest.TempPathFactory):
         progress=False,
         names=kimi_k3.WEIGHTS,
     )
-    m = Model.open(root / "store", expert_cache_bytes=None, prefetch=False)
+    m = Model.open(root / "store", expert_bytes=None, prefetch=False)
     yield m
     m.close()
 

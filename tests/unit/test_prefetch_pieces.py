@@ -89,12 +89,12 @@ def test_tokens_are_the_same_with_piece_prefetch_on_a_drive_with_idle_time(store
     """A drive paced at 1 GB/s and a cold cache: the gate starts pieces and whole records; tokens never change.
     Buffered reads of a store just written come from the page cache, so the pace is the drive's rate on any
     machine, and each layer's compute (a few ms here) leaves it a few MB of slack."""
-    ref = Model.open(store, expert_cache_bytes=None, prefetch=False)
+    ref = Model.open(store, expert_bytes=None, prefetch=False)
     want = ref.generate(PROMPT, max_new_tokens=12)
     ref.close()
     m = Model.open(
         store,
-        expert_cache_bytes=0,
+        expert_bytes=0,
         drives=[DriveOptions(queue_depth=4, read_mb_s=1000)],
         read_mode="buffered",
     )
@@ -112,7 +112,7 @@ def test_a_prediction_keeps_the_predicted_experts_it_holds_from_eviction(store) 
     """The experts a layer will want were used a step ago, so they lead the LRU order: a read reserved for
     the prediction evicted exactly them before the router asked (warm cache, prefetch on lost 4-5 %).
     Predicting marks them used."""
-    m = Model.open(store, expert_cache_bytes=1 << 30)
+    m = Model.open(store, expert_bytes=1 << 30)
     try:
         ex = m.experts
         list(ex.fetch(0, [0, 1]))
@@ -139,7 +139,7 @@ def test_a_fetch_abandoned_on_a_cached_expert_gives_back_its_reads_reservations(
     """A consumer that fails on the first (cached) expert closes the fetch there: the reads it had
     started are cancelled or recycled and their reservations return to the budget, or the cache
     would shrink by them for good."""
-    m = Model.open(store, expert_cache_bytes=1 << 30, prefetch=False)
+    m = Model.open(store, expert_bytes=1 << 30, prefetch=False)
     try:
         ex = m.experts
         list(ex.fetch(0, [0, 1]))
@@ -163,7 +163,7 @@ def test_the_read_precision_learns_from_unheld_predictions_before_any_read_start
     """Warm cache: the held predicted experts hit, the ones a read would fetch miss. The gate learns that
     precision from the prediction itself (no window yet: nothing was read), so a warm layer's first
     speculative reads are not what teaches it (warm, one drive, batch 1: 3 wasted reads lost 2-4 %)."""
-    m = Model.open(store, expert_cache_bytes=1 << 30)
+    m = Model.open(store, expert_bytes=1 << 30)
     try:
         ex = m.experts
         list(ex.fetch(0, [0, 1]))  # held now

@@ -17,7 +17,6 @@ from deltafind.engine.prefill import PrefillPlan, plan_for
 from deltafind.importer.setup import setup_store
 from deltafind.importer.synthetic_k3 import REAL, text_config
 from deltafind.models.kimi_k3_config import ModelArgs as K3Args
-from deltafind.store.experts import PrefetchOptions
 from tests.conftest import make_hf_checkpoint
 
 PROMPT = [(7 * i + 3) % 200 + 1 for i in range(40)]
@@ -76,15 +75,16 @@ def _counted(m: Model) -> tuple[Counter, dict[tuple[int, int], set[int]]]:
 
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_each_prefill_chunk_reads_each_expert_once_per_layer(store, prefetch) -> None:
-    whole = Model.open(store, expert_cache_bytes=0, prefetch=False)
+    whole = Model.open(store, expert_bytes=0, prefetch=False)
     try:
         expected = whole.generate(PROMPT, max_new_tokens=3)
     finally:
         whole.close()
     m = Model.open(
         store,
-        expert_cache_bytes=0,
-        prefetch=PrefetchOptions(enabled=prefetch, max_in_flight=8),
+        expert_bytes=0,
+        prefetch=prefetch,
+        max_in_flight=8,
         max_prefill_tokens=16,
     )
     try:

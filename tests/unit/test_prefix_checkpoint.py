@@ -59,9 +59,7 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             num_experts_per_tok=2,
         )
         setup_store(ckpt, root / "store", [root / "d0"], dense_slices=2, progress=False)
-    m = Model.open(
-        root / "store", expert_cache_bytes=0, prefetch=False
-    )  # every expert use is a read
+    m = Model.open(root / "store", expert_bytes=0, prefetch=False)  # every expert use is a read
     yield m
     m.close()
 
@@ -129,7 +127,9 @@ def _core(model: Model, snapshot_tokens: int = 4096, cache_bytes: int = 1 << 26)
         model.net,
         model.eos_token_ids,
         SchedulerLimits(
-            max_step_tokens=1 << 20, prefix_cache_bytes=cache_bytes, snapshot_tokens=snapshot_tokens
+            max_step_tokens=1 << 20,
+            prompt_bytes=cache_bytes,
+            prompt_snapshot_tokens=snapshot_tokens,
         ),
     )
 

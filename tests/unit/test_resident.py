@@ -12,7 +12,6 @@ from structlog.testing import capture_logs
 
 from deltafind import Model
 from deltafind.importer.setup import setup_store
-from deltafind.store.experts import PrefetchOptions
 from deltafind.store.resident import dense_prefix
 from tests.conftest import make_hf_checkpoint
 
@@ -59,7 +58,7 @@ def test_a_prefix_is_held_and_only_the_rest_is_read_each_token(llama) -> None:
     """A budget of 2 layers plus one layer's room: layers 0-1 held, 2-3 streamed. Under the LRU alone
     a 4-layer cycle through a smaller cache never hits, so every token read all four layers; held,
     a token reads exactly the two streamed ones. Tokens equal the all-resident run's."""
-    everything = Model.open(llama, expert_cache_bytes=None)
+    everything = Model.open(llama, expert_bytes=None)
     try:
         reference = everything.generate(PROMPT, max_new_tokens=8)
         sizes = layer_bytes(everything)
@@ -69,7 +68,7 @@ def test_a_prefix_is_held_and_only_the_rest_is_read_each_token(llama) -> None:
     finally:
         everything.close()
     budget = sizes[0] + sizes[1] + max(sizes)
-    m = Model.open(llama, expert_cache_bytes=budget, prefetch=False)
+    m = Model.open(llama, expert_bytes=budget, prefetch=False)
     try:
         assert sorted(m.experts.resident.layers) == [0, 1]
         assert m.experts.cache.budget_bytes == budget - m.experts.resident.dense_bytes
@@ -88,7 +87,7 @@ def test_a_prefix_is_held_and_only_the_rest_is_read_each_token(llama) -> None:
 
 
 def test_a_live_budget_and_a_re_pin_leave_the_held_layers_alone(llama) -> None:
-    m = Model.open(llama, expert_cache_bytes=None)
+    m = Model.open(llama, expert_bytes=None)
     try:
         dense = m.experts.resident.dense_bytes
         # a reload's [cache] expert_bytes
@@ -129,8 +128,9 @@ def test_after_a_held_dense_layer_the_next_layers_prediction_is_still_read(tmp_p
     for enabled in (False, True):
         m = Model.open(
             tmp_path / "s",
-            expert_cache_bytes=None,
-            prefetch=PrefetchOptions(enabled=enabled, max_in_flight=8),
+            expert_bytes=None,
+            prefetch=enabled,
+            max_in_flight=8,
         )
         try:
             budget = m.experts.resident.dense_bytes
@@ -139,8 +139,9 @@ def test_after_a_held_dense_layer_the_next_layers_prediction_is_still_read(tmp_p
             m.close()
         m = Model.open(
             tmp_path / "s",
-            expert_cache_bytes=budget,
-            prefetch=PrefetchOptions(enabled=enabled, max_in_flight=8),
+            expert_bytes=budget,
+            prefetch=enabled,
+            max_in_flight=8,
         )
         try:
             assert sorted(m.experts.resident.layers) == [0] and m.experts.cache.budget_bytes == 0
@@ -164,7 +165,7 @@ def test_pinning_on_a_reload_evicts_nothing_the_lru_holds(tmp_path) -> None:
         dense_slices=2,
         progress=False,
     )
-    m = Model.open(tmp_path / "s", expert_cache_bytes=1 << 31, prefetch=False)
+    m = Model.open(tmp_path / "s", expert_bytes=1 << 31, prefetch=False)
     try:  # what the budget must cover besides the LRU's entries: the held dense layer and the reader's pools
         dense, pools = m.experts.resident.dense_bytes, m.experts.cache.reserved_bytes
         m.generate(PROMPT, max_new_tokens=6)
@@ -173,7 +174,7 @@ def test_pinning_on_a_reload_evicts_nothing_the_lru_holds(tmp_path) -> None:
         )  # the routed experts are of one size
     finally:
         m.close()
-    m = Model.open(tmp_path / "s", expert_cache_bytes=dense + pools + 3 * one, prefetch=False)
+    m = Model.open(tmp_path / "s", expert_bytes=dense + pools + 3 * one, prefetch=False)
     try:
         m.generate(PROMPT, max_new_tokens=6)
         lru = m.experts.cache

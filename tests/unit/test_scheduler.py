@@ -87,7 +87,7 @@ def test_every_sequence_ends_within_budgets_with_exact_output(
         max_queue=64,
         max_step_tokens=step_tokens,
         max_context=64,
-        prefix_cache_bytes=1 << 20 if reuse else 0,
+        prompt_bytes=1 << 20 if reuse else 0,
     )
     sched = Scheduler(net, [STOP], limits)
     try:
@@ -119,7 +119,7 @@ def test_every_sequence_ends_within_budgets_with_exact_output(
             assert segments <= max_running
             assert num_tokens <= max(step_tokens, 1)
         assert sched.snapshot()["running"] == sched.snapshot()["waiting"] == 0
-        assert sched.core.prefix.used_bytes <= limits.prefix_cache_bytes
+        assert sched.core.prefix.used_bytes <= limits.prompt_bytes
     finally:
         sched.close()
 
@@ -209,7 +209,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
         "qwen3_moe", root / "hf", num_hidden_layers=2, num_experts=8, num_experts_per_tok=2
     )
     setup_store(ckpt, root / "store", [root / "d0"], dense_slices=2, progress=False)
-    m = Model.open(root / "store", expert_cache_bytes=0, prefetch=False)
+    m = Model.open(root / "store", expert_bytes=0, prefetch=False)
     yield m
     m.close()
 
@@ -220,7 +220,7 @@ def test_batched_chunked_and_reused_match_one_at_a_time_on_a_real_moe(tiny_model
     sched = Scheduler(
         tiny_model.net,
         tiny_model.eos_token_ids,
-        SchedulerLimits(max_running=4, max_step_tokens=5, prefix_cache_bytes=1 << 24),
+        SchedulerLimits(max_running=4, max_step_tokens=5, prompt_bytes=1 << 24),
     )
     try:
         read0 = tiny_model.experts.stats.requested

@@ -195,7 +195,7 @@ def test_zero_cache_budget_gives_identical_output(moe_ckpt: Path, tmp_path: Path
     setup_store(moe_ckpt, tmp_path / "s", progress=False)
     outs = []
     for budget in (None, 0, 3000):
-        m = Model.open(tmp_path / "s", expert_cache_bytes=budget)
+        m = Model.open(tmp_path / "s", expert_bytes=budget)
         outs.append(m.generate([5, 6, 7], max_new_tokens=8))
         assert budget is None or m.experts.cache.used_bytes <= budget
     assert outs[0] == outs[1] == outs[2]
@@ -284,7 +284,7 @@ def test_a_store_of_an_older_format_is_refused_with_the_fix_and_the_same_setup_r
         Model.open(store)
     setup_store(moe_ckpt, store, drives, dense_slices=2, progress=False)
     assert Manifest.load(store).format_version == 2
-    m = Model.open(store, expert_cache_bytes=None)
+    m = Model.open(store, expert_bytes=None)
     try:
         assert len(m.generate([11, 42, 7], max_new_tokens=3)) == 3
     finally:

@@ -13,7 +13,6 @@ from deltafind import Model
 from deltafind.control.ctl import store_lines
 from deltafind.errors import CorruptExpertError, StoreError
 from deltafind.importer.setup import setup_store
-from deltafind.store.experts import PrefetchOptions
 from deltafind.store.heat import read_heat, update_heat
 from deltafind.store.manifest import Manifest, pack_name
 from deltafind.store.reader import DriveOptions, PackReader
@@ -57,7 +56,7 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[int | str, Path]:
 
 @pytest.fixture(scope="module")
 def reference(stores: dict[int, Path]) -> tuple[torch.Tensor, list[int]]:
-    m = Model.open(stores[1], expert_cache_bytes=None, prefetch=False)
+    m = Model.open(stores[1], expert_bytes=None, prefetch=False)
     try:
         return m.forward_logits(PROMPT), m.generate(PROMPT, max_new_tokens=12)
     finally:
@@ -73,8 +72,9 @@ def test_output_is_bit_identical_to_all_resident(
 ) -> None:
     m = Model.open(
         stores[drives],
-        expert_cache_bytes=budget,
-        prefetch=PrefetchOptions(enabled=prefetch, max_in_flight=6),
+        expert_bytes=budget,
+        prefetch=prefetch,
+        max_in_flight=6,
         trace_path=tmp_path / "t.jsonl" if trace else None,
     )
     try:
@@ -97,9 +97,7 @@ def test_the_prefetch_gate_never_changes_tokens_and_reports_each_layer(
     tokens stay those of the all-resident reference either way, and the snapshot's per-layer
     recall and precision are the counts the gate saw."""
     capped = {"drives": [DriveOptions(read_mb_s=read_mb_s)] * 3} if read_mb_s else {}
-    m = Model.open(
-        stores[3], expert_cache_bytes=0, prefetch=PrefetchOptions(max_in_flight=6), **capped
-    )
+    m = Model.open(stores[3], expert_bytes=0, max_in_flight=6, **capped)
     try:
         assert m.generate(PROMPT, max_new_tokens=12) == reference[1]
         e, gate = m.experts.stats, m.snapshot()["prefetch_gate"]
@@ -129,7 +127,7 @@ def test_the_prefetch_gate_never_changes_tokens_and_reports_each_layer(
 
 def test_trace_summarize_and_warm_pin_the_hot_experts(stores, reference, tmp_path) -> None:
     trace = tmp_path / "t.jsonl"
-    m = Model.open(stores[3], expert_cache_bytes=0, trace_path=trace)
+    m = Model.open(stores[3], expert_bytes=0, trace_path=trace)
     m.generate(PROMPT, max_new_tokens=12)
     m.close()
     records = read_trace(trace)
@@ -148,7 +146,7 @@ def test_trace_summarize_and_warm_pin_the_hot_experts(stores, reference, tmp_pat
     update_heat(stores[3], heat_from_trace(records), decay=1.0)
     hot = summary["hot_experts"][0]
     assert read_heat(stores[3])[(hot["layer"], hot["expert"])] >= hot["uses"]
-    pinned = Model.open(stores[3], expert_cache_bytes=0, pin_bytes=200_000)
+    pinned = Model.open(stores[3], expert_bytes=0, pin_bytes=200_000)
     try:
         assert (
             hot["layer"],
@@ -165,7 +163,7 @@ def test_corrupt_record_fails_the_request_and_the_engine_keeps_serving(
 ) -> None:
     store = stores[3]
     manifest = Manifest.load(store)
-    m = Model.open(store, expert_cache_bytes=0)
+    m = Model.open(store, expert_bytes=0)
     try:
         m.generate(PROMPT, max_new_tokens=2)
         used = next(k for k, n in m.experts.uses.items() if k[0] == 1)

@@ -58,7 +58,7 @@ def built(
             placement=placement,
             min_stripe_bytes=4096,
         )
-    m = Model.open(stores["whole1"], expert_cache_bytes=None, prefetch=False)
+    m = Model.open(stores["whole1"], expert_bytes=None, prefetch=False)
     try:
         return stores, m.generate(PROMPT, max_new_tokens=TOKENS), m.forward_logits(PROMPT)
     finally:
@@ -103,7 +103,7 @@ def test_output_is_bit_identical_under_every_placement(
     caps[-1] = 5.0  # one slow drive (5 MB/s): costs time, never a different token
     m = Model.open(
         stores[name],
-        expert_cache_bytes=cache,
+        expert_bytes=cache,
         read_mode=read_mode,
         drives=[DriveOptions(queue_depth=queue_depth, read_mb_s=c) for c in caps],
     )
@@ -133,7 +133,7 @@ def test_a_failing_drive_fails_the_request_clearly_and_never_gives_a_wrong_token
     store = _copy(stores["stripe4"], tmp_path / "s")
     pack = store / "d2" / pack_name(2)
     original = pack.read_bytes()
-    m = Model.open(store, expert_cache_bytes=0)
+    m = Model.open(store, expert_bytes=0)
     try:
         with open(
             pack, "r+b"
@@ -184,7 +184,7 @@ def test_rebalance_stripe_upgrades_a_whole_store_in_place(built, tmp_path) -> No
         rebalance(store, {r.key: float(r.expert) for r in m.experts}, min_stripe_bytes=4096)[2]
         is False
     )  # heat does not unstripe it
-    model = Model.open(store, expert_cache_bytes=0)
+    model = Model.open(store, expert_bytes=0)
     try:
         assert torch.equal(model.forward_logits(PROMPT), logits)
         assert model.generate(PROMPT, max_new_tokens=TOKENS) == tokens
@@ -283,7 +283,7 @@ def test_cli_rebalance_stripe_upgrades_a_store_of_real_size_records(tmp_path) ->
     store = tmp_path / "store"
     setup_store(ckpt, store, [store / "d0", store / "d1"], progress=False, placement="whole")
     trace = tmp_path / "t.jsonl"
-    m = Model.open(store, expert_cache_bytes=0, trace_path=trace)
+    m = Model.open(store, expert_bytes=0, trace_path=trace)
     tokens = m.generate(PROMPT, max_new_tokens=4)
     m.experts.uses.clear()
     m.close()
@@ -294,7 +294,7 @@ def test_cli_rebalance_stripe_upgrades_a_store_of_real_size_records(tmp_path) ->
     assert "striped: every large record is split over all 2 drive(s)" in proc.stdout
     manifest = Manifest.load(store)
     assert manifest.placement == "stripe" and all(len(r.stripes) == 2 for r in manifest.experts)
-    m = Model.open(store, expert_cache_bytes=0)
+    m = Model.open(store, expert_bytes=0)
     try:
         assert m.generate(PROMPT, max_new_tokens=4) == tokens
     finally:

@@ -40,7 +40,7 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int],
     setup_store(
         ckpt, store, [store / f"d{i}" for i in range(DRIVES)], dense_slices=3, progress=False
     )  # drives inside: copyable
-    m = Model.open(store, expert_cache_bytes=0, prefetch=False)
+    m = Model.open(store, expert_bytes=0, prefetch=False)
     try:
         return store, m.generate(PROMPT, max_new_tokens=10), m.forward_logits(PROMPT)
     finally:
@@ -75,7 +75,7 @@ def busiest_over_mean(values: list[float]) -> float:
 
 
 def same_output(store: Path, pristine) -> None:
-    m = Model.open(store, expert_cache_bytes=0, prefetch=True)
+    m = Model.open(store, expert_bytes=0, prefetch=True)
     try:
         assert m.generate(PROMPT, max_new_tokens=10) == pristine[1]
         assert torch.equal(m.forward_logits(PROMPT), pristine[2])
@@ -157,7 +157,7 @@ def test_refuses_without_heat_or_while_another_runs(store) -> None:
 
 def test_cli_trace_warm_rebalance(store, pristine, tmp_path) -> None:
     trace = tmp_path / "t.jsonl"
-    m = Model.open(store, expert_cache_bytes=0, trace_path=trace)
+    m = Model.open(store, expert_bytes=0, trace_path=trace)
     m.experts.uses.clear()  # the heat comes from the trace only
     m.generate(PROMPT, max_new_tokens=10)
     m.experts.uses.clear()

@@ -69,7 +69,7 @@ def _held_bytes(net: torch.nn.Module) -> int:
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "llama", "kimi_k3"])
 def test_every_budget_gives_the_all_resident_output(stores, family) -> None:
     store = stores[family]
-    ref = Model.open(store, expert_cache_bytes=0, prefetch=False)
+    ref = Model.open(store, expert_bytes=0, prefetch=False)
     try:
         n, keep = ref.net.num_layers, stored_weight_names(ref.net)
         logits, tokens = ref.forward_logits(PROMPT), ref.generate(PROMPT, max_new_tokens=NEW)
@@ -85,7 +85,7 @@ def test_every_budget_gives_the_all_resident_output(stores, family) -> None:
     if n - 3 > 1:
         budgets.append((n - 3, base + sum(sizes[: n - 3]) + two))
     for resident, budget in budgets:
-        m = Model.open(store, expert_cache_bytes=0, prefetch=True, spine_bytes=budget)
+        m = Model.open(store, expert_bytes=0, prefetch=True, spine_bytes=budget)
         try:
             assert m.spine is not None and m.spine.plan.resident_layers == resident
             assert torch.equal(m.forward_logits(PROMPT), logits)
@@ -132,7 +132,7 @@ def test_budget_below_the_minimum_names_the_key_and_the_minimum(stores) -> None:
 def test_truncated_spine_fails_the_request_and_the_engine_keeps_serving(stores) -> None:
     store = stores["qwen3_moe"]
     base, sizes = _layer_sizes(store, 4)
-    m = Model.open(store, expert_cache_bytes=0, prefetch=False, spine_bytes=base + 2 * max(sizes))
+    m = Model.open(store, expert_bytes=0, prefetch=False, spine_bytes=base + 2 * max(sizes))
     spine = store / SPINE_NAME
     original = spine.read_bytes()
     try:

@@ -111,7 +111,7 @@ def test_bf16_experts_are_held_as_stored_and_widened_only_by_the_oracle(store) -
     manifest = Manifest.load(store)
     for widen in (False, True):
         with widened() if widen else contextlib.nullcontext():
-            m = Model.open(store, expert_cache_bytes=None, prefetch=False, dtype="float32")
+            m = Model.open(store, expert_bytes=None, prefetch=False, dtype="float32")
         try:
             m.generate(PROMPT, max_new_tokens=4)
             cached = dict(m.experts.cache._items)
