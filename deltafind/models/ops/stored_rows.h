@@ -32,7 +32,7 @@ template <int K>
 constexpr bool lanes() { return K == 2 || K == 3 || K == 12; }  // Q4_0, Q4_1, Q4_K: codes shifted into lanes
 constexpr int perm(int l) { return 4 * (l % 4) + l / 4; }
 constexpr int64_t kScaleRun = 64;  // 32-weight groups whose scales are converted at a time
-constexpr int64_t kQ6Run = 8;      // Q6_K blocks whose scales are converted at a time
+constexpr int64_t kQ6Run = 8;      // Q4_K/Q6_K blocks whose scales are converted at a time
 
 // xp [T, C] contiguous: each 32 columns of x [T, C] (row stride ldx) in code-lane order.
 inline Floats permute_x(const float* x, int64_t T, int64_t ldx, int64_t C) {
@@ -205,17 +205,20 @@ inline __attribute__((always_inline)) void row512(const uint8_t* row, int64_t co
     a[t][2] = a[t][3] = _mm512_setzero_ps();
   }
   if constexpr (K == 12) {  // Q4_K: groups 2j and 2j + 1 are the low and high nibbles of the same 32 bytes
-    for (int64_t blk = 0; blk < cols / 256; ++blk) {
-      const uint8_t* b = row + blk * block_bytes(K);
-      alignas(32) float ds[8], dm[8];
-      k4_scales(b, ds, dm);
-      for (int j = 0; j < 4; ++j) {
-        __m512 w[4];
-        k4_pair(b, j, ds, dm, w);
-        const float* xg = xp + blk * 256 + 64 * j;
-        fma2<NT, 0>(w[0], w[1], xg, ldxp, a);
-        fma2<NT, 1>(w[2], w[3], xg + 32, ldxp, a);
-      }
+    // A run of blocks' scales first, then broadcast from memory (as Q6_K's, below): kept in registers, each
+    // group's two took a shuffle out of a vector and a broadcast, ~30 shuffles a block.
+    alignas(64) float ds[8 * kQ6Run], dm[8 * kQ6Run];
+    for (int64_t b0 = 0; b0 < cols / 256; b0 += kQ6Run) {
+      const int64_t n = std::min<int64_t>(kQ6Run, cols / 256 - b0);
+      for (int64_t k = 0; k < n; ++k) k4_scales(row + (b0 + k) * block_bytes(K), ds + 8 * k, dm + 8 * k);
+      for (int64_t k = 0; k < n; ++k)
+        for (int j = 0; j < 4; ++j) {
+          __m512 w[4];
+          k4_pair(row + (b0 + k) * block_bytes(K), j, ds + 8 * k, dm + 8 * k, w);
+          const float* xg = xp + (b0 + k) * 256 + 64 * j;
+          fma2<NT, 0>(w[0], w[1], xg, ldxp, a);
+          fma2<NT, 1>(w[2], w[3], xg + 32, ldxp, a);
+        }
     }
   } else if constexpr (K == 14) {  // Q6_K: groups 4h + k, natural order
     // The scales of a run of blocks first, then broadcast from memory: kept in a register, each of the 16 took a
