@@ -32,7 +32,7 @@ template <int K>
 constexpr bool lanes() { return K == 2 || K == 3 || K == 12; }  // Q4_0, Q4_1, Q4_K: codes shifted into lanes
 constexpr int perm(int l) { return 4 * (l % 4) + l / 4; }
 constexpr int64_t kScaleRun = 64;  // 32-weight groups whose scales are converted at a time
-constexpr int64_t kQ6Run = 8;      // Q4_K/Q6_K blocks whose scales are converted at a time
+constexpr int64_t kBlockRun = 8;  // Q4_K/Q6_K blocks whose scales are converted at a time
 
 // xp [T, C] contiguous: each 32 columns of x [T, C] (row stride ldx) in code-lane order.
 inline Floats permute_x(const float* x, int64_t T, int64_t ldx, int64_t C) {
@@ -207,9 +207,9 @@ inline __attribute__((always_inline)) void row512(const uint8_t* row, int64_t co
   if constexpr (K == 12) {  // Q4_K: groups 2j and 2j + 1 are the low and high nibbles of the same 32 bytes
     // A run of blocks' scales first, then broadcast from memory (as Q6_K's, below): kept in registers, each
     // group's two took a shuffle out of a vector and a broadcast, ~30 shuffles a block.
-    alignas(64) float ds[8 * kQ6Run], dm[8 * kQ6Run];
-    for (int64_t b0 = 0; b0 < cols / 256; b0 += kQ6Run) {
-      const int64_t n = std::min<int64_t>(kQ6Run, cols / 256 - b0);
+    alignas(64) float ds[8 * kBlockRun], dm[8 * kBlockRun];
+    for (int64_t b0 = 0; b0 < cols / 256; b0 += kBlockRun) {
+      const int64_t n = std::min<int64_t>(kBlockRun, cols / 256 - b0);
       for (int64_t k = 0; k < n; ++k) k4_scales(row + (b0 + k) * block_bytes(K), ds + 8 * k, dm + 8 * k);
       for (int64_t k = 0; k < n; ++k)
         for (int j = 0; j < 4; ++j) {
@@ -223,9 +223,9 @@ inline __attribute__((always_inline)) void row512(const uint8_t* row, int64_t co
   } else if constexpr (K == 14) {  // Q6_K: groups 4h + k, natural order
     // The scales of a run of blocks first, then broadcast from memory: kept in a register, each of the 16 took a
     // shuffle on the port the codes' vpermb use.
-    alignas(64) float ds[16 * kQ6Run];
-    for (int64_t b0 = 0; b0 < cols / 256; b0 += kQ6Run) {
-      const int64_t n = std::min<int64_t>(kQ6Run, cols / 256 - b0);
+    alignas(64) float ds[16 * kBlockRun];
+    for (int64_t b0 = 0; b0 < cols / 256; b0 += kBlockRun) {
+      const int64_t n = std::min<int64_t>(kBlockRun, cols / 256 - b0);
       for (int64_t k = 0; k < n; ++k) q6_scales(row + (b0 + k) * block_bytes(K), ds + 16 * k);
       for (int64_t k = 0; k < n; ++k) {
         const uint8_t* b = row + (b0 + k) * block_bytes(K);
