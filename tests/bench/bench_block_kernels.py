@@ -1,15 +1,19 @@
 """One-token matmul per stored format: this CPU's kernel build against its AVX2 build, side by side.
 
 Not run in CI. On an AVX-512 CPU the default build decodes GGUF blocks and MXFP4 packs by table
-(stored_blocks.h row512, mxfp4_cpu.cpp rows512); the AVX2 build ("-mno-avx512f", the code every other
-x86 CPU runs) computes the factored form. Each matrix is timed through `df_stored_parts` /
+(stored_rows.h row512, mxfp4_cpu.cpp rows512); the AVX2 build ("-mno-avx512f", the code every
+other x86 CPU runs) computes the factored form. Each matrix is timed through `df_stored_parts` /
 `df_mxfp4_matmul` at each thread count, the builds alternating in blocks of back-to-back calls,
-medians over rounds. The matrix stays in L2/L3 unless `--rows` makes it larger: this is the
-instruction cost of the format, the memory-bound demo is bench_demo_vs_llamacpp.py's. Prints ONE
-JSON line: per format and thread count, microseconds per call for each build and `speedup`
-(AVX2 time / default time).
+medians over rounds (one thread: its CPU time; more: wall time). The matrix stays in L2/L3 unless
+`--rows` makes it larger: this is the instruction cost of the format, the memory-bound demo is
+bench_demo_vs_llamacpp.py's. `--against DIR` adds a third build, the default one of another
+checkout's kernel sources (e.g. `git worktree add DIR BASE`), and checks that it gives this
+tree's results bit for bit. Prints ONE JSON line: per format and thread count, microseconds per
+call and GB/s of weights read for each build, `speedup` (AVX2 time / default time) and with
+--against `vs_against` (its time / default time).
 
     python tests/bench/bench_block_kernels.py [--rows 2048] [--cols 2048] [--rounds 9]
+        [--against DIR]
 """
 
 from __future__ import annotations
@@ -26,19 +30,27 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from deltafind.models.ops.cpu_kernels import CPU, StoredPart
+from deltafind.models.ops.cpu_kernels import CPU, SOURCES, KernelLibrary, StoredPart, _bind
 from deltafind.models.ops.stored_weight import KINDS
 from tests.conftest import avx2_kernels, gguf_blocks
 
 FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"]
 
 
-def _call(kind: str, rows: int, cols: int):  # -> (lib, threads) -> None
+def _against(root: str) -> KernelLibrary:
+    """The default build of `root`'s kernel sources. The library's cache key hashes this tree's
+    headers, so a flag naming the build keeps it apart from this tree's when only headers differ."""
+    lib = KernelLibrary(SOURCES, _bind, ("-DDELTAFIND_BENCH_AGAINST",))
+    lib.sources = tuple(Path(root) / "deltafind" / "models" / "ops" / src for src in SOURCES)
+    return lib
+
+
+def _call(kind: str, rows: int, cols: int):  # -> ((lib, threads) -> None, output, bytes read)
     x, y = torch.randn(1, cols), torch.empty(1, rows)
     if kind == "MXFP4":
         packed = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8)
         scale = torch.randint(118, 127, (rows, cols // 32), dtype=torch.uint8)
-        return lambda lib, n: lib.df_mxfp4_matmul(
+        call = lambda lib, n: lib.df_mxfp4_matmul(  # noqa: E731
             x.data_ptr(),
             1,
             cols,
@@ -50,11 +62,13 @@ def _call(kind: str, rows: int, cols: int):  # -> (lib, threads) -> None
             rows,
             n,
         )
+        return call, y, packed.numel() + scale.numel()
     w = gguf_blocks(kind, rows, cols)
     part = (StoredPart * 1)(StoredPart(KINDS[kind], rows, cols, w.shape[1], w.data_ptr()))
-    return lambda lib, n, w=w: lib.df_stored_parts(
+    call = lambda lib, n, w=w: lib.df_stored_parts(  # noqa: E731 (w: the part points into it)
         part, 1, 0, x.data_ptr(), 1, cols, y.data_ptr(), rows, n
-    )  # w: the part points into it
+    )
+    return call, y, w.numel()
 
 
 def main() -> None:
@@ -63,10 +77,15 @@ def main() -> None:
     ap.add_argument("--cols", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--block", type=int, default=20, help="back-to-back calls per timing")
+    ap.add_argument("--against", default="", metavar="DIR", help="another checkout to time too")
     args = ap.parse_args()
-    builds = {"default": CPU.load(), "avx2": avx2_kernels().load()}
-    if None in builds.values():
-        raise SystemExit(f"a kernel build failed: {CPU.build_error or avx2_kernels().build_error}")
+    libraries = {"default": CPU, "avx2": avx2_kernels()}
+    if args.against:
+        libraries["against"] = _against(args.against)
+    builds = {name: lib.load() for name, lib in libraries.items()}
+    for name, lib in libraries.items():
+        if builds[name] is None:
+            raise SystemExit(f"the {name} kernel build failed: {lib.build_error}")
     threads = list(range(1, len(os.sched_getaffinity(0)) + 1))
     out: dict = {
         "bench": "block_kernels",
@@ -79,24 +98,35 @@ def main() -> None:
         else None,
     }
     for kind in FORMATS:
-        call = _call(kind, args.rows, args.cols)
+        call, y, nbytes = _call(kind, args.rows, args.cols)
+        if args.against:
+            results = []
+            for b in ("default", "against"):
+                call(builds[b], 1)
+                results.append(y.clone())
+            if not torch.equal(*results):
+                raise SystemExit(f"{kind}: the --against build's results differ from this tree's")
         times: dict[tuple[str, int], list[float]] = {(b, n): [] for b in builds for n in threads}
         for r in range(args.rounds):
             for n in threads:
+                # One thread runs on this one (the pool runs inline): its CPU time, so slices lost
+                # to other processes on a shared machine do not count; more threads: wall time.
+                clock = time.thread_time if n == 1 else time.perf_counter
                 for b in builds if r % 2 == 0 else reversed(list(builds)):
                     call(builds[b], n)
-                    t = time.perf_counter()
+                    t = clock()
                     for _ in range(args.block):
                         call(builds[b], n)
-                    times[(b, n)].append((time.perf_counter() - t) / args.block * 1e6)
+                    times[(b, n)].append((clock() - t) / args.block * 1e6)
         row = {}
         for n in threads:
-            d, a = statistics.median(times[("default", n)]), statistics.median(times[("avx2", n)])
-            row[f"threads_{n}"] = {
-                "default_us": round(d, 1),
-                "avx2_us": round(a, 1),
-                "speedup": round(a / d, 3),
-            }
+            med = {b: statistics.median(times[(b, n)]) for b in builds}
+            cell = {f"{b}_us": round(t, 1) for b, t in med.items()}
+            cell |= {f"{b}_gbps": round(nbytes / t / 1e3, 2) for b, t in med.items()}
+            cell["speedup"] = round(med["avx2"] / med["default"], 3)
+            if args.against:
+                cell["vs_against"] = round(med["against"] / med["default"], 3)
+            row[f"threads_{n}"] = cell
         out["formats"][kind] = row
         print(kind, row, file=sys.stderr, flush=True)
     out["loadavg"] = [round(v, 2) for v in os.getloadavg()]

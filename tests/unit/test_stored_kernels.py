@@ -296,6 +296,26 @@ def test_the_avx2_and_default_builds_both_match_the_widened_path_for_any_batch(
             )
 
 
+@needs_kernel
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_every_weight_the_matmul_reads_is_its_decoded_value(kind: str) -> None:
+    """x = one-hot rows pick single weights out of the matmul: each equals gguf-py's decode exactly, in both
+    builds, through the one-token path (every column of a 256-weight block and of the next: each lane of
+    each group) and the prefill panel (2304 columns, 83 tokens, some past the first block)."""
+    if (avx2 := avx2_kernels()).load() is None:
+        pytest.skip(f"no AVX2 build on this CPU: {avx2.build_error}")
+    w = StoredWeight.of(gguf_blocks(kind, 9, 2304, seed=5), kind, 2304)
+    oracle = gguf_dequantize(w)
+    picks = torch.cat([torch.arange(512), torch.arange(512, 2304, 37)])
+    x = torch.zeros(len(picks), 2304)
+    x[torch.arange(len(picks)), picks] = 1.0
+    for lib in (CPU.load(), avx2.load()):
+        alone = torch.cat([_parts_matmul(lib, w, x[t : t + 1], threads=1) for t in range(512)])
+        assert torch.equal(alone, oracle[:, :512].T)
+        panel = _parts_matmul(lib, w, x[-83:].contiguous(), threads=2)
+        assert torch.equal(panel, oracle[:, picks[-83:]].T)
+
+
 PANEL = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K", "BF16", "F16", "I8R"]
 
 

@@ -2,7 +2,7 @@
 // an fp32 panel in L1, then register-blocked FMAs over kNR rows x kNT tokens at a time, so a weight is
 // decoded once per kTB tokens (not once per 4, as row512 does) and each load of x or of a weight feeds
 // several FMAs. The panel holds exactly the vectors row512 / fused_row build in registers (stored_rows.h
-// group_w, k4_pair, q6_group; bf16/f16/row-int8 widened as fused_row does), and every (token, row) sums
+// group_w, k4_pair, q6_half; bf16/f16/row-int8 widened as fused_row does), and every (token, row) sums
 // into the same lanes in the same order: lanes [0, 32) over even 32-weight groups, [32, 64) over odd ones
 // (the block formats; bf16/f16/row-int8 use one set), added once per matrix. So a row's result is
 // bit-identical to the one-token path and does not depend on the batch (tests/unit/test_stored_kernels.py).
@@ -74,14 +74,13 @@ inline void panel_decode(int64_t kind, const uint8_t* row, int64_t c0, int64_t k
     case 14:
       for (int64_t blk = 0; blk < kc / 256; ++blk) {
         const uint8_t* b = row + (c0 / 256 + blk) * block_bytes(14);
-        const float d = h2f(rd16(b + 208));
-        for (int h = 0; h < 2; ++h)
-          for (int k = 0; k < 4; ++k) {
-            __m512 w0, w1;
-            q6_group(b, h, k, d, &w0, &w1);
-            float* o = out + blk * 256 + h * 128 + k * 32;
-            _mm512_storeu_ps(o, w0), _mm512_storeu_ps(o + 16, w1);
-          }
+        alignas(64) float ds[16];
+        q6_scales(b, ds);
+        for (int h = 0; h < 2; ++h) {
+          __m512 w[8];
+          q6_half(b, h, ds + 8 * h, w);
+          for (int i = 0; i < 8; ++i) _mm512_storeu_ps(out + blk * 256 + h * 128 + 16 * i, w[i]);
+        }
       }
       return;
     case 30:  // bf16: the top half of an fp32

@@ -13,7 +13,7 @@ namespace {  // internal linkage: never called through the PLT
 // table of code values (16, or 32 for the 5-bit formats: one mul and one add per 16 values, decode()'s
 // operations in its order) indexed by the codes with vpermps, and dot them with fp32 FMAs: ~12
 // instructions per 32 Q4_1 weights where the factored AVX2 path takes ~25. Q6_K's 64 codes are decoded by
-// arithmetic instead ((d*sc) * (code - 32), decode()'s two roundings); Q5_K takes the AVX2 path, its
+// arithmetic instead ((d*sc) * (code - 32), decode()'s two roundings; q6_half); Q5_K takes the AVX2 path, its
 // 32-value tables per 32 weights ran 15 % slower than it.
 //
 // On Intel cores the table lookups, the codes' byte-to-lane widening and the scales' fp16 conversion and
@@ -32,6 +32,7 @@ template <int K>
 constexpr bool lanes() { return K == 2 || K == 3 || K == 12; }  // Q4_0, Q4_1, Q4_K: codes shifted into lanes
 constexpr int perm(int l) { return 4 * (l % 4) + l / 4; }
 constexpr int64_t kScaleRun = 64;  // 32-weight groups whose scales are converted at a time
+constexpr int64_t kBlockRun = 8;  // Q4_K/Q6_K blocks whose scales are converted at a time
 
 // xp [T, C] contiguous: each 32 columns of x [T, C] (row stride ldx) in code-lane order.
 inline Floats permute_x(const float* x, int64_t T, int64_t ldx, int64_t C) {
@@ -155,20 +156,42 @@ inline __attribute__((always_inline)) void k4_pair(const uint8_t* b, int j, cons
   w[2] = _mm512_permutexvar_ps(code_lanes(c0, true), lo), w[3] = _mm512_permutexvar_ps(code_lanes(c1, true), lo);
 }
 
-// Q6_K: group k (0-3) of half h of block b, weights h*128 + k*32 + [0, 32) in order, decode_q6_k's
-// arithmetic: (d * sc) * (code - 32), the scale per 16 weights.
-inline __attribute__((always_inline)) void q6_group(const uint8_t* b, int h, int k, float d, __m512* w0, __m512* w1) {
-  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + h * 64 + (k % 2) * 32));
-  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + h * 32));
-  const __m256i l4 = _mm256_and_si256(k / 2 ? _mm256_srli_epi16(lo, 4) : lo, _mm256_set1_epi8(15));
-  const __m256i h2 = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3));
-  const __m256i v = _mm256_or_si256(l4, _mm256_slli_epi16(h2, 4));
-  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-  const __m512i off = _mm512_set1_epi32(32);
-  const __m512 q0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(v)), off));
-  const __m512 q1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(v, 1)), off));
-  *w0 = _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(sc[h * 8 + k * 2])), q0);
-  *w1 = _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(sc[h * 8 + k * 2 + 1])), q1);
+// Q6_K: d * sc for the 16 scales of block b (ds[16], 64-byte aligned), decode_q6_k's products (exact).
+inline void q6_scales(const uint8_t* b, float* ds) {
+  const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
+  _mm512_store_ps(ds, _mm512_mul_ps(_mm512_set1_ps(h2f(rd16(b + 208))), sc));
+}
+
+// Q6_K: half h of block b (weights h*128 + [0, 128) in order; ds its 8 scales): w[2k], w[2k + 1] group k's
+// weights 0-15 and 16-31, decode_q6_k's arithmetic (d*sc) * (code - 32). The 6-bit codes of 64 weights are
+// assembled in one register of bytes; each 16 go to the low bytes of dwords holding 2^23 (vpermb, or a
+// widening without VBMI), whose float less 2^23 + 32 is code - 32 exactly: one shuffle, a subtract and a
+// multiply per 16 weights, where widening each group's bytes in turn took ~6 instructions more.
+inline __attribute__((always_inline)) void q6_half(const uint8_t* b, int h, const float* ds, __m512 w[8]) {
+  const __m512i ql = _mm512_loadu_si512(b + h * 64);
+  const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + h * 32)));
+  const __m512i low4 = _mm512_set1_epi8(15), top2 = _mm512_set1_epi8(0x30);
+  // Groups 0 and 1 (ql's bytes 0-31, 32-63): low nibbles, qh's bits 0-1 and 2-3 as bits 4-5; groups 2 and 3:
+  // high nibbles, qh's bits 4-5 and 6-7. A shift within 16 bits brings a byte's own bits to 4-5.
+  const long long by4 = 0x0004000400040004ll, by2 = 0x0002000200020002ll;  // shift counts per 16 bits
+  const __m512i up = _mm512_setr_epi64(by4, by4, by4, by4, by2, by2, by2, by2);
+  const __m512i down = _mm512_setr_epi64(0, 0, 0, 0, by2, by2, by2, by2);
+  const __m512i v[2] = {
+      _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_and_si512(_mm512_sllv_epi16(qh, up), top2)),
+      _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                      _mm512_and_si512(_mm512_srlv_epi16(qh, down), top2))};
+  const __m512i exp23 = _mm512_set1_epi32(0x4B000000);
+  const __m512 bias = _mm512_set1_ps(8388608.0f + 32.0f);
+  for (int i = 0; i < 8; ++i) {
+#ifdef __AVX512VBMI__
+    const __m512i idx = _mm512_add_epi8(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                        _mm512_set1_epi8(static_cast<char>(16 * (i % 4))));
+    const __m512i f = _mm512_mask_permutexvar_epi8(exp23, 0x1111111111111111ull, idx, v[i / 4]);
+#else
+    const __m512i f = _mm512_or_si512(exp23, _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v[i / 4], i % 4)));
+#endif
+    w[i] = _mm512_mul_ps(_mm512_set1_ps(ds[i]), _mm512_sub_ps(_mm512_castsi512_ps(f), bias));
+  }
 }
 
 // acc[t] += row . x[t] for NT tokens; xp is x in code-lane order (Q4_0, Q4_1 and Q4_K read it).
@@ -182,30 +205,40 @@ inline __attribute__((always_inline)) void row512(const uint8_t* row, int64_t co
     a[t][2] = a[t][3] = _mm512_setzero_ps();
   }
   if constexpr (K == 12) {  // Q4_K: groups 2j and 2j + 1 are the low and high nibbles of the same 32 bytes
-    for (int64_t blk = 0; blk < cols / 256; ++blk) {
-      const uint8_t* b = row + blk * block_bytes(K);
-      alignas(32) float ds[8], dm[8];
-      k4_scales(b, ds, dm);
-      for (int j = 0; j < 4; ++j) {
-        __m512 w[4];
-        k4_pair(b, j, ds, dm, w);
-        const float* xg = xp + blk * 256 + 64 * j;
-        fma2<NT, 0>(w[0], w[1], xg, ldxp, a);
-        fma2<NT, 1>(w[2], w[3], xg + 32, ldxp, a);
-      }
+    // A run of blocks' scales first, then broadcast from memory (as Q6_K's, below): kept in registers, each
+    // group's two took a shuffle out of a vector and a broadcast, ~30 shuffles a block.
+    alignas(64) float ds[8 * kBlockRun], dm[8 * kBlockRun];
+    for (int64_t b0 = 0; b0 < cols / 256; b0 += kBlockRun) {
+      const int64_t n = std::min<int64_t>(kBlockRun, cols / 256 - b0);
+      for (int64_t k = 0; k < n; ++k) k4_scales(row + (b0 + k) * block_bytes(K), ds + 8 * k, dm + 8 * k);
+      for (int64_t k = 0; k < n; ++k)
+        for (int j = 0; j < 4; ++j) {
+          __m512 w[4];
+          k4_pair(row + (b0 + k) * block_bytes(K), j, ds + 8 * k, dm + 8 * k, w);
+          const float* xg = xp + (b0 + k) * 256 + 64 * j;
+          fma2<NT, 0>(w[0], w[1], xg, ldxp, a);
+          fma2<NT, 1>(w[2], w[3], xg + 32, ldxp, a);
+        }
     }
   } else if constexpr (K == 14) {  // Q6_K: groups 4h + k, natural order
-    for (int64_t blk = 0; blk < cols / 256; ++blk) {
-      const uint8_t* b = row + blk * block_bytes(K);
-      const float d = h2f(rd16(b + 208));
-      for (int h = 0; h < 2; ++h)
-        for (int k = 0; k < 4; k += 2) {
-          __m512 w0, w1;
-          q6_group(b, h, k, d, &w0, &w1);
-          fma2<NT, 0>(w0, w1, x + blk * 256 + h * 128 + k * 32, ldx, a);
-          q6_group(b, h, k + 1, d, &w0, &w1);
-          fma2<NT, 1>(w0, w1, x + blk * 256 + h * 128 + k * 32 + 32, ldx, a);
+    // The scales of a run of blocks first, then broadcast from memory: kept in a register, each of the 16 took a
+    // shuffle on the port the codes' vpermb use.
+    alignas(64) float ds[16 * kBlockRun];
+    for (int64_t b0 = 0; b0 < cols / 256; b0 += kBlockRun) {
+      const int64_t n = std::min<int64_t>(kBlockRun, cols / 256 - b0);
+      for (int64_t k = 0; k < n; ++k) q6_scales(row + (b0 + k) * block_bytes(K), ds + 16 * k);
+      for (int64_t k = 0; k < n; ++k) {
+        const uint8_t* b = row + (b0 + k) * block_bytes(K);
+        for (int h = 0; h < 2; ++h) {
+          __m512 w[8];
+          q6_half(b, h, ds + 16 * k + 8 * h, w);
+          const float* xg = x + (b0 + k) * 256 + h * 128;
+          fma2<NT, 0>(w[0], w[1], xg, ldx, a);
+          fma2<NT, 1>(w[2], w[3], xg + 32, ldx, a);
+          fma2<NT, 0>(w[4], w[5], xg + 64, ldx, a);
+          fma2<NT, 1>(w[6], w[7], xg + 96, ldx, a);
         }
+      }
     }
   } else {
     alignas(64) float dm[2 * kScaleRun];
