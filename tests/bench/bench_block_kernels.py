@@ -38,11 +38,9 @@ FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP
 
 
 def _against(root: str) -> KernelLibrary:
-    """The default build of `root`'s kernel sources. The library's cache key hashes this tree's
-    headers, so a flag naming the build keeps it apart from this tree's when only headers differ."""
-    lib = KernelLibrary(SOURCES, _bind, ("-DDELTAFIND_BENCH_AGAINST",))
-    lib.sources = tuple(Path(root) / "deltafind" / "models" / "ops" / src for src in SOURCES)
-    return lib
+    """The default build of `root`'s kernel sources (its cache key hashes `root`'s headers)."""
+    ops = Path(root) / "deltafind" / "models" / "ops"
+    return KernelLibrary(tuple(str(ops / src) for src in SOURCES), _bind)
 
 
 def _call(kind: str, rows: int, cols: int):  # -> ((lib, threads) -> None, output, bytes read)

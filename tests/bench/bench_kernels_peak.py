@@ -239,11 +239,8 @@ def builds(against: str) -> dict[str, ctypes.CDLL]:
     """This tree's kernel library, and with --against the same sources of another checkout built beside it."""
     out = {"this": CPU.load()}
     if against:
-        other = KernelLibrary(SOURCES, _bind)
-        other.sources = tuple(
-            Path(against) / "deltafind" / "models" / "ops" / src for src in SOURCES
-        )
-        out["against"] = other.load()
+        ops = Path(against) / "deltafind" / "models" / "ops"
+        out["against"] = KernelLibrary(tuple(str(ops / src) for src in SOURCES), _bind).load()
     for name, lib in out.items():
         if lib is None:
             raise SystemExit(f"the {name} kernels are not built: {CPU.build_error}")

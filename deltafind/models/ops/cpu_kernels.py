@@ -104,7 +104,10 @@ class KernelLibrary:
         with self._lock:
             if self._tried:
                 return self._lib
-            text = b"".join(p.read_bytes() for p in (*self.sources, *(HERE / h for h in HEADERS)))
+            # the headers the sources include sit beside them (a bench may build another checkout's)
+            folders = dict.fromkeys(p.parent for p in self.sources)
+            headers = [f / h for f in folders for h in HEADERS if (f / h).is_file()]
+            text = b"".join(p.read_bytes() for p in (*self.sources, *headers))
             key = hashlib.sha256(
                 text + " ".join(self.flags).encode() + _cpu_tag().encode()
             ).hexdigest()[:16]
