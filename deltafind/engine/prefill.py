@@ -4,9 +4,11 @@ A step reads each expert its tokens chose once per layer (`models/ops/moe.dispat
 by expert), so a chunk of T tokens reads E(1-(1-k/E)^T) experts a layer: bytes per prompt token
 fall as T grows, and the largest chunk that fits is the cheapest. Its working set grows with T:
 a dozen hidden-width rows a token, one partial output per chosen expert, one expert's gate/up
-rows, and attention scores against the context so far. `PrefillPlan` holds those costs (from the
-model's config) and the budget (memory free at load, less what the caches may still take, halved
-for allocator slack); `tokens(cached)` is the chunk for a sequence with `cached` tokens computed.
+rows. Attention adds nothing per context position: models/ops/attention.py never makes a score
+matrix (blockwise softmax), so a chunk after a long context is as large as the first. `PrefillPlan`
+holds those costs (from the model's config) and the budget (memory free at load, less what the
+caches may still take, halved for allocator slack); `tokens(cached)` is the chunk for a sequence
+with `cached` tokens computed.
 Token counts and bytes only: no tensors, no store. `release_memory` hands what a long prefill's
 activations left in the C heap back to the OS once the engine is idle.
 """
@@ -31,6 +33,9 @@ RELEASE_AFTER_TOKENS = (
 )
 ROWS_PER_TOKEN = (
     12  # hidden-width rows alive at once per token: residual, norms, q/k/v/o, mixture, outputs
+)
+ATTN_ROWS_PER_TOKEN = (
+    6  # all heads' rows alive at once per token in attention: q, k, v, output, the merge's two
 )
 SAFETY = 0.5  # of the memory free at load: allocator slack, transients the estimate leaves out
 
@@ -59,10 +64,16 @@ def plan_for(
 ) -> PrefillPlan:
     """The prefill plan of a model whose config is `args` (any family's `ModelArgs`), in `itemsize`-byte activations."""
     hidden, k, routed, inter, heads = token_widths(args)
-    token = itemsize * (ROWS_PER_TOKEN * hidden + k * routed + 2 * inter)
-    return PrefillPlan(
-        max(budget_bytes, 0), token, itemsize * heads + 1, cap
-    )  # fp32 scores + a bool mask
+    # MLA's heads are wider than hidden / heads (K3: 96 x 192 against 7168)
+    head = getattr(args, "qk_nope_head_dim", 0) + getattr(args, "qk_rope_head_dim", 0)
+    head = head or getattr(args, "head_dim", None) or hidden // max(heads, 1)
+    token = itemsize * (
+        ROWS_PER_TOKEN * hidden + k * routed + 2 * inter + ATTN_ROWS_PER_TOKEN * heads * head
+    )
+    # No score term: the attention's working set is per token plus fixed key blocks. The quadratic
+    # term it had (fp32 scores and a mask, from before the blockwise kernel) cut a 1M-context K3
+    # chunk to ~42 tokens, each re-reading most of every layer's experts.
+    return PrefillPlan(max(budget_bytes, 0), token, 0, cap)
 
 
 def free_bytes(device: torch.device) -> int:

@@ -177,6 +177,27 @@ def test_gated_mlp_is_the_float64_mlp_of_the_stored_weights(
 
 
 @needs_kernel
+@pytest.mark.parametrize("act", list(ACTS))
+def test_a_prompts_gated_mlp_rows_are_a_token_alone_at_any_thread_count(act: str) -> None:
+    """A prompt's activation runs on the pool in blocks of tokens: 70 tokens (three blocks, one short)
+    on 2 threads give every row the bits that token gets alone on one thread."""
+    slices = _slices(2, 64, 96, seed=3)
+    x = torch.randn(70, 64, generator=torch.Generator().manual_seed(5)) * 2
+    norm = RMSNorm(64, 1e-6)
+    run, threads = swiglu(act), torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        got = run.slices(x, slices, norm)
+        torch.set_num_threads(1)
+        alone = [run.slices(x[t : t + 1], slices, norm) for t in (0, 31, 32, 69)]
+    finally:
+        torch.set_num_threads(threads)
+    assert got is not None
+    for t, row in zip((0, 31, 32, 69), alone, strict=True):
+        assert row is not None and torch.equal(row[0], got[t])
+
+
+@needs_kernel
 def test_gated_mlp_plans_once_per_slice_set_and_steps_aside_where_the_kernel_does_not_apply() -> (
     None
 ):

@@ -132,3 +132,11 @@ def test_a_k3_plan_prefills_a_512_token_prompt_in_one_chunk_with_16_gib() -> Non
     plan = plan_for(args, 16 << 30)
     assert plan.tokens(0) >= 512
     assert plan_for(args, 256 << 20).tokens(0) < 512  # a tight budget splits it
+
+
+def test_a_chunk_after_a_long_context_is_as_large_as_the_first() -> None:
+    """Attention is blockwise (no score matrix), so the context so far takes no chunk memory: a K3 prompt
+    at 1M tokens of context still prefills in chunks that read each expert once for many tokens."""
+    args = K3Args.from_config(text_config({**REAL, "layers": 61, "mla": [4], "experts": 896}))
+    plan = plan_for(args, 16 << 30)
+    assert plan.tokens(1 << 20) == plan.tokens(100_000) == plan.tokens(0) >= 4096

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_pool.h"
 #include "stored_blocks.h"
 
 using dfq::Part;
@@ -154,14 +155,19 @@ int df_gated_mlp(const Part* gu, int n_gu, const Part* down, int n_down, const f
   if (norm) df_rms_norm(x, T, C, C, norm, eps, xn.data());
   if (df_stored_parts(gu, n_gu, 0, norm ? xn.data() : x, T, C, g.data(), rows, threads)) return 1;
   constexpr float kSqrtHalf = 0.70710678118654752440f, kBeta = 0.79788456080286535588f, kKappa = 0.044715f;
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t i = 0; i < I; ++i) {
-      const float v = g[t * rows + i];
-      const float a = act == 0 ? v / (1.0f + std::exp(-v))
-                    : act == 1 ? v * 0.5f * (1.0f + std::erf(v * kSqrtHalf))
-                               : 0.5f * v * (1.0f + std::tanh(kBeta * (v + kKappa * v * v * v)));
-      h[t * I + i] = a * g[t * rows + I + i];
-    }
+  // The activation is a scalar exp/erf/tanh per element: on the pool in blocks of tokens (a prompt's
+  // T x I of them took one thread while the others waited), each element as before.
+  constexpr int64_t kActTokens = 32;
+  df::pool().run(static_cast<int>((T + kActTokens - 1) / kActTokens), threads, [&](int task) {
+    for (int64_t t = task * kActTokens; t < std::min(T, (task + 1) * kActTokens); ++t)
+      for (int64_t i = 0; i < I; ++i) {
+        const float v = g[t * rows + i];
+        const float a = act == 0 ? v / (1.0f + std::exp(-v))
+                      : act == 1 ? v * 0.5f * (1.0f + std::erf(v * kSqrtHalf))
+                                 : 0.5f * v * (1.0f + std::tanh(kBeta * (v + kKappa * v * v * v)));
+        h[t * I + i] = a * g[t * rows + I + i];
+      }
+  });
   if (df_stored_parts(down, n_down, 1, h.data(), T, I, y, H, threads)) return 1;
   if (add_x)
     for (int64_t i = 0; i < T * H; ++i) y[i] = x[i] + y[i];

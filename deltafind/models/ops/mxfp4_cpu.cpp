@@ -138,9 +138,10 @@ void rows_tile(const float* x, int64_t ldx, int nt, const uint8_t* packed, const
   }
 }
 
-// Tokens per pass of the split rows (AVX-512): 4, so two rows share each load of x (a tile of 8 tokens of
-// a 3584-wide x, 115 KB, came from L2 for every row).
-constexpr int kSplitTile = 4;
+// Tokens per pass of the split rows (AVX-512): 6, two rows sharing each load of x (a tile of 8 tokens of
+// a 3584-wide x, 115 KB, came from L2 for every row). Each pass decodes the rows' weights again: 6 tokens
+// (24 accumulators) over 4 ran a K3 expert 3-4 % faster at 64 and 128 tokens (tests/bench/RESULTS.md).
+constexpr int kSplitTile = 6;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // AVX-512: each weight decoded exactly as df_mxfp4_dequant decodes it, E2M1 value * 2^(s-127), from the
@@ -205,6 +206,8 @@ void rows_split(const float* xs, int nt, const uint8_t* packed, const uint8_t* s
     case 1: tile512<1>(xs, C, packed, scale, r0, r1, y, ldy); break;
     case 2: tile512<2>(xs, C, packed, scale, r0, r1, y, ldy); break;
     case 3: tile512<3>(xs, C, packed, scale, r0, r1, y, ldy); break;
+    case 4: tile512<4>(xs, C, packed, scale, r0, r1, y, ldy); break;
+    case 5: tile512<5>(xs, C, packed, scale, r0, r1, y, ldy); break;
     default: tile512<kSplitTile>(xs, C, packed, scale, r0, r1, y, ldy); break;
   }
 }
