@@ -36,7 +36,7 @@ from deltafind.models import kimi_k3
 from deltafind.models.ops.batch import SequenceCache, forward_step
 from deltafind.models.ops.cpu_kernels import CPU, load_kernel
 from deltafind.models.ops.latent_moe import mxfp4_expert_forward
-from deltafind.models.ops.mxfp4 import BATCHED_MIN_TOKENS, dequantize, fused_linear
+from deltafind.models.ops.mxfp4 import dequantize, fused_linear
 from deltafind.provider import Expert
 from deltafind.store.buffers import record_tensors
 from deltafind.store.manifest import Manifest
@@ -410,7 +410,6 @@ def main() -> None:
         "bench": "kimi_k3",
         "threads": a.threads,
         "kernel": load_kernel() is not None,
-        "batched_min_tokens": BATCHED_MIN_TOKENS,
         "cold_decode": decode,
         "expert": costs,
         "spine_matvec_gb_s": round(rate, 2),

@@ -115,15 +115,6 @@ def test_fused_kernel_within_fp32_bound_and_token_independent() -> None:
         torch.set_num_threads(threads)
 
 
-def test_batched_path_is_dequantize_then_matmul_bit_for_bit() -> None:
-    packed, scale = _random_pack(64, 128, seed=2)
-    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(3))
-    got = mxfp4.mxfp4_linear(x, packed, scale, batched_min_tokens=8)
-    assert torch.equal(
-        got, torch.nn.functional.linear(x, mxfp4.dequantize_reference(packed, scale))
-    )
-
-
 def test_without_kernel_falls_back_to_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     packed, scale = _random_pack(32, 64, seed=4)
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(5))
@@ -194,13 +185,13 @@ def test_the_avx2_and_default_builds_both_hold_the_bound_for_any_batch() -> None
 
 
 @pytest.mark.skipif(load_kernel() is None, reason="no C++ compiler: the fused kernel is not built")
-@pytest.mark.parametrize("rows,cols,tokens", [(67, 640, 29), (35, 256, 200)])
+@pytest.mark.parametrize("rows,cols,tokens", [(67, 640, 29), (35, 256, 200), (19, 128, 300)])
 def test_prefill_sizes_give_each_token_its_one_token_bits(
     rows: int, cols: int, tokens: int
 ) -> None:
-    """`mxfp4_linear` keeps prefill-sized batches on the fused kernel (below mxfp4.BATCHED_MIN_TOKENS, 256;
-    200 tokens took dequantise + BLAS before, other bits): every row is within the fp32 bound and bit for
-    bit what the token gets alone. 67 rows leave a lone row after the pairs, 29 tokens a partial tile."""
+    """`mxfp4_linear` keeps prefill-sized batches on the fused kernel at any size (200 and 300 tokens
+    took dequantise + BLAS before, other bits): every row is within the fp32 bound and bit for bit
+    what the token gets alone. 67 rows leave a lone row after the pairs, 29 tokens a partial tile."""
     packed, scale = _random_pack(rows, cols, seed=rows)
     w = mxfp4.dequantize_reference(packed, scale)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(cols))

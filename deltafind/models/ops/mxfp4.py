@@ -22,11 +22,6 @@ from deltafind.models.ops.cpu_kernels import load_kernel
 
 GROUP = 32
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-# Where the fused kernel stops paying: from this many tokens per expert, one exact dequantisation
-# plus a BLAS matmul is as fast (one Zen 4 core, medians of 9 alternated rounds: kernel 79 vs 63
-# GFLOP/s at 128 tokens, 78 vs 77 at 256, 73 vs 83 at 512). Below it a token's row has the same bits
-# in any batch.
-BATCHED_MIN_TOKENS = 256
 
 
 def logical_shape(packed: torch.Tensor) -> tuple[int, int]:
@@ -235,29 +230,27 @@ def fused_gate_up_situ(
     return h
 
 
-def can_fuse(x: torch.Tensor, packed: torch.Tensor, batched_min_tokens: int | None = None) -> bool:
+def can_fuse(x: torch.Tensor, packed: torch.Tensor) -> bool:
     """Whether `mxfp4_linear` would take the fused kernel for x."""
-    limit = BATCHED_MIN_TOKENS if batched_min_tokens is None else batched_min_tokens
-    return _kernel_ok(x, packed) and x.shape[0] < limit
+    return _kernel_ok(x, packed)
 
 
 def mxfp4_linear(
     x: torch.Tensor,
     packed: torch.Tensor,
     scale: torch.Tensor,
-    batched_min_tokens: int | None = None,
 ) -> torch.Tensor:
     """`x @ W.T` for an MXFP4 W, fp32 in and out. x [T, C] -> [T, R].
 
-    Few tokens: the fused kernel. Many tokens (>= `batched_min_tokens`) or no
-    kernel: exact dequantisation to fp32, then one matmul. Both are exact in the
-    weights; they differ only in fp32 summation order.
+    On a CPU with the kernel, the fused kernel at every T, so a token's row has the same bits in any
+    batch (prefix reuse and chunking never change a result). A dequantisation plus one BLAS matmul
+    would be ~12 % faster at 512+ tokens an expert (one Zen 4 core: 83 vs 73 GFLOP/s; equal at 256)
+    but sums in another order. Elsewhere: exact dequantisation to fp32, then one matmul.
     """
     check_pack(packed, scale)
     if x.dtype != torch.float32:
         raise ValueError(f"MXFP4 matmul takes fp32 activations (got {x.dtype})")
-    limit = BATCHED_MIN_TOKENS if batched_min_tokens is None else batched_min_tokens
-    if _kernel_ok(x, packed) and x.shape[0] < limit:
+    if _kernel_ok(x, packed):
         return fused_linear(x, packed, scale)
     fused = _compiled.get("dequant")
     if fused is not None and packed.device.type != "cpu":
