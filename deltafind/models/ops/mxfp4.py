@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from deltafind.models.ops import fast_math
 from deltafind.models.ops.cpu_kernels import load_kernel
 
 GROUP = 32
@@ -238,7 +239,7 @@ def fused_gate_up_situ(
 def can_fuse(x: torch.Tensor, packed: torch.Tensor, batched_min_tokens: int | None = None) -> bool:
     """Whether `mxfp4_linear` would take the fused kernel for x."""
     limit = BATCHED_MIN_TOKENS if batched_min_tokens is None else batched_min_tokens
-    return _kernel_ok(x, packed) and x.shape[0] < limit
+    return _kernel_ok(x, packed) and x.shape[0] < limit and not fast_math.takes(x)
 
 
 def mxfp4_linear(
@@ -257,6 +258,9 @@ def mxfp4_linear(
     if x.dtype != torch.float32:
         raise ValueError(f"MXFP4 matmul takes fp32 activations (got {x.dtype})")
     limit = BATCHED_MIN_TOKENS if batched_min_tokens is None else batched_min_tokens
+    fast = _kernel_ok(x, packed) and fast_math.takes(x)  # opt-in, NOT exact: fast_math.py
+    if fast and (y := fast_math.mxfp4_matmul(x, packed, scale)) is not None:
+        return y
     if _kernel_ok(x, packed) and x.shape[0] < limit:
         return fused_linear(x, packed, scale)
     fused = _compiled.get("dequant")
