@@ -85,6 +85,15 @@ class DeviceSettings(Section):
         description="On a GPU, torch.compile the MXFP4 dequantisation into one fused kernel (same "
         "bits). Off by default: not yet measured to pay; tests/gpu/bench_gpu.py measures it.",
     )
+    math: Literal["exact", "bf16"] = Field(
+        "exact",
+        description="exact: every matmul is exact fp32 on the weights as stored. bf16: NOT "
+        "BIT-EXACT, opt-in: on a CPU with AVX512-BF16, prefill matmuls of 16 or more prompt "
+        "tokens round the decoded weights and the activations to bf16 and use the CPU's bf16 "
+        "dot products (about 2-3x the exact kernels' speed); decode steps stay exact. The "
+        "logits drift from exact fp32 (tests/bench/RESULTS.md, bench_fast_math.py); --stats "
+        "and status say when it is on.",
+    )
 
     @field_validator("kind", mode="before")
     @classmethod
