@@ -17,6 +17,7 @@ import torch
 from deltafind import Model
 from deltafind.control.ctl import store_lines
 from deltafind.models.ops import fast_math, mxfp4
+from deltafind.models.ops.situ import situ
 from deltafind.models.ops.stored import FusedLinear, stored_linear
 from deltafind.models.ops.stored_weight import StoredWeight, gguf_dequantize
 from tests.conftest import gguf_blocks, make_hf_checkpoint
@@ -73,6 +74,25 @@ def test_bf16_kernel_against_references(kind: str, bf16_mode: None) -> None:
     exact = matmul(x[: fast_math.MIN_ROWS - 1])  # fewer rows than MIN_ROWS: the exact kernels
     fast_math.use("exact")
     assert torch.equal(exact, matmul(x[: fast_math.MIN_ROWS - 1]))
+
+
+def test_bf16_gate_up_situ_is_situ_of_the_bf16_matmuls(bf16_mode: None) -> None:
+    """K3's routed expert first half in one call: SiTU (situ.py) of the two bf16 matmuls above."""
+    g = torch.Generator().manual_seed(9)
+    w1, w3 = (
+        (
+            torch.randint(0, 256, (R, C // 2), dtype=torch.uint8, generator=g),
+            torch.randint(118, 127, (R, C // 32), dtype=torch.uint8, generator=g),
+        )
+        for _ in range(2)
+    )
+    x = torch.randn(T, C, generator=g)
+    assert mxfp4.can_fuse(x, w1[0], batched_min_tokens=1)  # bf16 rows fuse at any count
+    h = mxfp4.fused_gate_up_situ(x, w1, w3, 4.0, 25.0)
+    want = situ(mxfp4.mxfp4_linear(x, *w1), mxfp4.mxfp4_linear(x, *w3), 4.0, 25.0)
+    torch.testing.assert_close(h, want, rtol=1e-5, atol=1e-6)
+    fast_math.use("exact")
+    assert not torch.equal(h, mxfp4.fused_gate_up_situ(x, w1, w3, 4.0, 25.0))
 
 
 @pytest.mark.parametrize("stack_cols", [False, True])

@@ -204,6 +204,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.df_fast_parts.restype = I32
     lib.df_fast_mxfp4.argtypes = [P, I64, I64, P, P, I64, I64, P, I64, I32]
     lib.df_fast_mxfp4.restype = I32
+    lib.df_fast_mxfp4_gate_up_situ.argtypes = [P, I64, P, P, P, P, I64, I64, F32, F32, P, I32]
+    lib.df_fast_mxfp4_gate_up_situ.restype = I32
     return lib
 
 

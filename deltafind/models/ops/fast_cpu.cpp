@@ -227,4 +227,31 @@ int df_fast_mxfp4(const float* x, int64_t T, int64_t ldx, const uint8_t* packed,
   return 0;
 }
 
+// h [T, R] = situ(x @ W1.T, x @ W3.T) for MXFP4 W1, W3 with bf16 products (df_mxfp4_gate_up_situ's
+// contract and its SiTU expression, docs/kimi-k3-format.md §4.6): each task's rows in one pass, no torch
+// op between the matmuls and the activation.
+int df_fast_mxfp4_gate_up_situ(const float* x, int64_t T, const uint8_t* p1, const uint8_t* s1, const uint8_t* p3,
+                               const uint8_t* s3, int64_t R, int64_t C, float beta, float lbeta, float* h,
+                               int threads) {
+  if (!kBuilt || C % 32 != 0) return 1;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  const std::vector<uint32_t> xb = activations(x, T, C, C, threads);
+  std::vector<float> g(static_cast<size_t>(T * R)), u(static_cast<size_t>(T * R));
+  const Decode d1 = [&](int64_t r, int64_t m, float*, uint32_t* out) { mxfp4_rows(p1, s1, C, r, m, out); };
+  const Decode d3 = [&](int64_t r, int64_t m, float*, uint32_t* out) { mxfp4_rows(p3, s3, C, r, m, out); };
+  pool().run(static_cast<int>((R + kTile - 1) / kTile), threads, [&](int i) {
+    const int64_t r0 = i * kTile, n = std::min(kTile, R - r0);
+    tile(d1, r0, n, xb.data(), T, C, g.data(), R, r0);
+    tile(d3, r0, n, xb.data(), T, C, u.data(), R, r0);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t r = r0; r < r0 + n; ++r) {
+        const float gv = g[t * R + r], uv = u[t * R + r];
+        const float sig = 1.0f / (1.0f + std::exp(-gv));
+        h[t * R + r] = (std::tanh(gv / beta) * beta * sig) * (std::tanh(uv / lbeta) * lbeta);
+      }
+  });
+#endif
+  return 0;
+}
+
 }  // extern "C"

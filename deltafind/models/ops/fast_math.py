@@ -98,3 +98,32 @@ def mxfp4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> 
         torch.get_num_threads(),
     )
     return y if rc == 0 else None
+
+
+def mxfp4_gate_up_situ(
+    x: torch.Tensor,
+    w1: tuple[torch.Tensor, torch.Tensor],
+    w3: tuple[torch.Tensor, torch.Tensor],
+    beta: float,
+    linear_beta: float,
+) -> torch.Tensor | None:
+    """situ(x @ W1.T, x @ W3.T) for MXFP4 W1, W3 (mxfp4.py's fused_gate_up_situ) with bf16 products."""
+    x = x.contiguous()
+    (p1, s1), (p3, s3) = ((p.contiguous(), s.contiguous()) for p, s in (w1, w3))
+    rows, cols = p1.shape[0], p1.shape[1] * 2
+    h = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    rc = CPU.load().df_fast_mxfp4_gate_up_situ(
+        x.data_ptr(),
+        x.shape[0],
+        p1.data_ptr(),
+        s1.data_ptr(),
+        p3.data_ptr(),
+        s3.data_ptr(),
+        rows,
+        cols,
+        beta,
+        linear_beta,
+        h.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return h if rc == 0 else None

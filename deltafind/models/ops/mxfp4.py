@@ -211,7 +211,13 @@ def fused_gate_up_situ(
     beta: float,
     linear_beta: float,
 ) -> torch.Tensor:
-    """situ(x @ W1.T, x @ W3.T) in one kernel call: x [T, C] fp32 -> [T, R]."""
+    """situ(x @ W1.T, x @ W3.T) in one kernel call: x [T, C] fp32 -> [T, R] (bf16 products where
+    `[device] math = "bf16"` takes these rows: fast_math.py)."""
+    if (
+        fast_math.takes(x)
+        and (h := fast_math.mxfp4_gate_up_situ(x, w1, w3, beta, linear_beta)) is not None
+    ):
+        return h
     lib = load_kernel()
     assert lib is not None
     rows, cols = logical_shape(w1[0])
@@ -237,9 +243,9 @@ def fused_gate_up_situ(
 
 
 def can_fuse(x: torch.Tensor, packed: torch.Tensor, batched_min_tokens: int | None = None) -> bool:
-    """Whether `mxfp4_linear` would take the fused kernel for x."""
+    """Whether a routed expert's gate and up take one kernel call (`fused_gate_up_situ`) for x."""
     limit = BATCHED_MIN_TOKENS if batched_min_tokens is None else batched_min_tokens
-    return _kernel_ok(x, packed) and x.shape[0] < limit and not fast_math.takes(x)
+    return _kernel_ok(x, packed) and (x.shape[0] < limit or fast_math.takes(x))
 
 
 def mxfp4_linear(
