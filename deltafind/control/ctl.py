@@ -125,7 +125,7 @@ def store_lines(s: dict[str, Any]) -> list[str]:
         )
     if s.get("math", "exact") != "exact":
         lines.append(
-            f"math       {s['math']} ([device] math): NOT bit-exact, prefill matmuls of 16+ tokens use bf16 dot "
+            f"math       {s['math']} ([device] math): NOT bit-exact, matmuls of 16+ token rows use bf16 dot "
             "products; the logits drift from exact fp32 (tests/bench/RESULTS.md)"
         )
     elif s.get("math_requested", "exact") != "exact":

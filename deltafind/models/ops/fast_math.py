@@ -2,8 +2,8 @@
 
 Off ("exact"), every matmul is the exact fp32 path. On, CPU matmuls of at least `MIN_ROWS` token rows
 on stored weights (GGUF blocks, bf16/fp16, row-int8, MXFP4) run fast_cpu.cpp: weights decoded exactly
-per tile and rounded to bf16, activations rounded to bf16, sums in fp32. Decode steps (fewer rows)
-stay exact. The logits drift: tests/bench/bench_fast_math.py measures by how much (RESULTS.md).
+per tile and rounded to bf16, activations rounded to bf16, sums in fp32. Steps of fewer rows (one
+stream's decode) stay exact; a step batching 16+ sequences' rows takes bf16 too. The logits drift: tests/bench/bench_fast_math.py measures by how much (RESULTS.md).
 """
 
 from __future__ import annotations
