@@ -203,8 +203,8 @@ int df_fast_parts(const dfq::Part* parts, int n, int stack_cols, const float* x,
     const dfq::Part& part = parts[p];
     const Decode decode = [&](int64_t r, int64_t m, float* scratch, uint32_t* out) {
       if (!stack_cols) return part_rows(part, r, m, scratch, out, x_cols / 2);
-      for (int q = 0, c0 = 0; q < n; c0 += static_cast<int>(parts[q++].cols))  // side by side: row r is every part's row r
-        part_rows(parts[q], r, m, scratch, out + c0 / 2, x_cols / 2);
+      // Side by side: row r of W is every part's row r, one after another.
+      for (int64_t q = 0, c0 = 0; q < n; c0 += parts[q++].cols) part_rows(parts[q], r, m, scratch, out + c0 / 2, x_cols / 2);
     };
     tile(decode, r0, std::min(kTile, part.rows - r0), xb.data(), T, x_cols, y, ldy, col0 + r0);
   });
