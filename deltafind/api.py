@@ -31,6 +31,7 @@ from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.stats import EngineStats, GenerationStats
 from deltafind.errors import StoreError
 from deltafind.log import get_logger
+from deltafind.models.ops import fast_math
 from deltafind.models.ops.batch import SequenceCache, forward_step
 from deltafind.models.ops.cpu_kernels import kernel_status
 from deltafind.store.experts import StoreExperts, prefetch_options
@@ -272,6 +273,8 @@ class Model:
             store_bytes_total=total,
             store_bytes_present=remote.present_bytes() if remote is not None else total,
             spine_int8=self.settings.cache.spine_int8,
+            math=fast_math.mode(),  # what runs: "exact" where [device] math = bf16 is unavailable
+            math_requested=self.settings.device.math,
             cpu_kernels=kernel_status(),
         )
         if self.cluster is not None:

@@ -28,6 +28,7 @@ from deltafind.engine.prefill import activation_budget, plan_for
 from deltafind.engine.scheduler import SchedulerLimits
 from deltafind.errors import ConfigError, StoreError
 from deltafind.log import get_logger
+from deltafind.models.ops import fast_math
 from deltafind.models.ops.cpu_kernels import missing_note
 from deltafind.models.ops.moe import SlicedMLP
 from deltafind.models.ops.mxfp4 import use_compile
@@ -227,6 +228,10 @@ def load_model(
     adopt_stored(net, torch_dtype)  # bf16/fp16 matmul weights stay as stored; fp32 activations
     if device.type == "cpu" and (note := missing_note()):
         log.warning("cpu_kernels_missing", note=note)
+    if fast_math.use(settings.device.math) != settings.device.math:
+        log.warning("math_exact", note=fast_math.unavailable_note())
+    elif settings.device.math != "exact":
+        log.warning("math_bf16", note="bf16 prefill matmuls: NOT bit-exact ([device] math)")
     if c.spine_int8:
         log.warning(
             "spine_int8",

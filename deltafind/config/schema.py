@@ -87,6 +87,16 @@ class DeviceSettings(Section):
         description="On a GPU, torch.compile the MXFP4 dequantisation into one fused kernel (same "
         "bits). Off by default: not yet measured to pay; tests/gpu/bench_gpu.py measures it.",
     )
+    math: Literal["exact", "bf16"] = Field(
+        "exact",
+        description="exact: every matmul is exact fp32 on the weights as stored. bf16: NOT "
+        "BIT-EXACT, opt-in: on a CPU with AVX512-BF16, matmuls of 16 or more token rows "
+        "(prefill chunks, and a step that batches 16+ sequences) round the decoded weights and "
+        "the activations to bf16 and use the CPU's bf16 dot products (2-3x the exact kernels' "
+        "speed at 64+ rows); smaller steps, so single-stream decode, stay exact. The "
+        "logits drift from exact fp32 (tests/bench/RESULTS.md, bench_fast_math.py); --stats "
+        "and status say when it is on.",
+    )
 
     @field_validator("kind", mode="before")
     @classmethod

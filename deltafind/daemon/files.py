@@ -59,6 +59,7 @@ def prompt_disk(s: Settings, model: Any) -> Any:
         "chat_template": sha(model.tokenizer.chat_template_source.encode()),
         "dtype": s.device.dtype,
         "spine_int8": str(c.spine_int8),
+        "math": s.device.math,  # bf16 prefill writes other state than exact
         "device": device.type,
         "deltafind": __version__,
     }

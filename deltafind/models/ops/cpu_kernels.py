@@ -1,4 +1,4 @@
-"""Build and load deltafind's CPU kernels (stored_cpu.cpp, layer_cpu.cpp, mxfp4_cpu.cpp) as ONE shared library.
+"""Build and load deltafind's CPU kernels (stored_cpu.cpp, layer_cpu.cpp, mxfp4_cpu.cpp, fast_cpu.cpp) as ONE shared library.
 
 One library, so every kernel runs on one thread pool (cpu_pool.h): two pools' idle workers would
 spin against each other's work, and the layer kernels call the stored-format matmul directly.
@@ -6,7 +6,7 @@ It is compiled once per source, compiler and CPU with the system C++ compiler, c
 under ~/.cache/deltafind/kernels, called through ctypes (which drops the GIL).
 `load()` returns None where no compiler works, so callers fall back to torch (`missing_note`
 says so, loudly, in serve, doctor, status and --stats); a kernel never decides numerics, it
-only makes them fast.
+only makes them fast (except fast_cpu.cpp, the opt-in `[device] math = "bf16"`: fast_math.py).
 """
 
 from __future__ import annotations
@@ -202,10 +202,17 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.df_decode_layers.argtypes = [ctypes.POINTER(DecodeLayer), I32, P, P, P, I32]
     lib.df_decode_layers.restype = I32
     lib.df_layer_abi.restype = I32
+    lib.df_fast_ok.restype = I32
+    lib.df_fast_parts.argtypes = [P, I32, I32, P, I64, I64, P, I64, I32]
+    lib.df_fast_parts.restype = I32
+    lib.df_fast_mxfp4.argtypes = [P, I64, I64, P, P, I64, I64, P, I64, I32]
+    lib.df_fast_mxfp4.restype = I32
+    lib.df_fast_mxfp4_gate_up_situ.argtypes = [P, I64, P, P, P, P, I64, I64, F32, F32, P, I32]
+    lib.df_fast_mxfp4_gate_up_situ.restype = I32
     return lib
 
 
-SOURCES = ("stored_cpu.cpp", "layer_cpu.cpp", "mxfp4_cpu.cpp")
+SOURCES = ("stored_cpu.cpp", "layer_cpu.cpp", "mxfp4_cpu.cpp", "fast_cpu.cpp")
 CPU = KernelLibrary(SOURCES, _bind)
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltafind.models.ops import fast_math
 from deltafind.models.ops.cpu_kernels import CPU
 from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.stored import FusedLinear, linear
@@ -173,8 +174,10 @@ class GatedExpert:
         w = (
             None if norm is None else norm._parameters["weight"]
         )  # not norm.weight: nn.Module.__getattr__ costs ~1 us
-        if self.act < 0 or (
-            w is not None and w is not self._norm_fits and not _fits(w, x.shape[1])
+        if (
+            self.act < 0
+            or fast_math.takes(x)  # bf16 prefill: the parts' matmuls take fast_math's kernel
+            or (w is not None and w is not self._norm_fits and not _fits(w, x.shape[1]))
         ):
             return None
         self._norm_fits = w  # checked once per norm weight object

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from deltafind.models.ops import fast_math
 from deltafind.models.ops.cpu_kernels import load_kernel
 
 GROUP = 32
@@ -205,7 +206,13 @@ def fused_gate_up_situ(
     beta: float,
     linear_beta: float,
 ) -> torch.Tensor:
-    """situ(x @ W1.T, x @ W3.T) in one kernel call: x [T, C] fp32 -> [T, R]."""
+    """situ(x @ W1.T, x @ W3.T) in one kernel call: x [T, C] fp32 -> [T, R] (bf16 products where
+    `[device] math = "bf16"` takes these rows: fast_math.py)."""
+    if (
+        fast_math.takes(x)
+        and (h := fast_math.mxfp4_gate_up_situ(x, w1, w3, beta, linear_beta)) is not None
+    ):
+        return h
     lib = load_kernel()
     assert lib is not None
     rows, cols = logical_shape(w1[0])
@@ -231,7 +238,7 @@ def fused_gate_up_situ(
 
 
 def can_fuse(x: torch.Tensor, packed: torch.Tensor) -> bool:
-    """Whether `mxfp4_linear` would take the fused kernel for x."""
+    """Whether a routed expert's gate and up take one kernel call (`fused_gate_up_situ`) for x."""
     return _kernel_ok(x, packed)
 
 
@@ -251,6 +258,9 @@ def mxfp4_linear(
     if x.dtype != torch.float32:
         raise ValueError(f"MXFP4 matmul takes fp32 activations (got {x.dtype})")
     if _kernel_ok(x, packed):
+        # opt-in, NOT exact: fast_math.py
+        if fast_math.takes(x) and (y := fast_math.mxfp4_matmul(x, packed, scale)) is not None:
+            return y
         return fused_linear(x, packed, scale)
     fused = _compiled.get("dequant")
     if fused is not None and packed.device.type != "cpu":
