@@ -14,7 +14,11 @@ namespace {  // internal linkage: never called through the PLT
 // operations in its order) indexed by the codes with vpermps, and dot them with fp32 FMAs: ~12
 // instructions per 32 Q4_1 weights where the factored AVX2 path takes ~25. Q6_K's and Q5_K's codes are
 // decoded by arithmetic instead (q6_half, q5_half): per 32 weights a table of 32 values ran slower than the
-// AVX2 path.
+// AVX2 path. Q8_0 has no table to gain from: its d*q takes a widening, a conversion and a multiply per 16
+// weights, where the factored form shares one multiply by d between two products, so one token runs ~0.85x
+// the AVX2 path; and a cheaper exact d*q was not found (fp16 or 2^23-biased codes, an FMA with the bias
+// folded in: 0.76-0.96x, tests/bench/RESULTS.md). It stays here because the prefill panel, which must give
+// the one-token path's bits, reads these weights at 1.26x the AVX2 rows (128 tokens).
 //
 // On Intel cores the table lookups, the codes' byte-to-lane widening and the scales' fp16 conversion and
 // broadcast all issue on one port (5), ~7 of a Q4_1 group's uops: the matmul ran at ~8.5 cycles per
