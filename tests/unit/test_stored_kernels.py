@@ -316,7 +316,7 @@ def test_every_weight_the_matmul_reads_is_its_decoded_value(kind: str) -> None:
         assert torch.equal(panel, oracle[:, picks[-83:]].T)
 
 
-PANEL = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K", "BF16", "F16", "I8R"]
+PANEL = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "BF16", "F16", "I8R"]
 
 
 def _panel_weight(kind: str, rows: int, cols: int) -> StoredWeight:
@@ -349,9 +349,9 @@ def test_prefill_rows_equal_one_token_rows(kind: str) -> None:
 @needs_kernel
 def test_prefill_parts_side_by_side_equal_one_token_rows() -> None:
     """A dense MLP's down slices in several formats, summed in one set of lanes, at prefill size: each token's
-    row alone equals its row in the batch; with a format the panel lacks (Q5_K) the call takes the row path.
-    The rows are 3584 and 2048 columns wide: the panel takes rows of 2048 and more (stored_panel.h)."""
-    for kinds in (["Q4_1", "Q8_0", "BF16", "Q6_K", "Q4_K"], ["Q6_K", "Q5_K", "BF16"]):
+    row alone equals its row in the batch; with a format the panel lacks (Q3_K) the call takes the row path.
+    The rows are 4608 and 2048 columns wide: the panel takes rows of 2048 and more (stored_panel.h)."""
+    for kinds in (["Q4_1", "Q8_0", "BF16", "Q6_K", "Q4_K", "Q5_K"], ["Q6_K", "Q3_K", "BF16"]):
         side = [_weight(k, 40, 512 * (1 + i % 2), seed=20 + i) for i, k in enumerate(kinds)]
         xs = torch.randn(
             23,

@@ -2,7 +2,7 @@
 // an fp32 panel in L1, then register-blocked FMAs over kNR rows x kNT tokens at a time, so a weight is
 // decoded once per kTB tokens (not once per 4, as row512 does) and each load of x or of a weight feeds
 // several FMAs. The panel holds exactly the vectors row512 / fused_row build in registers (stored_rows.h
-// group_w, k4_pair, q6_half; bf16/f16/row-int8 widened as fused_row does), and every (token, row) sums
+// group_w, k4_pair, q5_half, q6_half; bf16/f16/row-int8 widened as fused_row does), and every (token, row) sums
 // into the same lanes in the same order: lanes [0, 32) over even 32-weight groups, [32, 64) over odd ones
 // (the block formats; bf16/f16/row-int8 use one set), added once per matrix. So a row's result is
 // bit-identical to the one-token path and does not depend on the batch (tests/unit/test_stored_kernels.py).
@@ -30,9 +30,9 @@ constexpr int64_t kPanelMin = 8;  // fewer tokens take row512 (a decode per 4 to
 // broke even at 1536 and gained a third at 3584.
 constexpr int64_t kPanelMinCols = 2048;
 
-// The kinds with a panel decode: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K and F16, BF16, row-int8 (I8R, 100).
+// The kinds with a panel decode: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K and F16, BF16, row-int8 (I8R, 100).
 inline bool panel_kind(int64_t kind) {
-  return kind == 2 || kind == 3 || kind == 6 || kind == 7 || kind == 8 || kind == 12 || kind == 14 || kind == 1
+  return kind == 2 || kind == 3 || kind == 6 || kind == 7 || kind == 8 || (kind >= 12 && kind <= 14) || kind == 1
       || kind == 30 || kind == 100;
 }
 // The block formats sum even and odd groups in two lane sets (row512); bf16/f16/row-int8 in one (fused_row).
@@ -68,6 +68,18 @@ inline void panel_decode(int64_t kind, const uint8_t* row, int64_t c0, int64_t k
           __m512 w[4];
           k4_pair(b, j, ds, dm, w);
           for (int v = 0; v < 4; ++v) _mm512_storeu_ps(out + blk * 256 + 64 * j + 16 * v, w[v]);
+        }
+      }
+      return;
+    case 13:
+      for (int64_t blk = 0; blk < kc / 256; ++blk) {
+        const uint8_t* b = row + (c0 / 256 + blk) * block_bytes(13);
+        alignas(32) float ds[8], dm[8];
+        k4_scales(b, ds, dm, true);
+        for (int h = 0; h < 2; ++h) {
+          __m512 w[8];
+          q5_half(b, h, ds + 4 * h, dm + 4 * h, w);
+          for (int i = 0; i < 8; ++i) _mm512_storeu_ps(out + blk * 256 + h * 128 + 16 * i, w[i]);
         }
       }
       return;

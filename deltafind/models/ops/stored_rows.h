@@ -12,9 +12,13 @@ namespace {  // internal linkage: never called through the PLT
 // CPUs with AVX-512 decode every weight exactly as decode() does (stored_cpu.cpp), through the group's
 // table of code values (16, or 32 for the 5-bit formats: one mul and one add per 16 values, decode()'s
 // operations in its order) indexed by the codes with vpermps, and dot them with fp32 FMAs: ~12
-// instructions per 32 Q4_1 weights where the factored AVX2 path takes ~25. Q6_K's 64 codes are decoded by
-// arithmetic instead ((d*sc) * (code - 32), decode()'s two roundings; q6_half); Q5_K takes the AVX2 path, its
-// 32-value tables per 32 weights ran 15 % slower than it.
+// instructions per 32 Q4_1 weights where the factored AVX2 path takes ~25. Q6_K's and Q5_K's codes are
+// decoded by arithmetic instead (q6_half, q5_half): per 32 weights a table of 32 values ran slower than the
+// AVX2 path. Q8_0 has no table to gain from: its d*q takes a widening, a conversion and a multiply per 16
+// weights, where the factored form shares one multiply by d between two products, so one token runs ~0.85x
+// the AVX2 path; and a cheaper exact d*q was not found (fp16 or 2^23-biased codes, an FMA with the bias
+// folded in: 0.76-0.96x, tests/bench/RESULTS.md). It stays here because the prefill panel, which must give
+// the one-token path's bits, reads these weights at 1.26x the AVX2 rows (128 tokens).
 //
 // On Intel cores the table lookups, the codes' byte-to-lane widening and the scales' fp16 conversion and
 // broadcast all issue on one port (5), ~7 of a Q4_1 group's uops: the matmul ran at ~8.5 cycles per
@@ -27,7 +31,7 @@ namespace {  // internal linkage: never called through the PLT
 // Lanes [0, 16) of acc[t] take weights 0-15 of each group of 32 (in perm order for the 4-bit formats),
 // lanes [16, 32) weights 16-31; lane 16's m terms are not used (the m is in the table).
 template <int K>
-constexpr bool wide() { return K != 13; }
+constexpr bool wide() { return true; }
 template <int K>
 constexpr bool lanes() { return K == 2 || K == 3 || K == 12; }  // Q4_0, Q4_1, Q4_K: codes shifted into lanes
 constexpr int perm(int l) { return 4 * (l % 4) + l / 4; }
@@ -86,17 +90,19 @@ inline void tables(float d, float m, __m512* lo, __m512* hi) {
   }
 }
 
-// Q4_K: the 8 groups' d*sc (ds) and dmin*mn (dm) of block b, k45_groups' values all at once: the 6-bit
-// fields as two words of bytes each (scale_min's rule, 4 groups per word), one conversion and multiply per 8
-// (per group, scale_min's scalar work shared the vector ports and took Q4_K to twice Q4_1's time).
-inline void k4_scales(const uint8_t* b, float* ds, float* dm) {
+// Q4_K, Q5_K: the 8 groups' d*sc (ds) and dmin*mn (dm; negate_m: -dmin*mn) of block b, k45_groups' values all
+// at once: the 6-bit fields as two words of bytes each (scale_min's rule, 4 groups per word), one conversion
+// and multiply per 8 (per group, scale_min's scalar work shared the vector ports and took Q4_K to twice Q4_1's
+// time).
+inline void k4_scales(const uint8_t* b, float* ds, float* dm, bool negate_m = false) {
   uint32_t w[3];
   std::memcpy(w, b + 4, 12);
   const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, top2 = 0x30303030u;
   const __m128i sc = _mm_setr_epi32(static_cast<int>(w[0] & low6), static_cast<int>((w[2] & low4) | ((w[0] >> 2) & top2)), 0, 0);
   const __m128i mn = _mm_setr_epi32(static_cast<int>(w[1] & low6), static_cast<int>(((w[2] >> 4) & low4) | ((w[1] >> 2) & top2)), 0, 0);
   _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_set1_ps(h2f(rd16(b))), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc))));
-  _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_set1_ps(h2f(rd16(b + 2))), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn))));
+  const float dmin = h2f(rd16(b + 2));
+  _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_set1_ps(negate_m ? -dmin : dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn))));
 }
 
 // The code indices of 16 bytes broadcast to every 128-bit lane (`c`): lane l's low 4 bits are byte perm(l)'s
@@ -194,6 +200,43 @@ inline __attribute__((always_inline)) void q6_half(const uint8_t* b, int h, cons
   }
 }
 
+// Q5_K: half h of block b (groups 4h + k, weights h*128 + k*32 + [0, 32) in order; ds, dm their d*sc and
+// -dmin*mn, k4_scales(negate_m)): w[2k], w[2k + 1] group k's weights 0-15 and 16-31. The 5-bit codes of 64
+// weights are built in one register of bytes (nibbles, plus 16 where a byte test finds qh's bit g for group
+// g), each 16 placed by vpermb into dwords and converted: w = fma(d*sc, code, -dmin*mn), one rounding, the
+// bits of decode_k45's (d*sc) * code - dmin*mn since d*sc * code (11 + 6 + 5 significant bits) is exact.
+// Per 16 weights a shuffle, a conversion and an FMA: 1.33x the AVX2 path, where a multiply and a subtract
+// (the two roundings written out) gave 1.19x, vpermb into dwords of 2^23 less 2^23 1.27x, and per group
+// a 32-value table (two FMAs, then vpermt2ps per 16) 1.14x (tests/bench/RESULTS.md).
+inline __attribute__((always_inline)) void q5_half(const uint8_t* b, int h, const float* ds, const float* dm,
+                                                   __m512 w[8]) {
+  const __m512i ql = _mm512_loadu_si512(b + 48 + h * 64);
+  const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
+  const __m512i low4 = _mm512_set1_epi8(15), bit4 = _mm512_set1_epi8(16);
+  // ql's bytes 0-31 hold groups 4h (low nibbles) and 4h + 1 (high), bytes 32-63 groups 4h + 2 and 4h + 3.
+  auto fifth = [&](int lower, int upper) {  // bytes whose 5th bit is set: qh's bit `lower` (bytes 0-31), `upper`
+    const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << lower)),
+                                           _mm256_set1_epi8(static_cast<char>(1 << upper)), 1);
+    return _mm512_test_epi8_mask(qh, bit);
+  };
+  const __m512i lo = _mm512_and_si512(ql, low4), hi = _mm512_and_si512(_mm512_srli_epi16(ql, 4), low4);
+  const __m512i v[2] = {_mm512_mask_add_epi8(lo, fifth(4 * h, 4 * h + 2), lo, bit4),
+                        _mm512_mask_add_epi8(hi, fifth(4 * h + 1, 4 * h + 3), hi, bit4)};
+  const __m512i exp23 = _mm512_set1_epi32(0x4B000000);
+  const __m512 bias = _mm512_set1_ps(8388608.0f);
+  for (int i = 0; i < 8; ++i) {  // group k = i / 2: v[k % 2]'s bytes 32 * (k / 2) + 16 * (i % 2) + [0, 16)
+    const int k = i / 2, from = 32 * (k / 2) + 16 * (i % 2);
+#ifdef __AVX512VBMI__
+    const __m512i idx = _mm512_add_epi8(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                        _mm512_set1_epi8(static_cast<char>(from)));
+    const __m512i f = _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, idx, v[k % 2]);
+#else
+    const __m512i f = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v[k % 2], from / 16));
+#endif
+    w[i] = _mm512_fmadd_ps(_mm512_set1_ps(ds[k]), _mm512_cvtepi32_ps(f), _mm512_set1_ps(dm[k]));
+  }
+}
+
 // acc[t] += row . x[t] for NT tokens; xp is x in code-lane order (Q4_0, Q4_1 and Q4_K read it).
 template <int K, int NT>
 inline __attribute__((always_inline)) void row512(const uint8_t* row, int64_t cols, const float* x, int64_t ldx,
@@ -218,6 +261,22 @@ inline __attribute__((always_inline)) void row512(const uint8_t* row, int64_t co
           const float* xg = xp + (b0 + k) * 256 + 64 * j;
           fma2<NT, 0>(w[0], w[1], xg, ldxp, a);
           fma2<NT, 1>(w[2], w[3], xg + 32, ldxp, a);
+        }
+    }
+  } else if constexpr (K == 13) {  // Q5_K: Q4_K's scales, groups 4h + k in natural order (as Q6_K)
+    alignas(64) float ds[8 * kBlockRun], dm[8 * kBlockRun];
+    for (int64_t b0 = 0; b0 < cols / 256; b0 += kBlockRun) {
+      const int64_t n = std::min<int64_t>(kBlockRun, cols / 256 - b0);
+      for (int64_t k = 0; k < n; ++k) k4_scales(row + (b0 + k) * block_bytes(K), ds + 8 * k, dm + 8 * k, true);
+      for (int64_t k = 0; k < n; ++k)
+        for (int h = 0; h < 2; ++h) {
+          __m512 w[8];
+          q5_half(row + (b0 + k) * block_bytes(K), h, ds + 8 * k + 4 * h, dm + 8 * k + 4 * h, w);
+          const float* xg = x + (b0 + k) * 256 + h * 128;
+          fma2<NT, 0>(w[0], w[1], xg, ldx, a);
+          fma2<NT, 1>(w[2], w[3], xg + 32, ldx, a);
+          fma2<NT, 0>(w[4], w[5], xg + 64, ldx, a);
+          fma2<NT, 1>(w[6], w[7], xg + 96, ldx, a);
         }
     }
   } else if constexpr (K == 14) {  // Q6_K: groups 4h + k, natural order
@@ -276,7 +335,7 @@ inline void row512(const uint8_t*, int64_t, const float*, int64_t, const float*,
 #endif
 
 // Which forms of x a kind's rows read: its per-32 sums (the AVX2 path's m terms: Q4_1, Q5_1, Q4_K, Q5_K where
-// they do not take row512) and its columns in code-lane order (permute_x).
+// they do not take row512, i.e. without AVX-512) and its columns in code-lane order (permute_x).
 template <int K>
 constexpr bool sums() { return (K == 3 || K == 7 || K == 12 || K == 13) && !wide<K>(); }
 inline bool reads_sums(int kind) {
