@@ -74,7 +74,10 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor], what: str) -> int:
             del old
             for t in ts.values():  # the storage offset in elements: `at` is a multiple of 64 bytes
                 size = t.element_size()
-                t.set_(storage, at // size + t.storage_offset(), t.size(), t.stride())
+                with torch.inference_mode(
+                    t.is_inference()
+                ):  # one made under inference mode moves in it
+                    t.set_(storage, at // size + t.storage_offset(), t.size(), t.stride())
             at += -(-n // 64) * 64
     log.info(
         "huge_pages",

@@ -60,3 +60,18 @@ def test_small_or_foreign_tensors_stay_where_they_are() -> None:
     meta = torch.empty(4096, 1024, device="meta")
     ptr = small.data_ptr()
     assert move_to_huge_pages([small, meta], "test") == 0 and small.data_ptr() == ptr
+
+
+@pytest.mark.parametrize("made_in_inference", [False, True])
+@pytest.mark.parametrize("moved_in_inference", [False, True])
+def test_tensors_made_or_moved_under_inference_mode_move_too(
+    made_in_inference: bool, moved_in_inference: bool
+) -> None:
+    """Model.open may run inside torch.inference_mode (or its tensors may come from it): set_ on an
+    inference tensor outside it is refused by torch, so each tensor moves in its own mode."""
+    with torch.inference_mode(made_in_inference):
+        t = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(1))
+    want = t.clone()
+    with torch.inference_mode(moved_in_inference):
+        assert move_to_huge_pages([t], "test") >= t.numel() * 4
+    assert torch.equal(t, want) and t.is_inference() == made_in_inference
