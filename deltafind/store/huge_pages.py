@@ -74,9 +74,9 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor], what: str) -> int:
             del old
             for t in ts.values():  # the storage offset in elements: `at` is a multiple of 64 bytes
                 size = t.element_size()
-                with torch.inference_mode(
-                    t.is_inference()
-                ):  # one made under inference mode moves in it
+                # one made under inference mode moves in it; no_grad inside: inference_mode(False) turns
+                # grad mode back on, and a Parameter that requires grad refuses set_ under it
+                with torch.inference_mode(t.is_inference()), torch.no_grad():
                     t.set_(storage, at // size + t.storage_offset(), t.size(), t.stride())
             at += -(-n // 64) * 64
     log.info(

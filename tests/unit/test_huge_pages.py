@@ -71,7 +71,9 @@ def test_tensors_made_or_moved_under_inference_mode_move_too(
     inference tensor outside it is refused by torch, so each tensor moves in its own mode."""
     with torch.inference_mode(made_in_inference):
         t = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(1))
+    norm = torch.nn.Parameter(torch.ones(1024 * 1024))  # requires grad, as an RMSNorm's weight does
     want = t.clone()
     with torch.inference_mode(moved_in_inference):
-        assert move_to_huge_pages([t], "test") >= t.numel() * 4
+        assert move_to_huge_pages([t, norm], "test") >= t.numel() * 8
     assert torch.equal(t, want) and t.is_inference() == made_in_inference
+    assert norm.requires_grad and bool((norm == 1).all())
