@@ -42,6 +42,7 @@ from deltafind.models.ops.stored import (
 from deltafind.models.registry import family_module
 from deltafind.store.experts import StoreExperts
 from deltafind.store.heat import hottest, read_heat
+from deltafind.store.huge_pages import move_to_huge_pages
 from deltafind.store.manifest import SPINE_NAME, TOKENIZER_DIR, Manifest
 from deltafind.store.spine import SpineStreamer, load_resident, plan_spine, read_layout
 from deltafind.store.trace import TraceWriter
@@ -214,6 +215,7 @@ def load_model(
     }  # GGUF blocks stay blocks (models/ops/stored.py)
     install_quantized(net, quants, {n: spine.pop(n) for n in list(spine) if n in quants})
     missing, unexpected = net.load_state_dict(spine, strict=False, assign=True)
+    del spine  # the parameters hold the tensors now: each frees as it moves to huge pages (below)
     missing = [
         k
         for k in missing
@@ -247,6 +249,9 @@ def load_model(
             log.info("mxfp4_compile", device=str(device))
     # Dense MLPs held whole within the expert budget, outside the LRU (store/resident.py); the LRU keeps the rest.
     experts.hold_dense([m.layer_idx for m in net.modules() if isinstance(m, SlicedMLP)])
+    # Before any forward plans a kernel call on their addresses (store/huge_pages.py)
+    move_to_huge_pages([*net.parameters(), *net.buffers()], "spine")
+    move_to_huge_pages(experts.resident.tensors(), "held_experts")
     model = handle(
         store_dir, manifest, net, experts, Tokenizer.load(store_dir / TOKENIZER_DIR), settings
     )

@@ -173,6 +173,11 @@ class DecoderLayer(nn.Module):
             return None
         return attn, parts, norm, mlp.run.act, row
 
+    def weight_slots(self) -> list[tuple[dict[str, Any], str]]:
+        """Where each of this layer's weights lives (a module's parameters dict, the name): a chain planned
+        on them checks each by identity before it runs (a reloaded weight is a new object)."""
+        return [(m._parameters, name) for m in self.modules() for name in m._parameters]
+
     def predict_experts(self, h: torch.Tensor) -> list[int]:
         """This layer's likely experts for hidden state h (its own norm and router; every slice if dense)."""
         mlp, norm, sliced = self._ffn

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+import torch
+
 from deltafind.provider import Expert
 from deltafind.store.manifest import ExpertRecord
 
@@ -88,6 +90,10 @@ class Resident:
         while len(self.chain) in self.layers:
             self.chain.append(self.layers[len(self.chain)])
         return self.dense_bytes
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the experts held, both tiers."""
+        return [t for e in self.experts.values() for t in e.tensors.values()]
 
     def pin(self, keys: Sequence[Key], budget_bytes: int) -> int:
         """Pin `keys` (hottest first) until `budget_bytes`; returns bytes pinned. Dense layers held

@@ -302,7 +302,10 @@ class MemoryLock:
     def lock(self, tensors: Iterable[torch.Tensor], what: str = "spine") -> int:
         libc = _libc()
         tensors = [t for t in tensors if t.device.type == "cpu" and t.numel()]
-        want = sum(t.untyped_storage().nbytes() for t in tensors)
+        # each storage once: tensors moved to huge pages share one (store/huge_pages.py)
+        want = sum(
+            {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()
+        )
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         if libc is None:
             return self._refuse(what, want, soft, "no libc mlock on this platform")

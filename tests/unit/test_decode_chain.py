@@ -142,3 +142,30 @@ def test_where_a_hook_has_work_the_layers_run_one_by_one(stores, calls, tmp_path
         assert calls == [] and not m.net._chain.off  # never tried: nothing was refused
     finally:
         m.close()
+
+
+def test_the_chain_is_planned_once_and_again_when_a_weight_is_replaced(
+    stores, calls, monkeypatch
+) -> None:
+    """Each step checks the layers' weight objects in one pass rather than planning every layer again;
+    a replaced weight (a new object, as a reloaded layer brings) is planned again and used."""
+    m = Model.open(stores["llama"], expert_cache_bytes=None)
+    try:
+        planned: list[int] = []
+        for i, layer in enumerate(m.net.model.layers):
+            real = layer.chain_parts
+            monkeypatch.setattr(
+                layer, "chain_parts", lambda *a, i=i, real=real: planned.append(i) or real(*a)
+            )
+        before = decode_logits(m)
+        assert calls == [4] * 10 and planned == [0, 1, 2, 3]  # planned at the first token only
+        o = m.net.model.layers[1].self_attn.o_proj
+        o.weight = torch.nn.Parameter(o.weight * 0.5, requires_grad=False)
+        chained = decode_logits(m)
+        assert len(calls) == 20 and planned == [0, 1, 2, 3] * 2
+        m.net._chain.off = True
+        per_layer = decode_logits(m)
+        assert all(torch.equal(a, b) for a, b in zip(chained, per_layer, strict=True))
+        assert not torch.equal(before[0], chained[0])  # the new weight is the one used
+    finally:
+        m.close()

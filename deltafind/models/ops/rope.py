@@ -93,12 +93,29 @@ def inv_freq_and_scale(
 
 
 class Rope:
-    """cos/sin tables for positions, computed on demand."""
+    """cos/sin tables for positions, computed on demand. A decode step's one position is read from a block
+    of `BLOCK` positions computed together: the same ops on the same values, element by element (for a
+    dim that is a multiple of 32 no element takes a vector loop's scalar tail), so the same bits, and
+    one decode token saves ~30 us of small ops."""
+
+    BLOCK = 256
 
     def __init__(self, params: dict[str, Any], dim: int, max_position_embeddings: int) -> None:
         self.inv_freq, self.scale = inv_freq_and_scale(params, dim, max_position_embeddings)
+        self._block: tuple[int, torch.Tensor, torch.Tensor] | None = (
+            None  # (first position, cos, sin)
+        )
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.numel() != 1 or positions.device.type != "cpu" or self.inv_freq.numel() % 16:
+            return self._cos_sin(positions)
+        p, block = int(positions), self._block
+        if block is None or not block[0] <= p < block[0] + self.BLOCK:
+            block = self._block = (p, *self._cos_sin(torch.arange(p, p + self.BLOCK)))
+        i = p - block[0]
+        return block[1][i : i + 1], block[2][i : i + 1]  # [1, dim] rows of the block
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = (
             positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
         )  # [T, dim/2]

@@ -208,11 +208,21 @@ inline void dot_chunk(const float* w, const float* x, int n, float* acc) {
 #endif
 }
 
-// The one fixed tree that ends every (token, row): chains pairwise, then the 8 lanes.
+// The one fixed tree that ends every (token, row): chains pairwise, then the 8 lanes. On AVX the same
+// adds in the same order, 8 lanes at a time: the scalar loop (31 dependent adds a row) was ~8 % of a
+// demo decode token, a reduce per output row of every matrix.
 inline float reduce32(const float* a) {
+#ifdef __AVX2__
+  const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(a + 8)),
+                                 _mm256_add_ps(_mm256_loadu_ps(a + 16), _mm256_loadu_ps(a + 24)));
+  const __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));  // s[l] + s[l + 4]
+  const __m128 u = _mm_add_ps(t, _mm_movehl_ps(t, t));  // (s0 + s4) + (s2 + s6), (s1 + s5) + (s3 + s7)
+  return _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)));
+#else
   float s[8];
   for (int l = 0; l < 8; ++l) s[l] = (a[l] + a[8 + l]) + (a[16 + l] + a[24 + l]);
   return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+#endif
 }
 
 #ifdef __AVX2__
