@@ -149,7 +149,7 @@ def test_the_chain_is_planned_once_and_again_when_a_weight_is_replaced(
 ) -> None:
     """Each step checks the layers' weight objects in one pass rather than planning every layer again;
     a replaced weight (a new object, as a reloaded layer brings) is planned again and used."""
-    m = Model.open(stores["llama"], expert_cache_bytes=None)
+    m = Model.open(stores["llama"], expert_bytes=None)
     try:
         planned: list[int] = []
         for i, layer in enumerate(m.net.model.layers):
