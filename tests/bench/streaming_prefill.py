@@ -151,7 +151,8 @@ def compute(cfg: dict[str, Any]) -> dict[str, Any]:
     prompt = [(37 * i + 11) % (vocab - 300) + 1 for i in range(T)]
     # 64 tokens of other ids warm the kernels and buffers; then every routed expert is read
     model.generate([(41 * i + 7) % (vocab - 300) + 1 for i in range(64)], max_new_tokens=1)
-    for lay, (n, _, routed) in _layers(Path(cfg["store"]), model.net.args.num_experts).items():
+    layers = _layers(Path(cfg["store"]), model.net.args.num_experts)
+    for lay, (n, _, routed) in layers.items():
         if routed:
             list(model.experts.fetch(lay, range(n)))
     b0, t0, c0 = model.experts.reader.bytes_read, time.perf_counter(), time.process_time()
@@ -159,7 +160,7 @@ def compute(cfg: dict[str, Any]) -> dict[str, Any]:
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     out = {
         "math": cfg["math"],
-        "layers": _layers(Path(cfg["store"]), model.net.args.num_experts),
+        "layers": layers,
         "compute_s": wall,
         "compute_cpu_s": cpu,
         "compute_bytes_read": model.experts.reader.bytes_read - b0,
