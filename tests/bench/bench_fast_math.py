@@ -96,7 +96,7 @@ def kernels(rows: list[int], rounds: int) -> None:
 def _open(store: Path, mode: str):
     from deltafind import Model
 
-    return Model.open(str(store), device="cpu", expert_cache_bytes=None, math=mode)
+    return Model.open(str(store), device="cpu", expert_bytes=None, math=mode)
 
 
 def prefill(store: Path, tokens: int, rounds: int, threads: int) -> None:
