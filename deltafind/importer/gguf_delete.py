@@ -17,6 +17,7 @@ import torch
 
 from deltafind.errors import StoreError
 from deltafind.importer.gguf_source import GGUFSource, split_paths
+from deltafind.importer.placement import fsync_dir
 from deltafind.importer.sources import stat_fingerprint
 from deltafind.importer.spine_writer import write_safetensors
 from deltafind.log import get_logger
@@ -31,14 +32,6 @@ KEPT_DATA = ("rope_freqs.weight",)  # tensors read into the config, kept with th
 def has_kept_copy(path: Path, store_dir: Path) -> bool:
     """Whether an interrupted `--delete-source` setup into `store_dir` deleted `path` and kept its header."""
     return (Path(store_dir) / STAGING_DIR / Path(path).name).exists()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class GGUFDeletingSource(GGUFSource):
@@ -110,7 +103,7 @@ class GGUFDeletingSource(GGUFSource):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
     def _keep_header(self, shard: Path) -> None:
         """A sparse copy of `shard`: its header (and the tensors the config reads), zeros elsewhere."""
@@ -127,7 +120,7 @@ class GGUFDeletingSource(GGUFSource):
             dst.flush()
             os.fsync(dst.fileno())
         os.replace(tmp, self.staging / shard.name)
-        _fsync_dir(self.staging)
+        fsync_dir(self.staging)
 
     def durable(self, names: list[str]) -> None:
         for name in names:
@@ -148,7 +141,7 @@ class GGUFDeletingSource(GGUFSource):
             tmp = dest.with_name(dest.name + ".tmp")
             write_safetensors(tmp, {n: self.tensors[n] for n in spine}, self.load)  # fsyncs
             os.replace(tmp, dest)
-            _fsync_dir(self.staging)
+            fsync_dir(self.staging)
             h = safe_open(str(dest), "pt")
             self._staged.update(dict.fromkeys(spine, h))
         original = next(p for p in self.originals if p.name == shard)
@@ -157,7 +150,7 @@ class GGUFDeletingSource(GGUFSource):
         self._keep_header(original)
         self._reopen(shard)  # the file's pages are mapped: its disk is freed only once unmapped
         original.unlink()
-        _fsync_dir(original.parent)
+        fsync_dir(original.parent)
         log.info("gguf_shard_deleted", shard=str(original))
 
     def _reopen(self, shard: str) -> None:
@@ -195,5 +188,5 @@ class GGUFDeletingSource(GGUFSource):
             if p.exists():
                 p.unlink()
                 log.info("gguf_shard_deleted", shard=str(p))
-        _fsync_dir(self.originals[0].parent)
+        fsync_dir(self.originals[0].parent)
         shutil.rmtree(self.staging, ignore_errors=True)

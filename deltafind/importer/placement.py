@@ -299,7 +299,7 @@ def _rebalance_locked(
             f.close()
         reader.close()
     for d in dirs:
-        _fsync_dir(d)
+        fsync_dir(d)
     fault("written")
     placement = "stripe" if any(r.stripes for r in new_records) else "whole"
     replace(
@@ -342,7 +342,8 @@ def striped_layout(
     ]
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a folder's entries (files created, renamed, deleted in it) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -8,8 +8,6 @@ stream's decode) stay exact; a step batching 16+ sequences' rows takes bf16 too.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from deltafind.models.ops.cpu_kernels import CPU
@@ -61,69 +59,21 @@ def takes(x: torch.Tensor) -> bool:
     )
 
 
-def parts_matmul(
-    parts: ctypes.Array, stack_cols: bool, x: torch.Tensor, out_cols: int
-) -> torch.Tensor | None:
-    """`df_stored_parts`'s matmul (stored.py) with bf16 products; None if the kernel refused."""
-    y = torch.empty(x.shape[0], out_cols, dtype=torch.float32)
-    rc = CPU.load().df_fast_parts(
-        parts,
-        len(parts),
-        int(stack_cols),
-        x.data_ptr(),
-        x.shape[0],
-        x.shape[1],
-        y.data_ptr(),
-        out_cols,
-        torch.get_num_threads(),
-    )
-    return y if rc == 0 else None
+# Each exact kernel (stored_cpu.cpp, mxfp4_cpu.cpp) and its bf16 twin in fast_cpu.cpp: same arguments.
+FAST = {
+    "df_stored_parts": "df_fast_parts",
+    "df_mxfp4_matmul": "df_fast_mxfp4",
+    "df_mxfp4_gate_up_situ": "df_fast_mxfp4_gate_up_situ",
+}
 
 
-def mxfp4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
-    """x [T, C] fp32 @ W.T for an MXFP4 W (mxfp4.py's packed/scale) with bf16 products; None if refused."""
-    x, packed, scale = x.contiguous(), packed.contiguous(), scale.contiguous()
-    rows, cols = packed.shape[0], packed.shape[1] * 2
-    y = torch.empty(x.shape[0], rows, dtype=torch.float32)
-    rc = CPU.load().df_fast_mxfp4(
-        x.data_ptr(),
-        x.shape[0],
-        x.shape[1],
-        packed.data_ptr(),
-        scale.data_ptr(),
-        rows,
-        cols,
-        y.data_ptr(),
-        rows,
-        torch.get_num_threads(),
-    )
-    return y if rc == 0 else None
-
-
-def mxfp4_gate_up_situ(
-    x: torch.Tensor,
-    w1: tuple[torch.Tensor, torch.Tensor],
-    w3: tuple[torch.Tensor, torch.Tensor],
-    beta: float,
-    linear_beta: float,
-) -> torch.Tensor | None:
-    """situ(x @ W1.T, x @ W3.T) for MXFP4 W1, W3 (mxfp4.py's fused_gate_up_situ) with bf16 products."""
-    x = x.contiguous()
-    (p1, s1), (p3, s3) = ((p.contiguous(), s.contiguous()) for p, s in (w1, w3))
-    rows, cols = p1.shape[0], p1.shape[1] * 2
-    h = torch.empty(x.shape[0], rows, dtype=torch.float32)
-    rc = CPU.load().df_fast_mxfp4_gate_up_situ(
-        x.data_ptr(),
-        x.shape[0],
-        p1.data_ptr(),
-        s1.data_ptr(),
-        p3.data_ptr(),
-        s3.data_ptr(),
-        rows,
-        cols,
-        beta,
-        linear_beta,
-        h.data_ptr(),
-        torch.get_num_threads(),
-    )
-    return h if rc == 0 else None
+def run(x: torch.Tensor, exact: str, *args: object) -> int:
+    """Call the CPU library's kernel `exact` on `args` (activations `x`), or first its bf16 twin where
+    bf16 takes x; the twin refuses what it does not cover with a nonzero return. Returns the last
+    kernel's return code (0: done)."""
+    lib = CPU.load()
+    rc = 1
+    for name in (FAST[exact], exact) if takes(x) else (exact,):
+        if (rc := getattr(lib, name)(*args)) == 0:
+            break
+    return rc

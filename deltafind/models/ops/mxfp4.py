@@ -177,13 +177,13 @@ def fused_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> 
     Per output: fp32 lanes of FMAs (8, or 32 on AVX-512), group by group, then one fixed tree; the
     result does not depend on T or on the thread count.
     """
-    lib = load_kernel()
-    assert lib is not None
     rows, cols = logical_shape(packed)
     x = x.contiguous()
     packed, scale = packed.contiguous(), scale.contiguous()
     y = torch.empty((x.shape[0], rows), dtype=torch.float32)
-    rc = lib.df_mxfp4_matmul(
+    rc = fast_math.run(  # bf16 products where the opt-in `[device] math = "bf16"` takes x
+        x,
+        "df_mxfp4_matmul",
         x.data_ptr(),
         x.shape[0],
         cols,
@@ -208,18 +208,13 @@ def fused_gate_up_situ(
 ) -> torch.Tensor:
     """situ(x @ W1.T, x @ W3.T) in one kernel call: x [T, C] fp32 -> [T, R] (bf16 products where
     `[device] math = "bf16"` takes these rows: fast_math.py)."""
-    if (
-        fast_math.takes(x)
-        and (h := fast_math.mxfp4_gate_up_situ(x, w1, w3, beta, linear_beta)) is not None
-    ):
-        return h
-    lib = load_kernel()
-    assert lib is not None
     rows, cols = logical_shape(w1[0])
     x = x.contiguous()
     (p1, s1), (p3, s3) = ((p.contiguous(), s.contiguous()) for p, s in (w1, w3))
     h = torch.empty((x.shape[0], rows), dtype=torch.float32)
-    rc = lib.df_mxfp4_gate_up_situ(
+    rc = fast_math.run(
+        x,
+        "df_mxfp4_gate_up_situ",
         x.data_ptr(),
         x.shape[0],
         p1.data_ptr(),
@@ -258,9 +253,6 @@ def mxfp4_linear(
     if x.dtype != torch.float32:
         raise ValueError(f"MXFP4 matmul takes fp32 activations (got {x.dtype})")
     if _kernel_ok(x, packed):
-        # opt-in, NOT exact: fast_math.py
-        if fast_math.takes(x) and (y := fast_math.mxfp4_matmul(x, packed, scale)) is not None:
-            return y
         return fused_linear(x, packed, scale)
     fused = _compiled.get("dequant")
     if fused is not None and packed.device.type != "cpu":

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from deltafind.models.ops import fast_math
-from deltafind.models.ops.cpu_kernels import CPU, StoredPart
+from deltafind.models.ops.cpu_kernels import StoredPart
 from deltafind.models.ops.stored_weight import (
     KINDS,
     TORCH_KINDS,
@@ -88,13 +88,10 @@ def _run_parts(
 ) -> torch.Tensor | None:
     """One `df_stored_parts` call: x [T, in] fp32 contiguous -> y [T, out_cols]; None if the kernel refused.
     Prefill rows under the opt-in `[device] math = "bf16"` take its kernel instead (fast_math.py)."""
-    if (
-        fast_math.takes(x)
-        and (y := fast_math.parts_matmul(parts, stack_cols, x, out_cols)) is not None
-    ):
-        return y
     y = torch.empty(x.shape[0], out_cols, dtype=torch.float32)
-    rc = CPU.load().df_stored_parts(
+    rc = fast_math.run(
+        x,
+        "df_stored_parts",
         parts,
         len(parts),
         int(stack_cols),
