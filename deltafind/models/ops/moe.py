@@ -228,6 +228,11 @@ def predict_routed(router: nn.Module, x: torch.Tensor) -> list[int]:
     tied, and the gate read the lowest expert ids first, whatever the router's scores."""
     with torch.no_grad():
         idx, weight = router(x)
+    if (
+        idx.shape[0] == 1
+    ):  # one token: its k experts, each once; the same order by Python, not 7 torch ops
+        pairs = zip(idx[0].tolist(), weight[0].tolist(), strict=True)
+        return [e for e, _ in sorted(pairs, key=lambda p: (-p[1], p[0]))]
     ids, inverse, counts = torch.unique(idx, return_inverse=True, return_counts=True)
     score = torch.zeros(len(ids), dtype=torch.float64, device=ids.device).index_add_(
         0, inverse.reshape(-1), weight.reshape(-1).double()
@@ -253,6 +258,11 @@ def dispatch(
     it, so the engine fails only their sequences.
     """
     provider.observe_routes(layer_idx, topk_idx, topk_weight)
+    if (
+        topk_idx.shape[0] == 1
+        and (y := _one_token(x, topk_idx, topk_weight, provider, layer_idx, run)) is not None
+    ):
+        return y
     flat_idx = topk_idx.reshape(-1)  # [T*k]
     order = torch.argsort(flat_idx, stable=True)
     unique, counts = torch.unique_consecutive(flat_idx[order], return_counts=True)
@@ -278,6 +288,42 @@ def dispatch(
     for expert_idx in sorted(partial):
         tokens, y = partial[expert_idx]
         out.index_add_(0, tokens, y)
+    return out
+
+
+def _one_token(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weight: torch.Tensor,
+    provider: ExpertProvider,
+    layer_idx: int,
+    run: Callable[[torch.Tensor, Expert], torch.Tensor],
+) -> torch.Tensor | None:
+    """`dispatch` for x [1, D] whose k experts are distinct, the same arithmetic (each expert's output
+    times its weight, summed onto zeros in expert order) with the route as Python ints: the general
+    path's argsort, unique, cumsum and per-expert index tensors were most of a decode token's Python
+    outside the kernels (tests/bench/RESULTS.md). None: the general path applies (a repeated expert,
+    experts run where they live)."""
+    ids = topk_idx[0].tolist()
+    col = {e: j for j, e in enumerate(ids)}
+    if len(col) < len(ids) or getattr(provider, "run_experts", None) is not None:
+        return None
+    weights = topk_weight.reshape(-1)
+    x = x.contiguous()
+    partial: dict[int, torch.Tensor] = {}
+    try:
+        for expert_idx, expert in provider.fetch(layer_idx, sorted(col)):
+            y = run(x, expert)
+            j = col[expert_idx]
+            partial[expert_idx] = y * weights[j : j + 1].to(y.dtype)[:, None]
+    except Exception as err:
+        key = getattr(err, "expert_key", None)
+        if key is not None and key[0] == layer_idx and key[1] in col:
+            err.rows = [0]  # type: ignore[attr-defined]
+        raise
+    out = torch.zeros_like(x)
+    for expert_idx in sorted(partial):  # expert order, as index_add_ sums in the general path
+        out += partial[expert_idx]
     return out
 
 
