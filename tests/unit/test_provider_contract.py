@@ -97,3 +97,30 @@ def test_the_prefetch_hint_lists_the_routers_best_first() -> None:
     assert (
         set(both[: len(shared)]) == shared and set(both) == chosen[0] | chosen[1]
     )  # chosen by both tokens first
+
+
+def test_one_token_dispatch_is_the_batched_sum_bit_for_bit() -> None:
+    # A decode token takes dispatch's one-token path (the route as Python ints); a batch the general one
+    # (argsort, index_add_). Each row of a batch must be what that token alone gives, to the bit, with a
+    # row-wise expert so the rows' arithmetic cannot depend on the batch.
+    import torch
+
+    from deltafind.models.ops.moe import dispatch
+    from deltafind.provider import DictExpertProvider
+
+    torch.manual_seed(0)
+    n, k, t, d = 16, 4, 5, 64
+    provider = DictExpertProvider({(0, e): {"scale": torch.randn(d)} for e in range(n)})
+    x = torch.randn(t, d)
+    idx = torch.stack([torch.randperm(n)[:k] for _ in range(t)])  # [T, k], distinct per token
+    weight = torch.rand(t, k).softmax(-1)
+
+    def run(rows: torch.Tensor, expert) -> torch.Tensor:
+        return torch.tanh(rows * expert["scale"]) * 3.7
+
+    batched = dispatch(x, idx, weight, provider, 0, run)
+    for row in range(t):
+        alone = dispatch(
+            x[row : row + 1], idx[row : row + 1], weight[row : row + 1], provider, 0, run
+        )
+        assert torch.equal(alone[0], batched[row]), row
