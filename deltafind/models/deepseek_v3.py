@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltafind.errors import UnsupportedModelError
+from deltafind.models.ops.gated_mlp import activation, swiglu
 from deltafind.models.ops.mla import MLAttention
-from deltafind.models.ops.moe import DenseMLP, SlicedMLP, activation, swiglu
+from deltafind.models.ops.moe import DenseMLP, SlicedMLP
 from deltafind.models.transformer import CausalLM, DecoderArgs, DecoderLayer, RoutedMoE, make_rope
 from deltafind.provider import HF_WEIGHTS, ExpertProvider, WeightNames
 

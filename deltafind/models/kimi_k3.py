@@ -18,10 +18,11 @@ from deltafind.models.contract import FamilyModel
 from deltafind.models.kimi_k3_config import ModelArgs, check_load_dtype
 from deltafind.models.ops.attnres import AttnResStream
 from deltafind.models.ops.batch import Batch
+from deltafind.models.ops.gated_mlp import GatedExpert
 from deltafind.models.ops.kda_layer import KDAOptions, KimiDeltaAttention
 from deltafind.models.ops.latent_moe import LatentMoE, SigmoidRouter
 from deltafind.models.ops.mla_nope import GatedNoPEMLA, MLAOptions
-from deltafind.models.ops.moe import GatedExpert, SlicedMLP
+from deltafind.models.ops.moe import SlicedMLP
 from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.situ import situ
 from deltafind.models.ops.step import run_layers

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deltafind.errors import UnsupportedModelError
-from deltafind.models.ops.moe import SlicedMLP, swiglu
+from deltafind.models.ops.gated_mlp import swiglu
+from deltafind.models.ops.moe import SlicedMLP
 from deltafind.models.transformer import (
     Attention,
     CausalLM,

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltafind.models.ops.moe import SlicedMLP, swiglu
+from deltafind.models.ops.gated_mlp import swiglu
+from deltafind.models.ops.moe import SlicedMLP
 from deltafind.models.transformer import (
     Attention,
     CausalLM,

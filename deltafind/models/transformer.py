@@ -18,7 +18,8 @@ from torch import nn
 from deltafind.models.contract import FamilyModel, RoutedExperts
 from deltafind.models.ops.attention import AttnStep, attend
 from deltafind.models.ops.batch import Batch
-from deltafind.models.ops.moe import SlicedMLP, dispatch, swiglu
+from deltafind.models.ops.gated_mlp import swiglu
+from deltafind.models.ops.moe import SlicedMLP, dispatch
 from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.rope import Rope, apply_rope, rope_parameters, rope_tables
 from deltafind.models.ops.step import DecodeChain, run_layers

@@ -16,13 +16,14 @@ import time
 import torch
 import torch.nn.functional as F
 
-from deltafind.models.ops.moe import SlicedMLP, dispatch, swiglu
+from deltafind.models.ops.gated_mlp import swiglu
+from deltafind.models.ops.moe import SlicedMLP, dispatch
 from deltafind.provider import DictExpertProvider
 
 
 def old_expert_forward(
     x: torch.Tensor, expert, act
-) -> torch.Tensor:  # moe.expert_forward before slices were dispatched as one matmul
+) -> torch.Tensor:  # gated_mlp.expert_forward before slices were dispatched as one matmul
     dtype = x.dtype
     gate = F.linear(x, expert["gate_proj"].to(dtype))
     up = F.linear(x, expert["up_proj"].to(dtype))

@@ -18,7 +18,7 @@ from deltafind.importer.setup import setup_store
 from deltafind.models.ops.attention import AttnStep
 from deltafind.models.ops.batch import Batch, SequenceCache
 from deltafind.models.ops.cpu_kernels import CPU
-from deltafind.models.ops.moe import GatedExpert, SlicesPlan, swiglu
+from deltafind.models.ops.gated_mlp import GatedExpert, SlicesPlan, swiglu
 from deltafind.models.ops.norm import RMSNorm
 from deltafind.provider import Expert
 from tests.conftest import make_hf_checkpoint

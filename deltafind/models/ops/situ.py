@@ -2,7 +2,7 @@
 
 situ(g, u) = [beta*tanh(g/beta) * sigmoid(g)] * [lbeta*tanh(u/lbeta)], evaluated in
 that order in fp32. Owns the resident SiTU MLP (K3's fused shared experts); layer 0's
-dense SiTU MLP runs as slices (`moe.SlicedMLP` with `moe.expert_forward`).
+dense SiTU MLP runs as slices (`moe.SlicedMLP` with `gated_mlp.expert_forward`).
 """
 
 from __future__ import annotations
