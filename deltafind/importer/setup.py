@@ -30,7 +30,6 @@ from deltafind.importer.store_files import (
     _open_packs,
     _replace_older_format,
     _sync_packs,
-    check_written,
     drive_folders,
     existing_store,
     finish_store,
@@ -241,6 +240,5 @@ def setup_store(
                 spine_sha256=spine_sha,
                 placement="stripe" if any(r.stripes for r in records) else "whole",
             )
-        check_written(store_dir)
         source.end_import()
         return manifest

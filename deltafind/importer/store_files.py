@@ -195,7 +195,8 @@ def finish_store(
     **fields: Any,
 ) -> Manifest:
     """Write the tokenizer, config.json and last the manifest (`fields` and what `checkpoint` says),
-    which makes the store whole; drop the journal."""
+    which makes the store whole; drop the journal; open what was written (`check_written`) before any
+    caller may call it ready."""
     config = checkpoint.config
     tokenizer_files = checkpoint.write_tokenizer(store_dir / TOKENIZER_DIR)
     (store_dir / "config.json").write_text(json.dumps(config, indent=1))
@@ -208,6 +209,7 @@ def finish_store(
     )
     manifest.save(store_dir)
     journal.path.unlink(missing_ok=True)
+    check_written(store_dir)
     return manifest
 
 

@@ -22,9 +22,6 @@ class DeepSeekV3(ChatFormat):
         r"<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>)?(?P<name>[^\n<｜]+?)(?:\n```json\n|<｜tool▁sep｜>)(?=\{)"
     )
 
-    def detect(self, tokenizer: Any) -> bool:
-        return tokenizer.token_to_id(self.section_open) is not None
-
     def call_rule(self, tool: ToolSpec, lit: Any) -> str:
         return (
             f'{lit(self.call_open)} "function" {lit("<｜tool▁sep｜>")} {lark_literal(tool.name)} "\\n```json\\n" '

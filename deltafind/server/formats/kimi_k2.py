@@ -22,9 +22,6 @@ class KimiK2(ChatFormat):
         r"<\|tool_call_begin\|>\s*(?:functions\.)?(?P<name>[^:<\s]+)(?::\d+)?\s*<\|tool_call_argument_begin\|>\s*(?=\{)"
     )
 
-    def detect(self, tokenizer: Any) -> bool:
-        return tokenizer.token_to_id(self.section_open) is not None
-
     def call_rule(self, tool: ToolSpec, lit: Any) -> str:
         return (
             f'{lit(self.call_open)} {lark_literal("functions." + tool.name)} ":" /[0-9]+/ '

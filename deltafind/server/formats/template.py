@@ -70,8 +70,9 @@ class ChatFormat:
         return tuple(x for x in (self.call_open, *self.leads) if x)
 
     def detect(self, tokenizer: Any) -> bool:
-        """Whether a tokenizer that declares no format speaks this one (its vocabulary, its template)."""
-        return True
+        """Whether a tokenizer that declares no format speaks this one (its vocabulary, its template):
+        here, a format that wraps its calls in a section marker where the vocabulary has that marker."""
+        return self.section_open is None or tokenizer.token_to_id(self.section_open) is not None
 
     # -- the prompt --------------------------------------------------------------
 
