@@ -18,6 +18,7 @@ from typing import Any
 
 from deltafind.server.formats.template import ChatFormat
 from deltafind.server.tools import ToolSpec
+from deltafind.tokenizer.stream import held_len
 
 
 @dataclass(frozen=True)
@@ -43,17 +44,6 @@ class ToolCall:
             "type": "function",
             "function": {"name": self.name, "arguments": "".join(self.arguments)},
         }
-
-
-def _hold(buf: str, markers: list[str]) -> int:
-    """How many trailing chars of `buf` might begin a marker (held back until they cannot)."""
-    best = 0
-    for m in markers:
-        for n in range(min(len(m) - 1, len(buf)), best, -1):
-            if m.startswith(buf[-n:]):
-                best = n
-                break
-    return best
 
 
 def _earliest(buf: str, markers: list[str]) -> tuple[int, str | None]:
@@ -142,7 +132,7 @@ class OutputParser:
             close = self.think[1]  # type: ignore[index]
             idx = self.rbuf.find(close)
             if idx < 0:
-                keep = 0 if final else _hold(self.rbuf, [close])
+                keep = 0 if final else held_len(self.rbuf, [close])
                 self._emit(out, "reasoning", self.rbuf[: len(self.rbuf) - keep])
                 self.rbuf = self.rbuf[len(self.rbuf) - keep :]
                 return
@@ -190,7 +180,7 @@ class OutputParser:
         starts = [fmt.start] if fmt is not None and fmt.start else []
         idx, marker = _earliest(self.cbuf, self.strip + starts)
         if marker is None:
-            keep = 0 if final else _hold(self.cbuf, self.strip + starts)
+            keep = 0 if final else held_len(self.cbuf, self.strip + starts)
             self._emit(out, "content", self.cbuf[: len(self.cbuf) - keep])
             self.cbuf = self.cbuf[len(self.cbuf) - keep :]
             return False

@@ -10,6 +10,17 @@ from __future__ import annotations
 from typing import Protocol
 
 
+def held_len(buf: str, markers: list[str]) -> int:
+    """How many trailing chars of `buf` might begin one of `markers` (held back until they cannot)."""
+    best = 0
+    for m in markers:
+        for n in range(min(len(m) - 1, len(buf)), best, -1):
+            if m.startswith(buf[-n:]):
+                best = n
+                break
+    return best
+
+
 class _Decodes(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
 
@@ -67,7 +78,6 @@ class StopMatcher:
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in dict.fromkeys(stops) if s]  # "" would stop at once
-        self._max_hold = max((len(s) for s in self.stops), default=1) - 1
         self._buf = ""
         self.stopped = False
         self.hit: str | None = None  # the stop string that was hit
@@ -80,15 +90,6 @@ class StopMatcher:
                 best = (idx + len(stop), idx, stop)
         return None if best is None else (best[1], best[2])
 
-    def _held_len(self) -> int:
-        # Longest suffix of the buffer that is a proper prefix of some stop.
-        buf = self._buf
-        for n in range(min(len(buf), self._max_hold), 0, -1):
-            tail = buf[-n:]
-            if any(stop.startswith(tail) for stop in self.stops):
-                return n
-        return 0
-
     def push(self, text: str) -> tuple[str, bool]:
         """Add text; returns (text safe to send now, whether a stop string was hit)."""
         if self.stopped:
@@ -99,7 +100,7 @@ class StopMatcher:
             idx, self.hit = found
             out, self._buf, self.stopped = self._buf[:idx], "", True
             return out, True
-        held = self._held_len()
+        held = held_len(self._buf, self.stops)
         out = self._buf[: len(self._buf) - held]
         self._buf = self._buf[len(self._buf) - held :]
         return out, False
