@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltafind.engine.constraint import ConstraintFactory
-from deltafind.errors import DeltafindError, RequestError, StoreError
+from deltafind.errors import DeltafindError, StoreError
 from deltafind.server.errors import ApiError, bad_request
 from deltafind.server.formats import Request, pick_format
 from deltafind.server.output import OutputParser
@@ -92,15 +92,15 @@ def plan_chat(
                 messages, tools, mode, thinking, body.reasoning_effort, kwargs, body.response_format
             ),
         )
-    except RequestError as e:  # the template refused this conversation (raise_exception)
-        raise bad_request(str(e), "messages", "invalid_messages") from None
     except (
         StoreError
     ) as e:  # the store's template is broken, too slow or too big: not the client's fault
         raise ApiError(
             500, f"the served model's chat template failed: {e}", None, "chat_template_error"
         ) from None
-    except DeltafindError as e:  # the model has no chat template: use /v1/completions
+    # the template refused this conversation (raise_exception, a RequestError), or the model has
+    # no chat template (use /v1/completions)
+    except DeltafindError as e:
         raise bad_request(str(e), "messages", "invalid_messages") from None
     constraint = None
     if mode != "none" and schema is None:

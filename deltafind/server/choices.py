@@ -146,7 +146,7 @@ def events(
     choices: list[Choice],
     mux: queue.Queue,
     keepalive: float | None,
-    gone: Callable[[], bool] | None = None,
+    gone: Callable[[], bool],
 ) -> Iterator[tuple[Choice, str, list, bool] | None]:
     """(choice, text, logprob entries, finished) per engine event on `mux` until every choice has finished;
     None when `keepalive` seconds passed quietly.
@@ -157,7 +157,7 @@ def events(
     """
     by_seq = {c.handle.seq_id: c for c in choices}
     open_ = len(choices)
-    tick = keepalive if gone is None else min(POLL_S, keepalive or POLL_S)
+    tick = min(POLL_S, keepalive or POLL_S)
     quiet_since = next_poll = time.monotonic()
     while open_:
         try:
@@ -166,7 +166,7 @@ def events(
             event = None
         now = time.monotonic()
         # by the clock: a fast model never leaves the queue quiet
-        if gone is not None and now >= next_poll:
+        if now >= next_poll:
             next_poll = now + POLL_S
             if gone():
                 log.info("client_gone", choices=len(choices))
@@ -189,9 +189,7 @@ def events(
         yield c, text, entries, done
 
 
-def submit_all(
-    engine: Any, reqs: list[GenRequest], mux: queue.Queue, pace: Pace | None = None
-) -> list[Handle]:
+def submit_all(engine: Any, reqs: list[GenRequest], mux: queue.Queue, pace: Pace) -> list[Handle]:
     """Submit every request or none (n > 1 and prompt lists are all-or-nothing)."""
     handles: list[Handle] = []
     try:
@@ -202,10 +200,10 @@ def submit_all(
             h.cancel()
         if isinstance(e, Draining):
             raise ApiError(503, str(e), None, "server_draining", {"Retry-After": "5"}) from None
-        retry = e.retry_after_s
-        if pace is not None:
-            st = engine.snapshot()
-            retry = max(retry, pace.retry_after_s(st["running"], st["waiting"], st["max_running"]))
+        st = engine.snapshot()
+        retry = max(
+            e.retry_after_s, pace.retry_after_s(st["running"], st["waiting"], st["max_running"])
+        )
         raise ApiError(
             429,
             str(e),

@@ -216,17 +216,16 @@ class RequestRun(Generic[Body]):
         self.state, self.req, self.engine = state, req, state.require_ready()
         self.raw = read_json(req, state.config.max_body_bytes)
         self.body = for_model(parse(self.raw), self.engine)
-        body = self.body
         self.mux: queue.Queue = queue.Queue()
         self.choices: list[Choice] = []
         self.prompt_tokens = 0
         self.want_lp: int | None = (
             None  # top logprobs asked for (0: the chosen token's only); None: none
         )
-        if isinstance(body, ChatRequest) and body.logprobs:
-            self.want_lp = body.top_logprobs or 0
-        elif isinstance(body, CompletionRequest) and body.logprobs is not None:
-            self.want_lp = body.logprobs
+        if isinstance(self.body, ChatRequest) and self.body.logprobs:
+            self.want_lp = self.body.top_logprobs or 0
+        elif isinstance(self.body, CompletionRequest) and self.body.logprobs is not None:
+            self.want_lp = self.body.logprobs
 
     def submit(
         self,

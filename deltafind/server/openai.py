@@ -231,13 +231,7 @@ class Generate:
             if done:
                 yield chunk([item(c, None, [], c.finish_reason)])
         if include_usage:
-            data = {
-                **meta,
-                "object": obj,
-                "choices": [],
-                "usage": usage(run.choices, run.prompt_tokens),
-            }
-            yield b"data: " + json.dumps(data).encode() + b"\n\n"
+            yield chunk([], usage=usage(run.choices, run.prompt_tokens))
         yield b"data: [DONE]\n\n"
 
 
