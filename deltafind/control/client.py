@@ -12,6 +12,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from google.protobuf.json_format import MessageToDict
 from grpclib.client import Channel
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
@@ -107,27 +108,10 @@ def call(
         raise ControlFailed(f"{method.lower()} failed: {e.message}") from None
     except asyncio.TimeoutError:
         raise ControlFailed(f"{method.lower()} timed out after {timeout:.0f} s") from None
-    return to_dict(reply)
-
-
-def to_dict(msg: Any) -> dict[str, Any]:
-    """Every field of a reply, defaults included, with ints kept as ints (not JSON's int64 strings)."""
-    out: dict[str, Any] = {}
-    for field in msg.DESCRIPTOR.fields:
-        value = getattr(msg, field.name)
-        if field.message_type is not None:
-            out[field.name] = [to_dict(v) for v in value] if _repeated(field) else to_dict(value)
-        elif _repeated(field):
-            out[field.name] = list(value)
-        elif field.enum_type is not None:
-            out[field.name] = field.enum_type.values_by_number[value].name
-        else:
-            out[field.name] = value
-    return out
-
-
-def _repeated(field: Any) -> bool:
-    return bool(getattr(field, "is_repeated", False) or getattr(field, "label", 0) == 3)
+    # the proto has no 64-bit ints, so every number stays a number
+    return MessageToDict(
+        reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
 
 
 def status(path: Path | str) -> dict[str, Any]:
@@ -135,20 +119,3 @@ def status(path: Path | str) -> dict[str, Any]:
     reply = call(path, "Status", pb.StatusRequest())
     reply["snapshot"] = json.loads(reply.pop("snapshot_json", "") or "{}")
     return reply
-
-
-def reload(path: Path | str) -> dict[str, Any]:
-    return call(path, "Reload", pb.ReloadRequest(), timeout=120)
-
-
-def drain(path: Path | str, grace_s: float = 0.0) -> dict[str, Any]:
-    return call(path, "Drain", pb.DrainRequest(grace_s=grace_s))
-
-
-def resume(path: Path | str) -> dict[str, Any]:
-    return call(path, "Resume", pb.ResumeRequest())
-
-
-def trace(path: Path | str, start: bool, trace_path: str = "") -> dict[str, Any]:
-    action = pb.TraceRequest.START if start else pb.TraceRequest.STOP
-    return call(path, "Trace", pb.TraceRequest(action=action, path=trace_path))

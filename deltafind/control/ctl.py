@@ -202,13 +202,14 @@ def summary(s: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from deltafind.control import client
+    from deltafind.control import control_pb2 as pb
 
     sock = _socket(args)
     if args.command == "status":
         reply = client.status(sock)
         text = summary(reply)
     elif args.command == "reload":
-        reply = client.reload(sock)
+        reply = client.call(sock, "Reload", pb.ReloadRequest(), timeout=120)
         if not reply["ok"]:
             print(
                 json.dumps(reply)
@@ -221,13 +222,17 @@ def run(args: argparse.Namespace) -> int:
             f"\napplied: {', '.join(reply['applied'])}" if reply["applied"] else "\nno live change"
         )
     elif args.command in ("drain", "resume"):
-        reply = client.drain(sock, args.grace) if args.command == "drain" else client.resume(sock)
+        reply = (
+            client.call(sock, "Drain", pb.DrainRequest(grace_s=args.grace))
+            if args.command == "drain"
+            else client.call(sock, "Resume", pb.ResumeRequest())
+        )
         text = f"{'draining' if reply['draining'] else 'serving'}: {reply['running']} running, {reply['waiting']} waiting"
     else:
         # a name is the daemon's to place (in its [control] trace_dir); a path is sent as given
-        reply = client.trace(
-            sock, args.action == "start", (args.path or "") if args.action == "start" else ""
-        )
+        # (a stop's path is not read); start | stop are the enum's names
+        action = pb.TraceRequest.Action.Value(args.action.upper())
+        reply = client.call(sock, "Trace", pb.TraceRequest(action=action, path=args.path or ""))
         text = f"trace {'writing ' + reply['path'] if reply['active'] else 'stopped'}"
     print(json.dumps(reply) if args.json else text)
     return 0
