@@ -27,6 +27,12 @@ from deltafind.server.responses_input import namespaced, seal_reasoning, to_chat
 from deltafind.server.schemas import ChatRequest, parse_body
 
 MAX_KEPT = 256
+# Each block kind's streamed events: PREFIX.delta while it grows, PREFIX.done when it closes.
+STREAMS = {
+    "text": "response.output_text",
+    "reasoning": "response.reasoning_text",
+    "call": "response.function_call_arguments",
+}
 
 
 def _item(
@@ -174,77 +180,29 @@ class Responses:
         def steps(batch: list[Step]) -> Iterator[bytes]:
             for s in batch:
                 b, ids = s.block, {"output_index": s.block.index}
-                item_id = _item(b, False)["id"]
+                at = {**ids, "item_id": _item(b, False)["id"]}
+                # a call's arguments have no content part; text carries (empty) logprobs
+                where = at if b.kind == "call" else {**at, "content_index": 0}
+                lp: dict[str, Any] = {"logprobs": []} if b.kind == "text" else {}
                 if s.what == "open":
                     yield event(
                         "response.output_item.added", **ids, item=_item(b, False, seal, spaces)
                     )
                     if b.kind == "text":
-                        yield event(
-                            "response.content_part.added",
-                            **ids,
-                            item_id=item_id,
-                            content_index=0,
-                            part={"type": "output_text", "text": "", "annotations": []},
-                        )
+                        part = {"type": "output_text", "text": "", "annotations": []}
+                        yield event("response.content_part.added", **where, part=part)
                 elif s.what == "delta":
-                    if b.kind == "text":
-                        yield event(
-                            "response.output_text.delta",
-                            **ids,
-                            item_id=item_id,
-                            content_index=0,
-                            delta=s.text,
-                            logprobs=[],
-                        )
-                    elif b.kind == "reasoning":
-                        yield event(
-                            "response.reasoning_text.delta",
-                            **ids,
-                            item_id=item_id,
-                            content_index=0,
-                            delta=s.text,
-                        )
-                    else:
-                        yield event(
-                            "response.function_call_arguments.delta",
-                            **ids,
-                            item_id=item_id,
-                            delta=s.text,
-                        )
+                    yield event(f"{STREAMS[b.kind]}.delta", **where, delta=s.text, **lp)
                 else:
+                    end = (
+                        {"name": b.name, "arguments": b.text}
+                        if b.kind == "call"
+                        else {"text": b.text}
+                    )
+                    yield event(f"{STREAMS[b.kind]}.done", **where, **end, **lp)
                     if b.kind == "text":
-                        yield event(
-                            "response.output_text.done",
-                            **ids,
-                            item_id=item_id,
-                            content_index=0,
-                            text=b.text,
-                            logprobs=[],
-                        )
-                        yield event(
-                            "response.content_part.done",
-                            **ids,
-                            item_id=item_id,
-                            content_index=0,
-                            part={"type": "output_text", "text": b.text, "annotations": []},
-                        )
-                    elif b.kind == "reasoning":
-                        yield event(
-                            "response.reasoning_text.done",
-                            **ids,
-                            item_id=item_id,
-                            content_index=0,
-                            text=b.text,
-                        )
-                    else:
-                        yield event(
-                            "response.function_call_arguments.done",
-                            **ids,
-                            item_id=item_id,
-                            name=b.name,
-                            arguments=b.text,
-                        )
+                        part = {"type": "output_text", "text": b.text, "annotations": []}
+                        yield event("response.content_part.done", **where, part=part)
                     yield event(
                         "response.output_item.done", **ids, item=_item(b, True, seal, spaces)
                     )
