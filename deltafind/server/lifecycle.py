@@ -291,10 +291,7 @@ class RequestRun(Generic[Body]):
         body = self.body
 
         def pick(asked: Any, configured: Any, name: str, api: float) -> Any:
-            for value in (asked, configured, model.get(name)):
-                if value is not None:
-                    return value
-            return api
+            return next((v for v in (asked, configured, model.get(name)) if v is not None), api)
 
         return (
             pick(body.temperature, cfg.temperature_default, "temperature", 1.0),

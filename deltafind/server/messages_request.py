@@ -169,12 +169,13 @@ def _message(m: dict[str, Any], where: str, out: list[dict[str, Any]]) -> None:
                 f"{at}.type: {kind!r} blocks are not supported in {role} messages", f"{at}.type"
             )
     if text or calls or role == "assistant":
-        msg: dict[str, Any] = {"role": role, "content": "".join(text)}
-        if calls:
-            msg["tool_calls"] = calls
-        if thinking:
-            msg["reasoning_content"] = thinking
-        out.append(msg)
+        msg = {
+            "role": role,
+            "content": "".join(text),
+            "tool_calls": calls,
+            "reasoning_content": thinking,
+        }
+        out.append({k: v for k, v in msg.items() if v or k == "content"})
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:

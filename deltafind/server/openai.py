@@ -28,20 +28,17 @@ def chat_messages(body: ChatRequest) -> list[dict[str, Any]]:
     """The request's messages as template dicts (`developer` is `system`; text parts joined)."""
     out = []
     for m in body.messages:
-        d: dict[str, Any] = {
+        d = {
             "role": "system" if m.role == "developer" else m.role,
             "content": m.text(),
+            "name": m.name or None,
+            "tool_calls": m.tool_calls or None,
+            "tool_call_id": m.tool_call_id,
+            "reasoning_content": m.reasoning
+            if m.reasoning_content is None
+            else m.reasoning_content,
         }
-        if m.name:
-            d["name"] = m.name
-        if m.tool_calls:
-            d["tool_calls"] = m.tool_calls
-        if m.tool_call_id is not None:
-            d["tool_call_id"] = m.tool_call_id
-        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
-        if reasoning is not None:
-            d["reasoning_content"] = reasoning
-        out.append(d)
+        out.append({k: v for k, v in d.items() if v is not None})  # only the fields it sets
     return out
 
 

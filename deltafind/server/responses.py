@@ -227,21 +227,23 @@ class Responses:
         )
 
     def _keep(self, rid: str, history: list[dict[str, Any]], blocks: list[Block]) -> None:
-        answer: dict[str, Any] = {
+        answer = {
             "role": "assistant",
             "content": "".join(b.text for b in blocks if b.kind == "text"),
+            "tool_calls": [
+                {
+                    "id": b.call_id,
+                    "type": "function",
+                    "function": {"name": b.name, "arguments": b.text},
+                }
+                for b in blocks
+                if b.kind == "call"
+            ],
+            "reasoning_content": "".join(b.text for b in blocks if b.kind == "reasoning"),
         }
-        calls = [
-            {"id": b.call_id, "type": "function", "function": {"name": b.name, "arguments": b.text}}
-            for b in blocks
-            if b.kind == "call"
-        ]
-        if calls:
-            answer["tool_calls"] = calls
-        reasoning = "".join(b.text for b in blocks if b.kind == "reasoning")
-        if reasoning:
-            answer["reasoning_content"] = reasoning
+        # the answer as a chat message: content always, calls and reasoning when there are any
+        kept = {k: v for k, v in answer.items() if v or k == "content"}
         with self.lock:
-            self.kept[rid] = [*history, answer]
+            self.kept[rid] = [*history, kept]
             while len(self.kept) > MAX_KEPT:
                 self.kept.popitem(last=False)

@@ -325,8 +325,7 @@ def _describe(err: dict[str, Any]) -> tuple[str, str | None]:
         return f"{param}: required field is missing", param
     msg = str(err["msg"]).removeprefix("Value error, ")
     if param is None and ": " in msg:  # a model-level check names its field first
-        param = msg.split(": ", 1)[0]
-        return msg, param
+        return msg, msg.split(": ", 1)[0]
     return (f"{param}: {msg}" if param else msg), param
 
 

@@ -9,6 +9,7 @@ Imports nothing of deltafind: the daemon's parent process maps the error kinds i
 
 from __future__ import annotations
 
+import functools
 import json
 import operator
 import resource
@@ -137,12 +138,10 @@ def _measured(value: Any) -> Any:
 
 
 def _measuring(f: Any) -> Any:
+    @functools.wraps(f)  # keeps jinja's pass_context / pass_environment mark (`jinja_pass_arg`)
     def checked(*args: Any, **kwargs: Any) -> Any:
         return _measured(f(*args, **kwargs))
 
-    for attr in ("jinja_pass_arg",):  # jinja's pass_context / pass_environment marks
-        if hasattr(f, attr):
-            setattr(checked, attr, getattr(f, attr))
     return checked
 
 
