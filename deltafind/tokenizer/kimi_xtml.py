@@ -46,16 +46,9 @@ class Segment:
     control: bool = False
 
 
-def deep_sorted(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: deep_sorted(value[k]) for k in sorted(value)}
-    if isinstance(value, list):
-        return [deep_sorted(v) for v in value]
-    return value
-
-
 def compact_json(value: Any, ensure_ascii: bool = False) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=ensure_ascii)
+    """Tool declarations and schemas: no spaces, keys sorted at every depth."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=ensure_ascii, sort_keys=True)
 
 
 def spaced_json(value: Any, ensure_ascii: bool = False) -> str:
@@ -194,7 +187,7 @@ def render_segments(
     if tools:
         r.system(
             "tool-declare",
-            BODY_TOOLS_STATIC.format(tools=compact_json(deep_sorted(tools), r.ascii)),
+            BODY_TOOLS_STATIC.format(tools=compact_json(tools, r.ascii)),
         )
     if thinking and thinking_effort:
         r.system("thinking-effort", BODY_EFFORT.format(effort=thinking_effort))
@@ -205,7 +198,7 @@ def render_segments(
         if role == "system" and m.get("tools"):
             r.system(
                 "tool-declare",
-                BODY_TOOLS_DYNAMIC.format(tools=compact_json(deep_sorted(m["tools"]), r.ascii)),
+                BODY_TOOLS_DYNAMIC.format(tools=compact_json(m["tools"], r.ascii)),
             )
             continue
         if role in ("user", "system"):
@@ -251,7 +244,7 @@ def render_segments(
         schema = js.get("schema", js.get("json_schema", js)) if isinstance(js, dict) else js
         r.system(
             "response-format",
-            BODY_JSON_SCHEMA.format(schema=compact_json(deep_sorted(schema), r.ascii)),
+            BODY_JSON_SCHEMA.format(schema=compact_json(schema, r.ascii)),
         )
     if add_generation_prompt:
         r.open("message", role="assistant")
