@@ -108,10 +108,6 @@ class AppState:
             )
         return self.engine
 
-    @staticmethod
-    def request_id() -> str:
-        return str(structlog.contextvars.get_contextvars().get("request_id", ""))
-
 
 def client_gone(req: falcon.Request) -> bool:
     """Whether the client closed its connection (readable with nothing to read); False when unknown."""
@@ -259,7 +255,7 @@ class RequestRun(Generic[Body]):
                             self.want_lp,
                             body.presence_penalty or 0.0,
                             body.frequency_penalty or 0.0,
-                            self.state.request_id(),
+                            self.req.context.request_id,  # set by app.RequestContext
                             chat=plan is not None,
                             constraint=constraint,
                             checkpoint=plan.history_end if plan else 0,

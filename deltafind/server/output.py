@@ -138,8 +138,10 @@ class OutputParser:
                 return
             self._emit(out, "reasoning", self.rbuf[:idx])
             self.rbuf, self.r_state, self._lstrip = self.rbuf[idx + len(close) :], "out", True
-        rest, self.rbuf = self.rbuf, ""
-        self._content(rest, out, final)
+        # past the thought: the rest is content and calls
+        self.cbuf, self.rbuf = self.cbuf + self.rbuf, ""
+        while self._step(out, final):
+            pass
 
     # -- content and calls -----------------------------------------------------
 
@@ -157,11 +159,6 @@ class OutputParser:
             self.reasoning.append(text)
         if text or kind == "call":
             out.append(Delta(kind, text, index, call_id))
-
-    def _content(self, text: str, out: list[Delta], final: bool) -> None:
-        self.cbuf += text
-        while self._step(out, final):
-            pass
 
     def _step(self, out: list[Delta], final: bool) -> bool:
         fmt = self.fmt
