@@ -107,16 +107,14 @@ class Runtime:
             if fin.reason == "error":
                 raise DeltafindError(f"warm-up failed: {fin.error}")
             self.context_length = context
-            cluster = (
-                self.model.cluster
-            )  # expert nodes (deltafind/cluster): /health says degraded while one is down
             ready = ReadyEngine(
                 self.scheduler,
                 tok,
                 model_name(s),
                 context,
                 store_snapshot=self.store_snapshot,
-                nodes=cluster.status if cluster is not None else list,
+                # a cluster's expert nodes: /health says degraded while one is down
+                nodes=self.model.cluster.status if self.model.cluster is not None else list,
                 drive_problems=lambda: list(self.model.experts.reader.problems.values()),
                 aliases=tuple(s.server.model_aliases),
             )

@@ -11,27 +11,20 @@ from __future__ import annotations
 import math
 import queue
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from deltafind.engine.constraint import ConstraintError
 from deltafind.engine.scheduler import Draining, QueueFull
 from deltafind.engine.sequence import Event, FinishEvent, GenRequest, Handle, TokenEvent
-from deltafind.log import get_logger
 from deltafind.server.errors import ApiError
 from deltafind.tokenizer import StopMatcher
-
-log = get_logger(__name__)
 
 # Why the engine stopped -> what the client is told. A cancel we did not ask for (shutdown
 # after the drain grace) says so: "length" would read as reaching max_tokens.
 FINISH = {"stop": "stop", "length": "length", "cancelled": "cancelled"}
 MAX_RETRY_AFTER_S = 120
-POLL_S = (
-    0.5  # how often a request looks for a client that hung up: its slot is freed within a second
-)
 
 
 @dataclass
@@ -140,53 +133,6 @@ class Pace:
             return 1
         rounds = (waiting + 1) / max(1, max_running)
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil(self.request_s * rounds)))
-
-
-def events(
-    choices: list[Choice],
-    mux: queue.Queue,
-    keepalive: float | None,
-    gone: Callable[[], bool],
-) -> Iterator[tuple[Choice, str, list, bool] | None]:
-    """(choice, text, logprob entries, finished) per engine event on `mux` until every choice has finished;
-    None when `keepalive` seconds passed quietly.
-
-    `gone` (whether the client hung up) is asked every POLL_S, also while the prompt waits for a slot or
-    prefills (nothing is written then, so nothing else would notice); a yes raises ApiError 499, and the
-    caller's `finally` cancels the sequences, which frees their slots.
-    """
-    by_seq = {c.handle.seq_id: c for c in choices}
-    open_ = len(choices)
-    tick = min(POLL_S, keepalive or POLL_S)
-    quiet_since = next_poll = time.monotonic()
-    while open_:
-        try:
-            seq_id, event = mux.get(timeout=tick)
-        except queue.Empty:
-            event = None
-        now = time.monotonic()
-        # by the clock: a fast model never leaves the queue quiet
-        if now >= next_poll:
-            next_poll = now + POLL_S
-            if gone():
-                log.info("client_gone", choices=len(choices))
-                raise ApiError(
-                    499,
-                    "the client closed the connection before the answer was ready",
-                    None,
-                    "client_closed_request",
-                )
-        if event is None:
-            if keepalive is not None and now - quiet_since >= keepalive:
-                quiet_since = now
-                yield None
-            continue
-        quiet_since = now
-        c = by_seq[seq_id]
-        text, entries = c.on_event(event)
-        done = isinstance(event, FinishEvent)
-        open_ -= done
-        yield c, text, entries, done
 
 
 def submit_all(engine: Any, reqs: list[GenRequest], mux: queue.Queue, pace: Pace) -> list[Handle]:

@@ -23,10 +23,11 @@ import structlog
 from deltafind.engine.constraint import ConstraintFactory
 from deltafind.engine.sampler import SamplingParams
 from deltafind.engine.scheduler import Scheduler
-from deltafind.engine.sequence import GenRequest
+from deltafind.engine.sequence import FinishEvent, GenRequest
 from deltafind.errors import RequestError
+from deltafind.log import get_logger
 from deltafind.server.chat_plan import ChatPlan
-from deltafind.server.choices import Choice, Pace, events, submit_all
+from deltafind.server.choices import Choice, Pace, submit_all
 from deltafind.server.errors import ApiError, bad_request
 from deltafind.server.metrics import ServerMetrics
 from deltafind.server.schemas import ChatRequest, CompletionRequest, load_json
@@ -36,7 +37,11 @@ from deltafind.tokenizer import Tokenizer
 KEEPALIVE_S = (
     5.0  # a silent stream is timed out by clients and proxies: a ping or SSE comment this often
 )
+POLL_S = (
+    0.5  # how often a request looks for a client that hung up: its slot is freed within a second
+)
 Body = TypeVar("Body", bound=ChatRequest | CompletionRequest)
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -320,21 +325,44 @@ class RequestRun(Generic[Body]):
         """(choice, text, logprob entries, finished) per engine event until every choice has finished; None
         when KEEPALIVE_S passed quietly (streamed only).
 
-        Raises ApiError 499 when the client hung up, else the failed choice's own error (400 for a schema that
-        gave up mid-output, 500 when the engine failed); at any end the
-        sequences left are cancelled (a no-op for finished ones; frees the slots of a client that left).
+        Whether the client hung up is asked every POLL_S, also while the prompt waits for a slot or prefills
+        (nothing is written then, so nothing else would notice): a yes raises ApiError 499. Else the failed
+        choice's own error (400 for a schema that gave up mid-output, 500 when the engine failed); at any end
+        the sequences left are cancelled (a no-op for finished ones; frees the slots of a client that left).
         """
-        started = time.monotonic()
+        started = quiet_since = next_poll = time.monotonic()
+        by_seq = {c.handle.seq_id: c for c in self.choices}
+        keepalive, open_ = KEEPALIVE_S if stream else None, len(self.choices)
         try:
-            for ev in events(
-                self.choices,
-                self.mux,
-                KEEPALIVE_S if stream else None,
-                gone=lambda: client_gone(self.req),
-            ):
-                if ev is not None and ev[3] and ev[0].finish_reason == "error":
-                    raise ev[0].failure()  # 400 for a schema that gave up mid-output, else 500
-                yield ev
+            while open_:
+                try:
+                    seq_id, event = self.mux.get(timeout=min(POLL_S, keepalive or POLL_S))
+                except queue.Empty:
+                    event = None
+                now = time.monotonic()
+                # by the clock: a fast model never leaves the queue quiet
+                if now >= next_poll:
+                    next_poll = now + POLL_S
+                    if client_gone(self.req):
+                        log.info("client_gone", choices=len(self.choices))
+                        raise ApiError(
+                            499,
+                            "the client closed the connection before the answer was ready",
+                            None,
+                            "client_closed_request",
+                        )
+                if event is None:
+                    if keepalive is not None and now - quiet_since >= keepalive:
+                        quiet_since = now
+                        yield None
+                    continue
+                quiet_since, c = now, by_seq[seq_id]
+                text, entries = c.on_event(event)
+                done = isinstance(event, FinishEvent)
+                if done and c.finish_reason == "error":
+                    raise c.failure()  # 400 for a schema that gave up mid-output, else 500
+                open_ -= done
+                yield c, text, entries, done
         finally:
             for c in self.choices:
                 c.handle.cancel()

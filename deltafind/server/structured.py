@@ -69,7 +69,7 @@ def vocabulary(tokenizer: Any) -> llg.LLTokenizer:
         return lt
 
 
-def prepare_vocabulary(tokenizer: Any) -> threading.Thread:
+def prepare_vocabulary(tokenizer: Any) -> None:
     """Build `tokenizer`'s grammar vocabulary on a background thread (at model load), so the first
     constrained request does not pay for it (~1 s for 49k ids, 5-10 s for K3's 160k); it waits if early.
 
@@ -82,9 +82,7 @@ def prepare_vocabulary(tokenizer: Any) -> threading.Thread:
         except Exception as e:  # a request builds it again and reports the failure as its own
             log.warning("grammar_vocabulary_failed", error=f"{type(e).__name__}: {e}")
 
-    t = threading.Thread(target=build, name="deltafind-grammar-vocab", daemon=True)
-    t.start()
-    return t
+    threading.Thread(target=build, name="deltafind-grammar-vocab", daemon=True).start()
 
 
 class GrammarConstraint:

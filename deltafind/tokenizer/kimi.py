@@ -43,16 +43,6 @@ K3_SPECIALS = {
 NUM_RESERVED = 256
 
 
-def is_xtml(config: dict[str, Any]) -> bool:
-    """Whether tokenizer_config.json's added tokens are K3's XTML markers."""
-    names = {
-        e.get("content")
-        for e in (config.get("added_tokens_decoder") or {}).values()
-        if isinstance(e, dict)
-    }
-    return all(m in names for m in XTML_MARKERS)
-
-
 def safety_slices(text: str) -> list[str]:
     """tokenization_kimi.py's cuts: 400k-character slices, then same-class runs (str.isspace) of at most 25k."""
     pieces = []
@@ -77,7 +67,13 @@ class KimiTokenizer(Tokenizer):
 
     @classmethod
     def claims(cls, config: dict[str, Any]) -> bool:
-        return is_xtml(config)
+        """Whether tokenizer_config.json's added tokens are K3's XTML markers."""
+        names = {
+            e.get("content")
+            for e in (config.get("added_tokens_decoder") or {}).values()
+            if isinstance(e, dict)
+        }
+        return all(m in names for m in XTML_MARKERS)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
