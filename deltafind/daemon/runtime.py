@@ -49,7 +49,6 @@ class Runtime:
         self.model: Any = None
         self.scheduler: Scheduler | None = None
         self.pending_restart: list[str] = []
-        self.trace_path: str | None = None
         self._trace: Any = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -106,7 +105,6 @@ class Runtime:
             )
             if fin.reason == "error":
                 raise DeltafindError(f"warm-up failed: {fin.error}")
-            self.context_length = context
             ready = ReadyEngine(
                 self.scheduler,
                 tok,
@@ -218,7 +216,8 @@ class Runtime:
         sched, model = self.scheduler, self.model
         if sched is None or model is None:
             return
-        sched.configure(scheduler_limits(new, model, self.context_length))
+        # the context from the model itself (models/contract.py), also for a reload during warm-up
+        sched.configure(scheduler_limits(new, model, model.net.args.max_position_embeddings))
         if any(k.startswith("draft.") for k in live):
             from deltafind.engine.draft.policy import PolicyOptions
 
@@ -284,9 +283,9 @@ class Runtime:
         self._trace = (
             writer or self._trace
         )  # after a stop, status still shows the last trace (and its error)
-        self.trace_path = str(writer.path) if writer else None
-        log.info("trace", active=start, path=self.trace_path)
-        return {"active": start, "path": self.trace_path or ""}
+        written = str(writer.path) if writer else ""
+        log.info("trace", active=start, path=written or None)
+        return {"active": start, "path": written}
 
     def status(self) -> dict[str, Any]:
         """The daemon's own figures and the engine's queue (a figure not known yet, while loading, is left to the
@@ -302,7 +301,9 @@ class Runtime:
             "config_path": str(self.config_path or ""),
             "config_loaded_at": self.config_loaded_at,
             "restart_needed": list(self.pending_restart),
-            "trace_path": self.trace_path if self._trace is not None and self._trace.active else "",
+            "trace_path": str(self._trace.path)
+            if self._trace is not None and self._trace.active
+            else "",
         }
         engine: dict[str, Any] = {}
         if self.scheduler is not None:
