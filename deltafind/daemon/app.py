@@ -94,12 +94,11 @@ class DaemonApp(BaseApplication):
 
     def load_config(self) -> None:
         s = self.settings.server
-        threads = min(s.max_running + s.max_queue + 8, 256)
         options = {
             "bind": binds(self.settings),
             "workers": 1,
             "worker_class": "deltafind.daemon.worker.Worker",
-            "threads": threads,
+            "threads": min(s.max_running + s.max_queue + 8, 256),
             "timeout": max(1, round(s.timeout_s)),  # gunicorn takes whole seconds
             "graceful_timeout": max(0, round(s.graceful_timeout_s)),
             "keepalive": 5,

@@ -170,18 +170,6 @@ def read_json(req: falcon.Request, limit: int) -> dict[str, Any]:
     return load_json(raw)
 
 
-def for_model(body: Body, engine: ReadyEngine) -> Body:
-    """`body` when it asks for the model served here (by its name or an alias), else a 404 naming the one that is."""
-    if body.model != engine.model_name and body.model not in engine.aliases:
-        raise ApiError(
-            404,
-            f"The model `{body.model}` does not exist; this server serves `{engine.model_name}` (GET /v1/models)",
-            "model",
-            "model_not_found",
-        )
-    return body
-
-
 def stream_sse(
     resp: falcon.Response, events: Iterator[bytes], error: Callable[[ApiError], bytes]
 ) -> None:
@@ -216,7 +204,16 @@ class RequestRun(Generic[Body]):
         """Admit `req`: a loaded model, a JSON body within the limit that `parse` takes, for the model served here."""
         self.state, self.req, self.engine = state, req, state.require_ready()
         self.raw = read_json(req, state.config.max_body_bytes)
-        self.body = for_model(parse(self.raw), self.engine)
+        self.body = parse(self.raw)
+        # the model served here, by its name or an alias; else a 404 naming the one that is
+        if self.body.model != self.engine.model_name and self.body.model not in self.engine.aliases:
+            raise ApiError(
+                404,
+                f"The model `{self.body.model}` does not exist; this server serves "
+                f"`{self.engine.model_name}` (GET /v1/models)",
+                "model",
+                "model_not_found",
+            )
         self.mux: queue.Queue = queue.Queue()
         self.choices: list[Choice] = []
         self.prompt_tokens = 0
@@ -283,7 +280,7 @@ class RequestRun(Generic[Body]):
             for k, h in enumerate(handles)
         ]
         self.prompt_tokens = sum(len(ids) for ids in prompts)
-        self.state.metrics.count_prompt(self.prompt_tokens)
+        self.state.metrics.count_tokens(prompt=self.prompt_tokens)
         return self.choices
 
     def _sampling(self, cfg: ServerConfig, model: dict[str, Any]) -> tuple[float, float, int]:
@@ -367,4 +364,4 @@ class RequestRun(Generic[Body]):
             for c in self.choices:
                 c.handle.cancel()
         self.state.pace.observe(time.monotonic() - started)
-        self.state.metrics.count_completion(sum(c.completion_tokens for c in self.choices))
+        self.state.metrics.count_tokens(completion=sum(c.completion_tokens for c in self.choices))

@@ -169,13 +169,10 @@ class ServerMetrics:
         with self._lock:
             self.requests[(endpoint, status.split(" ", 1)[0])] += 1
 
-    def count_prompt(self, n: int) -> None:
+    def count_tokens(self, prompt: int = 0, completion: int = 0) -> None:
         with self._lock:
-            self.prompt_tokens += n
-
-    def count_completion(self, n: int) -> None:
-        with self._lock:
-            self.completion_tokens += n
+            self.prompt_tokens += prompt
+            self.completion_tokens += completion
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
