@@ -147,24 +147,26 @@ class Generate:
         for c in run.choices:
             text = "".join(c.text)
             if self.chat:
-                item = {
-                    "index": c.index,
-                    "message": chat_message(c, text),
-                    "logprobs": chat_logprobs(tok, c.logprobs) if want_lp else None,
-                    "finish_reason": c.finish_reason,
-                }
+                out.append(
+                    {
+                        "index": c.index,
+                        "message": chat_message(c, text),
+                        "logprobs": chat_logprobs(tok, c.logprobs) if want_lp else None,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
             else:
-                item = {
-                    "index": c.index,
-                    "text": text,
-                    "logprobs": completion_logprobs(tok, c.logprobs, 0) if want_lp else None,
-                    "finish_reason": c.finish_reason,
-                }
-            out.append(item)
-        obj = "chat.completion" if self.chat else "text_completion"
+                out.append(
+                    {
+                        "index": c.index,
+                        "text": text,
+                        "logprobs": completion_logprobs(tok, c.logprobs, 0) if want_lp else None,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
         return {
             **meta,
-            "object": obj,
+            "object": "chat.completion" if self.chat else "text_completion",
             "choices": out,
             "usage": usage(run.choices, run.prompt_tokens),
         }
