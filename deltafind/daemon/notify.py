@@ -63,10 +63,10 @@ def extend_timeout(seconds: float) -> None:
     notify(f"EXTEND_TIMEOUT_USEC={int(seconds * 1e6)}")
 
 
-def start_watchdog(healthy: object, stop: threading.Event) -> threading.Thread | None:
-    """WATCHDOG=1 every WATCHDOG_USEC/2 while `healthy()` holds (None without a watchdog)."""
+def start_watchdog(healthy: object, stop: threading.Event) -> None:
+    """WATCHDOG=1 every WATCHDOG_USEC/2 while `healthy()` holds (nothing without a watchdog)."""
     if not _watchdog_usec:
-        return None
+        return
     interval = _watchdog_usec / 2e6
 
     def run() -> None:
@@ -74,6 +74,4 @@ def start_watchdog(healthy: object, stop: threading.Event) -> threading.Thread |
             if healthy():  # type: ignore[operator]
                 notify("WATCHDOG=1")
 
-    t = threading.Thread(target=run, name="deltafind-watchdog", daemon=True)
-    t.start()
-    return t
+    threading.Thread(target=run, name="deltafind-watchdog", daemon=True).start()

@@ -117,7 +117,6 @@ class Responses:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         run = RequestRun(self.state, req, self._request)
         engine, chat, body = run.engine, run.body, run.raw
-        prev = body.get("previous_response_id")
         seal = (
             isinstance(body.get("include"), list)
             and "reasoning.encrypted_content" in body["include"]
@@ -138,7 +137,7 @@ class Responses:
             "metadata": body.get("metadata") or {},
             "max_output_tokens": body.get("max_output_tokens"),
             "text": body.get("text") or {"format": {"type": "text"}},
-            "previous_response_id": prev,
+            "previous_response_id": body.get("previous_response_id"),
             "error": None,
             "incomplete_details": None,
         }
