@@ -21,6 +21,7 @@
 // exactly (a table of the group's code values, decode()'s arithmetic), then plain fp32 FMAs. The two
 // differ only in fp32 rounding; tests/unit/test_stored_kernels.py builds and checks both.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -56,6 +57,15 @@ struct Part {
   int64_t kind, rows, cols, row_bytes;
   const uint8_t* data;
 };
+
+// Rows per task of a df_stored_parts call over `rows` rows: about four runs of consecutive rows per thread,
+// at least 16 rows, so each thread streams long runs of weights. 16-row tasks taken in turn cut both threads'
+// streams into ~6 KB pieces, and two threads read the demo's 30 MB head at 13.7 GB/s where runs of its rows
+// give 22 (RESULTS.md).
+inline int64_t rows_per_task(int64_t rows, int threads) {
+  const int64_t per = std::max<int64_t>(1, 4 * static_cast<int64_t>(threads));
+  return std::max<int64_t>(16, (rows + per - 1) / per + 15) / 16 * 16;
+}
 
 // Bytes of one block of a GGUF block format by its GGML kind id (32 weights a block; 256 for the
 // K-quants Q2_K..Q6_K, kinds 10-14), 0 for any other kind: the one table of the block sizes.
