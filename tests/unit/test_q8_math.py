@@ -66,13 +66,21 @@ def _codes(kind: str, raw: np.ndarray) -> tuple[np.ndarray, ...]:
     b = raw.reshape(raw.shape[0], -1, {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q8_0": 34}[kind])
     f16 = lambda o: b[..., o : o + 2].copy().view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
     if kind == "Q8_0":
-        return b[..., 2:].view(np.int8).astype(np.int64), np.ones(b.shape[:2] + (1,)), None, f16(0), None
+        return (
+            b[..., 2:].view(np.int8).astype(np.int64),
+            np.ones(b.shape[:2] + (1,)),
+            None,
+            f16(0),
+            None,
+        )
     if kind == "Q6_K":
         ql, qh = b[..., :128].astype(np.int64), b[..., 128:192].astype(np.int64)
         q = np.zeros(b.shape[:2] + (256,), np.int64)
         for h in range(2):
             for k in range(4):
-                lo = (ql[..., 64 * h + 32 * (k % 2) : 64 * h + 32 * (k % 2) + 32] >> (4 * (k // 2))) & 15
+                lo = (
+                    ql[..., 64 * h + 32 * (k % 2) : 64 * h + 32 * (k % 2) + 32] >> (4 * (k // 2))
+                ) & 15
                 hi = (qh[..., 32 * h : 32 * h + 32] >> (2 * k)) & 3
                 q[..., 128 * h + 32 * k : 128 * h + 32 * k + 32] = (lo | (hi << 4)) - 32
         return q, b[..., 192:208].view(np.int8).astype(np.int64), None, f16(208), None
@@ -117,9 +125,14 @@ def _reference(kind: str, raw: np.ndarray, x: torch.Tensor) -> tuple[np.ndarray,
     return y, bound
 
 
-def _matmul(lib: object, parts: list[StoredWeight], x: torch.Tensor, stack_cols: int = 0) -> torch.Tensor:
+def _matmul(
+    lib: object, parts: list[StoredWeight], x: torch.Tensor, stack_cols: int = 0
+) -> torch.Tensor:
     ps = (StoredPart * len(parts))(
-        *(StoredPart(KINDS[w.kind], w.rows, w.cols, w.data.shape[1], w.data.data_ptr()) for w in parts)
+        *(
+            StoredPart(KINDS[w.kind], w.rows, w.cols, w.data.shape[1], w.data.data_ptr())
+            for w in parts
+        )
     )
     rows = parts[0].rows if stack_cols else sum(w.rows for w in parts)
     y = torch.empty(x.shape[0], rows)
@@ -154,7 +167,9 @@ def test_activation_blocks_are_llama_cpps(cols: int) -> None:
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_K", "Q8_0"])
 @pytest.mark.parametrize(("rows", "cols", "tokens"), [(37, 256, 1), (21, 1280, 6), (50, 2048, 3)])
-def test_q8_kernels_are_llama_cpps_integer_dot(kind: str, rows: int, cols: int, tokens: int, q8_mode) -> None:
+def test_q8_kernels_are_llama_cpps_integer_dot(
+    kind: str, rows: int, cols: int, tokens: int, q8_mode
+) -> None:
     """Each build against the numpy reference: the exact integer sums per block, the fp32 combination's
     error within (blocks + 8) ulps of the sum of the blocks' magnitudes (recursive fp32 summation of
     at most `blocks` terms a lane, lane sums added in a tree of 8), and a token alone gives its row."""
@@ -164,7 +179,9 @@ def test_q8_kernels_are_llama_cpps_integer_dot(kind: str, rows: int, cols: int, 
     wd = (d[..., None] * sc.repeat(q.shape[-1] // sc.shape[-1], -1) * q).reshape(rows, cols)
     if mn is not None:
         wd -= (dmin[..., None] * mn.repeat(32, -1)).reshape(rows, cols)
-    np.testing.assert_allclose(wd, gguf_dequantize(w).numpy(), rtol=1e-6, atol=1e-6 * np.abs(wd).max())
+    np.testing.assert_allclose(
+        wd, gguf_dequantize(w).numpy(), rtol=1e-6, atol=1e-6 * np.abs(wd).max()
+    )
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(cols + tokens))
     want, bound = _reference(kind, raw, x)
     ulps = (cols // (32 if kind == "Q8_0" else 256) + 8) * 2.0**-24
@@ -178,7 +195,11 @@ def test_q8_kernels_are_llama_cpps_integer_dot(kind: str, rows: int, cols: int, 
 def test_stacked_parts_mix_q8_and_exact_kinds(q8_mode) -> None:
     """q/k/v-style stacked parts: Q4_K and Q6_K take q8; a Q4_0 part between them stays bit-exact."""
     cols, x = 512, torch.randn(5, 512, generator=torch.Generator().manual_seed(9))
-    a, b, c = _weight("Q4_K", 33, cols, 1), _weight("Q4_0", 17, cols, 2), _weight("Q6_K", 9, cols, 3)
+    a, b, c = (
+        _weight("Q4_K", 33, cols, 1),
+        _weight("Q4_0", 17, cols, 2),
+        _weight("Q6_K", 9, cols, 3),
+    )
     y = _matmul(CPU.load(), [a, b, c], x)
     fast_math.use("exact")
     exact_b = _matmul(CPU.load(), [b], x)

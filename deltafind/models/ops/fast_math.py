@@ -49,7 +49,9 @@ def mode() -> str:
 def unavailable_note(mode: str = "bf16") -> str:
     """Why `mode` was asked for and is not in effect, for logs and status."""
     if CPU.load() is None:
-        return f"[device] math = {mode} needs the CPU kernels, which are not built: {CPU.build_error}"
+        return (
+            f"[device] math = {mode} needs the CPU kernels, which are not built: {CPU.build_error}"
+        )
     return "[device] math = bf16 needs a CPU with AVX512-BF16 (/proc/cpuinfo avx512_bf16); math stays exact"
 
 

@@ -88,13 +88,18 @@ inline void quantize_0(const float* x, int64_t n, Block0* y) {
 
 // Q4_K/Q5_K's 8 scales (out[0..8)) and 8 mins (out[8..16)) from the 12 packed bytes (dfq::scale_min's
 // layout, four at a time).
-inline void k_scales(const uint8_t* s, uint8_t out[16]) {
-  uint32_t w[3], r[4];
+inline void k_scales_words(const uint8_t* s, uint32_t r[4]) {
+  uint32_t w[3];
   std::memcpy(w, s, 12);
   r[0] = w[0] & 0x3F3F3F3Fu;
   r[1] = (w[2] & 0x0F0F0F0Fu) | (((w[0] >> 6) & 0x03030303u) << 4);
   r[2] = w[1] & 0x3F3F3F3Fu;
   r[3] = ((w[2] >> 4) & 0x0F0F0F0Fu) | (((w[1] >> 6) & 0x03030303u) << 4);
+}
+
+inline void k_scales(const uint8_t* s, uint8_t out[16]) {
+  uint32_t r[4];
+  k_scales_words(s, r);
   std::memcpy(out, r, 16);
 }
 

@@ -20,11 +20,25 @@ inline __m256i dotw(__m256i acc, __m256i p, __m256i s) {
 #endif
 }
 
-// int16 lane `lo` of v's low half in lanes 0-7 and lane `hi` of v's high half in lanes 8-15.
+// vpshufb masks: int16 lane `lo` of each 128-bit half into lanes 0-7, lane `hi` into lanes 8-15, at
+// [8 * lo + hi]. A table: built from broadcasts in the loop they cost two uops each, 16 a Q4_K block.
+struct PickMasks {
+  alignas(32) uint8_t m[64][32];
+};
+constexpr PickMasks make_pick_masks() {
+  PickMasks r{};
+  for (int lo = 0; lo < 8; ++lo)
+    for (int hi = 0; hi < 8; ++hi)
+      for (int b = 0; b < 32; ++b) {
+        const int w = b < 16 ? lo : hi;  // bytes 0-15: the low half's lanes 0-7; 16-31: the high half's
+        r.m[8 * lo + hi][b] = static_cast<uint8_t>(2 * w + (b & 1));
+      }
+  return r;
+}
+constexpr PickMasks kPick = make_pick_masks();
+
 inline __m256i pick16(__m256i v, int lo, int hi) {
-  const __m128i a = _mm_set1_epi16(static_cast<int16_t>((2 * lo + 1) << 8 | 2 * lo));
-  const __m128i b = _mm_set1_epi16(static_cast<int16_t>((2 * hi + 1) << 8 | 2 * hi));
-  return _mm256_shuffle_epi8(v, _mm256_set_m128i(b, a));
+  return _mm256_shuffle_epi8(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(kPick.m[8 * lo + hi])));
 }
 
 inline __m256i load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
@@ -35,6 +49,18 @@ inline __m256i bit_to_4(__m256i v, int g) {
   return g <= 4 ? _mm256_slli_epi16(b, 4 - g) : _mm256_srli_epi16(b, g - 4);
 }
 
+// Independent int32 accumulators per token in a block: one chain of vpdpwssd (~5 cycles each) held a
+// token's block to ~45 cycles. Integer sums, so how many chains does not change a result.
+template <int NT>
+constexpr int kChains = NT == 1 ? 4 : NT == 2 ? 2 : 1;
+
+template <int NT>
+inline __m256i chains(const __m256i* a) {
+  if constexpr (kChains<NT> == 4) return _mm256_add_epi32(_mm256_add_epi32(a[0], a[1]), _mm256_add_epi32(a[2], a[3]));
+  else if constexpr (kChains<NT> == 2) return _mm256_add_epi32(a[0], a[1]);
+  else return a[0];
+}
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -43,16 +69,18 @@ inline float hsum(__m256 v) {
 
 template <int K, int NT>
 inline __attribute__((always_inline)) void k45_block(const uint8_t* b, const BlockK* const* x, __m256* acc, __m256* accm) {
-  alignas(16) uint8_t sm[16];
-  k_scales(b + 4, sm);
-  const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(sm)));
+  uint32_t r[4];
+  k_scales_words(b + 4, r);  // in registers: a store of them and a 16-byte load back stalls store forwarding
+  const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_set_epi32(static_cast<int>(r[3]), static_cast<int>(r[2]),
+                                                          static_cast<int>(r[1]), static_cast<int>(r[0])));
   const __m256i sc = _mm256_permute4x64_epi64(sm16, 0x44);  // the 8 scales in both halves
   const __m128i mn = _mm256_extracti128_si256(sm16, 1);
   const __m256i mn2 = _mm256_set_m128i(_mm_unpackhi_epi16(mn, mn), _mm_unpacklo_epi16(mn, mn));  // mn_g for bsums 2g, 2g+1
   const uint8_t* qs = b + (K == kQ4_K ? 16 : 48);
   const __m256i m4 = _mm256_set1_epi8(15), hb = K == kQ5_K ? load(b + 16) : _mm256_setzero_si256();
-  __m256i s[NT];
-  for (int t = 0; t < NT; ++t) s[t] = _mm256_setzero_si256();
+  __m256i s[NT][kChains<NT>];
+  for (int t = 0; t < NT; ++t)
+    for (int a = 0; a < kChains<NT>; ++a) s[t][a] = _mm256_setzero_si256();
 #pragma GCC unroll 4
   for (int j = 0; j < 4; ++j) {  // groups 2j (low nibbles) and 2j + 1 (high) of 32 weights
     const __m256i q = load(qs + 32 * j);
@@ -63,13 +91,14 @@ inline __attribute__((always_inline)) void k45_block(const uint8_t* b, const Blo
     }
     const __m256i s0 = pick16(sc, 2 * j, 2 * j), s1 = pick16(sc, 2 * j + 1, 2 * j + 1);
     for (int t = 0; t < NT; ++t) {
-      s[t] = dotw(s[t], _mm256_maddubs_epi16(lo, load(x[t]->qs + 64 * j)), s0);
-      s[t] = dotw(s[t], _mm256_maddubs_epi16(hi, load(x[t]->qs + 64 * j + 32)), s1);
+      __m256i& a = s[t][j % kChains<NT>];
+      a = dotw(a, _mm256_maddubs_epi16(lo, load(x[t]->qs + 64 * j)), s0);
+      a = dotw(a, _mm256_maddubs_epi16(hi, load(x[t]->qs + 64 * j + 32)), s1);
     }
   }
   const float d = dfq::h2f(dfq::rd16(b)), dmin = dfq::h2f(dfq::rd16(b + 2));
   for (int t = 0; t < NT; ++t) {
-    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t]), _mm256_set1_ps(d * x[t]->d), acc[t]);
+    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chains<NT>(s[t])), _mm256_set1_ps(d * x[t]->d), acc[t]);
     const __m256i m = _mm256_madd_epi16(load(x[t]->bsums), mn2);
     accm[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(-(dmin * x[t]->d)), accm[t]);
   }
@@ -79,9 +108,11 @@ template <int NT>
 inline __attribute__((always_inline)) void q6_block(const uint8_t* b, const BlockK* const* x, __m256* acc) {
   const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
   const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
-  __m256i s[NT];
-  for (int t = 0; t < NT; ++t)  // the codes' offset of 32, taken once: -32 * sum_g sc_g * (sum of x in g)
-    s[t] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, load(x[t]->bsums)), 5));
+  __m256i s[NT][kChains<NT>];
+  for (int t = 0; t < NT; ++t) {  // the codes' offset of 32, taken once: -32 * sum_g sc_g * (sum of x in g)
+    s[t][0] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, load(x[t]->bsums)), 5));
+    for (int a = 1; a < kChains<NT>; ++a) s[t][a] = _mm256_setzero_si256();
+  }
 #pragma GCC unroll 2
   for (int h = 0; h < 2; ++h) {  // weights 128h + 32k + c: groups 8h + 2k (c < 16) and 8h + 2k + 1
     const __m256i l0 = load(b + 64 * h), l1 = load(b + 64 * h + 32), hb = load(b + 128 + 32 * h);
@@ -94,11 +125,15 @@ inline __attribute__((always_inline)) void q6_block(const uint8_t* b, const Bloc
 #pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
       const __m256i scv = pick16(sch, 2 * k, 2 * k + 1);
-      for (int t = 0; t < NT; ++t) s[t] = dotw(s[t], _mm256_maddubs_epi16(q[k], load(x[t]->qs + 128 * h + 32 * k)), scv);
+      for (int t = 0; t < NT; ++t) {
+        __m256i& a = s[t][k % kChains<NT>];
+        a = dotw(a, _mm256_maddubs_epi16(q[k], load(x[t]->qs + 128 * h + 32 * k)), scv);
+      }
     }
   }
   const float d = dfq::h2f(dfq::rd16(b + 208));
-  for (int t = 0; t < NT; ++t) acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t]), _mm256_set1_ps(d * x[t]->d), acc[t]);
+  for (int t = 0; t < NT; ++t)
+    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chains<NT>(s[t])), _mm256_set1_ps(d * x[t]->d), acc[t]);
 }
 
 template <int NT>
