@@ -20,7 +20,13 @@ decoding exactly --new-tokens (EOS ignored), which engine runs first alternating
   and every token routes anew. llama.cpp at its defaults (repacking K-quants into anonymous memory)
   is tried first; the comparison runs it with use_extra_bufts off (--no-repack: all weights mmapped).
 
+`--math exact,q8` runs a deltafind worker per `[device] math` mode beside llama.cpp (`deltafind` is
+exact, `deltafind_q8` llama.cpp's own int8-activation arithmetic, docs/math-modes.md), all alternating,
+with `ratio_q8` / `cpu_ratio_q8` against llama.cpp, and prints how far each mode's teacher-forced
+logits over --drift-tokens lie from exact's (`drift_q8`: bench_fast_math.py's measure).
+
     python tests/bench/bench_moe_vs_llamacpp.py --root /tmp/dfmoe [--layers 8] [--rounds 3] [--new-tokens 32]
+        [--math exact,q8]
 """
 
 from __future__ import annotations
@@ -123,13 +129,13 @@ def make_store(gguf: Path, store: Path) -> None:
 class DeltafindEngine:
     name = "deltafind"
 
-    def __init__(self, store: Path, cache_bytes: int | None) -> None:
+    def __init__(self, store: Path, cache_bytes: int | None, math: str = "exact") -> None:
         import deltafind
         from deltafind import Model
 
         self.version = getattr(deltafind, "__version__", "unknown")
-        self.settings = {"expert_bytes": cache_bytes}
-        self.model = Model.open(str(store), device="cpu", expert_bytes=cache_bytes)
+        self.settings = {"expert_bytes": cache_bytes, "math": math}
+        self.model = Model.open(str(store), device="cpu", expert_bytes=cache_bytes, math=math)
 
     def generate(
         self, ids: list[int], n: int, temperature: float = 0.0, seed: int = 0
@@ -194,7 +200,7 @@ def serve(a: argparse.Namespace) -> None:
         torch.set_num_threads(a.threads)
         with contextlib.suppress(RuntimeError):
             torch.set_num_interop_threads(1)
-        engine = DeltafindEngine(a.store, a.expert_bytes)
+        engine = DeltafindEngine(a.store, a.expert_bytes, worker_math(a.serve))
     reply.write(json.dumps({"version": engine.version, "settings": engine.settings}) + "\n")
     reply.flush()
     for line in sys.stdin:
@@ -212,6 +218,39 @@ def serve(a: argparse.Namespace) -> None:
             + "\n"
         )
         reply.flush()
+
+
+def worker_math(name: str) -> str:
+    """A deltafind worker's `[device] math` from its name: "deltafind" exact, "deltafind_q8" q8."""
+    return name.split("_", 1)[1] if "_" in name else "exact"
+
+
+def deltafind_name(math: str) -> str:
+    return "deltafind" if math == "exact" else f"deltafind_{math}"
+
+
+def logit_drift(store: Path, maths: list[str], tokens: int, threads: int) -> dict:
+    """Each non-exact mode's teacher-forced logits against exact's on the same random ids."""
+    import random
+
+    import torch
+    from bench_fast_math import drift_stats
+
+    from deltafind import Model
+
+    torch.set_num_threads(threads)
+    rng = random.Random(1)
+    ids = [rng.randrange(VOCAB) for _ in range(tokens)]
+    logits = {}
+    for math in ["exact", *(m for m in maths if m != "exact")]:
+        model = Model.open(str(store), device="cpu", expert_bytes=None, math=math)
+        try:
+            logits[math] = model.forward_logits(ids)
+        finally:
+            model.close()
+    return {
+        f"drift_{m}": drift_stats(logits["exact"], v) for m, v in logits.items() if m != "exact"
+    }
 
 
 def memory_cgroup(name: str, limit: int) -> Path:
@@ -342,6 +381,8 @@ def prefill_rounds(workers: list[Worker], ids: list[int], rounds: int) -> dict:
 
 
 def summarize(out: dict[str, dict]) -> dict:
+    """Medians per engine; each deltafind worker's ratios to llama.cpp (`ratio`, or `ratio_q8` for
+    deltafind_q8) and how many greedy tokens it shares with llama.cpp's before the first difference."""
     res = {
         name: {
             "tok_s": statistics.median(v["tok_s"]),
@@ -350,14 +391,16 @@ def summarize(out: dict[str, dict]) -> dict:
         }
         for name, v in out.items()
     }
-    a, b = (v["ids"] for v in out.values())
-    other = next(name for name in out if name != "deltafind")
-    res["ratio"] = round(res["deltafind"]["tok_s"] / res[other]["tok_s"], 4)
-    res["cpu_ratio"] = round(res["deltafind"]["cpu_tok_s"] / res[other]["cpu_tok_s"], 4)
+    other = next(name for name in out if not name.startswith("deltafind"))
+    for name in (n for n in out if n.startswith("deltafind")):
+        tail = name[len("deltafind") :]
+        res[f"ratio{tail}"] = round(res[name]["tok_s"] / res[other]["tok_s"], 4)
+        res[f"cpu_ratio{tail}"] = round(res[name]["cpu_tok_s"] / res[other]["cpu_tok_s"], 4)
+        a, b = out[name]["ids"], out[other]["ids"]
+        res[f"greedy_same_prefix_tokens{tail}"] = next(
+            (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a)
+        )
     res["distinct_tokens"] = {name: len(set(v["ids"])) for name, v in out.items()}
-    res["greedy_same_prefix_tokens"] = next(
-        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a)
-    )
     return res
 
 
@@ -391,6 +434,12 @@ def main() -> None:
         help="sampling temperature under the cap (0: greedy); see the module docstring",
     )
     ap.add_argument("--only", default="decode,prefill,cap")
+    ap.add_argument(
+        "--math",
+        default="exact",
+        help="deltafind's [device] math modes to run: exact, q8, exact,q8",
+    )
+    ap.add_argument("--drift-tokens", type=int, default=64, help="positions of the logit drift")
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # a worker process (internal)
     ap.add_argument("--gguf", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--store", type=Path, default=None, help=argparse.SUPPRESS)
@@ -422,6 +471,9 @@ def main() -> None:
     prompt = [rng.randrange(256) for _ in range(8)]
     long_prompt = [rng.randrange(256) for _ in range(a.prefill_tokens)]
     only = set(a.only.split(","))
+    maths = a.math.split(",")
+    if not set(maths) <= {"exact", "bf16", "q8"}:
+        sys.exit(f"--math takes exact, bf16 and q8 (got {a.math!r})")
     result: dict = {
         "bench": "moe_vs_llamacpp",
         "gguf_bytes": size,
@@ -429,12 +481,12 @@ def main() -> None:
         "new_tokens": a.new_tokens,
         "rounds": a.rounds,
         "loadavg_start": [round(v, 2) for v in os.getloadavg()],
+        "math": maths,
     }
     settings = None
     for threads in [int(t) for t in a.threads.split(",")] if "decode" in only else []:
-        workers = [
-            Worker("llamacpp", a, threads, None, None),
-            Worker("deltafind", a, threads, None, None),
+        workers = [Worker("llamacpp", a, threads, None, None)] + [
+            Worker(deltafind_name(m), a, threads, None, None) for m in maths
         ]
         settings = workers[0].info["settings"]
         result[f"decode_{threads}t"] = decode_rounds(
@@ -487,6 +539,10 @@ def main() -> None:
         for g in groups.values():
             with contextlib.suppress(OSError):
                 g.rmdir()
+    if maths != ["exact"]:
+        result.update(
+            logit_drift(a.store, maths, a.drift_tokens, max(int(a.threads.split(",")[-1]), 1))
+        )
     import llama_cpp
     import torch
 

@@ -68,14 +68,14 @@ def _codes(kind: str, raw: np.ndarray) -> tuple[np.ndarray, ...]:
     if kind == "Q8_0":
         return (
             b[..., 2:].view(np.int8).astype(np.int64),
-            np.ones(b.shape[:2] + (1,)),
+            np.ones((*b.shape[:2], 1)),
             None,
             f16(0),
             None,
         )
     if kind == "Q6_K":
         ql, qh = b[..., :128].astype(np.int64), b[..., 128:192].astype(np.int64)
-        q = np.zeros(b.shape[:2] + (256,), np.int64)
+        q = np.zeros((*b.shape[:2], 256), np.int64)
         for h in range(2):
             for k in range(4):
                 lo = (
@@ -88,7 +88,7 @@ def _codes(kind: str, raw: np.ndarray) -> tuple[np.ndarray, ...]:
     sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
     mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
     qs = b[..., 16:144] if kind == "Q4_K" else b[..., 48:176]
-    q = np.zeros(b.shape[:2] + (256,), np.int64)
+    q = np.zeros((*b.shape[:2], 256), np.int64)
     for j in range(4):
         q[..., 64 * j : 64 * j + 32] = qs[..., 32 * j : 32 * j + 32] & 15
         q[..., 64 * j + 32 : 64 * j + 64] = qs[..., 32 * j : 32 * j + 32] >> 4

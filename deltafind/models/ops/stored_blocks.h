@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <new>
+#include <utility>
 #include <vector>
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -44,6 +45,13 @@ struct Aligned64 {
   Aligned64(const Aligned64<U>&) {}
   T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
   void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  // Default-initialized, not zeroed: every user writes each float before reading it, and zeroing x's
+  // permuted copy was a memset per df_stored_parts call (~1.7 % of a MoE decode token with the one below).
+  template <class U, class... A>
+  void construct(U* p, A&&... a) {
+    if constexpr (sizeof...(A) == 0) ::new (static_cast<void*>(p)) U;
+    else ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+  }
   template <class U>
   bool operator==(const Aligned64<U>&) const { return true; }
   template <class U>
