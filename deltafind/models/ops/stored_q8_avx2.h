@@ -67,12 +67,20 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// k_scales_words in vector lanes: dwords (scales 0-3, scales 4-7, mins 0-3, mins 4-7) from the 12 bytes
+// (and 4 more that are read, not used). Built in general registers and moved over, they cost ~20 uops a block.
+inline __m128i k_scales_vec(const uint8_t* s) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));  // w0 w1 w2 -
+  const __m128i lo = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4)),
+                                   _mm_setr_epi32(0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 2),
+                                   _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));  // ((w >> 6) & 3) << 4
+  return _mm_or_si128(lo, hi);
+}
+
 template <int K, int NT>
 inline __attribute__((always_inline)) void k45_block(const uint8_t* b, const BlockK* const* x, __m256* acc, __m256* accm) {
-  uint32_t r[4];
-  k_scales_words(b + 4, r);  // in registers: a store of them and a 16-byte load back stalls store forwarding
-  const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_set_epi32(static_cast<int>(r[3]), static_cast<int>(r[2]),
-                                                          static_cast<int>(r[1]), static_cast<int>(r[0])));
+  const __m256i sm16 = _mm256_cvtepu8_epi16(k_scales_vec(b + 4));
   const __m256i sc = _mm256_permute4x64_epi64(sm16, 0x44);  // the 8 scales in both halves
   const __m128i mn = _mm256_extracti128_si256(sm16, 1);
   const __m256i mn2 = _mm256_set_m128i(_mm_unpackhi_epi16(mn, mn), _mm_unpacklo_epi16(mn, mn));  // mn_g for bsums 2g, 2g+1
