@@ -231,9 +231,9 @@ def load_model(
     if device.type == "cpu" and (note := missing_note()):
         log.warning("cpu_kernels_missing", note=note)
     if fast_math.use(settings.device.math) != settings.device.math:
-        log.warning("math_exact", note=fast_math.unavailable_note())
+        log.warning("math_exact", note=fast_math.unavailable_note(settings.device.math))
     elif settings.device.math != "exact":
-        log.warning("math_bf16", note="bf16 prefill matmuls: NOT bit-exact ([device] math)")
+        log.warning(f"math_{settings.device.math}", note=fast_math.describe(settings.device.math))
     if c.spine_int8:
         log.warning(
             "spine_int8",

@@ -87,15 +87,19 @@ class DeviceSettings(Section):
         description="On a GPU, torch.compile the MXFP4 dequantisation into one fused kernel (same "
         "bits). Off by default: not yet measured to pay; tests/gpu/bench_gpu.py measures it.",
     )
-    math: Literal["exact", "bf16"] = Field(
+    math: Literal["exact", "bf16", "q8"] = Field(
         "exact",
         description="exact: every matmul is exact fp32 on the weights as stored. bf16: NOT "
         "BIT-EXACT, opt-in: on a CPU with AVX512-BF16, matmuls of 16 or more token rows "
         "(prefill chunks, and a step that batches 16+ sequences) round the decoded weights and "
         "the activations to bf16 and use the CPU's bf16 dot products (2-3x the exact kernels' "
-        "speed at 64+ rows); smaller steps, so single-stream decode, stay exact. The "
-        "logits drift from exact fp32 (tests/bench/RESULTS.md, bench_fast_math.py); --stats "
-        "and status say when it is on.",
+        "speed at 64+ rows); smaller steps, so single-stream decode, stay exact. q8: NOT "
+        "BIT-EXACT, opt-in: llama.cpp's own arithmetic for GGUF Q4_K, Q5_K, Q6_K and Q8_0 "
+        "weights at every row count (decode too): each token's activations quantized to "
+        "int8 blocks (Q8_K, Q8_0) and integer dot products with the weights as stored (about "
+        "2x the exact one-token kernels); every other weight kind stays exact. The logits "
+        "drift from exact fp32 (docs/math-modes.md; tests/bench/RESULTS.md); --stats and "
+        "status say when a mode is on.",
     )
 
     @field_validator("kind", mode="before")

@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from deltafind.models.ops.cpu_kernels import CPU, SOURCES, KernelLibrary, StoredPart, _bind
+from deltafind.models.ops.fast_math import MODES
 from deltafind.models.ops.stored_weight import KINDS
 from tests.conftest import avx2_kernels, gguf_blocks
 
@@ -77,7 +78,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--block", type=int, default=20, help="back-to-back calls per timing")
     ap.add_argument("--against", default="", metavar="DIR", help="another checkout to time too")
+    ap.add_argument(
+        "--math", default="exact", help="[device] math modes to time: exact, q8 or exact,q8"
+    )
+    ap.add_argument(
+        "--formats", default=",".join(FORMATS), help="comma-separated, of " + ",".join(FORMATS)
+    )
     args = ap.parse_args()
+    maths = args.math.split(",")
+    if not set(maths) <= {"exact", "q8"}:
+        raise SystemExit(f"--math takes exact and/or q8 (got {args.math!r})")
     libraries = {"default": CPU, "avx2": avx2_kernels()}
     if args.against:
         libraries["against"] = _against(args.against)
@@ -85,18 +95,27 @@ def main() -> None:
     for name, lib in libraries.items():
         if builds[name] is None:
             raise SystemExit(f"the {name} kernel build failed: {lib.build_error}")
+    # (variant name, library, df_set_math code): a build in each mode asked for
+    variants = {
+        b if m == "exact" else f"{b}_{m}": (lib, MODES.index(m))
+        for b, lib in builds.items()
+        for m in maths
+        if m == "exact" or b != "against"
+    }
     threads = list(range(1, len(os.sched_getaffinity(0)) + 1))
     out: dict = {
         "bench": "block_kernels",
         "rows": args.rows,
         "cols": args.cols,
         "threads": threads,
+        "math": maths,
+        "q8_simd": {0: "scalar", 1: "avx2", 2: "avx512vnni"}[builds["default"].df_q8_simd()],
         "formats": {},
         "avx512": "avx512f" in Path("/proc/cpuinfo").read_text()
         if Path("/proc/cpuinfo").exists()
         else None,
     }
-    for kind in FORMATS:
+    for kind in args.formats.split(","):
         call, y, nbytes = _call(kind, args.rows, args.cols)
         if args.against:
             results = []
@@ -110,24 +129,29 @@ def main() -> None:
             scale = float(results[0].abs().max())
             if not torch.allclose(*results, rtol=1e-4, atol=1e-5 * scale):
                 raise SystemExit(f"{kind}: the --against build's results differ from this tree's")
-        times: dict[tuple[str, int], list[float]] = {(b, n): [] for b in builds for n in threads}
+        times: dict[tuple[str, int], list[float]] = {(v, n): [] for v in variants for n in threads}
         for r in range(args.rounds):
             for n in threads:
                 # One thread runs on this one (the pool runs inline): its CPU time, so slices lost
                 # to other processes on a shared machine do not count; more threads: wall time.
                 clock = time.thread_time if n == 1 else time.perf_counter
-                for b in builds if r % 2 == 0 else reversed(list(builds)):
-                    call(builds[b], n)
+                for v in variants if r % 2 == 0 else reversed(list(variants)):
+                    lib, code = variants[v]
+                    lib.df_set_math(code)
+                    call(lib, n)
                     t = clock()
                     for _ in range(args.block):
-                        call(builds[b], n)
-                    times[(b, n)].append((clock() - t) / args.block * 1e6)
+                        call(lib, n)
+                    times[(v, n)].append((clock() - t) / args.block * 1e6)
+                    lib.df_set_math(0)
         row = {}
         for n in threads:
-            med = {b: statistics.median(times[(b, n)]) for b in builds}
-            cell = {f"{b}_us": round(t, 1) for b, t in med.items()}
-            cell |= {f"{b}_gbps": round(nbytes / t / 1e3, 2) for b, t in med.items()}
+            med = {v: statistics.median(times[(v, n)]) for v in variants}
+            cell = {f"{v}_us": round(t, 1) for v, t in med.items()}
+            cell |= {f"{v}_gbps": round(nbytes / t / 1e3, 2) for v, t in med.items()}
             cell["speedup"] = round(med["avx2"] / med["default"], 3)
+            if "q8" in maths:
+                cell["q8_speedup"] = round(med["default"] / med["default_q8"], 3)
             if args.against:
                 cell["vs_against"] = round(med["against"] / med["default"], 3)
                 cell["against_same_bits"] = same_bits

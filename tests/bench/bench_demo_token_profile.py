@@ -36,6 +36,7 @@ def main() -> None:
     )
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--math", default="exact", help="[device] math: exact, bf16 or q8")
     args = ap.parse_args()
 
     import torch
@@ -61,7 +62,7 @@ def main() -> None:
 
     for name in entries:  # every ctypes entry a decode token calls, timed where the model calls it
         setattr(lib, name, timer(getattr(lib, name)))
-    model = Model.open(str(args.store), device="cpu", expert_bytes=None)
+    model = Model.open(str(args.store), device="cpu", expert_bytes=None, math=args.math)
     ids = list(model.tokenizer.encode("The capital of France is"))
     model.generate(ids, max_new_tokens=8, temperature=0.0)  # warm: every expert resident
 

@@ -125,6 +125,17 @@ def prefill(store: Path, tokens: int, rounds: int, threads: int) -> None:
     print(json.dumps(line), flush=True)
 
 
+def drift_stats(exact: torch.Tensor, other: torch.Tensor) -> dict:
+    """How far a mode's teacher-forced logits [T, V] lie from exact's (bench_moe_vs_llamacpp.py's q8 too)."""
+    delta = (exact - other).abs()
+    return {
+        "positions": exact.shape[0],
+        "max_abs_dlogit": round(float(delta.max()), 4),
+        "mean_abs_dlogit_over_logit_std": round(float(delta.mean() / exact.std()), 5),
+        "top1_agreement": round(float((exact.argmax(-1) == other.argmax(-1)).float().mean()), 4),
+    }
+
+
 def drift(store: Path, tokens: int, threads: int) -> None:
     torch.set_num_threads(threads)
     logits = {}
@@ -135,21 +146,8 @@ def drift(store: Path, tokens: int, threads: int) -> None:
             logits[mode] = model.forward_logits(ids)
         finally:
             model.close()
-    a, b = logits["exact"], logits["bf16"]
-    delta = (a - b).abs()
-    print(
-        json.dumps(
-            {
-                "bench": "fast_math_drift",
-                "store": str(store),
-                "positions": a.shape[0],
-                "max_abs_dlogit": round(float(delta.max()), 4),
-                "mean_abs_dlogit_over_logit_std": round(float(delta.mean() / a.std()), 5),
-                "top1_agreement": round(float((a.argmax(-1) == b.argmax(-1)).float().mean()), 4),
-            }
-        ),
-        flush=True,
-    )
+    stats = drift_stats(logits["exact"], logits["bf16"])
+    print(json.dumps({"bench": "fast_math_drift", "store": str(store), **stats}), flush=True)
 
 
 def main() -> None:

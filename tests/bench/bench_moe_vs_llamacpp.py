@@ -20,7 +20,13 @@ decoding exactly --new-tokens (EOS ignored), which engine runs first alternating
   and every token routes anew. llama.cpp at its defaults (repacking K-quants into anonymous memory)
   is tried first; the comparison runs it with use_extra_bufts off (--no-repack: all weights mmapped).
 
+`--math exact,q8` runs a deltafind worker per `[device] math` mode beside llama.cpp (`deltafind` is
+exact, `deltafind_q8` llama.cpp's own int8-activation arithmetic, docs/math-modes.md), all alternating,
+with `ratio_q8` / `cpu_ratio_q8` against llama.cpp, and prints how far each mode's teacher-forced
+logits over --drift-tokens lie from exact's (`drift_q8`: bench_fast_math.py's measure).
+
     python tests/bench/bench_moe_vs_llamacpp.py --root /tmp/dfmoe [--layers 8] [--rounds 3] [--new-tokens 32]
+        [--math exact,q8]
 """
 
 from __future__ import annotations
@@ -31,7 +37,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,17 +44,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[2]))
 from bench_demo_vs_llamacpp import LlamaCppEngine
-
-# Qwen3-30B-A3B's config.json, but the layer count (--layers)
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, TOP_K, EXPERT_FF, VOCAB = (
-    2048,
-    32,
-    4,
-    128,
-    128,
-    8,
-    768,
-    151936,
+from moe_bench_parts import (
+    Worker,
+    WorkerDied,
+    drop_from_page_cache,
+    logit_drift,
+    make_gguf,
+    make_store,
+    memory_cgroup,
 )
 
 
@@ -57,79 +59,16 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def more_bits(i: int, n: int) -> bool:
-    """llama.cpp's use_more_bits (llama-quant.cpp): the layers Q4_K_M gives Q6_K attn_v / ffn_down."""
-    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
-
-
-def make_gguf(path: Path, layers: int, seed: int = 0) -> None:
-    """llama.cpp's Q4_K_M for qwen3moe: Q4_K, with Q6_K output, and Q6_K attn_v / ffn_down_exps on more_bits layers."""
-    from tests.gguf_models import Builder
-
-    b = Builder("qwen3moe", seed, vocab=VOCAB)
-    for key, value in (
-        ("context_length", 40960),
-        ("embedding_length", HIDDEN),
-        ("block_count", layers),
-        ("attention.head_count", HEADS),
-        ("attention.head_count_kv", KV_HEADS),
-        ("attention.layer_norm_rms_epsilon", 1e-6),
-        ("rope.freq_base", 1000000.0),
-        ("vocab_size", VOCAB),
-        ("attention.key_length", HEAD_DIM),
-        ("attention.value_length", HEAD_DIM),
-        ("expert_count", EXPERTS),
-        ("expert_used_count", TOP_K),
-        ("expert_feed_forward_length", EXPERT_FF),
-    ):
-        b.meta(key, value)
-    b.weight("token_embd.weight", (VOCAB, HIDDEN), "Q4_K", scale=1.0)
-    b.norm("output_norm.weight", HIDDEN)
-    b.weight("output.weight", (VOCAB, HIDDEN), "Q6_K")
-    for i in range(layers):
-        wide = "Q6_K" if more_bits(i, layers) else "Q4_K"
-        b.norm(f"blk.{i}.attn_norm.weight", HIDDEN)
-        b.norm(f"blk.{i}.ffn_norm.weight", HIDDEN)
-        b.weight(f"blk.{i}.attn_q.weight", (HEADS * HEAD_DIM, HIDDEN), "Q4_K")
-        b.weight(f"blk.{i}.attn_k.weight", (KV_HEADS * HEAD_DIM, HIDDEN), "Q4_K")
-        b.weight(f"blk.{i}.attn_v.weight", (KV_HEADS * HEAD_DIM, HIDDEN), wide)
-        b.weight(f"blk.{i}.attn_output.weight", (HIDDEN, HEADS * HEAD_DIM), "Q4_K")
-        b.norm(f"blk.{i}.attn_q_norm.weight", HEAD_DIM)
-        b.norm(f"blk.{i}.attn_k_norm.weight", HEAD_DIM)
-        b.weight(f"blk.{i}.ffn_gate_inp.weight", (EXPERTS, HIDDEN), "F32")
-        b.weight(f"blk.{i}.ffn_gate_exps.weight", (EXPERTS, EXPERT_FF, HIDDEN), "Q4_K")
-        b.weight(f"blk.{i}.ffn_up_exps.weight", (EXPERTS, EXPERT_FF, HIDDEN), "Q4_K")
-        b.weight(f"blk.{i}.ffn_down_exps.weight", (EXPERTS, HIDDEN, EXPERT_FF), wide)
-    tmp = path.with_suffix(".part.gguf")
-    b.write(tmp)
-    tmp.rename(path)
-
-
-def make_store(gguf: Path, store: Path) -> None:
-    from deltafind.importer.checkpoint import open_source
-    from deltafind.importer.setup import setup_store
-    from deltafind.models.registry import family_module
-
-    source = open_source(gguf)
-    family = family_module(source.config["model_type"])
-    setup_store(
-        source,
-        store,
-        progress=False,
-        names=family.weight_names(family.ModelArgs.from_config(source.config)),
-    )
-
-
 class DeltafindEngine:
     name = "deltafind"
 
-    def __init__(self, store: Path, cache_bytes: int | None) -> None:
+    def __init__(self, store: Path, cache_bytes: int | None, math: str = "exact") -> None:
         import deltafind
         from deltafind import Model
 
         self.version = getattr(deltafind, "__version__", "unknown")
-        self.settings = {"expert_bytes": cache_bytes}
-        self.model = Model.open(str(store), device="cpu", expert_bytes=cache_bytes)
+        self.settings = {"expert_bytes": cache_bytes, "math": math}
+        self.model = Model.open(str(store), device="cpu", expert_bytes=cache_bytes, math=math)
 
     def generate(
         self, ids: list[int], n: int, temperature: float = 0.0, seed: int = 0
@@ -194,7 +133,7 @@ def serve(a: argparse.Namespace) -> None:
         torch.set_num_threads(a.threads)
         with contextlib.suppress(RuntimeError):
             torch.set_num_interop_threads(1)
-        engine = DeltafindEngine(a.store, a.expert_bytes)
+        engine = DeltafindEngine(a.store, a.expert_bytes, worker_math(a.serve))
     reply.write(json.dumps({"version": engine.version, "settings": engine.settings}) + "\n")
     reply.flush()
     for line in sys.stdin:
@@ -214,91 +153,13 @@ def serve(a: argparse.Namespace) -> None:
         reply.flush()
 
 
-def memory_cgroup(name: str, limit: int) -> Path:
-    """A child of this process's memory cgroup limited to `limit` bytes (v1 or v2)."""
-    lines = Path("/proc/self/cgroup").read_text().splitlines()
-    v1 = next((ln.split(":", 2)[2] for ln in lines if ln.split(":")[1] == "memory"), None)
-    if v1 is not None:
-        path, knob = Path("/sys/fs/cgroup/memory" + v1) / name, "memory.limit_in_bytes"
-    else:
-        path, knob = Path("/sys/fs/cgroup" + lines[0].split(":", 2)[2]) / name, "memory.max"
-    path.mkdir(exist_ok=True)
-    (path / knob).write_text(str(limit))
-    return path
+def worker_math(name: str) -> str:
+    """A deltafind worker's `[device] math` from its name: "deltafind" exact, "deltafind_q8" q8."""
+    return name.split("_", 1)[1] if "_" in name else "exact"
 
 
-def drop_from_page_cache(paths: list[Path]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-class WorkerDied(RuntimeError):
-    pass
-
-
-class Worker:
-    def __init__(
-        self,
-        name: str,
-        a: argparse.Namespace,
-        threads: int,
-        cache_bytes: int | None,
-        cgroup: Path | None,
-    ) -> None:
-        cmd = [
-            sys.executable,
-            __file__,
-            "--serve",
-            name,
-            "--root",
-            str(a.root),
-            "--threads",
-            str(threads),
-            "--gguf",
-            str(a.gguf),
-            "--store",
-            str(a.store),
-        ] + (["--expert-bytes", str(cache_bytes)] if cache_bytes else [])
-        procs = None if cgroup is None else cgroup / "cgroup.procs"
-
-        # in the child, before exec: the engine's every page is charged to the cgroup
-        def enter() -> None:
-            if procs is not None:
-                procs.write_text(str(os.getpid()))
-
-        self.name = name
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=enter
-        )
-        hello = self.proc.stdout.readline()
-        if not hello:
-            raise WorkerDied(
-                f"the {name} worker died while loading (exit status {self.proc.wait()}; killed by the memory cap?)"
-            )
-        self.info = json.loads(hello)
-
-    def gen(self, ids: list[int], n: int, temperature: float = 0.0) -> dict:
-        self.seed = (
-            getattr(self, "seed", 0) + 1
-        )  # sampled: every call draws new tokens (and routes anew)
-        self.proc.stdin.write(
-            json.dumps({"ids": ids, "n": n, "temperature": temperature, "seed": self.seed}) + "\n"
-        )
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise WorkerDied(
-                f"the {self.name} worker died (exit status {self.proc.wait()}; killed by the memory cap?)"
-            )
-        return json.loads(line)
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=120)
+def deltafind_name(math: str) -> str:
+    return "deltafind" if math == "exact" else f"deltafind_{math}"
 
 
 def decode_rounds(
@@ -342,6 +203,8 @@ def prefill_rounds(workers: list[Worker], ids: list[int], rounds: int) -> dict:
 
 
 def summarize(out: dict[str, dict]) -> dict:
+    """Medians per engine; each deltafind worker's ratios to llama.cpp (`ratio`, or `ratio_q8` for
+    deltafind_q8) and how many greedy tokens it shares with llama.cpp's before the first difference."""
     res = {
         name: {
             "tok_s": statistics.median(v["tok_s"]),
@@ -350,14 +213,16 @@ def summarize(out: dict[str, dict]) -> dict:
         }
         for name, v in out.items()
     }
-    a, b = (v["ids"] for v in out.values())
-    other = next(name for name in out if name != "deltafind")
-    res["ratio"] = round(res["deltafind"]["tok_s"] / res[other]["tok_s"], 4)
-    res["cpu_ratio"] = round(res["deltafind"]["cpu_tok_s"] / res[other]["cpu_tok_s"], 4)
+    other = next(name for name in out if not name.startswith("deltafind"))
+    for name in (n for n in out if n.startswith("deltafind")):
+        tail = name[len("deltafind") :]
+        res[f"ratio{tail}"] = round(res[name]["tok_s"] / res[other]["tok_s"], 4)
+        res[f"cpu_ratio{tail}"] = round(res[name]["cpu_tok_s"] / res[other]["cpu_tok_s"], 4)
+        a, b = out[name]["ids"], out[other]["ids"]
+        res[f"greedy_same_prefix_tokens{tail}"] = next(
+            (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a)
+        )
     res["distinct_tokens"] = {name: len(set(v["ids"])) for name, v in out.items()}
-    res["greedy_same_prefix_tokens"] = next(
-        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a)
-    )
     return res
 
 
@@ -391,6 +256,12 @@ def main() -> None:
         help="sampling temperature under the cap (0: greedy); see the module docstring",
     )
     ap.add_argument("--only", default="decode,prefill,cap")
+    ap.add_argument(
+        "--math",
+        default="exact",
+        help="deltafind's [device] math modes to run: exact, q8, exact,q8",
+    )
+    ap.add_argument("--drift-tokens", type=int, default=64, help="positions of the logit drift")
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # a worker process (internal)
     ap.add_argument("--gguf", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--store", type=Path, default=None, help=argparse.SUPPRESS)
@@ -422,6 +293,9 @@ def main() -> None:
     prompt = [rng.randrange(256) for _ in range(8)]
     long_prompt = [rng.randrange(256) for _ in range(a.prefill_tokens)]
     only = set(a.only.split(","))
+    maths = a.math.split(",")
+    if not set(maths) <= {"exact", "bf16", "q8"}:
+        sys.exit(f"--math takes exact, bf16 and q8 (got {a.math!r})")
     result: dict = {
         "bench": "moe_vs_llamacpp",
         "gguf_bytes": size,
@@ -429,12 +303,12 @@ def main() -> None:
         "new_tokens": a.new_tokens,
         "rounds": a.rounds,
         "loadavg_start": [round(v, 2) for v in os.getloadavg()],
+        "math": maths,
     }
     settings = None
     for threads in [int(t) for t in a.threads.split(",")] if "decode" in only else []:
-        workers = [
-            Worker("llamacpp", a, threads, None, None),
-            Worker("deltafind", a, threads, None, None),
+        workers = [Worker("llamacpp", a, threads, None, None)] + [
+            Worker(deltafind_name(m), a, threads, None, None) for m in maths
         ]
         settings = workers[0].info["settings"]
         result[f"decode_{threads}t"] = decode_rounds(
@@ -487,6 +361,10 @@ def main() -> None:
         for g in groups.values():
             with contextlib.suppress(OSError):
                 g.rmdir()
+    if maths != ["exact"]:
+        result.update(
+            logit_drift(a.store, maths, a.drift_tokens, max(int(a.threads.split(",")[-1]), 1))
+        )
     import llama_cpp
     import torch
 

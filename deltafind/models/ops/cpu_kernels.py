@@ -35,7 +35,16 @@ FLAGS = [
     "-fno-fast-math",
     "-ffp-contract=off",
 ]
-HEADERS = ("cpu_pool.h", "stored_blocks.h", "stored_iq.h", "stored_panel.h", "stored_rows.h")
+HEADERS = (
+    "cpu_pool.h",
+    "stored_blocks.h",
+    "stored_decode.h",
+    "stored_iq.h",
+    "stored_panel.h",
+    "stored_q8.h",
+    "stored_q8_avx2.h",
+    "stored_rows.h",
+)
 
 
 def _cpu_tag() -> str:
@@ -209,10 +218,15 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.df_fast_mxfp4.restype = I32
     lib.df_fast_mxfp4_gate_up_situ.argtypes = [P, I64, P, P, P, P, I64, I64, F32, F32, P, I32]
     lib.df_fast_mxfp4_gate_up_situ.restype = I32
+    lib.df_set_math.argtypes = [I32]
+    lib.df_set_math.restype = None
+    lib.df_q8_simd.restype = I32
+    lib.df_q8_quantize.argtypes = [I32, P, I64, P]
+    lib.df_q8_quantize.restype = I32
     return lib
 
 
-SOURCES = ("stored_cpu.cpp", "layer_cpu.cpp", "mxfp4_cpu.cpp", "fast_cpu.cpp")
+SOURCES = ("stored_cpu.cpp", "layer_cpu.cpp", "mxfp4_cpu.cpp", "fast_cpu.cpp", "q8_cpu.cpp")
 CPU = KernelLibrary(SOURCES, _bind)
 
 

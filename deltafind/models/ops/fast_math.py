@@ -1,9 +1,11 @@
-"""Opt-in fast math (`[device] math = "bf16"`, NOT bit-exact): prefill matmuls on bf16 dot products.
+"""Opt-in fast math (`[device] math`, NOT bit-exact): "bf16" prefill matmuls, or "q8", llama.cpp's arithmetic.
 
-Off ("exact"), every matmul is the exact fp32 path. On, CPU matmuls of at least `MIN_ROWS` token rows
-on stored weights (GGUF blocks, bf16/fp16, row-int8, MXFP4) run fast_cpu.cpp: weights decoded exactly
-per tile and rounded to bf16, activations rounded to bf16, sums in fp32. Steps of fewer rows (one
-stream's decode) stay exact; a step batching 16+ sequences' rows takes bf16 too. The logits drift: tests/bench/bench_fast_math.py measures by how much (RESULTS.md).
+Off ("exact"), every matmul is the exact fp32 path. "bf16": CPU matmuls of at least `MIN_ROWS` token rows
+on stored weights (GGUF blocks, bf16/fp16, row-int8, MXFP4) run fast_cpu.cpp: weights decoded exactly per
+tile and rounded to bf16, activations rounded to bf16, sums in fp32; smaller steps stay exact. "q8": every
+matmul on Q4_K/Q5_K/Q6_K/Q8_0 weights, at any row count, quantizes x to llama.cpp's Q8_K/Q8_0 and takes
+integer dot products (q8_cpu.cpp, stored_q8.h); other kinds stay exact. docs/math-modes.md says how far
+the logits drift (tests/bench/bench_fast_math.py, bench_moe_vs_llamacpp.py measure it).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 
 from deltafind.models.ops.cpu_kernels import CPU
 
-MODES = ("exact", "bf16")
+MODES = ("exact", "bf16", "q8")  # index = df_set_math's code (q8_cpu.cpp)
 # Fewest token rows a matmul takes the bf16 kernel at: below it the exact kernels are as fast
 # (tests/bench/RESULTS.md, "Fast math"), and decode keeps its exact logits.
 MIN_ROWS = 16
@@ -21,31 +23,43 @@ _mode = (
 )
 
 
-def available() -> bool:
-    """Whether the bf16 kernels are built here (a C++ compiler, and a CPU with AVX512-BF16)."""
+def available(mode: str = "bf16") -> bool:
+    """Whether `mode`'s kernels are built here: bf16 needs a C++ compiler and a CPU with AVX512-BF16;
+    q8 only the compiler (its integer dot products have AVX2 and scalar forms)."""
     lib = CPU.load()
-    return lib is not None and lib.df_fast_ok() == 1
+    return lib is not None and (mode != "bf16" or lib.df_fast_ok() == 1)
 
 
 def use(mode: str) -> str:
-    """Set the process's matmul mode; returns the mode in effect ("exact" where bf16 is not available)."""
+    """Set the process's matmul mode; returns the mode in effect ("exact" where `mode` is not available)."""
     global _mode
     if mode not in MODES:
         raise ValueError(f"[device] math must be one of {', '.join(MODES)} (got {mode!r})")
-    _mode = mode if mode == "exact" or available() else "exact"
+    _mode = mode if mode == "exact" or available(mode) else "exact"
+    if (lib := CPU.load()) is not None:
+        lib.df_set_math(MODES.index(_mode))  # the layer kernels' matmuls read it in C
     return _mode
 
 
 def mode() -> str:
-    """The matmul mode in effect: "exact" or "bf16"."""
+    """The matmul mode in effect: one of MODES."""
     return _mode
 
 
-def unavailable_note() -> str:
-    """Why bf16 was asked for and is not in effect, for logs and status."""
+def unavailable_note(mode: str = "bf16") -> str:
+    """Why `mode` was asked for and is not in effect, for logs and status."""
     if CPU.load() is None:
-        return f"[device] math = bf16 needs the CPU kernels, which are not built: {CPU.build_error}"
+        return (
+            f"[device] math = {mode} needs the CPU kernels, which are not built: {CPU.build_error}"
+        )
     return "[device] math = bf16 needs a CPU with AVX512-BF16 (/proc/cpuinfo avx512_bf16); math stays exact"
+
+
+def describe(mode: str) -> str:
+    """One line on what a non-exact mode computes, for logs."""
+    if mode == "q8":
+        return "q8: llama.cpp's int8-activation dot products on Q4_K/Q5_K/Q6_K/Q8_0 weights: NOT bit-exact"
+    return "bf16 prefill matmuls: NOT bit-exact"
 
 
 def takes(x: torch.Tensor) -> bool:

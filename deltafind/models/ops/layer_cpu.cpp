@@ -110,7 +110,7 @@ struct AttnLayer {
 int df_attn_decode(const AttnLayer* a, const float* x, const float* cos, const float* sin, float* kbuf, float* vbuf,
                    int64_t len, float* out, int threads) {
   const int64_t H = a->hidden, hq = a->hq, hkv = a->hkv, D = a->d, n_qkv = (hq + 2 * hkv) * D;
-  std::vector<float> scratch(static_cast<size_t>(H + n_qkv + 3 * hq * D + H));
+  dfq::Floats scratch(static_cast<size_t>(H + n_qkv + 3 * hq * D + H));  // written before read: not zeroed
   float *hn = scratch.data(), *qkv = hn + H, *q = qkv + n_qkv, *qn = q + hq * D, *o = qn + hq * D, *y = o + hq * D;
   float *k_row = kbuf + len * hkv * D, *v_row = vbuf + len * hkv * D;
   df_rms_norm(x, 1, H, H, a->norm, a->eps, hn);
@@ -151,7 +151,8 @@ int df_gated_mlp(const Part* gu, int n_gu, const Part* down, int n_down, const f
   for (int p = 0; p < n_down; ++p) down_cols += down[p].cols;
   const int64_t I = rows / 2;
   if (rows % 2 || down_cols != I || act < 0 || act > 2 || (add_x && H != C) || (norm && C % 8)) return 1;
-  std::vector<float> g(static_cast<size_t>(T * rows)), h(static_cast<size_t>(T * I)), xn(norm ? T * C : 0);
+  // Every element written before it is read: not zeroed (a std::vector's zeroing was a memset per call).
+  dfq::Floats g(static_cast<size_t>(T * rows)), h(static_cast<size_t>(T * I)), xn(norm ? T * C : 0);
   if (norm) df_rms_norm(x, T, C, C, norm, eps, xn.data());
   if (df_stored_parts(gu, n_gu, 0, norm ? xn.data() : x, T, C, g.data(), rows, threads)) return 1;
   constexpr float kSqrtHalf = 0.70710678118654752440f, kBeta = 0.79788456080286535588f, kKappa = 0.044715f;

@@ -21,10 +21,12 @@
 // exactly (a table of the group's code values, decode()'s arithmetic), then plain fp32 FMAs. The two
 // differ only in fp32 rounding; tests/unit/test_stored_kernels.py builds and checks both.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <new>
+#include <utility>
 #include <vector>
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -43,6 +45,13 @@ struct Aligned64 {
   Aligned64(const Aligned64<U>&) {}
   T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
   void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  // Default-initialized, not zeroed: every user writes each float before reading it, and zeroing x's
+  // permuted copy was a memset per df_stored_parts call (~1.7 % of a MoE decode token with the one below).
+  template <class U, class... A>
+  void construct(U* p, A&&... a) {
+    if constexpr (sizeof...(A) == 0) ::new (static_cast<void*>(p)) U;
+    else ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+  }
   template <class U>
   bool operator==(const Aligned64<U>&) const { return true; }
   template <class U>
@@ -56,6 +65,15 @@ struct Part {
   int64_t kind, rows, cols, row_bytes;
   const uint8_t* data;
 };
+
+// Rows per task of a df_stored_parts call over `rows` rows: about four runs of consecutive rows per thread,
+// at least 16 rows, so each thread streams long runs of weights. 16-row tasks taken in turn cut both threads'
+// streams into ~6 KB pieces, and two threads read the demo's 30 MB head at 13.7 GB/s where runs of its rows
+// give 22 (RESULTS.md).
+inline int64_t rows_per_task(int64_t rows, int threads) {
+  const int64_t per = std::max<int64_t>(1, 4 * static_cast<int64_t>(threads));
+  return std::max<int64_t>(16, (rows + per - 1) / per + 15) / 16 * 16;
+}
 
 // Bytes of one block of a GGUF block format by its GGML kind id (32 weights a block; 256 for the
 // K-quants Q2_K..Q6_K, kinds 10-14), 0 for any other kind: the one table of the block sizes.

@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "cpu_pool.h"
+#include "stored_decode.h"
 #include "stored_iq.h"
 #include "stored_panel.h"
 #include "stored_rows.h"
@@ -26,12 +27,6 @@ namespace {
 
 using df::pool;
 
-// GGML type ids (gguf.GGMLQuantizationType), used as the kind codes of this library.
-// I8R is deltafind's own: the row-int8 spine (docs/kimi-k3-drafting-io.md §9.6), each row an f16 scale then C int8 weights.
-enum Kind : int { F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-                  IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23, IQ1_M = 29,
-                  BF16 = 30, I8R = 100 };
-constexpr int kChunk = 256;  // weights decoded at a time (one K-block, eight 32-blocks, 256 halves)
 constexpr int kTile = 4;     // tokens per pass over a decoded chunk
 
 bool block_shape(int kind, int64_t* elems, int64_t* bytes) {
@@ -45,11 +40,7 @@ bool block_shape(int kind, int64_t* elems, int64_t* bytes) {
   }
 }
 
-using dfq::bits_to_float;
 using dfq::Part;
-using dfq::h2f;
-using dfq::rd16;
-using dfq::scale_min;
 
 #ifdef __AVX2__
 // 32 consecutive bf16/f16/row-int8 weights as four vectors, weights 0-7, 8-15, 16-23, 24-31, decoded
@@ -74,124 +65,6 @@ inline void decode_vec(const uint8_t* b, float scale, __m256 w[4]) {
 }
 
 #endif
-
-// One 32-weight block of Q4_0/Q4_1/Q5_0/Q5_1 into o[0..32). A template per format, so the loops
-// have no branches and the compiler vectorizes them; the arithmetic is gguf-py's, in its order.
-template <int K>
-inline void decode32(const uint8_t* b, float* o) {
-  constexpr bool has_min = K == Q4_1 || K == Q5_1, five = K == Q5_0 || K == Q5_1;
-  constexpr int offset = five ? 16 : 8;
-  const float d = h2f(rd16(b));
-  const float m = has_min ? h2f(rd16(b + 2)) : 0.0f;
-  uint32_t qh = 0;
-  if (five) std::memcpy(&qh, b + (has_min ? 4 : 2), 4);
-  const uint8_t* qs = b + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
-  int v[32];
-  for (int j = 0; j < 16; ++j) {
-    v[j] = qs[j] & 15;
-    v[j + 16] = qs[j] >> 4;
-  }
-  if (five)
-    for (int j = 0; j < 32; ++j) v[j] |= static_cast<int>((qh >> j) & 1u) << 4;
-  if (has_min)
-    for (int j = 0; j < 32; ++j) o[j] = d * static_cast<float>(v[j]) + m;  // (d * q) + m
-  else
-    for (int j = 0; j < 32; ++j) o[j] = d * static_cast<float>(v[j] - offset);  // d * (q - offset)
-}
-
-inline void decode_q8_0(const uint8_t* b, float* o) {
-  const float d = h2f(rd16(b));
-  const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
-  for (int j = 0; j < 32; ++j) o[j] = static_cast<float>(q[j]) * d;
-}
-
-// One 256-weight Q4_K or Q5_K block.
-template <int K>
-inline void decode_k45(const uint8_t* b, float* out) {
-  const float d = h2f(rd16(b)), dmin = h2f(rd16(b + 2));
-  const uint8_t* scales = b + 4;
-  const uint8_t* qh = b + 16;                    // Q5_K: bit i of qh[c] is the 5th bit of weight 32*i + c
-  const uint8_t* qs = b + (K == Q4_K ? 16 : 48);  // 4 groups of 32 bytes: low nibbles, then high
-  for (int i = 0; i < 8; ++i) {
-    int sc, mn;
-    scale_min(scales, i, &sc, &mn);
-    const float ds = d * static_cast<float>(sc), dm = dmin * static_cast<float>(mn);
-    const uint8_t* q = qs + (i / 2) * 32;
-    const int shift = (i % 2) * 4;
-    float* o = out + i * 32;
-    int v[32];
-    for (int c = 0; c < 32; ++c) v[c] = (q[c] >> shift) & 15;
-    if (K == Q5_K)
-      for (int c = 0; c < 32; ++c) v[c] |= ((qh[c] >> i) & 1) << 4;
-    for (int c = 0; c < 32; ++c) o[c] = ds * static_cast<float>(v[c]) - dm;  // (d * q) - dm
-  }
-}
-
-inline void decode_q6_k(const uint8_t* b, float* out) {
-  const uint8_t *ql = b, *qh = b + 128;
-  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-  const float d = h2f(rd16(b + 208));
-  for (int h = 0; h < 2; ++h) {
-    for (int k = 0; k < 4; ++k) {  // weights h*128 + k*32 + [0, 32)
-      const uint8_t* lo = ql + h * 64 + (k % 2) * 32;
-      const uint8_t* hi = qh + h * 32;
-      const int lshift = (k / 2) * 4, hshift = k * 2;
-      const float d0 = d * static_cast<float>(sc[h * 8 + k * 2]), d1 = d * static_cast<float>(sc[h * 8 + k * 2 + 1]);
-      float* o = out + h * 128 + k * 32;
-      int v[32];
-      for (int c = 0; c < 32; ++c) v[c] = (((lo[c] >> lshift) & 15) | (((hi[c] >> hshift) & 3) << 4)) - 32;
-      for (int c = 0; c < 16; ++c) o[c] = d0 * static_cast<float>(v[c]);
-      for (int c = 16; c < 32; ++c) o[c] = d1 * static_cast<float>(v[c]);
-    }
-  }
-}
-
-template <int K>
-inline void decode_blocks32(const uint8_t* row, int64_t c0, int n, float* out) {
-  for (int k = 0; k < n / 32; ++k) {
-    const uint8_t* b = row + (c0 / 32 + k) * dfq::block_bytes(K);
-    if (K == Q8_0)
-      decode_q8_0(b, out + k * 32);
-    else
-      decode32<K>(b, out + k * 32);
-  }
-}
-
-// Decode weights [c0, c0 + n) of one row into out: c0 a multiple of kChunk, n = kChunk or the row's
-// tail (a multiple of the block size; K formats have no tail).
-void decode(int kind, const uint8_t* row, int64_t c0, int n, float* out) {
-  switch (kind) {
-    case BF16: {
-      const uint8_t* p = row + c0 * 2;
-      for (int j = 0; j < n; ++j) out[j] = bits_to_float(static_cast<uint32_t>(rd16(p + 2 * j)) << 16);
-      return;
-    }
-    case F16: {
-      const uint8_t* p = row + c0 * 2;
-      for (int j = 0; j < n; ++j) out[j] = h2f(rd16(p + 2 * j));
-      return;
-    }
-    case I8R: {
-      const float scale = h2f(rd16(row));
-      const int8_t* q = reinterpret_cast<const int8_t*>(row + 2 + c0);
-      for (int j = 0; j < n; ++j) out[j] = scale * static_cast<float>(q[j]);
-      return;
-    }
-    case Q4_0: decode_blocks32<Q4_0>(row, c0, n, out); return;
-    case Q4_1: decode_blocks32<Q4_1>(row, c0, n, out); return;
-    case Q5_0: decode_blocks32<Q5_0>(row, c0, n, out); return;
-    case Q5_1: decode_blocks32<Q5_1>(row, c0, n, out); return;
-    case Q8_0: decode_blocks32<Q8_0>(row, c0, n, out); return;
-    case Q4_K: decode_k45<Q4_K>(row + (c0 / 256) * dfq::block_bytes(Q4_K), out); return;
-    case Q5_K: decode_k45<Q5_K>(row + (c0 / 256) * dfq::block_bytes(Q5_K), out); return;
-    case Q6_K: decode_q6_k(row + (c0 / 256) * dfq::block_bytes(Q6_K), out); return;
-    // Q2_K, Q3_K and the IQ formats: no register path yet (stored_rows.h); decoded into the L1 buffer
-    case Q2_K: dfq::decode_q2_k(row + (c0 / 256) * dfq::block_bytes(Q2_K), out); return;
-    case Q3_K: dfq::decode_q3_k(row + (c0 / 256) * dfq::block_bytes(Q3_K), out); return;
-    case IQ4_NL: for (int k = 0; k < n / 32; ++k) dfq::decode_iq4_nl(row + (c0 / 32 + k) * 18, out + 32 * k); return;
-    default: dfq::decode_iq(kind, row + (c0 / 256) * dfq::block_bytes(kind), out); return;
-  }
-}
 
 // acc[0..32) += w[0..n) * x[0..n) for n a multiple of 32: four 8-lane chains, weights j % 32 in
 // [8c, 8c + 8) on chain c (four independent FMA chains hide the FMA latency).
@@ -303,6 +176,9 @@ void accumulate(int kind, const uint8_t* first, int64_t nrows, int64_t row_bytes
 
 extern "C" {
 
+int df_q8_parts(const Part* parts, int n, int stack_cols, const float* x, int64_t T, int64_t ldx, float* y, int64_t ldy,
+                int threads);  // q8_cpu.cpp: -1 where [device] math = "q8" does not take the call
+
 int df_stored_abi() { return 2; }
 
 // Hand in gguf-py's code grid of an IQ `kind` (stored_iq.h's set_grid).
@@ -334,18 +210,15 @@ int df_stored_dequant(int kind, const uint8_t* w, int64_t R, int64_t C, float* o
 // x [T, *] and y [T, *] have row strides ldx, ldy. Returns 1 if a part's shape does not fit its kind.
 int df_stored_parts(const Part* parts, int n, int stack_cols, const float* x, int64_t T, int64_t ldx, float* y,
                     int64_t ldy, int threads) {
+  if (const int rc = df_q8_parts(parts, n, stack_cols, x, T, ldx, y, ldy, threads); rc >= 0) return rc;  // q8 mode
   int64_t all_rows = 0;
   for (int p = 0; p < n; ++p) {
     if (parts[p].row_bytes != df_stored_row_bytes(static_cast<int>(parts[p].kind), parts[p].cols)) return 1;
     if (stack_cols && parts[p].rows != parts[0].rows) return 1;
     all_rows += stack_cols ? 0 : parts[p].rows;
   }
-  // About four runs of consecutive rows per thread, at least 16 rows: each thread streams long runs
-  // of weights. 16-row tasks taken in turn cut both threads' streams into ~6 KB pieces, and two
-  // threads read the demo's 30 MB head at 13.7 GB/s where runs of its rows give 22 (RESULTS.md).
   if (stack_cols) all_rows = parts[0].rows;
-  const int64_t per = std::max<int64_t>(1, 4 * static_cast<int64_t>(threads));
-  const int64_t rows_per_task = std::max<int64_t>(16, (all_rows + per - 1) / per + 15) / 16 * 16;
+  const int64_t rows_per_task = dfq::rows_per_task(all_rows, threads);
   int64_t tasks = 0;
   for (int p = 0; p < (stack_cols ? 1 : n); ++p) tasks += (parts[p].rows + rows_per_task - 1) / rows_per_task;
   int64_t x_cols = 0;  // x's columns: one part's width, or all the parts' side by side
