@@ -137,12 +137,8 @@ class StoreExperts(ExpertReads):
             self.cache, dtype, self._decode_on_reader and expert_bytes is not None
         )
         self._reserved: dict[tuple[int, int], int] = {}  # reservations of prefetches in flight
-        self._deferred: dict[
-            int, list[int]
-        ] = {}  # layer -> predicted experts waiting for the previous fetch
-        self._early: list[int] | None = (
-            None  # the next step's layer-0 prediction, issued by this step's last fetch
-        )
+        self._deferred: dict[int, list[int]] = {}  # layer -> predicted experts awaiting a fetch
+        self._early: list[int] | None = None  # the next step's layer 0 hint, from its last fetch
         stored = {getattr(torch, t.dtype) for r in manifest.experts for t in r.tensors}
         if not any(d.is_floating_point and d != dtype for d in stored):
             self.reader.widened.max_free_bytes = (
@@ -167,16 +163,15 @@ class StoreExperts(ExpertReads):
         )
         self._inflight: dict[tuple[int, int], Future] = {}
         self._last_route: dict[int, list[int]] = {}
-        self._predicted: dict[
-            int, tuple[set[int], set[int]]
-        ] = {}  # layer -> (predicted, of them not held when issued)
+        # layer -> (predicted, of them not held when issued)
+        self._predicted: dict[int, tuple[set[int], set[int]]] = {}
+        self._layer_keys: dict[int, list[tuple[int, int]]] = {}  # layer -> its experts' keys
+        self._held_seen: dict[int, tuple[tuple[int, int], bool]] = {}  # layer -> (stamp, all held)
         self.uses: dict[tuple[int, int], int] = defaultdict(int)  # for the heat histogram
         self.stats = ExpertStats(layers=self.gate.layers)
         self.trace = trace
         self._step: tuple[Sequence[int], Sequence[int]] = ([], [])
-        self.spine: SpineStreamer | None = (
-            None  # the spine's streamed layers, when they do not all fit
-        )
+        self.spine: SpineStreamer | None = None  # the spine's streamed layers, when not all fit
 
     def num_experts(self, layer_idx: int) -> int:
         return self._counts.get(layer_idx, 0)
@@ -293,6 +288,35 @@ class StoreExperts(ExpertReads):
             if num_layers <= len(chain) and self.spine is None and self.trace is None
             else None
         )
+
+    def wants_prefetch(self, layer_idx: int) -> bool:
+        """False where no read can come of a hint for `layer_idx`, so the model skips computing it (its
+        router matmul and sort were ~0.9 ms of a Qwen3-30B-A3B-shaped token, tests/bench/RESULTS.md):
+        prefetch off, no experts there or a dense layer held, or, untraced, every expert of the layer
+        held while the cache has no budget (nothing is evicted, so the hint's touch orders nothing)."""
+        g, held = self.gate.options.enabled, self.resident.layers
+        if not g or layer_idx not in self._counts or layer_idx in held:
+            return False
+        return (
+            self.trace is not None
+            or self.cache.budget_bytes is not None
+            or not self._held(layer_idx)
+        )
+
+    def _held(self, layer_idx: int) -> bool:
+        """Whether every expert of the layer is pinned or cached; checked again only when what is held
+        may have changed (an LRU put or pop, the pin tier's size)."""
+        stamp = (self.cache.version, len(self.resident.experts))
+        if (seen := self._held_seen.get(layer_idx)) is None or seen[0] != stamp:
+            if not self._layer_keys:
+                for k in self._records:
+                    self._layer_keys.setdefault(k[0], []).append(k)
+            keys, pinned, cached = self._layer_keys[layer_idx], self.resident.experts, self.cache
+            seen = self._held_seen[layer_idx] = (
+                stamp,
+                all(k in pinned or k in cached for k in keys),
+            )
+        return seen[1]
 
     def begin_step(self, seq_ids: Sequence[int], positions: Sequence[int]) -> None:
         self._step = (seq_ids, positions)
