@@ -100,25 +100,25 @@ def _one_token(
     outside the kernels (tests/bench/RESULTS.md). None: the general path applies (a repeated expert,
     experts run where they live)."""
     ids = topk_idx[0].tolist()
-    col = {e: j for j, e in enumerate(ids)}
+    col = dict(zip(ids, topk_weight[0].tolist(), strict=True))  # expert -> its weight
     if len(col) < len(ids) or getattr(provider, "run_experts", None) is not None:
         return None
-    weights = topk_weight.reshape(-1)
     x = x.contiguous()
-    partial: dict[int, torch.Tensor] = {}
+    ys: dict[int, torch.Tensor] = {}
     try:
         for expert_idx, expert in provider.fetch(layer_idx, sorted(col)):
-            y = run(x, expert)
-            j = col[expert_idx]
-            partial[expert_idx] = y * weights[j : j + 1].to(y.dtype)[:, None]
+            ys[expert_idx] = run(x, expert)
     except Exception as err:
         key = getattr(err, "expert_key", None)
         if key is not None and key[0] == layer_idx and key[1] in col:
             err.rows = [0]  # type: ignore[attr-defined]
         raise
-    out = torch.zeros_like(x)
-    for expert_idx in sorted(partial):  # expert order, as index_add_ sums in the general path
-        out += partial[expert_idx]
+    out, dtype = torch.zeros_like(x), topk_weight.dtype
+    for expert_idx in sorted(ys):  # expert order, as index_add_ sums in the general path
+        y, w = ys[expert_idx], col[expert_idx]
+        # A weight of y's dtype as a Python float is the same number, and y * it the same product as
+        # y * a [1, 1] tensor of it (one op, not four); of another dtype it is rounded to y's first.
+        out += y * (w if y.dtype == dtype else topk_weight.new_tensor(w).to(y.dtype))
     return out
 
 
