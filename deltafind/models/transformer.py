@@ -184,7 +184,9 @@ class DecoderLayer(nn.Module):
     def predict_experts(self, h: torch.Tensor) -> list[int]:
         """This layer's likely experts for hidden state h (its own norm and router; every slice if dense)."""
         mlp, norm, sliced = self._ffn
-        return mlp.predict(h if sliced else norm(h))  # a dense layer's: every slice, whatever h is
+        return mlp.predict(
+            h if sliced else norm.forward(h)
+        )  # a dense layer's: every slice, whatever h is
 
 
 class Backbone(nn.Module):

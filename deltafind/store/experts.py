@@ -188,7 +188,8 @@ class StoreExperts(ExpertReads):
         wanted = list(dict.fromkeys(expert_ids))
         self.gate.fetch_started(layer_idx)
         self._observe(layer_idx, wanted)
-        self._fetch_missing(layer_idx, wanted)
+        if self.reader.remote is not None:
+            self._fetch_missing(layer_idx, wanted)
         pending: dict[Future, int] = {}
         speculative: set[Future] = (
             set()
@@ -226,7 +227,8 @@ class StoreExperts(ExpertReads):
                 self._hold_back(self.record(layer_idx, e), 1)
         for drive in waiting:
             self._start_demand(layer_idx, waiting[drive], pending, held)
-        self._drop_inflight(layer_idx)  # predictions for this layer that the router did not pick
+        if self._inflight:  # predictions for this layer that the router did not pick
+            self._drop_inflight(layer_idx)
         self._issue_next(layer_idx)  # behind this layer's demand reads
         try:
             yield from ready  # inside: a consumer that stops at a held expert still cancels the reads below
