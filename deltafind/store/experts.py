@@ -165,7 +165,9 @@ class StoreExperts(ExpertReads):
         self._last_route: dict[int, list[int]] = {}
         # layer -> (predicted, of them not held when issued)
         self._predicted: dict[int, tuple[set[int], set[int]]] = {}
-        self._layer_keys: dict[int, list[tuple[int, int]]] = {}  # layer -> its experts' keys
+        self._layer_keys: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for key in self._records:
+            self._layer_keys[key[0]].append(key)
         self._held_seen: dict[int, tuple[tuple[int, int], bool]] = {}  # layer -> (stamp, all held)
         self.uses: dict[tuple[int, int], int] = defaultdict(int)  # for the heat histogram
         self.stats = ExpertStats(layers=self.gate.layers)
@@ -295,29 +297,28 @@ class StoreExperts(ExpertReads):
         """False where no read can come of a hint for `layer_idx`, so the model skips computing it (its
         router matmul and sort were ~0.9 ms of a Qwen3-30B-A3B-shaped token, tests/bench/RESULTS.md):
         prefetch off, no experts there or a dense layer held, or, untraced, every expert of the layer
-        held while the cache has no budget (nothing is evicted, so the hint's touch orders nothing)."""
+        held, and under a budget every expert of the store (else a read elsewhere may evict, in an
+        order the hint's touch would have changed)."""
         g, held = self.gate.options.enabled, self.resident.layers
         if not g or layer_idx not in self._counts or layer_idx in held:
             return False
+        bounded = self.cache.budget_bytes is not None
         return (
-            self.trace is not None
-            or self.cache.budget_bytes is not None
-            or not self._held(layer_idx)
+            self.trace is not None or not self._held(layer_idx) or (bounded and not self._held(-1))
         )
 
     def _held(self, layer_idx: int) -> bool:
-        """Whether every expert of the layer is pinned or cached; checked again only when what is held
-        may have changed (an LRU put or pop, the pin tier's size)."""
+        """Whether every expert of the layer (-1: of the store) is pinned or cached; checked again only
+        when what is held may have changed (an LRU put or pop, the pin tier's size)."""
         stamp = (self.cache.version, len(self.resident.experts))
         if (seen := self._held_seen.get(layer_idx)) is None or seen[0] != stamp:
-            if not self._layer_keys:
-                for k in self._records:
-                    self._layer_keys.setdefault(k[0], []).append(k)
-            keys, pinned, cached = self._layer_keys[layer_idx], self.resident.experts, self.cache
-            seen = self._held_seen[layer_idx] = (
-                stamp,
-                all(k in pinned or k in cached for k in keys),
+            pinned, cached = self.resident.experts, self.cache
+            held = (
+                all(map(self._held, self._counts))
+                if layer_idx < 0
+                else all(k in pinned or k in cached for k in self._layer_keys[layer_idx])
             )
+            seen = self._held_seen[layer_idx] = (stamp, held)
         return seen[1]
 
     def begin_step(self, seq_ids: Sequence[int], positions: Sequence[int]) -> None:
