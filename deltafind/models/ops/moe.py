@@ -29,7 +29,7 @@ def predict_routed(router: nn.Module, x: torch.Tensor) -> list[int]:
     if (
         idx.shape[0] == 1
     ):  # one token: its k experts, each once; the same order by Python, not 7 torch ops
-        pairs = zip(idx[0].tolist(), weight[0].tolist(), strict=True)
+        pairs = zip(idx.tolist()[0], weight.tolist()[0], strict=True)
         return [e for e, _ in sorted(pairs, key=lambda p: (-p[1], p[0]))]
     ids, inverse, counts = torch.unique(idx, return_inverse=True, return_counts=True)
     score = torch.zeros(len(ids), dtype=torch.float64, device=ids.device).index_add_(
@@ -102,8 +102,9 @@ def _one_token(
     path's argsort, unique, cumsum and per-expert index tensors were most of a decode token's Python
     outside the kernels (tests/bench/RESULTS.md). None: the general path applies (a repeated expert,
     experts run where they live)."""
-    ids = topk_idx[0].tolist()
-    col = dict(zip(ids, topk_weight[0].tolist(), strict=True))  # expert -> its weight
+    # tolist()[0], not [0].tolist(): one torch op less, and each is slow right after a kernel
+    ids = topk_idx.tolist()[0]
+    col = dict(zip(ids, topk_weight.tolist()[0], strict=True))  # expert -> its weight
     if len(col) < len(ids) or getattr(provider, "run_experts", None) is not None:
         return None
     x = x.contiguous()
