@@ -103,6 +103,11 @@ class ExpertProvider(Protocol):
     def enter_layer(self, layer_idx: int) -> None:
         """Layer `layer_idx` is about to compute: its spine tensors must be in place (streamed spine)."""
 
+    def wants_prefetch(self, layer_idx: int) -> bool:
+        """Whether a `prefetch` hint for `layer_idx` could start a read (or is recorded): False lets a
+        model skip computing one (a router matmul and a sort), since nothing would come of it."""
+        return True
+
     def prefetch(self, layer_idx: int, expert_ids: Sequence[int] | None) -> None:
         """A hint: `expert_ids` are likely at `layer_idx` (None: as the previous token's route). Never changes output."""
 
@@ -126,6 +131,9 @@ class DictExpertProvider(ExpertProvider):
 
     def num_experts(self, layer_idx: int) -> int:
         return self._counts.get(layer_idx, 0)
+
+    def wants_prefetch(self, layer_idx: int) -> bool:
+        return False  # every expert is held: a hint has no read to start
 
     def fetch(self, layer_idx: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, Expert]]:
         for expert_idx in dict.fromkeys(expert_ids):

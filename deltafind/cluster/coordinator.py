@@ -166,6 +166,11 @@ class ClusterExperts:
     ) -> None:
         self.local.observe_routes(layer_idx, topk_idx, topk_weight)
 
+    def wants_prefetch(self, layer_idx: int) -> bool:
+        return layer_idx in self.routed or self.local.wants_prefetch(
+            layer_idx
+        )  # a node's cache: its own
+
     def prefetch(self, layer_idx: int, expert_ids: Sequence[int] | None) -> None:
         if layer_idx not in self.routed:
             self.local.prefetch(layer_idx, expert_ids)

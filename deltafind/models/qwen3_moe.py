@@ -56,11 +56,14 @@ class Router(nn.Module):
         self.top_k, self.norm_topk_prob = args.num_experts_per_tok, args.norm_topk_prob
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = F.softmax(F.linear(x, self.weight).float(), dim=-1)  # [T, E]
+        # The same ops as F.softmax(F.linear(x, W).float()) less the no-op casts and Module lookups:
+        # each op outside the kernels costs a decode token ~3 us a layer (tests/bench/RESULTS.md).
+        logits = F.linear(x, self._parameters["weight"])
+        probs = (logits if logits.dtype == torch.float32 else logits.float()).softmax(-1)  # [T, E]
         weight, idx = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.norm_topk_prob:
             weight = weight / weight.sum(dim=-1, keepdim=True)
-        return idx, weight.to(x.dtype)
+        return idx, weight if weight.dtype == x.dtype else weight.to(x.dtype)
 
 
 class Model(CausalLM):

@@ -154,7 +154,9 @@ class DecoderLayer(nn.Module):
             return mlp.forward(
                 h, norm
             )  # the norm and the sum inside its kernel call (a module with no hooks)
-        return h + mlp(norm(h))
+        return h + mlp.forward(
+            norm.forward(h)
+        )  # modules with no hooks: not through nn.Module.__call__
 
     def chain_parts(
         self, slices: Sequence[Expert], caches: Sequence[Any], cols: int, d: int
@@ -182,7 +184,9 @@ class DecoderLayer(nn.Module):
     def predict_experts(self, h: torch.Tensor) -> list[int]:
         """This layer's likely experts for hidden state h (its own norm and router; every slice if dense)."""
         mlp, norm, sliced = self._ffn
-        return mlp.predict(h if sliced else norm(h))  # a dense layer's: every slice, whatever h is
+        return mlp.predict(
+            h if sliced else norm.forward(h)
+        )  # a dense layer's: every slice, whatever h is
 
 
 class Backbone(nn.Module):

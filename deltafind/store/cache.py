@@ -28,6 +28,7 @@ class ByteLRU(Generic[K, V]):
         self.reserved_bytes = 0  # reads in flight, counted against the budget before they land
         self.hits = 0
         self.misses = 0
+        self.version = 0  # bumped by every put, pop and eviction: what is held may have changed
         self._lock = threading.Lock()
 
     def get(self, key: K) -> V | None:
@@ -58,6 +59,7 @@ class ByteLRU(Generic[K, V]):
 
     def put(self, key: K, value: V, nbytes: int) -> None:
         with self._lock:
+            self.version += 1
             if key in self._items:
                 self.used_bytes -= self._items.pop(key)[1]
             if self.budget_bytes is not None and nbytes > self.budget_bytes:
@@ -68,6 +70,7 @@ class ByteLRU(Generic[K, V]):
 
     def pop(self, key: K) -> V | None:
         with self._lock:
+            self.version += 1
             item = self._items.pop(key, None)
             if item is None:
                 return None
@@ -97,6 +100,7 @@ class ByteLRU(Generic[K, V]):
         ):
             _, (_, n) = self._items.popitem(last=False)
             self.used_bytes -= n
+            self.version += 1
 
     def __len__(self) -> int:
         return len(self._items)

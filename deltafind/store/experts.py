@@ -137,12 +137,8 @@ class StoreExperts(ExpertReads):
             self.cache, dtype, self._decode_on_reader and expert_bytes is not None
         )
         self._reserved: dict[tuple[int, int], int] = {}  # reservations of prefetches in flight
-        self._deferred: dict[
-            int, list[int]
-        ] = {}  # layer -> predicted experts waiting for the previous fetch
-        self._early: list[int] | None = (
-            None  # the next step's layer-0 prediction, issued by this step's last fetch
-        )
+        self._deferred: dict[int, list[int]] = {}  # layer -> predicted experts awaiting a fetch
+        self._early: list[int] | None = None  # the next step's layer 0 hint, from its last fetch
         stored = {getattr(torch, t.dtype) for r in manifest.experts for t in r.tensors}
         if not any(d.is_floating_point and d != dtype for d in stored):
             self.reader.widened.max_free_bytes = (
@@ -167,16 +163,17 @@ class StoreExperts(ExpertReads):
         )
         self._inflight: dict[tuple[int, int], Future] = {}
         self._last_route: dict[int, list[int]] = {}
-        self._predicted: dict[
-            int, tuple[set[int], set[int]]
-        ] = {}  # layer -> (predicted, of them not held when issued)
+        # layer -> (predicted, of them not held when issued)
+        self._predicted: dict[int, tuple[set[int], set[int]]] = {}
+        self._layer_keys: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for key in self._records:
+            self._layer_keys[key[0]].append(key)
+        self._held_seen: dict[int, tuple[tuple[int, int], bool]] = {}  # layer -> (stamp, all held)
         self.uses: dict[tuple[int, int], int] = defaultdict(int)  # for the heat histogram
         self.stats = ExpertStats(layers=self.gate.layers)
         self.trace = trace
         self._step: tuple[Sequence[int], Sequence[int]] = ([], [])
-        self.spine: SpineStreamer | None = (
-            None  # the spine's streamed layers, when they do not all fit
-        )
+        self.spine: SpineStreamer | None = None  # the spine's streamed layers, when not all fit
 
     def num_experts(self, layer_idx: int) -> int:
         return self._counts.get(layer_idx, 0)
@@ -193,7 +190,8 @@ class StoreExperts(ExpertReads):
         wanted = list(dict.fromkeys(expert_ids))
         self.gate.fetch_started(layer_idx)
         self._observe(layer_idx, wanted)
-        self._fetch_missing(layer_idx, wanted)
+        if self.reader.remote is not None:
+            self._fetch_missing(layer_idx, wanted)
         pending: dict[Future, int] = {}
         speculative: set[Future] = (
             set()
@@ -231,7 +229,8 @@ class StoreExperts(ExpertReads):
                 self._hold_back(self.record(layer_idx, e), 1)
         for drive in waiting:
             self._start_demand(layer_idx, waiting[drive], pending, held)
-        self._drop_inflight(layer_idx)  # predictions for this layer that the router did not pick
+        if self._inflight:  # predictions for this layer that the router did not pick
+            self._drop_inflight(layer_idx)
         self._issue_next(layer_idx)  # behind this layer's demand reads
         try:
             yield from ready  # inside: a consumer that stops at a held expert still cancels the reads below
@@ -293,6 +292,34 @@ class StoreExperts(ExpertReads):
             if num_layers <= len(chain) and self.spine is None and self.trace is None
             else None
         )
+
+    def wants_prefetch(self, layer_idx: int) -> bool:
+        """False where no read can come of a hint for `layer_idx`, so the model skips computing it (its
+        router matmul and sort were ~0.9 ms of a Qwen3-30B-A3B-shaped token, tests/bench/RESULTS.md):
+        prefetch off, no experts there or a dense layer held, or, untraced, every expert of the layer
+        held, and under a budget every expert of the store (else a read elsewhere may evict, in an
+        order the hint's touch would have changed)."""
+        g, held = self.gate.options.enabled, self.resident.layers
+        if not g or layer_idx not in self._counts or layer_idx in held:
+            return False
+        bounded = self.cache.budget_bytes is not None
+        return (
+            self.trace is not None or not self._held(layer_idx) or (bounded and not self._held(-1))
+        )
+
+    def _held(self, layer_idx: int) -> bool:
+        """Whether every expert of the layer (-1: of the store) is pinned or cached; checked again only
+        when what is held may have changed (an LRU put or pop, the pin tier's size)."""
+        stamp = (self.cache.version, len(self.resident.experts))
+        if (seen := self._held_seen.get(layer_idx)) is None or seen[0] != stamp:
+            pinned, cached = self.resident.experts, self.cache
+            held = (
+                all(map(self._held, self._counts))
+                if layer_idx < 0
+                else all(k in pinned or k in cached for k in self._layer_keys[layer_idx])
+            )
+            seen = self._held_seen[layer_idx] = (stamp, held)
+        return seen[1]
 
     def begin_step(self, seq_ids: Sequence[int], positions: Sequence[int]) -> None:
         self._step = (seq_ids, positions)

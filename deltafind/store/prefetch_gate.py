@@ -267,16 +267,16 @@ class PrefetchGate:
         """The candidates (key, [(drive, bytes) it loads]), best first, whose reads should start now, each
         with the bytes per drive to read before the router confirms it (less than its share: only its
         first pieces); at most `room`. A striped record is weighed on every drive it loads."""
+        self._decided_at[layer_idx] = time.perf_counter()
+        cands = list(candidates)
+        if not cands:
+            return []
         with self._lock:
             work = [
                 (d.queued_bytes + d.held_back_bytes, d.demand_bytes + d.held_back_bytes, d.rate)
                 for d in self.drives
             ]
         drain = max((demand / rate for _, demand, rate in work if rate is not None), default=0.0)
-        self._decided_at[layer_idx] = time.perf_counter()
-        cands = list(candidates)
-        if not cands:
-            return []
         r, opts = self._layer(layer_idx), self.options
         # A layer not yet timed at this width borrows the window last measured at it: layers compute alike,
         # and keyed strictly, a step width first seen (a new batch size) had no prefetch on any layer.

@@ -1,6 +1,7 @@
 """Where one demo decode token's CPU time goes: the stored-format kernel calls vs everything else.
 
-Not run in CI. One thread, greedy, all experts resident; CPU time of the calling thread, so other
+Not run in CI. One thread, greedy, the experts it routes to resident (`--read-all`: every expert,
+so no prefetch hint is computed); CPU time of the calling thread, so other
 tenants of a shared machine barely move it. Decode per token = (t[n tokens] - t[1 token]) / (n - 1),
 as bench_demo_vs_llamacpp.py computes it; the kernel share is the time inside the kernel library's
 ctypes entry points (`KERNEL_ENTRIES`: the decode chain, the attention step, the gated MLP, the
@@ -8,7 +9,7 @@ matmul), one call each. Prints ONE JSON line. To compare with an older tree, run
 PYTHONPATH pointing at that tree (`git archive REV deltafind | tar -x -C DIR`): its kernel
 figures are null when it has no kernel library.
 
-    python tests/bench/bench_demo_token_profile.py [--store DEMO] [--new-tokens 32] [--rounds 5]
+    python tests/bench/bench_demo_token_profile.py [--store DEMO] [--new-tokens 32] [--rounds 5] [--read-all]
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--math", default="exact", help="[device] math: exact, bf16 or q8")
+    ap.add_argument(
+        "--read-all",
+        action="store_true",
+        help="read every expert first: the cache holds the whole store (the model fits), so no "
+        "prefetch hint can start a read and none is computed",
+    )
     args = ap.parse_args()
 
     import torch
@@ -64,7 +71,12 @@ def main() -> None:
         setattr(lib, name, timer(getattr(lib, name)))
     model = Model.open(str(args.store), device="cpu", expert_bytes=None, math=args.math)
     ids = list(model.tokenizer.encode("The capital of France is"))
-    model.generate(ids, max_new_tokens=8, temperature=0.0)  # warm: every expert resident
+    model.generate(
+        ids, max_new_tokens=8, temperature=0.0
+    )  # warm: the experts these tokens route to
+    for layer in range(model.net.num_layers) if args.read_all else ():
+        for _ in model.experts.fetch(layer, range(model.experts.num_experts(layer))):
+            pass
 
     def run(n: int) -> tuple[float, float, int, int]:
         spent.clear()
@@ -87,6 +99,7 @@ def main() -> None:
                 "threads": 1,
                 "rounds": args.rounds,
                 "new_tokens": args.new_tokens,
+                "read_all": args.read_all,
                 "decode_cpu_ms_per_token": round(total, 2),
                 "kernel_cpu_ms_per_token": round(kernel, 2) if has else None,
                 "kernel_calls_per_token": round(calls, 1) if has else None,

@@ -21,12 +21,15 @@ def predict_routed(router: nn.Module, x: torch.Tensor) -> list[int]:
     chosen, and among as often chosen the higher summed routing weight. The prefetch gate starts reads
     in this order while a drive has slack (store/prefetch_gate.py); by count alone one token's eight
     tied, and the gate read the lowest expert ids first, whatever the router's scores."""
-    with torch.no_grad():
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            idx, weight = router(x)
+    else:  # the engine's forward (inference mode): a context per prediction cost a decode token ~1 us
         idx, weight = router(x)
     if (
         idx.shape[0] == 1
     ):  # one token: its k experts, each once; the same order by Python, not 7 torch ops
-        pairs = zip(idx[0].tolist(), weight[0].tolist(), strict=True)
+        pairs = zip(idx.tolist()[0], weight.tolist()[0], strict=True)
         return [e for e, _ in sorted(pairs, key=lambda p: (-p[1], p[0]))]
     ids, inverse, counts = torch.unique(idx, return_inverse=True, return_counts=True)
     score = torch.zeros(len(ids), dtype=torch.float64, device=ids.device).index_add_(
@@ -99,26 +102,27 @@ def _one_token(
     path's argsort, unique, cumsum and per-expert index tensors were most of a decode token's Python
     outside the kernels (tests/bench/RESULTS.md). None: the general path applies (a repeated expert,
     experts run where they live)."""
-    ids = topk_idx[0].tolist()
-    col = {e: j for j, e in enumerate(ids)}
+    # tolist()[0], not [0].tolist(): one torch op less, and each is slow right after a kernel
+    ids = topk_idx.tolist()[0]
+    col = dict(zip(ids, topk_weight.tolist()[0], strict=True))  # expert -> its weight
     if len(col) < len(ids) or getattr(provider, "run_experts", None) is not None:
         return None
-    weights = topk_weight.reshape(-1)
     x = x.contiguous()
-    partial: dict[int, torch.Tensor] = {}
+    ys: dict[int, torch.Tensor] = {}
     try:
         for expert_idx, expert in provider.fetch(layer_idx, sorted(col)):
-            y = run(x, expert)
-            j = col[expert_idx]
-            partial[expert_idx] = y * weights[j : j + 1].to(y.dtype)[:, None]
+            ys[expert_idx] = run(x, expert)
     except Exception as err:
         key = getattr(err, "expert_key", None)
         if key is not None and key[0] == layer_idx and key[1] in col:
             err.rows = [0]  # type: ignore[attr-defined]
         raise
-    out = torch.zeros_like(x)
-    for expert_idx in sorted(partial):  # expert order, as index_add_ sums in the general path
-        out += partial[expert_idx]
+    out, dtype = torch.zeros_like(x), topk_weight.dtype
+    for expert_idx in sorted(ys):  # expert order, as index_add_ sums in the general path
+        y, w = ys[expert_idx], col[expert_idx]
+        # A weight of y's dtype as a Python float is the same number, and y * it the same product as
+        # y * a [1, 1] tensor of it (one op, not four); of another dtype it is rounded to y's first.
+        out += y * (w if y.dtype == dtype else topk_weight.new_tensor(w).to(y.dtype))
     return out
 
 

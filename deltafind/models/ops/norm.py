@@ -33,28 +33,30 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     if (
         x.dtype != torch.float32
         or weight.dtype != torch.float32
-        or x.device.type != "cpu"
+        or not x.is_cpu  # not x.device.type: a device object per call
+        or not weight.is_cpu
+        or (cols := x.shape[-1]) % 8
         or x.dim() < 2
-        or x.shape[-1] % 8
-        or weight.shape != (x.shape[-1],)
+        or weight.dim() != 1
+        or weight.shape[0] != cols
         or not weight.is_contiguous()
-        or weight.device.type != "cpu"
         or (lib := CPU.load()) is None
     ):
         return None
-    rows = (
-        x if x.dim() == 2 and x.stride(1) == 1 else x.reshape(-1, x.shape[-1])
-    )  # q/k heads: [T, H, D] -> [T*H, D]
+    flat = x.dim() == 2 and x.stride(1) == 1
+    rows = x if flat else x.reshape(-1, cols)  # q/k heads: [T, H, D] -> [T*H, D]
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     y = torch.empty(rows.shape)
     lib.df_rms_norm(
         rows.data_ptr(),
         rows.shape[0],
-        rows.shape[1],
+        cols,
         rows.stride(0),
         weight.data_ptr(),
         eps,
         y.data_ptr(),
     )
+    if flat:
+        return y
     return y.view(x.shape)

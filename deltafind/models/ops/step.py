@@ -59,7 +59,7 @@ def run_layers(
         layer = layers[i]
         provider.enter_layer(i)  # a layer outside the resident spine prefix is read in
         state = attend(i, layer, x)
-        if i + 1 < len(layers):
+        if i + 1 < len(layers) and provider.wants_prefetch(i + 1):
             # While layer i's experts compute, layer i+1's predicted experts are read.
             provider.prefetch(i + 1, layers[i + 1].predict_experts(state))
         x = feed_forward(i, layer, state)
