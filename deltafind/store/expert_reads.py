@@ -6,23 +6,40 @@ consumes the reads they start; nothing here waits on a read or decodes one.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 
 from deltafind.provider import Expert
 from deltafind.store.cache import ByteLRU
 from deltafind.store.manifest import ExpertRecord
-from deltafind.store.prefetch_gate import PrefetchGate, PrefetchOptions
+from deltafind.store.prefetch_gate import LayerRecall, PrefetchGate, PrefetchOptions
 from deltafind.store.read_budget import ReadBudget
 from deltafind.store.reader import PackReader
 from deltafind.store.resident import Resident
 from deltafind.store.trace import TraceWriter
 
 RECORDS_AHEAD = 2  # demand reads a fetch keeps unconsumed per drive under a budget: one being read (its 1 MiB chunks fill the queue), the next behind it
+
+
+@dataclass
+class ExpertStats:
+    requested: int = 0
+    cache_hits: int = 0
+    pinned_hits: int = 0
+    read: int = 0
+    bytes_read: int = 0
+    wait_s: float = 0.0  # time fetch spent blocked on reads
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    prefetch_wasted: int = 0
+    prefetch_gated: int = 0
+    layers: dict[int, LayerRecall] = field(
+        default_factory=lambda: defaultdict(LayerRecall)
+    )  # the gate's, per layer
 
 
 class ExpertReads:
@@ -34,7 +51,7 @@ class ExpertReads:
     budget: ReadBudget
     gate: PrefetchGate
     trace: TraceWriter | None
-    stats: Any  # ExpertStats (store/experts.py: not imported, it imports this)
+    stats: ExpertStats
     dtype: torch.dtype
     _decode_on_reader: bool
     _records: dict[tuple[int, int], ExpertRecord]

@@ -14,7 +14,6 @@ import weakref
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,31 +23,14 @@ from deltafind.errors import CorruptExpertError
 from deltafind.provider import Expert
 from deltafind.store.buffers import Stager, record_tensors
 from deltafind.store.cache import ByteLRU, return_freed_memory
-from deltafind.store.expert_reads import RECORDS_AHEAD, ExpertReads
+from deltafind.store.expert_reads import RECORDS_AHEAD, ExpertReads, ExpertStats
 from deltafind.store.manifest import ExpertRecord, Manifest
-from deltafind.store.prefetch_gate import LayerRecall, PrefetchGate, PrefetchOptions
+from deltafind.store.prefetch_gate import PrefetchGate, PrefetchOptions
 from deltafind.store.read_budget import ReadBudget
 from deltafind.store.reader import DriveOptions, PackReader
 from deltafind.store.resident import Resident
 from deltafind.store.spine import SpineStreamer
 from deltafind.store.trace import TraceWriter
-
-
-@dataclass
-class ExpertStats:
-    requested: int = 0
-    cache_hits: int = 0
-    pinned_hits: int = 0
-    read: int = 0
-    bytes_read: int = 0
-    wait_s: float = 0.0  # time fetch spent blocked on reads
-    prefetch_issued: int = 0
-    prefetch_used: int = 0
-    prefetch_wasted: int = 0
-    prefetch_gated: int = 0
-    layers: dict[int, LayerRecall] = field(
-        default_factory=lambda: defaultdict(LayerRecall)
-    )  # the gate's, per layer
 
 
 def prefetch_options(settings: Any) -> PrefetchOptions:
