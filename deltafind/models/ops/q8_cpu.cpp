@@ -35,14 +35,14 @@ void row_dot_any(int kind, const uint8_t* row, int64_t row_bytes, int64_t nr, in
 #ifdef __AVX2__
   auto go = [&](auto k, auto tokens) {
     constexpr int K = decltype(k)::value, NT = decltype(tokens)::value;
-    for (int64_t r = 0; r < nr; r += kRowsPerPass<NT>) {
+    for (int64_t r = 0; r < nr; r += kRowsPerPass<K, NT>) {
       const uint8_t* w = row + r * row_bytes;
       float* o = out + r * NT;
-      switch (std::min<int64_t>(nr - r, kRowsPerPass<NT>)) {
+      switch (std::min<int64_t>(nr - r, kRowsPerPass<K, NT>)) {
         case 1: row_dot<K, NT, 1>(w, row_bytes, nb, xq, xstride, o); break;
-        case 2: row_dot<K, NT, std::min(2, kRowsPerPass<NT>)>(w, row_bytes, nb, xq, xstride, o); break;
-        case 3: row_dot<K, NT, std::min(3, kRowsPerPass<NT>)>(w, row_bytes, nb, xq, xstride, o); break;
-        default: row_dot<K, NT, kRowsPerPass<NT>>(w, row_bytes, nb, xq, xstride, o); break;
+        case 2: row_dot<K, NT, std::min(2, kRowsPerPass<K, NT>)>(w, row_bytes, nb, xq, xstride, o); break;
+        case 3: row_dot<K, NT, std::min(3, kRowsPerPass<K, NT>)>(w, row_bytes, nb, xq, xstride, o); break;
+        default: row_dot<K, NT, kRowsPerPass<K, NT>>(w, row_bytes, nb, xq, xstride, o); break;
       }
     }
   };

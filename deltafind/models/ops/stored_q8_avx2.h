@@ -172,9 +172,11 @@ constexpr bool vnni512(int k) { return k == kQ4_K || k == kQ6_K; }  // stored_q8
 #endif
 
 // Rows a pass takes for NT token rows: each block's x loads (L1) shared by NR rows, and NR independent
-// chains per block, where one row of 8 blocks left the core waiting on each row's final sums.
-template <int NT>
-constexpr int kRowsPerPass = NT == 1 ? 4 : NT == 2 ? 2 : 1;
+// chains per block, where one row of 8 blocks left the core waiting on each row's final sums. Q6_K's
+// 210-byte blocks streamed from memory ran at 13 GB/s four rows at a time, 21 two at a time
+// (tests/bench/RESULTS.md, "q8 kernels: 64-weight registers").
+template <int K, int NT>
+constexpr int kRowsPerPass = NT == 1 ? (K == kQ6_K ? 2 : 4) : NT == 2 && K != kQ6_K ? 2 : 1;
 
 // out[r * NT + t] = row r of NR rows of K (nb blocks each, row_bytes apart) dotted with NT token rows of
 // quantized x (token t's blocks at xq + t * xstride). Each (row, token) takes the same instructions in
@@ -195,10 +197,13 @@ __attribute__((noinline)) void row_dot(const uint8_t* row, int64_t row_bytes, in
   const X* x[NT];
   for (int64_t i = 0; i < nb; ++i) {
     for (int t = 0; t < NT; ++t) x[t] = reinterpret_cast<const X*>(xq + t * xstride) + i;
+    // The pass reads its NR rows (adjacent, q8_cpu.cpp checks) side by side: the bytes after them are
+    // fetched as one stream, NR blocks' worth per block index, kAhead past the next pass's start.
+    const uint8_t* ahead = row + NR * row_bytes + kAhead + i * NR * bb;
+    for (int64_t o = 0; o < NR * bb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
 #pragma GCC unroll 4
     for (int r = 0; r < NR; ++r) {
       const uint8_t* b = row + r * row_bytes + i * bb;
-      for (int64_t o = 0; o < bb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(b + kAhead + o), _MM_HINT_T0);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
       if constexpr (K == kQ4_K)
         q4k_block512<NT>(b, x, acc512[r], accm[r]);
