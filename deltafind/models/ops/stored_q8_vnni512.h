@@ -36,11 +36,14 @@ inline __attribute__((always_inline)) void q4k_block512(const uint8_t* b, const 
       s[t][j % 2] = _mm512_dpwssd_epi32(s[t][j % 2], p, scj);
     }
   }
-  const float d = dfq::h2f(dfq::rd16(b)), dmin = dfq::h2f(dfq::rd16(b + 2));
+  uint32_t dpair;
+  std::memcpy(&dpair, b, 4);
+  const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dpair)));  // d, dmin
   for (int t = 0; t < NT; ++t) {
-    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[t][0], s[t][1])), _mm512_set1_ps(d * x[t]->d), acc[t]);
+    const __m128 f = _mm_mul_ps(dd, _mm_set1_ps(x[t]->d));  // d * dx, dmin * dx: the scalar products
+    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[t][0], s[t][1])), _mm512_broadcastss_ps(f), acc[t]);
     const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[t]->bsums)), mn2);
-    accm[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(-(dmin * x[t]->d)), accm[t]);
+    accm[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), _mm256_broadcastss_ps(_mm_movehdup_ps(f)), accm[t]);
   }
 }
 
