@@ -1,8 +1,9 @@
 // stored_q8.h's block dot products on AVX2: unsigned weight codes times signed int8 activations pairwise
 // into int16 (vpmaddubsw, never saturating for these codes), times the group's scale pairwise into int32
 // (vpdpwssd on AVX512-VNNI, vpmaddwd + vpaddd elsewhere: the same integers), one fp32 FMA per block and
-// token. The weight codes are unpacked once per block and dotted with up to NT token rows, each token in
-// its own registers, so its result does not depend on the others.
+// token (Q4_K and Q6_K on AVX512-VNNI: stored_q8_vnni512.h, 64 weights a register). The weight codes are
+// unpacked once per block and dotted with up to NT token rows, each token in its own registers, and a pass
+// takes up to 4 rows side by side; no (row, token) result depends on the others.
 #pragma once
 #include <immintrin.h>
 
