@@ -13,12 +13,30 @@ inline __m512i zmm_lanes(int a, int b, int c, int d) {  // int32 lane indices: a
   return _mm512_set_epi32(d, d, d, d, c, c, c, c, b, b, b, b, a, a, a, a);
 }
 
-// Q4_K: 32 packed bytes hold group 2j (low nibbles) and 2j + 1 (high), dotted with x's 64 bytes at 64j.
+// vpshufb masks for Q4_K's scales against two blocks' products packed to int16 (vpackssdw of the
+// results for 32-byte pieces 2jp and 2jp + 1): in 128-bit lanes 0-1 words 0-3 hold group 4jp, words 4-7
+// group 4jp + 2; in lanes 2-3 groups 4jp + 1 and 4jp + 3. Each word picks its scale byte, high byte zero.
+struct Q4kScaleMasks {
+  alignas(64) uint8_t m[2][64];
+};
+constexpr Q4kScaleMasks make_q4k_scale_masks() {
+  Q4kScaleMasks r{};
+  for (int jp = 0; jp < 2; ++jp)
+    for (int b = 0; b < 64; ++b) {
+      const int lane = b / 16, w = (b % 16) / 2;
+      r.m[jp][b] = b % 2 ? 0x80 : static_cast<uint8_t>(4 * jp + (w < 4 ? 0 : 2) + (lane >= 2 ? 1 : 0));
+    }
+  return r;
+}
+constexpr Q4kScaleMasks kQ4kScales = make_q4k_scale_masks();
+
+// Q4_K: 32 packed bytes hold group 2j (low nibbles) and 2j + 1 (high), dotted with x's 64 bytes at 64j;
+// two such products (|lane| <= 4 * 15 * 127) packed to int16 take one vpdpwssd by their scales.
 template <int NT>
 inline __attribute__((always_inline)) void q4k_block512(const uint8_t* b, const BlockK* const* x, __m512* acc,
                                                         __m256* accm) {
   const __m128i packed = k_scales_vec(b + 4);                      // scales 0-7, mins 0-7 (bytes)
-  const __m512i sc32 = _mm512_cvtepu8_epi32(packed);               // each an int16 pair (value, 0)
+  const __m512i sc4 = _mm512_broadcast_i32x4(packed);
   const __m128i mn = _mm_unpackhi_epi64(packed, packed);           // mins 0-7 in the low 8 bytes
   const __m256i mn16 = _mm256_cvtepu8_epi16(mn);                   // mins, int16, twice
   const __m256i mn2 = _mm256_permutexvar_epi16(_mm256_setr_epi16(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), mn16);
@@ -26,14 +44,18 @@ inline __attribute__((always_inline)) void q4k_block512(const uint8_t* b, const 
   const uint8_t* qs = b + 16;
   __m512i s[NT][2];
   for (int t = 0; t < NT; ++t) s[t][0] = s[t][1] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) {
-    const __m256i q32 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
-    const __m512i q = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(q32), sh), m4);
-    const __m512i scj = _mm512_permutexvar_epi32(zmm_lanes(2 * j, 2 * j, 2 * j + 1, 2 * j + 1), sc32);
+#pragma GCC unroll 2
+  for (int jp = 0; jp < 2; ++jp) {
+    __m512i q[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i q32 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * jp + 32 * h));
+      q[h] = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(q32), sh), m4);
+    }
+    const __m512i scv = _mm512_shuffle_epi8(sc4, _mm512_load_si512(kQ4kScales.m[jp]));
     for (int t = 0; t < NT; ++t) {
-      const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(x[t]->qs + 64 * j));
-      s[t][j % 2] = _mm512_dpwssd_epi32(s[t][j % 2], p, scj);
+      const __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], _mm512_loadu_si512(x[t]->qs + 128 * jp));
+      const __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[1], _mm512_loadu_si512(x[t]->qs + 128 * jp + 64));
+      s[t][jp] = _mm512_dpwssd_epi32(s[t][jp], _mm512_packs_epi32(p0, p1), scv);
     }
   }
   uint32_t dpair;
