@@ -1,39 +1,24 @@
 // stored_q8.h's Q4_K and Q6_K block dot products on AVX512-VNNI, 64 weights a register: vpdpbusd takes the
-// unsigned codes times the signed int8 activations four at a time into int32 (no int16 step, no sign trick;
-// a lane's sum is at most 4 * 63 * 127, an exact int16), two such results are packed to int16 (vpackssdw,
-// never saturating) and one vpdpwssd multiplies each word by its group's scale into the block's int32 sum.
-// The same integers as the AVX2 form; only the fp32 sum of the blocks runs in 16 lanes instead of 8
-// (docs/math-modes.md).
+// unsigned codes times the signed int8 activations four at a time into int32 (no int16 step, no sign trick:
+// a lane's sum is at most 4 * 63 * 127, so it is also an exact int16), then vpdpwssd multiplies each lane by
+// its group's scale, held as an int16 pair (scale, 0), into the block's int32 sum. The same integers as the
+// AVX2 form; only the fp32 sum of the blocks runs in 16 lanes instead of 8 (docs/math-modes.md).
 #pragma once
 #include <immintrin.h>
 
 namespace dfq8 {
 namespace {
 
-// vpshufb masks for Q4_K's scales against two blocks' products packed to int16 (vpackssdw of the
-// results for 32-byte pieces 2jp and 2jp + 1): in 128-bit lanes 0-1 words 0-3 hold group 4jp, words 4-7
-// group 4jp + 2; in lanes 2-3 groups 4jp + 1 and 4jp + 3. Each word picks its scale byte, high byte zero.
-struct Q4kScaleMasks {
-  alignas(64) uint8_t m[2][64];
-};
-constexpr Q4kScaleMasks make_q4k_scale_masks() {
-  Q4kScaleMasks r{};
-  for (int jp = 0; jp < 2; ++jp)
-    for (int b = 0; b < 64; ++b) {
-      const int lane = b / 16, w = (b % 16) / 2;
-      r.m[jp][b] = b % 2 ? 0x80 : static_cast<uint8_t>(4 * jp + (w < 4 ? 0 : 2) + (lane >= 2 ? 1 : 0));
-    }
-  return r;
+inline __m512i zmm_lanes(int a, int b, int c, int d) {  // int32 lane indices: a in lanes 0-3, b 4-7, ...
+  return _mm512_set_epi32(d, d, d, d, c, c, c, c, b, b, b, b, a, a, a, a);
 }
-constexpr Q4kScaleMasks kQ4kScales = make_q4k_scale_masks();
 
-// Q4_K: 32 packed bytes hold group 2j (low nibbles) and 2j + 1 (high), dotted with x's 64 bytes at 64j;
-// two such products (|lane| <= 4 * 15 * 127) packed to int16 take one vpdpwssd by their scales.
+// Q4_K: 32 packed bytes hold group 2j (low nibbles) and 2j + 1 (high), dotted with x's 64 bytes at 64j.
 template <int NT>
 inline __attribute__((always_inline)) void q4k_block512(const uint8_t* b, const BlockK* const* x, __m512* acc,
                                                         __m256* accm) {
   const __m128i packed = k_scales_vec(b + 4);                      // scales 0-7, mins 0-7 (bytes)
-  const __m512i sc4 = _mm512_broadcast_i32x4(packed);
+  const __m512i sc32 = _mm512_cvtepu8_epi32(packed);               // each an int16 pair (value, 0)
   const __m128i mn = _mm_unpackhi_epi64(packed, packed);           // mins 0-7 in the low 8 bytes
   const __m256i mn16 = _mm256_cvtepu8_epi16(mn);                   // mins, int16, twice
   const __m256i mn2 = _mm256_permutexvar_epi16(_mm256_setr_epi16(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), mn16);
@@ -41,18 +26,14 @@ inline __attribute__((always_inline)) void q4k_block512(const uint8_t* b, const 
   const uint8_t* qs = b + 16;
   __m512i s[NT][2];
   for (int t = 0; t < NT; ++t) s[t][0] = s[t][1] = _mm512_setzero_si512();
-#pragma GCC unroll 2
-  for (int jp = 0; jp < 2; ++jp) {
-    __m512i q[2];
-    for (int h = 0; h < 2; ++h) {
-      const __m256i q32 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * jp + 32 * h));
-      q[h] = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(q32), sh), m4);
-    }
-    const __m512i scv = _mm512_shuffle_epi8(sc4, _mm512_load_si512(kQ4kScales.m[jp]));
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    const __m256i q32 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+    const __m512i q = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(q32), sh), m4);
+    const __m512i scj = _mm512_permutexvar_epi32(zmm_lanes(2 * j, 2 * j, 2 * j + 1, 2 * j + 1), sc32);
     for (int t = 0; t < NT; ++t) {
-      const __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], _mm512_loadu_si512(x[t]->qs + 128 * jp));
-      const __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[1], _mm512_loadu_si512(x[t]->qs + 128 * jp + 64));
-      s[t][jp] = _mm512_dpwssd_epi32(s[t][jp], _mm512_packs_epi32(p0, p1), scv);
+      const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(x[t]->qs + 64 * j));
+      s[t][j % 2] = _mm512_dpwssd_epi32(s[t][j % 2], p, scj);
     }
   }
   uint32_t dpair;
@@ -66,27 +47,12 @@ inline __attribute__((always_inline)) void q4k_block512(const uint8_t* b, const 
   }
 }
 
-// vpshufb masks for Q6_K's int16 scales (groups 8h..8h+7 in every 128-bit lane) against the packed
-// products of codes k = 0, 1: in lane L words 0-3 hold group 8h + L, words 4-7 group 8h + 4 + L.
-struct Q6kScaleMasks {
-  alignas(64) uint8_t m[64];
-};
-constexpr Q6kScaleMasks make_q6k_scale_masks() {
-  Q6kScaleMasks r{};
-  for (int b = 0; b < 64; ++b) {
-    const int lane = b / 16, w = (b % 16) / 2;
-    r.m[b] = static_cast<uint8_t>(2 * ((w < 4 ? 0 : 4) + lane) + b % 2);
-  }
-  return r;
-}
-constexpr Q6kScaleMasks kQ6kScales = make_q6k_scale_masks();
-
 // Q6_K: weights 128h + 32k + c; the 64 low-nibble bytes at 64h give codes k = 0, 1 (low nibbles) and
-// k = 2, 3 (high), their two high bits from the 32 bytes at 128 + 32h; a 128-bit lane is one group of 16.
-// The two products of an h (|lane| <= 4 * 63 * 127) packed to int16 take one vpdpwssd by their scales.
+// k = 2, 3 (high), their two high bits from the 32 bytes at 128 + 32h; groups of 16 are 4 int32 lanes.
 template <int NT>
 inline __attribute__((always_inline)) void q6k_block512(const uint8_t* b, const BlockK* const* x, __m512* acc) {
   const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+  const __m512i sc32 = _mm512_cvtepu16_epi32(_mm256_cvtepi8_epi16(sc8));  // (signed scale, 0) pairs
   const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
   const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
   const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
@@ -101,14 +67,17 @@ inline __attribute__((always_inline)) void q6k_block512(const uint8_t* b, const 
   for (int h = 0; h < 2; ++h) {
     const __m512i l = _mm512_loadu_si512(b + 64 * h);
     const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h)));
-    const __m512i q0 = _mm512_ternarylogic_epi32(l, m4, _mm512_and_si512(_mm512_sllv_epi16(hb, shl), m30), 0xEA);  // (a & b) | c
-    const __m512i q1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(l, 4), m4, _mm512_and_si512(_mm512_srlv_epi16(hb, shr), m30), 0xEA);
-    const __m512i sch = _mm512_broadcast_i32x4(h == 0 ? _mm256_castsi256_si128(sc16) : _mm256_extracti128_si256(sc16, 1));
-    const __m512i scv = _mm512_shuffle_epi8(sch, _mm512_load_si512(kQ6kScales.m));
-    for (int t = 0; t < NT; ++t) {
-      const __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q0, _mm512_loadu_si512(x[t]->qs + 128 * h));
-      const __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q1, _mm512_loadu_si512(x[t]->qs + 128 * h + 64));
-      s[t][h] = _mm512_dpwssd_epi32(s[t][h], _mm512_packs_epi32(p0, p1), scv);
+    const __m512i q[2] = {
+        _mm512_ternarylogic_epi32(l, m4, _mm512_and_si512(_mm512_sllv_epi16(hb, shl), m30), 0xEA),  // (a & b) | c
+        _mm512_ternarylogic_epi32(_mm512_srli_epi16(l, 4), m4, _mm512_and_si512(_mm512_srlv_epi16(hb, shr), m30), 0xEA)};
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; ++k) {
+      const int g = 8 * h + 4 * k;
+      const __m512i scv = _mm512_permutexvar_epi32(zmm_lanes(g, g + 1, g + 2, g + 3), sc32);
+      for (int t = 0; t < NT; ++t) {
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[k], _mm512_loadu_si512(x[t]->qs + 128 * h + 64 * k));
+        s[t][k] = _mm512_dpwssd_epi32(s[t][k], p, scv);
+      }
     }
   }
   const float d = dfq::h2f(dfq::rd16(b + 208));
