@@ -275,6 +275,7 @@ class Model:
             spine_int8=self.settings.cache.spine_int8,
             math=fast_math.mode(),  # what runs: "exact" where [device] math = bf16 is unavailable
             math_requested=self.settings.device.math,
+            math_note=fast_math.status_note(self.settings.device.math),
             cpu_kernels=kernel_status(),
         )
         if self.cluster is not None:

@@ -123,16 +123,13 @@ def store_lines(s: dict[str, Any]) -> list[str]:
         lines.append(
             "spine      row-int8 ([cache] spine_int8): NOT weight-exact, the logits drift from the released weights'"
         )
-    if s.get("math", "exact") != "exact":
+    if s.get("math", "exact") != "exact":  # math_note: fast_math.describe, what the mode computes
         lines.append(
-            f"math       {s['math']} ([device] math): NOT bit-exact, matmuls of 16+ token rows use bf16 dot "
-            "products; the logits drift from exact fp32 (tests/bench/RESULTS.md)"
+            f"math       {s['math']} ([device] math): {s['math_note']}; the logits drift from exact fp32 "
+            "(docs/math-modes.md)"
         )
     elif s.get("math_requested", "exact") != "exact":
-        lines.append(
-            f"math       exact: [device] math = {s['math_requested']} is not available here (it needs "
-            "AVX512-BF16 and the CPU kernels)"
-        )
+        lines.append(f"math       exact: {s['math_note']}")
     if s.get("store_bytes_total") and s["store_bytes_present"] < s["store_bytes_total"]:
         lines.append(
             f"store      streaming install: {_mib(s['store_bytes_present'])} of {_mib(s['store_bytes_total'])} of experts on disk "

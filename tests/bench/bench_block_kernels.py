@@ -9,9 +9,9 @@ medians over rounds (one thread: its CPU time; more: wall time). The matrix stay
 bench_demo_vs_llamacpp.py's. `--against DIR` adds a third build, the default one of another
 checkout's kernel sources (e.g. `git worktree add DIR BASE`), and checks that it gives this
 tree's results (bit for bit, or, where a kernel changed where fp32 rounds, to fp32 accuracy:
-`against_same_bits` says which). Prints ONE JSON line: per format and thread count, microseconds per
+`against_same_bits` says which; in exact mode). With `--math exact,q8` each build runs in each mode. Prints ONE JSON line: per format and thread count, microseconds per
 call and GB/s of weights read for each build, `speedup` (AVX2 time / default time) and with
---against `vs_against` (its time / default time).
+--against `vs_against` (its time / default time; `vs_against_q8` in q8 mode).
 
     python tests/bench/bench_block_kernels.py [--rows 2048] [--cols 2048] [--rounds 9]
         [--against DIR]
@@ -100,7 +100,6 @@ def main() -> None:
         b if m == "exact" else f"{b}_{m}": (lib, MODES.index(m))
         for b, lib in builds.items()
         for m in maths
-        if m == "exact" or b != "against"
     }
     threads = list(range(1, len(os.sched_getaffinity(0)) + 1))
     out: dict = {
@@ -149,11 +148,14 @@ def main() -> None:
             med = {v: statistics.median(times[(v, n)]) for v in variants}
             cell = {f"{v}_us": round(t, 1) for v, t in med.items()}
             cell |= {f"{v}_gbps": round(nbytes / t / 1e3, 2) for v, t in med.items()}
-            cell["speedup"] = round(med["avx2"] / med["default"], 3)
-            if "q8" in maths:
+            if "exact" in maths:
+                cell["speedup"] = round(med["avx2"] / med["default"], 3)
+            if set(maths) == {"exact", "q8"}:
                 cell["q8_speedup"] = round(med["default"] / med["default_q8"], 3)
             if args.against:
-                cell["vs_against"] = round(med["against"] / med["default"], 3)
+                for m in maths:
+                    sfx = "" if m == "exact" else f"_{m}"
+                    cell[f"vs_against{sfx}"] = round(med[f"against{sfx}"] / med[f"default{sfx}"], 3)
                 cell["against_same_bits"] = same_bits
             row[f"threads_{n}"] = cell
         out["formats"][kind] = row

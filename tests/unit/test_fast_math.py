@@ -115,8 +115,9 @@ def test_bf16_parts_stacked_and_side_by_side(stack_cols: bool, bf16_mode: None) 
 
 
 def test_math_off_is_bit_identical_on_drifts_and_says_so(tmp_path: Path) -> None:
-    """[device] math: exact (the default) gives today's logits bit for bit, also after a bf16 model
-    ran in the process; bf16 moves them a little, and status/--stats carry the NOT bit-exact line."""
+    """[device] math: exact (the default) gives today's logits bit for bit, also after a bf16 and a q8
+    model ran in the process; bf16 moves them a little, and status/--stats carry each mode's own NOT
+    bit-exact line (q8 leaves this bf16 checkpoint's weights on the exact kernels, and says it is on)."""
     hf = make_hf_checkpoint("llama", tmp_path / "hf", seed=5, dtype="bfloat16")
     from deltafind.importer.setup import setup_store
 
@@ -124,13 +125,21 @@ def test_math_off_is_bit_identical_on_drifts_and_says_so(tmp_path: Path) -> None
     setup_store(hf, store, [tmp_path / "d0"], dense_slices=2, progress=False)
     ids = torch.randint(3, 200, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     runs = {}
-    for name, kw in (("default", {}), ("bf16", {"math": "bf16"}), ("exact", {"math": "exact"})):
+    says = {  # each mode's own sentence in status / --stats (store_lines), not another mode's
+        "bf16": "math       bf16 ([device] math): NOT bit-exact: matmuls of 16+ token rows use bf16 dot",
+        "q8": "math       q8 ([device] math): NOT bit-exact: matmuls on Q4_K/Q5_K/Q6_K/Q8_0 weights use "
+        "llama.cpp's int8 dot products",
+    }
+    modes = ("default", "bf16", "q8", "exact")
+    for name, kw in ((n, {"math": n} if n != "default" else {}) for n in modes):
         m = Model.open(store, **kw)
         try:
             runs[name] = m.forward_logits(ids)
             lines = "\n".join(store_lines(m.snapshot()))
-            assert ("NOT bit-exact" in lines) == (name == "bf16")
-            assert m.snapshot()["math"] == ("bf16" if name == "bf16" else "exact")
+            assert ("NOT bit-exact" in lines) == (name in says)
+            for mode, sentence in says.items():
+                assert (sentence in lines) == (mode == name), lines
+            assert m.snapshot()["math"] == (name if name in says else "exact")
         finally:
             m.close()
     assert torch.equal(runs["default"], runs["exact"])

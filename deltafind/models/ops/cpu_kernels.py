@@ -43,6 +43,7 @@ HEADERS = (
     "stored_panel.h",
     "stored_q8.h",
     "stored_q8_avx2.h",
+    "stored_q8_vnni512.h",
     "stored_rows.h",
 )
 

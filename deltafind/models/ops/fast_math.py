@@ -56,10 +56,22 @@ def unavailable_note(mode: str = "bf16") -> str:
 
 
 def describe(mode: str) -> str:
-    """One line on what a non-exact mode computes, for logs."""
+    """What a non-exact mode computes, one clause for logs and the status line (api.Model.snapshot's
+    `math_note`, which `deltafinctl status` and `deltafind run --stats` print)."""
     if mode == "q8":
-        return "q8: llama.cpp's int8-activation dot products on Q4_K/Q5_K/Q6_K/Q8_0 weights: NOT bit-exact"
-    return "bf16 prefill matmuls: NOT bit-exact"
+        return (
+            "NOT bit-exact: matmuls on Q4_K/Q5_K/Q6_K/Q8_0 weights use llama.cpp's int8 dot products "
+            "(x rounded to Q8_K/Q8_0 blocks), at every token count"
+        )
+    return "NOT bit-exact: matmuls of 16+ token rows use bf16 dot products"
+
+
+def status_note(requested: str) -> str:
+    """The status line's clause: what the mode in effect computes, or why `requested` is not in effect
+    ("" where both are exact)."""
+    if _mode != "exact":
+        return describe(_mode)
+    return unavailable_note(requested) if requested != "exact" else ""
 
 
 def takes(x: torch.Tensor) -> bool:

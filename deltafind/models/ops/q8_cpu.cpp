@@ -28,39 +28,55 @@ constexpr int64_t kRows = 16;  // rows per chunk: a tile of x (kTokens rows, ~9 
 constexpr int64_t x_block_bytes(int xk) { return xk == kQ8_K ? sizeof(BlockK) : sizeof(Block0); }
 constexpr int64_t x_block_cols(int xk) { return xk == kQ8_K ? 256 : 32; }
 
-// out[0..nt) = one row of `kind` (nb blocks) dotted with nt token rows of quantized x, xstride bytes apart.
-void row_dot_any(int kind, const uint8_t* row, int64_t nb, const uint8_t* xq, int64_t xstride, int nt, float* out) {
+// out[r * nt + t] = row r of nr rows of `kind` (nb blocks each, row_bytes apart) dotted with nt token
+// rows of quantized x, xstride bytes apart.
+void row_dot_any(int kind, const uint8_t* row, int64_t row_bytes, int64_t nr, int64_t nb, const uint8_t* xq, int64_t xstride,
+                 int nt, float* out) {
 #ifdef __AVX2__
-  auto go = [&](auto k) {
-    constexpr int K = decltype(k)::value;
+  auto go = [&](auto k, auto tokens) {
+    constexpr int K = decltype(k)::value, NT = decltype(tokens)::value;
+    for (int64_t r = 0; r < nr; r += kRowsPerPass<K, NT>) {
+      const uint8_t* w = row + r * row_bytes;
+      float* o = out + r * NT;
+      switch (std::min<int64_t>(nr - r, kRowsPerPass<K, NT>)) {
+        case 1: row_dot<K, NT, 1>(w, row_bytes, nb, xq, xstride, o); break;
+        case 2: row_dot<K, NT, std::min(2, kRowsPerPass<K, NT>)>(w, row_bytes, nb, xq, xstride, o); break;
+        case 3: row_dot<K, NT, std::min(3, kRowsPerPass<K, NT>)>(w, row_bytes, nb, xq, xstride, o); break;
+        default: row_dot<K, NT, kRowsPerPass<K, NT>>(w, row_bytes, nb, xq, xstride, o); break;
+      }
+    }
+  };
+  auto tokens = [&](auto k) {
     switch (nt) {
-      case 1: row_dot<K, 1>(row, nb, xq, xstride, out); return;
-      case 2: row_dot<K, 2>(row, nb, xq, xstride, out); return;
-      case 3: row_dot<K, 3>(row, nb, xq, xstride, out); return;
-      default: row_dot<K, 4>(row, nb, xq, xstride, out); return;
+      case 1: go(k, std::integral_constant<int, 1>()); return;
+      case 2: go(k, std::integral_constant<int, 2>()); return;
+      case 3: go(k, std::integral_constant<int, 3>()); return;
+      default: go(k, std::integral_constant<int, 4>()); return;
     }
   };
   switch (kind) {
-    case kQ4_K: go(std::integral_constant<int, kQ4_K>()); return;
-    case kQ5_K: go(std::integral_constant<int, kQ5_K>()); return;
-    case kQ6_K: go(std::integral_constant<int, kQ6_K>()); return;
-    default: go(std::integral_constant<int, kQ8_0>()); return;
+    case kQ4_K: tokens(std::integral_constant<int, kQ4_K>()); return;
+    case kQ5_K: tokens(std::integral_constant<int, kQ5_K>()); return;
+    case kQ6_K: tokens(std::integral_constant<int, kQ6_K>()); return;
+    default: tokens(std::integral_constant<int, kQ8_0>()); return;
   }
 #else
   const int64_t bb = dfq::block_bytes(kind), xb = x_block_bytes(x_kind(kind));
-  for (int t = 0; t < nt; ++t) {
-    float acc = 0.0f, accm = 0.0f;
-    for (int64_t i = 0; i < nb; ++i) {
-      int64_t s, m;
-      float ds, dm;
-      const uint8_t* xbk = xq + t * xstride + i * xb;
-      block_ints(kind, row + i * bb, xbk, &s, &m);
-      block_scales(kind, row + i * bb, xbk, &ds, &dm);
-      acc += ds * static_cast<float>(s);
-      accm += dm * static_cast<float>(m);
+  for (int64_t r = 0; r < nr; ++r)
+    for (int t = 0; t < nt; ++t) {
+      float acc = 0.0f, accm = 0.0f;
+      for (int64_t i = 0; i < nb; ++i) {
+        int64_t s, m;
+        float ds, dm;
+        const uint8_t* wb = row + r * row_bytes + i * bb;
+        const uint8_t* xbk = xq + t * xstride + i * xb;
+        block_ints(kind, wb, xbk, &s, &m);
+        block_scales(kind, wb, xbk, &ds, &dm);
+        acc += ds * static_cast<float>(s);
+        accm += dm * static_cast<float>(m);
+      }
+      out[r * nt + t] = acc + accm;
     }
-    out[t] = acc + accm;
-  }
 #endif
 }
 
@@ -152,17 +168,17 @@ int df_q8_parts(const Part* parts, int n, int stack_cols, const float* x, int64_
     for (int64_t c0 = r0; c0 < r1; c0 += kRows)
       for (int64_t t0 = 0; t0 < T; t0 += kTokens) {
         const int nt = static_cast<int>(std::min<int64_t>(kTokens, T - t0));
-        for (int64_t r = c0; r < std::min(r1, c0 + kRows); ++r) {
-          float v[kTokens] = {0.0f, 0.0f, 0.0f, 0.0f}, o[kTokens];
-          for (int p = 0; p < count; ++p) {  // side by side: the parts' sums added in order
-            const Part& w = own[p];
-            const int xk = x_kind(static_cast<int>(w.kind));
-            row_dot_any(static_cast<int>(w.kind), w.data + r * w.row_bytes, w.cols / x_block_cols(xk),
-                        xq + t0 * tok_bytes + segs[seg_of[own - parts + p]].offset, tok_bytes, nt, o);
-            for (int t = 0; t < nt; ++t) v[t] += o[t];
-          }
-          for (int t = 0; t < nt; ++t) y[(t0 + t) * ldy + y_cols[i] + r] = v[t];
+        const int64_t nr = std::min(r1, c0 + kRows) - c0;
+        float v[kRows * kTokens] = {}, o[kRows * kTokens];
+        for (int p = 0; p < count; ++p) {  // side by side: the parts' sums added in order
+          const Part& w = own[p];
+          const int xk = x_kind(static_cast<int>(w.kind));
+          row_dot_any(static_cast<int>(w.kind), w.data + c0 * w.row_bytes, w.row_bytes, nr, w.cols / x_block_cols(xk),
+                      xq + t0 * tok_bytes + segs[seg_of[own - parts + p]].offset, tok_bytes, nt, o);
+          for (int64_t k = 0; k < nr * nt; ++k) v[k] += o[k];
         }
+        for (int64_t r = 0; r < nr; ++r)
+          for (int t = 0; t < nt; ++t) y[(t0 + t) * ldy + y_cols[i] + c0 + r] = v[r * nt + t];
       }
   });
   y_col = 0;

@@ -1,8 +1,9 @@
 // stored_q8.h's block dot products on AVX2: unsigned weight codes times signed int8 activations pairwise
 // into int16 (vpmaddubsw, never saturating for these codes), times the group's scale pairwise into int32
 // (vpdpwssd on AVX512-VNNI, vpmaddwd + vpaddd elsewhere: the same integers), one fp32 FMA per block and
-// token. The weight codes are unpacked once per block and dotted with up to NT token rows, each token in
-// its own registers, so its result does not depend on the others.
+// token (Q4_K and Q6_K on AVX512-VNNI: stored_q8_vnni512.h, 64 weights a register). The weight codes are
+// unpacked once per block and dotted with up to NT token rows, each token in its own registers, and a pass
+// takes up to 4 rows side by side; no (row, token) result depends on the others.
 #pragma once
 #include <immintrin.h>
 
@@ -155,29 +156,78 @@ inline __attribute__((always_inline)) void q80_block(const uint8_t* b, const Blo
   }
 }
 
+}  // namespace
+}  // namespace dfq8
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include "stored_q8_vnni512.h"  // Q4_K and Q6_K in 64-weight registers, with the helpers above
+#endif
+
+namespace dfq8 {
+namespace {
+
 constexpr int64_t kAhead = 2048;  // prefetch distance in a row's bytes, as stored_rows.h streams
 
-// out[t] = one row of K (nb blocks) dotted with NT token rows of quantized x (token t's blocks at
-// xq + t * xstride).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool vnni512(int k) { return k == kQ4_K || k == kQ6_K; }  // stored_q8_vnni512.h's kinds
+#endif
+
+// Rows a pass takes for NT token rows: each block's x loads (L1) shared by NR rows, and NR independent
+// chains per block, where one row of 8 blocks left the core waiting on each row's final sums. Q6_K's
+// 210-byte blocks streamed from memory ran at 13 GB/s four rows at a time, 21 two at a time
+// (tests/bench/RESULTS.md, "q8 kernels: 64-weight registers").
 template <int K, int NT>
-__attribute__((noinline)) void row_dot(const uint8_t* row, int64_t nb, const uint8_t* xq, int64_t xstride, float* out) {
+constexpr int kRowsPerPass = NT == 1 ? (K == kQ6_K ? 2 : 4) : NT == 2 && K != kQ6_K ? 2 : 1;
+
+// out[r * NT + t] = row r of NR rows of K (nb blocks each, row_bytes apart) dotted with NT token rows of
+// quantized x (token t's blocks at xq + t * xstride). Each (row, token) takes the same instructions in
+// the same order for every NR and NT, so its result does not depend on them.
+template <int K, int NT, int NR>
+__attribute__((noinline)) void row_dot(const uint8_t* row, int64_t row_bytes, int64_t nb, const uint8_t* xq, int64_t xstride,
+                                       float* out) {
   using X = std::conditional_t<x_kind(K) == kQ8_K, BlockK, Block0>;
   constexpr int64_t bb = dfq::block_bytes(K);
-  __m256 acc[NT], accm[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = accm[t] = _mm256_setzero_ps();
+  __m256 acc[NR][NT], accm[NR][NT];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = accm[r][t] = _mm256_setzero_ps();
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  __m512 acc512[NR][NT];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) acc512[r][t] = _mm512_setzero_ps();
+#endif
   const X* x[NT];
   for (int64_t i = 0; i < nb; ++i) {
-    const uint8_t* b = row + i * bb;
-    for (int64_t o = 0; o < bb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(b + kAhead + o), _MM_HINT_T0);
     for (int t = 0; t < NT; ++t) x[t] = reinterpret_cast<const X*>(xq + t * xstride) + i;
-    if constexpr (K == kQ4_K || K == kQ5_K)
-      k45_block<K, NT>(b, x, acc, accm);
-    else if constexpr (K == kQ6_K)
-      q6_block<NT>(b, x, acc);
-    else
-      q80_block<NT>(b, x, acc);
+    // The pass reads its NR rows (adjacent, q8_cpu.cpp checks) side by side: the bytes after them are
+    // fetched as one stream, NR blocks' worth per block index, kAhead past the next pass's start.
+    const uint8_t* ahead = row + NR * row_bytes + kAhead + i * NR * bb;
+    for (int64_t o = 0; o < NR * bb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* b = row + r * row_bytes + i * bb;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      if constexpr (K == kQ4_K)
+        q4k_block512<NT>(b, x, acc512[r], accm[r]);
+      else if constexpr (K == kQ6_K)
+        q6k_block512<NT>(b, x, acc512[r]);
+      else
+#endif
+      if constexpr (K == kQ4_K || K == kQ5_K)
+        k45_block<K, NT>(b, x, acc[r], accm[r]);
+      else if constexpr (K == kQ6_K)
+        q6_block<NT>(b, x, acc[r]);
+      else
+        q80_block<NT>(b, x, acc[r]);
+    }
   }
-  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) + hsum(accm[t]);
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      if constexpr (vnni512(K))
+        acc[r][t] = _mm256_add_ps(_mm512_castps512_ps256(acc512[r][t]), _mm512_extractf32x8_ps(acc512[r][t], 1));
+#endif
+      out[r * NT + t] = hsum(acc[r][t]) + hsum(accm[r][t]);
+    }
 }
 
 }  // namespace
