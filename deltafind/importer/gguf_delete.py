@@ -17,11 +17,10 @@ import torch
 
 from deltafind.errors import StoreError
 from deltafind.importer.gguf_source import GGUFSource, split_paths
-from deltafind.importer.placement import fsync_dir
 from deltafind.importer.sources import stat_fingerprint
 from deltafind.importer.spine_writer import write_safetensors
 from deltafind.log import get_logger
-from deltafind.store.manifest import MANIFEST_NAME
+from deltafind.store.manifest import MANIFEST_NAME, fsync_dir
 
 log = get_logger(__name__)
 STAGING_DIR = ".gguf-staging"

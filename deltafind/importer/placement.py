@@ -38,6 +38,7 @@ from deltafind.store.manifest import (
     Extent,
     Manifest,
     align_up,
+    fsync_dir,
     pack_name,
 )
 from deltafind.store.reader import DriveOptions, PackReader
@@ -340,12 +341,3 @@ def striped_layout(
         place(r, stripe_extents(align_up(r.length), ends, i % n, min_stripe))
         for i, r in enumerate(sorted(records, key=lambda r: r.key))
     ]
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a folder's entries (files created, renamed, deleted in it) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

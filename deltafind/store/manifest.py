@@ -23,7 +23,6 @@ TOKENIZER_DIR = "tokenizer"
 ALIGN = 4096
 PACK_HEADER_BYTES = ALIGN
 PACK_MAGIC = "deltafind-pack"
-EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 PLACEMENTS = ("whole", "stripe")
 
 
@@ -260,8 +259,13 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a folder's entries (files created, renamed, deleted in it) durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)
+        os.fsync(fd)
     finally:
-        os.close(dir_fd)
+        os.close(fd)
