@@ -289,10 +289,6 @@ class Model:
             }
         return out
 
-    def save_heat(self) -> None:
-        """Merge this run's expert uses into the store's heat file (a read-only store is logged, not fatal)."""
-        self.write_heat(self.take_uses())
-
     def take_uses(self) -> dict[tuple[int, int], int]:
         """The expert uses counted since the last take (on the engine thread: it owns the counts)."""
         uses = dict(self.experts.uses)
@@ -314,7 +310,7 @@ class Model:
         self._draft_models = []
         if self.cluster is not None:
             self.cluster.close()
-        self.save_heat()
+        self.write_heat(self.take_uses())  # a read-only store is logged, not fatal
         self.experts.close()
         if self.spine is not None:
             self.spine.close()

@@ -8,15 +8,13 @@ broken driver shows up at start, not in the first request.
 
 from __future__ import annotations
 
-import re
-
 import torch
 
+from deltafind.config.section import DEVICE_RE
 from deltafind.errors import ConfigError, DeltafindError
 from deltafind.log import get_logger
 
 log = get_logger(__name__)
-KIND_RE = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")
 
 
 class DeviceError(DeltafindError):
@@ -47,7 +45,7 @@ def mps_unavailable_reason() -> str | None:
 def resolve_device(kind: str) -> torch.device:
     """The torch.device for a `[device] kind` value; DeviceError when it is unavailable, ConfigError when malformed."""
     kind = kind.strip().lower()
-    if not KIND_RE.fullmatch(kind):
+    if not DEVICE_RE.fullmatch(kind):
         raise ConfigError(
             f"[device] kind = {kind!r}: expected auto, cpu, cuda, cuda:N (N = GPU index) or mps"
         )

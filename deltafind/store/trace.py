@@ -184,7 +184,7 @@ def read_trace(path: Path) -> list[dict[str, Any]]:
 
 def summarize(records: list[dict[str, Any]], top: int = 10) -> dict[str, Any]:
     """Hot experts, per-layer reuse (previous position's route recall) and prediction recall."""
-    counts: Counter[tuple[int, int]] = Counter()
+    counts = heat_from_trace(records)
     last: dict[tuple[int, int], set[int]] = {}
     reuse: dict[int, list[int]] = defaultdict(lambda: [0, 0])
     recall: dict[int, list[int]] = defaultdict(lambda: [0, 0])
@@ -197,8 +197,6 @@ def summarize(records: list[dict[str, Any]], top: int = 10) -> dict[str, Any]:
             continue
         routes += 1
         experts = set(r["experts"])
-        for e in experts:
-            counts[(layer, e)] += 1
         prev = last.get((r["seq"], layer))
         if prev is not None:
             reuse[layer][0] += len(prev & experts)
