@@ -92,7 +92,7 @@ def record_tensors(rec: ExpertRecord, buf: object) -> dict[str, torch.Tensor]:
     out = {}
     for t in rec.tensors:
         dtype = getattr(torch, t.dtype)
-        count = t.nbytes // torch.empty(0, dtype=dtype).element_size()
+        count = t.nbytes // dtype.itemsize
         out[t.name] = (
             torch.frombuffer(buf, dtype=dtype, count=count, offset=t.offset).view(t.shape)
             if count

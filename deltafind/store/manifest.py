@@ -262,6 +262,14 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     fsync_dir(path.parent)
 
 
+def file_digest(path: Path, h: Any) -> str:
+    """The hex digest of `path`'s bytes in hash object `h`, read in 16 MiB chunks."""
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def fsync_dir(path: Path) -> None:
     """Make a folder's entries (files created, renamed, deleted in it) durable."""
     fd = os.open(path, os.O_RDONLY)
