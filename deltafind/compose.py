@@ -49,7 +49,6 @@ from deltafind.store.trace import TraceWriter
 from deltafind.tokenizer import Tokenizer
 
 log = get_logger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def draft_settings(spec: str, max_width: int | None = None) -> DraftSettings:
@@ -155,7 +154,7 @@ def load_model(
 
     store_dir = Path(settings.model.store).expanduser()  # type: ignore[arg-type]
     manifest = Manifest.load(store_dir)
-    torch_dtype = DTYPES[settings.device.dtype]
+    torch_dtype = getattr(torch, settings.device.dtype)  # a [device] dtype is torch's name
     family = family_module(manifest.family)
     args = family.ModelArgs.from_config(manifest.model_config)
     c = settings.cache
@@ -287,7 +286,7 @@ def load_model(
         args,
         activation_budget(device, unfilled),
         settings.server.max_prefill_tokens,
-        torch.empty(0, dtype=torch_dtype).element_size(),
+        torch_dtype.itemsize,
     )
     return model
 
