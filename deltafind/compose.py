@@ -65,18 +65,15 @@ def settings_with(
     each setting by its Python name (config.python_names), and the section forms device, prefetch,
     drives and draft (docs/configuration.md)."""
     names = {k: v for k, v in python_names().items() if v[0] != "drives"}
+    names.update(device=("device", "kind"), prefetch=("prefetch", "enabled"))  # section forms
     nested: dict[str, dict[str, Any]] = {"model": {"store": store}} if store else {}
     for key, value in overrides.items():
-        if key == "device":
-            nested.setdefault("device", {})["kind"] = value
-        elif key == "prefetch":
-            if not isinstance(value, bool):
-                raise TypeError(
-                    f"Model.open(prefetch=) takes True or False, not {type(value).__name__}; "
-                    "pass max_in_flight= and recall_threshold= by name"
-                )
-            nested.setdefault("prefetch", {})["enabled"] = value
-        elif key == "drives":
+        if key == "prefetch" and not isinstance(value, bool):
+            raise TypeError(
+                f"Model.open(prefetch=) takes True or False, not {type(value).__name__}; "
+                "pass max_in_flight= and recall_threshold= by name"
+            )
+        if key == "drives":
             nested["drives"] = value  # type: ignore[assignment]  # DriveOptions, resolved below
         elif key == "draft":
             nested.setdefault("draft", {}).update(
