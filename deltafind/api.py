@@ -117,9 +117,6 @@ class Model:
             self._draft_models.append(m)  # closed with the target
             return m
 
-        def open_cross(paths: list[Path]) -> CrossTokenizerSource:
-            return open_cross_draft(self.tokenizer, paths, open_model=open_model)
-
         try:
             self.draft, self.draft_policy = source_from_settings(
                 draft,
@@ -127,7 +124,7 @@ class Model:
                 target_store=self.store_dir,
                 open_store=lambda p: open_model(p).net,
                 device=device,
-                open_cross=open_cross,
+                open_cross=lambda paths: open_cross_draft(self.tokenizer, paths, open_model),
             )
         except DraftError as e:
             raise StoreError(
