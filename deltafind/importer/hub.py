@@ -158,10 +158,8 @@ class HubSource(Source):
         self.config = json.loads(repo.download("config.json").read_text())
         self.shards = repo.shard_names()
         raw: dict[str, RemoteTensor] = {}
-        self.data_start: dict[str, int] = {}
         for f in self.shards:
-            self.data_start[f], tensors = self._header(f)
-            raw.update(tensors)
+            raw.update(self._header(f))
         self.remote = {name: raw[orig] for orig, name in import_names(self.config, raw).items()}
         self.tensors = {
             name: tensor_info(f"{repo.label} {t.file}", t.name, t.dtype, t.shape)
@@ -174,13 +172,13 @@ class HubSource(Source):
         self._ahead: dict[str, Future[Path]] = {}  # the next shard, downloading in the background
         self._spine: set[str] = set()
 
-    def _header(self, filename: str) -> tuple[int, dict[str, RemoteTensor]]:
+    def _header(self, filename: str) -> dict[str, RemoteTensor]:
         local = self.repo.cached(filename)
         return (
             read_shard_header(self.client, filename)
             if local is None
             else read_local_header(local, filename)
-        )
+        )[1]
 
     def fingerprint(self) -> str:
         return hashlib.sha256(

@@ -119,11 +119,10 @@ class PackReader:
             except BaseException:
                 self.close()
                 raise
-        from deltafind.store.remote_experts import open_remote
+        from deltafind.store.remote_experts import RemoteExperts
 
-        self.remote = open_remote(
-            manifest, store_dir, self.paths, record_tensors
-        )  # a streaming install: missing records come from the hub
+        if manifest.source.get("remote"):  # a streaming install: missing records come from the hub
+            self.remote = RemoteExperts(Path(store_dir), manifest, self.paths, record_tensors)
         self.problems: dict[int, str] = (
             {} if self.remote is not None else self._short_packs(manifest)
         )

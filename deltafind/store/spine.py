@@ -118,10 +118,6 @@ def read_layout(path: Path, compute: torch.dtype, keep: Collection[str] = ()) ->
     return out
 
 
-def always_resident(t: SpineTensor) -> bool:
-    return LAYER.match(t.name) is None or len(t.shape) <= 1 or ROUTER.search(t.name) is not None
-
-
 @dataclass
 class SpinePlan:
     """Which layers stay resident and what a budget costs, all in bytes."""
@@ -153,7 +149,8 @@ def plan_spine(
     layers: dict[int, list[SpineTensor]] = {}
     for t in tensors:
         m = LAYER.match(t.name)
-        if always_resident(t) or m is None or int(m[1]) >= num_layers:
+        # outside the layers, a layer's 1-D tensors and its router (the module docstring says why)
+        if m is None or len(t.shape) <= 1 or ROUTER.search(t.name) or int(m[1]) >= num_layers:
             always.append(t)
         else:
             layers.setdefault(int(m[1]), []).append(t)
