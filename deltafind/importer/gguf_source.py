@@ -83,9 +83,13 @@ class GGUFSource(Source):
             return value
 
         by_name = {t.name: t for r in readers for t in r.tensors}
-        self.config = self.arch.config(
-            meta, {n: t.data for n, t in by_name.items() if n == "rope_freqs.weight"}
-        )
+        self.config = {
+            "model_type": self.arch.family,
+            "architectures": [self.arch.architecture],
+            **self.arch.config(
+                meta, {n: t.data for n, t in by_name.items() if n == "rope_freqs.weight"}
+            ),
+        }
         self.config.update(
             {
                 "vocab_size": int(
