@@ -204,11 +204,9 @@ def _line_editing() -> None:
     readline.set_history_length(1000)
 
     def save() -> None:
-        try:
+        with contextlib.suppress(OSError):
             history.parent.mkdir(parents=True, exist_ok=True)
             readline.write_history_file(history)
-        except OSError:
-            pass
 
     atexit.register(save)
 

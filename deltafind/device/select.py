@@ -8,6 +8,8 @@ broken driver shows up at start, not in the first request.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from deltafind.config.section import DEVICE_RE
@@ -178,10 +180,8 @@ def release(device: torch.device) -> None:
     import gc
 
     gc.collect()
-    try:
+    with contextlib.suppress(RuntimeError):
         if device.type == "cuda":
             torch.cuda.empty_cache()
         elif device.type == "mps":
             torch.mps.empty_cache()
-    except RuntimeError:
-        pass

@@ -21,7 +21,6 @@ from deltafind.errors import StoreError
 from deltafind.importer.sources import Source
 from deltafind.log import get_logger
 from deltafind.store.manifest import (
-    ALIGN,
     FORMAT_VERSION,
     MANIFEST_NAME,
     PACK_HEADER_BYTES,
@@ -265,7 +264,6 @@ def _open_packs(
         f = open(path, "r+b")  # noqa: SIM115 - closed by setup_store
         f.truncate(end)
         packs.append((f, end))
-    assert all(end % ALIGN == 0 for _, end in packs)
     return packs
 
 

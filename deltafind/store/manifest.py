@@ -7,6 +7,7 @@ manifest is written last, atomically: a folder without one is not a store.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -210,12 +211,10 @@ class Manifest:
 
 def current_umask() -> int:
     """This process's umask (read without changing it where /proc says it)."""
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("Umask:"):
                 return int(line.split()[1], 8)
-    except OSError:
-        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
