@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from deltafind.compose import draft_settings, make_model, pin_hottest, settings_with
+from deltafind.compose import draft_settings, make_model, settings_with
 from deltafind.config import DraftSettings, Settings
 from deltafind.engine.draft.base import DraftError, DraftSource
 from deltafind.engine.draft.cross import CrossDraftModel, CrossTokenizerSource, TextCodec
@@ -35,7 +35,7 @@ from deltafind.models.ops import fast_math
 from deltafind.models.ops.batch import SequenceCache, forward_step
 from deltafind.models.ops.cpu_kernels import kernel_status
 from deltafind.store.experts import StoreExperts, prefetch_options
-from deltafind.store.heat import update_heat
+from deltafind.store.heat import hottest, read_heat, update_heat
 from deltafind.store.manifest import Manifest
 from deltafind.store.spine import MemoryLock, SpineStreamer
 from deltafind.tokenizer import Tokenizer
@@ -156,7 +156,8 @@ class Model:
             ex.prefetch_options = prefetch_options(settings)
         if "cache.pin_bytes" in live:
             ex.resident.unpin()
-            pin_hottest(ex, self.store_dir, int(c.pin_bytes))
+            if int(c.pin_bytes):
+                ex.resident.pin(hottest(read_heat(self.store_dir)), int(c.pin_bytes))
         self.settings = settings
 
     @property

@@ -140,12 +140,6 @@ def make_model(
     return model
 
 
-def pin_hottest(experts: StoreExperts, store_dir: Path, pin_bytes: int) -> None:
-    """Pin the store's hottest experts (by its heat file) within `[cache] pin_bytes` (0: none)."""
-    if pin_bytes:
-        experts.resident.pin(hottest(read_heat(store_dir)), pin_bytes)
-
-
 def load_model(
     handle: Callable[..., Any],
     settings: Settings,
@@ -178,7 +172,8 @@ def load_model(
         cache=cache,
         buffer_pool=read_buffer_pool(device),
     )
-    pin_hottest(experts, store_dir, int(c.pin_bytes))
+    if int(c.pin_bytes):
+        experts.resident.pin(hottest(read_heat(store_dir)), int(c.pin_bytes))
     provider = experts
     # routed experts run on the expert nodes (deltafind/cluster)
     if settings.cluster.role == "coordinator":
