@@ -130,8 +130,7 @@ def pick_quant(files: Iterable[str], tag: str | None, where: str) -> list[str]:
 def local_gguf(folder: Path, tag: str | None, where: str) -> Path:
     """The quant's first shard in a local snapshot of the repository (HF_HUB_OFFLINE)."""
     files = [p.relative_to(folder).as_posix() for p in folder.rglob("*.gguf")]
-    names = pick_quant(files, tag, where)
-    return folder / names[0]
+    return folder / pick_quant(files, tag, where)[0]
 
 
 class GGUFHubSource(GGUFSource):

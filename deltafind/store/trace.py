@@ -217,9 +217,4 @@ def summarize(records: list[dict[str, Any]], top: int = 10) -> dict[str, Any]:
 
 
 def heat_from_trace(records: list[dict[str, Any]]) -> Counter[tuple[int, int]]:
-    counts: Counter[tuple[int, int]] = Counter()
-    for r in records:
-        if "experts" in r:
-            for e in r["experts"]:
-                counts[(r["layer"], e)] += 1
-    return counts
+    return Counter((r["layer"], e) for r in records if "experts" in r for e in r["experts"])
