@@ -18,7 +18,6 @@ and starts over, so an interrupted rebalance costs time, never the store.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from deltafind.errors import StoreError
+from deltafind.importer.store_files import store_lock
 from deltafind.log import get_logger
 from deltafind.store.manifest import (
     ALIGN,
@@ -207,25 +207,16 @@ def rebalance(
     `stripe`), or when a drive lacks room for its new pack next to the old.
     `fault` is for tests: called at each stage name.
     """
-    store_dir = Path(store_dir)
-    lock_fd = os.open(store_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise StoreError(
-                f"{store_dir}: another `trace warm --rebalance` is running on this store; wait for it to finish"
-            ) from None
+    busy = "another `trace warm --rebalance` is running on this store; wait for it to finish"
+    with store_lock(Path(store_dir), LOCK_NAME, busy):
         return _rebalance_locked(
-            store_dir,
+            Path(store_dir),
             heat,
             drives,
             fault or (lambda _stage: None),
             stripe,
             min_stripe_bytes,
         )
-    finally:
-        os.close(lock_fd)
 
 
 def _rebalance_locked(
