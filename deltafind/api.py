@@ -229,6 +229,10 @@ class Model:
         ex = self.experts
         e, layers = ex.stats, list(ex.stats.layers.values())
         needed = sum(r.needed for r in layers)
+        remote, total = (
+            ex.reader.remote,
+            self.manifest.expert_bytes(),
+        )  # streaming fills as it serves
         out: dict[str, Any] = {
             "cache_requested": e.requested,
             "cache_hits": e.cache_hits,
@@ -261,19 +265,13 @@ class Model:
                 }
                 for i, (path, d) in enumerate(zip(ex.reader.paths, ex.reader.stats, strict=True))
             ],
+            "store_bytes_total": total,
+            "store_bytes_present": remote.present_bytes() if remote is not None else total,
+            "spine_int8": self.settings.cache.spine_int8,
+            "math": fast_math.mode(),  # what runs: "exact" where [device] math = bf16 is unavailable
+            "math_requested": self.settings.device.math,
+            "cpu_kernels": kernel_status(),
         }
-        remote, total = (
-            ex.reader.remote,
-            self.manifest.expert_bytes(),
-        )  # a streaming install fills as it serves
-        out.update(
-            store_bytes_total=total,
-            store_bytes_present=remote.present_bytes() if remote is not None else total,
-            spine_int8=self.settings.cache.spine_int8,
-            math=fast_math.mode(),  # what runs: "exact" where [device] math = bf16 is unavailable
-            math_requested=self.settings.device.math,
-            cpu_kernels=kernel_status(),
-        )
         if self.cluster is not None:
             out["nodes"] = self.cluster.status()
         if (sp := self.spine) is not None:
