@@ -64,7 +64,7 @@ def check_store(store_dir: Path, progress: bool = True) -> DoctorReport:
     manifest = Manifest.load(store_dir)
     spine = store_dir / SPINE_NAME
     try:
-        if file_digest(spine, hashlib.sha256()) != manifest.spine_sha256:
+        if file_digest(spine, hashlib.sha256(), 1 << 22) != manifest.spine_sha256:
             report.problems.append(
                 f"{spine}: checksum mismatch (the spine is corrupt; re-run setup)"
             )

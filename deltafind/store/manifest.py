@@ -261,10 +261,10 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     fsync_dir(path.parent)
 
 
-def file_digest(path: Path, h: Any) -> str:
-    """The hex digest of `path`'s bytes in hash object `h`, read in 16 MiB chunks."""
+def file_digest(path: Path, h: Any, chunk_bytes: int = 16 << 20) -> str:
+    """The hex digest of `path`'s bytes in hash object `h`, read `chunk_bytes` at a time."""
     with open(path, "rb") as f:
-        while chunk := f.read(16 << 20):
+        while chunk := f.read(chunk_bytes):
             h.update(chunk)
     return h.hexdigest()
 
