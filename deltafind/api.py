@@ -117,9 +117,6 @@ class Model:
             self._draft_models.append(m)  # closed with the target
             return m
 
-        def open_cross(paths: list[Path]) -> CrossTokenizerSource:
-            return open_cross_draft(self.tokenizer, paths, open_model=open_model)
-
         try:
             self.draft, self.draft_policy = source_from_settings(
                 draft,
@@ -127,7 +124,7 @@ class Model:
                 target_store=self.store_dir,
                 open_store=lambda p: open_model(p).net,
                 device=device,
-                open_cross=open_cross,
+                open_cross=lambda paths: open_cross_draft(self.tokenizer, paths, open_model),
             )
         except DraftError as e:
             raise StoreError(
@@ -232,6 +229,10 @@ class Model:
         ex = self.experts
         e, layers = ex.stats, list(ex.stats.layers.values())
         needed = sum(r.needed for r in layers)
+        remote, total = (
+            ex.reader.remote,
+            self.manifest.expert_bytes(),
+        )  # streaming fills as it serves
         out: dict[str, Any] = {
             "cache_requested": e.requested,
             "cache_hits": e.cache_hits,
@@ -264,20 +265,14 @@ class Model:
                 }
                 for i, (path, d) in enumerate(zip(ex.reader.paths, ex.reader.stats, strict=True))
             ],
+            "store_bytes_total": total,
+            "store_bytes_present": remote.present_bytes() if remote is not None else total,
+            "spine_int8": self.settings.cache.spine_int8,
+            "math": fast_math.mode(),  # what runs: "exact" where the mode asked for is unavailable
+            "math_requested": self.settings.device.math,
+            "math_note": fast_math.status_note(self.settings.device.math),
+            "cpu_kernels": kernel_status(),
         }
-        remote, total = (
-            ex.reader.remote,
-            self.manifest.expert_bytes(),
-        )  # a streaming install fills as it serves
-        out.update(
-            store_bytes_total=total,
-            store_bytes_present=remote.present_bytes() if remote is not None else total,
-            spine_int8=self.settings.cache.spine_int8,
-            math=fast_math.mode(),  # what runs: "exact" where [device] math = bf16 is unavailable
-            math_requested=self.settings.device.math,
-            math_note=fast_math.status_note(self.settings.device.math),
-            cpu_kernels=kernel_status(),
-        )
         if self.cluster is not None:
             out["nodes"] = self.cluster.status()
         if (sp := self.spine) is not None:
@@ -289,10 +284,6 @@ class Model:
                 "wait_s": sp.wait_s,
             }
         return out
-
-    def save_heat(self) -> None:
-        """Merge this run's expert uses into the store's heat file (a read-only store is logged, not fatal)."""
-        self.write_heat(self.take_uses())
 
     def take_uses(self) -> dict[tuple[int, int], int]:
         """The expert uses counted since the last take (on the engine thread: it owns the counts)."""
@@ -315,7 +306,7 @@ class Model:
         self._draft_models = []
         if self.cluster is not None:
             self.cluster.close()
-        self.save_heat()
+        self.write_heat(self.take_uses())  # a read-only store is logged, not fatal
         self.experts.close()
         if self.spine is not None:
             self.spine.close()

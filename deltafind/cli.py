@@ -48,8 +48,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
             for h in summary["hot_experts"]:
                 print(f"  layer {h['layer']:3d} expert {h['expert']:4d}: {h['uses']} uses")
             for name in ("reuse_by_layer", "prediction_recall_by_layer"):
-                vals = summary[name]
-                if vals:
+                if vals := summary[name]:
                     print(
                         f"{name.replace('_', ' ')}: "
                         + ", ".join(f"{k}: {v:.2f}" for k, v in vals.items())

@@ -49,7 +49,6 @@ from deltafind.store.trace import TraceWriter
 from deltafind.tokenizer import Tokenizer
 
 log = get_logger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def draft_settings(spec: str, max_width: int | None = None) -> DraftSettings:
@@ -66,18 +65,15 @@ def settings_with(
     each setting by its Python name (config.python_names), and the section forms device, prefetch,
     drives and draft (docs/configuration.md)."""
     names = {k: v for k, v in python_names().items() if v[0] != "drives"}
+    names.update(device=("device", "kind"), prefetch=("prefetch", "enabled"))  # section forms
     nested: dict[str, dict[str, Any]] = {"model": {"store": store}} if store else {}
     for key, value in overrides.items():
-        if key == "device":
-            nested.setdefault("device", {})["kind"] = value
-        elif key == "prefetch":
-            if not isinstance(value, bool):
-                raise TypeError(
-                    f"Model.open(prefetch=) takes True or False, not {type(value).__name__}; "
-                    "pass max_in_flight= and recall_threshold= by name"
-                )
-            nested.setdefault("prefetch", {})["enabled"] = value
-        elif key == "drives":
+        if key == "prefetch" and not isinstance(value, bool):
+            raise TypeError(
+                f"Model.open(prefetch=) takes True or False, not {type(value).__name__}; "
+                "pass max_in_flight= and recall_threshold= by name"
+            )
+        if key == "drives":
             nested["drives"] = value  # type: ignore[assignment]  # DriveOptions, resolved below
         elif key == "draft":
             nested.setdefault("draft", {}).update(
@@ -155,7 +151,7 @@ def load_model(
 
     store_dir = Path(settings.model.store).expanduser()  # type: ignore[arg-type]
     manifest = Manifest.load(store_dir)
-    torch_dtype = DTYPES[settings.device.dtype]
+    torch_dtype = getattr(torch, settings.device.dtype)  # a [device] dtype is torch's name
     family = family_module(manifest.family)
     args = family.ModelArgs.from_config(manifest.model_config)
     c = settings.cache
@@ -287,7 +283,7 @@ def load_model(
         args,
         activation_budget(device, unfilled),
         settings.server.max_prefill_tokens,
-        torch.empty(0, dtype=torch_dtype).element_size(),
+        torch_dtype.itemsize,
     )
     return model
 

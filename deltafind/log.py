@@ -62,8 +62,10 @@ def configure_logging(
     ]
     final: list[Processor]
     if use_json(fmt, stream):
-        renderer = structlog.processors.JSONRenderer(default=str)
-        final = [structlog.processors.format_exc_info, renderer]
+        final = [
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(default=str),
+        ]
     else:
         final = [structlog.dev.ConsoleRenderer(colors=_isatty(stream))]
 

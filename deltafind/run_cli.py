@@ -86,18 +86,6 @@ def _open_model(args: argparse.Namespace) -> Any:
     )
 
 
-def _sampling(args: argparse.Namespace) -> Any:
-    from deltafind.engine.sampler import SamplingParams
-
-    return SamplingParams(
-        max_new_tokens=args.max_new,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-    )
-
-
 def _stream_text(model: Any, ids: list[int], params: Any, interruptible: bool = False) -> str:
     """Print tokens as they come; with `interruptible`, Ctrl-C ends this reply (not the program)."""
     dec = model.tokenizer.decoder(skip_special_tokens=True)
@@ -151,7 +139,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_model(args: argparse.Namespace, model: Any) -> int:
-    params = _sampling(args)
+    from deltafind.engine.sampler import SamplingParams
+
+    params = SamplingParams(
+        max_new_tokens=args.max_new,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
     if not args.chat:
         if args.prompt is None:
             raise StoreError("run needs --prompt TEXT (or --chat for a conversation)")
@@ -208,11 +204,9 @@ def _line_editing() -> None:
     readline.set_history_length(1000)
 
     def save() -> None:
-        try:
+        with contextlib.suppress(OSError):
             history.parent.mkdir(parents=True, exist_ok=True)
             readline.write_history_file(history)
-        except OSError:
-            pass
 
     atexit.register(save)
 

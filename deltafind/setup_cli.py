@@ -114,6 +114,7 @@ def _setup_dspark(args: argparse.Namespace) -> int:
 
 def cmd_setup(args: argparse.Namespace) -> int:
     from deltafind.importer.hub import open_checkpoint
+    from deltafind.importer.hub_streaming import setup_streaming
     from deltafind.importer.setup import setup_store
     from deltafind.models.registry import family_module
 
@@ -172,10 +173,7 @@ def cmd_setup(args: argparse.Namespace) -> int:
     family = family_module(str(config.get("model_type")))
     # the family says which tensors are experts
     names = family.weight_names(family.ModelArgs.from_config(config))
-    if args.streaming:
-        from deltafind.importer.hub_streaming import setup_streaming as write
-    else:
-        write = setup_store
+    write = setup_streaming if args.streaming else setup_store
     drive_paths = [Path(d) for d in drives] if drives else None
     manifest = write(
         source, store, drive_paths, args.dense_slices, progress=not args.quiet, names=names

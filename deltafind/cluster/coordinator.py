@@ -178,15 +178,21 @@ class ClusterExperts:
             self._ride[layer_idx] = expert_ids  # rides with the previous layer's rows
         else:
             with self._lock:
-                self._send_hints(layer_idx, expert_ids)
-
-    def _send_hints(self, layer_idx: int, expert_ids: Sequence[int] | None) -> None:
-        for r, ids in self._hints(layer_idx, expert_ids).items():
-            self._send(
-                r,
-                [wire.OP_PREFETCH, -1, 0, 0, 0, 0, layer_idx, -1 if ids is None else len(ids)],
-                torch.tensor(ids or [], dtype=torch.int64),
-            )
+                for r, ids in self._hints(layer_idx, expert_ids).items():
+                    self._send(
+                        r,
+                        [
+                            wire.OP_PREFETCH,
+                            -1,
+                            0,
+                            0,
+                            0,
+                            0,
+                            layer_idx,
+                            -1 if ids is None else len(ids),
+                        ],
+                        torch.tensor(ids or [], dtype=torch.int64),
+                    )
 
     def run_experts(
         self, layer_idx: int, x: torch.Tensor, tokens: Mapping[int, torch.Tensor], run: Run

@@ -31,7 +31,6 @@ from deltafind.store.heat import hottest, read_heat
 from deltafind.store.manifest import Manifest
 
 log = get_logger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ExpertNode:
@@ -55,7 +54,7 @@ class ExpertNode:
         manifest = Manifest.load(self.store_dir)
         hold = hold_dtype(
             {getattr(torch, t.dtype) for r in manifest.experts for t in r.tensors},
-            DTYPES[settings.device.dtype],
+            getattr(torch, settings.device.dtype),
         )
         self.experts = StoreExperts.from_settings(
             settings,
@@ -187,28 +186,15 @@ class ExpertNode:
         rate_kb_s = int(sum(d.bytes for d in drives) / span / 1e3) if span > 0 else 0
         try:
             y = compute()
+            head = [0, 0, wire.dtype_code(y.dtype)]
         except Exception as e:  # any failure is this request's; the node keeps serving
             log.error(
                 "cluster_node_request_failed", rank=self.spec.rank, error=f"{type(e).__name__}: {e}"
             )
-            msg = wire.text(f"{type(e).__name__}: {e}")
-            stats = [
-                s.bytes_read,
-                s.read,
-                s.cache_hits + s.pinned_hits,
-                int(s.wait_s * 1e6),
-                rate_kb_s,
-            ]
-            works = wire.send(self.link, [1, msg.numel(), 0, *stats], msg)
-        else:
-            stats = [
-                s.bytes_read,
-                s.read,
-                s.cache_hits + s.pinned_hits,
-                int(s.wait_s * 1e6),
-                rate_kb_s,
-            ]
-            works = wire.send(self.link, [0, 0, wire.dtype_code(y.dtype), *stats], y)
+            y = wire.text(f"{type(e).__name__}: {e}")
+            head = [1, y.numel(), 0]
+        stats = [s.bytes_read, s.read, s.cache_hits + s.pinned_hits, int(s.wait_s * 1e6), rate_kb_s]
+        works = wire.send(self.link, [*head, *stats], y)
         for w in works:
             w.wait(wire.FOREVER)
 

@@ -9,13 +9,13 @@ sends the placement to the nodes when the group forms, so they can never disagre
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from deltafind.errors import StoreError
+from deltafind.store.manifest import write_json_atomic
 
 SIDECAR = "cluster-placement.json"
 VERSION = 1
@@ -152,9 +152,7 @@ def read_placement(store_dir: Path) -> Placement | None:
 def write_placement(store_dir: Path, placement: Placement) -> Path:
     """Write the sidecar atomically (a reader sees the old file or the new one)."""
     path = Path(store_dir) / SIDECAR
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(placement.to_json()))
-    os.replace(tmp, path)
+    write_json_atomic(path, placement.to_json())
     return path
 
 

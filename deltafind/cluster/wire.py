@@ -81,13 +81,12 @@ def group_spec(cluster: ClusterSettings, device: torch.device) -> GroupSpec:
             "[cluster] backend = \"nccl\" is refused: the exchange moves CPU tensors over gloo, and NCCL "
             "has never run on GPUs here, so it is not offered until it has; set backend = \"gloo\" (or auto)"
         )
-    backend = "gloo"
     return GroupSpec(
         rank,
         cluster.world_size,
         cluster.coordinator or "127.0.0.1",
         cluster.port or DEFAULT_PORT,
-        backend,
+        "gloo",  # auto, and gloo: the one backend offered (nccl refused above)
         cluster.join_timeout_s,
         cluster.timeout_s,
     )

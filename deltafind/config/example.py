@@ -69,13 +69,11 @@ def _drives(field: FieldInfo) -> str:
 def _key(section: str, key: str, field: FieldInfo) -> list[str]:
     reload = "Live" if is_live(field) else "Restart"
     env = f"DELTAFIND_{section.upper()}__{key.upper()}"
-    lines = [*_comment(field.description), f"# {reload}. Env: {env}"]
-    default = field.get_default(call_default_factory=True)
-    if default is None:
-        lines.append(f"# {key} = {_toml(_example(field))}")
-    else:
-        lines.append(f"{key} = {_toml(default)}")
-    return lines
+    default = field.get_default(
+        call_default_factory=True
+    )  # None: an unset key, shown commented out
+    line = f"# {key} = {_toml(_example(field))}" if default is None else f"{key} = {_toml(default)}"
+    return [*_comment(field.description), f"# {reload}. Env: {env}", line]
 
 
 def _example(field: FieldInfo) -> Any:

@@ -83,13 +83,11 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 
 def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
-    out = {}
-    for key, value in values.items():
-        if isinstance(value, Mapping):
-            value = _drop_none(dict(value))
-        if value is not None:
-            out[key] = value
-    return out
+    return {
+        key: _drop_none(dict(value)) if isinstance(value, Mapping) else value
+        for key, value in values.items()
+        if value is not None
+    }
 
 
 # -- error messages ---------------------------------------------------------
@@ -165,11 +163,12 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
 
 
 def _bounds_help(field: FieldInfo) -> str:
-    bounds: dict[str, Any] = {}
-    for meta in field.metadata:  # annotated_types.Ge(ge=1) and friends
-        for name in ("ge", "gt", "le", "lt"):
-            if getattr(meta, name, None) is not None:
-                bounds[name] = getattr(meta, name)
+    bounds = {  # from annotated_types.Ge(ge=1) and friends
+        name: getattr(meta, name)
+        for meta in field.metadata
+        for name in ("ge", "gt", "le", "lt")
+        if getattr(meta, name, None) is not None
+    }
     noun = "a number" if "float" in str(field.annotation) else "an integer"
     if "ge" in bounds and "le" in bounds:
         return f"expected {noun} from {bounds['ge']} to {bounds['le']}"

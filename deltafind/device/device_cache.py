@@ -55,7 +55,6 @@ class DeviceExpertCache(ByteLRU[Any, Any]):
 
     def __init__(self, device: torch.device, budget_bytes: int | None) -> None:
         self.device = device
-        self.configured = budget_bytes
         info = memory_info(device)
         super().__init__(budget_bytes if info is None else cache_budget(budget_bytes, *info))
         self.evicted_for_headroom = 0
@@ -91,7 +90,6 @@ class DeviceExpertCache(ByteLRU[Any, Any]):
 
     def resize(self, budget_bytes: int | None) -> None:
         """A live reload: the new configured budget, capped by what the device has now."""
-        self.configured = budget_bytes
         info = memory_info(self.device)
         if info is not None:
             free, total = info

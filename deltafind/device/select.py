@@ -8,15 +8,15 @@ broken driver shows up at start, not in the first request.
 
 from __future__ import annotations
 
-import re
+import contextlib
 
 import torch
 
+from deltafind.config.section import DEVICE_RE
 from deltafind.errors import ConfigError, DeltafindError
 from deltafind.log import get_logger
 
 log = get_logger(__name__)
-KIND_RE = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")
 
 
 class DeviceError(DeltafindError):
@@ -47,7 +47,7 @@ def mps_unavailable_reason() -> str | None:
 def resolve_device(kind: str) -> torch.device:
     """The torch.device for a `[device] kind` value; DeviceError when it is unavailable, ConfigError when malformed."""
     kind = kind.strip().lower()
-    if not KIND_RE.fullmatch(kind):
+    if not DEVICE_RE.fullmatch(kind):
         raise ConfigError(
             f"[device] kind = {kind!r}: expected auto, cpu, cuda, cuda:N (N = GPU index) or mps"
         )
@@ -180,10 +180,8 @@ def release(device: torch.device) -> None:
     import gc
 
     gc.collect()
-    try:
+    with contextlib.suppress(RuntimeError):
         if device.type == "cuda":
             torch.cuda.empty_cache()
         elif device.type == "mps":
             torch.mps.empty_cache()
-    except RuntimeError:
-        pass

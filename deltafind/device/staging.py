@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from deltafind.log import get_logger
-from deltafind.store.buffers import Stager
+from deltafind.store.buffers import BufferPool, Stager
 
 log = get_logger(__name__)
 ALIGN = 4096  # O_DIRECT needs page-aligned buffers
@@ -166,39 +166,24 @@ class CudaStager:
         self._reap(block=True)
 
 
-class PinnedBufferPool:
+class PinnedBufferPool(BufferPool):
     """Page-aligned pinned host buffers, reused by size class: the reader's pool on CUDA.
 
-    Same interface as the reader's mmap pool (`get(size)`, `put(buf)`); a buffer is
-    a uint8 numpy array over pinned memory, so `preadv`, `torch.frombuffer` and
-    sha256 read it in place, and the GPU copies it by DMA with no staging memcpy.
+    The reader's pool (store/buffers.py) allocating elsewhere: a buffer is a uint8 numpy
+    array over pinned memory, so `preadv`, `torch.frombuffer` and sha256 read it in place,
+    and the GPU copies it by DMA with no staging memcpy.
     """
 
-    def __init__(self, max_free_bytes: int = 1 << 30, pin: bool = True) -> None:
-        self.max_free_bytes, self.pin = max_free_bytes, pin
-        self._free: dict[int, list[np.ndarray]] = defaultdict(list)
-        self._free_bytes = 0
-        self.allocated_bytes = 0
-        self._lock = threading.Lock()
+    align = ALIGN
 
-    def get(self, size: int) -> np.ndarray:
-        size = -(-size // ALIGN) * ALIGN
-        with self._lock:
-            if self._free[size]:
-                self._free_bytes -= size
-                return self._free[size].pop()
-            self.allocated_bytes += size
+    def __init__(self, max_free_bytes: int = 1 << 30, pin: bool = True) -> None:
+        super().__init__(max_free_bytes)
+        self.pin = pin
+
+    def _new(self, size: int) -> np.ndarray:
         raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=self.pin)
         skip = -raw.data_ptr() % ALIGN
         return raw.numpy()[skip : skip + size]  # keeps `raw` alive through .base
-
-    def put(self, buf: Any) -> None:
-        with self._lock:
-            if self._free_bytes + len(buf) <= self.max_free_bytes:
-                self._free[len(buf)].append(buf)
-                self._free_bytes += len(buf)
-            else:
-                self.allocated_bytes -= len(buf)
 
 
 def make_stager(device: torch.device) -> Stager:

@@ -37,6 +37,7 @@ from deltafind.store.dspark import (
     target_config,
     text_config,
 )
+from deltafind.store.manifest import fsync_dir
 
 
 def _write(
@@ -61,11 +62,7 @@ def _write(
             os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
-        fd = os.open(parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

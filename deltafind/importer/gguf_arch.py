@@ -66,12 +66,13 @@ class Arch:
     """One llama.cpp architecture: the family it becomes and how its metadata reads."""
 
     family: str  # deltafind's model_type
+    architecture: str  # config.json's `architectures`: transformers' class
     hf_names: tuple[
         str, ...
     ]  # transformers module names ({bid} = layer), mapped to GGUF by gguf-py
     config: Callable[
         [Meta, dict[str, Any]], dict[str, Any]
-    ]  # (meta, tensors' numpy views by GGUF name) -> config.json
+    ]  # (meta, tensors' numpy views by GGUF name) -> config.json, less model_type and architectures
     rope_permuted: bool = False  # llama.cpp's converter interleaved q/k rows (undone at import)
 
 
@@ -141,7 +142,7 @@ def llama3_rope(factors: np.ndarray, theta: float, dim: int, original: int) -> d
 
 
 def _llama(meta: Meta, tensors: dict[str, Any]) -> dict[str, Any]:
-    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **_common(meta)}
+    cfg = _common(meta)
     if "rope_freqs.weight" in tensors:
         dim = int(
             meta(
@@ -160,16 +161,8 @@ def _llama(meta: Meta, tensors: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def _qwen2(meta: Meta, tensors: dict[str, Any]) -> dict[str, Any]:
-    return {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], **_common(meta)}
-
-
-def _qwen3(meta: Meta, tensors: dict[str, Any]) -> dict[str, Any]:
-    return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], **_common(meta)}
-
-
 def _qwen3moe(meta: Meta, tensors: dict[str, Any]) -> dict[str, Any]:
-    cfg = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], **_common(meta)}
+    cfg = _common(meta)
     cfg.setdefault("intermediate_size", int(meta("expert_feed_forward_length")))
     return {
         **cfg,
@@ -184,7 +177,7 @@ _SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
 
 def _deepseek2(meta: Meta, tensors: dict[str, Any]) -> dict[str, Any]:
-    cfg = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], **_common(meta)}
+    cfg = _common(meta)
     cfg.pop("head_dim", None)
     nextn = int(meta("nextn_predict_layers", 0))
     rope_dim, k_mla = int(meta("rope.dimension_count")), int(meta("attention.key_length_mla"))
@@ -238,16 +231,27 @@ def _deepseek2(meta: Meta, tensors: dict[str, Any]) -> dict[str, Any]:
 
 
 ARCHES = {
-    "llama": Arch("llama", _GLOBAL + _ATTN + _GQA + _MLP, _llama, rope_permuted=True),
-    "qwen2": Arch(
-        "qwen2", _GLOBAL + _ATTN + _GQA + _MLP, _qwen2
-    ),  # q/k/v biases: `attn_q.bias`, named by suffix
-    "qwen3": Arch("qwen3", _GLOBAL + _ATTN + _GQA + _QK_NORM + _MLP, _qwen3),
+    "llama": Arch(
+        "llama", "LlamaForCausalLM", _GLOBAL + _ATTN + _GQA + _MLP, _llama, rope_permuted=True
+    ),
+    "qwen2": Arch(  # q/k/v biases: `attn_q.bias`, named by suffix
+        "qwen2", "Qwen2ForCausalLM", _GLOBAL + _ATTN + _GQA + _MLP, lambda meta, _: _common(meta)
+    ),
+    "qwen3": Arch(
+        "qwen3",
+        "Qwen3ForCausalLM",
+        _GLOBAL + _ATTN + _GQA + _QK_NORM + _MLP,
+        lambda meta, _: _common(meta),
+    ),
     "qwen3moe": Arch(
-        "qwen3_moe", _GLOBAL + _ATTN + _GQA + _QK_NORM + _MLP + _EXPERTS + _ROUTER, _qwen3moe
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        _GLOBAL + _ATTN + _GQA + _QK_NORM + _MLP + _EXPERTS + _ROUTER,
+        _qwen3moe,
     ),
     "deepseek2": Arch(
         "deepseek_v3",
+        "DeepseekV3ForCausalLM",
         _GLOBAL
         + _ATTN
         + _MLA

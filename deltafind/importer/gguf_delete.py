@@ -17,11 +17,10 @@ import torch
 
 from deltafind.errors import StoreError
 from deltafind.importer.gguf_source import GGUFSource, split_paths
-from deltafind.importer.placement import fsync_dir
 from deltafind.importer.sources import stat_fingerprint
-from deltafind.importer.spine_writer import write_safetensors
+from deltafind.importer.spine_writer import stage_tensors
 from deltafind.log import get_logger
-from deltafind.store.manifest import MANIFEST_NAME
+from deltafind.store.manifest import MANIFEST_NAME, fsync_dir
 
 log = get_logger(__name__)
 STAGING_DIR = ".gguf-staging"
@@ -133,17 +132,11 @@ class GGUFDeletingSource(GGUFSource):
 
     def _free(self, shard: str) -> None:
         """Stage the shard's spine tensors, then delete it and read its header from the copy."""
-        from safetensors import safe_open
-
         spine = [n for n in self._spine if n not in self._staged and shard in self._shards_of(n)]
         if spine:
             dest = self.staging / f"{shard}.spine.safetensors"
-            tmp = dest.with_name(dest.name + ".tmp")
-            write_safetensors(tmp, {n: self.tensors[n] for n in spine}, self.load)  # fsyncs
-            os.replace(tmp, dest)
-            fsync_dir(self.staging)
-            h = safe_open(str(dest), "pt")
-            self._staged.update(dict.fromkeys(spine, h))
+            staged = stage_tensors(dest, {n: self.tensors[n] for n in spine}, self.load)
+            self._staged.update(dict.fromkeys(spine, staged))
         original = next(p for p in self.originals if p.name == shard)
         if not original.exists():
             return  # deleted by a setup that was killed after it

@@ -51,6 +51,12 @@ def shard_paths(path: Path) -> list[Path]:
     return paths
 
 
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    """A GGUF metadata field's value, or `default` without one."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
 def _reverse_rope_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's converter permutation of Q/K rows (interleaved -> half-split rope)."""
     dim = w.shape[0] // n_head // 2
@@ -83,9 +89,13 @@ class GGUFSource(Source):
             return value
 
         by_name = {t.name: t for r in readers for t in r.tensors}
-        self.config = self.arch.config(
-            meta, {n: t.data for n, t in by_name.items() if n == "rope_freqs.weight"}
-        )
+        self.config = {
+            "model_type": self.arch.family,
+            "architectures": [self.arch.architecture],
+            **self.arch.config(
+                meta, {n: t.data for n, t in by_name.items() if n == "rope_freqs.weight"}
+            ),
+        }
         self.config.update(
             {
                 "vocab_size": int(
@@ -109,22 +119,21 @@ class GGUFSource(Source):
 
     def _check_split(self, readers: list[Any]) -> None:
         """Each shard says it is shard i of len(readers), and together they hold split.tensors.count tensors."""
-
-        def get(r: Any, key: str) -> Any:
-            f = r.fields.get(key)
-            return None if f is None else f.contents()
-
-        count = get(readers[0], "split.count")
+        count = gguf_field(readers[0], "split.count")
         if len(readers) == 1 and (count or 1) == 1:
             return
         if len(readers) == 1:
             raise StoreError(
-                f"{self.path}: is shard {get(readers[0], 'split.no')} of a {count}-file split GGUF but is not named "
+                f"{self.path}: is shard {gguf_field(readers[0], 'split.no')} of a {count}-file split GGUF but is not named "
                 "NAME-0000i-of-0000N.gguf; keep gguf-split's file names so the other shards can be found"
             )
-        total = get(readers[0], "split.tensors.count")
+        total = gguf_field(readers[0], "split.tensors.count")
         for i, (p, r) in enumerate(zip(self.files, readers, strict=True)):
-            no, n, t = get(r, "split.no"), get(r, "split.count"), get(r, "split.tensors.count")
+            no, n, t = (
+                gguf_field(r, "split.no"),
+                gguf_field(r, "split.count"),
+                gguf_field(r, "split.tensors.count"),
+            )
             if (no, n, t) != (i, len(readers), total):
                 raise StoreError(
                     f"{p}: split.no={no} split.count={n} split.tensors.count={t}, expected {i}, {len(readers)}, {total} "
@@ -138,8 +147,7 @@ class GGUFSource(Source):
             )
 
     def _field(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        return gguf_field(self.reader, key, default)
 
     def _map_tensors(self, by_name: dict[str, Any]) -> None:
         """Name every tensor as transformers does, through gguf-py's TensorNameMap for this architecture."""

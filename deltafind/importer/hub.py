@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
 import threading
@@ -29,7 +28,7 @@ from deltafind.importer.gguf_delete import GGUFDeletingSource, has_kept_copy
 from deltafind.importer.hub_gguf import GGUFHubSource, is_model_gguf, local_gguf, pick_quant
 from deltafind.importer.hub_repo import HubRepo, parse_hub_ref, resolve_repo
 from deltafind.importer.sources import Source, import_names, tensor_info
-from deltafind.importer.spine_writer import write_safetensors
+from deltafind.importer.spine_writer import stage_tensors
 from deltafind.store.remote import RangeClient, RemoteTensor, parse_header, read_shard_header
 
 STAGING_DIR = ".hub-staging"  # spine tensors of shards already freed by --delete-source
@@ -159,10 +158,8 @@ class HubSource(Source):
         self.config = json.loads(repo.download("config.json").read_text())
         self.shards = repo.shard_names()
         raw: dict[str, RemoteTensor] = {}
-        self.data_start: dict[str, int] = {}
         for f in self.shards:
-            self.data_start[f], tensors = self._header(f)
-            raw.update(tensors)
+            raw.update(self._header(f))
         self.remote = {name: raw[orig] for orig, name in import_names(self.config, raw).items()}
         self.tensors = {
             name: tensor_info(f"{repo.label} {t.file}", t.name, t.dtype, t.shape)
@@ -175,13 +172,13 @@ class HubSource(Source):
         self._ahead: dict[str, Future[Path]] = {}  # the next shard, downloading in the background
         self._spine: set[str] = set()
 
-    def _header(self, filename: str) -> tuple[int, dict[str, RemoteTensor]]:
+    def _header(self, filename: str) -> dict[str, RemoteTensor]:
         local = self.repo.cached(filename)
         return (
             read_shard_header(self.client, filename)
             if local is None
             else read_local_header(local, filename)
-        )
+        )[1]
 
     def fingerprint(self) -> str:
         return hashlib.sha256(
@@ -256,8 +253,6 @@ class HubSource(Source):
 
     def _stage(self, filename: str, h: Any) -> None:
         """Copy the shard's spine tensors into the store's staging folder, so the shard can go."""
-        from safetensors import safe_open
-
         names = {
             n: self.tensors[n]
             for n in self._spine
@@ -267,10 +262,7 @@ class HubSource(Source):
             return
         self.staging.mkdir(exist_ok=True)
         dest = self.staging / (filename.replace("/", "_") + ".part.safetensors")
-        tmp = dest.with_suffix(".tmp")
-        write_safetensors(tmp, names, lambda n: h.get_tensor(self.remote[n].name))
-        os.replace(tmp, dest)
-        staged = safe_open(str(dest), "pt")
+        staged = stage_tensors(dest, names, lambda n: h.get_tensor(self.remote[n].name))
         self._staged.update(dict.fromkeys(names, staged))
 
     def _free(self, filename: str) -> None:

@@ -10,6 +10,7 @@ importer/hub.py downloads and verifies the files and hands the first one's path 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shutil
 from collections.abc import Iterable
@@ -88,12 +89,8 @@ def gguf_models(files: Iterable[str]) -> list[GGUFModel]:
 def _common_prefix(names: list[str]) -> str:
     """The shared start of the names, cut after a `-` or `.` (`Qwen3-30B-A3B-` of `...-Q4_K_M`, `...-UD-Q2_K_XL`);
     not after `_`, which is inside quant names (`m-Q4_0`, `m-Q4_1`)."""
-    lo, hi = min(names), max(names)
-    n = 0
-    while n < len(lo) and lo[n] == hi[n]:
-        n += 1
-    cut = max(lo.rfind(c, 0, n) for c in "-.")
-    return lo[: cut + 1]
+    common = os.path.commonprefix(names)  # noqa: RUF071 - file names, compared by character
+    return common[: max(common.rfind(c) for c in "-.") + 1]
 
 
 def pick_quant(files: Iterable[str], tag: str | None, where: str) -> list[str]:
@@ -133,8 +130,7 @@ def pick_quant(files: Iterable[str], tag: str | None, where: str) -> list[str]:
 def local_gguf(folder: Path, tag: str | None, where: str) -> Path:
     """The quant's first shard in a local snapshot of the repository (HF_HUB_OFFLINE)."""
     files = [p.relative_to(folder).as_posix() for p in folder.rglob("*.gguf")]
-    names = pick_quant(files, tag, where)
-    return folder / names[0]
+    return folder / pick_quant(files, tag, where)[0]
 
 
 class GGUFHubSource(GGUFSource):

@@ -15,16 +15,15 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from deltafind.errors import StoreError
+from deltafind.store.manifest import file_digest
 from deltafind.store.remote import RangeClient
 
 HUB_ID = re.compile(
     r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?::(?P<quant>[\w.-]+))?(?:@(?P<rev>[\w./-]+))?$"
 )
 INDEX = "model.safetensors.index.json"
-HASH_CHUNK = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -126,14 +125,14 @@ class HubRepo:
         if meta.size is not None and size != meta.size:
             return f"size {size}, the hub says {meta.size}"
         if meta.sha256:
-            got = _file_digest(path, hashlib.sha256())
+            got = file_digest(path, hashlib.sha256())
             return (
                 None
                 if got == meta.sha256
                 else f"sha256 {got[:16]}…, the hub says {meta.sha256[:16]}…"
             )
         if meta.blob_id:
-            got = _file_digest(path, hashlib.sha1(f"blob {size}\0".encode(), usedforsecurity=False))
+            got = file_digest(path, hashlib.sha1(f"blob {size}\0".encode(), usedforsecurity=False))
             return (
                 None
                 if got == meta.blob_id
@@ -151,13 +150,6 @@ class HubRepo:
 
         cached = try_to_load_from_cache(self.repo_id, filename, revision=self.commit)
         return Path(cached) if isinstance(cached, str) else None
-
-
-def _file_digest(path: Path, h: Any) -> str:
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _cache_folder(repo_id: str) -> Path:

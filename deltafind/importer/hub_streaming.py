@@ -29,6 +29,7 @@ from deltafind.importer.setup import expert_record_bytes, record_layout
 from deltafind.importer.spine_writer import write_safetensors
 from deltafind.importer.store_files import (
     _open_packs,
+    _sync_packs,
     drive_folders,
     existing_store,
     finish_store,
@@ -140,8 +141,7 @@ def setup_streaming(
             packs[drive] = (f, end + align_up(length))
         for f, end in packs:
             f.truncate(end)  # sparse: a record takes disk once its bytes arrive
-            f.flush()
-            os.fsync(f.fileno())
+        _sync_packs(packs)
     finally:
         for f, _ in packs:
             f.close()

@@ -18,7 +18,6 @@ and starts over, so an interrupted rebalance costs time, never the store.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from deltafind.errors import StoreError
+from deltafind.importer.store_files import store_lock
 from deltafind.log import get_logger
 from deltafind.store.manifest import (
     ALIGN,
@@ -38,6 +38,7 @@ from deltafind.store.manifest import (
     Extent,
     Manifest,
     align_up,
+    fsync_dir,
     pack_name,
 )
 from deltafind.store.reader import DriveOptions, PackReader
@@ -206,25 +207,16 @@ def rebalance(
     `stripe`), or when a drive lacks room for its new pack next to the old.
     `fault` is for tests: called at each stage name.
     """
-    store_dir = Path(store_dir)
-    lock_fd = os.open(store_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise StoreError(
-                f"{store_dir}: another `trace warm --rebalance` is running on this store; wait for it to finish"
-            ) from None
+    busy = "another `trace warm --rebalance` is running on this store; wait for it to finish"
+    with store_lock(Path(store_dir), LOCK_NAME, busy):
         return _rebalance_locked(
-            store_dir,
+            Path(store_dir),
             heat,
             drives,
             fault or (lambda _stage: None),
             stripe,
             min_stripe_bytes,
         )
-    finally:
-        os.close(lock_fd)
 
 
 def _rebalance_locked(
@@ -340,12 +332,3 @@ def striped_layout(
         place(r, stripe_extents(align_up(r.length), ends, i % n, min_stripe))
         for i, r in enumerate(sorted(records, key=lambda r: r.key))
     ]
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a folder's entries (files created, renamed, deleted in it) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

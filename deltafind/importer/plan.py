@@ -7,6 +7,7 @@ importer/setup.py (a local import) and importer/hub_streaming.py (a hub's) write
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -148,10 +149,7 @@ class Durable:
         self.parts = {key: list(names.values()) for key, names in plan.routed.items()}
         for layer, names in plan.dense.items():
             self.parts.update({(layer, i): list(names.values()) for i in range(dense_slices)})
-        self.left: dict[str, int] = {}
-        for names in self.parts.values():
-            for n in names:
-                self.left[n] = self.left.get(n, 0) + 1
+        self.left = Counter(n for names in self.parts.values() for n in names)  # records per tensor
 
     def names(self) -> list[str]:
         return list(self.left)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from deltafind.importer.sources import TensorInfo
+from deltafind.store.manifest import fsync_dir
 from deltafind.store.quant import SPINE_METADATA_KEY
 
 _DTYPE_CODES = {
@@ -75,6 +76,20 @@ def write_safetensors(
         f.flush()
         os.fsync(f.fileno())
     return h.hexdigest()
+
+
+def stage_tensors(
+    dest: Path, tensors: dict[str, TensorInfo], load: Callable[[str], torch.Tensor]
+) -> Any:
+    """Write `tensors` to `dest` durably (a temporary name, then renamed) and open it: a source's
+    spine tensors kept in the store before `--delete-source` frees the file they came from."""
+    from safetensors import safe_open
+
+    tmp = dest.with_name(dest.name + ".tmp")
+    write_safetensors(tmp, tensors, load)
+    os.replace(tmp, dest)
+    fsync_dir(dest.parent)
+    return safe_open(str(dest), "pt")
 
 
 def _resumable(path: Path, head: bytes, sizes: list[int], h: Any) -> int:

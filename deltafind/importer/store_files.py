@@ -21,7 +21,6 @@ from deltafind.errors import StoreError
 from deltafind.importer.sources import Source
 from deltafind.log import get_logger
 from deltafind.store.manifest import (
-    ALIGN,
     FORMAT_VERSION,
     MANIFEST_NAME,
     PACK_HEADER_BYTES,
@@ -72,19 +71,22 @@ class _Journal:
 
 
 @contextlib.contextmanager
-def store_lock(store_dir: Path) -> Iterator[None]:
-    """Hold the store's setup lock (a second setup into the same store is refused, naming this one's pid)."""
+def store_lock(
+    store_dir: Path,
+    name: str = LOCK_NAME,
+    busy: str = "another setup (pid {pid}) is writing this store; wait for it to finish "
+    "(or stop it; a stopped setup resumes when run again)",
+) -> Iterator[None]:
+    """Hold the store's lock file `name` (default: setup's); a second holder is refused with `busy`
+    ({pid}: the holder's)."""
     store_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(store_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(store_dir / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            raise StoreError(
-                f"{store_dir}: another setup (pid {holder}) is writing this store; wait for it to finish "
-                "(or stop it; a stopped setup resumes when run again)"
-            ) from None
+            raise StoreError(f"{store_dir}: " + busy.format(pid=holder)) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
@@ -265,7 +267,6 @@ def _open_packs(
         f = open(path, "r+b")  # noqa: SIM115 - closed by setup_store
         f.truncate(end)
         packs.append((f, end))
-    assert all(end % ALIGN == 0 for _, end in packs)
     return packs
 
 

@@ -53,23 +53,18 @@ def _mxfp4(p: str, rows: int, cols: int) -> dict[str, Spec]:
 def _kda(p: str, d: dict[str, Any]) -> dict[str, Spec]:
     h, k = d["hidden"], d["kda_dim"]
     dd = d["kda_heads"] * k
-    out = {f"{p}{n}_proj.weight": linear(dd, h) for n in ("q", "k", "v")}
-    out.update(
-        {f"{p}{n}_conv1d.weight": Spec((dd, 1, 4), F32, "normal", 0.5) for n in ("q", "k", "v")}
-    )
-    out.update(
-        {
-            f"{p}g_proj.weight": linear(dd, h),
-            f"{p}f_a_proj.weight": linear(k, h),
-            f"{p}f_b_proj.weight": linear(dd, k),
-            f"{p}b_proj.weight": linear(d["kda_heads"], h),
-            f"{p}o_proj.weight": linear(h, dd),
-            f"{p}A_log": Spec((k,), F32, "log_uniform", lo=1.0, hi=16.0),
-            f"{p}dt_bias": Spec((dd,), F32, "uniform", lo=-3.0, hi=1.0),
-            f"{p}o_norm.weight": norm(k, F32),
-        }
-    )
-    return out
+    return {
+        **{f"{p}{n}_proj.weight": linear(dd, h) for n in ("q", "k", "v")},
+        **{f"{p}{n}_conv1d.weight": Spec((dd, 1, 4), F32, "normal", 0.5) for n in ("q", "k", "v")},
+        f"{p}g_proj.weight": linear(dd, h),
+        f"{p}f_a_proj.weight": linear(k, h),
+        f"{p}f_b_proj.weight": linear(dd, k),
+        f"{p}b_proj.weight": linear(d["kda_heads"], h),
+        f"{p}o_proj.weight": linear(h, dd),
+        f"{p}A_log": Spec((k,), F32, "log_uniform", lo=1.0, hi=16.0),
+        f"{p}dt_bias": Spec((dd,), F32, "uniform", lo=-3.0, hi=1.0),
+        f"{p}o_norm.weight": norm(k, F32),
+    }
 
 
 def _mla(p: str, d: dict[str, Any]) -> dict[str, Spec]:

@@ -9,7 +9,7 @@ import mmap
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -31,30 +31,40 @@ class Stager(Protocol):
 
 
 class BufferPool:
-    """Page-aligned anonymous mmaps, reused by size class (O_DIRECT needs alignment)."""
+    """Page-aligned buffers, reused by size class (O_DIRECT needs alignment): anonymous mmaps, or
+    whatever a subclass's `_new` allocates (device/staging.py's pinned pool)."""
+
+    align = mmap.PAGESIZE
 
     def __init__(self, max_free_bytes: int = 1 << 30) -> None:
-        self._free: dict[int, list[mmap.mmap]] = defaultdict(list)
+        self._free: dict[int, list[Any]] = defaultdict(list)
         self._free_bytes = 0
         self.max_free_bytes = max_free_bytes
         self.reused = self.allocated = 0
+        self.allocated_bytes = 0  # held now, in use or free
         self._lock = threading.Lock()
 
-    def get(self, size: int) -> mmap.mmap:
-        size = align_up(size, mmap.PAGESIZE)
+    def get(self, size: int) -> Any:
+        size = align_up(size, self.align)
         with self._lock:
             if self._free[size]:
                 self._free_bytes -= size
                 self.reused += 1
                 return self._free[size].pop()
             self.allocated += 1
+            self.allocated_bytes += size
+        return self._new(size)
+
+    def _new(self, size: int) -> Any:
         return mmap.mmap(-1, size)
 
-    def put(self, buf: mmap.mmap) -> None:
+    def put(self, buf: Any) -> None:
         with self._lock:
             if self._free_bytes + len(buf) <= self.max_free_bytes:
                 self._free[len(buf)].append(buf)
                 self._free_bytes += len(buf)
+            else:
+                self.allocated_bytes -= len(buf)
 
 
 class TensorPool:
@@ -92,7 +102,7 @@ def record_tensors(rec: ExpertRecord, buf: object) -> dict[str, torch.Tensor]:
     out = {}
     for t in rec.tensors:
         dtype = getattr(torch, t.dtype)
-        count = t.nbytes // torch.empty(0, dtype=dtype).element_size()
+        count = t.nbytes // dtype.itemsize
         out[t.name] = (
             torch.frombuffer(buf, dtype=dtype, count=count, offset=t.offset).view(t.shape)
             if count

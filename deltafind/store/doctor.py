@@ -10,7 +10,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from deltafind.errors import DeltafindError
-from deltafind.store.manifest import SPINE_NAME, Manifest, no_permission, pack_name
+from deltafind.store.manifest import SPINE_NAME, Manifest, file_digest, no_permission, pack_name
 from deltafind.store.reader import PackReader
 
 
@@ -63,12 +63,8 @@ def check_store(store_dir: Path, progress: bool = True) -> DoctorReport:
     report = DoctorReport(store_dir)
     manifest = Manifest.load(store_dir)
     spine = store_dir / SPINE_NAME
-    h = hashlib.sha256()
     try:
-        with open(spine, "rb") as f:
-            while chunk := f.read(1 << 22):
-                h.update(chunk)
-        if h.hexdigest() != manifest.spine_sha256:
+        if file_digest(spine, hashlib.sha256(), 1 << 22) != manifest.spine_sha256:
             report.problems.append(
                 f"{spine}: checksum mismatch (the spine is corrupt; re-run setup)"
             )

@@ -51,10 +51,6 @@ class DriveStats:
     def gb_s(self) -> float:
         return self.bytes / self.span_s / 1e9 if self.span_s > 0 else 0.0
 
-    @property
-    def mean_depth(self) -> float:
-        return self.depth_s / self.span_s if self.span_s > 0 else 0.0
-
     def begin(self, now: float) -> None:
         with self._lock:
             if not self.first_t:
@@ -85,7 +81,7 @@ class DriveStats:
             "gb_s": round(self.gb_s, 4),
             "mean_read_bytes": self.bytes // max(1, self.reads),
             "max_read_bytes": self.max_read_bytes,
-            "mean_queue_depth": round(self.mean_depth, 2),
+            "mean_queue_depth": round(self.depth_s / self.span_s if self.span_s > 0 else 0.0, 2),
             "max_queue_depth": self.max_depth,
             "idle_s": round(self.idle_s, 4),
             "idle_gaps": self.idle_gaps,

@@ -7,6 +7,7 @@ manifest is written last, atomically: a folder without one is not a store.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -23,7 +24,6 @@ TOKENIZER_DIR = "tokenizer"
 ALIGN = 4096
 PACK_HEADER_BYTES = ALIGN
 PACK_MAGIC = "deltafind-pack"
-EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 PLACEMENTS = ("whole", "stripe")
 
 
@@ -211,12 +211,10 @@ class Manifest:
 
 def current_umask() -> int:
     """This process's umask (read without changing it where /proc says it)."""
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("Umask:"):
                 return int(line.split()[1], 8)
-    except OSError:
-        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
@@ -260,8 +258,21 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    fsync_dir(path.parent)
+
+
+def file_digest(path: Path, h: Any, chunk_bytes: int = 16 << 20) -> str:
+    """The hex digest of `path`'s bytes in hash object `h`, read `chunk_bytes` at a time."""
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a folder's entries (files created, renamed, deleted in it) durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)
+        os.fsync(fd)
     finally:
-        os.close(dir_fd)
+        os.close(fd)

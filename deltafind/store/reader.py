@@ -47,8 +47,6 @@ from deltafind.store.manifest import (
 from deltafind.store.record_read import ExpertRead, PieceStats, RecordRead
 
 log = get_logger(__name__)
-VERIFY_MODES = ("full", "fast", "off")
-READ_MODES = ("direct", "buffered")  # [cache] read_mode: O_DIRECT, or through the OS page cache
 
 
 @dataclass(frozen=True)
@@ -81,13 +79,8 @@ class PackReader:
         read_mode: str = "direct",
         buffer_pool: Callable[[int], Any] | None = None,
     ) -> None:
+        # verify: "full", "fast" or "off"; read_mode: [cache] read_mode, checked by the config schema
         self.verify = {True: "full", False: "off"}.get(verify, verify)  # type: ignore[call-overload]
-        if self.verify not in VERIFY_MODES:
-            raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)} (got {verify!r})")
-        if read_mode not in READ_MODES:
-            raise ValueError(
-                f"read_mode must be one of {', '.join(READ_MODES)} (got {read_mode!r})"
-            )
         self.read_mode = read_mode
         self.remote: Any = None  # RemoteExperts of a streaming install (store/remote_experts.py)
         self._learned: dict[
@@ -126,11 +119,10 @@ class PackReader:
             except BaseException:
                 self.close()
                 raise
-        from deltafind.store.remote_experts import open_remote
+        from deltafind.store.remote_experts import RemoteExperts
 
-        self.remote = open_remote(
-            manifest, store_dir, self.paths, record_tensors
-        )  # a streaming install: missing records come from the hub
+        if manifest.source.get("remote"):  # a streaming install: missing records come from the hub
+            self.remote = RemoteExperts(Path(store_dir), manifest, self.paths, record_tensors)
         self.problems: dict[int, str] = (
             {} if self.remote is not None else self._short_packs(manifest)
         )

@@ -137,18 +137,16 @@ class RecordRead:
                         self._speculative_read[0] += 1
                         self._speculative_read[1] += n
                 if n < min(chunk.size, self.rec.length - chunk.pos):
-                    raise _Short(n)
-            except _Short as e:
-                self.error = CorruptExpertError(
-                    f"expert {self.rec.expert} of layer {self.rec.layer}: short read on drive {chunk.queue.idx} ({e.args[0]} of {chunk.size} bytes "
-                    f"at offset {chunk.offset}); the pack {self.reader.paths[chunk.queue.idx]} is truncated — re-run setup"
-                )
+                    raise CorruptExpertError(
+                        f"expert {self.rec.expert} of layer {self.rec.layer}: short read on drive {chunk.queue.idx} ({n} of {chunk.size} bytes "
+                        f"at offset {chunk.offset}); the pack {self.reader.paths[chunk.queue.idx]} is truncated — re-run setup"
+                    )
             except OSError as e:
                 self.error = CorruptExpertError(
                     f"expert {self.rec.expert} of layer {self.rec.layer}: read failed on drive {chunk.queue.idx} "
                     f"({self.reader.paths[chunk.queue.idx]}: {e.strerror})"
                 )
-            except BaseException as e:
+            except BaseException as e:  # a short read (above) among them
                 self.error = e
         self._landed()
 
@@ -187,7 +185,3 @@ class RecordRead:
             fut.set_exception(e)
             return
         fut.set_result(result)
-
-
-class _Short(Exception):
-    pass

@@ -52,15 +52,6 @@ class Part:
 Views = Callable[[ExpertRecord, Any], dict[str, torch.Tensor]]  # record_tensors (store/buffers.py)
 
 
-def open_remote(
-    manifest: Manifest, store_dir: Path, pack_paths: list[Path], views: Views
-) -> RemoteExperts | None:
-    """The fetcher of a streaming store; None for a store whose experts are all on disk."""
-    if not manifest.source.get("remote"):
-        return None
-    return RemoteExperts(Path(store_dir), manifest, pack_paths, views)
-
-
 def plan_ranges(parts: Iterable[Part]) -> list[list[Part]]:
     """`parts` in runs, each fetched as one range from its first start to its last end.
 

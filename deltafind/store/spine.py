@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import json
 import os
 import re
@@ -64,11 +65,7 @@ class SpineTensor:
 
     @property
     def resident_bytes(self) -> int:
-        return self.nbytes // _itemsize(self.dtype) * _itemsize(self.target)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+        return self.nbytes // self.dtype.itemsize * self.target.itemsize
 
 
 def target_dtype(
@@ -121,10 +118,6 @@ def read_layout(path: Path, compute: torch.dtype, keep: Collection[str] = ()) ->
     return out
 
 
-def always_resident(t: SpineTensor) -> bool:
-    return LAYER.match(t.name) is None or len(t.shape) <= 1 or ROUTER.search(t.name) is not None
-
-
 @dataclass
 class SpinePlan:
     """Which layers stay resident and what a budget costs, all in bytes."""
@@ -141,15 +134,11 @@ class SpinePlan:
 
     @property
     def resident_bytes(self) -> int:
-        own = sum(t.resident_bytes for t in self.always)
-        return own + sum(
-            t.resident_bytes for i in range(self.resident_layers) for t in self.layers.get(i, [])
-        )
+        return sum(t.resident_bytes for t in self.resident_tensors())
 
-    def resident_names(self) -> set[str]:
-        return {t.name for t in self.always} | {
-            t.name for i in range(self.resident_layers) for t in self.layers.get(i, [])
-        }
+    def resident_tensors(self) -> list[SpineTensor]:
+        prefix = (t for i in range(self.resident_layers) for t in self.layers.get(i, []))
+        return [*self.always, *prefix]
 
 
 def plan_spine(
@@ -160,7 +149,8 @@ def plan_spine(
     layers: dict[int, list[SpineTensor]] = {}
     for t in tensors:
         m = LAYER.match(t.name)
-        if always_resident(t) or m is None or int(m[1]) >= num_layers:
+        # outside the layers, a layer's 1-D tensors and its router (the module docstring says why)
+        if m is None or len(t.shape) <= 1 or ROUTER.search(t.name) or int(m[1]) >= num_layers:
             always.append(t)
         else:
             layers.setdefault(int(m[1]), []).append(t)
@@ -303,21 +293,14 @@ class MemoryLock:
         libc = _libc()
         tensors = [t for t in tensors if t.device.type == "cpu" and t.numel()]
         # each storage once: tensors moved to huge pages share one (store/huge_pages.py)
-        want = sum(
-            {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()
-        )
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        want = sum(storages.values())
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         if libc is None:
             return self._refuse(what, want, soft, "no libc mlock on this platform")
         if os.geteuid() != 0 and soft != resource.RLIM_INFINITY and want > soft:
             return self._refuse(what, want, soft, "RLIMIT_MEMLOCK is below the resident size")
-        seen = set()
-        for t in tensors:
-            s = t.untyped_storage()
-            ptr, n = s.data_ptr(), s.nbytes()
-            if ptr in seen:
-                continue
-            seen.add(ptr)
+        for ptr, n in storages.items():
             if libc.mlock(ctypes.c_void_p(ptr), ctypes.c_size_t(n)) != 0:
                 err = ctypes.get_errno()
                 return self._refuse(what, want, soft, os.strerror(err) if err else "mlock failed")
@@ -350,28 +333,19 @@ class MemoryLock:
             self.locked_bytes = 0
 
 
-_LIBC: list[ctypes.CDLL | None] = []
-
-
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
-    if not _LIBC:
-        name = ctypes.util.find_library("c")
-        try:
-            lib = ctypes.CDLL(name, use_errno=True) if name else None
-        except OSError:
-            lib = None
-        if lib is not None and not hasattr(lib, "mlock"):
-            lib = None
-        _LIBC.append(lib)
-    return _LIBC[0]
+    name = ctypes.util.find_library("c")
+    try:
+        lib = ctypes.CDLL(name, use_errno=True) if name else None
+    except OSError:
+        return None
+    return lib if lib is not None and hasattr(lib, "mlock") else None
 
 
 def load_resident(
     path: Path, plan: SpinePlan, device: str | torch.device, load: Callable[[str], torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """The resident tensors, each converted to its in-memory dtype on `device`."""
-    names = plan.resident_names()
-    targets = {t.name: t.target for t in plan.always} | {
-        t.name: t.target for ts in plan.layers.values() for t in ts
-    }
-    return {name: load(name).to(device=device, dtype=targets[name]) for name in sorted(names)}
+    tensors = sorted(plan.resident_tensors(), key=lambda t: t.name)
+    return {t.name: load(t.name).to(device=device, dtype=t.target) for t in tensors}

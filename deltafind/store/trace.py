@@ -184,32 +184,27 @@ def read_trace(path: Path) -> list[dict[str, Any]]:
 
 def summarize(records: list[dict[str, Any]], top: int = 10) -> dict[str, Any]:
     """Hot experts, per-layer reuse (previous position's route recall) and prediction recall."""
-    counts: Counter[tuple[int, int]] = Counter()
+    counts = heat_from_trace(records)
     last: dict[tuple[int, int], set[int]] = {}
     reuse: dict[int, list[int]] = defaultdict(lambda: [0, 0])
     recall: dict[int, list[int]] = defaultdict(lambda: [0, 0])
     pending_pred: dict[int, set[int]] = {}
-    routes = 0
     for r in records:
         layer = r["layer"]
         if "pred" in r:
             pending_pred[layer] = set(r["pred"])
             continue
-        routes += 1
         experts = set(r["experts"])
-        for e in experts:
-            counts[(layer, e)] += 1
         prev = last.get((r["seq"], layer))
         if prev is not None:
             reuse[layer][0] += len(prev & experts)
             reuse[layer][1] += len(experts)
         last[(r["seq"], layer)] = experts
-        if layer in pending_pred:
-            pred = pending_pred[layer]
+        if (pred := pending_pred.get(layer)) is not None:
             recall[layer][0] += len(pred & experts)
             recall[layer][1] += len(experts)
     return {
-        "routes": routes,
+        "routes": sum("pred" not in r for r in records),
         "distinct_experts": len(counts),
         "hot_experts": [
             {"layer": layer, "expert": e, "uses": n} for (layer, e), n in counts.most_common(top)
@@ -222,9 +217,4 @@ def summarize(records: list[dict[str, Any]], top: int = 10) -> dict[str, Any]:
 
 
 def heat_from_trace(records: list[dict[str, Any]]) -> Counter[tuple[int, int]]:
-    counts: Counter[tuple[int, int]] = Counter()
-    for r in records:
-        if "experts" in r:
-            for e in r["experts"]:
-                counts[(r["layer"], e)] += 1
-    return counts
+    return Counter((r["layer"], e) for r in records if "experts" in r for e in r["experts"])
