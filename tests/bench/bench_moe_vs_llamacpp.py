@@ -8,7 +8,8 @@ flash attention on, mmap on; the settings are printed), greedy from the same ran
 decoding exactly --new-tokens (EOS ignored), which engine runs first alternating by round; medians:
 
 - decode tok/s = (n_new - 1) / (t[generate n_new] - t[generate 1]) at 1 and 2 threads (the experts
-  routed to stay resident: deltafind's expert cache unlimited, the GGUF in the page cache);
+  routed to stay resident: deltafind's expert cache unlimited, the GGUF in the page cache; with
+  --read-all deltafind reads every expert into that cache first, the whole model in memory);
 - the time of a 512-token prompt plus one token (`--prefill-tokens`) at --prefill-threads;
 - decode with each worker in its own memory cgroup capped at --cap-fraction (0.4) of the GGUF's size
   (cgroup v1 memory.limit_in_bytes or v2 memory.max, under this process's cgroup: run as root), the
@@ -62,13 +63,18 @@ def log(msg: str) -> None:
 class DeltafindEngine:
     name = "deltafind"
 
-    def __init__(self, store: Path, cache_bytes: int | None, math: str = "exact") -> None:
+    def __init__(
+        self, store: Path, cache_bytes: int | None, math: str = "exact", read_all: bool = False
+    ) -> None:
         import deltafind
         from deltafind import Model
 
         self.version = getattr(deltafind, "__version__", "unknown")
-        self.settings = {"expert_bytes": cache_bytes, "math": math}
-        self.model = Model.open(str(store), device="cpu", expert_bytes=cache_bytes, math=math)
+        self.settings = {"expert_bytes": cache_bytes, "math": math, "read_all": read_all}
+        self.model = m = Model.open(str(store), device="cpu", expert_bytes=cache_bytes, math=math)
+        for layer in range(m.net.num_layers) if read_all else ():  # the whole model in memory
+            for _ in m.experts.fetch(layer, range(m.experts.num_experts(layer))):
+                pass
 
     def generate(
         self, ids: list[int], n: int, temperature: float = 0.0, seed: int = 0
@@ -133,7 +139,8 @@ def serve(a: argparse.Namespace) -> None:
         torch.set_num_threads(a.threads)
         with contextlib.suppress(RuntimeError):
             torch.set_num_interop_threads(1)
-        engine = DeltafindEngine(a.store, a.expert_bytes, worker_math(a.serve))
+        read_all = a.read_all and a.expert_bytes is None
+        engine = DeltafindEngine(a.store, a.expert_bytes, worker_math(a.serve), read_all)
     reply.write(json.dumps({"version": engine.version, "settings": engine.settings}) + "\n")
     reply.flush()
     for line in sys.stdin:
@@ -266,6 +273,14 @@ def main() -> None:
     ap.add_argument("--gguf", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--store", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--expert-bytes", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--read-all",
+        action="store_true",
+        help="where the model fits, deltafind reads every expert into its unlimited cache before "
+        "timing (the whole model in memory, as llama.cpp's load holds the whole file; a long-running "
+        "daemon's cache reaches this as real text routes to every expert), so no prefetch hint is "
+        "computed; without it only the experts the greedy tokens route to are held",
+    )
     a = ap.parse_args()
     if a.serve:
         a.threads = int(a.threads)

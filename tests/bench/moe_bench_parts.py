@@ -163,6 +163,7 @@ class Worker:
             "--store",
             str(a.store),
         ] + (["--expert-bytes", str(cache_bytes)] if cache_bytes else [])
+        cmd += ["--read-all"] if a.read_all and not cache_bytes else []
         procs = None if cgroup is None else cgroup / "cgroup.procs"
 
         # in the child, before exec: the engine's every page is charged to the cgroup
