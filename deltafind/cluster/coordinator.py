@@ -167,9 +167,8 @@ class ClusterExperts:
         self.local.observe_routes(layer_idx, topk_idx, topk_weight)
 
     def wants_prefetch(self, layer_idx: int) -> bool:
-        return layer_idx in self.routed or self.local.wants_prefetch(
-            layer_idx
-        )  # a node's cache: its own
+        # a routed layer's hint goes to the nodes, whose caches are their own
+        return layer_idx in self.routed or self.local.wants_prefetch(layer_idx)
 
     def prefetch(self, layer_idx: int, expert_ids: Sequence[int] | None) -> None:
         if layer_idx not in self.routed:
@@ -179,20 +178,9 @@ class ClusterExperts:
         else:
             with self._lock:
                 for r, ids in self._hints(layer_idx, expert_ids).items():
-                    self._send(
-                        r,
-                        [
-                            wire.OP_PREFETCH,
-                            -1,
-                            0,
-                            0,
-                            0,
-                            0,
-                            layer_idx,
-                            -1 if ids is None else len(ids),
-                        ],
-                        torch.tensor(ids or [], dtype=torch.int64),
-                    )
+                    n = -1 if ids is None else len(ids)
+                    head = [wire.OP_PREFETCH, -1, 0, 0, 0, 0, layer_idx, n]
+                    self._send(r, head, torch.tensor(ids or [], dtype=torch.int64))
 
     def run_experts(
         self, layer_idx: int, x: torch.Tensor, tokens: Mapping[int, torch.Tensor], run: Run
