@@ -56,9 +56,9 @@ class Router(nn.Module):
         self.top_k, self.norm_topk_prob = args.num_experts_per_tok, args.norm_topk_prob
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # The same ops as F.softmax(F.linear(x, W).float()) less the no-op casts and Module lookups:
-        # each op outside the kernels costs a decode token ~3 us a layer (tests/bench/RESULTS.md).
-        logits = F.linear(x, self._parameters["weight"])
+        # The same ops as F.softmax(F.linear(x, W).float()) less the no-op casts: each op outside the
+        # kernels costs a decode token ~3 us a layer (tests/bench/RESULTS.md).
+        logits = F.linear(x, self.weight)
         probs = (logits if logits.dtype == torch.float32 else logits.float()).softmax(-1)  # [T, E]
         weight, idx = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.norm_topk_prob:

@@ -154,9 +154,8 @@ class DecoderLayer(nn.Module):
             return mlp.forward(
                 h, norm
             )  # the norm and the sum inside its kernel call (a module with no hooks)
-        return h + mlp.forward(
-            norm.forward(h)
-        )  # modules with no hooks: not through nn.Module.__call__
+        # modules with no hooks: forward, not through nn.Module.__call__
+        return h + mlp.forward(norm.forward(h))
 
     def chain_parts(
         self, slices: Sequence[Expert], caches: Sequence[Any], cols: int, d: int
@@ -184,9 +183,8 @@ class DecoderLayer(nn.Module):
     def predict_experts(self, h: torch.Tensor) -> list[int]:
         """This layer's likely experts for hidden state h (its own norm and router; every slice if dense)."""
         mlp, norm, sliced = self._ffn
-        return mlp.predict(
-            h if sliced else norm.forward(h)
-        )  # a dense layer's: every slice, whatever h is
+        # a dense layer's: every slice, whatever h is
+        return mlp.predict(h if sliced else norm.forward(h))
 
 
 class Backbone(nn.Module):
