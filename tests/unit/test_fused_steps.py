@@ -7,6 +7,8 @@ tokens and logits either way."""
 from __future__ import annotations
 
 import gc
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -15,13 +17,15 @@ import torch.nn.functional as F
 
 from deltafind import Model
 from deltafind.importer.setup import setup_store
+from deltafind.models.ops import fast_math
 from deltafind.models.ops.attention import AttnStep
 from deltafind.models.ops.batch import Batch, SequenceCache
 from deltafind.models.ops.cpu_kernels import CPU
 from deltafind.models.ops.gated_mlp import GatedExpert, SlicesPlan, swiglu
+from deltafind.models.ops.moe import dispatch
 from deltafind.models.ops.norm import RMSNorm
-from deltafind.provider import Expert
-from tests.conftest import make_hf_checkpoint
+from deltafind.provider import Expert, ExpertProvider
+from tests.conftest import gguf_blocks, make_hf_checkpoint
 
 needs_kernel = pytest.mark.skipif(CPU.load() is None, reason=f"no C++ compiler: {CPU.build_error}")
 
@@ -248,3 +252,83 @@ def test_attention_step_steps_aside_for_a_batch_of_two() -> None:
     step = AttnStep.__new__(AttnStep)  # never reaches its plan
     batch = Batch.of([(SequenceCache(1), 1), (SequenceCache(1), 1)])
     assert step(torch.randn(2, 64), batch, torch.randn(2, 1, 16), torch.randn(2, 1, 16)) is None
+
+
+class _ArrivalOrder(ExpertProvider):
+    """Experts held in memory, yielded in `arrival` order (a store yields them as their reads complete)."""
+
+    def __init__(self, experts: dict[int, Expert], arrival: str) -> None:
+        self.experts, self.arrival = experts, arrival
+
+    def fetch(self, layer_idx: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, Expert]]:
+        ids = list(expert_ids)
+        for e in ids[::-1] if self.arrival == "reversed" else ids:
+            yield e, self.experts[e]
+
+
+@needs_kernel
+@pytest.mark.parametrize("math", ["exact", "q8"])
+@pytest.mark.parametrize("arrival", ["sorted", "reversed"])
+def test_one_token_moe_sum_in_the_kernel_is_torchs_sum_bit_for_bit(
+    math: str, arrival: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode token's experts add their output times their weight to the layer's sum inside their
+    kernel call (df_gated_mlp's accumulate): the bits of torch's `out += y * w` over the experts' own
+    outputs, in expert order, whatever order they arrive in, with an expert the kernel does not take
+    (fp32 weights: torch's path) among them; and a batch's rows (the general path) are the same."""
+    hidden, inter, n = 256, 256, 10
+    quant = {
+        "gate_proj": f"Q4_K/{hidden}",
+        "up_proj": f"Q4_K/{hidden}",
+        "down_proj": f"Q6_K/{inter}",
+    }
+    shapes = {
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
+    }
+    experts = {
+        e: Expert(
+            {
+                name: gguf_blocks(quant[name][:4], *shape, seed=7 * e + i)
+                for i, (name, shape) in enumerate(shapes.items())
+            },
+            nbytes=0,
+            quant=quant,
+        )
+        for e in range(n)
+    }
+    g = torch.Generator().manual_seed(11)
+    experts[3] = Expert(  # fp32: the kernel does not take it
+        {name: torch.randn(shape, generator=g) * 0.05 for name, shape in shapes.items()}, nbytes=0
+    )
+    provider = _ArrivalOrder(experts, arrival)
+    x = torch.randn(3, hidden, generator=g)
+    idx = torch.tensor([[8, 3, 1, 5], [2, 3, 9, 0], [8, 3, 1, 5]])  # [T, k]
+    weight = torch.rand(3, 4, generator=g).softmax(-1)
+    run, calls = swiglu("silu"), Counter()
+    call = GatedExpert.__call__
+
+    def counted(self: GatedExpert, rows: torch.Tensor, expert: Expert) -> torch.Tensor:
+        calls[rows.shape[0]] += 1
+        return call(self, rows, expert)
+
+    assert fast_math.use(math) == math
+    try:
+        batched = dispatch(x, idx, weight, provider, 0, run)  # the general path (index_add_)
+        for t in range(3):
+            ids, ws = idx[t].tolist(), weight[t].tolist()
+            ys = {e: run(x[t : t + 1], experts[e]) for e in ids}  # each expert's own output
+            ref = torch.zeros(1, hidden)
+            for e, w in sorted(zip(ids, ws, strict=True)):
+                ref += ys[e] * w
+            monkeypatch.setattr(GatedExpert, "__call__", counted)
+            calls.clear()
+            got = dispatch(x[t : t + 1], idx[t : t + 1], weight[t : t + 1], provider, 0, run)
+            monkeypatch.undo()
+            assert torch.equal(got, ref) and torch.equal(got[0], batched[t]), t
+            # in expert order, only the fp32 expert takes torch's path; arriving reversed, every
+            # expert but the first (lowest id) waits for its turn as a held output
+            assert calls[1] == (1 if arrival == "sorted" else 3), (t, calls)
+    finally:
+        fast_math.use("exact")

@@ -207,7 +207,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.df_attend_one.restype = None
     lib.df_attn_decode.argtypes = [ctypes.POINTER(AttnLayer), P, P, P, P, P, I64, P, I32]
     lib.df_attn_decode.restype = I32
-    lib.df_gated_mlp.argtypes = [P, I32, P, I32, P, I64, I32, P, F32, I32, P, I32]
+    lib.df_gated_mlp.argtypes = [P, I32, P, I32, P, I64, I32, P, F32, I32, P, I32, F32, I32]
     lib.df_gated_mlp.restype = I32
     lib.df_decode_layers.argtypes = [ctypes.POINTER(DecodeLayer), I32, P, P, P, I32]
     lib.df_decode_layers.restype = I32

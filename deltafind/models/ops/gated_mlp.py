@@ -107,6 +107,41 @@ class GatedExpert:
             return y
         return expert_forward(x, expert, self.gated)
 
+    def adder(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[Expert, float], bool] | None:
+        """`add(expert, w)`: out += self(x, expert) * w in the expert's one df_gated_mlp call, for one token
+        x [1, H] and out [1, H] fp32, contiguous, on the CPU; False where the kernel does not take the
+        expert (out is then untouched: run it through `__call__`). None where it takes no expert here.
+        The product and sum round as torch's fp32 `out += y * w` does (layer_cpu.cpp), so moe.py's
+        one-token sum is the same numbers without two torch ops an expert, each slow right after a
+        kernel call (tests/bench/RESULTS.md)."""
+        if (
+            self.act < 0
+            or (lib := CPU.load()) is None
+            or x.dtype != torch.float32
+            or out.dtype != torch.float32
+            or not (x.is_cpu and out.is_cpu and x.is_contiguous() and out.is_contiguous())
+            or x.shape != (1, cols := x.shape[-1])
+            or out.shape != x.shape
+            or fast_math.takes(x)
+        ):
+            return None
+        call, act, xp, yp, threads = (
+            lib.df_gated_mlp,
+            self.act,
+            x.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+
+        def add(expert: Expert, w: float) -> bool:
+            plan = self._plan_of(expert)
+            if plan is None or plan.gate_up.in_cols != cols or plan.down.out_cols != cols:
+                return False
+            gu, dn = plan.gate_up.parts_planned, plan.down.parts_planned
+            return not call(gu, len(gu), dn, len(dn), xp, 1, act, None, 0.0, 0, yp, 1, w, threads)
+
+        return add
+
     def _plan_of(self, expert: Expert) -> SlicesPlan | None:
         """The kernel's plan for one routed expert (None: the kernel does not take it), made once while
         the expert object lives: planned again on every call, as one plan for the last expert was, it
@@ -198,6 +233,8 @@ class GatedExpert:
             0.0 if norm is None else norm.eps,
             int(norm is not None),
             y.data_ptr(),
+            0,
+            0.0,
             torch.get_num_threads(),
         ):
             return None

@@ -27,7 +27,7 @@ extern "C" {
 int df_stored_parts(const Part* parts, int n, int stack_cols, const float* x, int64_t T, int64_t ldx, float* y,
                     int64_t ldy, int threads);  // stored_cpu.cpp
 
-int df_layer_abi() { return 3; }
+int df_layer_abi() { return 4; }
 
 // y[t] = w * (x[t] * (1 / sqrt(mean(x[t]^2) + eps))) for T rows of C (a multiple of 8) at stride ldx; y is
 // [T, C] contiguous. HF's RMSNorm in fp32 (rsqrt is 1 / sqrt, as torch's vectorised rsqrt computes it).
@@ -141,18 +141,23 @@ int df_attn_decode(const AttnLayer* a, const float* x, const float* cos, const f
 // the gate rows then the up rows (one expert's gate and up, or every slice's gates then every slice's
 // ups), `down` the down matrices side by side (their columns follow the gates'). act is torch's
 // formula: 0 silu x / (1 + exp(-x)), 1 gelu x * 0.5 * (1 + erf(x / sqrt 2)), 2 gelu's tanh form (libm's
-// exp/erf/tanh may differ from torch's in the last bit). Returns 1 if a part does not fit its kind or
-// the halves do not match.
+// exp/erf/tanh may differ from torch's in the last bit). Where `accumulate` (not with add_x), y is added
+// to instead: y[i] = y[i] + mlp[i] * w, each product and sum rounded to fp32 as torch's `y += mlp * w`
+// rounds them (-ffp-contract=off), so a one-token MoE layer sums its experts in their kernel calls,
+// without two torch ops an expert after each (ops/moe.py). Returns 1 if a part does not fit its kind
+// or the halves do not match.
 int df_gated_mlp(const Part* gu, int n_gu, const Part* down, int n_down, const float* x, int64_t T, int act,
-                 const float* norm, float eps, int add_x, float* y, int threads) {
+                 const float* norm, float eps, int add_x, float* y, int accumulate, float w, int threads) {
   int64_t rows = 0, down_cols = 0;
   const int64_t C = gu[0].cols, H = down[0].rows;
   for (int p = 0; p < n_gu; ++p) rows += gu[p].rows;
   for (int p = 0; p < n_down; ++p) down_cols += down[p].cols;
   const int64_t I = rows / 2;
-  if (rows % 2 || down_cols != I || act < 0 || act > 2 || (add_x && H != C) || (norm && C % 8)) return 1;
+  if (rows % 2 || down_cols != I || act < 0 || act > 2 || (add_x && (H != C || accumulate)) || (norm && C % 8))
+    return 1;
   // Every element written before it is read: not zeroed (a std::vector's zeroing was a memset per call).
-  dfq::Floats g(static_cast<size_t>(T * rows)), h(static_cast<size_t>(T * I)), xn(norm ? T * C : 0);
+  dfq::Floats g(static_cast<size_t>(T * rows)), h(static_cast<size_t>(T * I)), xn(norm ? T * C : 0),
+      m(accumulate ? T * H : 0);
   if (norm) df_rms_norm(x, T, C, C, norm, eps, xn.data());
   if (df_stored_parts(gu, n_gu, 0, norm ? xn.data() : x, T, C, g.data(), rows, threads)) return 1;
   constexpr float kSqrtHalf = 0.70710678118654752440f, kBeta = 0.79788456080286535588f, kKappa = 0.044715f;
@@ -169,7 +174,9 @@ int df_gated_mlp(const Part* gu, int n_gu, const Part* down, int n_down, const f
         h[t * I + i] = a * g[t * rows + I + i];
       }
   });
-  if (df_stored_parts(down, n_down, 1, h.data(), T, I, y, H, threads)) return 1;
+  if (df_stored_parts(down, n_down, 1, h.data(), T, I, accumulate ? m.data() : y, H, threads)) return 1;
+  if (accumulate)
+    for (int64_t i = 0; i < T * H; ++i) y[i] = y[i] + m[i] * w;
   if (add_x)
     for (int64_t i = 0; i < T * H; ++i) y[i] = x[i] + y[i];
   return 0;
@@ -203,7 +210,7 @@ int df_decode_layers(const DecodeLayer* layers, int n, const float* cos, const f
     const DecodeLayer& l = layers[i];
     if (l.attn->hidden != H || df_attn_decode(l.attn, x, cos, sin, l.kbuf, l.vbuf, l.len, h.data(), threads) ||
         df_gated_mlp(l.gu, static_cast<int>(l.n_gu), l.down, static_cast<int>(l.n_down), h.data(), 1, l.act, l.norm,
-                     l.eps, 1, y.data(), threads))
+                     l.eps, 1, y.data(), 0, 0.0f, threads))
       return i;
     std::memcpy(x, y.data(), sizeof(float) * static_cast<size_t>(H));
   }

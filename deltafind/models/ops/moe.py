@@ -107,22 +107,33 @@ def _one_token(
     col = dict(zip(ids, topk_weight.tolist()[0], strict=True))  # expert -> its weight
     if len(col) < len(ids) or getattr(provider, "run_experts", None) is not None:
         return None
-    x = x.contiguous()
+    x, order = x.contiguous(), sorted(col)
+    out, dtype = torch.zeros_like(x), topk_weight.dtype
+    # The kernel adds an expert's output times its weight to out itself, in fp32 as `out += y * w`
+    # rounds (gated_mlp.py's adder); an expert it does not take, or one that arrives before an expert
+    # of a lower id, is run and held, then summed by torch when its turn comes.
+    add = run.adder(x, out) if isinstance(run, GatedExpert) and dtype == torch.float32 else None
     ys: dict[int, torch.Tensor] = {}
+    done = 0  # order[:done] are summed into out
     try:
-        for expert_idx, expert in provider.fetch(layer_idx, sorted(col)):
-            ys[expert_idx] = run(x, expert)
+        for expert_idx, expert in provider.fetch(layer_idx, order):
+            if add is None or expert_idx != order[done] or not add(expert, col[expert_idx]):
+                ys[expert_idx] = run(x, expert)
+            else:
+                done += 1
+            while done < len(order) and (y := ys.pop(order[done], None)) is not None:
+                # expert order, as index_add_ sums in the general path
+                w = col[order[done]]
+                # A weight of y's dtype as a Python float is the same number, and y * it the same
+                # product as y * a [1, 1] tensor of it (one op, not four); of another dtype it is
+                # rounded to y's first.
+                out += y * (w if y.dtype == dtype else topk_weight.new_tensor(w).to(y.dtype))
+                done += 1
     except Exception as err:
         key = getattr(err, "expert_key", None)
         if key is not None and key[0] == layer_idx and key[1] in col:
             err.rows = [0]  # type: ignore[attr-defined]
         raise
-    out, dtype = torch.zeros_like(x), topk_weight.dtype
-    for expert_idx in sorted(ys):  # expert order, as index_add_ sums in the general path
-        y, w = ys[expert_idx], col[expert_idx]
-        # A weight of y's dtype as a Python float is the same number, and y * it the same product as
-        # y * a [1, 1] tensor of it (one op, not four); of another dtype it is rounded to y's first.
-        out += y * (w if y.dtype == dtype else topk_weight.new_tensor(w).to(y.dtype))
     return out
 
 
