@@ -62,6 +62,10 @@ class SlicesPlan:
     def __init__(self) -> None:
         self.gate_up, self.down = FusedLinear(), FusedLinear(stack_cols=True)
         self._refs: tuple[weakref.ref, ...] = ()
+        # df_gated_mlp's first four arguments and the (in, out) columns, as planned: a decode token's
+        # routed experts each make a call with them (GatedExpert.adder), right after another's kernel
+        self.args: tuple = ()
+        self.shape = (0, 0)
 
     def plan(self, experts: Sequence[Expert]) -> bool:
         """Whether the kernel takes these slices (their parts are then planned)."""
@@ -81,6 +85,10 @@ class SlicesPlan:
         if gu is None or dn is None or 2 * self.down.in_cols != self.gate_up.out_cols:
             return False
         self._refs = tuple(weakref.ref(e) for e in experts)
+        self.args, self.shape = (
+            (gu, len(gu), dn, len(dn)),
+            (self.gate_up.in_cols, self.down.out_cols),
+        )
         return True
 
 
@@ -133,12 +141,12 @@ class GatedExpert:
             torch.get_num_threads(),
         )
 
+        shape = (cols, cols)
+
         def add(expert: Expert, w: float) -> bool:
-            plan = self._plan_of(expert)
-            if plan is None or plan.gate_up.in_cols != cols or plan.down.out_cols != cols:
+            if (plan := self._plan_of(expert)) is None or plan.shape != shape:
                 return False
-            gu, dn = plan.gate_up.parts_planned, plan.down.parts_planned
-            return not call(gu, len(gu), dn, len(dn), xp, 1, act, None, 0.0, 0, yp, 1, w, threads)
+            return not call(*plan.args, xp, 1, act, None, 0.0, 0, yp, 1, w, threads)
 
         return add
 
