@@ -9,7 +9,7 @@ It sits below the store and the importer, which both use it, and imports nothing
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -79,11 +79,12 @@ class ExpertProvider(Protocol):
         """How many experts (or dense slices) layer `layer_idx` has; 0 if none."""
         ...
 
-    def fetch(self, layer_idx: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, Expert]]:
-        """Yield `(expert_id, Expert)` once for each distinct requested id.
+    def fetch(self, layer_idx: int, expert_ids: Sequence[int]) -> Iterable[tuple[int, Expert]]:
+        """`(expert_id, Expert)` once for each distinct requested id, for the caller to iterate.
 
         Order is completion order, so a caller can compute on the first expert
-        while later ones are still being read.
+        while later ones are still being read. A `list` says every expert was held
+        at the call, in the order asked: a caller may then run them all at once.
         """
         ...
 
@@ -135,6 +136,5 @@ class DictExpertProvider(ExpertProvider):
     def wants_prefetch(self, layer_idx: int) -> bool:
         return False  # every expert is held: a hint has no read to start
 
-    def fetch(self, layer_idx: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, Expert]]:
-        for expert_idx in dict.fromkeys(expert_ids):
-            yield expert_idx, self._experts[(layer_idx, expert_idx)]
+    def fetch(self, layer_idx: int, expert_ids: Sequence[int]) -> Iterable[tuple[int, Expert]]:
+        return [(e, self._experts[(layer_idx, e)]) for e in dict.fromkeys(expert_ids)]  # all held

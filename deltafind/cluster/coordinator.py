@@ -16,7 +16,7 @@ import json
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -144,10 +144,9 @@ class ClusterExperts:
     def num_experts(self, layer_idx: int) -> int:
         return self.local.num_experts(layer_idx)
 
-    def fetch(self, layer_idx: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, Expert]]:
-        return self.local.fetch(
-            layer_idx, expert_ids
-        )  # dense slices (routed layers go through run_experts)
+    def fetch(self, layer_idx: int, expert_ids: Sequence[int]) -> Iterable[tuple[int, Expert]]:
+        # dense slices (routed layers go through run_experts)
+        return self.local.fetch(layer_idx, expert_ids)
 
     def dense_held(self, layer_idx: int) -> Sequence[Expert] | None:
         return self.local.dense_held(layer_idx)

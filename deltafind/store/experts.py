@@ -12,7 +12,7 @@ import functools
 import time
 import weakref
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 from typing import Any
@@ -106,9 +106,8 @@ class StoreExperts(ExpertReads):
         )
         self.cache = ByteLRU(expert_bytes) if cache is None else cache
         self._records: dict[tuple[int, int], ExpertRecord] = {r.key: r for r in manifest.experts}
-        self.resident = Resident(
-            self._records, self._load
-        )  # held outside the LRU: dense layers, the pin tier
+        # held outside the LRU: dense layers, the pin tier
+        self.resident = Resident(self._records, self._load)
         self.stager, self.dtype, self.device = stager, dtype, stager.device
         # CPU compute: demand reads are widened to the compute dtype on the drive threads, so it
         # overlaps the matmuls (measured in tests/bench/RESULTS.md); a device copies as stored.
@@ -168,16 +167,18 @@ class StoreExperts(ExpertReads):
             )
         return rec
 
-    def fetch(self, layer_idx: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, Expert]]:
+    def fetch(self, layer_idx: int, expert_ids: Sequence[int]) -> Iterable[tuple[int, Expert]]:
+        """The contract's `fetch`, its reads started now: a list, in the order asked, where every expert is
+        held (pinned or cached), so a model may run them in one kernel call (ops/moe.py); else the held
+        ones, then each read as it lands (iterate it: that ends or cancels its reads)."""
         wanted = list(dict.fromkeys(expert_ids))
         self.gate.fetch_started(layer_idx)
         self._observe(layer_idx, wanted)
         if self.reader.remote is not None:
             self._fetch_missing(layer_idx, wanted)
         pending: dict[Future, int] = {}
-        speculative: set[Future] = (
-            set()
-        )  # prefetched reads: started earlier, maybe for another request
+        # prefetched reads: started earlier, maybe for another request
+        speculative: set[Future] = set()
         held: dict[int, int] = {}  # expert -> bytes reserved in the cache for its read
         waiting: dict[int, deque[int]] = defaultdict(deque)  # drive -> demand reads not started yet
         ready: list[tuple[int, Expert]] = []
@@ -186,9 +187,8 @@ class StoreExperts(ExpertReads):
         for key in keys:
             self.uses[key] += 1
         resident = self.resident.experts
-        cached = iter(
-            self.cache.get_many([k for k in keys if k not in resident])
-        )  # one lock for the layer
+        # one lock for the layer
+        cached = iter(self.cache.get_many([k for k in keys if k not in resident]))
         for e, key in zip(wanted, keys, strict=True):
             if (expert := resident.get(key)) is not None:
                 self.stats.pinned_hits += 1
@@ -214,47 +214,54 @@ class StoreExperts(ExpertReads):
         if self._inflight:  # predictions for this layer that the router did not pick
             self._drop_inflight(layer_idx)
         self._issue_next(layer_idx)  # behind this layer's demand reads
-        try:
-            yield from ready  # inside: a consumer that stops at a held expert still cancels the reads below
-            while pending:
-                t0 = time.perf_counter()
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                self.stats.wait_s += time.perf_counter() - t0
-                for fut in done:
-                    e = pending.pop(fut)
-                    self._start_demand(
-                        layer_idx, waiting[self.record(layer_idx, e).drive], pending, held
-                    )
-                    if fut in speculative and fut.exception() is not None:
-                        # A prefetch may have been read for an earlier, failed request (a record
-                        # since repaired, a transient error): only a read made now decides.
-                        speculative.discard(fut)
-                        pending[self._demand_read(layer_idx, e)] = e
-                        continue
-                    self.budget.unreserve(
-                        held.pop(e, 0)
-                    )  # it lands now: the cache counts it as an entry
-                    rec = self.record(layer_idx, e)
-                    try:
-                        got = fut.result()
-                        expert = (
-                            self._decode(rec, got[1], got[0], got[2])
-                            if isinstance(got, tuple)
-                            else self._decode(rec, got)
-                        )  # a tuple: decoded on the drive thread
-                    except Exception as err:
-                        if (failed := self._failed(rec, err)) is err:
-                            raise
-                        raise failed from err
-                    self.cache.put(
-                        rec.key, expert, expert.nbytes
-                    )  # the held tiers' loads keep theirs outside the LRU
-                    yield e, expert
-        finally:
-            for fut in pending:  # an error or an abandoned generator: reads still running are waste
-                fut.cancel()
-            for n in held.values():
-                self.budget.unreserve(n)
+        if not pending:
+            return ready
+
+        def arrivals() -> Iterator[tuple[int, Expert]]:
+            """The held experts, then each read as it completes (reads are started as others land)."""
+            try:
+                # inside: a consumer that stops at a held expert still cancels the reads below
+                yield from ready
+                while pending:
+                    t0 = time.perf_counter()
+                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    self.stats.wait_s += time.perf_counter() - t0
+                    for fut in done:
+                        e = pending.pop(fut)
+                        self._start_demand(
+                            layer_idx, waiting[self.record(layer_idx, e).drive], pending, held
+                        )
+                        if fut in speculative and fut.exception() is not None:
+                            # A prefetch may have been read for an earlier, failed request (a record
+                            # since repaired, a transient error): only a read made now decides.
+                            speculative.discard(fut)
+                            pending[self._demand_read(layer_idx, e)] = e
+                            continue
+                        # it lands now: the cache counts it as an entry
+                        self.budget.unreserve(held.pop(e, 0))
+                        rec = self.record(layer_idx, e)
+                        try:
+                            got = fut.result()  # a tuple: decoded on the drive thread
+                            expert = (
+                                self._decode(rec, got[1], got[0], got[2])
+                                if isinstance(got, tuple)
+                                else self._decode(rec, got)
+                            )
+                        except Exception as err:
+                            if (failed := self._failed(rec, err)) is err:
+                                raise
+                            raise failed from err
+                        # the held tiers' loads keep theirs outside the LRU
+                        self.cache.put(rec.key, expert, expert.nbytes)
+                        yield e, expert
+            finally:
+                # an error or an abandoned generator: reads still running are waste
+                for fut in pending:
+                    fut.cancel()
+                for n in held.values():
+                    self.budget.unreserve(n)
+
+        return arrivals()
 
     def dense_held(self, layer_idx: int) -> list[Expert] | None:
         """Dense layer `layer_idx`'s slices in order when held whole (store/resident.py), counted as
@@ -314,10 +321,8 @@ class StoreExperts(ExpertReads):
     def observe_routes(
         self, layer_idx: int, topk_idx: torch.Tensor, topk_weight: torch.Tensor
     ) -> None:
-        if self.trace is not None:
-            self.trace.routes(
-                layer_idx, *self._step, topk_idx.tolist(), topk_weight.float().tolist()
-            )
+        if (trace := self.trace) is not None:
+            trace.routes(layer_idx, *self._step, topk_idx.tolist(), topk_weight.float().tolist())
 
     def _failed(self, rec: ExpertRecord, err: Exception) -> CorruptExpertError:
         """The error of a read that failed, as a CorruptExpertError naming the record (pack, offset) and
@@ -378,9 +383,8 @@ class StoreExperts(ExpertReads):
         ahead, out = RECORDS_AHEAD * len(self.reader.paths), []
         reads = [self.reader.submit(r) for r in recs[:ahead]]
         for i, rec in enumerate(recs):
-            reads += [
-                self.reader.submit(r) for r in recs[i + ahead : i + ahead + 1]
-            ]  # the next one, while this decodes
+            # the next one, while this decodes
+            reads += [self.reader.submit(r) for r in recs[i + ahead : i + ahead + 1]]
             out.append(self._decode(rec, reads[i].result()))
             self.cache.pop(rec.key)  # an LRU copy of an expert held now
         return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import pytest
@@ -255,28 +255,21 @@ def test_attention_step_steps_aside_for_a_batch_of_two() -> None:
 
 
 class _ArrivalOrder(ExpertProvider):
-    """Experts held in memory, yielded in `arrival` order (a store yields them as their reads complete)."""
+    """Experts held in memory, yielded in `arrival` order (a store yields them as their reads complete),
+    or for "held" given as a list in the order asked, as a store gives experts it holds already."""
 
     def __init__(self, experts: dict[int, Expert], arrival: str) -> None:
         self.experts, self.arrival = experts, arrival
 
-    def fetch(self, layer_idx: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, Expert]]:
+    def fetch(self, layer_idx: int, expert_ids: Sequence[int]) -> Iterable[tuple[int, Expert]]:
         ids = list(expert_ids)
-        for e in ids[::-1] if self.arrival == "reversed" else ids:
-            yield e, self.experts[e]
+        if self.arrival == "held":
+            return [(e, self.experts[e]) for e in ids]
+        return ((e, self.experts[e]) for e in (ids[::-1] if self.arrival == "reversed" else ids))
 
 
-@needs_kernel
-@pytest.mark.parametrize("math", ["exact", "q8"])
-@pytest.mark.parametrize("arrival", ["sorted", "reversed"])
-def test_one_token_moe_sum_in_the_kernel_is_torchs_sum_bit_for_bit(
-    math: str, arrival: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A decode token's experts add their output times their weight to the layer's sum inside their
-    kernel call (df_gated_mlp's accumulate): the bits of torch's `out += y * w` over the experts' own
-    outputs, in expert order, whatever order they arrive in, with an expert the kernel does not take
-    (fp32 weights: torch's path) among them; and a batch's rows (the general path) are the same."""
-    hidden, inter, n = 256, 256, 10
+def _q_experts(n: int, hidden: int, inter: int) -> dict[int, Expert]:
+    """n random experts of a Q4_K_M mix: gate/up Q4_K, down Q6_K."""
     quant = {
         "gate_proj": f"Q4_K/{hidden}",
         "up_proj": f"Q4_K/{hidden}",
@@ -287,7 +280,7 @@ def test_one_token_moe_sum_in_the_kernel_is_torchs_sum_bit_for_bit(
         "up_proj": (inter, hidden),
         "down_proj": (hidden, inter),
     }
-    experts = {
+    return {
         e: Expert(
             {
                 name: gguf_blocks(quant[name][:4], *shape, seed=7 * e + i)
@@ -297,6 +290,25 @@ def test_one_token_moe_sum_in_the_kernel_is_torchs_sum_bit_for_bit(
             quant=quant,
         )
         for e in range(n)
+    }
+
+
+@needs_kernel
+@pytest.mark.parametrize("math", ["exact", "q8"])
+@pytest.mark.parametrize("arrival", ["sorted", "reversed", "held"])
+def test_one_token_moe_sum_in_the_kernel_is_torchs_sum_bit_for_bit(
+    math: str, arrival: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode token's experts add their output times their weight to the layer's sum inside their
+    kernel call (df_gated_mlp's accumulate): the bits of torch's `out += y * w` over the experts' own
+    outputs, in expert order, whatever order they arrive in, with an expert the kernel does not take
+    (fp32 weights: torch's path) among them; and a batch's rows (the general path) are the same."""
+    hidden, inter, n = 256, 256, 10
+    experts = _q_experts(n, hidden, inter)
+    shapes = {
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
     }
     g = torch.Generator().manual_seed(11)
     experts[3] = Expert(  # fp32: the kernel does not take it
@@ -327,8 +339,52 @@ def test_one_token_moe_sum_in_the_kernel_is_torchs_sum_bit_for_bit(
             got = dispatch(x[t : t + 1], idx[t : t + 1], weight[t : t + 1], provider, 0, run)
             monkeypatch.undo()
             assert torch.equal(got, ref) and torch.equal(got[0], batched[t]), t
-            # in expert order, only the fp32 expert takes torch's path; arriving reversed, every
-            # expert but the first (lowest id) waits for its turn as a held output
-            assert calls[1] == (1 if arrival == "sorted" else 3), (t, calls)
+            # in expert order (or held: the one call refuses the fp32 expert, so each is added in
+            # turn), only the fp32 expert takes torch's path; arriving reversed, every expert but the
+            # first (lowest id) waits for its turn as a held output
+            assert calls[1] == (3 if arrival == "reversed" else 1), (t, calls)
     finally:
+        fast_math.use("exact")
+
+
+@needs_kernel
+@pytest.mark.parametrize("math", ["exact", "q8"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_held_experts_of_a_token_make_one_kernel_call_with_torchs_sum(
+    math: str, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode token whose k experts are all held runs them in ONE df_moe_token call (gate/up of all in
+    one matmul, the downs in runs of rows on the pool): each expert's output is its own call's bit for
+    bit, and the layer's sum torch's `out += y * w` in expert order, at any thread count."""
+    hidden, inter, k = (
+        512,
+        768,
+        8,
+    )  # 768: a down of three K-blocks a row, runs of rows not a power of 2
+    experts = _q_experts(12, hidden, inter)
+    provider, run = _ArrivalOrder(experts, "held"), swiglu("silu")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, hidden, generator=g)
+    idx = torch.tensor([[9, 2, 11, 0, 4, 7, 5, 1]])
+    weight = torch.rand(1, k, generator=g).softmax(-1)
+    lib, calls = CPU.load(), Counter()
+    kernel = lib.df_moe_token
+
+    def counted(*a: object) -> int:
+        calls[a[1]] += 1  # k
+        return kernel(*a)
+
+    assert fast_math.use(math) == math
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        ref = torch.zeros(1, hidden)
+        for e, w in sorted(zip(idx[0].tolist(), weight[0].tolist(), strict=True)):
+            ref += run(x, experts[e]) * w  # each expert's own df_gated_mlp call, summed by torch
+        monkeypatch.setattr(lib, "df_moe_token", counted)
+        got = dispatch(x, idx, weight, provider, 0, run)
+        assert calls == {k: 1}
+        assert torch.equal(got, ref)
+    finally:
+        torch.set_num_threads(before)
         fast_math.use("exact")

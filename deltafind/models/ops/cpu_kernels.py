@@ -184,6 +184,12 @@ class DecodeLayer(ctypes.Structure):
     ]
 
 
+class MoeExpert(ctypes.Structure):
+    """One routed expert for `df_moe_token` (layer_cpu.cpp's `MoeExpert`): its gate/up and down parts."""
+
+    _fields_ = [("gu", P), ("down", P), ("n_gu", I64), ("n_down", I64)]
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.df_mxfp4_matmul.argtypes = [P, I64, I64, P, P, I64, I64, P, I64, I32]
     lib.df_mxfp4_matmul.restype = I32
@@ -207,8 +213,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.df_attend_one.restype = None
     lib.df_attn_decode.argtypes = [ctypes.POINTER(AttnLayer), P, P, P, P, P, I64, P, I32]
     lib.df_attn_decode.restype = I32
-    lib.df_gated_mlp.argtypes = [P, I32, P, I32, P, I64, I32, P, F32, I32, P, I32, F32, I32]
+    lib.df_gated_mlp.argtypes = [P, I32, P, I32, P, I64, I32, P, F32, I32, P, I32]
     lib.df_gated_mlp.restype = I32
+    lib.df_moe_token.argtypes = [P, I32, P, P, I32, P, I32]
+    lib.df_moe_token.restype = I32
     lib.df_decode_layers.argtypes = [ctypes.POINTER(DecodeLayer), I32, P, P, P, I32]
     lib.df_decode_layers.restype = I32
     lib.df_layer_abi.restype = I32

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from deltafind.models.ops import fast_math
-from deltafind.models.ops.cpu_kernels import CPU
+from deltafind.models.ops.cpu_kernels import CPU, MoeExpert
 from deltafind.models.ops.norm import RMSNorm
 from deltafind.models.ops.stored import FusedLinear, linear
 from deltafind.provider import Expert
@@ -62,9 +62,10 @@ class SlicesPlan:
     def __init__(self) -> None:
         self.gate_up, self.down = FusedLinear(), FusedLinear(stack_cols=True)
         self._refs: tuple[weakref.ref, ...] = ()
-        # df_gated_mlp's first four arguments and the (in, out) columns, as planned: a decode token's
-        # routed experts each make a call with them (GatedExpert.adder), right after another's kernel
-        self.args: tuple = ()
+        # A routed expert's parts as df_moe_token takes them, its address, and the (in, out) columns, as
+        # planned: a decode token's experts make one call with them (GatedExpert.adder)
+        self.moe = MoeExpert()
+        self.moe_at = ctypes.addressof(self.moe)
         self.shape = (0, 0)
 
     def plan(self, experts: Sequence[Expert]) -> bool:
@@ -85,10 +86,13 @@ class SlicesPlan:
         if gu is None or dn is None or 2 * self.down.in_cols != self.gate_up.out_cols:
             return False
         self._refs = tuple(weakref.ref(e) for e in experts)
-        self.args, self.shape = (
-            (gu, len(gu), dn, len(dn)),
-            (self.gate_up.in_cols, self.down.out_cols),
+        self.moe.gu, self.moe.down, self.moe.n_gu, self.moe.n_down = (
+            ctypes.addressof(gu),
+            ctypes.addressof(dn),
+            len(gu),
+            len(dn),
         )
+        self.shape = (self.gate_up.in_cols, self.down.out_cols)
         return True
 
 
@@ -115,13 +119,15 @@ class GatedExpert:
             return y
         return expert_forward(x, expert, self.gated)
 
-    def adder(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[Expert, float], bool] | None:
-        """`add(expert, w)`: out += self(x, expert) * w in the expert's one df_gated_mlp call, for one token
-        x [1, H] and out [1, H] fp32, contiguous, on the CPU; False where the kernel does not take the
-        expert (out is then untouched: run it through `__call__`). None where it takes no expert here.
-        The product and sum round as torch's fp32 `out += y * w` does (layer_cpu.cpp), so moe.py's
-        one-token sum is the same numbers without two torch ops an expert, each slow right after a
-        kernel call (tests/bench/RESULTS.md)."""
+    def adder(
+        self, x: torch.Tensor, out: torch.Tensor
+    ) -> Callable[[Sequence[Expert], Sequence[float]], bool] | None:
+        """`add(experts, ws)`: out += self(x, e) * w for each expert e and its weight w in the order given,
+        in ONE df_moe_token call, for one token x [1, H] and out [1, H] fp32, contiguous, on the CPU; False
+        where the kernel does not take one of them (out is then untouched: run them through `__call__`).
+        None where it takes no expert here. The products and sums round as torch's fp32 `out += y * w` does
+        (layer_cpu.cpp), so moe.py's one-token sum is the same numbers without two torch ops an expert,
+        and a decode token's held experts make one call, not one each (tests/bench/RESULTS.md)."""
         if (
             self.act < 0
             or (lib := CPU.load()) is None
@@ -133,20 +139,27 @@ class GatedExpert:
             or fast_math.takes(x)
         ):
             return None
-        call, act, xp, yp, threads = (
-            lib.df_gated_mlp,
+        call, plan_of, act, xp, yp, threads = (
+            lib.df_moe_token,
+            self._plan_of,
             self.act,
             x.data_ptr(),
             out.data_ptr(),
             torch.get_num_threads(),
         )
-
         shape = (cols, cols)
 
-        def add(expert: Expert, w: float) -> bool:
-            if (plan := self._plan_of(expert)) is None or plan.shape != shape:
-                return False
-            return not call(*plan.args, xp, 1, act, None, 0.0, 0, yp, 1, w, threads)
+        def add(experts: Sequence[Expert], ws: Sequence[float]) -> bool:
+            at = []
+            for expert in experts:
+                if (plan := plan_of(expert)) is None or plan.shape != shape:
+                    return False
+                at.append(plan.moe_at)
+            k = len(at)
+            # the weights as fp32 are exact: moe.py takes this path only for fp32 routing weights
+            return not call(
+                (ctypes.c_void_p * k)(*at), k, (ctypes.c_float * k)(*ws), xp, act, yp, threads
+            )
 
         return add
 
@@ -241,8 +254,6 @@ class GatedExpert:
             0.0 if norm is None else norm.eps,
             int(norm is not None),
             y.data_ptr(),
-            0,
-            0.0,
             torch.get_num_threads(),
         ):
             return None

@@ -1,6 +1,7 @@
 // The per-layer ops of a CPU decode step, fp32: RMSNorm, rotary embeddings, one-row attention, and two
 // fused steps built from them and stored_cpu.cpp's matmul: a whole attention half of a layer for one
-// token (df_attn_decode), a gated MLP (df_gated_mlp), and a chain of decoder layers (df_decode_layers).
+// token (df_attn_decode), a gated MLP (df_gated_mlp), one token's routed experts of a MoE layer
+// (df_moe_token), and a chain of decoder layers (df_decode_layers).
 //
 // Each small op was a handful of torch ops costing 10-30 us a call on one token, against ~3 us for one
 // ctypes call here; a demo token runs 61 norms and 30 ropes, and the Python between the calls cost as
@@ -12,6 +13,7 @@
 // which differs from torch's reduction only in summation order; the attention's dot products, softmax
 // and weighted sum differ from torch's bmm/softmax only in summation order and exp's last bit.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -27,7 +29,7 @@ extern "C" {
 int df_stored_parts(const Part* parts, int n, int stack_cols, const float* x, int64_t T, int64_t ldx, float* y,
                     int64_t ldy, int threads);  // stored_cpu.cpp
 
-int df_layer_abi() { return 4; }
+int df_layer_abi() { return 5; }
 
 // y[t] = w * (x[t] * (1 / sqrt(mean(x[t]^2) + eps))) for T rows of C (a multiple of 8) at stride ldx; y is
 // [T, C] contiguous. HF's RMSNorm in fp32 (rsqrt is 1 / sqrt, as torch's vectorised rsqrt computes it).
@@ -136,49 +138,105 @@ int df_attn_decode(const AttnLayer* a, const float* x, const float* cos, const f
   return 0;
 }
 
+namespace {
+
+// h [T, I] = act(g[t, :I]) * g[t, I:] for T rows of g, `ld` apart, on the pool in tasks of `per_task` rows.
+// act is torch's formula: 0 silu x / (1 + exp(-x)), 1 gelu x * 0.5 * (1 + erf(x / sqrt 2)), 2 gelu's tanh
+// form (libm's exp/erf/tanh may differ from torch's in the last bit); a scalar exp/erf/tanh per element.
+void gate_act(const float* g, int64_t T, int64_t ld, int64_t I, int act, float* h, int64_t per_task, int threads) {
+  constexpr float kSqrtHalf = 0.70710678118654752440f, kBeta = 0.79788456080286535588f, kKappa = 0.044715f;
+  df::pool().run(static_cast<int>((T + per_task - 1) / per_task), threads, [&](int task) {
+    for (int64_t t = task * per_task; t < std::min(T, (task + 1) * per_task); ++t)
+      for (int64_t i = 0; i < I; ++i) {
+        const float v = g[t * ld + i];
+        const float a = act == 0 ? v / (1.0f + std::exp(-v))
+                      : act == 1 ? v * 0.5f * (1.0f + std::erf(v * kSqrtHalf))
+                                 : 0.5f * v * (1.0f + std::tanh(kBeta * (v + kKappa * v * v * v)));
+        h[t * I + i] = a * g[t * ld + I + i];
+      }
+  });
+}
+
+}  // namespace
+
 // y [T, hidden] = down(act(gate n) * up n) for x [T, cols], n = x or, where `norm` is given, rms_norm(x)
 // with it; plus x itself where add_x (a decoder layer's whole MLP half, x + mlp(norm(x))). `gu` stacks
 // the gate rows then the up rows (one expert's gate and up, or every slice's gates then every slice's
-// ups), `down` the down matrices side by side (their columns follow the gates'). act is torch's
-// formula: 0 silu x / (1 + exp(-x)), 1 gelu x * 0.5 * (1 + erf(x / sqrt 2)), 2 gelu's tanh form (libm's
-// exp/erf/tanh may differ from torch's in the last bit). Where `accumulate` (not with add_x), y is added
-// to instead: y[i] = y[i] + mlp[i] * w, each product and sum rounded to fp32 as torch's `y += mlp * w`
-// rounds them (-ffp-contract=off), so a one-token MoE layer sums its experts in their kernel calls,
-// without two torch ops an expert after each (ops/moe.py). Returns 1 if a part does not fit its kind
-// or the halves do not match.
+// ups), `down` the down matrices side by side (their columns follow the gates'); act as gate_act's.
+// Returns 1 if a part does not fit its kind or the halves do not match.
 int df_gated_mlp(const Part* gu, int n_gu, const Part* down, int n_down, const float* x, int64_t T, int act,
-                 const float* norm, float eps, int add_x, float* y, int accumulate, float w, int threads) {
+                 const float* norm, float eps, int add_x, float* y, int threads) {
   int64_t rows = 0, down_cols = 0;
   const int64_t C = gu[0].cols, H = down[0].rows;
   for (int p = 0; p < n_gu; ++p) rows += gu[p].rows;
   for (int p = 0; p < n_down; ++p) down_cols += down[p].cols;
   const int64_t I = rows / 2;
-  if (rows % 2 || down_cols != I || act < 0 || act > 2 || (add_x && (H != C || accumulate)) || (norm && C % 8))
-    return 1;
+  if (rows % 2 || down_cols != I || act < 0 || act > 2 || (add_x && H != C) || (norm && C % 8)) return 1;
   // Every element written before it is read: not zeroed (a std::vector's zeroing was a memset per call).
-  dfq::Floats g(static_cast<size_t>(T * rows)), h(static_cast<size_t>(T * I)), xn(norm ? T * C : 0),
-      m(accumulate ? T * H : 0);
+  dfq::Floats g(static_cast<size_t>(T * rows)), h(static_cast<size_t>(T * I)), xn(norm ? T * C : 0);
   if (norm) df_rms_norm(x, T, C, C, norm, eps, xn.data());
   if (df_stored_parts(gu, n_gu, 0, norm ? xn.data() : x, T, C, g.data(), rows, threads)) return 1;
-  constexpr float kSqrtHalf = 0.70710678118654752440f, kBeta = 0.79788456080286535588f, kKappa = 0.044715f;
-  // The activation is a scalar exp/erf/tanh per element: on the pool in blocks of tokens (a prompt's
-  // T x I of them took one thread while the others waited), each element as before.
-  constexpr int64_t kActTokens = 32;
-  df::pool().run(static_cast<int>((T + kActTokens - 1) / kActTokens), threads, [&](int task) {
-    for (int64_t t = task * kActTokens; t < std::min(T, (task + 1) * kActTokens); ++t)
-      for (int64_t i = 0; i < I; ++i) {
-        const float v = g[t * rows + i];
-        const float a = act == 0 ? v / (1.0f + std::exp(-v))
-                      : act == 1 ? v * 0.5f * (1.0f + std::erf(v * kSqrtHalf))
-                                 : 0.5f * v * (1.0f + std::tanh(kBeta * (v + kKappa * v * v * v)));
-        h[t * I + i] = a * g[t * rows + I + i];
-      }
-  });
-  if (df_stored_parts(down, n_down, 1, h.data(), T, I, accumulate ? m.data() : y, H, threads)) return 1;
-  if (accumulate)
-    for (int64_t i = 0; i < T * H; ++i) y[i] = y[i] + m[i] * w;
+  gate_act(g.data(), T, rows, I, act, h.data(), 32, threads);  // a prompt's T x I on the pool in blocks of tokens
+  if (df_stored_parts(down, n_down, 1, h.data(), T, I, y, H, threads)) return 1;
   if (add_x)
     for (int64_t i = 0; i < T * H; ++i) y[i] = x[i] + y[i];
+  return 0;
+}
+
+// One routed expert as df_moe_token takes it (cpu_kernels.py's MoeExpert, planned by gated_mlp.py):
+// df_gated_mlp's gate/up parts (gate rows then up rows) and down parts (side by side).
+struct MoeExpert {
+  const Part *gu, *down;
+  int64_t n_gu, n_down;
+};
+
+// One token's k routed experts of a MoE layer in one call: y[i] = y[i] + mlp_e(x)[i] * w[e] for e = 0..k-1
+// in the order given, each product and sum rounded to fp32 as torch's `y += mlp_e(x) * w_e` rounds them
+// (-ffp-contract=off), mlp_e as df_gated_mlp computes it for x [1, cols] alone, bit for bit: every
+// expert's gate and up rows in ONE matmul call (x read and, in q8 mode, quantized once), the activations
+// on the pool an expert a task, the downs on the pool in runs of rows (each run the matmul of those rows
+// alone, which gives each row the bits of the whole matrix's call), then the sum. 8 experts made 8 calls
+// with 16 waits on the pool and the Python between them (tests/bench/RESULTS.md). Returns 1, y untouched,
+// where an expert's parts do not fit their kinds or the experts' shapes differ.
+int df_moe_token(const MoeExpert* const* ex, int k, const float* w, const float* x, int act, float* y, int threads) {
+  constexpr int kMaxDown = 8;
+  if (k <= 0 || act < 0 || act > 2) return 1;
+  const int64_t C = ex[0]->gu[0].cols, H = ex[0]->down[0].rows;
+  int64_t rows = 0;
+  std::vector<Part> gu;
+  for (int e = 0; e < k; ++e) {
+    int64_t r = 0, dc = 0;
+    for (int64_t p = 0; p < ex[e]->n_gu; ++p) r += ex[e]->gu[p].rows, gu.push_back(ex[e]->gu[p]);
+    for (int64_t p = 0; p < ex[e]->n_down; ++p) dc += ex[e]->down[p].cols;
+    if (e == 0) rows = r;
+    if (r != rows || r % 2 || dc != r / 2 || ex[e]->down[0].rows != H || ex[e]->n_down > kMaxDown) return 1;
+  }
+  for (const Part& p : gu)
+    if (p.cols != C) return 1;
+  const int64_t I = rows / 2;
+  // Runs of rows per expert: about four tasks a thread over all the experts, 16-row aligned.
+  const int64_t chunks = std::max<int64_t>(1, (4 * threads + k - 1) / k);
+  const int64_t run = std::max<int64_t>(16, (H + chunks - 1) / chunks + 15) / 16 * 16;
+  const int64_t runs = (H + run - 1) / run;
+  dfq::Floats g(static_cast<size_t>(k * rows)), h(static_cast<size_t>(k * I)), m(static_cast<size_t>(k * H));
+  if (df_stored_parts(gu.data(), static_cast<int>(gu.size()), 0, x, 1, C, g.data(), k * rows, threads)) return 1;
+  gate_act(g.data(), k, rows, I, act, h.data(), 1, threads);  // expert e's g is "row" e
+  std::atomic<int> bad{0};
+  df::pool().run(static_cast<int>(k * runs), threads, [&](int task) {
+    const int e = static_cast<int>(task / runs);
+    const int64_t r0 = task % runs * run, r1 = std::min(H, r0 + run);
+    Part sub[kMaxDown];
+    for (int64_t p = 0; p < ex[e]->n_down; ++p) {
+      sub[p] = ex[e]->down[p];
+      sub[p].rows = r1 - r0;
+      sub[p].data += r0 * sub[p].row_bytes;
+    }
+    if (df_stored_parts(sub, static_cast<int>(ex[e]->n_down), 1, h.data() + e * I, 1, I, m.data() + e * H + r0, H, 1))
+      bad.store(1);
+  });
+  if (bad.load()) return 1;
+  for (int e = 0; e < k; ++e)
+    for (int64_t i = 0; i < H; ++i) y[i] = y[i] + m[e * H + i] * w[e];
   return 0;
 }
 
@@ -210,7 +268,7 @@ int df_decode_layers(const DecodeLayer* layers, int n, const float* cos, const f
     const DecodeLayer& l = layers[i];
     if (l.attn->hidden != H || df_attn_decode(l.attn, x, cos, sin, l.kbuf, l.vbuf, l.len, h.data(), threads) ||
         df_gated_mlp(l.gu, static_cast<int>(l.n_gu), l.down, static_cast<int>(l.n_down), h.data(), 1, l.act, l.norm,
-                     l.eps, 1, y.data(), 0, 0.0f, threads))
+                     l.eps, 1, y.data(), threads))
       return i;
     std::memcpy(x, y.data(), sizeof(float) * static_cast<size_t>(H));
   }

@@ -109,15 +109,24 @@ def _one_token(
         return None
     x, order = x.contiguous(), sorted(col)
     out, dtype = torch.zeros_like(x), topk_weight.dtype
-    # The kernel adds an expert's output times its weight to out itself, in fp32 as `out += y * w`
-    # rounds (gated_mlp.py's adder); an expert it does not take, or one that arrives before an expert
-    # of a lower id, is run and held, then summed by torch when its turn comes.
+    # The kernel adds each expert's output times its weight to out itself, in fp32 as `out += y * w`
+    # rounds (gated_mlp.py's adder): all k in one call where the provider holds them all (its fetch
+    # gives a list, in the order asked); else each as it arrives, and an expert the kernel does not take,
+    # or one that arrives before an expert of a lower id, is run and held, then summed by torch at its turn.
     add = run.adder(x, out) if isinstance(run, GatedExpert) and dtype == torch.float32 else None
     ys: dict[int, torch.Tensor] = {}
     done = 0  # order[:done] are summed into out
     try:
-        for expert_idx, expert in provider.fetch(layer_idx, order):
-            if add is None or expert_idx != order[done] or not add(expert, col[expert_idx]):
+        got = provider.fetch(layer_idx, order)
+        if (
+            add is not None
+            and type(got) is list
+            and [e for e, _ in got] == order
+            and add([expert for _, expert in got], [col[e] for e in order])
+        ):
+            return out
+        for expert_idx, expert in got:
+            if add is None or expert_idx != order[done] or not add((expert,), (col[expert_idx],)):
                 ys[expert_idx] = run(x, expert)
             else:
                 done += 1
