@@ -245,8 +245,8 @@ int df_moe_token(const MoeExpert* const* ex, int k, const float* w, const float*
 namespace {
 
 // W[r] . x for a row of W [*, H]: the products summed in 16 fixed lanes, the lanes in one fixed tree, then
-// the tail of H past its last multiple of 16 in order. A row at a time: 4 or 8 rows interleaved streamed
-// a cold 1 MB weight no faster and a cached one up to 1.5x slower (tests/bench/RESULTS.md, "Router").
+// the tail of H past its last multiple of 16 in order. A row at a time: 4 or 8 rows interleaved read a
+// cold 1 MB weight no faster and a cached one up to 1.5x slower (tests/bench/RESULTS.md, "router").
 float router_dot(const float* w, int64_t H, const float* x) {
   float s[16] = {};
   const int64_t H16 = H / 16 * 16;
