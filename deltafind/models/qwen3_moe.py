@@ -7,7 +7,6 @@ the `decoder_sparse_step` grid are dense MLPs, run as expert slices.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -61,7 +60,6 @@ class Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(args.num_experts, args.hidden_size))
         self.top_k, self.norm_topk_prob = args.num_experts_per_tok, args.norm_topk_prob
-        self._fits: weakref.ref | None = None  # the weight the kernel was last found to take
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if x.shape[0] == 1 and (route := self.one_token(x)) is not None:
@@ -79,28 +77,19 @@ class Router(nn.Module):
         """(ids [1, k], weights [1, k]) for one token x [1, H] in one df_route_token call: two torch ops
         (the outputs' allocations) where the torch path made five of 5-100 us each on one token
         (tests/bench/RESULTS.md); None where the kernel does not take x or the weight."""
-        w = self._parameters["weight"]
-        if (fits := self._fits) is None or fits() is not w:  # checked once per weight object
-            if (
-                CPU.load() is None
-                or w.dtype != torch.float32
-                or not w.is_cpu
-                or not w.is_contiguous()
-                or not 0 < self.top_k <= w.shape[0]
-            ):
-                return None
-            self._fits = weakref.ref(w)
+        w, k = self._parameters["weight"], self.top_k
         if (
-            x.dtype != torch.float32
+            (lib := CPU.load()) is None
+            or x.dtype != torch.float32
+            or w.dtype != torch.float32
             or x.dim() != 2
-            or not x.is_cpu
-            or not x.is_contiguous()
+            or not (x.is_cpu and w.is_cpu and x.is_contiguous() and w.is_contiguous())
             or x.shape[1] != w.shape[1]
+            or not 0 < k <= w.shape[0]
         ):
             return None
-        k = self.top_k
         idx, weight = torch.empty(1, k, dtype=torch.int64), torch.empty(1, k, dtype=torch.float32)
-        if CPU.load().df_route_token(
+        if lib.df_route_token(
             w.data_ptr(),
             w.shape[0],
             w.shape[1],
