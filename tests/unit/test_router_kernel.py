@@ -5,6 +5,7 @@ experts torch's wherever fp32 can tell them apart, at any thread count; it repla
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from deltafind.importer.setup import setup_store
 from deltafind.models.ops.cpu_kernels import CPU
 from deltafind.models.ops.moe import predict_routed
 from deltafind.models.qwen3_moe import ModelArgs, Router
-from tests.conftest import make_hf_checkpoint
+from tests.conftest import avx2_kernels, make_hf_checkpoint
 from tests.unit.test_fused_steps import _decode_logits
 
 needs_kernel = pytest.mark.skipif(CPU.load() is None, reason=f"no C++ compiler: {CPU.build_error}")
@@ -95,6 +96,27 @@ def test_one_tokens_route_is_torchs_within_fp32_noise(
                 torch.testing.assert_close(weight, t_weight, rtol=1e-5, atol=0)
     finally:
         torch.set_num_threads(before)
+
+
+def _lib_route(lib: ctypes.CDLL, w: torch.Tensor, x: torch.Tensor, k: int) -> tuple[list, list]:
+    ids, weights = torch.empty(k, dtype=torch.int64), torch.empty(k)
+    assert not lib.df_route_token(
+        w.data_ptr(), *w.shape, x.data_ptr(), k, 1, ids.data_ptr(), weights.data_ptr(), 2
+    )
+    return ids.tolist(), weights.tolist()
+
+
+@needs_kernel
+def test_the_avx2_build_routes_to_the_same_bits() -> None:
+    """The logits' 16 lanes are fixed, not the vector width: the build x86 CPUs without AVX-512 run
+    gives the same ids and weights bit for bit (an odd H: the tail summed after the lanes)."""
+    if (avx2 := avx2_kernels().load()) is None:
+        pytest.skip("no x86 AVX2 build here")
+    for hidden in (2048, 1000):
+        router = _router(128, 8, hidden, True, seed=hidden)
+        x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(5))
+        w = router.weight.detach()
+        assert _lib_route(avx2, w, x, 8) == _lib_route(CPU.load(), w, x, 8)
 
 
 @needs_kernel
