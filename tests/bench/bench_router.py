@@ -8,7 +8,12 @@ an older checkout to compare) and, in the same process, torch's ops for the same
 softmax, topk, the renormalisation). Medians over `--rounds` tokens, microseconds per layer; prints
 ONE JSON line.
 
+`--store DIR` instead times each `df_route_token` call inside a real 2-thread greedy decode of that
+store (q8, every expert read first), the call's thread count alternating 2 / 1 call by call: whether
+splitting the rows on the pool pays, under the same load in one process.
+
     python tests/bench/bench_router.py [--threads 1,2] [--layers 8] [--rounds 41] [--evict-mb 256]
+    python tests/bench/bench_router.py --store /tmp/dfmoe/store-8l [--rounds 3]
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=41)
     ap.add_argument("--evict-mb", type=int, default=256)
+    ap.add_argument("--store", help="time the router calls of a real decode of this store instead")
     args = ap.parse_args()
+    if args.store:
+        return in_decode(args.store, args.rounds)
 
     import torch
     import torch.nn.functional as F
@@ -89,6 +97,56 @@ def main() -> None:
                 "evict_mb": args.evict_mb,
                 "kernel": hasattr(Router, "one_token"),
                 "per_layer": rows,
+                "loadavg": [round(v, 2) for v in os.getloadavg()],
+            },
+            separators=(",", ":"),
+        )
+    )
+
+
+def in_decode(store: str, rounds: int) -> None:
+    import torch
+
+    from deltafind import Model
+    from deltafind.models.ops.cpu_kernels import CPU
+
+    torch.set_num_threads(2)
+    lib = CPU.load()
+    call, times, calls = lib.df_route_token, {1: [], 2: []}, [0]
+
+    def alternating(*a: object) -> int:
+        threads = 2 - calls[0] % 2
+        calls[0] += 1
+        t = time.perf_counter()
+        rc = call(*a[:-1], threads)
+        times[threads].append(time.perf_counter() - t)
+        return rc
+
+    model = Model.open(store, device="cpu", expert_bytes=None, math="q8")
+    ids = list(model.tokenizer.encode("The capital of France is"))
+    model.generate(ids, max_new_tokens=4, temperature=0.0)
+    for layer in range(model.net.num_layers):
+        for _ in model.experts.fetch(layer, range(model.experts.num_experts(layer))):
+            pass
+    lib.df_route_token = alternating
+    for _ in range(rounds):
+        model.generate(ids, max_new_tokens=33, temperature=0.0)
+    us = {t: sorted(v * 1e6 for v in ts) for t, ts in times.items()}
+    print(
+        json.dumps(
+            {
+                "bench": "router_in_decode",
+                "store": store,
+                "per_call_us": {
+                    t: {
+                        "calls": len(v),
+                        "median": round(statistics.median(v), 1),
+                        "mean": round(statistics.fmean(v), 1),
+                        "p10": round(v[len(v) // 10], 1),
+                        "p90": round(v[len(v) * 9 // 10], 1),
+                    }
+                    for t, v in us.items()
+                },
                 "loadavg": [round(v, 2) for v in os.getloadavg()],
             },
             separators=(",", ":"),
