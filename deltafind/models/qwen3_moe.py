@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltafind.models.ops.cpu_kernels import CPU
 from deltafind.models.ops.gated_mlp import swiglu
 from deltafind.models.ops.moe import SlicedMLP
 from deltafind.models.transformer import (
@@ -48,7 +49,12 @@ class ModelArgs(DecoderArgs):
 
 
 class Router(nn.Module):
-    """HF `mlp.gate`: a bias-free linear to expert logits."""
+    """HF `mlp.gate`: a bias-free linear to expert logits, softmax, top-k, optional renormalisation.
+
+    One token on the CPU with an fp32 weight is ONE kernel call (layer_cpu.cpp's df_route_token: the
+    logits, softmax, top-k and renormalisation, differing from these torch ops only in summation order
+    and exp's last bit, an equal probability taking the lower expert id first; docs/math-modes.md);
+    anything else (a prompt, a batch, bf16 weights, no compiler) takes the torch ops."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -56,6 +62,8 @@ class Router(nn.Module):
         self.top_k, self.norm_topk_prob = args.num_experts_per_tok, args.norm_topk_prob
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.shape[0] == 1 and (route := self.one_token(x)) is not None:
+            return route
         # The same ops as F.softmax(F.linear(x, W).float()) less the no-op casts: each op outside the
         # kernels costs a decode token ~3 us a layer (tests/bench/RESULTS.md).
         logits = F.linear(x, self.weight)
@@ -64,6 +72,36 @@ class Router(nn.Module):
         if self.norm_topk_prob:
             weight = weight / weight.sum(dim=-1, keepdim=True)
         return idx, weight if weight.dtype == x.dtype else weight.to(x.dtype)
+
+    def one_token(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(ids [1, k], weights [1, k]) for one token x [1, H] in one df_route_token call: two torch ops
+        (the outputs' allocations) where the torch path made five of 5-100 us each on one token
+        (tests/bench/RESULTS.md); None where the kernel does not take x or the weight."""
+        w, k = self._parameters["weight"], self.top_k
+        if (
+            (lib := CPU.load()) is None
+            or x.dtype != torch.float32
+            or w.dtype != torch.float32
+            or x.dim() != 2
+            or not (x.is_cpu and w.is_cpu and x.is_contiguous() and w.is_contiguous())
+            or x.shape[1] != w.shape[1]
+            or not 0 < k <= w.shape[0]
+        ):
+            return None
+        idx, weight = torch.empty(1, k, dtype=torch.int64), torch.empty(1, k, dtype=torch.float32)
+        if lib.df_route_token(
+            w.data_ptr(),
+            w.shape[0],
+            w.shape[1],
+            x.data_ptr(),
+            k,
+            self.norm_topk_prob,
+            idx.data_ptr(),
+            weight.data_ptr(),
+            torch.get_num_threads(),
+        ):
+            return None  # a NaN or inf among the logits: torch's ops say what they make of it
+        return idx, weight
 
 
 class Model(CausalLM):

@@ -23,13 +23,14 @@ import time
 from pathlib import Path
 
 # The library's entry points a demo decode token reaches (an older tree lacks the newer ones): the
-# layer chain, the attention step, the gated MLP, a token's routed experts, and the head's (and any
-# per-matrix) matmul.
+# layer chain, the attention step, the gated MLP, a token's routed experts and its router, and the
+# head's (and any per-matrix) matmul.
 KERNEL_ENTRIES = (
     "df_decode_layers",
     "df_attn_decode",
     "df_gated_mlp",
     "df_moe_token",
+    "df_route_token",
     "df_stored_parts",
 )
 

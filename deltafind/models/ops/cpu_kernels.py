@@ -217,6 +217,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.df_gated_mlp.restype = I32
     lib.df_moe_token.argtypes = [P, I32, P, P, I32, P, I32]
     lib.df_moe_token.restype = I32
+    lib.df_route_token.argtypes = [P, I64, I64, P, I32, I32, P, P, I32]
+    lib.df_route_token.restype = I32
     lib.df_decode_layers.argtypes = [ctypes.POINTER(DecodeLayer), I32, P, P, P, I32]
     lib.df_decode_layers.restype = I32
     lib.df_layer_abi.restype = I32

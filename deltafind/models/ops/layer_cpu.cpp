@@ -1,7 +1,8 @@
 // The per-layer ops of a CPU decode step, fp32: RMSNorm, rotary embeddings, one-row attention, and two
 // fused steps built from them and stored_cpu.cpp's matmul: a whole attention half of a layer for one
 // token (df_attn_decode), a gated MLP (df_gated_mlp), one token's routed experts of a MoE layer
-// (df_moe_token), and a chain of decoder layers (df_decode_layers).
+// (df_moe_token) and its softmax top-k router (df_route_token), and a chain of decoder layers
+// (df_decode_layers).
 //
 // Each small op was a handful of torch ops costing 10-30 us a call on one token, against ~3 us for one
 // ctypes call here; a demo token runs 61 norms and 30 ropes, and the Python between the calls cost as
@@ -11,7 +12,8 @@
 // -ffp-contract=off: the rope is torch's arithmetic op for op (x*cos + rotate_half(x)*sin, every product
 // and the sum rounded), so bit-identical; the norm sums its squares in 8 fixed lanes, one fixed tree,
 // which differs from torch's reduction only in summation order; the attention's dot products, softmax
-// and weighted sum differ from torch's bmm/softmax only in summation order and exp's last bit.
+// and weighted sum differ from torch's bmm/softmax only in summation order and exp's last bit, and so do
+// the router's logits and softmax.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -29,7 +31,7 @@ extern "C" {
 int df_stored_parts(const Part* parts, int n, int stack_cols, const float* x, int64_t T, int64_t ldx, float* y,
                     int64_t ldy, int threads);  // stored_cpu.cpp
 
-int df_layer_abi() { return 5; }
+int df_layer_abi() { return 6; }
 
 // y[t] = w * (x[t] * (1 / sqrt(mean(x[t]^2) + eps))) for T rows of C (a multiple of 8) at stride ldx; y is
 // [T, C] contiguous. HF's RMSNorm in fp32 (rsqrt is 1 / sqrt, as torch's vectorised rsqrt computes it).
@@ -237,6 +239,63 @@ int df_moe_token(const MoeExpert* const* ex, int k, const float* w, const float*
   if (bad.load()) return 1;
   for (int e = 0; e < k; ++e)
     for (int64_t i = 0; i < H; ++i) y[i] = y[i] + m[e * H + i] * w[e];
+  return 0;
+}
+
+namespace {
+
+// W[r] . x for a row of W [*, H]: the products summed in 16 fixed lanes, the lanes in one fixed tree, then
+// the tail of H past its last multiple of 16 in order. A row at a time: 4 or 8 rows interleaved read a
+// cold 1 MB weight no faster and a cached one up to 1.5x slower (tests/bench/RESULTS.md, "router").
+float router_dot(const float* w, int64_t H, const float* x) {
+  float s[16] = {};
+  const int64_t H16 = H / 16 * 16;
+  for (int64_t c = 0; c < H16; c += 16)
+    for (int l = 0; l < 16; ++l) s[l] += w[c + l] * x[c + l];
+  float a[8];
+  for (int l = 0; l < 8; ++l) a[l] = s[l] + s[l + 8];
+  float dot = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+  for (int64_t c = H16; c < H; ++c) dot += w[c] * x[c];
+  return dot;
+}
+
+}  // namespace
+
+// A softmax top-k MoE router for ONE token (Qwen3-MoE's and OLMoE's `mlp.gate`, qwen3_moe.Router): logits
+// = W x for W [E, H] fp32 (rows on the pool in one contiguous run a thread), p = softmax(logits) in fp32
+// (max-subtracted, times 1 / sum, as torch's CPU softmax), the k largest p in descending order, an equal
+// p taking the lower expert id first, then, where `renorm`, each divided by their sum (norm_topk_prob).
+// Writes ids [k] and w [k]. torch's F.linear, softmax, topk and renormalisation were five ops of 5-100 us
+// each a layer on one token (tests/bench/RESULTS.md). Returns 1, nothing written, where k is not in
+// [1, E] or a probability is not a number (a NaN or inf in x): torch's ops then decide.
+int df_route_token(const float* W, int64_t E, int64_t H, const float* x, int k, int renorm, int64_t* ids, float* w,
+                   int threads) {
+  if (k < 1 || k > E || H < 1) return 1;
+  dfq::Floats p(static_cast<size_t>(E));
+  // One run of rows a thread: a task reads one contiguous stretch of W.
+  const int64_t run = (E + std::max(threads, 1) - 1) / std::max(threads, 1);
+  df::pool().run(static_cast<int>((E + run - 1) / run), threads, [&](int task) {
+    for (int64_t r = task * run; r < std::min(E, (task + 1) * run); ++r) p[r] = router_dot(W + r * H, H, x);
+  });
+  float top = p[0], total = 0.0f;
+  for (int64_t e = 1; e < E; ++e) top = std::max(top, p[e]);
+  for (int64_t e = 0; e < E; ++e) total += (p[e] = std::exp(p[e] - top));
+  if (!std::isfinite(total) || !(total > 0.0f)) return 1;  // NaN or inf among the logits
+  const float inv = 1.0f / total;
+  for (int64_t e = 0; e < E; ++e) p[e] *= inv;
+  // Insertion into the k best so far: strictly greater moves up, so an equal p stays behind a lower id.
+  int n = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    if (n == k && !(p[e] > w[k - 1])) continue;
+    int j = n < k ? n++ : k - 1;
+    for (; j > 0 && p[e] > w[j - 1]; --j) w[j] = w[j - 1], ids[j] = ids[j - 1];
+    w[j] = p[e], ids[j] = e;
+  }
+  if (renorm) {
+    float sum = 0.0f;
+    for (int i = 0; i < k; ++i) sum += w[i];
+    for (int i = 0; i < k; ++i) w[i] = w[i] / sum;
+  }
   return 0;
 }
 
