@@ -259,16 +259,17 @@ class GGUFSource(Source):
             return np.asarray(data).view(np.int16) if kind == "BF16" else np.asarray(data)
         return self._gguf.quants.dequantize(np.asarray(data), t.tensor_type).astype(np.float32)
 
+    def _widened(self, t: Any) -> torch.Tensor:
+        """A whole tensor's values as fp32, exactly: BF16 from its bits (`_array` gives them as int16)."""
+        w = torch.from_numpy(np.array(self._array(t, None)))
+        return (w.view(torch.bfloat16) if t.tensor_type.name == "BF16" else w).float()
+
     def load(self, name: str) -> torch.Tensor:
         entry, info = self._load[name], self.tensors[name]
         if entry[0] == "kv_b":
             _, kb, vb, heads, lora, nope, v = entry
-            k = (
-                torch.from_numpy(self._array(kb, None).astype(np.float32))
-                .reshape(heads, lora, nope)
-                .transpose(1, 2)
-            )
-            vv = torch.from_numpy(self._array(vb, None).astype(np.float32)).reshape(heads, v, lora)
+            k = self._widened(kb).reshape(heads, lora, nope).transpose(1, 2)
+            vv = self._widened(vb).reshape(heads, v, lora)
             return torch.cat([k, vv], dim=1).reshape(info.shape).contiguous()
         t, expert = entry
         if info.quant:  # the blocks, byte for byte, one row of blocks per matrix row

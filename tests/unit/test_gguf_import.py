@@ -124,18 +124,30 @@ def test_merged_experts_become_per_expert_blocks(tmp_path: Path) -> None:
         assert np.array_equal(got.numpy(), np.asarray(merged.data[e]))
 
 
-def test_mla_kv_b_is_rebuilt_from_its_split_halves(tmp_path: Path) -> None:
+@pytest.mark.parametrize("halves", ["Q8_0", "BF16"])
+def test_mla_kv_b_is_rebuilt_from_its_split_halves(halves: str, tmp_path: Path) -> None:
+    """llama.cpp's attn_k_b/attn_v_b halves, as blocks or as BF16 (a BF16 conversion's), become the
+    kv_b_proj their values were split from, exactly."""
     import gguf
 
-    path = MAKERS["deepseek2"](5).write(tmp_path / "m.gguf")[0]
+    b = MAKERS["deepseek2"](5)
+    if halves == "BF16":  # the same values, stored as BF16 bits
+        for i, (name, arr, raw) in enumerate(b.tensors):
+            if name.startswith("blk.2.attn_") and name.endswith(("k_b.weight", "v_b.weight")):
+                f = torch.from_numpy(gguf.quants.dequantize(arr, raw)).to(torch.bfloat16)
+                bits = f.view(torch.int16).numpy().view(np.uint8)
+                b.tensors[i] = (
+                    name,
+                    bits.reshape(*f.shape[:-1], -1),
+                    gguf.GGMLQuantizationType.BF16,
+                )
+    path = b.write(tmp_path / "m.gguf")[0]
     src = open_source(path)
     by = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
-    k_b = gguf.quants.dequantize(
-        by["blk.2.attn_k_b.weight"].data, by["blk.2.attn_k_b.weight"].tensor_type
-    )  # [heads, lora, nope]
-    v_b = gguf.quants.dequantize(
-        by["blk.2.attn_v_b.weight"].data, by["blk.2.attn_v_b.weight"].tensor_type
-    )  # [heads, v, lora]
+    k_b, v_b = (
+        gguf.quants.dequantize(by[n].data, by[n].tensor_type).astype(np.float32)
+        for n in ("blk.2.attn_k_b.weight", "blk.2.attn_v_b.weight")
+    )  # [heads, lora, nope], [heads, v, lora]
     kv_b = src.load("model.layers.2.self_attn.kv_b_proj.weight").reshape(
         k_b.shape[0], -1, k_b.shape[1]
     )  # [heads, nope+v, lora]
