@@ -268,7 +268,10 @@ ARCHES = {
 def arch_for(name: str, where: str) -> Arch:
     arch = ARCHES.get(name)
     if arch is None:
+        # the one GGUF of a family deltafind runs that it cannot import (README, "GGUF repositories")
+        fix = "; import Kimi K3 from its HF folder" if name == "kimi-k3" else ""
         raise UnsupportedModelError(
-            f"{where}: GGUF architecture {name!r} is not supported (supported: {', '.join(sorted(ARCHES))})"
+            f"{where}: GGUF architecture {name!r} is not supported (supported: "
+            f"{', '.join(sorted(ARCHES))}){fix}"
         )
     return arch

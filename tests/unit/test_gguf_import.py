@@ -161,9 +161,15 @@ def test_unsupported_architecture_is_refused_naming_the_supported_ones(tmp_path:
     b.norm("output_norm.weight", 256)
     with pytest.raises(
         UnsupportedModelError,
-        match=r"'gemma3' is not supported \(supported: deepseek2, llama, qwen2, qwen3, qwen3moe\)",
+        match=r"'gemma3' is not supported \(supported: deepseek2, llama, qwen2, qwen3, qwen3moe\)$",
     ):
         open_source(b.write(tmp_path / "g.gguf")[0])
+    k3 = Builder("kimi-k3", 0)  # a family deltafind runs, from its HF folder only
+    k3.norm("output_norm.weight", 256)
+    with pytest.raises(
+        UnsupportedModelError, match=r"'kimi-k3'.*import Kimi K3 from its HF folder"
+    ):
+        open_source(k3.write(tmp_path / "k3.gguf")[0])
 
 
 def test_a_type_without_kernel_is_refused_unless_widened(tmp_path: Path) -> None:
