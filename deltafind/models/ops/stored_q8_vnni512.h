@@ -1,8 +1,9 @@
 // stored_q8.h's Q4_K and Q6_K block dot products on AVX512-VNNI, 64 weights a register: vpdpbusd takes the
 // unsigned codes times the signed int8 activations four at a time into int32 (no int16 step, no sign trick:
 // a lane's sum is at most 4 * 63 * 127, so it is also an exact int16), then vpdpwssd multiplies each lane by
-// its group's scale, held as an int16 pair (scale, 0), into the block's int32 sum. The same integers as the
-// AVX2 form; only the fp32 sum of the blocks runs in 16 lanes instead of 8 (docs/math-modes.md).
+// its group's scale, held as an int16 pair (scale, 0) — for Q4_K two groups' lane sums at once, as a pair
+// (sum, sum') times (scale, scale') — into the block's int32 sum. The same integers as the AVX2 form; only
+// the fp32 sum of the blocks runs in 16 lanes instead of 8 (docs/math-modes.md).
 #pragma once
 #include <immintrin.h>
 
@@ -13,27 +14,49 @@ inline __m512i zmm_lanes(int a, int b, int c, int d) {  // int32 lane indices: a
   return _mm512_set_epi32(d, d, d, d, c, c, c, c, b, b, b, b, a, a, a, a);
 }
 
+// vpshufb controls on Q4_K's 16 unpacked scale bytes (in each 128-bit lane): scales[k] makes the int16
+// pairs (scale 4k, scale 4k + 2) in int32 lanes 0-7 and (4k + 1, 4k + 3) in lanes 8-15; mins puts min g
+// in int16 lanes 2g and 2g + 1 of a ymm (beside bsums 2g, 2g + 1).
+struct Q4Picks {
+  alignas(64) uint8_t scales[2][64];
+  alignas(32) uint8_t mins[32];
+};
+constexpr Q4Picks make_q4_picks() {
+  Q4Picks r{};
+  for (int k = 0; k < 2; ++k)
+    for (int b = 0; b < 64; ++b)  // byte b of int32 lane b / 4; 0x80 zeroes the pairs' high bytes
+      r.scales[k][b] = b % 2 ? 0x80 : static_cast<uint8_t>(4 * k + (b >= 32) + (b % 4 ? 2 : 0));
+  for (int b = 0; b < 32; ++b) r.mins[b] = b % 2 ? 0x80 : static_cast<uint8_t>(8 + (b % 16) / 4 + 4 * (b >= 16));
+  return r;
+}
+constexpr Q4Picks kQ4Picks = make_q4_picks();
+
 // Q4_K: 32 packed bytes hold group 2j (low nibbles) and 2j + 1 (high), dotted with x's 64 bytes at 64j.
+// The scales are picked in-lane (vpshufb) from the unpacked bytes broadcast to each 128-bit lane, where a
+// cross-lane pick per group and a vpdpwssd per 64 weights cost ~9 % (tests/bench/RESULTS.md).
 template <int NT>
 inline __attribute__((always_inline)) void q4k_block512(const uint8_t* b, const BlockK* const* x, __m512* acc,
                                                         __m256* accm) {
-  const __m128i packed = k_scales_vec(b + 4);                      // scales 0-7, mins 0-7 (bytes)
-  const __m512i sc32 = _mm512_cvtepu8_epi32(packed);               // each an int16 pair (value, 0)
-  const __m128i mn = _mm_unpackhi_epi64(packed, packed);           // mins 0-7 in the low 8 bytes
-  const __m256i mn16 = _mm256_cvtepu8_epi16(mn);                   // mins, int16, twice
-  const __m256i mn2 = _mm256_permutexvar_epi16(_mm256_setr_epi16(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), mn16);
+  const __m512i sm = _mm512_broadcast_i32x4(k_scales_vec(b + 4));  // scales 0-7, mins 0-7 in each lane
+  const __m256i mn2 = _mm256_shuffle_epi8(_mm512_castsi512_si256(sm), _mm256_load_si256(reinterpret_cast<const __m256i*>(kQ4Picks.mins)));
   const __m512i m4 = _mm512_set1_epi8(15), sh = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
   const uint8_t* qs = b + 16;
   __m512i s[NT][2];
   for (int t = 0; t < NT; ++t) s[t][0] = s[t][1] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) {
-    const __m256i q32 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
-    const __m512i q = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(q32), sh), m4);
-    const __m512i scj = _mm512_permutexvar_epi32(zmm_lanes(2 * j, 2 * j, 2 * j + 1, 2 * j + 1), sc32);
+#pragma GCC unroll 2
+  for (int k = 0; k < 2; ++k) {  // groups 4k, 4k + 1 (j = 2k) and 4k + 2, 4k + 3 (j = 2k + 1)
+    __m512i q[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i q32 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * k + 32 * h));
+      q[h] = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(q32), sh), m4);
+    }
+    const __m512i sck = _mm512_shuffle_epi8(sm, _mm512_load_si512(reinterpret_cast<const __m512i*>(kQ4Picks.scales[k])));
     for (int t = 0; t < NT; ++t) {
-      const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(x[t]->qs + 64 * j));
-      s[t][j % 2] = _mm512_dpwssd_epi32(s[t][j % 2], p, scj);
+      const __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], _mm512_loadu_si512(x[t]->qs + 128 * k));
+      const __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[1], _mm512_loadu_si512(x[t]->qs + 128 * k + 64));
+      // Each lane's two sums (|p| <= 4 * 15 * 127) as an int16 pair (p0, p1): one vpdpwssd for both.
+      const __m512i pp = _mm512_mask_blend_epi16(0xAAAAAAAAu, p0, _mm512_slli_epi32(p1, 16));
+      s[t][k] = _mm512_dpwssd_epi32(s[t][k], pp, sck);
     }
   }
   uint32_t dpair;
