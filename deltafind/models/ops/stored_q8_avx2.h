@@ -169,7 +169,12 @@ namespace {
 constexpr int64_t kAhead = 2048;  // prefetch distance in a row's bytes, as stored_rows.h streams
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr bool vnni512(int k) { return k == kQ4_K || k == kQ6_K; }  // stored_q8_vnni512.h's kinds
+#ifdef __GFNI__
+constexpr bool kQ4K512 = true;  // stored_q8_vnni512.h's Q4_K unpacks its codes with GFNI (Ice Lake, Zen 4 on)
+#else
+constexpr bool kQ4K512 = false;
+#endif
+constexpr bool vnni512(int k) { return (k == kQ4_K && kQ4K512) || k == kQ6_K; }  // stored_q8_vnni512.h's kinds
 #endif
 
 // Rows a pass takes for NT token rows: each block's x loads (L1) shared by NR rows, and NR independent
@@ -206,9 +211,12 @@ __attribute__((noinline)) void row_dot(const uint8_t* row, int64_t row_bytes, in
     for (int r = 0; r < NR; ++r) {
       const uint8_t* b = row + r * row_bytes + i * bb;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#ifdef __GFNI__
       if constexpr (K == kQ4_K)
         q4k_block512<NT>(b, x, acc512[r], accm[r]);
-      else if constexpr (K == kQ6_K)
+      else
+#endif
+      if constexpr (K == kQ6_K)
         q6k_block512<NT>(b, x, acc512[r]);
       else
 #endif

@@ -14,6 +14,7 @@ inline __m512i zmm_lanes(int a, int b, int c, int d) {  // int32 lane indices: a
   return _mm512_set_epi32(d, d, d, d, c, c, c, c, b, b, b, b, a, a, a, a);
 }
 
+#ifdef __GFNI__
 // vpshufb controls on Q4_K's 16 unpacked scale bytes (in each 128-bit lane): scales[k] makes the int16
 // pairs (scale 4k, scale 4k + 2) in int32 lanes 0-7 and (4k + 1, 4k + 3) in lanes 8-15; mins puts min g
 // in int16 lanes 2g and 2g + 1 of a ymm (beside bsums 2g, 2g + 1).
@@ -39,7 +40,9 @@ inline __attribute__((always_inline)) void q4k_block512(const uint8_t* b, const 
                                                         __m256* accm) {
   const __m512i sm = _mm512_broadcast_i32x4(k_scales_vec(b + 4));  // scales 0-7, mins 0-7 in each lane
   const __m256i mn2 = _mm256_shuffle_epi8(_mm512_castsi512_si256(sm), _mm256_load_si256(reinterpret_cast<const __m256i*>(kQ4Picks.mins)));
-  const __m512i m4 = _mm512_set1_epi8(15), sh = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  // GF(2) bit matrices (vgf2p8affineqb): the 32 bytes' low nibbles in the low half, high nibbles in the
+  // high half, in one op where a shift and a mask took two.
+  const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi64(0x0102040800000000), _mm256_set1_epi64x(0x1020408000000000), 1);
   const uint8_t* qs = b + 16;
   __m512i s[NT][2];
   for (int t = 0; t < NT; ++t) s[t][0] = s[t][1] = _mm512_setzero_si512();
@@ -48,7 +51,7 @@ inline __attribute__((always_inline)) void q4k_block512(const uint8_t* b, const 
     __m512i q[2];
     for (int h = 0; h < 2; ++h) {
       const __m256i q32 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * k + 32 * h));
-      q[h] = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(q32), sh), m4);
+      q[h] = _mm512_gf2p8affine_epi64_epi8(_mm512_broadcast_i64x4(q32), nib, 0);
     }
     const __m512i sck = _mm512_shuffle_epi8(sm, _mm512_load_si512(reinterpret_cast<const __m512i*>(kQ4Picks.scales[k])));
     for (int t = 0; t < NT; ++t) {
@@ -69,6 +72,8 @@ inline __attribute__((always_inline)) void q4k_block512(const uint8_t* b, const 
     accm[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), _mm256_broadcastss_ps(_mm_movehdup_ps(f)), accm[t]);
   }
 }
+
+#endif
 
 // Q6_K: weights 128h + 32k + c; the 64 low-nibble bytes at 64h give codes k = 0, 1 (low nibbles) and
 // k = 2, 3 (high), their two high bits from the 32 bytes at 128 + 32h; groups of 16 are 4 int32 lanes.
