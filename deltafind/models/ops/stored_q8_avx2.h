@@ -1,7 +1,7 @@
 // stored_q8.h's block dot products on AVX2: unsigned weight codes times signed int8 activations pairwise
 // into int16 (vpmaddubsw, never saturating for these codes), times the group's scale pairwise into int32
 // (vpdpwssd on AVX512-VNNI, vpmaddwd + vpaddd elsewhere: the same integers), one fp32 FMA per block and
-// token (Q4_K and Q6_K on AVX512-VNNI: stored_q8_vnni512.h, 64 weights a register). The weight codes are
+// token (Q6_K, and with GFNI Q4_K and Q5_K, on AVX512-VNNI: stored_q8_vnni512.h, 64 weights a register). The weight codes are
 // unpacked once per block and dotted with up to NT token rows, each token in its own registers, and a pass
 // takes up to 4 rows side by side; no (row, token) result depends on the others.
 #pragma once
@@ -170,11 +170,11 @@ constexpr int64_t kAhead = 2048;  // prefetch distance in a row's bytes, as stor
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #ifdef __GFNI__
-constexpr bool kQ4K512 = true;  // stored_q8_vnni512.h's Q4_K unpacks its codes with GFNI (Ice Lake, Zen 4 on)
+constexpr bool kK45_512 = true;  // stored_q8_vnni512.h's Q4_K/Q5_K unpack their codes with GFNI (Ice Lake, Zen 4 on)
 #else
-constexpr bool kQ4K512 = false;
+constexpr bool kK45_512 = false;
 #endif
-constexpr bool vnni512(int k) { return (k == kQ4_K && kQ4K512) || k == kQ6_K; }  // stored_q8_vnni512.h's kinds
+constexpr bool vnni512(int k) { return ((k == kQ4_K || k == kQ5_K) && kK45_512) || k == kQ6_K; }  // stored_q8_vnni512.h's kinds
 #endif
 
 // Rows a pass takes for NT token rows: each block's x loads (L1) shared by NR rows, and NR independent
@@ -212,8 +212,8 @@ __attribute__((noinline)) void row_dot(const uint8_t* row, int64_t row_bytes, in
       const uint8_t* b = row + r * row_bytes + i * bb;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #ifdef __GFNI__
-      if constexpr (K == kQ4_K)
-        q4k_block512<NT>(b, x, acc512[r], accm[r]);
+      if constexpr (K == kQ4_K || K == kQ5_K)
+        k45_block512<K, NT>(b, x, acc512[r], accm[r]);
       else
 #endif
       if constexpr (K == kQ6_K)

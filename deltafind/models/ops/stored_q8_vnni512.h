@@ -1,7 +1,7 @@
-// stored_q8.h's Q4_K and Q6_K block dot products on AVX512-VNNI, 64 weights a register: vpdpbusd takes the
+// stored_q8.h's Q4_K, Q5_K and Q6_K block dot products on AVX512-VNNI, 64 weights a register: vpdpbusd takes the
 // unsigned codes times the signed int8 activations four at a time into int32 (no int16 step, no sign trick:
 // a lane's sum is at most 4 * 63 * 127, so it is also an exact int16), then vpdpwssd multiplies each lane by
-// its group's scale, held as an int16 pair (scale, 0) — for Q4_K two groups' lane sums at once, as a pair
+// its group's scale, held as an int16 pair (scale, 0) — for Q4_K/Q5_K two groups' lane sums at once, as a pair
 // (sum, sum') times (scale, scale') — into the block's int32 sum. The same integers as the AVX2 form; only
 // the fp32 sum of the blocks runs in 16 lanes instead of 8 (docs/math-modes.md).
 #pragma once
@@ -32,18 +32,20 @@ constexpr Q4Picks make_q4_picks() {
 }
 constexpr Q4Picks kQ4Picks = make_q4_picks();
 
-// Q4_K: 32 packed bytes hold group 2j (low nibbles) and 2j + 1 (high), dotted with x's 64 bytes at 64j.
-// The scales are picked in-lane (vpshufb) from the unpacked bytes broadcast to each 128-bit lane, where a
-// cross-lane pick per group and a vpdpwssd per 64 weights cost ~9 % (tests/bench/RESULTS.md).
-template <int NT>
-inline __attribute__((always_inline)) void q4k_block512(const uint8_t* b, const BlockK* const* x, __m512* acc,
+// Q4_K/Q5_K: 32 packed bytes hold group 2j (low nibbles) and 2j + 1 (high), dotted with x's 64 bytes at
+// 64j; Q5_K's fifth bits are bit g of the 32 bytes at 16. The scales are picked in-lane (vpshufb) from the
+// unpacked bytes broadcast to each 128-bit lane, where a cross-lane pick per group and a vpdpwssd per 64
+// weights cost ~9 % (tests/bench/RESULTS.md).
+template <int K, int NT>
+inline __attribute__((always_inline)) void k45_block512(const uint8_t* b, const BlockK* const* x, __m512* acc,
                                                         __m256* accm) {
   const __m512i sm = _mm512_broadcast_i32x4(k_scales_vec(b + 4));  // scales 0-7, mins 0-7 in each lane
   const __m256i mn2 = _mm256_shuffle_epi8(_mm512_castsi512_si256(sm), _mm256_load_si256(reinterpret_cast<const __m256i*>(kQ4Picks.mins)));
   // GF(2) bit matrices (vgf2p8affineqb): the 32 bytes' low nibbles in the low half, high nibbles in the
   // high half, in one op where a shift and a mask took two.
   const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi64(0x0102040800000000), _mm256_set1_epi64x(0x1020408000000000), 1);
-  const uint8_t* qs = b + 16;
+  const uint8_t* qs = b + (K == kQ4_K ? 16 : 48);
+  const __m512i hb = K == kQ5_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16))) : nib;
   __m512i s[NT][2];
   for (int t = 0; t < NT; ++t) s[t][0] = s[t][1] = _mm512_setzero_si512();
 #pragma GCC unroll 2
@@ -52,12 +54,17 @@ inline __attribute__((always_inline)) void q4k_block512(const uint8_t* b, const 
     for (int h = 0; h < 2; ++h) {
       const __m256i q32 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * k + 32 * h));
       q[h] = _mm512_gf2p8affine_epi64_epi8(_mm512_broadcast_i64x4(q32), nib, 0);
+      if constexpr (K == kQ5_K) {  // bit 2j (low half) or 2j + 1 (high half) of each byte to bit 4
+        const int g = 4 * k + 2 * h;
+        const __m512i five = _mm512_inserti64x4(_mm512_set1_epi64(int64_t{1} << (g + 24)), _mm256_set1_epi64x(int64_t{2} << (g + 24)), 1);
+        q[h] = _mm512_or_si512(q[h], _mm512_gf2p8affine_epi64_epi8(hb, five, 0));
+      }
     }
     const __m512i sck = _mm512_shuffle_epi8(sm, _mm512_load_si512(reinterpret_cast<const __m512i*>(kQ4Picks.scales[k])));
     for (int t = 0; t < NT; ++t) {
       const __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], _mm512_loadu_si512(x[t]->qs + 128 * k));
       const __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[1], _mm512_loadu_si512(x[t]->qs + 128 * k + 64));
-      // Each lane's two sums (|p| <= 4 * 15 * 127) as an int16 pair (p0, p1): one vpdpwssd for both.
+      // Each lane's two sums (|p| <= 4 * 31 * 128) as an int16 pair (p0, p1): one vpdpwssd for both.
       const __m512i pp = _mm512_mask_blend_epi16(0xAAAAAAAAu, p0, _mm512_slli_epi32(p1, 16));
       s[t][k] = _mm512_dpwssd_epi32(s[t][k], pp, sck);
     }
