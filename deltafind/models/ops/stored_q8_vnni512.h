@@ -1,9 +1,9 @@
-// stored_q8.h's Q4_K, Q5_K and Q6_K block dot products on AVX512-VNNI, 64 weights a register: vpdpbusd takes the
-// unsigned codes times the signed int8 activations four at a time into int32 (no int16 step, no sign trick:
-// a lane's sum is at most 4 * 63 * 127, so it is also an exact int16), then vpdpwssd multiplies each lane by
-// its group's scale, held as an int16 pair (scale, 0) — for Q4_K/Q5_K two groups' lane sums at once, as a pair
-// (sum, sum') times (scale, scale') — into the block's int32 sum. The same integers as the AVX2 form; only
-// the fp32 sum of the blocks runs in 16 lanes instead of 8 (docs/math-modes.md).
+// stored_q8.h's Q4_K, Q5_K and Q6_K block dot products on AVX512-VNNI, 64 weights a register: vpdpbusd
+// takes the unsigned codes times the signed int8 activations four at a time into int32 (no int16 step, no
+// sign trick: a lane's sum is at most 4 * 63 * 127, so it is also an exact int16); two such lane sums go as
+// one int16 pair (sum, sum') into vpdpwssd by their groups' scales (scale, scale'), picked in-lane, into
+// the block's int32 sum; with GFNI the codes are unpacked by vgf2p8affineqb. The same integers as the AVX2
+// form; only the fp32 sum of the blocks runs in 16 lanes instead of 8 (docs/math-modes.md).
 #pragma once
 #include <immintrin.h>
 
