@@ -10,17 +10,9 @@
 namespace dfq8 {
 namespace {
 
-// vpshufb control on 8 int16 Q6_K scales (in each 128-bit lane i): int32 lanes 4i..4i+3 get the pair
-// (scale i, scale 4 + i).
-struct Q6Picks {
-  alignas(64) uint8_t m[64];
-};
-constexpr Q6Picks make_q6_picks() {
-  Q6Picks r{};
-  for (int b = 0; b < 64; ++b) r.m[b] = static_cast<uint8_t>(2 * (b / 16 + (b % 4 >= 2 ? 4 : 0)) + b % 2);
-  return r;
+inline __m512i zmm_lanes(int a, int b, int c, int d) {  // int32 lane indices: a in lanes 0-3, b 4-7, ...
+  return _mm512_set_epi32(d, d, d, d, c, c, c, c, b, b, b, b, a, a, a, a);
 }
-constexpr Q6Picks kQ6Picks = make_q6_picks();
 
 #ifdef __GFNI__
 // vpshufb controls on Q4_K's 16 unpacked scale bytes (in each 128-bit lane): scales[k] makes the int16
@@ -92,49 +84,40 @@ inline __attribute__((always_inline)) void k45_block512(const uint8_t* b, const 
 
 // Q6_K: weights 128h + 32k + c; the 64 low-nibble bytes at 64h give codes k = 0, 1 (low nibbles) and
 // k = 2, 3 (high), their two high bits from the 32 bytes at 128 + 32h; groups of 16 are 4 int32 lanes.
-// As Q4_K: the two k's lane sums (|p| <= 4 * 63 * 128) as one int16 pair by their scales picked in-lane.
 template <int NT>
 inline __attribute__((always_inline)) void q6k_block512(const uint8_t* b, const BlockK* const* x, __m512* acc) {
-  const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
-  const __m512i m4 = _mm512_set1_epi8(15);
-#ifdef __GFNI__
-  // GF(2) bit matrices: bits 2k, 2k + 1 of each byte to bits 4, 5 (k = 0, 1 for the low and high half
-  // of hi[0]; 2, 3 for hi[1]).
-  const __m512i hi_bits[2] = {_mm512_inserti64x4(_mm512_set1_epi64(0x01020000), _mm256_set1_epi64x(0x04080000), 1),
-                              _mm512_inserti64x4(_mm512_set1_epi64(0x10200000), _mm256_set1_epi64x(0x40800000), 1)};
-#else
-  const __m512i m30 = _mm512_set1_epi8(0x30);
+  const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+  const __m512i sc32 = _mm512_cvtepu16_epi32(_mm256_cvtepi8_epi16(sc8));  // (signed scale, 0) pairs
+  const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+  const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
   const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
   const __m512i shr = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-#endif
-  __m512i s[NT];
+  __m512i s[NT][2];
   for (int t = 0; t < NT; ++t) {  // the codes' offset of 32, taken once: -32 * sum_g sc_g * (sum of x in g)
     const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[t]->bsums))), 5);
-    s[t] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_zextsi256_si512(off));
+    s[t][0] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_zextsi256_si512(off));
+    s[t][1] = _mm512_setzero_si512();
   }
 #pragma GCC unroll 2
   for (int h = 0; h < 2; ++h) {
     const __m512i l = _mm512_loadu_si512(b + 64 * h);
     const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h)));
-#ifdef __GFNI__
-    const __m512i q[2] = {_mm512_ternarylogic_epi32(l, m4, _mm512_gf2p8affine_epi64_epi8(hb, hi_bits[0], 0), 0xEA),  // (a & b) | c
-                          _mm512_ternarylogic_epi32(_mm512_srli_epi16(l, 4), m4, _mm512_gf2p8affine_epi64_epi8(hb, hi_bits[1], 0), 0xEA)};
-#else
     const __m512i q[2] = {
-        _mm512_ternarylogic_epi32(l, m4, _mm512_and_si512(_mm512_sllv_epi16(hb, shl), m30), 0xEA),
+        _mm512_ternarylogic_epi32(l, m4, _mm512_and_si512(_mm512_sllv_epi16(hb, shl), m30), 0xEA),  // (a & b) | c
         _mm512_ternarylogic_epi32(_mm512_srli_epi16(l, 4), m4, _mm512_and_si512(_mm512_srlv_epi16(hb, shr), m30), 0xEA)};
-#endif
-    // Lane 4i + j (i = 0..3): the pair (scale 8h + i, scale 8h + 4 + i), from scales 8h..8h+7 in each lane.
-    const __m512i sch = _mm512_broadcast_i32x4(h == 0 ? _mm256_castsi256_si128(sc16) : _mm256_extracti128_si256(sc16, 1));
-    const __m512i scv = _mm512_shuffle_epi8(sch, _mm512_load_si512(reinterpret_cast<const __m512i*>(kQ6Picks.m)));
-    for (int t = 0; t < NT; ++t) {
-      const __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], _mm512_loadu_si512(x[t]->qs + 128 * h));
-      const __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[1], _mm512_loadu_si512(x[t]->qs + 128 * h + 64));
-      s[t] = _mm512_dpwssd_epi32(s[t], _mm512_mask_blend_epi16(0xAAAAAAAAu, p0, _mm512_slli_epi32(p1, 16)), scv);
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; ++k) {
+      const int g = 8 * h + 4 * k;
+      const __m512i scv = _mm512_permutexvar_epi32(zmm_lanes(g, g + 1, g + 2, g + 3), sc32);
+      for (int t = 0; t < NT; ++t) {
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[k], _mm512_loadu_si512(x[t]->qs + 128 * h + 64 * k));
+        s[t][k] = _mm512_dpwssd_epi32(s[t][k], p, scv);
+      }
     }
   }
   const float d = dfq::h2f(dfq::rd16(b + 208));
-  for (int t = 0; t < NT; ++t) acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[t]), _mm512_set1_ps(d * x[t]->d), acc[t]);
+  for (int t = 0; t < NT; ++t)
+    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[t][0], s[t][1])), _mm512_set1_ps(d * x[t]->d), acc[t]);
 }
 
 }  // namespace
