@@ -1,9 +1,10 @@
 // stored_q8.h's Q4_K, Q5_K and Q6_K block dot products on AVX512-VNNI, 64 weights a register: vpdpbusd
 // takes the unsigned codes times the signed int8 activations four at a time into int32 (no int16 step, no
-// sign trick: a lane's sum is at most 4 * 63 * 127, so it is also an exact int16); two such lane sums go as
-// one int16 pair (sum, sum') into vpdpwssd by their groups' scales (scale, scale'), picked in-lane, into
-// the block's int32 sum; with GFNI the codes are unpacked by vgf2p8affineqb. The same integers as the AVX2
-// form; only the fp32 sum of the blocks runs in 16 lanes instead of 8 (docs/math-modes.md).
+// sign trick: a lane's sum is at most 4 * 63 * 127, so it is also an exact int16), then vpdpwssd multiplies
+// the lanes by their groups' scales into the block's int32 sum: Q6_K's lanes one at a time as (sum, 0) by
+// (scale, 0); Q4_K/Q5_K's two groups' lanes at once as (sum, sum') by (scale, scale'), their codes unpacked
+// by vgf2p8affineqb (GFNI). The same integers as the AVX2 form; only the fp32 sum of the blocks runs in 16
+// lanes instead of 8 (docs/math-modes.md).
 #pragma once
 #include <immintrin.h>
 
