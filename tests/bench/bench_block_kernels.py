@@ -9,8 +9,9 @@ medians over rounds (one thread: its CPU time; more: wall time). The matrix stay
 bench_demo_vs_llamacpp.py's. `--against DIR` adds a third build, the default one of another
 checkout's kernel sources (e.g. `git worktree add DIR BASE`), and checks that it gives this
 tree's results (bit for bit, or, where a kernel changed where fp32 rounds, to fp32 accuracy:
-`against_same_bits` says which; in exact mode). With `--math exact,q8` each build runs in each mode. Prints ONE JSON line: per format and thread count, microseconds per
-call and GB/s of weights read for each build, `speedup` (AVX2 time / default time) and with
+`against_same_bits` says which, `against_same_bits_q8` in q8 mode; `against_max_diff`: the largest
+difference over the largest |y|). With `--math exact,q8` each build runs in each mode. Prints ONE
+JSON line: per format and thread count, microseconds per call and GB/s of weights read for each build, `speedup` (AVX2 time / default time) and with
 --against `vs_against` (its time / default time; `vs_against_q8` in q8 mode).
 
     python tests/bench/bench_block_kernels.py [--rows 2048] [--cols 2048] [--rounds 9]
@@ -116,18 +117,24 @@ def main() -> None:
     }
     for kind in args.formats.split(","):
         call, y, nbytes = _call(kind, args.rows, args.cols)
-        if args.against:
+        same_bits, rel_diff = {}, {}
+        for m in maths if args.against else ():
             results = []
             for b in ("default", "against"):
+                builds[b].df_set_math(MODES.index(m))
                 call(builds[b], 1)
+                builds[b].df_set_math(0)
                 results.append(y.clone())
             # A kernel that changes only where fp32 rounds (e.g. the factored AVX2 form against an
             # exact decode) gives other bits but the same values to fp32 accuracy; anything else is
             # another computation, not a faster one.
-            same_bits = torch.equal(*results)
+            same_bits[m] = torch.equal(*results)
             scale = float(results[0].abs().max())
+            rel_diff[m] = float((results[0] - results[1]).abs().max()) / scale
             if not torch.allclose(*results, rtol=1e-4, atol=1e-5 * scale):
-                raise SystemExit(f"{kind}: the --against build's results differ from this tree's")
+                raise SystemExit(
+                    f"{kind}: the --against build's {m} results differ from this tree's"
+                )
         times: dict[tuple[str, int], list[float]] = {(v, n): [] for v in variants for n in threads}
         for r in range(args.rounds):
             for n in threads:
@@ -156,7 +163,8 @@ def main() -> None:
                 for m in maths:
                     sfx = "" if m == "exact" else f"_{m}"
                     cell[f"vs_against{sfx}"] = round(med[f"against{sfx}"] / med[f"default{sfx}"], 3)
-                cell["against_same_bits"] = same_bits
+                    cell[f"against_same_bits{sfx}"] = same_bits[m]
+                    cell[f"against_max_diff{sfx}"] = rel_diff[m]  # over the largest |y|
             row[f"threads_{n}"] = cell
         out["formats"][kind] = row
         print(kind, row, file=sys.stderr, flush=True)

@@ -1,7 +1,7 @@
 // stored_q8.h's block dot products on AVX2: unsigned weight codes times signed int8 activations pairwise
 // into int16 (vpmaddubsw, never saturating for these codes), times the group's scale pairwise into int32
 // (vpdpwssd on AVX512-VNNI, vpmaddwd + vpaddd elsewhere: the same integers), one fp32 FMA per block and
-// token (Q4_K and Q6_K on AVX512-VNNI: stored_q8_vnni512.h, 64 weights a register). The weight codes are
+// token (Q4_K and Q5_K on AVX512-VNNI with GFNI: stored_q8_vnni512.h, 64 weights a register). The weight codes are
 // unpacked once per block and dotted with up to NT token rows, each token in its own registers, and a pass
 // takes up to 4 rows side by side; no (row, token) result depends on the others.
 #pragma once
@@ -159,8 +159,11 @@ inline __attribute__((always_inline)) void q80_block(const uint8_t* b, const Blo
 }  // namespace
 }  // namespace dfq8
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include "stored_q8_vnni512.h"  // Q4_K and Q6_K in 64-weight registers, with the helpers above
+// Q4_K and Q5_K in 64-weight registers (stored_q8_vnni512.h, with the helpers above) where the CPU has
+// AVX512-VNNI and GFNI (Ice Lake, Zen 4 on).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__GFNI__)
+#define DF_Q8_K45_512 1
+#include "stored_q8_vnni512.h"
 #endif
 
 namespace dfq8 {
@@ -168,14 +171,12 @@ namespace {
 
 constexpr int64_t kAhead = 2048;  // prefetch distance in a row's bytes, as stored_rows.h streams
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr bool vnni512(int k) { return k == kQ4_K || k == kQ6_K; }  // stored_q8_vnni512.h's kinds
-#endif
 
 // Rows a pass takes for NT token rows: each block's x loads (L1) shared by NR rows, and NR independent
 // chains per block, where one row of 8 blocks left the core waiting on each row's final sums. Q6_K's
 // 210-byte blocks streamed from memory ran at 13 GB/s four rows at a time, 21 two at a time
-// (tests/bench/RESULTS.md, "q8 kernels: 64-weight registers").
+// (tests/bench/RESULTS.md, "q8 kernels: 64-weight registers"); its 256-bit form here streams ~10-15 %
+// faster than the 64-weight one did ("q8 Q4_K/Q5_K one-token kernels").
 template <int K, int NT>
 constexpr int kRowsPerPass = NT == 1 ? (K == kQ6_K ? 2 : 4) : NT == 2 && K != kQ6_K ? 2 : 1;
 
@@ -190,7 +191,7 @@ __attribute__((noinline)) void row_dot(const uint8_t* row, int64_t row_bytes, in
   __m256 acc[NR][NT], accm[NR][NT];
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = accm[r][t] = _mm256_setzero_ps();
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#ifdef DF_Q8_K45_512
   __m512 acc512[NR][NT];
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < NT; ++t) acc512[r][t] = _mm512_setzero_ps();
@@ -205,11 +206,9 @@ __attribute__((noinline)) void row_dot(const uint8_t* row, int64_t row_bytes, in
 #pragma GCC unroll 4
     for (int r = 0; r < NR; ++r) {
       const uint8_t* b = row + r * row_bytes + i * bb;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-      if constexpr (K == kQ4_K)
-        q4k_block512<NT>(b, x, acc512[r], accm[r]);
-      else if constexpr (K == kQ6_K)
-        q6k_block512<NT>(b, x, acc512[r]);
+#ifdef DF_Q8_K45_512
+      if constexpr (K == kQ4_K || K == kQ5_K)
+        k45_block512<K, NT>(b, x, acc512[r], accm[r]);
       else
 #endif
       if constexpr (K == kQ4_K || K == kQ5_K)
@@ -222,8 +221,8 @@ __attribute__((noinline)) void row_dot(const uint8_t* row, int64_t row_bytes, in
   }
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < NT; ++t) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-      if constexpr (vnni512(K))
+#ifdef DF_Q8_K45_512
+      if constexpr (K == kQ4_K || K == kQ5_K)
         acc[r][t] = _mm256_add_ps(_mm512_castps512_ps256(acc512[r][t]), _mm512_extractf32x8_ps(acc512[r][t], 1));
 #endif
       out[r * NT + t] = hsum(acc[r][t]) + hsum(accm[r][t]);
