@@ -23,7 +23,7 @@ decoding exactly --new-tokens (EOS ignored), which engine runs first alternating
 
 `--math exact,q8` runs a deltafind worker per `[device] math` mode beside llama.cpp (`deltafind` is
 exact, `deltafind_q8` llama.cpp's own int8-activation arithmetic, docs/math-modes.md), all alternating,
-with `ratio_q8` / `cpu_ratio_q8` against llama.cpp, and prints how far each mode's teacher-forced
+with `ratio_q8` / `cpu_ratio_q8` against llama.cpp (the prefill's `ratio_speed_q8` likewise), and prints how far each mode's teacher-forced
 logits over --drift-tokens lie from exact's (`drift_q8`: bench_fast_math.py's measure).
 
     python tests/bench/bench_moe_vs_llamacpp.py --root /tmp/dfmoe [--layers 8] [--rounds 3] [--new-tokens 32]
@@ -205,7 +205,9 @@ def prefill_rounds(workers: list[Worker], ids: list[int], rounds: int) -> dict:
     res = {
         name: {"median_s": statistics.median(v["s"]), "samples": v["s"]} for name, v in out.items()
     }
-    res["ratio_speed"] = round(res["llamacpp"]["median_s"] / res["deltafind"]["median_s"], 4)
+    for name in (n for n in out if n.startswith("deltafind")):  # ratio_speed, ratio_speed_q8, ...
+        speed = res["llamacpp"]["median_s"] / res[name]["median_s"]
+        res[f"ratio_speed{name[len('deltafind') :]}"] = round(speed, 4)
     return res
 
 
@@ -332,9 +334,8 @@ def main() -> None:
         for w in workers:
             w.close()
     if "prefill" in only:
-        workers = [
-            Worker("llamacpp", a, a.prefill_threads, None, None),
-            Worker("deltafind", a, a.prefill_threads, None, None),
+        workers = [Worker("llamacpp", a, a.prefill_threads, None, None)] + [
+            Worker(deltafind_name(m), a, a.prefill_threads, None, None) for m in maths
         ]
         settings = workers[0].info["settings"]
         result[f"prefill_{a.prefill_tokens}_{a.prefill_threads}t"] = prefill_rounds(
