@@ -146,7 +146,17 @@ def _same_tokens_as_cold(net: torch.nn.Module, prompt: list[int], events: list[T
     )
 
 
-def test_next_turn_resumes_at_the_checkpoint_bit_for_bit(model: Model) -> None:
+@pytest.fixture(params=[1, 2])
+def threads(request: pytest.FixtureRequest):
+    """torch's thread count for the test: at 2, MKL's matmuls once rounded by the operands' alignment,
+    so a resumed prompt differed from the same chunks run cold (deltafind sets MKL_CBWR=AUTO)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def test_next_turn_resumes_at_the_checkpoint_bit_for_bit(model: Model, threads: int) -> None:
     net, reads = model.net, model.experts.stats
     core = _core(model)
     h1 = len(HISTORY)
