@@ -77,7 +77,7 @@ class Router(nn.Module):
         """(ids [1, k], weights [1, k]) for one token x [1, H] in one df_route_token call: two torch ops
         (the outputs' allocations) where the torch path made five of 5-100 us each on one token
         (tests/bench/RESULTS.md); None where the kernel does not take x or the weight."""
-        w, k = self._parameters["weight"], self.top_k
+        w, k = self.weight, self.top_k
         if (
             (lib := CPU.load()) is None
             or x.dtype != torch.float32
