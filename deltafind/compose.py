@@ -181,7 +181,7 @@ def load_model(
         from deltafind.cluster.wire import group_spec
 
         provider = ClusterExperts(
-            experts, group_spec(settings.cluster, device), store_dir, settings.cluster.hot_replicas
+            experts, group_spec(settings.cluster), store_dir, settings.cluster.hot_replicas
         )
     with torch.device("meta"):
         net = family.Model(args, provider)

@@ -49,7 +49,7 @@ class ExpertNode:
             torch.set_num_threads(settings.device.threads)
         self.settings = settings
         self.device = start_device(settings.device.kind)
-        self.spec = wire.group_spec(settings.cluster, self.device)
+        self.spec = wire.group_spec(settings.cluster)
         self.store_dir = Path(settings.model.store).expanduser()
         manifest = Manifest.load(self.store_dir)
         hold = hold_dtype(

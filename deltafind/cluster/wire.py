@@ -60,7 +60,7 @@ class GroupSpec:
     timeout_s: float
 
 
-def group_spec(cluster: ClusterSettings, device: torch.device) -> GroupSpec:
+def group_spec(cluster: ClusterSettings) -> GroupSpec:
     """`[cluster]` (and $RANK/$WORLD_SIZE/$MASTER_ADDR/$MASTER_PORT, merged by the config) as a checked spec."""
     if cluster.world_size is None:
         raise ConfigError(

@@ -24,7 +24,7 @@ def test_torchrun_variables_fill_unset_keys_and_the_file_wins(
         monkeypatch.setenv(k, v)
     cfg = tmp_path / "node.toml"
     cfg.write_text('[cluster]\nrole = "expert"\nport = 29999\n')
-    spec = group_spec(load_settings(cfg).cluster, torch.device("cpu"))
+    spec = group_spec(load_settings(cfg).cluster)
     assert (spec.rank, spec.world_size, spec.address, spec.port, spec.backend) == (
         2,
         4,
@@ -59,7 +59,7 @@ def test_bad_group_names_the_key(
     cfg = tmp_path / "c.toml"
     cfg.write_text(f"[cluster]\n{toml}\n")
     with pytest.raises(ConfigError, match=message):
-        group_spec(load_settings(cfg).cluster, torch.device("cpu"))
+        group_spec(load_settings(cfg).cluster)
 
 
 def test_a_message_body_gives_back_each_tensor_bit_for_bit_and_a_short_one_names_the_version_skew() -> (
