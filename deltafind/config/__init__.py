@@ -6,7 +6,7 @@ section. Only this package reads the config file or DELTAFIND_* variables.
 """
 
 from deltafind.config.example import render_example_toml
-from deltafind.config.load import DEFAULT_CONFIG_PATH, load_settings
+from deltafind.config.load import DEFAULT_CONFIG_PATH, config_path, load_settings
 from deltafind.config.schema import (
     CacheSettings,
     ClusterSettings,
@@ -40,6 +40,7 @@ __all__ = [
     "ServerSettings",
     "Settings",
     "changed_keys",
+    "config_path",
     "is_live",
     "load_settings",
     "render_example_toml",

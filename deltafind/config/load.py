@@ -41,8 +41,7 @@ def load_settings(
         ConfigError: naming the file, variable or override, the key, the bad
             value and what is allowed, one line per problem.
     """
-    if path is None and _exists(DEFAULT_CONFIG_PATH):
-        path = DEFAULT_CONFIG_PATH
+    path = config_path(path)
     data = _read_toml(Path(path)) if path is not None else {}
     kept = _drop_none(dict(overrides or {}))
     token = _FILE_DATA.set(data)
@@ -55,6 +54,14 @@ def load_settings(
         raise ConfigError(_describe_env_error(e)) from None
     finally:
         _FILE_DATA.reset(token)
+
+
+def config_path(given: Path | str | None) -> Path | None:
+    """The config file a command reads: the one given, else DEFAULT_CONFIG_PATH when it exists, else
+    None (the built-in defaults). The one place this rule lives."""
+    if given is not None:
+        return Path(given)
+    return DEFAULT_CONFIG_PATH if _exists(DEFAULT_CONFIG_PATH) else None
 
 
 def _exists(path: Path) -> bool:

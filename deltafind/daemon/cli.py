@@ -74,16 +74,12 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from deltafind.config import load_settings
+    from deltafind.config import config_path, load_settings
     from deltafind.log import configure_logging
 
     overrides = overrides_from(args)
-    config = Path(args.config) if getattr(args, "config", None) else None
+    config = config_path(getattr(args, "config", None) or None)
     settings = load_settings(config, overrides)
-    if config is None:
-        from deltafind.config import DEFAULT_CONFIG_PATH
-
-        config = DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else None
     from deltafind.compose import store_dir
 
     check_store_access(store_dir(settings))

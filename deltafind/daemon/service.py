@@ -153,11 +153,9 @@ def target_path(platform: str, user: bool) -> Path:
 
 def install(args: argparse.Namespace) -> tuple[str, Path]:
     platform = args.platform or ("darwin" if sys.platform == "darwin" else "linux")
-    config = Path(args.config) if args.config else None
-    if config is None:
-        from deltafind.config import DEFAULT_CONFIG_PATH
+    from deltafind.config import config_path
 
-        config = DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else None
+    config = config_path(args.config or None)
     path = target_path(platform, args.user)
     if args.output:
         path = Path(args.output) / path.name

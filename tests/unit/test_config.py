@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 import runpy
 from pathlib import Path
@@ -21,6 +22,7 @@ from deltafind.config import (
     load_settings,
     render_example_toml,
 )
+from deltafind.daemon.service import install
 from deltafind.errors import ConfigError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "etc" / "deltafind.toml"
@@ -161,6 +163,20 @@ def test_default_path_is_read_when_it_exists(
     monkeypatch.setattr(load_mod, "DEFAULT_CONFIG_PATH", write(tmp_path, "[server]\nport = 9000\n"))
     assert load_settings().server.port == 9000
     assert load_settings(str(write(tmp_path, "[server]\nport = 9001\n"))).server.port == 9001
+
+
+def test_config_path_is_the_one_rule_serve_and_service_install_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert load_mod.config_path(None) is None  # no default file: built-in defaults
+    assert load_mod.config_path("x.toml") == Path("x.toml")
+    default = write(tmp_path, "[server]\nport = 9000\n")
+    monkeypatch.setattr(load_mod, "DEFAULT_CONFIG_PATH", default)
+    assert load_mod.config_path(None) == default
+    args = argparse.Namespace(
+        platform="linux", config=None, user=True, output=None, print_only=True
+    )
+    assert str(default) in install(args)[0]  # the unit runs the default file when there is one
 
 
 def test_settings_are_frozen() -> None:
