@@ -18,7 +18,25 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --no-deps $(DEMO_PKG)
 	touch $@
 
-dev: $(VENV)/.installed
+# llama.cpp's own gguf-py (it has the KIMI_K3 tables PyPI's gguf of the same version string lacks) and
+# its converter, from llama-cpp-python's PyPI sdist pinned by hash: only these ~3 MB of its 77 MB are
+# unpacked, into $(VENV)/llama.cpp-src, where the K3 GGUF tests find the converter
+# (docs/kimi-k3-gguf.md). Installing the gguf-py dir replaces PyPI's gguf; re-running pip keeps it.
+LLAMACPP_SDIST = llama-cpp-python==0.3.36 --hash=sha256:832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+LLAMACPP_PARTS = gguf-py conversion convert_hf_to_gguf.py models/templates
+
+$(VENV)/.llamacpp-src: $(VENV)/.installed
+	rm -rf $(VENV)/llama.cpp-src $(VENV)/llamacpp-sdist
+	echo '$(LLAMACPP_SDIST)' | $(PIP) download -q --no-deps --no-binary :all: --require-hashes \
+		-r /dev/stdin -d $(VENV)/llamacpp-sdist
+	mkdir -p $(VENV)/llama.cpp-src
+	tar -xzf $(VENV)/llamacpp-sdist/llama_cpp_python-0.3.36.tar.gz -C $(VENV)/llama.cpp-src \
+		--strip-components=3 $(addprefix llama_cpp_python-0.3.36/vendor/llama.cpp/,$(LLAMACPP_PARTS))
+	rm -rf $(VENV)/llamacpp-sdist
+	$(PIP) install -q --no-deps $(VENV)/llama.cpp-src/gguf-py
+	touch $@
+
+dev: $(VENV)/.installed $(VENV)/.llamacpp-src
 
 demo: dev
 	$(VENV)/bin/deltafind setup --demo
