@@ -125,10 +125,10 @@ def _kimi_tiktoken(meta: dict[str, Any], source: Path) -> tuple[str, dict[str, A
     first = next((i for i, t in enumerate(types) if t != _NORMAL), len(tokens))
     ranks: dict[bytes, int] = {}
     for i, tok in enumerate(tokens[:first]):
-        if not is_byte_spelled(tok):
+        if not tok or not is_byte_spelled(tok):
             raise StoreError(
                 f"{source}: tokenizer.ggml.tokens[{i}] {tok!r} is a normal token but not spelled "
-                f"in GPT-2's byte-level alphabet, so it is no tiktoken rank; {_KIMI_FIX}"
+                f"in GPT-2's byte-level alphabet (or empty), so it is no tiktoken rank; {_KIMI_FIX}"
             )
         ranks.setdefault(bytes(UNICODE_TO_BYTE[c] for c in tok), i)
     missing = [b for b in range(256) if bytes([b]) not in ranks]
@@ -138,7 +138,8 @@ def _kimi_tiktoken(meta: dict[str, Any], source: Path) -> tuple[str, dict[str, A
             f"({first - len(ranks)} duplicate spellings, {len(missing)} single bytes missing); "
             f"{_KIMI_FIX}"
         )
-    # The reserved ids follow the ranks with no hole: Tokenizer.load numbers them from len(ranks).
+    # Ranks must be ids 0..N-1: Tokenizer.load numbers the reserved ids from len(ranks). The
+    # `[PAD{id}]` tail past the last reserved id is dropped, as the HF folder has no such ids.
     last = max((i for i, t in enumerate(types) if t == _CONTROL), default=first - 1)
     added: dict[str, dict[str, Any]] = {}
     for i in range(first, len(tokens)):

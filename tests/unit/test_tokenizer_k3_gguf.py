@@ -219,6 +219,8 @@ def test_padded_vocabulary_drops_the_pads(hf_tok: Path, tmp_path: Path) -> None:
 def _mangle(case: str, tokens: list[str], types: list[int], n: int) -> list[int] | None:
     if case == "not byte-level":
         tokens[300] = "two words"
+    elif case == "empty":
+        tokens[300] = ""
     elif case == "duplicate":
         tokens[300] = tokens[299]
     elif case == "byte missing":
@@ -236,6 +238,7 @@ def _mangle(case: str, tokens: list[str], types: list[int], n: int) -> list[int]
 
 REFUSALS = {
     "not byte-level": r"tokens\[300\] 'two words' is a normal token but not spelled in GPT-2's",
+    "empty": r"tokens\[300\] '' is a normal token but not spelled in GPT-2's",
     "duplicate": r"not a tiktoken rank table \(1 duplicate spellings, 0 single bytes missing\)",
     "byte missing": r"not a tiktoken rank table \(0 duplicate spellings, 1 single bytes missing\)",
     "hole": r"tokens\[301\] .* is a normal token after id 300 \('\[PAD300\]', token_type 5\)",
