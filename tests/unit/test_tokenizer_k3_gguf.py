@@ -2,8 +2,9 @@
 
 llama.cpp's own converter writes the vocabulary from the synthetic K3 HF folder (tests/k3_gguf.py);
 the folder deltafind rebuilds from it must encode, decode and render chats exactly as the HF
-folder's tokenizer does, and encode as tiktoken does on the same ranks. kimi-k2 GGUFs written
-directly with gguf.GGUFWriter cover the padding the converter adds and the refusals.
+folder's tokenizer does, and encode as tiktoken does on the same ranks and as llama.cpp does on the
+same file. kimi-k2 GGUFs written directly with gguf.GGUFWriter cover the padding the converter adds
+and the refusals.
 """
 
 from __future__ import annotations
@@ -133,6 +134,19 @@ def test_encode_decode_match_hf_and_tiktoken(
     assert ours.decode(ids) == text
     if len(text) < 25_000:  # tiktoken itself does not cut runs; tokenization_kimi.py does
         assert ids == _tiktoken(_ranks(k3[0])).encode_ordinary(text)
+
+
+def test_ids_match_llama_cpp_on_the_same_file(ours: Tokenizer, k3: tuple[Path, Path]) -> None:
+    # llama.cpp's own kimi-k2 tokenizer reading the converter's file (llama-cpp-python is in the
+    # bench extra, so this runs where it is installed).
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llama = llama_cpp.Llama(str(k3[1]), vocab_only=True, verbose=False)
+    for text in TEXTS:
+        assert ours.encode(text) == llama.tokenize(text.encode(), add_bos=False, special=False)
+    text = "".join(CONTROL)
+    want = llama.tokenize(text.encode(), add_bos=False, special=True)
+    assert ours.encode(text, allow_special=True) == want
+    assert ours.eos_token_ids == [llama.token_eos()] and ours.bos_token_id == llama.token_bos()
 
 
 def test_special_text_in_user_content_stays_text(ours: Tokenizer, theirs: Tokenizer) -> None:
