@@ -2,15 +2,17 @@
 
 PyPI's gguf has no KIMI_K3 tables; llama.cpp's own gguf-py and converter come from the llama-cpp-python
 sdist (`make dev` unpacks them into .venv/llama.cpp-src and installs that gguf-py). The converter runs in
-a subprocess on deltafind's tiny synthetic K3 HF folder; only its `set_vocab` is replaced, because the
-synthetic folder has no `tokenization_kimi.py` remote code. Its output is deterministic (a test checks
-the sha256 a reference was made from).
+a subprocess on deltafind's tiny synthetic K3 HF folder. Its own `set_vocab` runs (pre "kimi-k2"), with
+AutoTokenizer standing in for the `tokenization_kimi.py` remote code the synthetic folder lacks, and the
+bundled models/templates/Kimi-K3.jinja as the chat template, as for the release. Its output is
+deterministic (a test checks the sha256 a reference was made from).
 
 Also runnable: `python tests/k3_gguf.py convert HF_DIR OUT.gguf f32|bf16 [SPLIT_MAX_TENSORS]`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -79,26 +81,44 @@ def _count(out: Path) -> int:
     return len(list(out.parent.glob(f"{out.stem}-*-of-*.gguf")))
 
 
-def _set_vocab(self) -> None:  # self: the converter's KimiK3Model
-    """A byte-level gpt2 vocabulary of vocab_size tokens (the synthetic folder has no remote code)."""
-    from deltafind.tokenizer.bpe import spell_bytes
+class _KimiTiktoken:
+    """What llama.cpp's KimiLinearModel.set_vocab reads of Moonshot's TikTokenTokenizer
+    (tokenization_kimi.py, remote code the synthetic folder lacks), built as that class builds it:
+    tiktoken ranks from tiktoken.model, then 256 reserved ids named by tokenizer_config.json's
+    added_tokens_decoder, `<|reserved_token_{id}|>` where it names none (docs/kimi-k3-format.md §6.1).
+    """
 
-    n = self.hparams["vocab_size"]
-    tokens = [spell_bytes(bytes([b])) for b in range(256)]
-    letters = [spell_bytes(c.encode()) for c in " etaoinshr"]
-    merges = [f"{a} {b}" for a in letters for b in letters if a != b]
-    tokens += [m.replace(" ", "") for m in merges]
-    pads = [f"<|pad{i}|>" for i in range(n - 1 - len(tokens))]
-    tokens += [*pads, "<|endoftext|>"]
-    w = self.gguf_writer
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * (n - 1 - len(pads)) + [3] * (len(pads) + 1))
-    w.add_token_merges(merges)
-    w.add_eos_token_id(n - 1)
-    w.add_bos_token_id(n - 1)
-    w.add_add_bos_token(False)
+    def __init__(self, folder: str | Path, **_: object) -> None:
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+
+        from deltafind.tokenizer.bpe import KIMI_PATTERN
+
+        folder = Path(folder)
+        ranks = load_tiktoken_bpe(str(folder / "tiktoken.model"))
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        named = {int(i): e["content"] for i, e in config["added_tokens_decoder"].items()}
+        first = len(ranks)
+        self.special_tokens = {
+            named.get(i, f"<|reserved_token_{i}|>"): i for i in range(first, first + 256)
+        }
+        self.model = tiktoken.Encoding(
+            "kimi", pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens=self.special_tokens
+        )
+        self.bos_id = self.special_tokens[config["bos_token"]]
+        self.eos_id = self.special_tokens[config["eos_token"]]
+
+
+def _set_vocab(model_class: type) -> None:
+    """Let llama.cpp's own KimiK3Model.set_vocab (and the KimiLinearModel.set_vocab it borrows) run.
+
+    AutoTokenizer gives `_KimiTiktoken`, and the pre-tokenizer name is "kimi-k2": the converter finds
+    it by hashing the ids of a probe text, which only the real 163,584-rank vocabulary matches.
+    """
+    import transformers
+
+    transformers.AutoTokenizer.from_pretrained = staticmethod(_KimiTiktoken)
+    model_class.get_vocab_base_pre = lambda self, tokenizer: "kimi-k2"
 
 
 def _convert_main(hf: str, out: str, outtype: str, split: str | None = None) -> None:
@@ -109,7 +129,7 @@ def _convert_main(hf: str, out: str, outtype: str, split: str | None = None) -> 
     assert hasattr(gguf.MODEL_ARCH, "KIMI_K3"), f"{gguf.__file__} has no KIMI_K3 tables"
     from conversion.kimi_k3 import KimiK3Model
 
-    KimiK3Model.set_vocab = _set_vocab
+    _set_vocab(KimiK3Model)
     sys.argv = [CONVERTER, hf, "--outfile", out, "--outtype", outtype]
     if split:
         sys.argv += ["--split-max-tensors", split]

@@ -1,12 +1,14 @@
-"""Turn a GGUF file's tokenizer metadata into tokenizer.json + tokenizer_config.json.
+"""Turn a GGUF file's tokenizer metadata into tokenizer.json (or tiktoken.model) + tokenizer_config.json.
 
 Owns the llama.cpp key names and token-type codes, and the choice of split
-regexes by `tokenizer.ggml.pre` (tables in `bpe`). Runs once at setup; the
-runtime only ever loads the files written here. Knows nothing of weights.
+regexes by `tokenizer.ggml.pre` (tables in `bpe`); a `kimi-k2` vocabulary goes
+back to the tiktoken folder of its HF release. Runs once at setup; the runtime
+only ever loads the files written here. Knows nothing of weights.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any
@@ -18,11 +20,23 @@ from tokenizers import Tokenizer as Backend
 
 from deltafind.errors import StoreError, UnsupportedModelError
 
-from .bpe import LLAMA3_FAMILY, PRE_SPLITS, byte_level_bpe, is_byte_spelled, spell_bytes
+from .bpe import (
+    LLAMA3_FAMILY,
+    PRE_SPLITS,
+    UNICODE_TO_BYTE,
+    byte_level_bpe,
+    is_byte_spelled,
+    spell_bytes,
+)
 
 # llama.cpp's llama_token_type codes.
+_NORMAL = 1
 _CONTROL = 3
 _USER_DEFINED = 4
+_UNUSED = 5
+# Kimi K2/K3's tiktoken vocabulary, as llama.cpp's converter names it.
+KIMI_PRE = "kimi-k2"
+_KIMI_FIX = "set up from the model's HF folder (tiktoken.model) or re-convert it with llama.cpp"
 
 # Spellings llama.cpp also treats as end-of-generation when the file marks them control.
 _EOG_SPELLINGS = frozenset(
@@ -58,7 +72,7 @@ def _build_backend(meta: dict[str, Any], source: Path) -> Backend:
     if pre not in PRE_SPLITS:
         raise UnsupportedModelError(
             f"{source}: tokenizer.ggml.pre {pre!r} is not one deltafind knows "
-            f"(known: {', '.join(sorted(PRE_SPLITS))}); set up from the HF folder instead"
+            f"(known: {', '.join(sorted([*PRE_SPLITS, KIMI_PRE]))}); set up from the HF folder instead"
         )
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -91,6 +105,69 @@ def _build_backend(meta: dict[str, Any], source: Path) -> Backend:
             f"{source}: added tokens would not keep their ids (first: {moved[0]}); the vocabulary is inconsistent"
         )
     return backend
+
+
+def _kimi_tiktoken(meta: dict[str, Any], source: Path) -> tuple[str, dict[str, Any]]:
+    """tiktoken.model's text and the tokenizer_config.json keys of a `kimi-k2` vocabulary.
+
+    llama.cpp's converter (KimiLinearModel/DeepseekV2Model.set_vocab) writes tiktoken rank r as
+    the NORMAL token at id r, spelled byte-level; then the reserved ids as CONTROL tokens, unnamed
+    ones spelled `<|reserved_token_{id}|>` as tokenization_kimi.py names them; then `[PAD{id}]`
+    UNUSED up to the model's vocab_size (docs/kimi-k3-format.md §6.1).
+    """
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] | None = meta.get("tokenizer.ggml.token_type")
+    if types is None or len(types) != len(tokens):
+        raise StoreError(
+            f"{source}: tokenizer.ggml.token_type is missing or not one per token; a {KIMI_PRE} "
+            f"vocabulary needs it to tell the tiktoken ranks from the reserved ids; {_KIMI_FIX}"
+        )
+    first = next((i for i, t in enumerate(types) if t != _NORMAL), len(tokens))
+    ranks: dict[bytes, int] = {}
+    for i, tok in enumerate(tokens[:first]):
+        if not tok or not is_byte_spelled(tok):
+            raise StoreError(
+                f"{source}: tokenizer.ggml.tokens[{i}] {tok!r} is a normal token but not spelled "
+                f"in GPT-2's byte-level alphabet (or empty), so it is no tiktoken rank; {_KIMI_FIX}"
+            )
+        ranks.setdefault(bytes(UNICODE_TO_BYTE[c] for c in tok), i)
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if len(ranks) != first or missing:
+        raise StoreError(
+            f"{source}: tokenizer.ggml.tokens[:{first}] are not a tiktoken rank table "
+            f"({first - len(ranks)} duplicate spellings, {len(missing)} single bytes missing); "
+            f"{_KIMI_FIX}"
+        )
+    # Ranks must be ids 0..N-1: Tokenizer.load numbers the reserved ids from len(ranks). The
+    # `[PAD{id}]` tail past the last reserved id is dropped, as the HF folder has no such ids.
+    last = max((i for i, t in enumerate(types) if t == _CONTROL), default=first - 1)
+    added: dict[str, dict[str, Any]] = {}
+    for i in range(first, len(tokens)):
+        tok, pad = tokens[i], types[i] == _UNUSED and tokens[i] == f"[PAD{i}]"
+        if types[i] == _NORMAL:
+            raise StoreError(
+                f"{source}: tokenizer.ggml.tokens[{i}] {tok!r} is a normal token after id {first} "
+                f"({tokens[first]!r}, token_type {types[first]}), a hole in the tiktoken ranks, "
+                f"which must be ids 0..N-1; {_KIMI_FIX}"
+            )
+        if types[i] != _CONTROL and not pad:
+            raise StoreError(
+                f"{source}: tokenizer.ggml.tokens[{i}] {tok!r} has token_type {types[i]}; after "
+                f"its {first} ranks a {KIMI_PRE} vocabulary holds only CONTROL reserved ids and "
+                f"UNUSED `[PAD{{id}}]` holes; {_KIMI_FIX}"
+            )
+        if i <= last and tok != f"<|reserved_token_{i}|>":
+            added[str(i)] = {
+                "content": tok,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+    lines = "".join(f"{base64.b64encode(t).decode()} {i}\n" for t, i in ranks.items())
+    # tokenization_kimi.py's class, which `Tokenizer.load` reads as Kimi's split regex.
+    return lines, {"tokenizer_class": "TikTokenTokenizer", "added_tokens_decoder": added}
 
 
 def _config(meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -132,7 +209,8 @@ def _config(meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 def write_tokenizer_from_gguf(gguf_path: Path, dest_dir: Path) -> list[str]:
     """Write tokenizer.json, tokenizer_config.json and generation_config.json from a GGUF.
 
-    Only byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) are supported.
+    Only byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) are supported. A `kimi-k2`
+    one becomes tiktoken.model instead of tokenizer.json, the folder Kimi's HF release has.
 
     Returns:
         The names of the files written into `dest_dir`.
@@ -150,12 +228,15 @@ def write_tokenizer_from_gguf(gguf_path: Path, dest_dir: Path) -> list[str]:
         )
     if "tokenizer.ggml.tokens" not in meta:
         raise StoreError(f"{gguf_path}: no tokenizer.ggml.tokens; the GGUF carries no vocabulary")
-    backend = _build_backend(meta, gguf_path)
     config, generation = _config(meta)
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    backend.save(str(dest_dir / "tokenizer.json"))
+    if meta.get("tokenizer.ggml.pre") == KIMI_PRE:
+        ranks, keys = _kimi_tiktoken(meta, gguf_path)
+        files, config = {"tiktoken.model": ranks}, config | keys
+    else:
+        files = {"tokenizer.json": _build_backend(meta, gguf_path).to_str(pretty=True)}
     for name, data in (("tokenizer_config.json", config), ("generation_config.json", generation)):
-        (dest_dir / name).write_text(
-            json.dumps(data, ensure_ascii=False, indent=2) + "\n", encoding="utf-8"
-        )
-    return ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]
+        files[name] = json.dumps(data, ensure_ascii=False, indent=2) + "\n"
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (dest_dir / name).write_text(text, encoding="utf-8")
+    return list(files)
