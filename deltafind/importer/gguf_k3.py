@@ -150,8 +150,6 @@ class _Mapper:
 
     def __init__(self, src: Any, by_name: dict[str, Any]) -> None:
         self.src, self.by_name, self.used = src, by_name, set()
-        self.gguf = src._gguf
-        self.text = src.config["text_config"]
 
     def need(self, name: str, what: str) -> Any:
         t = self.by_name.get(name)
@@ -209,6 +207,9 @@ def _scale(t: Any, expert: int | None, info: TensorInfo) -> torch.Tensor:
     return torch.from_numpy(np.array(t.data[expert], dtype=np.uint8)[..., ::MXFP4_BLOCK])
 
 
+_RES = re.compile(r"(self_attention|mlp|output_attn)_res_(norm|proj)")
+
+
 def map_k3(src: Any, by_name: dict[str, Any]) -> None:
     """Name, shape and type every tensor of a kimi-k3 GGUF as the HF import of the release would."""
     gguf, text, m = src._gguf, src.config["text_config"], _Mapper(src, by_name)
@@ -218,69 +219,52 @@ def map_k3(src: Any, by_name: dict[str, Any]) -> None:
             text[key] = src.config[key]
     if (pad := src._field("tokenizer.ggml.padding_token_id")) is not None:
         src.config["pad_token_id"] = text["pad_token_id"] = int(pad)
-    _decay_rates(
-        src,
-        m.need(
-            names[M.SSM_A].format(bid=text["linear_attn_config"]["kda_layers"][0] - 1), "KDA's A"
-        ),
-        text,
-    )
-    n = text["num_hidden_layers"]
-    mla = {i - 1 for i in text["linear_attn_config"]["full_attn_layers"]}
+    la, n = text["linear_attn_config"], text["num_hidden_layers"]
+    a = [m.need(names[M.SSM_A].format(bid=i - 1), "KDA's A") for i in la["kda_layers"]]
+    _decay_rates(src, a, text)
+    mla = {i - 1 for i in la["full_attn_layers"]}
     tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.KIMI_K3, n)
-    scores = {
-        "self_attention": M.ATTN_RES_SCORE,
-        "mlp": M.FFN_RES_SCORE,
-        "output_attn": M.OUTPUT_RES_SCORE,
-    }
-    experts = (("w1", M.FFN_GATE_EXP), ("w2", M.FFN_DOWN_EXP), ("w3", M.FFN_UP_EXP))
+    scores = {"self_attention": M.ATTN_RES_SCORE, "mlp": M.FFN_RES_SCORE}
+    scores["output_attn"] = M.OUTPUT_RES_SCORE
+
+    def gguf_name(hf: str, mod: str, suffix: str, bid: int | None) -> str:
+        if suffix == "dt_bias":  # the converter renames it dt_proj.bias first
+            mod, suffix = mod + ".dt_proj", "bias"
+        elif suffix == "e_score_correction_bias":
+            mod, suffix = mod + ".e_score_correction", "bias"
+        elif hf.endswith("self_attn.g_proj.weight"):  # one HF name, two GGUF roles by layer type
+            return names[M.ATTN_GATE if bid in mla else M.SSM_G].format(bid=bid) + ".weight"
+        g = tmap.get_name(mod)
+        return hf if g is None else f"{g}.{suffix}"  # None: `need` names it missing
+
     for hf, spec in k3_roster(_sizes(text), int(text["vocab_size"])).items():
         mod, _, suffix = hf.rpartition(".")
         bid = int(b[1]) if (b := re.search(r"layers\.(\d+)\.", hf)) else None
         if ".experts." in hf:
             continue  # below: one GGUF tensor per layer and projection
-        if (r := re.search(r"(self_attention|mlp|output_attn)_res_(norm|proj)", mod)) is not None:
-            # fused n*p [H]: the model only ever uses that product (attnres.py), so norm = it, proj = 1
+        if (r := _RES.search(mod)) is not None:
+            # fused n*p [H], F32: the model only ever uses that product (attnres.py): norm = it, proj = 1
             t = m.need(names[scores[r[1]]].format(bid=bid) + ".weight", "the fused AttnRes score")
             if r[2] == "norm":
                 m.floats(hf, t, spec.shape, torch.float32)
             else:
                 m.add(hf, t, None, TensorInfo(torch.float32, spec.shape), _ones)
         elif suffix == "A_log":
-            t = m.need(names[M.SSM_A].format(bid=bid), "KDA's A")
+            t = a[la["kda_layers"].index(bid + 1)]
             m.floats(hf, t, (int(t.shape[0]),), torch.float32)
-        elif suffix == "dt_bias":
-            m.floats(
-                hf, m.need(tmap.get_name(mod + ".dt_proj") + ".bias", hf), spec.shape, spec.dtype
-            )
-        elif hf.endswith("self_attn.g_proj.weight"):  # one HF name, two GGUF roles by layer type
-            g = names[M.ATTN_GATE if bid in mla else M.SSM_G].format(bid=bid) + ".weight"
-            m.floats(hf, m.need(g, hf), spec.shape, spec.dtype)
         elif hf.endswith("kv_b_proj.weight"):
             kb, vb = (
-                m.need(tmap.get_name(mod.replace("kv_b", x)) + ".weight", hf)
+                m.need(gguf_name(hf, mod.replace("kv_b", x), "weight", bid), hf)
                 for x in ("k_b", "v_b")
             )
-            src._add_kv_b(
-                hf,
-                {"k_b_proj": kb, "v_b_proj": vb},
-                torch.bfloat16 if m.exact_bf16(kb, vb) else torch.float32,
-            )
-        elif suffix == "e_score_correction_bias":
-            m.floats(
-                hf,
-                m.need(tmap.get_name(mod + ".e_score_correction") + ".bias", hf),
-                spec.shape,
-                spec.dtype,
-            )
+            dtype = torch.bfloat16 if m.exact_bf16(kb, vb) else torch.float32
+            src._add_kv_b(hf, {"k_b_proj": kb, "v_b_proj": vb}, dtype)
         else:
-            g = tmap.get_name(mod)
-            m.floats(hf, m.need(f"{g}.{suffix}" if g else hf, hf), spec.shape, spec.dtype)
+            m.floats(hf, m.need(gguf_name(hf, mod, suffix, bid), hf), spec.shape, spec.dtype)
     for bid in range(text["first_k_dense_replace"], n):
-        for w, tid in experts:
-            _add_experts(
-                m, bid, w, m.need(names[tid].format(bid=bid) + ".weight", "routed experts"), text
-            )
+        for w, tid in (("w1", M.FFN_GATE_EXP), ("w2", M.FFN_DOWN_EXP), ("w3", M.FFN_UP_EXP)):
+            t = m.need(names[tid].format(bid=bid) + ".weight", "routed experts")
+            _add_experts(m, bid, w, t, text)
     unused = sorted(set(by_name) - m.used)
     if unused:
         raise UnsupportedModelError(
@@ -307,24 +291,25 @@ def _add_experts(m: _Mapper, bid: int, w: str, t: Any, text: dict[str, Any]) -> 
         m.add(p + "weight_scale", t, e, TensorInfo(torch.uint8, (rows, cols // 32)), _scale)
 
 
-def _decay_rates(src: Any, t: Any, text: dict[str, Any]) -> None:
+def _decay_rates(src: Any, a: list[Any], text: dict[str, Any]) -> None:
     """Set the model's switches for the file's ssm_a = -exp(A_log[:count]), or refuse (docs/kimi-k3-gguf.md §1)."""
-    count, heads = int(t.shape[0]), int(text["num_attention_heads"])
-    k = int(text["linear_attn_config"]["head_dim"])
+    heads, k = int(text["num_attention_heads"]), int(text["linear_attn_config"]["head_dim"])
+    counts = {int(t.shape[0]) for t in a}
+    if len(counts) != 1 or counts - {heads, k}:
+        raise UnsupportedModelError(
+            f"{src.path}: the KDA layers' ssm_a hold {sorted(counts)} values; llama.cpp's converter writes "
+            f"n_head ({heads}) in every layer (or kda.head_dim, {k}, per channel)"
+        )
+    if heads == k:
+        raise UnsupportedModelError(
+            f"{src.path}: ssm_a holds {k} values with n_head == kda.head_dim: whether they are per head or "
+            "per channel cannot be told apart; import the model's HuggingFace folder"
+        )
     text["kda_a_form"] = (
         "neg_exp"  # the stored A itself: the converter's f32 bits, no log/exp round trip
     )
-    if heads == k:
-        raise UnsupportedModelError(
-            f"{src.path}: {t.name} holds {count} values with n_head == kda.head_dim == {k}: whether they are "
-            "per head or per channel cannot be told apart; import the model's HuggingFace folder"
-        )
-    if count == k:
+    if counts == {k}:
         return  # every per-channel rate: K3 as released
-    if count != heads:
-        raise UnsupportedModelError(
-            f"{src.path}: {t.name} holds {count} values, neither n_head ({heads}) nor kda.head_dim ({k})"
-        )
     if not src.options.llamacpp_k3:
         raise UnsupportedModelError(
             f"{src.path}: llama.cpp's converter keeps {heads} of K3's {k} per-channel KDA decay rates a layer "

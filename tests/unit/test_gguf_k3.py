@@ -152,6 +152,10 @@ def test_the_store_holds_the_hf_imports_records_and_spine(stores: dict[str, Path
     assert all("_res_" in n or n.endswith(".A_log") for n in changed) and changed
     config = json.loads((stores["gguf"] / "config.json").read_text())["text_config"]
     assert (config["kda_a_form"], config["kda_a_log_per_channel"]) == ("neg_exp", False)
+    proc = deltafind_cmd("doctor", "--store", str(stores["gguf"]), "--quiet")
+    assert proc.returncode == 0 and "runs llama.cpp's reading of Kimi K3" in proc.stdout, (
+        proc.stderr
+    )
 
 
 def test_logits_equal_the_hf_store_read_as_llama_cpp_reads_it(stores: dict[str, Path]) -> None:
