@@ -11,9 +11,12 @@ from __future__ import annotations
 import enum
 import json
 import shutil
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -109,6 +112,82 @@ def test_without_gguf_py_kimi_k3_tables_the_refusal_names_the_fix(
     with pytest.raises(UnsupportedModelError, match=r"KIMI_K3 tables.*gguf.*`make dev`") as e:
         open_source(files["f32"], OPT_IN)
     assert gguf.__file__ in str(e.value)
+
+
+def _rewrite(src: Path, dst: Path, meta: dict[str, int], edit: Callable[..., list[tuple]]) -> Path:
+    """A copy of the GGUF `src` through gguf-py's writer: `meta` keys replaced (uint32), and each tensor
+    (name, data, type) replaced by what `edit` returns for it."""
+    import gguf
+
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), arch="kimi-k3")
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == gguf.Keys.General.ARCHITECTURE:
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        if f.name in meta:
+            w.add_key_value(f.name, meta[f.name], gguf.GGUFValueType.UINT32)
+        else:
+            w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    for t in r.tensors:
+        for name, data, kind in edit(t.name, np.array(t.data), t.tensor_type):
+            w.add_tensor(name, data, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def _widen_experts(name: str, data: np.ndarray, kind: Any) -> list[tuple]:
+    import gguf
+
+    if name != "blk.1.ffn_gate_exps.weight":
+        return [(name, data, kind)]
+    return [(name, gguf.quants.dequantize(data, kind), gguf.GGMLQuantizationType.F32)]
+
+
+def _q8_spine(name: str, data: np.ndarray, kind: Any) -> list[tuple]:
+    import gguf
+
+    if name != "blk.0.attn_q.weight":
+        return [(name, data, kind)]
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    return [(name, gguf.quants.quantize(data, q8), q8)]
+
+
+def _extra(name: str, data: np.ndarray, kind: Any) -> list[tuple]:
+    extra = (
+        [("blk.0.extra.weight", np.ones(4, np.float32), kind)] if name == "output.weight" else []
+    )
+    return [(name, data, kind), *extra]
+
+
+def _as_is(name: str, data: np.ndarray, kind: Any) -> list[tuple]:
+    return [(name, data, kind)]
+
+
+def _keep(name: str, data: np.ndarray, kind: Any) -> list[tuple]:
+    return [] if name == "blk.2.ssm_g.weight" else [(name, data, kind)]
+
+
+@pytest.mark.parametrize(
+    "meta,edit,reason",
+    [
+        ({}, _widen_experts, r"ffn_gate_exps\.weight is F32: K3's routed experts ship as MXFP4"),
+        ({}, _q8_spine, r"attn_q\.weight is Q8_0: .*a block-quantized one is a lossy K3"),
+        ({}, _extra, r"blk\.0\.extra\.weight have no place in Kimi K3"),
+        ({}, _keep, r"'blk\.2\.ssm_g\.weight' \(.*\) is missing"),
+        ({"kimi-k3.kda.head_dim": 2}, _as_is, r"n_head == kda\.head_dim: .* cannot be told apart"),
+    ],
+    ids=["f32-experts", "q8-spine", "unused-tensor", "missing-tensor", "ambiguous-ssm_a"],
+)
+def test_what_is_not_k3_as_released_is_refused_with_the_reason(
+    files: dict[str, Path], tmp_path: Path, meta: dict, edit: Callable, reason: str
+) -> None:
+    path = _rewrite(files["f32"], tmp_path / "k3.gguf", meta, edit)
+    with pytest.raises(UnsupportedModelError, match=reason):
+        open_source(path, OPT_IN)
 
 
 @pytest.fixture(scope="module")
