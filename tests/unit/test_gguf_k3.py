@@ -242,14 +242,49 @@ def test_logits_equal_the_hf_store_read_as_llama_cpp_reads_it(stores: dict[str, 
     score times 1 is the product the HF path folds (attnres.py). So bit-equal is expected; the bound
     leaves room only for a summation-order change, far below any weight or reading difference (the
     per-channel reading is ~4 off on this model, docs/kimi-k3-gguf.md)."""
-    logits = []
-    for which in ("gguf", "hf"):
-        m = Model.open(stores[which], expert_bytes=0, prefetch=False)
-        try:
-            logits.append(m.forward_logits(PROMPT).float())
-        finally:
-            m.close()
-    got, want = logits
+    got, want = _logits(stores["gguf"]), _logits(stores["hf"])
+    assert (got - want).abs().max().item() <= 1e-6 * want.std().item()
+
+
+def _logits(store: Path) -> torch.Tensor:
+    m = Model.open(store, expert_bytes=0, prefetch=False)
+    try:
+        return m.forward_logits(PROMPT).float()
+    finally:
+        m.close()
+
+
+def test_a_per_channel_ssm_a_is_k3_as_released_and_needs_no_flag(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    """A converter that kept every rate (ssm_a [kda.head_dim]) would give the release: no refusal, the
+    per-channel reading, and the HF store's logits (bit-equal expected, as above)."""
+    hf = open_source(files["hf"])
+    a_log = {n: hf.load(n) for n in hf.tensors if n.endswith(".A_log")}
+
+    def all_rates(name: str, data: np.ndarray, kind: Any) -> list[tuple]:
+        if name.endswith(".ssm_a"):
+            layer = int(name.split(".")[1])
+            data = (-torch.exp(a_log[f"model.layers.{layer}.self_attn.A_log"].float())).numpy()
+        return [(name, data, kind)]
+
+    path = _rewrite(files["f32"], tmp_path / "k3.gguf", {}, all_rates)
+    src = open_source(path)  # no opt-in
+    text = src.config["text_config"]
+    assert text["kda_a_form"] == "neg_exp" and "kda_a_log_per_channel" not in text
+    assert "gguf_reading" not in src.config
+    stores = {}
+    for which, source in (("gguf", src), ("hf", hf)):
+        stores[which] = tmp_path / which
+        setup_store(
+            source,
+            stores[which],
+            [tmp_path / f"{which}0"],
+            1,
+            progress=False,
+            names=kimi_k3.WEIGHTS,
+        )
+    got, want = _logits(stores["gguf"]), _logits(stores["hf"])
     assert (got - want).abs().max().item() <= 1e-6 * want.std().item()
 
 
