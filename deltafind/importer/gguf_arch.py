@@ -1,7 +1,8 @@
 """llama.cpp architectures deltafind imports from GGUF: metadata -> the family's config.json fields,
 and the transformers tensor names each family reads (gguf-py's TensorNameMap gives their GGUF names).
 
-Knows metadata keys and names, not files: importer/gguf_source.py reads the shards and tensors.
+Knows metadata keys and names, not files: importer/gguf_source.py reads the shards and tensors, and
+Kimi K3, whose tensors the converter transforms, maps them itself (importer/gguf_k3.py).
 """
 
 from __future__ import annotations
