@@ -190,6 +190,20 @@ def test_what_is_not_k3_as_released_is_refused_with_the_reason(
         open_source(path, OPT_IN)
 
 
+def test_an_f32_weight_no_bf16_can_hold_stays_f32(files: dict[str, Path], tmp_path: Path) -> None:
+    """F32 weights narrow back to bf16 only where every value is a bf16 (the release's); others keep
+    the file's values."""
+    name, hf = "blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight"
+
+    def nudge(n: str, data: np.ndarray, kind: Any) -> list[tuple]:
+        return [(n, data * np.float32(1 + 2**-12) if n == name else data, kind)]
+
+    src = open_source(_rewrite(files["f32"], tmp_path / "k3.gguf", {}, nudge), OPT_IN)
+    want = open_source(files["hf"]).load(hf).float() * np.float32(1 + 2**-12)
+    assert src.tensors[hf].dtype == torch.float32 and torch.equal(src.load(hf), want)
+    assert src.tensors["model.layers.0.self_attn.k_proj.weight"].dtype == torch.bfloat16
+
+
 @pytest.fixture(scope="module")
 def stores(files: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The GGUF imported by `deltafind setup --accept-llamacpp-k3`, and the HF folder set to llama.cpp's
