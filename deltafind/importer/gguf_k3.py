@@ -197,9 +197,8 @@ class _Mapper:
 
 
 def _ones(t: Any, expert: int | None, info: TensorInfo) -> torch.Tensor:
-    return torch.ones(
-        info.shape, dtype=info.dtype
-    )  # res_proj: the converter fused it into the score
+    """res_proj: the converter fused it into the score (res_norm), so 1 keeps the product exact."""
+    return torch.ones(info.shape, dtype=info.dtype)
 
 
 def _packed(t: Any, expert: int | None, info: TensorInfo) -> torch.Tensor:
