@@ -29,8 +29,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     for problem in report.problems:
         print(f"problem: {problem}", file=sys.stderr)
     status = "ok" if report.ok else f"{len(report.problems)} problem(s)"
+    reading = f"; runs {report.reading}" if report.reading else ""
     print(
-        f"{report.store}: {status}; {report.experts_checked} expert records, {report.bytes_checked / 2**20:.1f} MiB verified"
+        f"{report.store}: {status}; {report.experts_checked} expert records, {report.bytes_checked / 2**20:.1f} MiB verified{reading}"
     )
     return 0 if report.ok else 4
 

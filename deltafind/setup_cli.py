@@ -44,6 +44,11 @@ def add_subcommand(sub: Any) -> None:
         action="store_true",
         help="import GGUF block types deltafind has no kernel for as float32 (the refusal says how many bytes that costs)",
     )
+    p.add_argument(
+        "--accept-llamacpp-k3",
+        action="store_true",
+        help="import a Kimi K3 GGUF as llama.cpp reads it: its converter keeps 96 of K3's 128 KDA decay rates a layer (one per head); K3 as released needs the HF folder",
+    )
     p.add_argument("--store", metavar="DIR", help="store folder to create")
     p.add_argument(
         "--drive",
@@ -113,6 +118,7 @@ def _setup_dspark(args: argparse.Namespace) -> int:
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
+    from deltafind.importer.gguf_source import GGUFOptions
     from deltafind.importer.hub import open_checkpoint
     from deltafind.importer.hub_streaming import setup_streaming
     from deltafind.importer.setup import setup_store
@@ -166,7 +172,7 @@ def cmd_setup(args: argparse.Namespace) -> int:
             args.streaming,
             args.delete_source,
             progress=not args.quiet,
-            widen=args.widen_unsupported,
+            options=GGUFOptions(widen=args.widen_unsupported, llamacpp_k3=args.accept_llamacpp_k3),
         )
     # Refuse an unsupported family, or a config the family refuses (K3's quality guard), before writing anything.
     config = source.config
@@ -184,8 +190,9 @@ def cmd_setup(args: argparse.Namespace) -> int:
             f"`deltafind setup --fill --store {store}` completes it)"
         )
         return 0
+    reading = f"; runs {config['gguf_reading']}" if config.get("gguf_reading") else ""
     print(
-        f"store ready: {store} ({family.__name__.rsplit('.', 1)[-1]}, {len(manifest.experts)} expert records on {len(manifest.drives)} drive(s), {manifest.expert_bytes() / 2**20:.1f} MiB of experts)"
+        f"store ready: {store} ({family.__name__.rsplit('.', 1)[-1]}, {len(manifest.experts)} expert records on {len(manifest.drives)} drive(s), {manifest.expert_bytes() / 2**20:.1f} MiB of experts{reading})"
     )
     return 0
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from deltafind.errors import StoreError
-from deltafind.importer.gguf_source import GGUFSource
+from deltafind.importer.gguf_source import GGUFOptions, GGUFSource
 from deltafind.importer.sources import HFSource, Source
 
 
-def open_source(path: Path, widen: bool = False) -> Source:
-    """The reader for `path`: a HuggingFace folder, or a GGUF file or shard (importer/gguf_source.py; `widen`:
-    import block types without a kernel as float32 instead of refusing them)."""
+def open_source(path: Path, options: GGUFOptions | None = None) -> Source:
+    """The reader for `path`: a HuggingFace folder, or a GGUF file or shard (importer/gguf_source.py;
+    `options`: what a GGUF import may do beyond taking the file as it is)."""
     path = Path(path)
     if not path.exists():
         raise StoreError(
@@ -26,5 +26,5 @@ def open_source(path: Path, widen: bool = False) -> Source:
             raise StoreError(
                 f"{path}: not a GGUF file (bad magic {magic!r}); --from takes a HuggingFace model folder or a .gguf file"
             )
-        return GGUFSource(path, widen)
+        return GGUFSource(path, options)
     return HFSource(path)

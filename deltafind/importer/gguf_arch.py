@@ -1,7 +1,8 @@
 """llama.cpp architectures deltafind imports from GGUF: metadata -> the family's config.json fields,
 and the transformers tensor names each family reads (gguf-py's TensorNameMap gives their GGUF names).
 
-Knows metadata keys and names, not files: importer/gguf_source.py reads the shards and tensors.
+Knows metadata keys and names, not files: importer/gguf_source.py reads the shards and tensors, and
+Kimi K3, whose tensors the converter transforms, maps them itself (importer/gguf_k3.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from deltafind.errors import UnsupportedModelError
+from deltafind.importer.gguf_k3 import k3_config, map_k3
 
 Meta = Callable[
     ..., Any
@@ -74,6 +76,9 @@ class Arch:
         [Meta, dict[str, Any]], dict[str, Any]
     ]  # (meta, tensors' numpy views by GGUF name) -> config.json, less model_type and architectures
     rope_permuted: bool = False  # llama.cpp's converter interleaved q/k rows (undone at import)
+    # (source, GGUF tensors by name) -> fills source.tensors/_load itself, instead of hf_names
+    tensors: Callable[[Any, dict[str, Any]], None] | None = None
+    gguf_arch: str = ""  # gguf.MODEL_ARCH member the installed gguf-py must have (capability probe)
 
 
 def _common(meta: Meta) -> dict[str, Any]:
@@ -262,16 +267,31 @@ ARCHES = {
         + ("model.layers.{bid}.mlp.gate.e_score_correction",),
         _deepseek2,
     ),
+    "kimi-k3": Arch(
+        "kimi_k3",
+        "KimiK3ForConditionalGeneration",
+        (),
+        k3_config,
+        tensors=map_k3,
+        gguf_arch="KIMI_K3",
+    ),
 }
 
 
 def arch_for(name: str, where: str) -> Arch:
     arch = ARCHES.get(name)
     if arch is None:
-        # the one GGUF of a family deltafind runs that it cannot import (README, "GGUF repositories")
-        fix = "; import Kimi K3 from its HF folder" if name == "kimi-k3" else ""
         raise UnsupportedModelError(
             f"{where}: GGUF architecture {name!r} is not supported (supported: "
-            f"{', '.join(sorted(ARCHES))}){fix}"
+            f"{', '.join(sorted(ARCHES))})"
+        )
+    import gguf
+
+    # probe the tables, never the version: llama.cpp's own gguf-py and PyPI's share version strings
+    if arch.gguf_arch and not hasattr(gguf.MODEL_ARCH, arch.gguf_arch):
+        raise UnsupportedModelError(
+            f"{where}: GGUF architecture {name!r} needs gguf-py's {arch.gguf_arch} tables, and the gguf "
+            f"installed ({gguf.__file__}) has none (PyPI's gguf lacks them); `make dev` installs "
+            "llama.cpp's own gguf-py, or import the model's HuggingFace folder"
         )
     return arch

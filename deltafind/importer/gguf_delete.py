@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from deltafind.errors import StoreError
-from deltafind.importer.gguf_source import GGUFSource, split_paths
+from deltafind.importer.gguf_source import GGUFOptions, GGUFSource, split_paths
 from deltafind.importer.sources import stat_fingerprint
 from deltafind.importer.spine_writer import stage_tensors
 from deltafind.log import get_logger
@@ -36,14 +36,14 @@ def has_kept_copy(path: Path, store_dir: Path) -> bool:
 class GGUFDeletingSource(GGUFSource):
     """A local GGUF that `--delete-source` frees as the import makes each shard redundant."""
 
-    def __init__(self, path: Path, store_dir: Path, widen: bool = False) -> None:
+    def __init__(self, path: Path, store_dir: Path, options: GGUFOptions | None = None) -> None:
         self.staging = Path(store_dir) / STAGING_DIR
         self.originals = split_paths(Path(path))
         self._file_of: dict[str, str] = {}  # GGUF tensor name -> its shard's file name
         self._staged: dict[str, Any] = {}  # imported name -> handle of its staging file
         self._pending: dict[str, set[str]] = {}  # shard -> record tensors not yet durable
         self._spine: list[str] = []
-        super().__init__(path, widen)
+        super().__init__(path, options)
 
     def _find_shards(self) -> list[Path]:
         """Each shard, or the copy of its header a killed setup kept when it deleted the shard."""

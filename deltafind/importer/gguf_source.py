@@ -3,12 +3,14 @@
 Finds and checks every shard (`split.*` keys), names tensors through gguf-py's own tables for the
 architecture (importer/gguf_arch.py), cuts llama.cpp's merged 3-D expert tensors into per-expert ones and
 rebuilds MLA's `kv_b_proj` from its split halves. Block formats with a kernel (store/quant.py) stay as
-stored; others are refused, or dequantized to float32 when the caller asks (`widen`).
+stored; others are refused, or dequantized to float32 when the caller asks (`GGUFOptions.widen`). An
+architecture with its own tensor mapping (Kimi K3: importer/gguf_k3.py) plugs in through `Arch.tensors`.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,14 @@ SHARD = re.compile(
 )  # llama.cpp's llama_split_path
 _REQUIRED = object()
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class GGUFOptions:
+    """What a GGUF import may do beyond taking the file as it is (`deltafind setup` flags)."""
+
+    widen: bool = False  # --widen-unsupported: block types without a kernel become float32
+    llamacpp_k3: bool = False  # --accept-llamacpp-k3: run llama.cpp's reading of a Kimi K3 GGUF
 
 
 def split_paths(path: Path) -> list[Path]:
@@ -66,11 +76,11 @@ def _reverse_rope_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 class GGUFSource(Source):
     """A GGUF file or split GGUF, named as transformers names the family's checkpoints."""
 
-    def __init__(self, path: Path, widen: bool = False) -> None:
+    def __init__(self, path: Path, options: GGUFOptions | None = None) -> None:
         import gguf
 
         self.path = Path(path)
-        self._gguf, self.widen = gguf, widen
+        self._gguf, self.options = gguf, options or GGUFOptions()
         self.files = self._find_shards()
         readers = [self._open(p) for p in self.files]
         self._check_split(readers)
@@ -151,6 +161,14 @@ class GGUFSource(Source):
 
     def _map_tensors(self, by_name: dict[str, Any]) -> None:
         """Name every tensor as transformers does, through gguf-py's TensorNameMap for this architecture."""
+        self.tensors: dict[str, TensorInfo] = {}
+        self._load: dict[str, tuple[Any, ...]] = {}
+        self._wide: list[
+            tuple[str, str, int, int]
+        ] = []  # (GGUF name, kind, stored bytes, float32 bytes) without a kernel
+        if self.arch.tensors is not None:
+            self.arch.tensors(self, by_name)
+            return
         gguf = self._gguf
         enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[
             str(self._field("general.architecture"))
@@ -164,12 +182,7 @@ class GGUFSource(Source):
                 if (g := tmap.get_name(hf)) is not None:
                     to_hf[g] = hf
         layers = int(self.config["num_hidden_layers"])
-        self.tensors: dict[str, TensorInfo] = {}
-        self._load: dict[str, tuple[Any, ...]] = {}
         halves: dict[str, dict[str, Any]] = {}
-        self._wide: list[
-            tuple[str, str, int, int]
-        ] = []  # (GGUF name, kind, stored bytes, float32 bytes) without a kernel
         for name, t in by_name.items():
             base, dot, suffix = name.rpartition(".")
             hf = to_hf.get(base)
@@ -202,7 +215,7 @@ class GGUFSource(Source):
         kinds = sorted({k for _, k, _, _ in self._wide})
         stored, wide = sum(s for *_, s, _ in self._wide), sum(w for *_, w in self._wide)
         cost = f"{wide:,} bytes as float32 instead of {stored:,} as stored ({wide / max(stored, 1):.1f}x)"
-        if self.widen:
+        if self.options.widen:
             log.warning(
                 "gguf_widened",
                 kinds=kinds,
@@ -240,15 +253,17 @@ class GGUFSource(Source):
         self.tensors[hf] = info
         self._load[hf] = (t, expert)
 
-    def _add_kv_b(self, hf: str, parts: dict[str, Any]) -> None:
-        """llama.cpp stores MLA's kv_b_proj as k_b [heads, kv_lora, nope] (transposed) and v_b [heads, v, kv_lora]."""
+    def _add_kv_b(self, hf: str, parts: dict[str, Any], dtype: torch.dtype = torch.float32) -> None:
+        """llama.cpp stores MLA's kv_b_proj as k_b [heads, kv_lora, nope] (transposed) and v_b [heads, v, kv_lora].
+        `dtype`: what the rebuilt tensor is kept as (the caller knows the values fit it exactly)."""
         if set(parts) != {"k_b_proj", "v_b_proj"}:
             raise StoreError(
                 f"{self.path}: {hf} has only {sorted(parts)} of its GGUF halves attn_k_b/attn_v_b"
             )
-        heads, lora = int(self.config["num_attention_heads"]), int(self.config["kv_lora_rank"])
-        nope, v = int(self.config["qk_nope_head_dim"]), int(self.config["v_head_dim"])
-        self.tensors[hf] = TensorInfo(torch.float32, (heads * (nope + v), lora))
+        cfg = self.config.get("text_config", self.config)  # Kimi K3 nests the text model's config
+        heads, lora = int(cfg["num_attention_heads"]), int(cfg["kv_lora_rank"])
+        nope, v = int(cfg["qk_nope_head_dim"]), int(cfg["v_head_dim"])
+        self.tensors[hf] = TensorInfo(dtype, (heads * (nope + v), lora))
         self._load[hf] = ("kv_b", parts["k_b_proj"], parts["v_b_proj"], heads, lora, nope, v)
 
     def _array(self, t: Any, expert: int | None) -> np.ndarray:
@@ -270,7 +285,11 @@ class GGUFSource(Source):
             _, kb, vb, heads, lora, nope, v = entry
             k = self._widened(kb).reshape(heads, lora, nope).transpose(1, 2)
             vv = self._widened(vb).reshape(heads, v, lora)
-            return torch.cat([k, vv], dim=1).reshape(info.shape).contiguous()
+            return torch.cat([k, vv], dim=1).reshape(info.shape).to(info.dtype).contiguous()
+        if (
+            len(entry) == 3
+        ):  # (tensor, expert, loader): an architecture's own mapping (Arch.tensors)
+            return entry[2](*entry[:2], info).contiguous()
         t, expert = entry
         if info.quant:  # the blocks, byte for byte, one row of blocks per matrix row
             arr = np.asarray(t.data if expert is None else t.data[expert], dtype=np.uint8)

@@ -25,6 +25,7 @@ import torch
 from deltafind.errors import StoreError
 from deltafind.importer.checkpoint import open_source
 from deltafind.importer.gguf_delete import GGUFDeletingSource, has_kept_copy
+from deltafind.importer.gguf_source import GGUFOptions
 from deltafind.importer.hub_gguf import GGUFHubSource, is_model_gguf, local_gguf, pick_quant
 from deltafind.importer.hub_repo import HubRepo, parse_hub_ref, resolve_repo
 from deltafind.importer.sources import Source, import_names, tensor_info
@@ -47,16 +48,16 @@ def open_checkpoint(
     streaming: bool = False,
     delete_source: bool = False,
     progress: bool = True,
-    widen: bool = False,
+    options: GGUFOptions | None = None,
 ) -> Source:
-    """The `Source` setup imports `--from` from, local or on a hub; `widen`: GGUF block types without
-    a kernel become float32 instead of being refused, for every kind of GGUF source alike."""
-    got = locate_checkpoint(spec, store_dir, streaming, delete_source, progress, widen)
+    """The `Source` setup imports `--from` from, local or on a hub; `options` (importer/gguf_source.py)
+    hold for every kind of GGUF source alike."""
+    got = locate_checkpoint(spec, store_dir, streaming, delete_source, progress, options)
     if isinstance(got, Source):
         return got
     if delete_source:  # a local .gguf (locate_checkpoint refuses a folder)
-        return GGUFDeletingSource(got.resolve(), store_dir, widen)
-    return open_source(got.resolve(), widen=widen)
+        return GGUFDeletingSource(got.resolve(), store_dir, options)
+    return open_source(got.resolve(), options)
 
 
 def locate_checkpoint(
@@ -65,7 +66,7 @@ def locate_checkpoint(
     streaming: bool = False,
     delete_source: bool = False,
     progress: bool = True,
-    widen: bool = False,
+    options: GGUFOptions | None = None,
 ) -> Path | Source:
     """`--from` as given: a local folder/GGUF path (as before), or a hub repo id; a GGUF repository
     (`:QUANT` given, or GGUF files and no *.safetensors) gives the local path of the quant's first shard."""
@@ -121,7 +122,7 @@ def locate_checkpoint(
             )
         if streaming:
             return GGUFHubSource(
-                repo, pick_quant(repo.files, quant, repo.label), store_dir, widen=widen
+                repo, pick_quant(repo.files, quant, repo.label), store_dir, options
             )
         return fetch_gguf(repo, quant)
     return HubSource(repo, store_dir, streaming=streaming, delete_source=delete_source)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from deltafind.errors import StoreError
-from deltafind.importer.gguf_source import GGUFSource
+from deltafind.importer.gguf_source import GGUFOptions, GGUFSource
 from deltafind.store.remote import RangeClient, RemoteTensor
 
 SPLIT = re.compile(r"^(?P<prefix>.+)-(?P<no>[0-9]{5})-of-(?P<count>[0-9]{5})$", re.I)
@@ -145,7 +145,13 @@ class GGUFHubSource(GGUFSource):
 
     streaming = True
 
-    def __init__(self, repo: Any, names: list[str], store_dir: Path, widen: bool = False) -> None:
+    def __init__(
+        self,
+        repo: Any,
+        names: list[str],
+        store_dir: Path,
+        options: GGUFOptions | None = None,
+    ) -> None:
         """`repo`: importer/hub_repo.py's HubRepo; `names`: the quant's shards."""
         self.repo, self.shards = repo, names
         self.client = RangeClient(repo.repo_id, repo.commit, repo.endpoint)
@@ -154,8 +160,14 @@ class GGUFHubSource(GGUFSource):
         self._file_of: dict[str, str] = {}  # GGUF tensor name -> its shard in the repository
         self._fetched: set[str] = set()
         local = [self._sparse(n) for n in names]
-        super().__init__(local[0], widen)
+        super().__init__(local[0], options)
         self.path = Path(f"{repo.label}:{names[0]}")
+        if self.arch.tensors is not None:
+            raise StoreError(
+                f"{self.path}: a {self.arch.family} GGUF's experts are rewritten at import (llama.cpp's "
+                "MXFP4 blocks back into the release's packs), so they cannot be fetched by range as "
+                "stored; drop --streaming to download the quant whole"
+            )
         self.remote = {
             hf: self._span(hf, t, e)
             for hf, (t, e, *_) in self._load.items()

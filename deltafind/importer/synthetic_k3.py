@@ -8,6 +8,7 @@ Routed experts are random MXFP4 packs (uint8 codes, E8M0 scales near 1/sqrt(fan-
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from pathlib import Path
@@ -105,6 +106,29 @@ def _moe(p: str, d: dict[str, Any]) -> dict[str, Spec]:
     return out
 
 
+# The released compressed-tensors block (what config.json's quantization_config says for K3's experts).
+QUANTIZATION_CONFIG = {
+    "quant_method": "compressed-tensors",
+    "format": "mxfp4-pack-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "format": "mxfp4-pack-quantized",
+            "weights": {
+                "num_bits": 4,
+                "type": "float",
+                "group_size": 32,
+                "strategy": "group",
+                "symmetric": True,
+                "dynamic": False,
+                "observer": "minmax",
+                "scale_dtype": "torch.uint8",
+            },
+        }
+    },
+}
+
+
 def text_config(d: dict[str, Any]) -> dict[str, Any]:
     n, vocab = d["layers"], _tokenizer_ranks() + NUM_RESERVED
     bos, eos, pad = vocab - NUM_RESERVED, vocab - NUM_RESERVED + 2, vocab - 1
@@ -161,32 +185,15 @@ def text_config(d: dict[str, Any]) -> dict[str, Any]:
             "kda_layers": [i for i in range(1, n + 1) if i not in mla],
             "full_attn_layers": mla,
         },
-        "quantization_config": {
-            "quant_method": "compressed-tensors",
-            "format": "mxfp4-pack-quantized",
-            "quantization_status": "compressed",
-            "config_groups": {
-                "group_0": {
-                    "format": "mxfp4-pack-quantized",
-                    "weights": {
-                        "num_bits": 4,
-                        "type": "float",
-                        "group_size": 32,
-                        "strategy": "group",
-                        "symmetric": True,
-                        "dynamic": False,
-                        "observer": "minmax",
-                        "scale_dtype": "torch.uint8",
-                    },
-                }
-            },
-        },
+        "quantization_config": copy.deepcopy(QUANTIZATION_CONFIG),
     }
 
 
-def build_k3(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Spec]]:
-    text = text_config(d)
-    h, vocab = d["hidden"], text["vocab_size"]
+def k3_roster(d: dict[str, Any], vocab: int) -> dict[str, Spec]:
+    """Every tensor of K3's text model as released (docs/kimi-k3-format.md §2): name -> shape, dtype.
+    `d` holds the sizes (SHAPES' keys; `dense`: leading dense layers, 1 unless given). The GGUF import
+    (importer/gguf_k3.py) names, shapes and types its tensors from this roster too."""
+    h = d["hidden"]
     specs = {
         "model.embed_tokens.weight": Spec((vocab, h), std=1.0),
         "model.norm.weight": norm(h),
@@ -202,13 +209,19 @@ def build_k3(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Spec]]:
         specs[p + "input_layernorm.weight"] = norm(h)
         specs[p + "post_attention_layernorm.weight"] = norm(h)
         specs.update((_mla if (i + 1) in d["mla"] else _kda)(p + "self_attn.", d))
-        if i == 0:
+        if i < d.get("dense", 1):
             specs.update(
                 {f"{p}mlp.{n}.weight": linear(d["inter"], h) for n in ("gate_proj", "up_proj")}
             )
             specs[p + "mlp.down_proj.weight"] = linear(h, d["inter"], gain=0.5)
         else:
             specs.update(_moe(p + "block_sparse_moe.", d))
+    return specs
+
+
+def build_k3(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Spec]]:
+    text = text_config(d)
+    specs = k3_roster(d, text["vocab_size"])
     root = {
         "model_type": "kimi_k3",
         "architectures": ["KimiK3ForConditionalGeneration"],

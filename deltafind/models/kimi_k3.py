@@ -53,6 +53,7 @@ def kda_options(args: ModelArgs) -> KDAOptions:
         full_rank_gate=bool(la.get("use_full_rank_gate", True)),
         gate_lower_bound=la.get("gate_lower_bound", -5.0),
         a_log_per_channel=args.kda_a_log_per_channel,
+        a_form=args.kda_a_form,
         l2norm=args.kda_l2norm,
         norm_eps=args.rms_norm_eps,
         prefill=args.kda_prefill,

@@ -75,6 +75,7 @@ class ModelArgs:
     quantization_config: dict[str, Any] | None = None
     # Named switches (docs/kimi-k3.md, "Switches"): set as text_config keys or from_config(**switches).
     kda_a_log_per_channel: bool = True
+    kda_a_form: str = "log"  # "neg_exp": the A_log tensor holds llama.cpp's A = -exp(A_log)
     kda_l2norm: str = "clamp"
     kda_prefill: str = "chunked"
     kda_chunk_size: int = 16
@@ -102,6 +103,11 @@ class ModelArgs:
         ):
             raise UnsupportedModelError(
                 f"kda_prefill={args.kda_prefill!r} / kda_l2norm={args.kda_l2norm!r} are not switch values"
+            )
+        if args.kda_a_form not in ("log", "neg_exp"):
+            raise UnsupportedModelError(
+                f"kda_a_form={args.kda_a_form!r}: use log (the release's A_log) or neg_exp "
+                "(llama.cpp's ssm_a, A = -exp(A_log))"
             )
         if args.activation_dtype not in ("float32", "model"):
             raise UnsupportedModelError(

@@ -20,6 +20,9 @@ class DoctorReport:
     experts_checked: int = 0
     bytes_checked: int = 0
     problems: list[str] = field(default_factory=list)
+    reading: str = (
+        ""  # what the import recorded it runs, where not the release (importer/gguf_k3.py)
+    )
 
     @property
     def ok(self) -> bool:
@@ -62,6 +65,7 @@ def check_store(store_dir: Path, progress: bool = True) -> DoctorReport:
     store_dir = Path(store_dir)
     report = DoctorReport(store_dir)
     manifest = Manifest.load(store_dir)
+    report.reading = str(manifest.model_config.get("gguf_reading") or "")
     spine = store_dir / SPINE_NAME
     try:
         if file_digest(spine, hashlib.sha256(), 1 << 22) != manifest.spine_sha256:

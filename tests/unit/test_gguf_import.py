@@ -18,6 +18,7 @@ import torch
 from deltafind.errors import StoreError, UnsupportedModelError
 from deltafind.importer.checkpoint import open_source
 from deltafind.importer.gguf_arch import llama3_rope
+from deltafind.importer.gguf_source import GGUFOptions
 from deltafind.importer.setup import setup_store
 from deltafind.store.manifest import MANIFEST_NAME
 from tests.gguf_models import MAKERS, Builder, make_llama
@@ -161,15 +162,9 @@ def test_unsupported_architecture_is_refused_naming_the_supported_ones(tmp_path:
     b.norm("output_norm.weight", 256)
     with pytest.raises(
         UnsupportedModelError,
-        match=r"'gemma3' is not supported \(supported: deepseek2, llama, qwen2, qwen3, qwen3moe\)$",
+        match=r"'gemma3' is not supported \(supported: deepseek2, kimi-k3, llama, qwen2, qwen3, qwen3moe\)$",
     ):
         open_source(b.write(tmp_path / "g.gguf")[0])
-    k3 = Builder("kimi-k3", 0)  # a family deltafind runs, from its HF folder only
-    k3.norm("output_norm.weight", 256)
-    with pytest.raises(
-        UnsupportedModelError, match=r"'kimi-k3'.*import Kimi K3 from its HF folder"
-    ):
-        open_source(k3.write(tmp_path / "k3.gguf")[0])
 
 
 def test_a_type_without_kernel_is_refused_unless_widened(tmp_path: Path) -> None:
@@ -182,7 +177,7 @@ def test_a_type_without_kernel_is_refused_unless_widened(tmp_path: Path) -> None
         match=r"blk\.1\.ffn_up\.weight is TQ2_0.*--widen-unsupported.*524,288 bytes as float32 instead of 33,792",
     ):
         open_source(path)
-    wide = open_source(path, widen=True)
+    wide = open_source(path, GGUFOptions(widen=True))
     assert wide.tensors["model.layers.1.mlp.up_proj.weight"].dtype == torch.float32
     assert wide.load("model.layers.1.mlp.up_proj.weight").shape == (512, 256)
 

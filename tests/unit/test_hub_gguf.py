@@ -23,6 +23,7 @@ from safetensors import safe_open
 from deltafind import Model
 from deltafind.errors import StoreError
 from deltafind.importer.checkpoint import open_source
+from deltafind.importer.gguf_source import GGUFOptions
 from deltafind.importer.hub_gguf import pick_quant
 from deltafind.importer.setup import setup_store
 from deltafind.store.manifest import Manifest
@@ -342,7 +343,9 @@ def test_a_streaming_install_widens_what_has_no_kernel_only_when_asked(
     env: dict[str, str], wide_repo: Path, tmp_path: Path
 ) -> None:
     ref = setup_store(
-        open_source(wide_repo / "wide-Q4_K_M.gguf", widen=True), tmp_path / "ref", progress=False
+        open_source(wide_repo / "wide-Q4_K_M.gguf", GGUFOptions(widen=True)),
+        tmp_path / "ref",
+        progress=False,
     )
     args = ("setup", "--from", f"{WIDE}:Q4_K_M", "--streaming", "--quiet")
     proc = deltafind_cmd(*args, "--store", str(tmp_path / "refused"), env=env)

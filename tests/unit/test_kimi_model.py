@@ -18,6 +18,7 @@ from deltafind.importer.synthetic_k3 import REAL, text_config
 from deltafind.models import kimi_k3
 from deltafind.models.kimi_k3_config import ModelArgs, QualityRefused
 from deltafind.models.ops.batch import SequenceCache, forward_step
+from deltafind.models.ops.kda import safe_gate
 from deltafind.models.ops.situ import situ
 from deltafind.models.ops.stored import adopt_stored
 from deltafind.provider import DictExpertProvider
@@ -181,6 +182,24 @@ def test_contract_and_real_schedule() -> None:
     args = ModelArgs.from_config({"model_type": "kimi_k3", "text_config": real})
     assert sorted(args.mla_layers) == [*range(3, 92, 4), 92] and len(args.mla_layers) == 24
     assert not args.is_moe_layer(0) and sum(args.is_moe_layer(i) for i in range(93)) == 92
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_kda_a_form_neg_exp_gives_the_log_forms_gate(per_channel: bool, lower_bound) -> None:
+    """llama.cpp's ssm_a holds A = -exp(A_log): read as the rate -A it gives the gate A_log gives."""
+    gen = torch.Generator().manual_seed(0)
+    t, nh, k = 5, 3, 8
+    f, dt = torch.randn(t, nh, k, generator=gen), torch.randn(nh * k, generator=gen)
+    a_log = torch.rand(k if per_channel else nh, generator=gen) * 3 - 1  # rates e^-1..e^2
+    want = safe_gate(f, a_log, dt, lower_bound, per_channel)
+    got = safe_gate(f, -torch.exp(a_log), dt, lower_bound, per_channel, a_form="neg_exp")
+    assert torch.equal(got, want)
+    assert not torch.equal(safe_gate(f, -torch.exp(a_log), dt, lower_bound, per_channel), want)
+    cfg = _tiny_config()
+    cfg["text_config"]["kda_a_form"] = "exp"
+    with pytest.raises(UnsupportedModelError, match=r"kda_a_form='exp'.*neg_exp"):
+        ModelArgs.from_config(cfg)
 
 
 def test_situ_soft_caps() -> None:

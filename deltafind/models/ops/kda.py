@@ -13,6 +13,8 @@ import torch.nn.functional as F
 
 L2NORM_CLAMP = "clamp"  # x / max(||x||, 1e-12): F.normalize, as K3/deltafin
 L2NORM_ADD_EPS = "add_eps"  # x / sqrt(||x||^2 + 1e-6): transformers' and fla's kernels
+A_FORM_LOG = "log"  # the A_log tensor holds A_log (the release)
+A_FORM_NEG_EXP = "neg_exp"  # it holds A = -exp(A_log) (llama.cpp's ssm_a, docs/kimi-k3-gguf.md)
 
 
 def short_conv(
@@ -49,17 +51,27 @@ def safe_gate(
     dt_bias: torch.Tensor,
     lower_bound: float | None,
     per_channel: bool = True,
+    a_form: str = A_FORM_LOG,
 ) -> torch.Tensor:
     """Log-decay g [T, NH, K] from the forget-gate projection f [T, NH, K].
 
     lower_bound set (K3: -5): g = lb * sigmoid(exp(A_log) * (f + dt_bias)), in (lb, 0).
     lower_bound None (Kimi Linear): g = -exp(A_log) * softplus(f + dt_bias).
     A_log holds K rates, one per key channel shared by all heads (per_channel, K3),
-    or NH, one per head (Kimi Linear).
+    or NH, one per head (Kimi Linear). With a_form "neg_exp" it holds A = -exp(A_log)
+    (llama.cpp's `ssm_a`), and the rate is -A: the converter's own f32 bits, no log/exp round trip.
     """
     nh, k = f.shape[-2:]
     gr = f.float() + dt_bias.float().view(nh, k)
-    rate = torch.exp(a_log.float().reshape(1, k) if per_channel else a_log.float().reshape(nh, 1))
+    a = a_log.float().reshape(1, k) if per_channel else a_log.float().reshape(nh, 1)
+    if a_form == A_FORM_LOG:
+        rate = torch.exp(a)
+    elif a_form == A_FORM_NEG_EXP:
+        rate = -a
+    else:
+        raise ValueError(
+            f"unknown A form {a_form!r} (expected {A_FORM_LOG!r} or {A_FORM_NEG_EXP!r})"
+        )
     if lower_bound is not None:
         return lower_bound * torch.sigmoid(rate * gr)
     return -rate * torch.where(gr > 20.0, gr, torch.log1p(torch.exp(gr)))

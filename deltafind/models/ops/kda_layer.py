@@ -16,6 +16,7 @@ from torch import nn
 
 from deltafind.models.ops.batch import Batch, LayerCache
 from deltafind.models.ops.kda import (
+    A_FORM_LOG,
     L2NORM_CLAMP,
     kda_chunked,
     kda_recurrent,
@@ -38,6 +39,7 @@ class KDAOptions:
     full_rank_gate: bool = True  # K3: one g_proj [D, H]; Kimi Linear: g_b_proj(g_a_proj(x))
     gate_lower_bound: float | None = -5.0  # K3's "safe gate"; None: Kimi Linear's softplus gate
     a_log_per_channel: bool = True  # K3: A_log [K] shared by heads; Kimi Linear: one per head
+    a_form: str = A_FORM_LOG  # A_log holds A_log, or llama.cpp's A = -exp(A_log) ("neg_exp")
     l2norm: str = L2NORM_CLAMP
     norm_eps: float = 1e-5
     prefill: str = PREFILL_CHUNKED  # multi-row passes: chunked UT form, or deltafin's per-row loop
@@ -208,7 +210,7 @@ class KimiDeltaAttention(nn.Module):
         raw = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]  # 3 x [T, D]
         f = self.f_b_proj(self.f_a_proj(x)).view(t, nh, dk)
         g = safe_gate(
-            f, self.A_log, self.dt_bias, o.gate_lower_bound, o.a_log_per_channel
+            f, self.A_log, self.dt_bias, o.gate_lower_bound, o.a_log_per_channel, o.a_form
         )  # [T, NH, K]
         beta = torch.sigmoid(self.b_proj(x).float())  # [T, NH]
         core = x.new_empty((t, nh, dk), dtype=torch.float32)
