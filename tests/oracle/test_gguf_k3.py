@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from deltafind import Model
-from deltafind.importer import gguf_source
 from deltafind.importer.checkpoint import open_source
+from deltafind.importer.gguf_source import GGUFOptions
 from deltafind.importer.setup import setup_store
 from deltafind.models.registry import family_module
 from tests.k3_gguf import convert_k3, make_k3_hf, need_k3_gguf
@@ -54,9 +54,7 @@ def test_converter_writes_the_file_the_reference_was_made_from(k3_files: dict[st
 
 
 def _logits(path: Path, store: Path) -> np.ndarray:
-    if not hasattr(gguf_source, "GGUFOptions"):  # the K3 GGUF import is not merged yet
-        pytest.skip("needs the kimi-k3 GGUF import: GGUFOptions(llamacpp_k3=True)")
-    source = open_source(path, gguf_source.GGUFOptions(llamacpp_k3=True))
+    source = open_source(path, GGUFOptions(llamacpp_k3=True))
     family = family_module(source.config["model_type"])
     names = family.weight_names(family.ModelArgs.from_config(source.config))
     setup_store(source, store, progress=False, names=names)
