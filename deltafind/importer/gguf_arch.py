@@ -291,7 +291,8 @@ def arch_for(name: str, where: str) -> Arch:
     if arch.gguf_arch and not hasattr(gguf.MODEL_ARCH, arch.gguf_arch):
         raise UnsupportedModelError(
             f"{where}: GGUF architecture {name!r} needs gguf-py's {arch.gguf_arch} tables, and the gguf "
-            f"installed ({gguf.__file__}) has none (PyPI's gguf lacks them); `make dev` installs "
-            "llama.cpp's own gguf-py, or import the model's HuggingFace folder"
+            f"installed ({gguf.__file__}) has none (PyPI's gguf lacks them): install llama.cpp's own "
+            "gguf-py (`make dev` in a deltafind checkout does; elsewhere `pip install --no-deps "
+            "LLAMA_CPP/gguf-py` from llama.cpp's source), or import the model's HuggingFace folder"
         )
     return arch
