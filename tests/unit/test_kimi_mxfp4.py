@@ -125,6 +125,19 @@ def test_without_kernel_falls_back_to_reference(monkeypatch: pytest.MonkeyPatch)
     )
 
 
+def test_fallback_scratch_made_under_inference_mode_serves_outside_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    packed, scale = _random_pack(48, 64, seed=9)  # a size no earlier test's scratch holds
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(10))
+    monkeypatch.setattr(mxfp4, "load_kernel", lambda: None)
+    monkeypatch.setattr(mxfp4._local, "bufs", {}, raising=False)
+    with torch.inference_mode():
+        inside = mxfp4.mxfp4_linear(x, packed, scale)
+    outside = mxfp4.mxfp4_linear(x, packed, scale)  # refused an inference tensor's in-place write
+    assert torch.equal(inside, outside)
+
+
 def test_malformed_packs_are_refused() -> None:
     packed, scale = _random_pack(4, 64)
     with pytest.raises(ValueError, match="shapes"):

@@ -105,7 +105,9 @@ def scratch(device: torch.device, rows: int, cols: int) -> torch.Tensor:
     bufs: dict[torch.device, torch.Tensor] = _local.__dict__.setdefault("bufs", {})
     buf = bufs.get(device)
     if buf is None or buf.numel() < rows * cols:
-        buf = bufs[device] = torch.empty(rows * cols, dtype=torch.float32, device=device)
+        # a normal tensor even when first made under inference_mode: it is written in either mode
+        with torch.inference_mode(False):
+            buf = bufs[device] = torch.empty(rows * cols, dtype=torch.float32, device=device)
     return buf[: rows * cols].view(rows, cols)
 
 
