@@ -166,7 +166,8 @@ class GGUFHubSource(GGUFSource):
             raise StoreError(
                 f"{self.path}: a {self.arch.family} GGUF's experts are rewritten at import (llama.cpp's "
                 "MXFP4 blocks back into the release's packs), so they cannot be fetched by range as "
-                "stored; drop --streaming to download the quant whole"
+                "stored; drop --streaming to download the quant whole, or stream the model's HF "
+                "release instead (its experts are fetched as stored)"
             )
         self.remote = {
             hf: self._span(hf, t, e)
