@@ -312,4 +312,4 @@ class GGUFSource(Source):
     def write_tokenizer(self, dest: Path) -> list[str]:
         from deltafind.tokenizer import write_tokenizer_from_gguf
 
-        return write_tokenizer_from_gguf(self.first, dest)
+        return write_tokenizer_from_gguf(self.first, dest, self.reader)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -52,6 +53,26 @@ def test_split_llama_from_either_shard_gives_the_whole_files_store(
         setup_store(shard, tmp_path / f"s{i}", progress=False)
         assert _manifest_view(tmp_path / f"s{i}") == want
         assert (tmp_path / f"s{i}" / "spine.safetensors").read_bytes() == spine
+
+
+def test_setup_parses_each_shard_once(
+    llama_files, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tokenizer is written from the reader setup already holds: gguf-py parses a real vocabulary
+    (150k tokens and their merges) in seconds, so a second parse was most of a small import's time."""
+    import gguf
+
+    parsed: list[str] = []
+    init = gguf.GGUFReader.__init__
+
+    def counting(self: Any, path: Any, *args: Any, **kwargs: Any) -> None:
+        parsed.append(Path(path).name)
+        init(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counting)
+    _, shards = llama_files
+    setup_store(shards[0], tmp_path / "s", progress=False)
+    assert sorted(parsed) == sorted(p.name for p in shards)
 
 
 def test_a_missing_shard_is_refused_naming_it(llama_files, tmp_path: Path) -> None:
