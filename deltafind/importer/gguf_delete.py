@@ -36,6 +36,8 @@ def has_kept_copy(path: Path, store_dir: Path) -> bool:
 class GGUFDeletingSource(GGUFSource):
     """A local GGUF that `--delete-source` frees as the import makes each shard redundant."""
 
+    parallel_load = False  # shards are swapped and deleted as records become durable
+
     def __init__(self, path: Path, store_dir: Path, options: GGUFOptions | None = None) -> None:
         self.staging = Path(store_dir) / STAGING_DIR
         self.originals = split_paths(Path(path))

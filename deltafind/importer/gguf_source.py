@@ -76,6 +76,8 @@ def _reverse_rope_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 class GGUFSource(Source):
     """A GGUF file or split GGUF, named as transformers names the family's checkpoints."""
 
+    parallel_load = True  # numpy views of the mapped shards
+
     def __init__(self, path: Path, options: GGUFOptions | None = None) -> None:
         import gguf
 

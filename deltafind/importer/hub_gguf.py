@@ -143,6 +143,8 @@ class GGUFHubSource(GGUFSource):
     Spine tensors are not in `remote`: some are changed at import (q/k rows, MLA's kv_b).
     """
 
+    parallel_load = False  # fetches into sparse shards, one tensor at a time
+
     streaming = True
 
     def __init__(

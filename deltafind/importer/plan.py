@@ -7,6 +7,7 @@ importer/setup.py (a local import) and importer/hub_streaming.py (a hub's) write
 from __future__ import annotations
 
 import re
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -108,19 +109,29 @@ def iter_expert_groups(
         if layer in plan.dense:
             names = plan.dense[layer]
             cache: dict[str, list[tuple[torch.Tensor, str]]] = {}
+            served: list[int] = []
+            lock = threading.Lock()
 
-            def load_slice(i: int, names: dict[str, str] = names, cache: dict = cache) -> Parts:
-                if not cache:  # load the layer's MLP once, slice it N ways
-                    for part, name in names.items():
-                        cache[part] = _split(
-                            source.load(name),
-                            source.tensors[name].quant,
-                            dense_slices,
-                            part == "down_proj",
-                        )
-                out = {part: cache[part][i] for part in names}
-                if i == dense_slices - 1:
-                    cache.clear()
+            def load_slice(
+                i: int,
+                names: dict[str, str] = names,
+                cache: dict = cache,
+                served: list[int] = served,
+                lock: threading.Lock = lock,
+            ) -> Parts:
+                with lock:  # slices may load on several threads (importer/setup.py)
+                    if not cache:  # load the layer's MLP once, slice it N ways
+                        for part, name in names.items():
+                            cache[part] = _split(
+                                source.load(name),
+                                source.tensors[name].quant,
+                                dense_slices,
+                                part == "down_proj",
+                            )
+                    out = {part: cache[part][i] for part in names}
+                    served.append(i)
+                    if len(served) == dense_slices:  # every slice taken, in whatever order
+                        cache.clear()
                 return {p: t for p, (t, _) in out.items()}, {p: q for p, (_, q) in out.items() if q}
 
             for i in range(dense_slices):

@@ -3,15 +3,21 @@
 Resumable: a journal records each expert record once its pack bytes are on
 disk; a rerun truncates the packs to the last journaled record and goes on
 (the lock, journal and packs: importer/store_files.py).
-Never holds more than one tensor group (one expert, or one dense MLP) beyond
-what it is writing. Which tensors are experts is the family's `WeightNames`
-(deltafind/provider.py), sorted by importer/plan.py; this module knows no model's names.
+Records are loaded, laid out and hashed on a few threads (a source that allows it) at most
+PREPARE_AHEAD records a thread ahead of the one writer, which writes and journals them in store
+order: never more than those tensor groups (an expert, or a dense MLP slice) in memory.
+Which tensors are experts is the family's `WeightNames` (deltafind/provider.py), sorted by
+importer/plan.py; this module knows no model's names.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from pathlib import Path
 
 import torch
@@ -21,7 +27,13 @@ from tqdm import tqdm
 from deltafind.errors import StoreError
 from deltafind.importer.checkpoint import open_source
 from deltafind.importer.placement import MIN_STRIPE_BYTES, place, stripe_extents, write_record
-from deltafind.importer.plan import Durable, dense_slices_for, iter_expert_groups, plan_tensors
+from deltafind.importer.plan import (
+    Durable,
+    Parts,
+    dense_slices_for,
+    iter_expert_groups,
+    plan_tensors,
+)
 from deltafind.importer.sources import Source, TensorInfo
 from deltafind.importer.spine_writer import write_safetensors
 from deltafind.importer.store_files import (
@@ -48,6 +60,9 @@ from deltafind.store.manifest import (
 
 TENSOR_ALIGN = 64
 JOURNAL_SYNC_EVERY = 64
+PREPARE_AHEAD = 2  # records each preparing thread may hold ready ahead of the writer
+MAX_PREPARE_THREADS = 4  # loads, copies and hashes: past a few threads the drives bound an import
+Prepared = tuple[bytes, list[TensorEntry], str, str]  # payload, entries, sha256, xxh3
 
 
 def _check_scales(layer: int, expert: int, parts: dict[str, torch.Tensor]) -> None:
@@ -99,6 +114,46 @@ def expert_record_bytes(
     return bytes(payload), entries
 
 
+def _prepare(layer: int, expert: int, load: Callable[[], Parts]) -> Prepared:
+    """One record made ready to write: its tensors loaded and checked, laid out, hashed."""
+    parts, quants = load()
+    _check_scales(layer, expert, parts)
+    payload, entries = expert_record_bytes(parts, quants)
+    return payload, entries, hashlib.sha256(payload).hexdigest(), xxhash.xxh3_64_hexdigest(payload)
+
+
+def prepare_threads(source: Source) -> int:
+    """Threads that prepare records for `source`: 0 (the writer loads inline) unless it may be read
+    from threads (`Source.parallel_load`)."""
+    return min(MAX_PREPARE_THREADS, os.cpu_count() or 1) if source.parallel_load else 0
+
+
+def prepared_records(
+    groups: list[tuple[int, int, Callable[[], Parts]]], skip: set[tuple[int, int]], threads: int
+) -> Iterator[tuple[int, int, int, Prepared]]:
+    """(index in `groups`, layer, expert, prepared record) for each group not in `skip`, in store
+    order. With `threads`, up to PREPARE_AHEAD x threads records are prepared ahead of the caller
+    (hashlib, numpy and torch copy without the GIL); a failure is raised at its own record, in order."""
+    todo = [(i, g) for i, g in enumerate(groups) if (g[0], g[1]) not in skip]
+    if threads <= 0:
+        for i, (layer, expert, load) in todo:
+            yield i, layer, expert, _prepare(layer, expert, load)
+        return
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="setup-prepare")
+    ahead: deque = deque()
+    try:
+        for i, group in todo:
+            ahead.append((i, group, pool.submit(_prepare, *group)))
+            if len(ahead) > PREPARE_AHEAD * threads:
+                j, (layer, expert, _), done = ahead.popleft()
+                yield j, layer, expert, done.result()
+        while ahead:
+            j, (layer, expert, _), done = ahead.popleft()
+            yield j, layer, expert, done.result()
+    finally:  # the writer stopped (done, failed or interrupted): no thread reads the source after
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def setup_store(
     source_path: Path | Source,
     store_dir: Path,
@@ -109,6 +164,7 @@ def setup_store(
     names: WeightNames = HF_WEIGHTS,
     placement: str = "stripe",
     min_stripe_bytes: int = MIN_STRIPE_BYTES,
+    threads: int | None = None,
 ) -> Manifest:
     """Import `source_path` (a path, or an open `Source` such as a synthetic one) into
     `store_dir`, each expert record split over all `drives` (`placement="stripe"`, records
@@ -118,7 +174,7 @@ def setup_store(
     `dense_slices` records each, or (None) as many as `plan.dense_slices_for` chooses by size.
 
     `fault_after` is for tests: raise after that many expert records, as an
-    interrupt would.
+    interrupt would. `threads` prepare records ahead of the writer (None: `prepare_threads`; 0: none).
     """
     store_dir = Path(store_dir)
     with store_lock(store_dir), _disk_errors(store_dir):
@@ -160,19 +216,18 @@ def setup_store(
         try:
             groups = list(iter_expert_groups(source, plan, dense_slices))
             written = 0
-            with tqdm(
-                total=len(groups),
-                initial=len(done_keys),
-                unit="expert",
-                desc="experts",
-                disable=not progress,
-            ) as bar:
-                for i, (layer, expert, load) in enumerate(groups):
-                    if (layer, expert) in done_keys:
-                        continue
-                    parts, quants = load()
-                    _check_scales(layer, expert, parts)
-                    payload, entries = expert_record_bytes(parts, quants)
+            threads = prepare_threads(source) if threads is None else threads
+            with (
+                tqdm(
+                    total=len(groups),
+                    initial=len(done_keys),
+                    unit="expert",
+                    desc="experts",
+                    disable=not progress,
+                ) as bar,
+                closing(prepared_records(groups, done_keys, threads)) as ready,
+            ):
+                for i, layer, expert, (payload, entries, sha256, xxh3) in ready:
                     ends = [end for _, end in packs]
                     size = align_up(len(payload))
                     extents = stripe_extents(
@@ -188,9 +243,9 @@ def setup_store(
                             0,
                             0,
                             len(payload),
-                            hashlib.sha256(payload).hexdigest(),
+                            sha256,
                             tuple(entries),
-                            xxhash.xxh3_64_hexdigest(payload),
+                            xxh3,
                         ),
                         extents,
                     )

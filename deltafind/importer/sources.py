@@ -38,6 +38,8 @@ class Source:
     path: Path
     config: dict[str, Any]
     tensors: dict[str, TensorInfo]
+    # `load` may run on several threads at once (setup prepares records ahead of its writer)
+    parallel_load: bool = False
 
     def load(self, name: str) -> torch.Tensor:
         raise NotImplementedError
@@ -95,6 +97,8 @@ def tensor_info(where: str, name: str, dtype_code: str, shape: tuple[int, ...]) 
 class HFSource(Source):
     """A HuggingFace model folder: config.json + *.safetensors (indexed or not) + tokenizer files,
     named as `import_names` says."""
+
+    parallel_load = True  # safetensors' mapped reads
 
     def __init__(self, path: Path) -> None:
         from safetensors import safe_open

@@ -41,6 +41,8 @@ FAMILIES: dict[str, Family] = {**synthetic_families.FAMILIES, **synthetic_k3.FAM
 class SyntheticSource(Source):
     """A family's layout with seeded random weights; nothing is held beyond the tensor asked for."""
 
+    parallel_load = True  # each tensor from its own generator
+
     def __init__(self, family: str, shape: str, seed: int = 0) -> None:
         if family not in FAMILIES:
             raise StoreError(

@@ -289,3 +289,49 @@ def test_a_store_of_an_older_format_is_refused_with_the_fix_and_the_same_setup_r
         assert len(m.generate([11, 42, 7], max_new_tokens=3)) == 3
     finally:
         m.close()
+
+
+def _records(manifest: Manifest) -> list[ExpertRecord]:
+    return manifest.experts  # in store order, every field: placement, hashes, tensor layout
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_records_prepared_on_threads_are_the_serial_imports_byte_for_byte(
+    moe_ckpt: Path, tmp_path: Path, threads: int
+) -> None:
+    """Threads load, lay out and hash records ahead of the writer: the store must not change, in
+    records, order, placement or bytes (the dense layer's 4 slices share one cached load)."""
+    stores = {}
+    for n in (0, threads):
+        drives = [tmp_path / f"{n}d0", tmp_path / f"{n}d1"]
+        stores[n] = setup_store(moe_ckpt, tmp_path / f"s{n}", drives, 4, progress=False, threads=n)
+    assert _records(stores[threads]) == _records(stores[0])  # the payloads' sha256 among them
+    assert check_store(tmp_path / f"s{threads}", progress=False).ok  # the packs hold them
+
+
+def test_a_record_that_fails_to_load_stops_the_import_and_its_threads(
+    moe_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure on a preparing thread reaches the caller as itself, no preparing thread outlives the
+    failed setup (none reads the source after), and the setup run again gives the clean store."""
+    import threading
+
+    from deltafind.importer.sources import HFSource
+
+    victim, load = "model.layers.1.mlp.experts.5.up_proj.weight", HFSource.load
+
+    def failing(self: HFSource, name: str) -> torch.Tensor:
+        if name == victim:
+            raise ValueError(f"{name}: corrupt tensor")
+        return load(self, name)
+
+    monkeypatch.setattr(HFSource, "load", failing)
+    store, drives = tmp_path / "s", [tmp_path / "d0", tmp_path / "d1"]
+    with pytest.raises(ValueError, match=f"{victim}: corrupt tensor"):
+        setup_store(moe_ckpt, store, drives, 4, progress=False, threads=3)
+    assert not [t for t in threading.enumerate() if t.name.startswith("setup-prepare")]
+    monkeypatch.setattr(HFSource, "load", load)
+    clean = setup_store(moe_ckpt, tmp_path / "c", [tmp_path / "c0", tmp_path / "c1"], 4, False)
+    assert _records(setup_store(moe_ckpt, store, drives, 4, progress=False, threads=3)) == _records(
+        clean
+    )
