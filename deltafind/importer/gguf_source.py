@@ -288,9 +288,8 @@ class GGUFSource(Source):
             k = self._widened(kb).reshape(heads, lora, nope).transpose(1, 2)
             vv = self._widened(vb).reshape(heads, v, lora)
             return torch.cat([k, vv], dim=1).reshape(info.shape).to(info.dtype).contiguous()
-        if (
-            len(entry) == 3
-        ):  # (tensor, expert, loader): an architecture's own mapping (Arch.tensors)
+        # (tensor, expert, loader): an architecture's own mapping (Arch.tensors)
+        if len(entry) == 3:
             return entry[2](*entry[:2], info).contiguous()
         t, expert = entry
         if info.quant:  # the blocks, byte for byte, one row of blocks per matrix row
