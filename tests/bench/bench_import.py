@@ -7,7 +7,11 @@ the same way); each round writes a fresh store under `--out` and deletes it, and
 the cache. Prints ONE JSON line.
 
     python tests/bench/bench_import.py --from /tmp/dfmoe/qwen3moe-30b-a3b-8l-q4_k_m.gguf \
-        [--threads 0,2] [--rounds 3] [--out /tmp/bench-import]
+        [--threads 0,2] [--rounds 3] [--out /tmp/bench-import] [--accept-llamacpp-k3]
+
+A Kimi K3 GGUF (`--accept-llamacpp-k3`) also rewrites each expert's MXFP4 blocks at import: the
+`bench`-shaped one tests/k3_gguf.py's `convert_k3(make_k3_hf(DIR, 0, "bench"), FILE, "bf16")` writes
+(3.6 GB, 192 real-width experts) shows that case.
 """
 
 from __future__ import annotations
@@ -27,14 +31,17 @@ def main() -> None:
     ap.add_argument("--threads", default="0,2", help="preparing threads of each mode (0: inline)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="/tmp/bench-import")
+    ap.add_argument("--accept-llamacpp-k3", action="store_true", help="as `deltafind setup`'s flag")
     args = ap.parse_args()
 
     from deltafind.importer.checkpoint import open_source
+    from deltafind.importer.gguf_source import GGUFOptions
     from deltafind.importer.setup import setup_store
     from deltafind.models.registry import family_module
 
     modes = [int(t) for t in args.threads.split(",")]
-    config = open_source(Path(args.source)).config
+    options = GGUFOptions(llamacpp_k3=args.accept_llamacpp_k3)
+    config = open_source(Path(args.source), options).config
     family = family_module(config["model_type"])
     names = family.weight_names(family.ModelArgs.from_config(config))
     seconds: dict[int, list[float]] = {m: [] for m in modes}
@@ -44,7 +51,8 @@ def main() -> None:
             store = Path(args.out) / f"t{m}"
             shutil.rmtree(store, ignore_errors=True)
             t0 = time.perf_counter()
-            setup_store(Path(args.source), store, progress=False, names=names, threads=m)
+            source = open_source(Path(args.source), options)  # timed: setup opens it too
+            setup_store(source, store, progress=False, names=names, threads=m)
             seconds[m].append(time.perf_counter() - t0)
             size = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
             shutil.rmtree(store)
