@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
@@ -137,6 +138,11 @@ def byte_level_bpe(
     backend.pre_tokenizer = make_pre_tokenizer(patterns)
     backend.decoder = decoders.ByteLevel()
     return backend
+
+
+def tiktoken_text(ranks: Iterable[tuple[bytes, int]]) -> str:
+    """A tiktoken ranks file's text, one `<base64 token> <rank>` line per (token, rank)."""
+    return "".join(f"{base64.b64encode(t).decode()} {i}\n" for t, i in ranks)
 
 
 def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:

@@ -8,7 +8,6 @@ only ever loads the files written here. Knows nothing of weights.
 
 from __future__ import annotations
 
-import base64
 import json
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from .bpe import (
     byte_level_bpe,
     is_byte_spelled,
     spell_bytes,
+    tiktoken_text,
 )
 
 # llama.cpp's llama_token_type codes.
@@ -165,7 +165,7 @@ def _kimi_tiktoken(meta: dict[str, Any], source: Path) -> tuple[str, dict[str, A
                 "single_word": False,
                 "special": True,
             }
-    lines = "".join(f"{base64.b64encode(t).decode()} {i}\n" for t, i in ranks.items())
+    lines = tiktoken_text(ranks.items())
     # tokenization_kimi.py's class, which `Tokenizer.load` reads as Kimi's split regex.
     return lines, {"tokenizer_class": "TikTokenTokenizer", "added_tokens_decoder": added}
 

@@ -8,13 +8,13 @@ tokens carry the XTML markers. Also writes small K3-style tokenizer folders
 
 from __future__ import annotations
 
-import base64
 import itertools
 import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from .bpe import tiktoken_text
 from .core import Tokenizer
 from .kimi_xtml import EOM, Segment, render_segments
 
@@ -159,9 +159,7 @@ def write_k3_tokenizer(dest: Path, num_merges: int = 256) -> list[str]:
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     ranks = train_ranks(num_merges)
-    (dest / "tiktoken.model").write_text(
-        "".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(ranks))
-    )
+    (dest / "tiktoken.model").write_text(tiktoken_text((t, i) for i, t in enumerate(ranks)))
     first = len(ranks)
     added = {
         str(first + off): {"content": text, "special": True} for off, text in K3_SPECIALS.items()
