@@ -164,18 +164,22 @@ class GGUFHubSource(GGUFSource):
         local = [self._sparse(n) for n in names]
         super().__init__(local[0], options)
         self.path = Path(f"{repo.label}:{names[0]}")
-        if self.arch.tensors is not None:
-            raise StoreError(
-                f"{self.path}: a {self.arch.family} GGUF's experts are rewritten at import (llama.cpp's "
-                "MXFP4 blocks back into the release's packs), so they cannot be fetched by range as "
-                "stored; drop --streaming to download the quant whole, or stream the model's HF "
-                "release instead (its experts are fetched as stored)"
-            )
         self.remote = {
             hf: self._span(hf, t, e)
             for hf, (t, e, *_) in self._load.items()
             if not isinstance(t, str) and e is not None
         }
+
+    def _map_tensors(self, by_name: dict[str, Any]) -> None:
+        """Refuse, before any tensor is mapped, an architecture that rewrites its experts at import."""
+        if self.arch.tensors is not None:
+            raise StoreError(
+                f"{self.repo.label}:{self.shards[0]}: a {self.arch.family} GGUF's experts are rewritten "
+                "at import (llama.cpp's MXFP4 blocks back into the release's packs), so they cannot be "
+                "fetched by range as stored; drop --streaming to download the quant whole, or stream "
+                "the model's HF release instead (its experts are fetched as stored)"
+            )
+        super()._map_tensors(by_name)
 
     def _sparse(self, name: str) -> Path:
         """A sparse local copy of shard `name` holding its header: a prefix fetched and parsed, four
